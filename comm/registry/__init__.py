@@ -1,0 +1,1 @@
+"""Discovery: the Registry contract and its backends (embedded, served embedded, etcd)."""

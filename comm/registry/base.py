@@ -1,0 +1,236 @@
+"""The discovery contract: keys, leases, prefix watches and compare-and-set.
+
+Every registry backend (the embedded one, its ZeroMQ-served client, etcd) implements
+:class:`Registry`, and every backend passes the same contract suite in
+``tests/multiproc/comm/test_registry_contract.py``.
+
+Semantics (the same for every backend):
+
+* Keys are ``str``, values are ``bytes``. Callers encode values themselves (msgpack).
+* Every change bumps one store-wide, strictly increasing *revision* (as etcd's).
+* A key put with a lease vanishes when the lease expires (its owner stopped calling
+  :meth:`Lease.refresh`) or is revoked; a watcher sees a ``DELETE`` event for it.
+* A watch on a prefix delivers every ``PUT``/``DELETE`` under that prefix in revision
+  order, starting after ``start_revision`` when one is given (so a watcher that
+  remembers the last revision it saw can resume without losing events).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+from comm.errors import RegistryTimeoutError
+
+__all__ = [
+    "DEFAULT_REGISTRY_TIMEOUT",
+    "EventType",
+    "KeepAlive",
+    "KeyValue",
+    "Lease",
+    "Registry",
+    "Watch",
+    "WatchEvent",
+]
+
+DEFAULT_REGISTRY_TIMEOUT = timedelta(seconds=30)
+
+
+class EventType(str, enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: str
+    value: bytes
+    revision: int  # the revision of the last change to this key
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    type: EventType
+    key: str
+    value: bytes  # empty for DELETE
+    revision: int
+
+
+class Lease(abc.ABC):
+    """A time-to-live grant; keys put with it vanish when it expires or is revoked."""
+
+    @property
+    @abc.abstractmethod
+    def id(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def ttl(self) -> timedelta: ...
+
+    @abc.abstractmethod
+    def refresh(self) -> None:
+        """Renew the lease for another ``ttl``. Raises RegistryError if it already expired."""
+
+    @abc.abstractmethod
+    def revoke(self) -> None:
+        """End the lease now; its keys are deleted. Revoking twice is a no-op."""
+
+
+class Watch(abc.ABC):
+    """A stream of events under one prefix. Not thread-safe: one consumer per watch."""
+
+    @abc.abstractmethod
+    def get(self, timeout: timedelta) -> WatchEvent | None:
+        """The next event, or None if none arrived within ``timeout``."""
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        """Stop watching and release the watch's resources. Idempotent."""
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        """Iterate events forever (until cancel); use :meth:`get` where a bound is needed."""
+        while True:
+            event = self.get(timedelta(seconds=1))
+            if event is not None:
+                yield event
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class Registry(abc.ABC):
+    """Discovery: a small consistent key-value store with leases, watches and CAS.
+
+    Every method is blocking and bounded by the backend's request timeout.
+    Registries are thread-safe.
+    """
+
+    @abc.abstractmethod
+    def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
+        """Set ``key`` to ``value`` (attached to ``lease`` if given); returns the new revision."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> KeyValue | None:
+        """The key's value and revision, or None if it does not exist."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[KeyValue]:
+        """Every key under ``prefix``, sorted by key."""
+
+    @abc.abstractmethod
+    def compare_and_set(
+        self, key: str, expected: bytes | None, value: bytes, *, lease: Lease | None = None
+    ) -> bool:
+        """Set ``key`` to ``value`` only if its current value is ``expected``.
+
+        ``expected=None`` means "only if the key does not exist" (create). Returns
+        whether the write happened.
+        """
+
+    @abc.abstractmethod
+    def lease(self, ttl: timedelta) -> Lease:
+        """Grant a lease of ``ttl`` (backends may round up: etcd's minimum is 2 s)."""
+
+    @abc.abstractmethod
+    def watch(self, prefix: str, *, start_revision: int | None = None) -> Watch:
+        """Watch every change under ``prefix``.
+
+        With ``start_revision``, events from that revision on (inclusive) are replayed
+        first; without it, only changes after the call are delivered.
+        """
+
+    @abc.abstractmethod
+    def revision(self) -> int:
+        """The store's current revision."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections and threads. Idempotent."""
+
+    # -- helpers shared by every backend ------------------------------------------
+
+    def wait_for(
+        self,
+        prefix: str,
+        predicate: Callable[[list[KeyValue]], bool],
+        *,
+        timeout: timedelta,
+        what: str,
+    ) -> list[KeyValue]:
+        """Block until ``predicate(self.list(prefix))`` holds; return that listing.
+
+        Raises:
+            RegistryTimeoutError: naming ``what`` and the last listing seen, after ``timeout``.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        start = self.revision()
+        items = self.list(prefix)
+        if predicate(items):
+            return items
+        with self.watch(prefix, start_revision=start + 1) as watch:
+            while True:
+                items = self.list(prefix)
+                if predicate(items):
+                    return items
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    keys = [kv.key for kv in items]
+                    raise RegistryTimeoutError(
+                        f"timed out after {timeout.total_seconds():.1f}s waiting for {what} "
+                        f"under {prefix!r}; present: {keys}"
+                    )
+                watch.get(timedelta(seconds=min(left, 0.5)))
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KeepAlive:
+    """Refreshes a lease from a daemon thread every ``ttl / 3`` until stopped.
+
+    A failed refresh is retried at the next tick; once the lease is gone (expired on
+    the server), ``lost`` is set and the thread ends.
+    """
+
+    def __init__(self, lease: Lease, *, interval: timedelta | None = None) -> None:
+        self.lease = lease
+        self.interval = (interval or lease.ttl / 3).total_seconds()
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"keepalive-{lease.id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.lease.ttl.total_seconds()
+        while not self._stop.wait(self.interval):
+            try:
+                self.lease.refresh()
+                deadline = time.monotonic() + self.lease.ttl.total_seconds()
+            except Exception:  # the registry may be briefly unreachable; retry next tick
+                if time.monotonic() > deadline:
+                    self.lost.set()
+                    return
+
+    def stop(self, *, revoke: bool = False) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if revoke:
+            try:
+                self.lease.revoke()
+            except Exception:  # best effort: the lease expires by itself anyway
+                pass

@@ -1,0 +1,111 @@
+"""The one place cellmesh creates ZeroMQ sockets, so every socket gets the same limits.
+
+Every socket made here has:
+
+* a bounded LINGER (default 1 s): closing a socket with messages queued for a dead
+  peer never hangs (ZeroMQ's own default is to wait forever);
+* a maximum inbound message size (``MAXMSGSIZE``): a peer that sends a larger frame
+  is disconnected by libzmq before the frame is buffered;
+* high-water marks (see below);
+* ZMTP heartbeats on connection-oriented sockets, so a silent TCP connection is
+  noticed and dropped (a frozen peer is still only *reported* by the caller's timeout
+  or the liveness lease).
+
+High-water-mark policy (messages, per peer connection):
+
+* data sockets (tensor chunks, at most ``CHUNK_BYTES`` each): ``DATA_HWM``; a sender that
+  reaches it waits, bounded by the operation's timeout, so a slow receiver applies
+  back-pressure and a dead one produces a timeout, never unbounded memory;
+* control sockets (small msgpack messages): ``CONTROL_HWM``; the same waiting rule.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import zmq
+
+__all__ = [
+    "CHUNK_BYTES",
+    "CONTROL_HWM",
+    "CONTROL_MAX_MESSAGE",
+    "DATA_HWM",
+    "DATA_MAX_MESSAGE",
+    "SocketLimits",
+    "bind_loopback",
+    "free_port",
+    "make_socket",
+    "shared_context",
+]
+
+CHUNK_BYTES = 1 << 20  # tensors travel in 1 MiB frames (libzmq allocates one buffer per frame)
+DATA_MAX_MESSAGE = 4 * CHUNK_BYTES
+CONTROL_MAX_MESSAGE = 16 << 20
+DATA_HWM = 1024  # <= 1 GiB of chunks in flight per connection
+CONTROL_HWM = 10_000
+
+_context: zmq.Context[zmq.Socket[bytes]] | None = None
+
+
+def shared_context() -> zmq.Context[zmq.Socket[bytes]]:
+    """The process-wide ZeroMQ context (two I/O threads: one per core here)."""
+    global _context
+    if _context is None or _context.closed:
+        _context = zmq.Context(io_threads=2)
+    return _context
+
+
+@dataclass(frozen=True, slots=True)
+class SocketLimits:
+    linger: timedelta = timedelta(seconds=1)
+    max_message: int = CONTROL_MAX_MESSAGE
+    hwm: int = CONTROL_HWM
+    heartbeat_ivl: timedelta | None = timedelta(seconds=1)
+    heartbeat_timeout: timedelta = timedelta(seconds=3)
+
+    @classmethod
+    def data(cls) -> SocketLimits:
+        return cls(max_message=DATA_MAX_MESSAGE, hwm=DATA_HWM)
+
+    @classmethod
+    def control(cls) -> SocketLimits:
+        return cls()
+
+
+def make_socket(
+    kind: int,
+    limits: SocketLimits | None = None,
+    *,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    identity: bytes | None = None,
+) -> zmq.Socket[bytes]:
+    """Create a ZeroMQ socket of ``kind`` (``zmq.PUSH``, ``zmq.ROUTER``, ...) with cellmesh's limits."""
+    limits = limits or SocketLimits.control()
+    sock = (context or shared_context()).socket(kind)
+    sock.setsockopt(zmq.LINGER, int(limits.linger.total_seconds() * 1000))
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message)
+    sock.setsockopt(zmq.SNDHWM, limits.hwm)
+    sock.setsockopt(zmq.RCVHWM, limits.hwm)
+    if limits.heartbeat_ivl is not None:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(limits.heartbeat_ivl.total_seconds() * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(limits.heartbeat_timeout.total_seconds() * 1000))
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    return sock
+
+
+def bind_loopback(sock: zmq.Socket[bytes], host: str = "127.0.0.1") -> str:
+    """Bind ``sock`` to a free port on ``host``; return the ``tcp://host:port`` address."""
+    sock.bind(f"tcp://{host}:*")  # the OS picks a free port, as with port 0
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    return endpoint.decode()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for servers that cannot bind port 0 themselves)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

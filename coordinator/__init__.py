@@ -1,0 +1,1 @@
+"""cellmesh coordinator: plans and drives training."""

@@ -1,0 +1,1 @@
+"""cellmesh services: stateless handlers hosted in worker processes."""
