@@ -18,6 +18,8 @@ Semantics (the same for every backend):
 from __future__ import annotations
 
 import abc
+import builtins
+import contextlib
 import enum
 import threading
 import time
@@ -126,7 +128,7 @@ class Registry(abc.ABC):
         """Delete ``key``; True if it existed."""
 
     @abc.abstractmethod
-    def list(self, prefix: str) -> list[KeyValue]:
+    def list(self, prefix: str) -> builtins.list[KeyValue]:
         """Every key under ``prefix``, sorted by key."""
 
     @abc.abstractmethod
@@ -164,11 +166,11 @@ class Registry(abc.ABC):
     def wait_for(
         self,
         prefix: str,
-        predicate: Callable[[list[KeyValue]], bool],
+        predicate: Callable[[builtins.list[KeyValue]], bool],
         *,
         timeout: timedelta,
         what: str,
-    ) -> list[KeyValue]:
+    ) -> builtins.list[KeyValue]:
         """Block until ``predicate(self.list(prefix))`` holds; return that listing.
 
         Raises:
@@ -230,7 +232,5 @@ class KeepAlive:
         self._stop.set()
         self._thread.join(timeout=5)
         if revoke:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the lease expires by itself anyway
                 self.lease.revoke()
-            except Exception:  # best effort: the lease expires by itself anyway
-                pass

@@ -1,0 +1,249 @@
+"""Point-to-point channels of the ZeroMQ backend: sockets, message matching, deadlines, liveness.
+
+Every ordered pair of ranks (i -> j) has its own channel: i owns a PUSH socket
+connected to a PULL socket that j bound for i alone. So a receiver reads exactly the
+peer it waits for, and ZeroMQ's per-connection ordering gives per-pair FIFO order.
+
+Matching. A reader wants one message key ``(group, kind, seq, tag, part)``. It first
+looks in the channel's stash (messages read earlier that belonged to another
+operation), then reads the socket; a message with another key is stashed for its
+owner. Readers hold the channel's lock only while reading one message, so two threads
+waiting on the same peer (a blocking recv and an async collective) never deadlock.
+
+Progress. Sends go to libzmq at once (its I/O threads move the bytes in the
+background); receives are completed by whichever thread waits for them. Bytes in flight
+arrive into libzmq's queue meanwhile, so transfers overlap the caller's compute.
+
+Zero copy. Sends hand libzmq a view of the tensor's memory (``copy=False``) and keep
+the tracker: a region must not be written until its tracker is done (see
+:meth:`Transport.send`). Receives hand back libzmq's frame, which callers reduce
+from or copy into place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from comm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
+from comm.rendezvous import Rendezvous
+from comm.sockets import SocketLimits, bind_loopback, make_socket
+from comm.wire import MessageKey, TensorHeader, decode_header
+
+__all__ = ["Deadline", "Transport", "tensor_bytes"]
+
+log = logging.getLogger(__name__)
+
+_POLL_SLICE_MS = 100  # how often a blocked reader checks its deadline and peer liveness
+_CLOSED_GRACE_S = 1.0  # a peer that closed cleanly may still have messages on the wire
+STASH_LIMIT_BYTES = 4 << 30
+
+
+class Deadline:
+    """A point in time by which an operation must finish, with the operation's name for errors."""
+
+    __slots__ = ("at", "op", "timeout")
+
+    def __init__(self, timeout: timedelta, op: str) -> None:
+        self.timeout = timeout.total_seconds()
+        self.at = time.monotonic() + self.timeout
+        self.op = op
+
+    def left_ms(self) -> int:
+        return max(0, int((self.at - time.monotonic()) * 1000))
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A uint8 numpy view of a contiguous CPU tensor's memory (keeps the tensor alive)."""
+    assert t.is_contiguous() and t.device.type == "cpu", "tensor_bytes needs a contiguous CPU tensor"
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class _Channel:
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.push: zmq.Socket[bytes] | None = None
+        self.pull: zmq.Socket[bytes] | None = None
+        self.send_lock = threading.Lock()
+        self.recv_lock = threading.Lock()
+        self.stash: dict[MessageKey, deque[tuple[TensorHeader, zmq.Frame]]] = {}
+        self.stash_bytes = 0
+
+
+class Transport:
+    """The sockets of one rank of a ZeroMQ communicator, shared by its sub-groups.
+
+    Args:
+        rendezvous: the world's rendezvous (addresses and liveness).
+        host: the address to bind data sockets on (loopback by default).
+    """
+
+    def __init__(self, rendezvous: Rendezvous, *, host: str = "127.0.0.1") -> None:
+        self.rendezvous = rendezvous
+        self.rank = rendezvous.rank
+        self.world_size = rendezvous.world_size
+        self.host = host
+        self.channels: dict[int, _Channel] = {}
+        self.bad_messages = 0
+        self._closed = False
+
+    def bind(self) -> dict[str, str]:
+        """Bind one PULL socket per peer; return ``{peer: address}`` for the rendezvous card."""
+        addresses: dict[str, str] = {}
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            ch = _Channel(peer)
+            ch.pull = make_socket(zmq.PULL, SocketLimits.data())
+            addresses[str(peer)] = bind_loopback(ch.pull, self.host)
+            self.channels[peer] = ch
+        return addresses
+
+    def connect(self, cards: list[dict[str, Any]]) -> None:
+        """Connect a PUSH socket to every peer's PULL socket bound for this rank."""
+        for peer, ch in self.channels.items():
+            address = cards[peer]["data"][str(self.rank)]
+            ch.push = make_socket(zmq.PUSH, SocketLimits.data())
+            ch.push.connect(address)
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send(
+        self,
+        peer: int,
+        header: TensorHeader,
+        body: np.ndarray[Any, Any] | bytes,
+        deadline: Deadline,
+        members: tuple[int, ...],
+    ) -> zmq.MessageTracker | None:
+        """Queue one message to ``peer``; return the tracker of a zero-copy body (None if copied).
+
+        Blocks only while the channel is at its high-water mark, bounded by ``deadline``.
+        """
+        ch = self.channels[peer]
+        assert ch.push is not None
+        frames: list[Any] = [header.encode(), body]
+        with ch.send_lock:
+            while True:
+                try:
+                    tracker = ch.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+                    return tracker if isinstance(tracker, zmq.MessageTracker) else None
+                except zmq.Again:
+                    self._check_progress(peer, deadline, members, "send to")
+                    ch.push.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1), zmq.POLLOUT)
+
+    # -- receiving --------------------------------------------------------------------
+
+    def recv(
+        self, peer: int, key: MessageKey, deadline: Deadline, members: tuple[int, ...]
+    ) -> tuple[TensorHeader, zmq.Frame]:
+        """The message with ``key`` from ``peer``: its header and body frame (zero-copy)."""
+        ch = self.channels[peer]
+        assert ch.pull is not None
+        closed_since: float | None = None
+        while True:
+            with ch.recv_lock:
+                queue = ch.stash.get(key)
+                if queue:
+                    header, body = queue.popleft()
+                    if not queue:
+                        del ch.stash[key]
+                    ch.stash_bytes -= header.nbytes
+                    return header, body
+                if ch.pull.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1), zmq.POLLIN):
+                    got = self._read_one(ch)
+                    if got is None:
+                        continue
+                    header, body = got
+                    if header.key == key:
+                        return header, body
+                    self._stash(ch, header, body)
+                    continue
+            # nothing arrived within a slice: is the peer still there, is time up?
+            try:
+                self._check_progress(peer, deadline, members, "receive from")
+            except PeerLostError:
+                # a peer that closed cleanly may still have this message in flight
+                if self.rendezvous.lost().get(peer) != "closed":
+                    raise
+                closed_since = closed_since or time.monotonic()
+                if time.monotonic() - closed_since > _CLOSED_GRACE_S:
+                    raise
+
+    def _read_one(self, ch: _Channel) -> tuple[TensorHeader, zmq.Frame] | None:
+        assert ch.pull is not None
+        try:
+            frames = ch.pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        try:
+            body_len = len(frames[1].buffer) if len(frames) == 2 else -1
+            header = decode_header(len(frames), frames[0].bytes, body_len)
+            if header.src != ch.peer:
+                raise ProtocolError(f"message claims src={header.src} on the channel from rank {ch.peer}")
+        except ProtocolError as exc:
+            self.bad_messages += 1
+            log.error("[rank %d] dropped a bad data message on the channel from rank %d: %s",
+                      self.rank, ch.peer, exc)
+            return None
+        return header, frames[1]
+
+    def _stash(self, ch: _Channel, header: TensorHeader, body: zmq.Frame) -> None:
+        ch.stash_bytes += header.nbytes
+        if ch.stash_bytes > STASH_LIMIT_BYTES:
+            raise CommError(
+                f"rank {self.rank}: over {STASH_LIMIT_BYTES >> 30} GiB of unmatched messages from rank "
+                f"{ch.peer}; the ranks' operations are out of step (every rank must issue "
+                "collectives in the same order, and every send needs a matching recv)"
+            )
+        ch.stash.setdefault(header.key, deque()).append((header, body))
+
+    def _check_progress(self, peer: int, deadline: Deadline, members: tuple[int, ...], what: str) -> None:
+        self.rendezvous.check(members, deadline.op)
+        if deadline.expired():
+            raise CommTimeoutError(
+                f"{deadline.op} on rank {self.rank}: timed out after {deadline.timeout:.1f}s waiting "
+                f"to {what} rank {peer}",
+                op=deadline.op,
+                peer=peer,
+                waited=deadline.timeout,
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ch in self.channels.values():
+            for sock in (ch.push, ch.pull):
+                if sock is not None:
+                    sock.close()
+            ch.stash.clear()
+
+
+def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline) -> None:
+    """Wait until libzmq has released every tracked zero-copy buffer."""
+    for tracker in trackers:
+        if tracker.done:
+            continue
+        left = max(deadline.at - time.monotonic(), 0.0)
+        try:
+            tracker.wait(left)
+        except zmq.NotDone:
+            raise CommTimeoutError(
+                f"{deadline.op}: timed out after {deadline.timeout:.1f}s waiting for a send to complete",
+                op=deadline.op,
+                peer=None,
+                waited=deadline.timeout,
+            ) from None
+    trackers.clear()
