@@ -33,6 +33,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -78,7 +79,7 @@ class _FutureWork(Work):
         self._op = op
 
     def wait(self, timeout: timedelta | None = None) -> None:
-        limit = (timeout or self._timeout).total_seconds()
+        limit = (self._timeout if timeout is None else timeout).total_seconds()
         try:
             self._future.result(timeout=limit)
         except FutureTimeout:
@@ -99,7 +100,7 @@ class _SendWork(Work):
         self._keep = keep  # the tensor stays alive while libzmq may read it
 
     def wait(self, timeout: timedelta | None = None) -> None:
-        wait_trackers(self._trackers, Deadline(timeout or self._timeout, self._op))
+        wait_trackers(self._trackers, Deadline(self._timeout if timeout is None else timeout, self._op))
         self._keep = None
 
     def is_completed(self) -> bool:
@@ -107,22 +108,48 @@ class _SendWork(Work):
 
 
 class _RecvWork(Work):
-    """A receive completed lazily by the thread that waits for it (bytes arrive meanwhile)."""
+    """A receive completed by the thread that waits for (or polls) it; bytes arrive meanwhile.
 
-    def __init__(self, run: Callable[[Deadline], None], timeout: timedelta, op: str) -> None:
-        self._run: Callable[[Deadline], None] | None = run
+    ``step(deadline)`` receives the next part and returns True once every part is in, so a
+    receive can make progress in short polls (``is_completed``) and finish in ``wait``.
+    """
+
+    def __init__(self, step: Callable[[Deadline], bool], timeout: timedelta, op: str) -> None:
+        self._step = step
         self._timeout = timeout
         self._op = op
+        self._done = False
+        self._error: BaseException | None = None
         self._lock = threading.Lock()
+
+    def _progress(self, deadline: Deadline) -> None:
+        while not self._done:
+            self._done = self._step(deadline)
 
     def wait(self, timeout: timedelta | None = None) -> None:
         with self._lock:
-            if self._run is not None:
-                self._run(Deadline(timeout or self._timeout, self._op))
-                self._run = None
+            if self._error is not None:
+                raise self._error
+            try:
+                self._progress(Deadline(self._timeout if timeout is None else timeout, self._op))
+            except CommTimeoutError:
+                raise
+            except BaseException as exc:
+                self._error = exc
+                raise
 
     def is_completed(self) -> bool:
-        return self._run is None
+        with self._lock:
+            if self._done or self._error is not None:
+                return True
+            try:
+                self._progress(Deadline(timedelta(0), self._op))
+            except CommTimeoutError:
+                return False
+            except BaseException as exc:
+                self._error = exc
+                return True
+            return True
 
 
 class ZmqCommunicator(Communicator):
@@ -200,7 +227,7 @@ class ZmqCommunicator(Communicator):
     # -- plumbing -------------------------------------------------------------------
 
     def _deadline(self, timeout: timedelta | None, op: str) -> Deadline:
-        return Deadline(timeout or self.timeout, op)
+        return Deadline(self.timeout if timeout is None else timeout, op)
 
     def _header(self, kind: int, seq: int, tag: int, part: int, t: torch.Tensor, offset: int,
                 nbytes: int, shape: Sequence[int] | None = None) -> TensorHeader:
@@ -253,15 +280,23 @@ class ZmqCommunicator(Communicator):
         peer = self._peer(src, "irecv")
         seq = self._next_seq(self._p2p_recv_seq, peer, tag)
         op = f"recv(src={src}, tag={tag})"
+        contiguous = tensor.is_contiguous()
+        dst = tensor if contiguous else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        data = tensor_bytes(dst)
+        parts = max(1, -(-data.nbytes // CHUNK_BYTES))
+        received = [0]
 
-        def run(deadline: Deadline) -> None:
-            contiguous = tensor.is_contiguous()
-            dst = tensor if contiguous else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            self._recv_tensor(peer, dst, KIND_P2P, seq, tag, deadline, check_shape=True)
-            if dst is not tensor:
+        def step(deadline: Deadline) -> bool:
+            part = received[0]
+            self._recv_part(peer, dst, data, KIND_P2P, seq, tag, part, deadline, check_shape=True)
+            received[0] = part + 1
+            if received[0] < parts:
+                return False
+            if not contiguous:
                 tensor.copy_(dst)
+            return True
 
-        return _RecvWork(run, self.timeout, op)
+        return _RecvWork(step, self.timeout, op)
 
     def _send_tensor(self, peer: int, t: torch.Tensor, kind: int, seq: int, tag: int,
                      deadline: Deadline) -> list[zmq.MessageTracker]:
@@ -279,19 +314,23 @@ class ZmqCommunicator(Communicator):
     def _recv_tensor(self, peer: int, t: torch.Tensor, kind: int, seq: int, tag: int,
                      deadline: Deadline, *, check_shape: bool) -> None:
         data = tensor_bytes(t)
-        total = data.nbytes
-        for part, offset in enumerate(range(0, max(total, 1), CHUNK_BYTES)):
-            header, body = self._transport.recv(peer, (self._group, kind, seq, tag, part), deadline,
-                                                self._members)
-            if check_shape and (header.torch_dtype != t.dtype or header.total_bytes != total
-                                or header.offset != offset):
-                raise CommError(
-                    f"{deadline.op} on rank {self._rank}: rank {self._members.index(peer)} sent "
-                    f"{header.dtype}{list(header.shape)}, but the receive buffer is "
-                    f"{dtype_name(t.dtype)}{list(t.shape)}"
-                )
-            if header.nbytes:
-                data[offset:offset + header.nbytes] = memoryview(body.buffer)
+        for part in range(max(1, -(-data.nbytes // CHUNK_BYTES))):
+            self._recv_part(peer, t, data, kind, seq, tag, part, deadline, check_shape=check_shape)
+
+    def _recv_part(self, peer: int, t: torch.Tensor, data: np.ndarray[Any, Any], kind: int, seq: int,
+                   tag: int, part: int, deadline: Deadline, *, check_shape: bool) -> None:
+        offset = part * CHUNK_BYTES
+        header, body = self._transport.recv(peer, (self._group, kind, seq, tag, part), deadline,
+                                            self._members)
+        if check_shape and (header.torch_dtype != t.dtype or header.total_bytes != data.nbytes
+                            or header.offset != offset):
+            raise CommError(
+                f"{deadline.op} on rank {self._rank}: rank {self._members.index(peer)} sent "
+                f"{header.dtype}{list(header.shape)}, but the receive buffer is "
+                f"{dtype_name(t.dtype)}{list(t.shape)}"
+            )
+        if header.nbytes:
+            data[offset:offset + header.nbytes] = memoryview(body.buffer)
 
     # -- collectives ----------------------------------------------------------------
 
