@@ -27,7 +27,10 @@ log = logging.getLogger(__name__)
 
 def _rank_main(rank: int, world_size: int, address: str, backend: str) -> None:
     torch.set_num_threads(1)
-    say = lambda msg: print(f"[rank {rank}] {msg}", flush=True)  # noqa: E731
+
+    def say(msg: str) -> None:
+        print(f"[rank {rank}] {msg}", flush=True)
+
     registry = RemoteRegistry(address)
     comm = init_communicator(
         backend, rank=rank, world_size=world_size, registry=registry,

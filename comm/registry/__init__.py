@@ -1,1 +1,96 @@
-"""Discovery: the Registry contract and its backends (embedded, served embedded, etcd)."""
+"""Discovery: the Registry contract and its backends (embedded, served embedded, etcd).
+
+* :class:`MemoryRegistry` — in-process, thread-safe; what the coordinator serves.
+* :class:`RegistryServer` / :class:`RemoteRegistry` — the embedded registry served over
+  ZeroMQ to the other local processes, and its client.
+* :class:`EtcdRegistry` — etcd through the ``etcd3`` package (what a cluster uses).
+
+:func:`connect_registry` picks the backend from a URL, so a worker needs only the
+address it was given::
+
+    connect_registry("memory://")               # a new in-process MemoryRegistry
+    connect_registry("tcp://127.0.0.1:5555")    # a RegistryServer's address
+    connect_registry("etcd://10.0.0.7:2379")    # an etcd cluster member
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from urllib.parse import urlsplit
+
+from comm.registry.base import (
+    DEFAULT_REGISTRY_TIMEOUT,
+    EventType,
+    KeepAlive,
+    KeyValue,
+    Lease,
+    Registry,
+    Watch,
+    WatchEvent,
+)
+from comm.registry.etcd import EtcdRegistry, WatchRetry
+from comm.registry.memory import MemoryRegistry
+from comm.registry.remote import DEFAULT_REQUEST_TIMEOUT, RemoteRegistry
+from comm.registry.server import RegistryServer
+
+__all__ = [
+    "DEFAULT_REGISTRY_TIMEOUT",
+    "DEFAULT_REQUEST_TIMEOUT",
+    "SCHEMES",
+    "EtcdRegistry",
+    "EventType",
+    "KeepAlive",
+    "KeyValue",
+    "Lease",
+    "MemoryRegistry",
+    "Registry",
+    "RegistryServer",
+    "RemoteRegistry",
+    "Watch",
+    "WatchEvent",
+    "WatchRetry",
+    "connect_registry",
+]
+
+SCHEMES = ("memory", "tcp", "etcd")
+_ETCD_DEFAULT_PORT = 2379
+
+
+def connect_registry(url: str, *, request_timeout: timedelta = DEFAULT_REQUEST_TIMEOUT) -> Registry:
+    """The registry named by ``url``.
+
+    Args:
+        url: ``memory://`` (a new, empty in-process registry), ``tcp://host:port`` (a
+            :class:`RegistryServer`) or ``etcd://host[:port]`` (port 2379 by default).
+
+    Keyword Args:
+        request_timeout: the bound on each request of the remote backends (default 10 s).
+
+    Connecting does not block: the remote backends connect lazily, so an unreachable
+    server shows as :class:`comm.errors.RegistryTimeoutError` on the first call.
+
+    Raises:
+        ValueError: for another scheme, or a ``tcp://`` URL without host and port.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "memory":
+        return MemoryRegistry()
+    if scheme == "tcp":
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None:
+            raise ValueError(f"registry URL {url!r}: a tcp:// URL needs a host and a port (tcp://host:port)")
+        return RemoteRegistry(f"tcp://{parts.hostname}:{port}", request_timeout=request_timeout)
+    if scheme == "etcd":
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname:
+            raise ValueError(f"registry URL {url!r}: an etcd:// URL needs a host (etcd://host:port)")
+        return EtcdRegistry(parts.hostname, port or _ETCD_DEFAULT_PORT, request_timeout=request_timeout)
+    accepted = ", ".join(f"{s}://" for s in SCHEMES)
+    raise ValueError(f"registry URL {url!r}: unknown scheme {parts.scheme!r}; accepted: {accepted}")

@@ -1,0 +1,689 @@
+"""The registry contract, written once and run against every backend.
+
+Backends (the ``backend`` fixture):
+
+* ``memory`` — :class:`MemoryRegistry` in this process;
+* ``remote`` — :class:`RemoteRegistry` to a :class:`RegistryServer` in this process;
+* ``remote-child`` — :class:`RemoteRegistry` to a server in a child process (really
+  cross-process);
+* ``etcd`` — :class:`EtcdRegistry` to a real etcd (skipped only if ``etcd`` is absent).
+
+Lease tests use each backend's smallest TTL (0.5 s, etcd's 2 s) and let leases lapse
+rather than revoking them. etcd deletes a lapsed lease's keys up to ~1.5 s after the
+TTL (measured), so its slack is larger. Every key lives under a per-test prefix, so
+the module-scoped servers are shared safely. After the contract come backend-specific
+tests: the memory history, the server's handling of malformed input, the client's
+timeouts and late replies, and an etcd watch across an etcd crash and restart.
+"""
+
+from __future__ import annotations
+
+import selectors
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from comm.codec import pack
+from comm.errors import ProtocolError, RegistryError, RegistryTimeoutError
+from comm.registry import (
+    EtcdRegistry,
+    EventType,
+    KeepAlive,
+    MemoryRegistry,
+    Registry,
+    RegistryServer,
+    RemoteRegistry,
+    Watch,
+    WatchEvent,
+    WatchRetry,
+    connect_registry,
+)
+from comm.registry.protocol import (
+    ErrorReply,
+    EventsReply,
+    GetReply,
+    GetRequest,
+    RevisionReply,
+    WatchPollRequest,
+    decode_reply,
+    decode_request,
+)
+from comm.registry.remote import RemoteLease
+from comm.sockets import bind_loopback, make_socket
+from tests.harness.etcd import EtcdServer, etcd_available
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+EVENT_WAIT = timedelta(seconds=5)  # the bound on waiting for an event that must come
+QUIET = timedelta(milliseconds=200)  # how long "no further event" is checked for
+
+# A child that holds a lease with a KeepAlive until it is killed.
+HOLD_LEASE_CHILD = """
+import sys, time
+from datetime import timedelta
+from comm.registry import KeepAlive, connect_registry
+url, key, ttl = sys.argv[1], sys.argv[2], float(sys.argv[3])
+registry = connect_registry(url)
+lease = registry.lease(timedelta(seconds=ttl))
+keeper = KeepAlive(lease)
+registry.put(key, b"alive", lease=lease)
+print("READY", lease.ttl.total_seconds(), flush=True)
+time.sleep(60)
+"""
+
+# A child that serves a registry until its stdin closes.
+SERVER_CHILD = """
+import sys
+from datetime import timedelta
+from comm.registry import RegistryServer
+server = RegistryServer().start()
+print(server.address, flush=True)
+sys.stdin.read()
+server.shutdown(timedelta(seconds=5))
+"""
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def _spawn(code: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _read_line(proc: subprocess.Popen[bytes], timeout: timedelta, what: str) -> str:
+    """One line of the child's stdout, bounded by ``timeout``."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout.total_seconds()):
+            proc.kill()
+            raise TimeoutError(f"child did not print {what} within {timeout.total_seconds():.0f}s")
+    line = proc.stdout.readline().decode().strip()
+    if not line:
+        proc.kill()
+        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        raise RuntimeError(f"child exited before printing {what}:\n{stderr}")
+    return line
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+def _next_event(watch: Watch, wait: timedelta = EVENT_WAIT) -> WatchEvent:
+    event = watch.get(wait)
+    assert event is not None, f"no event within {wait.total_seconds():.1f}s"
+    return event
+
+
+def _collect(watch: Watch, count: int, wait: timedelta = EVENT_WAIT) -> list[WatchEvent]:
+    return [_next_event(watch, wait) for _ in range(count)]
+
+
+def _summary(events: list[WatchEvent]) -> list[tuple[str, str, bytes]]:
+    return [(e.type.value, e.key, e.value) for e in events]
+
+
+# -- backends ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    connect: Callable[[], Registry]
+    url: str | None  # where another process reaches the same store (None: this process only)
+    ttl: timedelta  # the smallest lease the backend grants; what lease tests use
+    lapse_slack: timedelta  # how late after its TTL a lapsed lease's keys may vanish
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdServer]:
+    if not etcd_available():
+        pytest.skip("the etcd server binary is not installed (apt-get install etcd-server)")
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[RegistryServer]:
+    server = RegistryServer().start()
+    yield server
+    server.shutdown(timedelta(seconds=5))
+
+
+@pytest.fixture(scope="module")
+def child_server() -> Iterator[str]:
+    proc = _spawn(SERVER_CHILD)
+    try:
+        yield _read_line(proc, timedelta(seconds=20), "the server address")
+        assert proc.stdin is not None
+        proc.stdin.close()  # asks the child to shut its server down
+        proc.wait(timeout=10)
+    finally:
+        _reap(proc)
+
+
+@pytest.fixture(
+    scope="module", params=["memory", "remote", "remote-child", pytest.param("etcd", marks=pytest.mark.etcd)]
+)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    half_second = timedelta(milliseconds=500)
+    if request.param == "memory":
+        return Backend("memory", MemoryRegistry, None, half_second, timedelta(milliseconds=250))
+    if request.param == "remote":
+        address = request.getfixturevalue("served").address
+        return Backend("remote", lambda: RemoteRegistry(address), address, half_second, half_second)
+    if request.param == "remote-child":
+        address = request.getfixturevalue("child_server")
+        return Backend("remote-child", lambda: RemoteRegistry(address), address, half_second, half_second)
+    etcd: EtcdServer = request.getfixturevalue("etcd_server")
+    port = etcd.client_port
+    return Backend(
+        "etcd",
+        lambda: EtcdRegistry("127.0.0.1", port),
+        etcd.url,
+        timedelta(seconds=2),
+        timedelta(seconds=2.5),
+    )
+
+
+@pytest.fixture
+def registry(backend: Backend) -> Iterator[Registry]:
+    reg = backend.connect()
+    try:
+        yield reg
+    finally:
+        reg.close()
+
+
+@pytest.fixture
+def ns() -> str:
+    """A key prefix of this test's own."""
+    return f"/test/{uuid.uuid4().hex[:12]}/"
+
+
+# -- the contract -----------------------------------------------------------------------
+
+
+def test_put_get_delete_list(registry: Registry, ns: str) -> None:
+    assert registry.get(ns + "a") is None
+    assert registry.list(ns) == []
+    registry.put(ns + "b", b"2")
+    rev_a = registry.put(ns + "a", b"1")
+    registry.put(ns + "c/d", b"\x00\xff")
+    registry.put(ns + "empty", b"")
+    registry.put(ns[:-1] + "x", b"shares the prefix string but not the folder")
+
+    kv = registry.get(ns + "a")
+    assert kv is not None and kv.value == b"1" and kv.revision == rev_a
+    assert [kv.key for kv in registry.list(ns)] == [ns + "a", ns + "b", ns + "c/d", ns + "empty"]
+    assert [kv.value for kv in registry.list(ns)] == [b"1", b"2", b"\x00\xff", b""]
+
+    rev_a2 = registry.put(ns + "a", b"one")
+    kv = registry.get(ns + "a")
+    assert kv is not None and kv.value == b"one" and kv.revision == rev_a2 > rev_a
+
+    assert registry.delete(ns + "a") is True
+    assert registry.get(ns + "a") is None
+    assert registry.delete(ns + "a") is False
+    assert [kv.key for kv in registry.list(ns)] == [ns + "b", ns + "c/d", ns + "empty"]
+    registry.delete(ns[:-1] + "x")
+
+
+def test_revisions_increase(registry: Registry, ns: str) -> None:
+    before = registry.revision()
+    revisions = [registry.put(ns + f"k{i}", b"x") for i in range(5)]
+    assert before < revisions[0]
+    assert revisions == sorted(set(revisions)), revisions
+    assert registry.revision() >= revisions[-1]
+    assert [kv.revision for kv in registry.list(ns)] == revisions
+    registry.delete(ns + "k0")
+    assert registry.revision() > revisions[-1]
+
+
+def test_compare_and_set(registry: Registry, ns: str) -> None:
+    key = ns + "leader"
+    assert registry.compare_and_set(key, b"anything", b"x") is False  # a missing key matches no value
+    assert registry.get(key) is None
+    assert registry.compare_and_set(key, None, b"alice") is True  # create-only on a missing key
+    assert registry.compare_and_set(key, None, b"bob") is False  # create-only on an existing key
+    assert registry.compare_and_set(key, b"bob", b"carol") is False  # mismatching
+    kv = registry.get(key)
+    assert kv is not None and kv.value == b"alice"
+    assert registry.compare_and_set(key, b"alice", b"dave") is True  # matching
+    kv = registry.get(key)
+    assert kv is not None and kv.value == b"dave"
+
+
+def test_compare_and_set_race_has_one_winner(registry: Registry, ns: str) -> None:
+    key = ns + "race"
+    results: dict[int, bool] = {}
+    start = threading.Barrier(6)
+
+    def contend(i: int) -> None:
+        start.wait(timeout=10)
+        results[i] = registry.compare_and_set(key, None, f"w{i}".encode())
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    winners = [i for i, won in results.items() if won]
+    assert len(results) == 6 and len(winners) == 1, results
+    kv = registry.get(key)
+    assert kv is not None and kv.value == f"w{winners[0]}".encode()
+
+
+def test_lease_ttl(registry: Registry, backend: Backend) -> None:
+    with pytest.raises(ValueError):
+        registry.lease(timedelta(0))
+    lease = registry.lease(timedelta(milliseconds=500))
+    try:
+        assert lease.ttl == max(timedelta(milliseconds=500), backend.ttl)  # etcd rounds up to 2 s
+    finally:
+        lease.revoke()
+
+
+def test_lease_lapses_and_keepalive_outlives_it(registry: Registry, backend: Backend, ns: str) -> None:
+    with registry.watch(ns) as watch:
+        t0 = time.monotonic()
+        lapsing = registry.lease(backend.ttl)
+        kept = registry.lease(backend.ttl)
+        ttl = lapsing.ttl.total_seconds()
+        registry.put(ns + "lapsing", b"1", lease=lapsing)
+        registry.put(ns + "kept", b"1", lease=kept)
+        keeper = KeepAlive(kept)
+        try:
+            assert _summary(_collect(watch, 2)) == [("put", ns + "lapsing", b"1"), ("put", ns + "kept", b"1")]
+            # Nobody refreshes "lapsing": its DELETE must come, on time.
+            event = _next_event(watch, timedelta(seconds=ttl) + backend.lapse_slack + timedelta(seconds=1))
+            lapsed_after = time.monotonic() - t0
+            assert (event.type, event.key) == (EventType.DELETE, ns + "lapsing")
+            assert ttl - 0.05 <= lapsed_after <= ttl + backend.lapse_slack.total_seconds(), lapsed_after
+            # The kept lease was granted at the same time with the same TTL.
+            assert registry.get(ns + "kept") is not None
+            time.sleep(ttl / 2)
+            assert registry.get(ns + "kept") is not None
+            assert not keeper.lost.is_set()
+            with pytest.raises(RegistryError):
+                lapsing.refresh()
+        finally:
+            keeper.stop(revoke=True)
+        assert registry.get(ns + "kept") is None
+        assert (_next_event(watch).type, registry.list(ns)) == (EventType.DELETE, [])
+
+
+def test_lease_revoke_deletes_keys_and_is_idempotent(registry: Registry, backend: Backend, ns: str) -> None:
+    lease = registry.lease(backend.ttl)
+    registry.put(ns + "a", b"1", lease=lease)
+    assert registry.compare_and_set(ns + "b", None, b"2", lease=lease)
+    lease.refresh()
+    lease.revoke()
+    assert registry.list(ns) == []
+    lease.revoke()  # a no-op
+    with pytest.raises(RegistryError):
+        lease.refresh()
+    with pytest.raises(RegistryError):
+        registry.put(ns + "c", b"3", lease=lease)
+    assert registry.get(ns + "c") is None
+
+
+def test_killed_owner_key_vanishes(registry: Registry, backend: Backend, ns: str) -> None:
+    if backend.url is None:
+        pytest.skip("an in-process registry has no other process to kill (lapse: see the lease tests)")
+    key = ns + "worker/0"
+    proc = _spawn(HOLD_LEASE_CHILD, backend.url, key, str(backend.ttl.total_seconds()))
+    try:
+        ready = _read_line(proc, timedelta(seconds=20), "READY")
+        assert ready.startswith("READY"), ready
+        ttl = float(ready.split()[1])
+        kv = registry.get(key)
+        assert kv is not None and kv.value == b"alive"
+        time.sleep(ttl * 0.75)  # the holder's KeepAlive has refreshed at least once by now
+        assert registry.get(key) is not None
+        proc.kill()  # SIGKILL: no revoke, no goodbye
+        killed = time.monotonic()
+        registry.wait_for(
+            ns,
+            lambda items: not items,
+            timeout=timedelta(seconds=ttl) + backend.lapse_slack + timedelta(seconds=2),
+            what="the killed holder's key to vanish",
+        )
+        assert time.monotonic() - killed <= ttl + backend.lapse_slack.total_seconds()
+    finally:
+        _reap(proc)
+
+
+def test_watch_delivers_puts_and_deletes_in_order(registry: Registry, ns: str) -> None:
+    registry.put(ns + "before", b"0")  # before the watch: not delivered
+    with registry.watch(ns) as watch:
+        revisions = [
+            registry.put(ns + "a", b"1"),
+            registry.put(ns + "b", b"2"),
+            registry.put(ns + "a", b"3"),
+        ]
+        registry.delete(ns + "a")
+        events = _collect(watch, 4)
+        assert _summary(events) == [
+            ("put", ns + "a", b"1"),
+            ("put", ns + "b", b"2"),
+            ("put", ns + "a", b"3"),
+            ("delete", ns + "a", b""),
+        ]
+        assert [e.revision for e in events[:3]] == revisions
+        assert events[3].revision > revisions[2]
+        assert watch.get(QUIET) is None
+    watch.cancel()  # idempotent
+    with pytest.raises(RegistryError):
+        watch.get(QUIET)
+
+
+def test_watch_replays_from_start_revision(registry: Registry, ns: str) -> None:
+    registry.put(ns + "a", b"1")
+    rev_b = registry.put(ns + "b", b"2")
+    registry.delete(ns + "a")
+    registry.put(ns + "c", b"3")
+    with registry.watch(ns, start_revision=rev_b) as watch:  # inclusive
+        registry.put(ns + "d", b"4")  # live, after the replay
+        assert _summary(_collect(watch, 4)) == [
+            ("put", ns + "b", b"2"),
+            ("delete", ns + "a", b""),
+            ("put", ns + "c", b"3"),
+            ("put", ns + "d", b"4"),
+        ]
+        assert watch.get(QUIET) is None
+
+
+def test_watch_resumes_after_last_revision(registry: Registry, ns: str) -> None:
+    with registry.watch(ns) as first:
+        registry.put(ns + "a", b"1")
+        seen = _next_event(first)
+    registry.put(ns + "b", b"2")  # while nobody watches
+    with registry.watch(ns, start_revision=seen.revision + 1) as second:
+        assert _summary([_next_event(second)]) == [("put", ns + "b", b"2")]
+        assert second.get(QUIET) is None
+
+
+def test_watch_prefix_isolation(registry: Registry, ns: str) -> None:
+    with registry.watch(ns + "in/") as watch:
+        registry.put(ns + "out/x", b"no")
+        registry.put(ns + "in/x", b"1")
+        registry.put(ns + "inx", b"no")
+        registry.put(ns + "in/y", b"2")
+        registry.delete(ns + "out/x")
+        assert [e.key for e in _collect(watch, 2)] == [ns + "in/x", ns + "in/y"]
+        assert watch.get(QUIET) is None
+
+
+def test_wait_for_success(registry: Registry, ns: str) -> None:
+    def join_later() -> None:
+        for i in range(2):
+            time.sleep(0.1)
+            registry.put(ns + f"w{i}", b"up")
+
+    writer = threading.Thread(target=join_later)
+    writer.start()
+    try:
+        items = registry.wait_for(
+            ns, lambda kvs: len(kvs) >= 2, timeout=timedelta(seconds=10), what="2 workers"
+        )
+    finally:
+        writer.join(timeout=10)
+    assert [kv.key for kv in items] == [ns + "w0", ns + "w1"]
+
+
+def test_wait_for_timeout_names_what_and_how_long(registry: Registry, ns: str) -> None:
+    registry.put(ns + "w0", b"up")
+    start = time.monotonic()
+    with pytest.raises(RegistryTimeoutError) as info:
+        registry.wait_for(ns, lambda kvs: len(kvs) >= 3, timeout=timedelta(seconds=0.3), what="3 workers")
+    assert time.monotonic() - start < 3
+    message = str(info.value)
+    assert "3 workers" in message and "0.3s" in message and ns + "w0" in message
+
+
+# -- memory -----------------------------------------------------------------------------
+
+
+def test_memory_history_is_bounded_and_compaction_is_reported() -> None:
+    with MemoryRegistry(history=10) as reg:
+        revisions = [reg.put(f"/k/{i}", b"x") for i in range(30)]
+        with pytest.raises(RegistryError, match="compacted"):
+            reg.watch("/k/", start_revision=revisions[0])
+        with reg.watch("/k/", start_revision=revisions[-5]) as watch:
+            assert [e.revision for e in _collect(watch, 5)] == revisions[-5:]
+        with pytest.raises(ValueError):
+            reg.watch("/k/", start_revision=0)
+
+
+def test_memory_lapse_is_prompt_with_many_leases() -> None:
+    with MemoryRegistry() as reg, reg.watch("/w/") as watch:
+        leases = [reg.lease(timedelta(seconds=0.2 + i * 0.05)) for i in range(5)]
+        t0 = time.monotonic()
+        for i, lease in enumerate(leases):
+            reg.put(f"/w/{i}", b"x", lease=lease)
+        _collect(watch, 5)
+        for i in range(5):
+            event = _next_event(watch, timedelta(seconds=2))
+            late = time.monotonic() - t0 - (0.2 + i * 0.05)
+            assert (event.type, event.key) == (EventType.DELETE, f"/w/{i}")
+            assert -0.02 <= late <= 0.15, late  # ~0.1 s, with room for a busy 2-core machine
+
+
+# -- the served registry ----------------------------------------------------------------
+
+
+def _packb(body: object) -> bytes:
+    data = msgpack.packb(body)
+    assert isinstance(data, bytes)
+    return data
+
+
+# case: (frames, what the error reply must say, the id it must echo)
+MALFORMED: dict[str, tuple[list[bytes], str, int | None]] = {
+    "not msgpack": ([b"\xc1\xc1\xc1"], "not msgpack", None),
+    "empty frame": ([b""], "not msgpack", None),
+    "not a map": ([_packb([1, 2])], "map", None),
+    "wrong version": ([_packb({"v": 99, "type": "get", "id": 1, "key": "k"})], "protocol version 99", None),
+    "no version": ([_packb({"type": "get", "id": 1, "key": "k"})], "protocol version None", None),
+    "unknown type": ([_packb({"v": 1, "type": "frobnicate", "id": 2})], "field 'type'", 2),
+    "no type": ([_packb({"v": 1, "id": 2})], "field 'type'", 2),
+    "int for str": ([_packb({"v": 1, "type": "put", "id": 3, "key": 5, "value": b"x"})], "'key'", 3),
+    "str for bytes": ([_packb({"v": 1, "type": "put", "id": 4, "key": "k", "value": "x"})], "'value'", 4),
+    "extra field": ([_packb({"v": 1, "type": "get", "id": 5, "key": "k", "bogus": 1})], "'bogus'", 5),
+    "missing field": ([_packb({"v": 1, "type": "get", "id": 6})], "'key'", 6),
+    "str for int": ([_packb({"v": 1, "type": "lease_grant", "id": 7, "ttl_ms": "500"})], "'ttl_ms'", 7),
+    "bad id": ([_packb({"v": 1, "type": "get", "id": "x", "key": "k"})], "'id'", None),
+    "out of range": (
+        [_packb({"v": 1, "type": "watch_poll", "id": 8, "prefix": "", "from_revision": 0, "wait_ms": 5})],
+        "'from_revision'",
+        8,
+    ),
+    "two frames": ([pack(GetRequest(id=9, key="k")), b"extra"], "expected exactly 1 frame", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_server_answers_malformed_requests_and_keeps_serving(
+    served: RegistryServer, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    frames, expected, expected_id = MALFORMED[case]
+    sock = make_socket(zmq.DEALER)
+    sock.connect(served.address)
+    try:
+        with caplog.at_level("ERROR", logger="comm.registry.server"):
+            sock.send_multipart(frames)
+            assert sock.poll(5000), "no reply to a malformed request within 5s"
+            reply = decode_reply(sock.recv())
+        assert isinstance(reply, ErrorReply), reply
+        assert (reply.kind, reply.id) == ("protocol", expected_id)
+        assert expected in reply.message, reply.message
+        assert any(r.name == "comm.registry.server" and r.levelname == "ERROR" for r in caplog.records)
+        sock.send(pack(GetRequest(id=100, key="/nothing")))
+        assert sock.poll(5000), "the server stopped answering after a malformed request"
+        assert decode_reply(sock.recv()) == GetReply(id=100, kv=None)
+    finally:
+        sock.close(linger=0)
+
+
+def test_server_lifecycle_and_remote_compaction() -> None:
+    server = RegistryServer(MemoryRegistry(history=10))
+    with pytest.raises(RuntimeError, match="start"):
+        _ = server.address
+    with server:
+        client = RemoteRegistry(server.address)
+        try:
+            revisions = [client.put(f"/k/{i}", b"x") for i in range(30)]
+            with pytest.raises(RegistryError, match="compacted"):
+                client.watch("/k/", start_revision=revisions[0])
+            with client.watch("/k/", start_revision=revisions[-3]) as watch:
+                assert [e.revision for e in _collect(watch, 3)] == revisions[-3:]
+        finally:
+            client.close()
+    server.shutdown()  # idempotent
+    server.registry.close()
+
+
+def test_remote_request_timeout_names_server() -> None:
+    sock = make_socket(zmq.ROUTER)
+    address = bind_loopback(sock)  # a peer that never answers
+    client = RemoteRegistry(address, request_timeout=timedelta(milliseconds=200))
+    try:
+        start = time.monotonic()
+        with pytest.raises(RegistryTimeoutError, match=f"{address}.*revision.*0.2s"):
+            client.revision()
+        assert time.monotonic() - start < 2
+    finally:
+        client.close()
+        sock.close(linger=0)
+
+
+def test_remote_drops_a_late_reply() -> None:
+    router = make_socket(zmq.ROUTER)
+    address = bind_loopback(router)
+    client = RemoteRegistry(address, request_timeout=timedelta(milliseconds=300))
+    try:
+        with pytest.raises(RegistryTimeoutError):
+            client.revision()  # the fake server holds this request
+        assert router.poll(5000)
+        identity, frame = router.recv_multipart()
+        first = decode_request(frame)
+        result: list[int] = []
+        second_call = threading.Thread(target=lambda: result.append(client.revision()))
+        second_call.start()
+        assert router.poll(5000)
+        identity2, frame2 = router.recv_multipart()
+        second = decode_request(frame2)
+        assert second.id != first.id
+        router.send_multipart([identity, pack(RevisionReply(id=first.id, revision=111))])  # late
+        router.send_multipart([identity2, pack(RevisionReply(id=second.id, revision=222))])
+        second_call.join(timeout=5)
+        assert result == [222]
+    finally:
+        client.close()
+        router.close(linger=0)
+
+
+def test_remote_error_replies_raise(served: RegistryServer) -> None:
+    client = RemoteRegistry(served.address)
+    try:
+        with pytest.raises(ValueError):
+            client.watch("/x/", start_revision=0)
+        with pytest.raises(RegistryError, match="lease 987654 not found"):
+            RemoteLease(client, 987654, timedelta(seconds=1)).refresh()
+        with pytest.raises(ProtocolError, match="'from_revision'"):  # a client bug, reported by the server
+            client._call(
+                "a bad poll",
+                lambda i: WatchPollRequest.model_construct(id=i, prefix="/x/", from_revision=0, wait_ms=0),
+                EventsReply,
+            )
+    finally:
+        client.close()
+
+
+# -- etcd -------------------------------------------------------------------------------
+
+
+@pytest.mark.etcd
+def test_etcd_watch_survives_an_etcd_restart(etcd_server: EtcdServer, ns: str) -> None:
+    # The watcher waits 3 s before reconnecting, so the writes right after the restart
+    # land while it is disconnected: it must replay them from its last revision.
+    retry = WatchRetry(
+        initial=timedelta(seconds=3), maximum=timedelta(seconds=3), give_up_after=timedelta(seconds=30)
+    )
+    watcher = EtcdRegistry("127.0.0.1", etcd_server.client_port, watch_retry=retry)
+    writer = EtcdRegistry("127.0.0.1", etcd_server.client_port)
+    expected: list[tuple[str, str, bytes]] = []
+
+    def put(key: str, value: bytes) -> None:
+        writer.put(ns + key, value)
+        expected.append(("put", ns + key, value))
+
+    def delete(key: str) -> None:
+        assert writer.delete(ns + key)
+        expected.append(("delete", ns + key, b""))
+
+    try:
+        watch = watcher.watch(ns)
+        put("a", b"1")
+        put("b", b"1")
+        events = _collect(watch, 2)
+
+        etcd_server.kill()
+        etcd_server.restart()
+        put("a", b"2")  # during: the watcher is still waiting to reconnect
+        put("c", b"1")
+        delete("b")
+        assert watch.reconnects == 0, "the watcher reconnected before the writes: no gap tested"
+        events += _collect(watch, 3, timedelta(seconds=10))
+        assert watch.reconnects == 1
+
+        put("d", b"1")  # after
+        delete("a")
+        events += _collect(watch, 2)
+        assert watch.get(QUIET) is None
+
+        assert _summary(events) == expected  # every change, once, in order
+        revisions = [e.revision for e in events]
+        assert revisions == sorted(set(revisions))
+        watch.cancel()
+    finally:
+        watcher.close()
+        writer.close()
+
+
+# -- connect_registry -------------------------------------------------------------------
+
+
+def test_connect_registry_by_url(served: RegistryServer) -> None:
+    with connect_registry("memory://") as reg:
+        assert isinstance(reg, MemoryRegistry)
+    with connect_registry(served.address) as reg:
+        assert isinstance(reg, RemoteRegistry) and reg.revision() >= 1
+    with connect_registry("etcd://127.0.0.1:1") as reg:  # connects lazily
+        assert isinstance(reg, EtcdRegistry)
+    with pytest.raises(ValueError, match=r"memory://, tcp://, etcd://"):
+        connect_registry("http://127.0.0.1:80")
+    with pytest.raises(ValueError, match="host and a port"):
+        connect_registry("tcp://127.0.0.1")
