@@ -130,8 +130,15 @@ def test_garbage_is_dropped_and_the_rank_keeps_serving(
                 return run
 
             _run_ranks([rank(c0), rank(c1)])
-        expected = torch.arange(1000, dtype=torch.float64) * 3
-        assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
+            expected = torch.arange(1000, dtype=torch.float64) * 3
+            assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
+            # the PULL socket fair-queues the attacker and the real peer, so the valid operation may
+            # finish before every bad message was read: keep serving valid ones until all were met
+            for _ in range(200):
+                if c1.bad_messages >= len(GARBAGE):
+                    break
+                _run_ranks([rank(c0), rank(c1)])
+                assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
         assert c1.bad_messages == len(GARBAGE)
         dropped = [r for r in caplog.records if "dropped a bad data message" in r.getMessage()]
         assert len(dropped) == len(GARBAGE)
