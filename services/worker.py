@@ -1,0 +1,213 @@
+"""The worker process: registers with a lease, reports its resources, hosts assigned services.
+
+A worker is a :class:`~services.rpc.ServiceHost` plus a ``worker`` control service. It
+publishes a :class:`~services.protocol.WorkerCard` under ``/cellmesh/{job}/workers/{name}``
+attached to a lease it renews by heartbeat; if the process dies, the lease lapses and the
+card vanishes (the coordinator's watch sees it go). Services arrive by message
+(:class:`~services.protocol.Assignment`), naming an importable factory, never code.
+
+SIGTERM (and SIGINT) drain the worker: it stops taking assignments, lets the request in
+hand finish, closes its services, deletes its card, revokes its lease and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from types import FrameType
+
+from comm.codec import pack
+from comm.registry import connect_registry
+from comm.registry.base import KeepAlive, Registry
+from services.protocol import Assignment, AssignmentReply, Empty, WorkerCard, WorkerStatus
+from services.rpc import Call, RpcError, ServiceBase, ServiceHost
+
+__all__ = ["SERVICE_BUILDERS", "Worker", "main", "worker_key"]
+
+log = logging.getLogger(__name__)
+
+LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
+DEFAULT_LEASE_TTL = timedelta(seconds=5)
+
+ServiceBuilder = Callable[[Assignment], ServiceBase]
+
+
+def _build_barrier(assignment: Assignment) -> ServiceBase:
+    from services.barrier import BarrierService
+
+    return BarrierService()
+
+
+def _build_param_server(assignment: Assignment) -> ServiceBase:
+    from services.param_server import ParamServerService
+
+    return ParamServerService.from_assignment(assignment)
+
+
+def _build_compute(assignment: Assignment) -> ServiceBase:
+    from services.compute import CellComputeService
+
+    return CellComputeService.from_assignment(assignment)
+
+
+SERVICE_BUILDERS: dict[str, ServiceBuilder] = {
+    "barrier": _build_barrier,
+    "param_server": _build_param_server,
+    "compute": _build_compute,
+}
+
+
+def worker_key(job: str, name: str) -> str:
+    return f"/cellmesh/{job}/workers/{name}"
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class _Control(ServiceBase):
+    """The ``worker`` service: assignments and status."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def rpc_assign(self, request: Assignment, call: Call) -> AssignmentReply:
+        if self.worker.draining.is_set():
+            raise RpcError("draining", f"worker {self.worker.name} is shutting down")
+        builder = SERVICE_BUILDERS.get(request.kind)
+        if builder is None:
+            raise RpcError("bad_request", f"unknown service kind {request.kind!r}")
+        if request.service in self.worker.host.names():
+            raise RpcError("bad_request", f"service {request.service!r} is already hosted here")
+        service = builder(request)
+        self.worker.host.add(request.service, service)
+        self.worker.publish()
+        log.info("[worker %s] hosting %s (%s)", self.worker.name, request.service, request.kind)
+        return AssignmentReply(service=request.service, address=self.worker.host.address)
+
+    def rpc_status(self, request: Empty, call: Call) -> WorkerStatus:
+        services = [n for n in self.worker.host.names() if n != "worker"]
+        return WorkerStatus(name=self.worker.name, services=services, draining=self.worker.draining.is_set())
+
+
+class Worker:
+    """One worker process's host, card and lease.
+
+    Args:
+        registry: where the card goes.
+        job: the job's name (the registry prefix).
+        name: this worker's unique name within the job.
+        lease_ttl: the card vanishes this long after the process stops renewing it.
+        host: the interface services bind to.
+    """
+
+    def __init__(self, registry: Registry, job: str, name: str, *,
+                 lease_ttl: timedelta = DEFAULT_LEASE_TTL, host: str = "127.0.0.1") -> None:
+        self.registry = registry
+        self.job = job
+        self.name = name
+        self.host = ServiceHost(host)
+        self.draining = threading.Event()
+        self.stopped = threading.Event()
+        self._lease = registry.lease(lease_ttl)
+        self._keepalive: KeepAlive | None = None
+        self.host.add("worker", _Control(self))
+
+    def card(self) -> WorkerCard:
+        return WorkerCard(
+            name=self.name, address=self.host.address, pid=os.getpid(), cpus=os.cpu_count() or 1,
+            memory_bytes=_memory_bytes(), gpus=_gpus(),
+            services=[n for n in self.host.names() if n != "worker"],
+        )
+
+    def publish(self) -> None:
+        self.registry.put(worker_key(self.job, self.name), pack(self.card()), lease=self._lease)
+
+    def start(self) -> Worker:
+        self.host.start()
+        self.publish()
+        self._keepalive = KeepAlive(self._lease)
+        log.info("[worker %s] serving at %s", self.name, self.host.address)
+        return self
+
+    def drain(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Stop taking work, close services, deregister. Idempotent."""
+        if self.stopped.is_set():
+            return
+        self.draining.set()
+        self.host.shutdown(timeout)
+        try:
+            self.registry.delete(worker_key(self.job, self.name))
+        except Exception:  # the lease revocation below removes it too
+            log.debug("[worker %s] could not delete its card", self.name, exc_info=True)
+        if self._keepalive is not None:
+            self._keepalive.stop(revoke=True)
+        self.stopped.set()
+        log.info("[worker %s] drained", self.name)
+
+    def serve_forever(self) -> None:
+        """Block until SIGTERM/SIGINT (main thread only) or :meth:`drain` from elsewhere."""
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not stop.wait(0.2):
+            if self.stopped.is_set():
+                return
+            if self._keepalive is not None and self._keepalive.lost.is_set():
+                log.error("[worker %s] lost its lease in the registry; exiting", self.name)
+                break
+        self.drain()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cellmesh worker", description="run a cellmesh worker")
+    parser.add_argument("--registry", required=True, help="memory://, tcp://host:port or etcd://host:port")
+    parser.add_argument("--job", default="default", help="the job's name")
+    parser.add_argument("--name", default=None, help="this worker's name (default: hostname-pid)")
+    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL.total_seconds(),
+                        help="seconds before a dead worker's card vanishes")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to serve on")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of a worker process: configure, build, serve until signalled, drain."""
+    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    name = args.name or f"{os.uname().nodename}-{os.getpid()}"
+    registry = connect_registry(args.registry)
+    worker = Worker(registry, args.job, name, lease_ttl=timedelta(seconds=args.lease_ttl), host=args.host)
+    try:
+        worker.start()
+        print(f"cellmesh worker {name} serving at {worker.host.address}", flush=True)
+        worker.serve_forever()
+    except Exception:
+        log.exception("[worker %s] failed", name)
+        worker.drain()
+        return 1
+    finally:
+        registry.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Worker processes for tests: the real `python -m services.worker` entry point, always cleaned up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+from comm.codec import unpack
+from comm.registry import RegistryServer, RemoteRegistry
+from services.protocol import WorkerCard
+from services.worker import worker_key
+
+__all__ = ["WorkerProcess", "registry_server", "start_worker"]
+
+
+class WorkerProcess:
+    """A running worker: its process, card and address."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], card: WorkerCard, name: str) -> None:
+        self.proc = proc
+        self.card = card
+        self.name = name
+        self.address = card.address
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_worker(registry_address: str, job: str, name: str, *, lease_ttl: float = 2.0,
+                 timeout: float = 30.0) -> WorkerProcess:
+    """Start a worker process and wait (bounded) until its card is in the registry."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CELLMESH_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.worker", "--registry", registry_address, "--job", job,
+         "--name", name, "--lease-ttl", str(lease_ttl)],
+        env=env, stdout=subprocess.DEVNULL,
+    )
+    registry = RemoteRegistry(registry_address)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            kv = registry.get(worker_key(job, name))
+            if kv is not None:
+                return WorkerProcess(proc, unpack(kv.value, WorkerCard), name)
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {name} exited with {proc.returncode} before registering")
+            time.sleep(0.05)
+        proc.kill()
+        raise TimeoutError(f"worker {name} did not register within {timeout:.0f}s")
+    finally:
+        registry.close()
+
+
+@contextmanager
+def registry_server() -> Iterator[RegistryServer]:
+    server = RegistryServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.shutdown(timeout=timedelta(seconds=5))
