@@ -17,6 +17,7 @@ reduce from them or copy them, never write into them.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import inspect
 import itertools
@@ -24,6 +25,7 @@ import logging
 import threading
 import time
 import typing
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -158,11 +160,19 @@ class Call:
         self.host._defer(self, timeout, on_timeout)
 
     def reply(self, body: BaseModel, tensors: NamedTensors = ()) -> None:
-        self.host._reply(self, body, list(tensors))
+        """Answer the call; from any thread (off the host thread it is queued to the host)."""
+        items = list(tensors)
+        self.host.post(lambda: self.host._reply(self, body, items))
 
     def fail(self, code: str, message: str) -> None:
-        self.host._fail(self.identity, self.envelope.id, code, message)
-        self.answered = True
+        """Answer the call with an error; from any thread."""
+
+        def send() -> None:
+            if not self.answered:
+                self.answered = True
+                self.host._fail(self.identity, self.envelope.id, code, message)
+
+        self.host.post(send)
 
 
 class ServiceBase:
@@ -207,6 +217,14 @@ class ServiceHost:
         self._thread_id: int | None = None
         self._lock = threading.Lock()  # guards _services; handlers run on the host thread
         self.bad_requests = 0
+        # other threads hand work to the host thread through a queue and an inproc wake-up
+        self._posted: deque[Callable[[], None]] = deque()
+        wake = f"inproc://service-host-{id(self)}"
+        self._wake_in = make_socket(zmq.PAIR)
+        self._wake_in.bind(wake)
+        self._wake_out = make_socket(zmq.PAIR)
+        self._wake_out.connect(wake)
+        self._wake_lock = threading.Lock()
 
     def add(self, name: str, service: ServiceBase) -> None:
         """Serve ``service`` under ``name`` (its ``rpc_*`` methods are checked now)."""
@@ -231,24 +249,46 @@ class ServiceHost:
         self._thread.start()
         return self
 
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the host thread (at once, if called from it)."""
+        if threading.get_ident() == self._thread_id or self._thread is None:
+            fn()
+            return
+        self._posted.append(fn)
+        with self._wake_lock, contextlib.suppress(zmq.Again):  # a wake-up is already pending
+            self._wake_out.send(b"", zmq.NOBLOCK)
+
     def shutdown(self, timeout: timedelta = timedelta(seconds=5)) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout.total_seconds())
         for name in self.names():
             self.remove(name)
-        self._sock.close()
+        for sock in (self._sock, self._wake_in, self._wake_out):
+            sock.close()
 
     # -- the loop ---------------------------------------------------------------------
 
     def _serve(self) -> None:
         self._thread_id = threading.get_ident()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
         while not self._stop.is_set():
             wait_ms = 100
             if self._deferred:
                 until_next = int((self._deferred[0].deadline - time.monotonic()) * 1000) + 1
                 wait_ms = max(0, min(wait_ms, until_next))
-            if self._sock.poll(wait_ms, zmq.POLLIN):
+            ready = dict(poller.poll(wait_ms))
+            if self._wake_in in ready:
+                while True:
+                    try:
+                        self._wake_in.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            while self._posted:
+                self._posted.popleft()()
+            if self._sock in ready:
                 for _ in range(64):  # a batch, then deadlines get a turn
                     try:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -320,7 +360,6 @@ class ServiceHost:
                                                  next(self._order), call, on_timeout))
 
     def _reply(self, call: Call, body: BaseModel, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        assert self._thread_id in (None, threading.get_ident()), "reply from the host thread only"
         if call.answered:
             return
         call.answered = True
