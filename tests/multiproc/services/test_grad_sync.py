@@ -1,0 +1,70 @@
+"""The communication service: two data-parallel replicas match one process on the global batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from services.grad_sync import assign_buckets
+from tests.harness.procs import RankGroup
+from tests.multiproc.services import dp_checks
+
+STEPS = 5
+SEED = 11
+
+
+@pytest.fixture(scope="module", params=["zmq", "gloo"])
+def pair(request: pytest.FixtureRequest) -> Iterator[RankGroup]:
+    with RankGroup(world_size=2, backend=request.param) as group:
+        yield group
+
+
+def _params(blob: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    return {k: torch.frombuffer(bytearray(v), dtype=torch.float64) for k, v in blob.items()}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("bucket_bytes", [25 << 20, 300])
+def test_two_replicas_match_one_process(pair: RankGroup, optimizer: str, bucket_bytes: int) -> None:
+    results = pair.run("tests.multiproc.services.dp_checks:train_replica", optimizer=optimizer, steps=STEPS,
+                       seed=SEED, bucket_bytes=bucket_bytes)
+    ref = dp_checks.reference(optimizer, STEPS, SEED)
+    if bucket_bytes == 300:
+        assert results[0]["buckets"] > 3, "small buckets should split the model"
+    for r, result in enumerate(results):
+        got = _params(result["params"])
+        for name, expected in ref.items():
+            diff = (got[name] - expected.reshape(-1)).abs().max().item()
+            assert diff < 1e-10, f"rank {r} {name}: max abs diff {diff:.3g} ({optimizer}, {bucket_bytes} B)"
+    # the reference really moved: the comparison is not between two untouched models
+    start = dp_checks.make_model(SEED).state_dict()
+    assert any((ref[k] - start[k]).abs().max() > 1e-3 for k in ref)
+
+
+def test_reduce_scatter_shards_are_the_averaged_gradient(pair: RankGroup) -> None:
+    results = pair.run("tests.multiproc.services.dp_checks:reduce_scatter_grads", seed=SEED, bucket_bytes=400)
+    model = dp_checks.make_model(SEED)
+    x, y = dp_checks.batch(0, SEED)
+    nn.functional.mse_loss(model(x), y).backward()
+    grads = dict(model.named_parameters())
+    layout = results[0]["layout"]
+    for rank, result in enumerate(results):
+        for bucket, start, stop, data in result["shards"]:
+            names, _ = layout[bucket]
+            flat = torch.cat([grads[n].grad.reshape(-1) for n in names])  # type: ignore[union-attr]
+            flat = torch.cat([flat, flat.new_zeros(-(-flat.numel() // 2) * 2 - flat.numel())])
+            shard = torch.frombuffer(bytearray(data), dtype=torch.float64)
+            assert stop - start == shard.numel() and start == rank * shard.numel()
+            assert (shard - flat[start:stop]).abs().max().item() < 1e-12
+
+
+def test_assign_buckets_reverse_order_and_capacity() -> None:
+    f32, f64 = torch.float32, torch.float64
+    sizes = [("a", 40, f32), ("b", 40, f32), ("c", 100, f32), ("d", 8, f64), ("e", 30, f32)]
+    buckets = assign_buckets(sizes, 80)
+    assert buckets == [[4], [2], [1, 0], [3]]
+    flat = sorted(i for b in buckets for i in b)
+    assert flat == list(range(len(sizes)))
