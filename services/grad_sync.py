@@ -134,7 +134,8 @@ class GradSync:
                 self._where[id(p)] = (b, pos)
         self._next_launch = 0
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]  # torch stub
+            for _, p in named
         ]
 
     # -- during backward ----------------------------------------------------------------
