@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -196,20 +196,27 @@ class ZmqCommunicator(Communicator):
         timeout: timedelta = DEFAULT_TIMEOUT,
         liveness_ttl: timedelta = DEFAULT_LIVENESS_TTL,
         host: str = "127.0.0.1",
+        transport: Literal["auto", "tcp"] = "auto",
     ) -> ZmqCommunicator:
-        """Bind this rank's channels, meet the other ranks under ``prefix`` and connect to them."""
+        """Bind this rank's channels, meet the other ranks under ``prefix`` and connect to them.
+
+        Args:
+            host: the interface data sockets bind on (loopback by default).
+            transport: ``"auto"`` connects peers on the same host over Unix domain sockets
+                and others over TCP; ``"tcp"`` always uses TCP.
+        """
         rendezvous = Rendezvous(registry, prefix, rank, world_size, liveness_ttl=liveness_ttl)
-        transport = Transport(rendezvous, host=host)
+        channels = Transport(rendezvous, host=host, transport=transport)
         try:
-            rendezvous.publish({"data": transport.bind()})
+            rendezvous.publish(channels.bind())
             cards = rendezvous.gather(timeout)
-            transport.connect(cards)
+            channels.connect(cards)
         except BaseException:
-            transport.close()
+            channels.close()
             rendezvous.close()
             raise
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zmq-comm-{rank}")
-        return cls(transport, tuple(range(world_size)), "w", timeout, executor, owns_transport=True)
+        return cls(channels, tuple(range(world_size)), "w", timeout, executor, owns_transport=True)
 
     @property
     def rank(self) -> int:

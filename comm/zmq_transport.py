@@ -22,12 +22,17 @@ from or copy into place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
+import tempfile
 import threading
 import time
+import uuid
 from collections import deque
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -64,6 +69,16 @@ class Deadline:
         return time.monotonic() >= self.at
 
 
+def host_key() -> str:
+    """Identifies this host's filesystem namespace: hostname plus the kernel's boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """A uint8 numpy view of a contiguous CPU tensor's memory (keeps the tensor alive)."""
     assert t.is_contiguous() and t.device.type == "cpu", "tensor_bytes needs a contiguous CPU tensor"
@@ -79,6 +94,7 @@ class _Channel:
         self.recv_lock = threading.Lock()
         self.stash: dict[MessageKey, deque[tuple[TensorHeader, zmq.Frame]]] = {}
         self.stash_bytes = 0
+        self.address = ""
 
 
 class Transport:
@@ -89,7 +105,12 @@ class Transport:
         host: the address to bind data sockets on (loopback by default).
     """
 
-    def __init__(self, rendezvous: Rendezvous, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, rendezvous: Rendezvous, *, host: str = "127.0.0.1",
+                 transport: Literal["auto", "tcp"] = "auto") -> None:
+        if transport not in ("auto", "tcp"):
+            raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
+        self.transport = transport
+        self._ipc_paths: list[str] = []
         self.rendezvous = rendezvous
         self.rank = rendezvous.rank
         self.world_size = rendezvous.world_size
@@ -98,24 +119,40 @@ class Transport:
         self.bad_messages = 0
         self._closed = False
 
-    def bind(self) -> dict[str, str]:
-        """Bind one PULL socket per peer; return ``{peer: address}`` for the rendezvous card."""
-        addresses: dict[str, str] = {}
+    def bind(self) -> dict[str, Any]:
+        """Bind one PULL socket per peer; return the card entries peers connect with.
+
+        Each PULL socket is bound on TCP and, unless ``transport="tcp"``, also on a Unix
+        domain socket (``ipc://``): a peer on the same host (same hostname and boot id)
+        connects over IPC, which skips the TCP stack (see docs/benchmarks.md).
+        """
+        tcp: dict[str, str] = {}
+        ipc: dict[str, str] = {}
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
             ch = _Channel(peer)
             ch.pull = make_socket(zmq.PULL, SocketLimits.data())
-            addresses[str(peer)] = bind_loopback(ch.pull, self.host)
+            tcp[str(peer)] = bind_loopback(ch.pull, self.host)
+            if self.transport != "tcp":
+                path = os.path.join(tempfile.gettempdir(), f"cm-{uuid.uuid4().hex[:16]}.sock")
+                ch.pull.bind(f"ipc://{path}")
+                self._ipc_paths.append(path)
+                ipc[str(peer)] = f"ipc://{path}"
             self.channels[peer] = ch
-        return addresses
+        return {"data": tcp, "ipc": ipc, "host_key": host_key()}
 
     def connect(self, cards: list[dict[str, Any]]) -> None:
-        """Connect a PUSH socket to every peer's PULL socket bound for this rank."""
+        """Connect a PUSH socket to every peer's PULL socket bound for this rank (IPC if same host)."""
+        mine = host_key()
         for peer, ch in self.channels.items():
-            address = cards[peer]["data"][str(self.rank)]
+            card = cards[peer]
+            ipc = card.get("ipc", {}).get(str(self.rank))
+            use_ipc = self.transport != "tcp" and ipc and card.get("host_key") == mine
+            address = ipc if use_ipc else card["data"][str(self.rank)]
             ch.push = make_socket(zmq.PUSH, SocketLimits.data())
             ch.push.connect(address)
+            ch.address = address
 
     # -- sending ----------------------------------------------------------------------
 
@@ -229,6 +266,9 @@ class Transport:
                 if sock is not None:
                     sock.close()
             ch.stash.clear()
+        for path in self._ipc_paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline) -> None:
