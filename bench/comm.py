@@ -22,11 +22,15 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shadowing the comm package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
@@ -223,7 +227,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for op in OPS:
         for mib in SIZES_MIB:
-            z, g, cg = gbps("cellmesh-zmq", op, mib), gbps("torch-gloo", op, mib), gbps("cellmesh-gloo", op, mib)
+            z, g = gbps("cellmesh-zmq", op, mib), gbps("torch-gloo", op, mib)
+            cg = gbps("cellmesh-gloo", op, mib)
             f = _busbw_factor(op, WORLD)
             ratio = [a / b for a, b in zip(z, g, strict=True)]
             ceil_ratio = [a / c for a, c in zip(z, ceiling, strict=True)]
