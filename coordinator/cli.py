@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Sequence
 
 __all__ = ["main"]
@@ -13,8 +14,10 @@ LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cellmesh", description="cellmesh: distributed training for PyTorch")
+    parser = argparse.ArgumentParser(prog="cellmesh",
+                                     description="cellmesh: distributed training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("worker", help="run a worker process (see `cellmesh worker --help`)", add_help=False)
     demo = sub.add_parser("demo", help="two local processes exercise the communication front end")
     demo.add_argument("--backend", default="zmq", choices=["zmq", "gloo"], help="communication backend")
     demo.add_argument("--world-size", type=int, default=2, help="number of local processes")
@@ -23,6 +26,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:  # the worker process has its own thin main()
+        from services.worker import main as worker_main
+
+        return worker_main(argv[1:])
     logging.basicConfig(
         level=os.environ.get(LOG_LEVEL_ENV, "WARNING").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,18 +1,25 @@
 """A cell: one named piece of a user's model (an embedding, an encoder block, a head).
 
 A model given to cellmesh as a sequence of cells is cut only *between* cells: a cell is
-the unit the coordinator profiles, places on a pipeline stage and runs. This module keeps
-the wrapper minimal (a name, the wrapped module, a forward that calls it); the compute
-service grows around it.
+the unit the coordinator profiles, places on a pipeline stage and runs. The cells of a
+model run one after the other exactly as ``nn.Sequential(*cells)`` runs them: each cell
+receives the previous cell's output as its single argument (a tensor, a tuple or a dict
+of tensors), and the first cell receives the samples' inputs. So the model a user trains
+on one process and the pipeline cellmesh runs are the same function.
+
+Parameters are named by cell: ``"{cell.name}.{name within the wrapped module}"`` (see
+:meth:`Cell.named_cell_parameters`), so a parameter keeps its name whichever stage or
+worker holds it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
 
-__all__ = ["Cell"]
+__all__ = ["Cell", "as_cells", "cell_parameters"]
 
 
 class Cell(nn.Module):
@@ -20,7 +27,7 @@ class Cell(nn.Module):
 
     Args:
         name: A non-empty identifier, unique within one model; it names the cell in
-            profiles, plans and logs.
+            profiles, plans, logs and parameter names.
         module: The wrapped module; its parameters become the cell's parameters.
 
     Raises:
@@ -29,6 +36,7 @@ class Cell(nn.Module):
     Example::
 
         model = [Cell("embed", nn.Embedding(100, 16)), Cell("block", Block()), Cell("head", Head())]
+        # on one process, the same model is nn.Sequential(*model)
     """
 
     def __init__(self, name: str, module: nn.Module) -> None:
@@ -41,5 +49,58 @@ class Cell(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def named_cell_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters, named ``"{cell name}.{parameter name}"``."""
+        for name, param in self.module.named_parameters():
+            yield f"{self.name}.{name}", param
+
     def extra_repr(self) -> str:
         return f"name={self.name!r}"
+
+
+def as_cells(model: nn.Module | Sequence[nn.Module]) -> list[Cell]:
+    """A model as its list of cells, in order.
+
+    ``model`` is a sequence of modules, an ``nn.Sequential`` or ``nn.ModuleList`` (its
+    children, in order), or any other module (one cell). Cells pass through unchanged; any
+    other module becomes a cell named after its key in an ``nn.Sequential`` with named
+    children (``OrderedDict`` keys), else ``"cell{i}"`` for position ``i``.
+
+    Raises:
+        ValueError: If the model has no cells, or two cells share a name.
+    """
+    if isinstance(model, nn.Sequential | nn.ModuleList):
+        items = list(model.named_children())
+    elif isinstance(model, nn.Module):
+        items = [("0", model)]
+    else:
+        items = [(str(i), m) for i, m in enumerate(model)]
+    cells: list[Cell] = []
+    for i, (key, module) in enumerate(items):
+        if isinstance(module, Cell):
+            cells.append(module)
+        elif not isinstance(module, nn.Module):
+            raise ValueError(f"model entry {i} is a {type(module).__name__}, not an nn.Module")
+        else:
+            cells.append(Cell(f"cell{i}" if key.isdigit() else key, module))
+    if not cells:
+        raise ValueError("the model has no cells")
+    names = [c.name for c in cells]
+    if len(set(names)) != len(names):
+        raise ValueError(f"cell names must be unique within a model, got {names}")
+    return cells
+
+
+def cell_parameters(cells: Sequence[Cell]) -> list[tuple[str, nn.Parameter]]:
+    """Every parameter of ``cells`` with its cell-qualified name, in cell order.
+
+    A parameter shared by two cells (tied weights) is listed once, under its first name.
+    """
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Parameter]] = []
+    for cell in cells:
+        for name, param in cell.named_cell_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                out.append((name, param))
+    return out

@@ -1,0 +1,261 @@
+"""Cutting a chain of nodes into pipeline stages: the exact min-max cutter, the even split, the plug-in seam.
+
+A cutter receives a :class:`CutProblem` (per-node compute, per-cut transfer, optional
+memory limits) and returns stage boundaries ``(0, b1, ..., n)``: stage ``s`` runs nodes
+``[bounds[s], bounds[s+1])``. Two ship, chosen by name:
+
+- ``"minmax"`` (:func:`cut_min_max`, the default): minimises the slowest stage's time,
+  exactly, by dynamic programming over the chain, honouring memory limits and uncuttable
+  positions;
+- ``"even"`` (:func:`cut_even`): equal node counts, the baseline other tools offer.
+
+A user's cutter is any callable with the :class:`Cutter` signature, passed in directly or
+registered under a name with :func:`register_cutter`.
+
+[Note: transfer cost] Moving a tensor set of ``B`` bytes across a cut costs
+``latency + B / bandwidth`` (nothing when ``B`` is 0) and *both* endpoints pay it: the
+sender while it sends, the receiver while it receives (on CPU both ends copy the bytes;
+on loopback TCP both ends spend the time). Per microbatch, the cut between two stages
+moves activations forward and the gradients of the crossing tensors that need them
+backward, so a stage's time is::
+
+    stage_time(a, b) = sum(compute[a:b]) + cut[a] + cut[b]     cut[0] = cut[n] = 0
+    cut[c] = transfer(activation bytes at c) + transfer(gradient bytes at c)
+
+Every tensor alive across ``c`` is counted, skip connections included (a skip that spans
+stages is relayed through each). The simulator plays the same model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
+
+import numpy as np
+
+__all__ = [
+    "CUTTERS",
+    "CutError",
+    "CutProblem",
+    "Cutter",
+    "cut_even",
+    "cut_min_max",
+    "get_cutter",
+    "register_cutter",
+]
+
+Bounds: TypeAlias = tuple[int, ...]
+
+
+class CutError(ValueError):
+    """No cut satisfies the problem (too many stages, memory limits, uncuttable positions)."""
+
+
+@dataclass(frozen=True)
+class CutProblem:
+    """A chain to cut, its costs per microbatch, and the constraints.
+
+    Args:
+        compute_s: Forward + backward time of each of the ``n`` nodes.
+        cut_s: Transfer time charged to each stage adjacent to cut ``c`` (between node
+            ``c-1`` and ``c``), length ``n + 1``; entries 0 and ``n`` are ignored.
+        num_stages: How many contiguous, non-empty stages to make (1..n).
+        cuttable: Length ``n + 1``; False forbids a boundary at that cut (for example a
+            non-tensor value crosses it). Default: all allowed.
+        static_bytes: Memory each node needs regardless of microbatches (parameters,
+            gradients, optimizer state), length ``n``; None ignores memory.
+        activation_bytes: Memory one microbatch's activations hold on each node, length ``n``.
+        in_flight: Per stage, how many microbatches' activations it holds at its peak.
+        memory_limit: Per stage, the bytes it may use; None means unlimited.
+
+    Raises:
+        ValueError: On inconsistent lengths, negative costs or ``num_stages`` outside 1..n.
+    """
+
+    compute_s: tuple[float, ...]
+    cut_s: tuple[float, ...]
+    num_stages: int
+    cuttable: tuple[bool, ...] | None = None
+    static_bytes: tuple[float, ...] | None = None
+    activation_bytes: tuple[float, ...] | None = None
+    in_flight: tuple[int, ...] | None = None
+    memory_limit: tuple[float, ...] | None = None
+    _prefix: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.compute_s)
+        if n < 1 or len(self.cut_s) != n + 1:
+            raise ValueError(f"need n >= 1 node costs and n + 1 cut costs, got {n} and {len(self.cut_s)}")
+        if not 1 <= self.num_stages <= n:
+            raise ValueError(f"num_stages={self.num_stages} must be between 1 and the {n} nodes")
+        if min(self.compute_s) < 0 or min(self.cut_s) < 0:
+            raise ValueError("compute and transfer times must be >= 0")
+        if self.cuttable is not None and len(self.cuttable) != n + 1:
+            raise ValueError("cuttable needs n + 1 entries")
+        if self.memory_limit is not None:
+            if self.static_bytes is None or self.activation_bytes is None or self.in_flight is None:
+                raise ValueError("memory_limit needs static_bytes, activation_bytes and in_flight")
+            if len(self.static_bytes) != n or len(self.activation_bytes) != n:
+                raise ValueError("static_bytes and activation_bytes need n entries")
+            if len(self.memory_limit) != self.num_stages or len(self.in_flight) != self.num_stages:
+                raise ValueError("memory_limit and in_flight need one entry per stage")
+        object.__setattr__(self, "_prefix", np.concatenate([[0.0], np.cumsum(self.compute_s)]))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.compute_s)
+
+    def stage_time(self, start: int, stop: int) -> float:
+        """Time of a stage running nodes ``[start, stop)`` (see [Note: transfer cost])."""
+        n = self.num_nodes
+        inner = self.cut_s[start] if start > 0 else 0.0
+        outer = self.cut_s[stop] if stop < n else 0.0
+        return float(self._prefix[stop] - self._prefix[start]) + inner + outer
+
+    def stage_memory(self, stage: int, start: int, stop: int) -> float:
+        """Peak bytes of stage ``stage`` running nodes ``[start, stop)`` (0 without memory data)."""
+        if self.static_bytes is None or self.activation_bytes is None or self.in_flight is None:
+            return 0.0
+        held = sum(self.activation_bytes[start:stop]) * self.in_flight[stage]
+        return sum(self.static_bytes[start:stop]) + held
+
+    def check(self, bounds: Sequence[int]) -> Bounds:
+        """Validates boundaries against the problem and returns them as a tuple.
+
+        Raises:
+            CutError: If the bounds are malformed, cut at a forbidden position or exceed a
+                memory limit; the message names the stage.
+        """
+        b = tuple(int(x) for x in bounds)
+        n, k = self.num_nodes, self.num_stages
+        if len(b) != k + 1 or b[0] != 0 or b[-1] != n or any(x >= y for x, y in itertools.pairwise(b)):
+            raise CutError(f"bounds {b} are not 0 = b0 < b1 < ... < b{k} = {n}")
+        for c in b[1:-1]:
+            if self.cuttable is not None and not self.cuttable[c]:
+                raise CutError(f"bounds {b} cut at position {c}, which cannot be cut")
+        if self.memory_limit is not None:
+            for s in range(k):
+                need = self.stage_memory(s, b[s], b[s + 1])
+                if need > self.memory_limit[s]:
+                    raise CutError(f"stage {s} (nodes {b[s]}..{b[s + 1] - 1}) needs {need:.4g} bytes, "
+                                   f"its limit is {self.memory_limit[s]:.4g}")
+        return b
+
+    def max_stage_time(self, bounds: Sequence[int]) -> float:
+        """The slowest stage's time under ``bounds``."""
+        return max(self.stage_time(a, b) for a, b in itertools.pairwise(bounds))
+
+
+class Cutter(Protocol):
+    """The cutter signature: a problem in, boundaries ``(0, b1, ..., n)`` out.
+
+    A cutter may ignore memory limits (the planner re-checks them) but must return
+    ``num_stages + 1`` strictly increasing boundaries from 0 to ``n``, or raise
+    :class:`CutError` saying why none exist.
+    """
+
+    def __call__(self, problem: CutProblem, /) -> Bounds: ...
+
+
+def cut_min_max(problem: CutProblem) -> Bounds:
+    """The exact min-max cut: no other boundaries give a faster slowest stage.
+
+    Dynamic programming over (stages, end node)::
+
+        best[s][j] = min over i of max(best[s-1][i], stage_time(i, j))
+        (stage s runs nodes [i, j); infeasible (i, j) for stage s cost infinity)
+
+    vectorised per stage over all (i, j) pairs: O(k n^2) work in k numpy passes
+    (a 1,000-node chain into 16 stages takes about 0.1 s). Ties go to the earliest cut.
+
+    Raises:
+        CutError: If no boundaries satisfy the cuttable positions and memory limits.
+    """
+    n, k = problem.num_nodes, problem.num_stages
+    prefix = problem._prefix
+    w = np.asarray(problem.cut_s, dtype=np.float64).copy()
+    w[0] = w[n] = 0.0
+    cost = prefix[None, :] - prefix[:, None] + w[:, None] + w[None, :]  # cost[i, j] of nodes [i, j)
+    idx = np.arange(n + 1)
+    invalid = idx[None, :] <= idx[:, None]
+    if problem.cuttable is not None:
+        allowed = np.asarray(problem.cuttable, dtype=bool).copy()
+        allowed[0] = allowed[n] = True
+        invalid |= ~allowed[:, None] | ~allowed[None, :]
+    cost = np.where(invalid, np.inf, cost)
+    mem_static = mem_act = None
+    if problem.memory_limit is not None:
+        assert problem.static_bytes is not None and problem.activation_bytes is not None
+        ps = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
+        pa = np.concatenate([[0.0], np.cumsum(problem.activation_bytes)])
+        mem_static, mem_act = ps[None, :] - ps[:, None], pa[None, :] - pa[:, None]
+
+    def stage_cost(s: int) -> np.ndarray:
+        if mem_static is None or mem_act is None:
+            return cost
+        assert problem.memory_limit is not None and problem.in_flight is not None
+        over = mem_static + mem_act * problem.in_flight[s] > problem.memory_limit[s]
+        return np.where(over, np.inf, cost)
+
+    best = stage_cost(0)[0].copy()  # best[j]: stage 0 covers [0, j)
+    choice = np.zeros((k, n + 1), dtype=np.int64)
+    for s in range(1, k):
+        cand = np.maximum(best[:, None], stage_cost(s))  # cand[i, j]: stages < s end at i, stage s is [i, j)
+        choice[s] = np.argmin(cand, axis=0)
+        best = cand[choice[s], idx]
+    if not math.isfinite(best[n]):
+        raise CutError(f"no way to cut {n} nodes into {k} stages within the cuttable positions "
+                       "and memory limits")
+    bounds = [n]
+    for s in range(k - 1, 0, -1):
+        bounds.append(int(choice[s][bounds[-1]]))
+    bounds.append(0)
+    return tuple(reversed(bounds))
+
+
+def cut_even(problem: CutProblem) -> Bounds:
+    """Equal node counts per stage (the first ``n % k`` stages get one more node).
+
+    A boundary at an uncuttable position moves to the nearest free one; memory is not
+    considered.
+
+    Raises:
+        CutError: If the uncuttable positions leave fewer than ``num_stages`` stages.
+    """
+    n, k = problem.num_nodes, problem.num_stages
+    sizes = [n // k + (1 if s < n % k else 0) for s in range(k)]
+    wanted = [sum(sizes[:s]) for s in range(1, k)]
+    free = [c for c in range(1, n) if problem.cuttable is None or problem.cuttable[c]]
+    chosen: list[int] = []
+    for c in wanted:
+        options = sorted((x for x in free if x not in chosen and (not chosen or x > chosen[-1])),
+                         key=lambda x: (abs(x - c), x))
+        if not options:
+            raise CutError(f"too few cuttable positions for {k} stages of {n} nodes")
+        chosen.append(options[0])
+    return (0, *chosen, n)
+
+
+CUTTERS: dict[str, Cutter] = {"minmax": cut_min_max, "even": cut_even}
+
+
+def register_cutter(name: str, cutter: Cutter) -> None:
+    """Makes ``cutter`` selectable by ``name`` (replacing a previous one of that name)."""
+    CUTTERS[name] = cutter
+
+
+def get_cutter(cutter: str | Cutter) -> Cutter:
+    """Resolves a cutter given by name or as a callable.
+
+    Raises:
+        ValueError: If a name is not registered.
+    """
+    if callable(cutter):
+        return cutter
+    try:
+        return CUTTERS[cutter]
+    except KeyError:
+        raise ValueError(f"unknown cutter {cutter!r}; registered: {', '.join(CUTTERS)}") from None

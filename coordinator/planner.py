@@ -1,0 +1,389 @@
+"""Choosing a plan: enumerate shapes, predict step time and memory of each, take the fastest that fits.
+
+A plan's *shape* is (data-parallel degree ``d``, pipeline stages ``p``, gradient mode,
+schedule, microbatches ``m``). For each shape the cost model, built on the profile:
+
+1. scales the profile to the microbatch size ``global_batch / (d * m)`` (times, activation
+   and crossing bytes grow linearly with it; parameters do not) and divides compute by
+   the slowest worker's ``speed``;
+2. cuts the chain into ``p`` stages with the cutter, each stage within the memory of the
+   workers that would run it (see ``coordinator/cutting.py``);
+3. plays the schedule in the simulator for the pipeline time, bubble and the microbatches
+   each stage holds at its peak;
+4. adds gradient synchronisation between replicas (below) and computes every worker's
+   peak memory: parameters + buffers + gradients + optimizer state + held activations.
+
+[Note: gradient sync cost] With ``G`` gradient bytes per stage, ``d`` replicas and the
+slowest link of the stage's group (``bw``, ``lat``), moving a ``1/d`` share of the
+gradients off every worker takes ``S = (d-1)/d * G / bw``:
+
+- collective: a ring all-reduce, ``2 S + 2 (d-1) lat``, started bucket by bucket during
+  the last microbatch's backward, so that backward hides part of it;
+- parameter server: the stage's parameters and optimizer state are sharded over its
+  ``d`` workers (each keeps ``1/d`` of the optimizer state and a master copy of ``1/d``
+  of the parameters). A push (``S + (d-1) lat``: each worker handles its ``d-1`` peers'
+  messages one after another) that the last backward may hide, then a pull of the same
+  cost that nothing hides, because it must wait for every replica's push.
+
+Collective mode is never slower (equal when the last backward hides no more than a push);
+parameter-server mode needs less memory per worker. Among equally fast plans the planner
+prefers fewer workers, then collective mode, then less memory.
+
+``strategy="auto"`` searches every shape the resources allow; ``"data_parallel"`` fixes
+``p = 1`` and ``"pipeline"`` fixes ``d = 1``; any field may also be fixed by keyword.
+A request that nothing satisfies raises :class:`PlanningError` saying why and what fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from coordinator.cutting import CutError, CutProblem, Cutter, get_cutter
+from coordinator.graph import TensorMeta
+from coordinator.plan import Mode, Plan, StagePlan
+from coordinator.profile import Profile, format_bytes
+from coordinator.resources import Resources
+from coordinator.schedules import SCHEDULES, build_schedule, peak_in_flight
+from coordinator.simulator import StageCosts, simulate
+
+__all__ = ["MAX_MICROBATCHES", "Candidate", "PlanningError", "Strategy", "balance_bounds", "candidate_plans",
+           "choose_plan", "cut_problem", "format_candidates"]
+
+Strategy = Literal["auto", "data_parallel", "pipeline"]
+MAX_MICROBATCHES = 64
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the request; the message says why and what would fit."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated shape: its plan (None if no cut exists) and why it does not fit ("" if it does)."""
+
+    data_parallel: int
+    num_stages: int
+    mode: Mode
+    schedule_name: str
+    num_microbatches: int
+    plan: Plan | None
+    reason: str
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and not self.reason
+
+    @property
+    def step_time_s(self) -> float:
+        return self.plan.step_time_s if self.plan is not None else math.inf
+
+
+def _transfer(nbytes: float, bandwidth: float, latency: float) -> float:
+    return 0.0 if nbytes <= 0 else latency + nbytes / bandwidth
+
+
+def _sync(mode: Mode, grad_bytes: float, d: int, hidden: float, bw: float, lat: float) -> float:
+    if d == 1 or grad_bytes == 0:
+        return 0.0
+    phase = (d - 1) / d * grad_bytes / bw + (d - 1) * lat  # see [Note: gradient sync cost]
+    if mode == "collective":
+        return max(0.0, 2 * phase - hidden)
+    return max(0.0, phase - hidden) + phase
+
+
+def _scaled_cuts(profile: Profile, size: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
+    """Per cut: its tensors at microbatch ``size``, their bytes, the bytes of those needing gradients."""
+    metas = [tuple(t.at_batch(size, profile.microbatch_size) for t in c.tensors) for c in profile.cuts]
+    return (metas, [sum(t.nbytes for t in ts) for ts in metas],
+            [sum(t.nbytes for t in ts if t.requires_grad) for ts in metas])
+
+
+def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | None = None,
+                bandwidth_bps: float, latency_s: float, speed: float = 1.0, data_parallel: int = 1,
+                mode: Mode = "collective", in_flight: Sequence[int] | None = None,
+                memory_limit: Sequence[float] | None = None) -> CutProblem:
+    """The cutter's view of a profile (see [Note: transfer cost] in ``coordinator/cutting.py``).
+
+    Args:
+        profile: The model's profile.
+        num_stages: Stages to cut into.
+        microbatch_size: Scales times and activation bytes (default: the profiled size).
+        bandwidth_bps: Link bandwidth between consecutive stages.
+        latency_s: Link latency between consecutive stages.
+        speed: Worker speed relative to the profiling machine.
+        data_parallel: Replicas per stage (shards parameter-server state).
+        mode: Gradient path; parameter-server mode shards optimizer state ``1/d``.
+        in_flight: Microbatches each stage holds at its peak (with ``memory_limit``).
+        memory_limit: Bytes each stage's worker may use; None ignores memory.
+    """
+    mb = microbatch_size or profile.microbatch_size
+    scale = mb / profile.microbatch_size
+    _, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
+    cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
+                  for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
+    # parameter server: the worker keeps 1/d of the optimizer state and a 1/d master copy
+    ps_share = 1.0 / data_parallel if mode == "parameter_server" else None
+    static = tuple(nd.param_bytes + nd.buffer_bytes + nd.grad_bytes
+                   + (nd.optimizer_state_bytes if ps_share is None
+                      else (nd.optimizer_state_bytes + nd.param_bytes) * ps_share)
+                   for nd in profile.nodes)
+    limits = tuple(memory_limit) if memory_limit is not None else None
+    return CutProblem(tuple(nd.compute_s * scale / speed for nd in profile.nodes), cut_s, num_stages,
+                      tuple(c.cuttable for c in profile.cuts), static,
+                      tuple(nd.activation_bytes * scale for nd in profile.nodes),
+                      tuple(in_flight) if in_flight is not None else (1,) * num_stages, limits)
+
+
+Shape = tuple[int, int, Mode, str, int]  # (data_parallel, num_stages, mode, schedule, num_microbatches)
+
+
+def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
+              cutter: Cutter, cutter_name: str, balance: Sequence[int] | None) -> Candidate:
+    d, p, mode, sched_name, m = shape
+    mb = global_batch // (d * m)
+    scale = mb / profile.microbatch_size
+    placement = tuple(tuple(resources.workers[r * p + s].name for s in range(p)) for r in range(d))
+    workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
+    speed = [min(w.speed for w in ws) for ws in workers]
+    bw, lat = resources.slowest_link([nm for row in placement for nm in row])
+    schedule = build_schedule(sched_name, p, m)
+    in_flight = tuple(peak_in_flight(acts) for acts in schedule.actions)
+    problem = cut_problem(profile, p, microbatch_size=mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed),
+                          data_parallel=d, mode=mode, in_flight=in_flight,
+                          memory_limit=[float(min(w.memory_bytes for w in ws)) for ws in workers])
+    metas, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
+    cut_s, act, nodes = problem.cut_s, problem.activation_bytes or (), profile.nodes
+    cut_error = ""  # why no cut fits memory, when only a cut ignoring memory exists
+    try:
+        bounds = problem.check(balance_bounds(balance) if balance is not None else cutter(problem))
+    except CutError as exc:
+        try:  # the best cut ignoring memory tells how much memory the shape needs (reason set below)
+            free = dataclasses.replace(problem, memory_limit=None)
+            bounds = free.check(balance_bounds(balance) if balance is not None else cutter(free))
+        except CutError:
+            return Candidate(d, p, mode, sched_name, m, None, str(exc))
+        cut_error = str(exc)
+    spans = list(itertools.pairwise(bounds))
+    fwd = tuple(sum(nd.forward_s for nd in nodes[a:b]) * scale / speed[s] for s, (a, b) in enumerate(spans))
+    bwd = tuple(sum(nd.backward_s for nd in nodes[a:b]) * scale / speed[s] for s, (a, b) in enumerate(spans))
+    inner = bounds[1:-1]
+    costs = StageCosts(fwd, bwd, tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
+                       tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
+                       tuple(sum(act[a:b]) for a, b in spans))
+    sim = simulate(schedule, costs)
+    stages = []
+    reason = ""
+    for s, (a, b) in enumerate(spans):
+        names = [w.name for w in workers[s]]
+        grad = sum(nd.grad_bytes for nd in nodes[a:b])
+        sync = _sync(mode, grad, d, bwd[s], *resources.slowest_link(names))
+        memory = int(problem.stage_memory(s, a, b))
+        xfer = (cut_s[a] if s > 0 else 0.0) + (cut_s[b] if s < p - 1 else 0.0)
+        stages.append(StagePlan(
+            index=s, start=a, stop=b, nodes=tuple(nd.name for nd in nodes[a:b]), workers=tuple(names),
+            forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
+            param_bytes=sum(nd.param_bytes for nd in nodes[a:b]), in_flight=in_flight[s],
+            peak_memory_bytes=memory,
+            incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
+            outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
+        over = [w for w in workers[s] if memory > w.memory_bytes]
+        if over and not reason:
+            reason = (f"stage {s} needs {format_bytes(memory)} per worker, "
+                      f"{over[0].name} has {format_bytes(over[0].memory_bytes)}")
+    reason = reason or cut_error
+    sync_time = max(st.sync_s for st in stages)
+    plan = Plan(data_parallel=d, num_stages=p, mode=mode, schedule_name=sched_name, num_microbatches=m,
+                microbatch_size=mb, global_batch=global_batch, cutter=cutter_name, bounds=bounds,
+                stages=tuple(stages), placement=placement, step_time_s=sim.step_time_s + sync_time,
+                pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, bubble_fraction=sim.bubble_fraction,
+                peak_memory_bytes=max(st.peak_memory_bytes for st in stages))
+    return Candidate(d, p, mode, sched_name, m, plan, reason)
+
+
+def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
+    """Nodes per stage (torchgpipe's ``balance``) -> boundaries: ``[2, 3]`` -> ``(0, 2, 5)``."""
+    bounds = [0]
+    for size in balance:
+        bounds.append(bounds[-1] + size)
+    return tuple(bounds)
+
+
+def _divisors(x: int, cap: int) -> list[int]:
+    return [k for k in range(1, min(x, cap) + 1) if x % k == 0]
+
+
+def candidate_plans(profile: Profile, resources: Resources, *, global_batch: int, strategy: Strategy = "auto",
+                    data_parallel: int | None = None, num_stages: int | None = None, mode: Mode | None = None,
+                    num_microbatches: int | None = None, schedule: str | None = None,
+                    cutter: str | Cutter = "minmax", balance: Sequence[int] | None = None,
+                    max_microbatches: int = MAX_MICROBATCHES) -> list[Candidate]:
+    """Evaluates every plan shape the request allows (see :func:`choose_plan` for the arguments).
+
+    Returns:
+        One :class:`Candidate` per shape, fitting or not, in enumeration order.
+
+    Raises:
+        PlanningError: If the fixed fields contradict each other, the model or the resources.
+    """
+    n, num_workers = profile.num_nodes, resources.num_workers
+    if strategy not in get_args(Strategy):
+        raise PlanningError(f"unknown strategy {strategy!r}; use one of {get_args(Strategy)}")
+    if mode is not None and mode not in get_args(Mode):
+        raise PlanningError(f"unknown mode {mode!r}; use one of {get_args(Mode)}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise PlanningError(f"unknown schedule {schedule!r}; use one of {tuple(SCHEDULES)}")
+    try:
+        cut_fn = get_cutter(cutter)
+    except ValueError as exc:
+        raise PlanningError(str(exc)) from None
+    cutter_name = cutter if isinstance(cutter, str) else getattr(cutter, "__name__", type(cutter).__name__)
+    if strategy == "data_parallel":
+        if num_stages not in (None, 1):
+            raise PlanningError(f"strategy='data_parallel' means num_stages=1, not {num_stages}")
+        num_stages = 1
+    if strategy == "pipeline":
+        if data_parallel not in (None, 1):
+            raise PlanningError(f"strategy='pipeline' means data_parallel=1, not {data_parallel}")
+        data_parallel = 1
+    if balance is not None:
+        if any(b < 1 for b in balance) or sum(balance) != n:
+            raise PlanningError(f"balance {list(balance)} must be positive node counts summing to "
+                                f"the {n} nodes")
+        if num_stages not in (None, len(balance)):
+            raise PlanningError(f"balance has {len(balance)} stages but num_stages={num_stages}")
+        num_stages = len(balance)
+    max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
+    if num_stages is not None and not 1 <= num_stages <= max_stages:
+        why = f"the model has {n} nodes"
+        if max_stages < n:
+            why += f" and {max_stages - 1} cuttable positions"
+        raise PlanningError(f"num_stages={num_stages} is impossible: {why}; use 1..{max_stages} stages")
+    if num_stages is not None and num_stages > num_workers:
+        raise PlanningError(f"num_stages={num_stages} needs {num_stages} workers, the resources have "
+                            f"{num_workers}; use at most {min(num_workers, max_stages)} stages")
+    if num_microbatches is not None and num_microbatches < 1:
+        raise PlanningError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if data_parallel is not None and not 1 <= data_parallel <= num_workers:
+        raise PlanningError(f"data_parallel={data_parallel} needs 1..{num_workers} workers; "
+                            f"the resources have {num_workers}")
+    if data_parallel is not None and num_stages is not None and data_parallel * num_stages > num_workers:
+        raise PlanningError(f"data_parallel={data_parallel} x num_stages={num_stages} needs "
+                            f"{data_parallel * num_stages} workers, the resources have {num_workers}; with "
+                            f"data_parallel={data_parallel} at most {num_workers // data_parallel} "
+                            "stages fit")
+    if global_batch < 1:
+        raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
+    degrees = [data_parallel] if data_parallel is not None else _divisors(global_batch, num_workers)
+    if global_batch % degrees[0]:
+        raise PlanningError(f"global_batch={global_batch} does not split evenly into "
+                            f"data_parallel={degrees[0]} replicas; degrees that divide it: "
+                            f"{_divisors(global_batch, num_workers)}")
+    shapes: list[Shape] = []
+    for d in degrees:
+        per_replica = global_batch // d
+        counts = _divisors(per_replica, max_microbatches) if num_microbatches is None else [num_microbatches]
+        counts = [c for c in counts if c >= 1 and per_replica % c == 0]
+        most = min(max_stages, num_workers // d)
+        stage_counts = range(1, most + 1) if num_stages is None else [num_stages]
+        modes: tuple[Mode, ...] = get_args(Mode) if d > 1 else ("collective",)
+        if mode is not None:
+            modes = (mode,)
+        scheds = list(SCHEDULES) if schedule is None else [schedule]
+        shapes += [(d, p, md, sc, m) for p in stage_counts if d * p <= num_workers
+                   for md in modes for sc in scheds for m in counts]
+    if not shapes:
+        d_text = f"data_parallel={data_parallel}" if data_parallel is not None else "any data-parallel degree"
+        raise PlanningError(f"num_microbatches={num_microbatches} does not divide "
+                            f"global_batch={global_batch} with {d_text}; per replica it must divide "
+                            "global_batch / data_parallel, e.g. "
+                            f"{_divisors(global_batch // degrees[0], max_microbatches)}")
+    return [_evaluate(profile, resources, sh, global_batch, cut_fn, cutter_name, balance) for sh in shapes]
+
+
+def _rank(c: Candidate) -> tuple[float, int, int, float]:
+    """Fastest first (to 9 significant digits); then fewer workers, collective mode, less memory."""
+    assert c.plan is not None
+    step = float(f"{c.plan.step_time_s:.9g}")
+    return step, c.plan.num_workers, c.mode != "collective", c.plan.peak_memory_bytes
+
+
+def choose_plan(profile: Profile, resources: Resources, *, global_batch: int, strategy: Strategy = "auto",
+                data_parallel: int | None = None, num_stages: int | None = None, mode: Mode | None = None,
+                num_microbatches: int | None = None, schedule: str | None = None,
+                cutter: str | Cutter = "minmax", balance: Sequence[int] | None = None,
+                max_microbatches: int = MAX_MICROBATCHES) -> Plan:
+    """The fastest plan that fits every worker's memory, among those the request allows.
+
+    Args:
+        profile: The model's profile.
+        resources: The workers the plan may use (it uses the first ``d * p``).
+        global_batch: Samples per training step over all replicas.
+        strategy: ``"auto"`` (search all), ``"data_parallel"`` (``p = 1``) or ``"pipeline"`` (``d = 1``).
+        data_parallel: Fixes the number of replicas.
+        num_stages: Fixes the number of pipeline stages.
+        mode: Fixes the gradient path, ``"collective"`` or ``"parameter_server"``.
+        num_microbatches: Fixes the microbatches per replica per step.
+        schedule: Fixes the schedule (a key of ``coordinator.schedules.SCHEDULES``).
+        cutter: A registered cutter's name or a :class:`~coordinator.cutting.Cutter`.
+        balance: Fixes the nodes per stage (as torchgpipe's ``balance``), bypassing the cutter.
+        max_microbatches: The largest microbatch count searched when not fixed.
+
+    Raises:
+        PlanningError: If the request is impossible or no plan fits in memory; the message
+            says why and names a plan that would fit when one exists.
+    """
+    cands = candidate_plans(profile, resources, global_batch=global_batch, strategy=strategy,
+                            data_parallel=data_parallel, num_stages=num_stages, mode=mode,
+                            num_microbatches=num_microbatches, schedule=schedule, cutter=cutter,
+                            balance=balance, max_microbatches=max_microbatches)
+    fitting = [c for c in cands if c.fits]
+    if fitting:
+        best = min(fitting, key=_rank)
+        assert best.plan is not None
+        return best.plan
+    request: dict[str, object] = dict(strategy=strategy, data_parallel=data_parallel, num_stages=num_stages,
+                                      mode=mode, num_microbatches=num_microbatches, schedule=schedule,
+                                      balance=balance)
+    raise PlanningError(_explain(profile, resources, global_batch, cands, request, cutter, max_microbatches))
+
+
+def _explain(profile: Profile, resources: Resources, global_batch: int, cands: list[Candidate],
+             request: dict[str, object], cutter: str | Cutter, max_microbatches: int) -> str:
+    fixed = {k: v for k, v in request.items() if v is not None and not (k == "strategy" and v == "auto")}
+    asked = ", ".join(f"{k}={v!r}" for k, v in fixed.items()) or "no fixed fields"
+    planned = [c for c in cands if c.plan is not None]
+    if not planned:
+        return f"no plan exists for {asked}: " + "; ".join(sorted({c.reason for c in cands}))
+    least = min(planned, key=lambda c: c.plan.peak_memory_bytes if c.plan else math.inf)
+    assert least.plan is not None
+    budget = max(w.memory_bytes for w in resources.workers)
+    msg = (f"no plan fits in memory ({len(cands)} evaluated with {asked}). The least memory any of them "
+           f"needs is {format_bytes(least.plan.peak_memory_bytes)} per worker ({least.plan.summary()}: "
+           f"{least.reason}); the largest worker has {format_bytes(budget)}.")
+    if fixed:
+        free = [c for c in candidate_plans(profile, resources, global_batch=global_batch, cutter=cutter,
+                                           max_microbatches=max_microbatches) if c.fits]
+        if free:
+            best = min(free, key=_rank)
+            assert best.plan is not None
+            return f"{msg} Without fixing {', '.join(fixed)}, this plan fits: {best.plan.summary()}."
+    return (f"{msg} Give the workers at least {format_bytes(least.plan.peak_memory_bytes)} each, add "
+            "workers (more pipeline stages split the parameters), use parameter-server mode or a smaller "
+            "global batch.")
+
+
+def format_candidates(cands: Sequence[Candidate], limit: int = 10) -> str:
+    """The ``limit`` fastest candidates as a table (fitting ones first)."""
+    ordered = sorted(cands, key=lambda c: (not c.fits, c.step_time_s))[:limit]
+    rows = [f"{'d':>3} {'p':>3} {'mode':<16} {'sched':<6} {'m':>4} {'step ms':>10} {'peak mem':>10}  fits"]
+    for c in ordered:
+        step = f"{c.step_time_s * 1e3:.3f}" if c.plan else "-"
+        mem = format_bytes(c.plan.peak_memory_bytes) if c.plan else "-"
+        rows.append(f"{c.data_parallel:>3} {c.num_stages:>3} {c.mode:<16} {c.schedule_name:<6} "
+                    f"{c.num_microbatches:>4} {step:>10} {mem:>10}  {'yes' if c.fits else c.reason}")
+    return "\n".join(rows)

@@ -1,0 +1,151 @@
+"""The cutter: exact against brute force, fast on long chains, better than the even split, pluggable."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.cutting import (
+    CUTTERS,
+    CutError,
+    CutProblem,
+    cut_even,
+    cut_min_max,
+    get_cutter,
+    register_cutter,
+)
+
+
+def brute_force(problem: CutProblem) -> float:
+    """The best slowest-stage time over every feasible cut (inf if none)."""
+    n, k = problem.num_nodes, problem.num_stages
+    best = math.inf
+    for inner in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *inner, n)
+        try:
+            problem.check(bounds)
+        except CutError:
+            continue
+        best = min(best, max(sum(problem.compute_s[a:b]) + (problem.cut_s[a] if a > 0 else 0)
+                             + (problem.cut_s[b] if b < n else 0) for a, b in itertools.pairwise(bounds)))
+    return best
+
+
+@st.composite
+def problems(draw: st.DrawFn, memory: bool) -> CutProblem:
+    n = draw(st.integers(1, 12))
+    k = draw(st.integers(1, min(4, n)))
+    cost = st.floats(0, 10, allow_nan=False)
+    compute = tuple(draw(st.lists(cost, min_size=n, max_size=n)))
+    cuts = tuple(draw(st.lists(st.floats(0, 5), min_size=n + 1, max_size=n + 1)))
+    cuttable = None
+    if draw(st.booleans()):
+        cuttable = tuple(draw(st.lists(st.booleans(), min_size=n + 1, max_size=n + 1)))
+    if not memory:
+        return CutProblem(compute, cuts, k, cuttable)
+    static = tuple(draw(st.lists(st.floats(0, 10), min_size=n, max_size=n)))
+    act = tuple(draw(st.lists(st.floats(0, 3), min_size=n, max_size=n)))
+    in_flight = tuple(draw(st.lists(st.integers(1, 4), min_size=k, max_size=k)))
+    limit = tuple(draw(st.lists(st.floats(5, 60), min_size=k, max_size=k)))
+    return CutProblem(compute, cuts, k, cuttable, static, act, in_flight, limit)
+
+
+def assert_exact(problem: CutProblem) -> None:
+    best = brute_force(problem)
+    if math.isinf(best):
+        with pytest.raises(CutError):
+            cut_min_max(problem)
+        return
+    bounds = cut_min_max(problem)
+    problem.check(bounds)
+    assert problem.max_stage_time(bounds) == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=400, deadline=None)
+@given(problem=problems(memory=False))
+def test_min_max_equals_brute_force(problem: CutProblem) -> None:
+    assert_exact(problem)
+
+
+@settings(max_examples=400, deadline=None)
+@given(problem=problems(memory=True))
+def test_min_max_equals_brute_force_under_memory_limits(problem: CutProblem) -> None:
+    assert_exact(problem)
+
+
+def test_thousand_nodes_into_sixteen_stages_under_a_second() -> None:
+    rng = random.Random(7)
+    n = 1000
+    problem = CutProblem(tuple(rng.lognormvariate(0, 1) for _ in range(n)),
+                         tuple(rng.uniform(0, 0.5) for _ in range(n + 1)), 16)
+    cut_min_max(problem)  # warm numpy up
+    t0 = time.perf_counter()
+    bounds = cut_min_max(problem)
+    elapsed = time.perf_counter() - t0
+    print(f"\n1,000 nodes -> 16 stages: {elapsed * 1e3:.1f} ms")
+    assert elapsed < 1.0
+    assert len(bounds) == 17
+    assert problem.max_stage_time(bounds) <= problem.max_stage_time(cut_even(problem))
+
+
+def test_min_max_beats_even_split_on_very_uneven_chain() -> None:
+    # 24 nodes: mostly cheap, a few 50x heavier ones clustered at the end (a head / large layers),
+    # with activations that shrink along the chain (cheap cuts late, expensive ones early)
+    compute = tuple([1.0] * 16 + [50.0, 1.0, 50.0, 1.0, 50.0, 1.0, 50.0, 1.0])
+    cuts = tuple(max(0.1, 4.0 - 0.2 * c) for c in range(25))
+    problem = CutProblem(compute, cuts, 4)
+    even = problem.max_stage_time(cut_even(problem))
+    best = problem.max_stage_time(cut_min_max(problem))
+    ratio = even / best
+    print(f"\nuneven chain: even split slowest stage {even:.1f}, min-max {best:.1f}, ratio {ratio:.2f}x")
+    assert ratio > 1.5
+
+
+def test_even_split_sizes_and_uncuttable_positions() -> None:
+    problem = CutProblem((1.0,) * 10, (0.0,) * 11, 3)
+    assert cut_even(problem) == (0, 4, 7, 10)
+    blocked = CutProblem((1.0,) * 10, (0.0,) * 11, 3, tuple(c != 4 for c in range(11)))
+    assert cut_even(blocked) == (0, 3, 7, 10)
+
+
+def test_check_names_the_problem() -> None:
+    problem = CutProblem((1.0,) * 4, (0.0,) * 5, 2, (True, True, False, True, True),
+                         (5.0,) * 4, (1.0,) * 4, (2, 1), (100.0, 8.0))
+    with pytest.raises(CutError, match="are not 0 = b0"):
+        problem.check((0, 4))
+    with pytest.raises(CutError, match="cannot be cut"):
+        problem.check((0, 2, 4))
+    with pytest.raises(CutError, match=r"stage 1 \(nodes 1..3\) needs 18 bytes, its limit is 8"):
+        problem.check((0, 1, 4))
+    assert problem.check((0, 3, 4)) == (0, 3, 4)
+
+
+def test_bad_problems_are_refused() -> None:
+    with pytest.raises(ValueError, match="between 1 and"):
+        CutProblem((1.0,), (0.0, 0.0), 2)
+    with pytest.raises(ValueError, match="n \\+ 1 cut costs"):
+        CutProblem((1.0, 1.0), (0.0,), 1)
+    with pytest.raises(ValueError, match="needs static_bytes"):
+        CutProblem((1.0,), (0.0, 0.0), 1, memory_limit=(1.0,))
+
+
+def test_cutters_are_pluggable_by_name_or_callable() -> None:
+    assert get_cutter("minmax") is cut_min_max and get_cutter("even") is cut_even
+
+    def first_heavy(problem: CutProblem) -> tuple[int, ...]:
+        return (0, *range(problem.num_nodes - problem.num_stages + 1, problem.num_nodes + 1))
+
+    assert get_cutter(first_heavy) is first_heavy
+    register_cutter("first-heavy", first_heavy)
+    try:
+        assert get_cutter("first-heavy")(CutProblem((1.0,) * 5, (0.0,) * 6, 3)) == (0, 3, 4, 5)
+    finally:
+        del CUTTERS["first-heavy"]
+    with pytest.raises(ValueError, match="registered: minmax, even"):
+        get_cutter("nope")

@@ -1,0 +1,97 @@
+"""Profiling: per-node times and bytes on a sample microbatch, and the profile round-tripping as JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from coordinator.graph import build_graph
+from coordinator.profile import Profile, format_bytes, profile_graph
+from services.cell import Cell
+
+
+def mlp() -> list[Cell]:
+    return [Cell("in", nn.Linear(16, 64)), Cell("act", nn.ReLU()), Cell("mid", nn.Linear(64, 64)),
+            Cell("out", nn.Linear(64, 4))]
+
+
+def test_profile_measures_every_node() -> None:
+    model = mlp()
+    sample = torch.randn(8, 16)
+    graph = build_graph(model, sample)
+    prof = profile_graph(graph, sample, repeats=3, optimizer="adam", num_threads=1)
+    assert [n.name for n in prof.nodes] == ["in", "act", "mid", "out"]
+    assert prof.microbatch_size == 8 and prof.repeats == 3 and prof.device == "cpu"
+    assert all(n.forward_s > 0 and n.backward_s > 0 for n in prof.nodes)
+    assert [n.param_bytes for n in prof.nodes] == [(16 * 64 + 64) * 4, 0, (64 * 64 + 64) * 4,
+                                                   (64 * 4 + 4) * 4]
+    assert all(n.optimizer_state_bytes == 2 * n.grad_bytes for n in prof.nodes)
+    # Linear(16, 64) saves its input (no grad needed for x, but the weight gradient needs it);
+    # ReLU saves its output; the weights themselves are not activations
+    assert prof.nodes[0].activation_bytes == 8 * 16 * 4
+    assert prof.nodes[1].activation_bytes == 8 * 64 * 4
+    assert [c.forward_bytes for c in prof.cuts] == [8 * 16 * 4, 8 * 64 * 4, 8 * 64 * 4, 8 * 64 * 4, 8 * 4 * 4]
+    assert prof.cuts[0].backward_bytes == 0
+    assert all(p.grad is None for c in model for p in c.parameters())  # profiling leaves no gradients
+
+
+def test_profile_of_a_skip_model_relays_the_skip() -> None:
+    class Res(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+            self.c = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.c(self.b(h)) + h
+
+    sample = torch.randn(4, 8)
+    prof = profile_graph(build_graph(Res(), sample), sample, repeats=1, warmup=0)
+    assert [len(c.tensors) for c in prof.cuts] == [1, 1, 2, 1]
+
+
+def test_profile_round_trips_through_json(tmp_path: Path) -> None:
+    sample = torch.randn(4, 16)
+    prof = profile_graph(build_graph(mlp(), sample), sample, repeats=2)
+    assert Profile.model_validate_json(prof.model_dump_json()) == prof
+    prof.save(tmp_path / "profile.json")
+    assert Profile.load(tmp_path / "profile.json") == prof
+    assert "mid" in str(prof)
+
+
+def test_synthetic_profile_and_validation() -> None:
+    prof = Profile.synthetic([1e-3, 2e-3, 3e-3], param_bytes=[100, 200, 300], cut_bytes=[64, 32])
+    assert [c.forward_bytes for c in prof.cuts] == [0, 64, 32, 0]
+    assert prof.nodes[2].backward_s == 6e-3 and prof.nodes[1].optimizer_state_bytes == 400
+    data = prof.model_dump()
+    data["cuts"] = data["cuts"][:-1]
+    with pytest.raises(ValueError, match="need 4 cuts"):
+        Profile.model_validate(data)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        profile_graph(build_graph(mlp(), torch.randn(2, 16)), torch.randn(2, 16), optimizer="lion")
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 * 2**30) == "3 GiB"
+
+
+def test_capture_and_profiling_leave_the_model_and_rng_untouched() -> None:
+    model = [Cell("lin", nn.Linear(8, 8)), Cell("bn", nn.BatchNorm1d(8)), Cell("drop", nn.Dropout(0.5)),
+             Cell("out", nn.Linear(8, 2))]
+    stats = model[1].module.running_mean.clone()  # type: ignore[union-attr]
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    sample = torch.randn(16, 8) + 5.0
+    torch.manual_seed(123)
+    profile_graph(build_graph(model, sample), sample, repeats=2)
+    assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(model[1].module.running_mean, stats)  # type: ignore[union-attr,arg-type]
+    assert all(p.grad is None for c in model for p in c.parameters())

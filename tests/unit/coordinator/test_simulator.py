@@ -1,0 +1,114 @@
+"""The simulator: the bubble formula, hand-worked timelines, activations held, the SVG timeline."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.schedules import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    gpipe,
+    one_f_one_b,
+)
+from coordinator.simulator import StageCosts, TimedAction, draw_timeline, simulate
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 6), m=st.integers(1, 12), f=st.floats(0.01, 10), b=st.floats(0.01, 10),
+       name=st.sampled_from(["gpipe", "1f1b"]))
+def test_bubble_matches_formula_for_equal_stages_and_free_transfers(p: int, m: int, f: float, b: float,
+                                                                   name: str) -> None:
+    result = simulate(build_schedule(name, p, m), StageCosts.uniform(p, f, b))
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-9, abs=1e-12)
+    assert result.step_time_s == pytest.approx((m + p - 1) * (f + b), rel=1e-9)
+
+
+def _spans(played: Sequence[TimedAction]) -> list[tuple[str, float, float]]:
+    return [(str(t.action), t.start, t.end) for t in played]
+
+
+def test_gpipe_two_stages_two_microbatches_by_hand() -> None:
+    # forward 1, backward 2, every transfer 0.5 (each end pays it, a receive waits for the send to end)
+    result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0, 0.5))
+    assert _spans(result.timeline[0]) == [
+        ("0F0", 0, 1), ("0S0->1", 1, 1.5), ("0F1", 1.5, 2.5), ("0S1->1", 2.5, 3),
+        ("0R0<-1", 7, 7.5), ("0B0", 7.5, 9.5), ("0R1<-1", 9.5, 10), ("0B1", 10, 12)]
+    assert _spans(result.timeline[1]) == [
+        ("1R0<-0", 1.5, 2), ("1F0", 2, 3), ("1R1<-0", 3, 3.5), ("1F1", 3.5, 4.5),
+        ("1B0", 4.5, 6.5), ("1S0->0", 6.5, 7), ("1B1", 7, 9), ("1S1->0", 9, 9.5)]
+    assert result.step_time_s == 12
+    assert result.busy_s == (8, 8)
+    assert result.idle_s == (4, 4)
+    assert result.bubble_fraction == pytest.approx(8 / 24)
+    assert result.peak_in_flight == (2, 2)
+
+
+def test_1f1b_two_stages_two_microbatches_by_hand() -> None:
+    result = simulate(one_f_one_b(2, 2), StageCosts.uniform(2, 1.0, 2.0, 0.5))
+    assert _spans(result.timeline[1]) == [
+        ("1R0<-0", 1.5, 2), ("1F0", 2, 3), ("1B0", 3, 5), ("1S0->0", 5, 5.5),
+        ("1R1<-0", 5.5, 6), ("1F1", 6, 7), ("1B1", 7, 9), ("1S1->0", 9, 9.5)]
+    assert _spans(result.timeline[0])[-4:] == [("0R0<-1", 5.5, 6), ("0B0", 6, 8), ("0R1<-1", 9.5, 10),
+                                                ("0B1", 10, 12)]
+    assert result.step_time_s == 12
+    assert result.peak_in_flight == (2, 1)
+    # held activations over time on stage 1: +1 at each forward's start, -1 at each backward's end
+    assert result.held[1] == ((0, 0), (2, 1), (5, 0), (6, 1), (9, 0))
+
+
+def test_slowest_stage_sets_the_pace() -> None:
+    # stage 1 twice as slow: steady state runs at its pace, m microbatches of 3 + fill/drain of the others
+    costs = StageCosts((1.0, 2.0, 1.0), (0.0, 0.0, 0.0), (0.0, 0.0), (0.0, 0.0))
+    result = simulate(gpipe(3, 4), costs)
+    assert result.step_time_s == pytest.approx(1 + 4 * 2 + 1)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 16), (8, 32)])
+def test_1f1b_holds_at_most_p_microbatches_gpipe_holds_m(p: int, m: int) -> None:
+    costs = StageCosts((1.0,) * p, (2.0,) * p, (0.1,) * (p - 1), (0.1,) * (p - 1), (10.0,) * p)
+    one = simulate(one_f_one_b(p, m), costs)
+    gp = simulate(gpipe(p, m), costs)
+    assert max(one.peak_in_flight) == p
+    assert one.peak_in_flight == tuple(p - s for s in range(p))
+    assert gp.peak_in_flight == (m,) * p
+    assert one.peak_activation_bytes[0] == 10.0 * p
+    assert gp.peak_activation_bytes[0] == 10.0 * m
+
+
+def test_deadlocked_lists_raise() -> None:
+    act = Action(0, ActionKind.RECV, 0, 1), Action(0, ActionKind.FORWARD, 0)
+    back = Action(1, ActionKind.RECV, 0, 0), Action(1, ActionKind.FORWARD, 0)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(Schedule("x", 2, 1, (act, back)), StageCosts.uniform(2, 1, 1))
+
+
+def test_costs_must_match_the_schedule() -> None:
+    with pytest.raises(ValueError, match="stages"):
+        simulate(gpipe(3, 2), StageCosts.uniform(2, 1, 1))
+    with pytest.raises(ValueError, match="inconsistent"):
+        StageCosts((1.0, 1.0), (1.0,), (0.0,), (0.0,))
+    with pytest.raises(ValueError, match=">= 0"):
+        StageCosts.uniform(2, -1.0, 1.0)
+
+
+def test_timeline_svg_has_one_box_per_action(tmp_path: Path) -> None:
+    result = simulate(one_f_one_b(4, 8), StageCosts.uniform(4, 1e-3, 2e-3, 2e-4))
+    path = draw_timeline(result, tmp_path / "timeline.svg")
+    svg = path.read_text()
+    root = ElementTree.fromstring(svg)  # well-formed XML
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    boxes = re.findall(r"<rect x=", svg)
+    assert len(boxes) == sum(len(t) for t in result.timeline)
+    assert "1f1b: step" in svg and "stage 3" in svg
+    assert "1F7" in svg  # labelled compute boxes
+    print(result.summary())
