@@ -12,7 +12,7 @@ Envelopes (frame 0 of every RPC message):
 
 Bodies, by service: worker control (``Assignment``, ``WorkerStatus``...), push/pull
 (``PullRequest``, ``PushRequest``...), barrier (``BarrierArrive``...), cell compute
-(``RunActions``...). Extra message types are added here, never invented elsewhere.
+(``RunStep``, ``StageAction``...). Extra message types are added here, never invented elsewhere.
 """
 
 from __future__ import annotations
@@ -20,30 +20,43 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from comm.codec import Message
 from comm.wire import DTYPES, MAX_NDIM, MAX_TENSOR_BYTES
 
 __all__ = [
+    "ActionTiming",
     "Assignment",
     "AssignmentReply",
     "BarrierArrive",
     "BarrierReleased",
+    "BoundarySpec",
+    "BoundaryTensor",
+    "ComputeOptions",
     "Empty",
     "ErrorBody",
     "OptimizerSpec",
+    "OptimizerStepReply",
+    "OptimizerStepRequest",
     "ParamInfo",
     "PullReply",
     "PullRequest",
     "PushReply",
     "PushRequest",
+    "Reconnect",
     "ReplyEnvelope",
     "RequestEnvelope",
+    "RunStep",
+    "ShardInfo",
     "ShardSetup",
+    "StageAction",
+    "StepReply",
     "TensorSpec",
+    "TensorsReply",
     "WorkerCard",
     "WorkerStatus",
+    "ZeroGradRequest",
 ]
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
@@ -139,6 +152,8 @@ class WorkerStatus(Message):
 
 
 # -- push/pull (parameter server) -------------------------------------------------------
+# The contract (modes, versions, clocks, dedup) is services/param_server.py's docstring; the
+# tensors of setup, pull and push travel as pieces named "{param}#{k}" (services/sharding.py).
 
 
 class OptimizerSpec(Message):
@@ -151,38 +166,78 @@ class OptimizerSpec(Message):
 class ParamInfo(Message):
     name: Name
     dtype: str
-    shape: list[int]
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; known: {', '.join(DTYPES)}")
+        return v
 
 
 class ShardSetup(Message):
-    """Initialise a parameter shard: its parameters follow as tensors, one per name."""
+    """Initialise a parameter shard: ``params`` describes each parameter, its values follow as pieces."""
 
     mode: Literal["sync", "async"]
-    replicas: int = Field(ge=1)
+    replicas: int = Field(ge=1, le=1 << 14)
     optimizer: OptimizerSpec
-    staleness: int = Field(default=0, ge=0)  # async only: max versions ahead of the slowest replica
+    staleness: int = Field(default=0, ge=0)  # async only: max clock lead over the slowest replica
+    params: list[ParamInfo] = Field(min_length=1, max_length=1 << 16)
+
+
+class ShardInfo(Message):
+    """What a parameter shard holds: its parameters, mode, version and per-replica clocks."""
+
+    service: str
+    ready: bool  # False until ``setup``; every other field is empty then
+    mode: str = ""
+    replicas: int = 0
+    staleness: int = 0
+    optimizer: str = ""
+    version: int = 0
+    clocks: list[int] = Field(default_factory=list)
+    params: list[ParamInfo] = Field(default_factory=list)
+    moved: int = 0  # parameters copied before an update because a pull reply still read them
 
 
 class PullRequest(Message):
+    """Current values once the shard reached ``min_version`` (and, async, the staleness bound holds)."""
+
     replica: int = Field(ge=0)
     min_version: int = Field(ge=0)  # wait until the shard reached this version (sync: the step)
     timeout_ms: int = Field(default=60_000, ge=0)
+    params: list[Name] = Field(default_factory=list, max_length=1 << 16)  # empty: all of the shard's
 
 
 class PullReply(Message):
     version: int
+    clocks: list[int]  # per replica: 1 + its last applied step (0: none yet)
 
 
 class PushRequest(Message):
-    """Gradients for ``step`` from ``replica``; ``seq`` makes a re-sent push idempotent."""
+    """Part ``part`` of ``parts`` of replica ``replica``'s gradients for ``step``.
+
+    ``(replica, step, seq, part)`` makes a re-sent push idempotent; one push may travel as
+    several messages (disjoint sets of whole parameters) so a shard works on early parts
+    while later ones are on the wire.
+    """
 
     replica: int = Field(ge=0)
     step: int = Field(ge=0)
     seq: int = Field(ge=0)
+    part: int = Field(default=0, ge=0)
+    parts: int = Field(default=1, ge=1, le=1 << 16)
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> PushRequest:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} is not below parts {self.parts}")
+        return self
 
 
 class PushReply(Message):
-    version: int  # the shard's version after this push was taken (sync: may not be applied yet)
+    version: int  # the shard's version after this part was taken (sync: may not be applied yet)
     duplicate: bool = False
 
 
@@ -199,3 +254,192 @@ class BarrierArrive(Message):
 class BarrierReleased(Message):
     name: str
     generation: int
+
+
+# -- cell compute -----------------------------------------------------------------------
+# The stage action IR and the boundary metadata; see services/compute.py for the contract.
+
+StageActionKind = Literal["forward", "backward", "send_act", "recv_act", "send_grad", "recv_grad"]
+FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
+MAX_BOUNDARY_TENSORS = 256  # tensors per cut; also the stride of transfer tags (services/boundary.py)
+
+
+class BoundaryTensor(Message):
+    """One tensor that crosses a cut per microbatch.
+
+    ``shape`` is recorded at the owning :class:`BoundarySpec`'s ``batch_size`` samples;
+    ``batch_dim`` (if set) is the dimension that scales with the microbatch's sample count.
+    Only floating-point tensors may carry gradients (``requires_grad``).
+    """
+
+    name: Name  # names the tensor in errors and logs (e.g. the coordinator's "mix.h")
+    dtype: str
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
+    requires_grad: bool
+    batch_dim: int | None = Field(default=None, ge=0)
+    key: str | None = None  # dict structure only: the tensor's key (default: ``name``)
+
+    @property
+    def dict_key(self) -> str:
+        return self.name if self.key is None else self.key
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; known: {', '.join(DTYPES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BoundaryTensor:
+        if self.batch_dim is not None and self.batch_dim >= len(self.shape):
+            raise ValueError(f"tensor {self.name!r}: batch_dim {self.batch_dim} is not a dim of {self.shape}")
+        if self.requires_grad and not DTYPES[self.dtype].is_floating_point:
+            raise ValueError(f"tensor {self.name!r}: a {self.dtype} tensor cannot require grad")
+        if math.prod(self.shape) > MAX_TENSOR_BYTES:
+            raise ValueError(f"tensor {self.name!r}: shape {self.shape} is over the size limit")
+        return self
+
+
+class BoundarySpec(Message):
+    """Everything that crosses one cut per microbatch: the value's structure and its tensors.
+
+    ``structure`` says how the tensors form the value a stage returns and the next stage's
+    first cell receives: ``"tensor"`` (exactly one entry), ``"tuple"``/``"list"`` (entries
+    in position order) or ``"dict"`` (entries under their ``dict_key``; str keys only).
+    """
+
+    structure: Literal["tensor", "tuple", "list", "dict"]
+    tensors: list[BoundaryTensor] = Field(min_length=1, max_length=MAX_BOUNDARY_TENSORS)
+    batch_size: int = Field(ge=1)  # the samples per microbatch the shapes were recorded at
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BoundarySpec:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tensor names repeat: {names}")
+        keys = [t.dict_key for t in self.tensors]
+        if self.structure == "dict" and len(set(keys)) != len(keys):
+            raise ValueError(f"dict keys repeat: {keys}")
+        if self.structure != "dict" and any(t.key is not None for t in self.tensors):
+            raise ValueError(f"a key is only meaningful for structure 'dict', not {self.structure!r}")
+        if self.structure == "tensor" and len(self.tensors) != 1:
+            raise ValueError(f"structure 'tensor' needs exactly one tensor, got {len(self.tensors)}")
+        return self
+
+
+class ComputeOptions(Message):
+    """``Assignment.options`` of a ``compute`` service: the plan fields one pipeline stage needs.
+
+    Factories are ``"package.module:function"`` names: ``data`` returns the samples (see
+    ``services/stage.py``), ``loss`` returns ``loss(output, targets) -> scalar``.
+    """
+
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    comm_backend: Literal["zmq", "gloo", "nccl", "auto"] = "zmq"
+    registry: str = ""  # registry URL; needed when num_stages > 1
+    comm_prefix: str = ""  # unique per pipeline and generation; needed when num_stages > 1
+    comm_timeout_ms: int = Field(default=60_000, ge=1)  # rendezvous and default transfer bound
+    factory_kwargs: FactoryKwargs = Field(default_factory=dict)
+    data: str = ""  # needed on the first and the last stage
+    data_kwargs: FactoryKwargs = Field(default_factory=dict)
+    loss: str = ""  # needed on the last stage
+    loss_kwargs: FactoryKwargs = Field(default_factory=dict)
+    loss_reduction: Literal["mean", "sum"] = "mean"  # mean: microbatch losses weighted by size
+    incoming: BoundarySpec | None = None  # needed when stage > 0
+    outgoing: BoundarySpec | None = None  # needed when stage < num_stages - 1
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ComputeOptions:
+        first, last = self.stage == 0, self.stage == self.num_stages - 1
+        needs = {
+            "stage < num_stages": self.stage < self.num_stages,
+            "registry (num_stages > 1)": self.num_stages == 1 or bool(self.registry),
+            "comm_prefix (num_stages > 1)": self.num_stages == 1 or bool(self.comm_prefix),
+            "data (first and last stage)": not (first or last) or bool(self.data),
+            "loss (last stage)": not last or bool(self.loss),
+            "incoming (stage > 0)": first or self.incoming is not None,
+            "outgoing (stage < num_stages - 1)": last or self.outgoing is not None,
+        }
+        missing = [what for what, ok in needs.items() if not ok]
+        if missing:
+            raise ValueError(f"stage {self.stage} of {self.num_stages}: missing or invalid {missing}")
+        return self
+
+
+class StageAction(Message):
+    """One action of one stage: printed ``F3``, ``B3``, ``SA3->1``, ``RA3<-0``, ``SG3->0``, ``RG3<-1``.
+
+    ``peer`` is the neighbouring stage a transfer goes to or comes from (activations flow
+    up, gradients down); compute actions have none.
+    """
+
+    kind: StageActionKind
+    microbatch: int = Field(ge=0)
+    peer: int | None = Field(default=None, ge=0)
+
+    def __str__(self) -> str:
+        short = {"forward": "F", "backward": "B", "send_act": "SA", "recv_act": "RA",
+                 "send_grad": "SG", "recv_grad": "RG"}[self.kind]
+        arrow = "" if self.peer is None else ("->" if self.kind.startswith("send") else "<-") + str(self.peer)
+        return f"{short}{self.microbatch}{arrow}"
+
+
+class RunStep(Message):
+    """Run one step's action list on a stage; every stage of the pipeline gets the same samples.
+
+    ``microbatches[i]`` lists the sample indices of microbatch ``i`` (the data factory's
+    indices); ``actions`` is this stage's ordered list. ``zero_grad`` clears gradients first
+    (so a replayed step gives the same gradients); ``timeout_ms`` bounds the whole step.
+    """
+
+    step: int = Field(ge=0)
+    microbatches: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = Field(
+        min_length=1, max_length=1 << 16)
+    actions: list[StageAction] = Field(min_length=1, max_length=1 << 20)
+    zero_grad: bool = True
+    timeout_ms: int = Field(default=300_000, ge=1)
+
+
+class ActionTiming(Message):
+    """Wall-clock seconds (``time.time()``) an action began and ended; see services/executor.py."""
+
+    start: float
+    end: float
+
+
+class StepReply(Message):
+    """A finished step: per-microbatch losses (last stage only) and one timing per action."""
+
+    step: int
+    stage: int
+    losses: list[float]  # losses[i] is microbatch i's unweighted loss; empty but on the last stage
+    timings: list[ActionTiming]  # timings[k] belongs to actions[k] of the request
+
+
+class TensorsReply(Message):
+    """Named tensors follow as frames (``names`` in order); ``missing`` names parameters without grad."""
+
+    names: list[str]
+    missing: list[str] = Field(default_factory=list)
+
+
+class ZeroGradRequest(Message):
+    set_to_none: bool = True
+
+
+class OptimizerStepRequest(Message):
+    """Apply one local optimizer step; the first call builds the optimizer, later ones must match it."""
+
+    optimizer: OptimizerSpec
+
+
+class OptimizerStepReply(Message):
+    steps: int  # optimizer steps applied so far by this service
+
+
+class Reconnect(Message):
+    """Replace the stage's communicator by a new one under ``comm_prefix`` (a new generation)."""
+
+    comm_prefix: Name

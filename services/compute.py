@@ -1,0 +1,265 @@
+"""The cell compute service: one pipeline stage's forward and backward, driven by action lists.
+
+One service runs cells ``[start, stop)`` of a model as stage ``s`` of ``p`` (see
+:mod:`services.stage` for the factories and :mod:`services.executor` for how a step's
+action list runs). RPC surface (service kind ``compute``):
+
+* ``run_step(RunStep) -> StepReply``: validate the action list (:mod:`services.actions`;
+  an invalid list is a ``bad_request`` and nothing runs), then run it on the service's
+  step thread; the reply (per-microbatch losses on the last stage, per-action timings)
+  is sent from that thread when the step ends. ``step_failed`` if it fails.
+* ``parameters(Empty)`` / ``gradients(Empty) -> TensorsReply`` + tensors named
+  ``"{cell}.{param}"`` (copies; ``gradients`` sends zeros for, and lists as ``missing``,
+  parameters without a gradient).
+* ``zero_grad(ZeroGradRequest) -> Empty``.
+* ``optimizer_step(OptimizerStepRequest) -> OptimizerStepReply``: a ``torch.optim``
+  class by name; built on the first call and kept (its state lives with the stage), run
+  on the step thread.
+* ``reconnect(Reconnect) -> Empty``: replace the communicator (a new generation prefix).
+
+One thing at a time: while a step or optimizer step runs, every state-touching call is
+answered ``busy``.
+
+Communicator. The stages of one pipeline form a communicator (rank = stage index) that
+meets under ``comm_prefix``; it is joined in the background from the moment of
+assignment (:class:`~services.link.PipelineLink`), and ``run_step`` waits for it, bounded
+by the step's deadline.
+
+[Note: a failed step poisons the channels]
+A step that fails after posting a transfer may leave messages in flight, and the
+backends number messages per peer and tag, so later steps would read stale data. The
+service then refuses ``run_step`` with ``comm_failed`` until ``reconnect`` gives it a
+fresh communicator under a new prefix (every stage of the pipeline reconnects; then the
+abandoned step can be run again: with ``zero_grad`` it gives the same gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+from pydantic import BaseModel, ValidationError
+
+from comm.codec import describe_validation_error
+from services.actions import ActionListError, validate_actions
+from services.executor import StepExecutor, StepFailed
+from services.link import PipelineLink
+from services.protocol import (
+    Assignment,
+    ComputeOptions,
+    Empty,
+    OptimizerSpec,
+    OptimizerStepReply,
+    OptimizerStepRequest,
+    Reconnect,
+    RunStep,
+    TensorsReply,
+    ZeroGradRequest,
+)
+from services.rpc import Call, RpcError, ServiceBase
+from services.stage import Stage, build_stage, check_samples, make_optimizer
+
+__all__ = ["CellComputeService"]
+
+log = logging.getLogger(__name__)
+
+# The host answers `timeout` this long after a step's own deadline, if the step thread has
+# not answered by then (it normally does: every wait inside a step is bounded by the deadline).
+_REPLY_GRACE = timedelta(seconds=5)
+OPTIMIZER_STEP_TIMEOUT = timedelta(seconds=600)
+
+
+class CellComputeService(ServiceBase):
+    """Serves one pipeline stage. Build it with :meth:`from_assignment`.
+
+    Args:
+        stage: The built stage.
+        options: Its plan fields (backend, registry, prefix, timeouts).
+
+    Timeouts: ``options.comm_timeout_ms`` bounds the communicator's rendezvous and is the
+    default of its transfers; ``RunStep.timeout_ms`` bounds a whole step, waiting for the
+    communicator included; :data:`OPTIMIZER_STEP_TIMEOUT` bounds an optimizer step.
+    """
+
+    def __init__(self, stage: Stage, options: ComputeOptions) -> None:
+        self._stage = stage
+        self._tag = f"[stage {stage.index}/{stage.num_stages}]"
+        self._lock = threading.Lock()  # guards the fields below
+        self._busy: str | None = None
+        self._closed = False
+        self._poisoned: str | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-stage{stage.index}")
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_spec: OptimizerSpec | None = None
+        self._optimizer_steps = 0
+        self._link = PipelineLink(backend=options.comm_backend, rank=stage.index, world_size=stage.num_stages,
+                                  registry_url=options.registry, prefix=options.comm_prefix,
+                                  timeout=timedelta(milliseconds=options.comm_timeout_ms))
+
+    @classmethod
+    def from_assignment(cls, assignment: Assignment) -> CellComputeService:
+        """Build the stage (synchronously, so factory errors answer the assignment) and start connecting.
+
+        Raises:
+            RpcError: ``bad_request`` naming the bad option or factory.
+        """
+        try:
+            options = ComputeOptions.model_validate(assignment.options)
+        except ValidationError as exc:
+            raise RpcError("bad_request", f"compute options: {describe_validation_error(exc)}") from None
+        try:
+            stage = build_stage(assignment, options)
+            service = cls(stage, options)
+        except ValueError as exc:  # a factory, the cell range or the registry URL
+            raise RpcError("bad_request", f"stage {options.stage}: {exc}") from None
+        log.info("[stage %d/%d] cells %s, %d parameters", options.stage, options.num_stages,
+                 [c.name for c in stage.cells], sum(p.numel() for _, p in stage.parameters()))
+        return service
+
+    # -- one thing at a time ------------------------------------------------------------
+
+    def _check_idle(self, what: str) -> None:
+        if self._closed:
+            raise RpcError("closed", f"stage {self._stage.index} is shutting down")
+        if self._busy is not None:
+            raise RpcError("busy", f"stage {self._stage.index} cannot {what} while it runs {self._busy}")
+
+    def _submit(self, call: Call, what: str, timeout: timedelta, work: Callable[[], BaseModel]) -> None:
+        """Run ``work`` on the step thread and answer ``call`` from there (bounded by ``timeout``)."""
+        with self._lock:
+            self._check_idle(what)
+            self._busy = what
+
+        def on_timeout() -> tuple[str, str]:
+            seconds = timeout.total_seconds()
+            return "timeout", f"stage {self._stage.index}: {what} did not finish within {seconds:.1f}s"
+
+        call.defer(timeout + _REPLY_GRACE, on_timeout)
+
+        def run() -> None:
+            reply: BaseModel | None = None
+            error: tuple[str, str] | None = None
+            try:
+                reply = work()
+            except StepFailed as exc:
+                log.error("%s %s failed: %s", self._tag, what, exc)
+                error = ("step_failed", str(exc))
+            except RpcError as exc:
+                error = (exc.code, exc.message)
+            except Exception as exc:
+                log.exception("%s %s failed", self._tag, what)
+                error = ("internal", f"stage {self._stage.index}: {what}: {type(exc).__name__}: {exc}")
+            finally:
+                with self._lock:
+                    self._busy = None  # before answering: the caller may send the next request at once
+            if error is not None:
+                call.fail(*error)
+            elif reply is not None:
+                call.reply(reply)
+
+        self._pool.submit(run)
+
+    # -- RPCs -----------------------------------------------------------------------------
+
+    def rpc_run_step(self, request: RunStep, call: Call) -> None:
+        stage = self._stage
+        with self._lock:
+            self._check_idle(f"step {request.step}")
+            if self._poisoned is not None:
+                raise RpcError("comm_failed", f"stage {stage.index}: {self._poisoned}; reconnect every stage "
+                                              "under a new comm_prefix before the next step")
+        try:
+            with_backward = validate_actions(request.actions, stage=stage.index, num_stages=stage.num_stages,
+                                             num_microbatches=len(request.microbatches))
+            check_samples(stage, request.microbatches)
+        except (ActionListError, ValueError) as exc:
+            raise RpcError("bad_request", f"step {request.step}: {exc}") from None
+        timeout = timedelta(milliseconds=request.timeout_ms)
+
+        def run() -> BaseModel:
+            deadline = time.monotonic() + timeout.total_seconds()
+            try:
+                comm = self._link.wait(timedelta(seconds=deadline - time.monotonic()))
+            except (TimeoutError, RuntimeError) as exc:
+                raise StepFailed(str(exc), transfers_posted=False) from exc
+            start = time.monotonic()
+            try:
+                reply = StepExecutor(stage, comm, request, with_backward, deadline).run()
+            except StepFailed as exc:
+                if exc.transfers_posted:
+                    with self._lock:
+                        self._poisoned = f"step {request.step} failed after posting transfers"
+                raise
+            log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
+                      time.monotonic() - start)
+            return reply
+
+        self._submit(call, f"step {request.step}", timeout, run)
+
+    def rpc_parameters(self, request: Empty, call: Call) -> TensorsReply:
+        with self._lock:
+            self._check_idle("send its parameters")
+            # copies: the reply's frames are sent zero-copy after this returns
+            call.tensors_out = [(name, p.detach().clone()) for name, p in self._stage.parameters()]
+        return TensorsReply(names=[name for name, _ in call.tensors_out])
+
+    def rpc_gradients(self, request: Empty, call: Call) -> TensorsReply:
+        with self._lock:
+            self._check_idle("send its gradients")
+            params = self._stage.parameters()
+            call.tensors_out = [(n, p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                                for n, p in params]
+        return TensorsReply(names=[n for n, _ in params], missing=[n for n, p in params if p.grad is None])
+
+    def rpc_zero_grad(self, request: ZeroGradRequest, call: Call) -> Empty:
+        with self._lock:
+            self._check_idle("zero its gradients")
+            for _, p in self._stage.parameters():
+                if request.set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+        return Empty()
+
+    def rpc_optimizer_step(self, request: OptimizerStepRequest, call: Call) -> None:
+        with self._lock:
+            self._check_idle("apply an optimizer step")
+            optimizer = self._optimizer or self._build_optimizer(request.optimizer)
+        if request.optimizer != self._optimizer_spec:
+            raise RpcError("bad_request", f"stage {self._stage.index}: the optimizer is "
+                                          f"{self._optimizer_spec}; got {request.optimizer} (reassign "
+                                          "the stage to change it)")
+
+        def run() -> BaseModel:
+            optimizer.step()
+            self._optimizer_steps += 1
+            return OptimizerStepReply(steps=self._optimizer_steps)
+
+        self._submit(call, "an optimizer step", OPTIMIZER_STEP_TIMEOUT, run)
+
+    def _build_optimizer(self, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        try:
+            optimizer = make_optimizer(spec, [p for _, p in self._stage.parameters()])
+        except ValueError as exc:
+            raise RpcError("bad_request", str(exc)) from None
+        self._optimizer, self._optimizer_spec = optimizer, spec
+        return optimizer
+
+    def rpc_reconnect(self, request: Reconnect, call: Call) -> Empty:
+        with self._lock:
+            self._check_idle("reconnect")
+            self._poisoned = None
+        self._link.connect(request.comm_prefix)
+        log.info("%s reconnecting under %s", self._tag, request.comm_prefix)
+        return Empty()
+
+    def on_close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._link.close()

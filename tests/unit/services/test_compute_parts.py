@@ -1,0 +1,136 @@
+"""The compute service's pieces in one process: action rules, boundary values, cells, a one-stage service."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from services.actions import ActionListError, validate_actions
+from services.boundary import BoundaryError, empty_buffers, flatten, shapes_at, unflatten
+from services.cell import Cell, as_cells, cell_parameters
+from services.compute import CellComputeService
+from services.protocol import (
+    Assignment,
+    BoundarySpec,
+    BoundaryTensor,
+    ComputeOptions,
+    Empty,
+    RunStep,
+    StepReply,
+    TensorsReply,
+)
+from services.rpc import RpcClient, RpcError, ServiceHost
+from tests.multiproc.services import models
+from tests.multiproc.services.compute_checks import GPIPE, MODELS, ONE_F_ONE_B, parse_actions, reference
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("lists", [GPIPE, ONE_F_ONE_B], ids=["gpipe", "1f1b"])
+def test_hand_written_lists_are_valid(lists: dict[int, str], stage: int) -> None:
+    assert validate_actions(parse_actions(lists[stage]), stage=stage, num_stages=2,
+                            num_microbatches=4) == frozenset(range(4))
+
+
+def test_forward_only_list_is_an_evaluation_step() -> None:
+    assert validate_actions(parse_actions("RA0<-0 F0 SA0->2"), stage=1, num_stages=3,
+                            num_microbatches=1) == frozenset()
+
+
+@pytest.mark.parametrize(("stage", "text", "says"), [
+    (1, "F0 RA0<-0 B0 SG0->0", "forward of microbatch 0 comes before its recv_act"),
+    (1, "RA0<-0 F0 B0", "microbatch 0 has no send_grad"),
+    (0, "F0 SA0->1 RG0<-1", "microbatch 0 has recv_grad but no backward"),
+    (1, "RA0<-0 F0 B0 SG0->1", "send_grad needs peer 0, got 1"),
+    (1, "RA0<-0 F0 SG0->0 B0", "send_grad of microbatch 0 comes before its backward"),
+    (0, "F0 SA0", "send_act needs peer 1, got None"),
+])
+def test_invalid_lists_are_named(stage: int, text: str, says: str) -> None:
+    with pytest.raises(ActionListError, match=says):
+        validate_actions(parse_actions(text), stage=stage, num_stages=2, num_microbatches=1)
+
+
+def _spec(structure: str, *names: str, dtype: str = "float64", grad: bool = True) -> BoundarySpec:
+    return BoundarySpec(structure=structure, batch_size=4,  # type: ignore[arg-type]
+                        tensors=[BoundaryTensor(name=n, dtype=dtype, shape=[4, 3], requires_grad=grad,
+                                                batch_dim=0) for n in names])
+
+
+def test_boundary_round_trip_and_scaling() -> None:
+    spec = _spec("dict", "a", "b")
+    value = {"b": torch.ones(2, 3, dtype=torch.float64, requires_grad=True),
+             "a": torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)}
+    flat = flatten(spec, value, 2, where="here")
+    assert flat[0] is value["a"] and flat[1] is value["b"]
+    assert unflatten(spec, flat) == {"a": flat[0], "b": flat[1]}
+    assert shapes_at(spec, 6) == [[6, 3], [6, 3]]
+    assert [(i, list(b.shape)) for i, b in empty_buffers(spec, 2)] == [(0, [2, 3]), (1, [2, 3])]
+    assert isinstance(unflatten(_spec("tuple", "x", "y"), flat), tuple)
+    keyed = spec.model_copy(update={"tensors": [t.model_copy(update={"name": f"cell.{t.name}", "key": t.name})
+                                                for t in spec.tensors]})
+    assert all(x is y for x, y in zip(flatten(keyed, value, 2, where="here"), flat, strict=True))
+    assert unflatten(keyed, flat) == {"a": flat[0], "b": flat[1]}
+    with pytest.raises(BoundaryError, match="does not scale"):
+        shapes_at(spec.model_copy(update={"batch_size": 3}), 2)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ([torch.zeros(4, 3, dtype=torch.float64)] * 2, "the plan says tuple of 2, got list"),
+    ((torch.zeros(4, 3, dtype=torch.float64),), "the plan says tuple of 2, got tuple"),
+    ((torch.zeros(4, 3, dtype=torch.float64), torch.zeros(4, 3)), "tensor 'y': expected float64"),
+    ((torch.zeros(4, 3, dtype=torch.float64), 3), "tensor 'y': .*got a int"),
+])
+def test_boundary_mismatches_are_named(value: object, says: str) -> None:
+    with pytest.raises(BoundaryError, match=f"stage 0 microbatch 2 output: .*{says}"):
+        flatten(_spec("tuple", "x", "y", grad=False), value, 4, where="stage 0 microbatch 2 output")
+
+
+def test_integer_tensors_cannot_require_grad() -> None:
+    with pytest.raises(ValueError, match="int64 tensor cannot require grad"):
+        _spec("tensor", "x", dtype="int64")
+
+
+def test_as_cells_names_and_checks() -> None:
+    cells = as_cells([nn.Linear(2, 2), Cell("head", nn.Linear(2, 1))])
+    assert [c.name for c in cells] == ["cell0", "head"]
+    names = [n for n, _ in cell_parameters(cells)]
+    assert names == ["cell0.weight", "cell0.bias", "head.weight", "head.bias"]
+    assert [c.name for c in as_cells(nn.Sequential(nn.Tanh(), nn.ReLU()))] == ["cell0", "cell1"]
+    with pytest.raises(ValueError, match="unique"):
+        as_cells([Cell("a", nn.Tanh()), Cell("a", nn.ReLU())])
+
+
+@pytest.fixture
+def one_stage() -> Iterator[RpcClient]:
+    """A one-stage pipeline (the whole model, no communicator) in this process."""
+    options = ComputeOptions(stage=0, num_stages=1, data=f"{MODELS}:regression", loss=f"{MODELS}:mse")
+    service = CellComputeService.from_assignment(Assignment(
+        service="c", kind="compute", factory=f"{MODELS}:skip_model", cells=[0, 4], seed=7,
+        options=options.model_dump()))
+    host = ServiceHost().start()
+    host.add("c", service)
+    try:
+        with RpcClient(host.address) as client:
+            yield client
+    finally:
+        host.shutdown()
+
+
+def test_one_stage_pipeline_matches_reference(one_stage: RpcClient) -> None:
+    request = RunStep(step=0, microbatches=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+                      actions=parse_actions("F0 F1 F2 F3 B3 B2 B1 B0"))
+    reply, _ = one_stage.call("c", "run_step", request, StepReply)
+    reply_grads, grads = one_stage.call("c", "gradients", Empty(), TensorsReply)
+    assert reply_grads.missing == []
+    grads_ref, _, losses_ref = reference("skip_model")
+    assert max(float((grads[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
+    assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
+    assert models.NUM_SAMPLES == 32
+
+
+def test_one_stage_rejects_transfers(one_stage: RpcClient) -> None:
+    with pytest.raises(RpcError, match="it has no next stage"):
+        request = RunStep(step=0, microbatches=[[0]], actions=parse_actions("F0 SA0->1"))
+        one_stage.call("c", "run_step", request, StepReply)
