@@ -1,11 +1,16 @@
 """cellmesh coordinator: plans and drives training."""
 
 from coordinator.cutting import CUTTERS, CutError, CutProblem, Cutter, cut_even, cut_min_max, register_cutter
+from coordinator.data import BatchSampler, split_batch
 from coordinator.graph import CutInfo, Graph, TensorMeta, build_graph
+from coordinator.harness import LocalHarness
+from coordinator.job import FitResult, Job
 from coordinator.plan import Plan, StagePlan
 from coordinator.planner import PlanningError, candidate_plans, choose_plan, cut_problem, format_candidates
 from coordinator.profile import NodeProfile, Profile, profile_graph
+from coordinator.reference import train_reference
 from coordinator.resources import Link, Resources, Worker
+from coordinator.runtime import ActionEvent, JobFailed, StepRecord
 from coordinator.schedules import (
     Action,
     ActionKind,
@@ -19,13 +24,19 @@ from coordinator.simulator import SimResult, StageCosts, draw_timeline, simulate
 __all__ = [
     "CUTTERS",
     "Action",
+    "ActionEvent",
     "ActionKind",
+    "BatchSampler",
     "CutError",
     "CutInfo",
     "CutProblem",
     "Cutter",
+    "FitResult",
     "Graph",
+    "Job",
+    "JobFailed",
     "Link",
+    "LocalHarness",
     "NodeProfile",
     "Plan",
     "PlanningError",
@@ -36,6 +47,7 @@ __all__ = [
     "SimResult",
     "StageCosts",
     "StagePlan",
+    "StepRecord",
     "TensorMeta",
     "Worker",
     "build_graph",
@@ -50,5 +62,7 @@ __all__ = [
     "profile_graph",
     "register_cutter",
     "simulate",
+    "split_batch",
+    "train_reference",
     "validate_schedule",
 ]

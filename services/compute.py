@@ -16,6 +16,17 @@ action list runs). RPC surface (service kind ``compute``):
   class by name; built on the first call and kept (its state lives with the stage), run
   on the step thread.
 * ``reconnect(Reconnect) -> Empty``: replace the communicator (a new generation prefix).
+* ``commit(CommitStep) -> CommitReply``: apply the step's update, on the step thread: the
+  local optimizer (built on the first commit, as ``optimizer_step``), or, on the
+  parameter-server path, push the gradients and pull the new values
+  (:mod:`services.grad_path`). The coordinator commits only once every stage of every
+  replica finished the step (a step is a transaction).
+* ``state(Empty) -> TensorsReply`` + parameters and buffers (copies), cell-qualified.
+
+Data parallelism. Replicas of one stage synchronise gradients through the stage's
+gradient path (:mod:`services.grad_path`): ``run_step`` begins it (waiting for the
+data-parallel group, bounded by the step's deadline) and the executor arms and finishes
+it around the last backward.
 
 One thing at a time: while a step or optimizer step runs, every state-touching call is
 answered ``busy``.
@@ -48,14 +59,18 @@ from pydantic import BaseModel, ValidationError
 from comm.codec import describe_validation_error
 from services.actions import ActionListError, validate_actions
 from services.executor import StepExecutor, StepFailed
+from services.grad_path import build_path
 from services.link import PipelineLink
 from services.protocol import (
     Assignment,
+    CommitReply,
+    CommitStep,
     ComputeOptions,
     Empty,
     OptimizerSpec,
     OptimizerStepReply,
     OptimizerStepRequest,
+    PhaseTiming,
     Reconnect,
     RunStep,
     TensorsReply,
@@ -100,6 +115,7 @@ class CellComputeService(ServiceBase):
         self._link = PipelineLink(backend=options.comm_backend, rank=stage.index, world_size=stage.num_stages,
                                   registry_url=options.registry, prefix=options.comm_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
+        self._path = build_path(stage.module, options)
 
     @classmethod
     def from_assignment(cls, assignment: Assignment) -> CellComputeService:
@@ -185,13 +201,16 @@ class CellComputeService(ServiceBase):
             deadline = time.monotonic() + timeout.total_seconds()
             try:
                 comm = self._link.wait(timedelta(seconds=deadline - time.monotonic()))
+                self._path.begin(timedelta(seconds=max(0.0, deadline - time.monotonic())))
             except (TimeoutError, RuntimeError) as exc:
-                raise StepFailed(str(exc), transfers_posted=False) from exc
+                raise StepFailed(f"stage {stage.index}, step {request.step}: {exc}",
+                                 transfers_posted=False) from exc
             start = time.monotonic()
             try:
-                reply = StepExecutor(stage, comm, request, with_backward, deadline).run()
+                reply = StepExecutor(stage, comm, request, with_backward, deadline, self._path).run()
             except StepFailed as exc:
-                if exc.transfers_posted:
+                self._path.abandon()
+                if exc.transfers_posted or self._path.launched:
                     with self._lock:
                         self._poisoned = f"step {request.step} failed after posting transfers"
                 raise
@@ -250,10 +269,47 @@ class CellComputeService(ServiceBase):
         self._optimizer, self._optimizer_spec = optimizer, spec
         return optimizer
 
+    def rpc_commit(self, request: CommitStep, call: Call) -> None:
+        with self._lock:
+            self._check_idle(f"commit step {request.step}")
+            optimizer = None
+            if self._path.updates_locally:
+                optimizer = self._optimizer or self._build_optimizer(request.optimizer)
+        if optimizer is not None and request.optimizer != self._optimizer_spec:
+            raise RpcError("bad_request", f"stage {self._stage.index}: the optimizer is "
+                                          f"{self._optimizer_spec}; got {request.optimizer}")
+        timeout = timedelta(milliseconds=request.timeout_ms)
+
+        def run() -> BaseModel:
+            phases: list[PhaseTiming] = []
+            if optimizer is not None:
+                start = time.time()
+                optimizer.step()
+                phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
+            else:
+                try:
+                    phase = self._path.exchange(request.step, self._stage.parameters(), timeout)
+                except Exception as exc:
+                    raise StepFailed(f"stage {self._stage.index}, commit of step {request.step}: push/pull: "
+                                     f"{type(exc).__name__}: {exc}", transfers_posted=False) from exc
+                phases += [phase] if phase is not None else []
+            self._optimizer_steps += 1
+            return CommitReply(step=request.step, optimizer_steps=self._optimizer_steps, phases=phases)
+
+        self._submit(call, f"commit of step {request.step}", timeout, run)
+
+    def rpc_state(self, request: Empty, call: Call) -> TensorsReply:
+        with self._lock:
+            self._check_idle("send its state")
+            call.tensors_out = [(name, t.detach().clone()) for name, t in self._stage.state()]
+        return TensorsReply(names=[name for name, _ in call.tensors_out])
+
     def rpc_reconnect(self, request: Reconnect, call: Call) -> Empty:
         with self._lock:
             self._check_idle("reconnect")
             self._poisoned = None
+        if request.dp_prefix:
+            self._path.reconnect(request.dp_prefix)
         self._link.connect(request.comm_prefix)
         log.info("%s reconnecting under %s", self._tag, request.comm_prefix)
         return Empty()
@@ -262,4 +318,11 @@ class CellComputeService(ServiceBase):
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._link.close()
+
+        # Closing a communicator waits for its in-flight operations (one to a dead peer waits
+        # out its timeout): never on the host thread, which serves every service of the worker.
+        def close_comms() -> None:
+            self._link.close()
+            self._path.close()
+
+        threading.Thread(target=close_comms, daemon=True, name=f"close-stage{self._stage.index}").start()

@@ -29,6 +29,11 @@ their inputs are in hand to the end of the compute; receives from posting to the
 their data was waited for; sends from posting to the first action boundary (or the end
 of the step) at which they were seen complete.
 
+Gradient path. With a :class:`~services.grad_path.GradientPath`, the executor arms it
+just before the list's last backward and finishes it after the sends (a collective path
+then holds the gradients averaged over the stage's replicas); its timing is a phase of
+the reply. See [Note: microbatches and the all-reduce] in ``services/grad_path.py``.
+
 Every wait is bounded by the step's deadline; errors are raised as :class:`StepFailed`
 naming the stage, the step and the action.
 """
@@ -44,7 +49,8 @@ import torch
 
 from comm.base import Communicator, Work
 from services.boundary import empty_buffers, flatten, transfer_tag, unflatten
-from services.protocol import ActionTiming, RunStep, StageAction, StepReply
+from services.grad_path import GradientPath
+from services.protocol import ActionTiming, PhaseTiming, RunStep, StageAction, StepReply
 from services.stage import Stage
 
 __all__ = ["StepExecutor", "StepFailed"]
@@ -89,11 +95,16 @@ class StepExecutor:
         with_backward: The microbatches whose backward is in the list (forwards of the
             others run without autograd).
         deadline: ``time.monotonic()`` by which the step must end.
+        grad_path: The stage's gradient path (already begun), if its gradients meet other replicas'.
     """
 
     def __init__(self, stage: Stage, comm: Communicator | None, request: RunStep,
-                 with_backward: frozenset[int], deadline: float) -> None:
+                 with_backward: frozenset[int], deadline: float,
+                 grad_path: GradientPath | None = None) -> None:
         self._stage = stage
+        self._grad_path = grad_path
+        backwards = [k for k, a in enumerate(request.actions) if a.kind == "backward"]
+        self._last_backward = backwards[-1] if backwards else None
         self._comm = comm
         self._request = request
         self._with_backward = with_backward
@@ -121,9 +132,12 @@ class StepExecutor:
         handlers = {"forward": self._forward, "backward": self._backward, "send_act": self._send_act,
                     "recv_act": self._recv_act, "send_grad": self._send_grad, "recv_grad": self._recv_grad}
         action: StageAction | None = None
+        phases: list[PhaseTiming] = []
         try:
             for k, action in enumerate(self._request.actions):
                 self._k = k
+                if k == self._last_backward and self._grad_path is not None:
+                    self._grad_path.arm()
                 self._starts[k] = time.time()
                 handlers[action.kind](self._mbs[action.microbatch], action)
                 if action.kind in ("forward", "backward"):
@@ -133,16 +147,20 @@ class StepExecutor:
             for k, work, _ in self._sends:
                 work.wait(self._left("the step's sends"))
                 self._ends[k] = time.time()
+            if self._grad_path is not None and self._last_backward is not None:
+                phase = self._grad_path.finish(self._left("the gradient synchronisation"))
+                phases += [phase] if phase is not None else []
         except StepFailed:
             raise
         except Exception as exc:
             at = self._where() if action is not None else (
-                f"stage {self._stage.index}, step {self._request.step}, waiting for the sends")
+                f"stage {self._stage.index}, step {self._request.step}, waiting for the sends and the "
+                "gradient synchronisation")
             raise StepFailed(f"{at}: {type(exc).__name__}: {exc}", transfers_posted=self._posted) from exc
         timings = [ActionTiming(start=s, end=e if e is not None else s)
                    for s, e in zip(self._starts, self._ends, strict=True)]
         return StepReply(step=self._request.step, stage=self._stage.index, losses=self._losses,
-                         timings=timings)
+                         timings=timings, phases=phases)
 
     # -- plumbing ---------------------------------------------------------------------
 

@@ -17,6 +17,12 @@ The reduce-scatter path (``mode="reduce_scatter"``) is the one a sharded optimiz
 of its own contiguous shard of every bucket, returned as :class:`Shard` views, and the
 full gradients are not written back.
 
+Pipeline stages run one backward per microbatch and gradients accumulate over them;
+only the last backward of a step may launch buckets. :attr:`GradSync.armed` says whether
+hooks act (True by default): a stage sets it False at the start of a step and True just
+before its last backward (see ``services/grad_path.py``). A parameter whose hook did not
+fire while armed contributes its accumulated ``.grad`` (zeros if it has none).
+
 Works on any :class:`~comm.base.Communicator` backend. Not thread-safe: one backward
 at a time.
 """
@@ -133,6 +139,7 @@ class GradSync:
             for pos, p in enumerate(params):
                 self._where[id(p)] = (b, pos)
         self._next_launch = 0
+        self.armed = True
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]  # torch stub
             for _, p in named
@@ -141,6 +148,8 @@ class GradSync:
     # -- during backward ----------------------------------------------------------------
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
         b, pos = self._where[id(param)]
         bucket = self.buckets[b]
         grad = param.grad
@@ -175,13 +184,17 @@ class GradSync:
     def finish(self) -> list[Shard]:
         """Wait for every bucket and publish the averaged gradients; reset for the next step.
 
-        Parameters without a gradient this step count as zeros. Returns the shards in
-        reduce_scatter mode (an empty list in all_reduce mode).
+        Parameters whose hook did not fire contribute their ``.grad`` as it is (zeros if
+        None). Returns the shards in reduce_scatter mode (an empty list in all_reduce mode).
         """
-        for bucket in self.buckets:  # parameters that got no gradient this step
+        for bucket in self.buckets:  # parameters whose hook did not fire (no gradient, or not armed)
             for pos, p in enumerate(bucket.params):
                 if pos not in bucket.ready:
-                    bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + p.numel()].zero_()
+                    view = bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + p.numel()]
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad.reshape(-1))
                     bucket.ready.add(pos)
         self._launch_ready()
         shards: list[Shard] = []
@@ -204,6 +217,14 @@ class GradSync:
             bucket.work = None
         self._next_launch = 0
         return shards
+
+    def reset(self) -> None:
+        """Forget a step abandoned midway (buckets gathered but not finished)."""
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.work = None
+            bucket.shard = None
+        self._next_launch = 0
 
     def close(self) -> None:
         """Remove the gradient hooks."""

@@ -33,6 +33,8 @@ __all__ = [
     "BarrierReleased",
     "BoundarySpec",
     "BoundaryTensor",
+    "CommitReply",
+    "CommitStep",
     "ComputeOptions",
     "Empty",
     "ErrorBody",
@@ -40,14 +42,17 @@ __all__ = [
     "OptimizerStepReply",
     "OptimizerStepRequest",
     "ParamInfo",
+    "PhaseTiming",
     "PullReply",
     "PullRequest",
     "PushReply",
     "PushRequest",
     "Reconnect",
+    "Release",
     "ReplyEnvelope",
     "RequestEnvelope",
     "RunStep",
+    "ShardAddress",
     "ShardInfo",
     "ShardSetup",
     "StageAction",
@@ -140,6 +145,12 @@ class Assignment(Message):
     options: dict[str, Any] = Field(default_factory=dict)  # plan fields the service needs
 
 
+class Release(Message):
+    """Stop hosting ``service`` (its ``on_close`` runs); releasing an unknown service is a no-op."""
+
+    service: Name
+
+
 class AssignmentReply(Message):
     service: str
     address: str
@@ -173,6 +184,13 @@ class ParamInfo(Message):
     def _known_dtype(cls, v: str) -> str:
         if v not in DTYPES:
             raise ValueError(f"unknown dtype {v!r}; known: {', '.join(DTYPES)}")
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _sane_size(cls, v: list[int]) -> list[int]:
+        if math.prod(v) > MAX_TENSOR_BYTES:
+            raise ValueError(f"shape {v} has more than {MAX_TENSOR_BYTES} elements")
         return v
 
 
@@ -328,11 +346,24 @@ class BoundarySpec(Message):
         return self
 
 
+class ShardAddress(Message):
+    """Where one parameter shard is served: its worker's address and its service name there."""
+
+    address: str
+    service: Name
+
+
 class ComputeOptions(Message):
     """``Assignment.options`` of a ``compute`` service: the plan fields one pipeline stage needs.
 
     Factories are ``"package.module:function"`` names: ``data`` returns the samples (see
     ``services/stage.py``), ``loss`` returns ``loss(output, targets) -> scalar``.
+
+    Data parallelism (``services/grad_path.py``): the stage is replica ``replica`` of
+    ``num_replicas``. ``grad_path="collective"`` averages gradients with the stage's
+    other replicas over a communicator that meets under ``dp_prefix`` (unique per stage and
+    generation); ``"parameter_server"`` pushes them to ``shards`` (this stage's parameter
+    shards; empty if the stage has no parameters) and pulls the updated values on commit.
     """
 
     stage: int = Field(ge=0)
@@ -349,13 +380,23 @@ class ComputeOptions(Message):
     loss_reduction: Literal["mean", "sum"] = "mean"  # mean: microbatch losses weighted by size
     incoming: BoundarySpec | None = None  # needed when stage > 0
     outgoing: BoundarySpec | None = None  # needed when stage < num_stages - 1
+    replica: int = Field(default=0, ge=0)
+    num_replicas: int = Field(default=1, ge=1)
+    grad_path: Literal["collective", "parameter_server"] = "collective"
+    dp_prefix: str = ""  # needed for collective with num_replicas > 1
+    bucket_bytes: int = Field(default=25 << 20, ge=1)
+    shards: list[ShardAddress] = Field(default_factory=list, max_length=1 << 12)
 
     @model_validator(mode="after")
     def _consistent(self) -> ComputeOptions:
         first, last = self.stage == 0, self.stage == self.num_stages - 1
+        collective_dp = self.grad_path == "collective" and self.num_replicas > 1
         needs = {
             "stage < num_stages": self.stage < self.num_stages,
-            "registry (num_stages > 1)": self.num_stages == 1 or bool(self.registry),
+            "replica < num_replicas": self.replica < self.num_replicas,
+            "dp_prefix (collective, num_replicas > 1)": not collective_dp or bool(self.dp_prefix),
+            "registry (num_stages > 1 or collective data parallel)": (
+                (self.num_stages == 1 and not collective_dp) or bool(self.registry)),
             "comm_prefix (num_stages > 1)": self.num_stages == 1 or bool(self.comm_prefix),
             "data (first and last stage)": not (first or last) or bool(self.data),
             "loss (last stage)": not last or bool(self.loss),
@@ -409,6 +450,14 @@ class ActionTiming(Message):
     end: float
 
 
+class PhaseTiming(Message):
+    """A named phase outside the action list (``all_reduce``, ``push_pull``, ``optimizer``)."""
+
+    name: Name
+    start: float
+    end: float
+
+
 class StepReply(Message):
     """A finished step: per-microbatch losses (last stage only) and one timing per action."""
 
@@ -416,6 +465,21 @@ class StepReply(Message):
     stage: int
     losses: list[float]  # losses[i] is microbatch i's unweighted loss; empty but on the last stage
     timings: list[ActionTiming]  # timings[k] belongs to actions[k] of the request
+    phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce
+
+
+class CommitStep(Message):
+    """Apply step ``step``'s update: the local optimizer (collective) or push/pull (parameter server)."""
+
+    step: int = Field(ge=0)
+    optimizer: OptimizerSpec
+    timeout_ms: int = Field(default=300_000, ge=1)
+
+
+class CommitReply(Message):
+    step: int
+    optimizer_steps: int  # updates applied so far by this stage
+    phases: list[PhaseTiming]
 
 
 class TensorsReply(Message):
@@ -440,6 +504,10 @@ class OptimizerStepReply(Message):
 
 
 class Reconnect(Message):
-    """Replace the stage's communicator by a new one under ``comm_prefix`` (a new generation)."""
+    """Replace the stage's communicator by a new one under ``comm_prefix`` (a new generation).
+
+    ``dp_prefix``, if set, also replaces the stage's data-parallel group (collective path).
+    """
 
     comm_prefix: Name
+    dp_prefix: str = ""

@@ -144,6 +144,17 @@ class Stage:
         """The stage's parameters with cell-qualified names (``"{cell}.{param}"``)."""
         return cell_parameters(self.cells)
 
+    def state(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters, then buffers (``"{cell}.{buffer}"``), each listed once: what a checkpoint holds."""
+        out: list[tuple[str, torch.Tensor]] = list(self.parameters())
+        seen = {id(t) for _, t in out}
+        for cell in self.cells:
+            for name, buf in cell.module.named_buffers():
+                if id(buf) not in seen:
+                    seen.add(id(buf))
+                    out.append((f"{cell.name}.{name}", buf))
+        return out
+
 
 def build_stage(assignment: Assignment, options: ComputeOptions) -> Stage:
     """Import the factories and build the stage an assignment describes.

@@ -24,7 +24,7 @@ from types import FrameType
 from comm.codec import pack
 from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
-from services.protocol import Assignment, AssignmentReply, Empty, WorkerCard, WorkerStatus
+from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus
 from services.rpc import Call, RpcError, ServiceBase, ServiceHost
 
 __all__ = ["SERVICE_BUILDERS", "Worker", "main", "worker_key"]
@@ -80,7 +80,7 @@ def _gpus() -> int:
 
 
 class _Control(ServiceBase):
-    """The ``worker`` service: assignments and status."""
+    """The ``worker`` service: assignments, releases and status."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -98,6 +98,15 @@ class _Control(ServiceBase):
         self.worker.publish()
         log.info("[worker %s] hosting %s (%s)", self.worker.name, request.service, request.kind)
         return AssignmentReply(service=request.service, address=self.worker.host.address)
+
+    def rpc_release(self, request: Release, call: Call) -> Empty:
+        if request.service == "worker":
+            raise RpcError("bad_request", "the worker control service cannot be released")
+        if request.service in self.worker.host.names():
+            self.worker.host.remove(request.service)
+            self.worker.publish()
+            log.info("[worker %s] released %s", self.worker.name, request.service)
+        return Empty()
 
     def rpc_status(self, request: Empty, call: Call) -> WorkerStatus:
         services = [n for n in self.worker.host.names() if n != "worker"]
