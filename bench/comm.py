@@ -60,6 +60,9 @@ def _time_ops(run: Any, barrier: Any, reps: int) -> dict[tuple[str, int], float]
 
 def _cellmesh_rank(rank: int, address: str, prefix: str, reps: int, backend: str, q: Any) -> None:
     torch.set_num_threads(1)
+    from comm.allocator import tune_malloc
+
+    tune_malloc()
     from comm.factory import init_communicator
     from comm.registry import RemoteRegistry
 
@@ -90,6 +93,9 @@ def _cellmesh_rank(rank: int, address: str, prefix: str, reps: int, backend: str
 def _gloo_rank(rank: int, port: int, reps: int, q: Any) -> None:
     """The peer: plain torch.distributed with the gloo backend, as a user would run it."""
     torch.set_num_threads(1)
+    from comm.allocator import tune_malloc
+
+    tune_malloc()
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
@@ -117,6 +123,10 @@ def _gloo_rank(rank: int, port: int, reps: int, q: Any) -> None:
 def _raw_receiver(address_q: Any, q: Any, reps: int, nbytes: int) -> None:
     import zmq
 
+    from comm.allocator import tune_malloc
+
+    tune_malloc()  # the ceiling gets the same allocator settings as cellmesh
+
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
@@ -140,6 +150,10 @@ def _raw_receiver(address_q: Any, q: Any, reps: int, nbytes: int) -> None:
 
 def _raw_sender(address: str, reps: int, nbytes: int) -> None:
     import zmq
+
+    from comm.allocator import tune_malloc
+
+    tune_malloc()  # the ceiling gets the same allocator settings as cellmesh
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)

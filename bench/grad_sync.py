@@ -41,6 +41,9 @@ def _model() -> nn.Module:
 
 def _rank(rank: int, address: str, prefix: str, backend: str, steps: int, q: Any) -> None:
     torch.set_num_threads(1)
+    from comm.allocator import tune_malloc
+
+    tune_malloc()
     from comm.base import ReduceOp
     from comm.factory import init_communicator
     from comm.registry import RemoteRegistry

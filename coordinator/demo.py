@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 
+from comm.allocator import tune_malloc
 from comm.base import ReduceOp
 from comm.factory import init_communicator
 from comm.registry import RegistryServer, RemoteRegistry
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def _rank_main(rank: int, world_size: int, address: str, backend: str) -> None:
+    tune_malloc()
     torch.set_num_threads(1)
 
     def say(msg: str) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import FrameType
 
+from comm.allocator import tune_malloc
 from comm.codec import pack
 from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
@@ -202,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
+    tune_malloc()
     name = args.name or f"{os.uname().nodename}-{os.getpid()}"
     registry = connect_registry(args.registry)
     worker = Worker(registry, args.job, name, lease_ttl=timedelta(seconds=args.lease_ttl), host=args.host)

@@ -281,6 +281,11 @@ class RankGroup:
     def alive(self, rank: int) -> bool:
         return self._procs[rank].is_alive()
 
+    @property
+    def exitcodes(self) -> list[int | None]:
+        """Each child's exit code (None while running; 0 after a clean stop, -N if killed by N)."""
+        return [proc.exitcode for proc in self._procs]
+
     # -- plumbing -----------------------------------------------------------------------
 
     def _exit_note(self, rank: int) -> str:
@@ -377,6 +382,9 @@ def _child_main(config_bytes: bytes, conn: Connection) -> None:
     try:
         import torch
 
+        from comm.allocator import tune_malloc
+
+        tune_malloc()
         torch.set_num_threads(1)
         from comm.factory import init_communicator
         from comm.registry.remote import RemoteRegistry
