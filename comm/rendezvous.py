@@ -155,7 +155,7 @@ class Rendezvous:
             return
         for r in ranks:
             if r in gone:
-                raise PeerLostError(self.describe_loss(r, op), op=op, peer=r)
+                raise PeerLostError(self.describe_loss(r, op), op=op.split("(", 1)[0], peer=r)
 
     def describe_loss(self, rank: int, op: str) -> str:
         how = self.lost().get(rank, "lost")

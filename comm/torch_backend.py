@@ -11,11 +11,15 @@ process group meets over a ``PrefixStore`` named after the communicator, so sub-
 
 [Note: never block in c10d's wait]
 c10d's ``Work.wait()`` blocks until the backend gives up, which is 30 minutes for a
-frozen gloo peer. Instead every operation is awaited in short slices: collectives by
-polling ``is_completed()`` with short, growing sleeps; the few gloo works that only
-progress inside ``wait()`` (send, recv, and reduce_scatter, which gloo implements as an
-all_reduce whose slice is copied out in ``wait``) on a small daemon thread. Between
-slices the rendezvous is asked whether a member's liveness lease lapsed. So
+frozen gloo peer. Instead every operation is awaited in short slices: gloo's
+collectives by ``wait(slice)`` (a slice that runs out leaves the operation alone), NCCL's
+by polling ``is_completed()`` with short, growing sleeps. Between slices the rendezvous
+is asked whether a member's liveness lease lapsed. The few gloo works that only progress
+inside one unbounded ``wait()`` (send and recv, whose timed-out wait closes every
+connection of the group, and reduce_scatter, which gloo implements as an all_reduce
+whose slice is copied out in ``wait``) are waited for directly, while one watchdog
+thread per process checks liveness and the deadline and, when either says stop, aborts
+the group so the wait returns. So
 
 * a member that is lost (killed, frozen, or closed) raises ``PeerLostError`` within
   about the liveness TTL;
@@ -59,6 +63,7 @@ from __future__ import annotations
 import abc
 import atexit
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -143,30 +148,66 @@ class _Completion(abc.ABC):
         """Block at most ``seconds``; True once the operation finished (ok or not)."""
 
     @abc.abstractmethod
-    def done(self) -> bool: ...
+    def done(self) -> bool:
+        """Whether the operation is known to have finished (never blocks, never starts work)."""
+
+    def poll(self) -> bool:
+        """``Work.is_completed``: like :meth:`done`, but may start watching the operation."""
+        return self.done()
+
+    def blocking(self) -> bool:
+        """True while the only way to finish is :meth:`block` (see :class:`_WaitOnlyCompletion`)."""
+        return False
+
+    def block(self) -> None:
+        """Wait in this thread until the operation finished (only while :meth:`blocking`)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def result(self) -> None:
         """Raise the operation's error, if it failed. Only call once ``done()``."""
 
 
-class _ThreadCompletion(_Completion):
-    """A work that progresses only inside ``wait()`` (gloo's send/recv/reduce_scatter):
-    call it on a daemon thread, bounded by the backend timeout."""
+class _WaitOnlyCompletion(_Completion):
+    """gloo works that progress only inside an unbounded ``wait()``: send and recv (a
+    timed-out ``wait`` of theirs closes every connection of the group) and reduce_scatter
+    (a wrapper that ignores the wait's timeout).
+
+    The caller blocks in ``wait()`` itself, guarded by :data:`_WATCHDOG`, which aborts the
+    process group when a peer is lost or the deadline passes. Only ``is_completed()`` on a
+    handle nobody waits for yet moves the wait to a daemon thread.
+    """
 
     def __init__(self, work: _C10dWork, timeout: timedelta, name: str) -> None:
+        self._work = work
+        self._timeout = timeout  # the backend's bound (ours plus grace)
+        self._name = name
         self._event = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work, timeout), name=name, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
-    def _run(self, work: _C10dWork, timeout: timedelta) -> None:
+    def blocking(self) -> bool:
+        with self._lock:
+            return self._thread is None and not self._event.is_set()
+
+    def block(self) -> None:
+        self._run()
+
+    def _run(self) -> None:
         try:
-            work.wait(timeout)
+            self._work.wait(self._timeout)
         except BaseException as exc:  # handed to the waiting caller
             self._error = exc
         finally:
             self._event.set()
+
+    def poll(self) -> bool:
+        with self._lock:
+            if self._thread is None and not self._event.is_set():
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        return self._event.is_set()
 
     def wait(self, seconds: float) -> bool:
         return self._event.wait(seconds)
@@ -177,6 +218,27 @@ class _ThreadCompletion(_Completion):
     def result(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+class _SliceCompletion(_Completion):
+    """gloo's asynchronous collectives: ``wait(slice)`` wakes at completion; a slice that runs
+    out raises "Operation timed out!" and leaves the operation untouched."""
+
+    def __init__(self, work: _C10dWork) -> None:
+        self._work = work
+
+    def wait(self, seconds: float) -> bool:
+        try:
+            self._work.wait(timedelta(seconds=seconds))
+        except RuntimeError:
+            return self._work.is_completed()  # completed means failed; result() re-raises
+        return True
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def result(self) -> None:
+        self._work.wait()
 
 
 class _PollCompletion(_Completion):
@@ -250,7 +312,7 @@ class TorchWork(Work):
             self._waited = True
 
     def is_completed(self) -> bool:
-        return self._waited or self._completion.done()
+        return self._waited or self._completion.poll()
 
 
 # -- the communicator ---------------------------------------------------------------------
@@ -410,20 +472,49 @@ class TorchCommunicator(Communicator):
     ) -> None:
         start = time.monotonic()
         deadline = start + timeout.total_seconds()
+        if completion.blocking():
+            self._await_blocking(completion, op, peers, start, deadline, waiting_for)
+            return
         while not completion.wait(max(0.0, min(_LIVENESS_POLL_S, deadline - time.monotonic()))):
-            lost = self._lost_member(peers)
-            if lost is not None:
-                raise self._fail(PeerLostError(self._rdzv.describe_loss(lost, op), op=op, peer=lost))
-            if time.monotonic() >= deadline:
-                waited = time.monotonic() - start
-                raise self._fail(CommTimeoutError(
-                    self._timeout_message(op, waiting_for, peers, waited), op=op, peer=waiting_for,
-                    waited=waited,
-                ))
+            verdict = self._verdict(op, peers, start, deadline, waiting_for)
+            if verdict is not None:
+                raise self._fail(verdict)
         try:
             completion.result()
         except RuntimeError as exc:
             raise self._backend_failure(op, exc, peers, start, deadline, waiting_for) from exc
+
+    def _await_blocking(
+        self, completion: _Completion, op: str, peers: Sequence[int], start: float, deadline: float,
+        waiting_for: int | None,
+    ) -> None:
+        """Block in the backend's wait; the watchdog aborts the group on a lost peer or the deadline."""
+        watch = _Watch(self, op, peers, start, deadline, waiting_for)
+        _WATCHDOG.add(watch)
+        try:
+            completion.block()
+        finally:
+            _WATCHDOG.discard(watch)
+        try:
+            completion.result()
+        except RuntimeError as exc:
+            if watch.verdict is not None:
+                raise watch.verdict from exc
+            raise self._backend_failure(op, exc, peers, start, deadline, waiting_for) from exc
+
+    def _verdict(self, op: str, peers: Sequence[int], start: float, deadline: float,
+                 waiting_for: int | None) -> CommError | None:
+        """What a waiting operation should raise now (a lost member, the deadline), if anything."""
+        lost = self._lost_member(peers)
+        if lost is not None:
+            return PeerLostError(self._rdzv.describe_loss(lost, op), op=op, peer=lost)
+        now = time.monotonic()
+        if now >= deadline:
+            return CommTimeoutError(
+                self._timeout_message(op, waiting_for, peers, now - start), op=op, peer=waiting_for,
+                waited=now - start,
+            )
+        return None
 
     def _lost_member(self, peers: Sequence[int]) -> int | None:
         gone = self._rdzv.lost()
@@ -499,10 +590,12 @@ class TorchCommunicator(Communicator):
         if thread.is_alive():
             log.warning("[rank %d] %s process group did not shut down within %.0fs; left behind",
                         self._members[self._rank], self.backend, _TEARDOWN_S)
-        # Let the aborted operations report back while the interpreter is fully alive.
+        # Let the aborted operations report back while the interpreter is fully alive (a
+        # wait-only work nobody waits on involves no thread: nothing to drain).
         deadline = time.monotonic() + _DRAIN_S
         for completion in self._inflight:
-            completion.wait(max(0.0, deadline - time.monotonic()))
+            if not completion.blocking():
+                completion.wait(max(0.0, deadline - time.monotonic()))
         self._inflight = [c for c in self._inflight if not c.done()]
 
     def _live_pg(self, op: str) -> _ProcessGroup:
@@ -797,11 +890,11 @@ class GlooCommunicator(TorchCommunicator):
         except RuntimeError:
             # reduce_scatter is a wrapper in gloo (an all_reduce underneath, the slice
             # copied out inside wait()): no future, and is_completed() stays False.
-            return _ThreadCompletion(work, timeout, name)
-        return _PollCompletion(work)
+            return _WaitOnlyCompletion(work, timeout, name)
+        return _SliceCompletion(work)
 
     def _p2p_completion(self, work: _C10dWork, timeout: timedelta, name: str) -> _Completion:
-        return _ThreadCompletion(work, timeout, name)
+        return _WaitOnlyCompletion(work, timeout, name)
 
     def _abort(self, pg: _ProcessGroup) -> None:
         # [Note: aborting a gloo process group]: a receive nobody sends, timed out at once.
@@ -908,6 +1001,77 @@ def _check_sizes(
             f"= {world_size} * {small.numel()} = {world_size * small.numel()}"
         )
 
+
+@dataclasses.dataclass(eq=False)
+class _Watch:
+    """One caller blocked in a backend wait, watched by :data:`_WATCHDOG`."""
+
+    comm: TorchCommunicator
+    op: str
+    peers: Sequence[int]
+    start: float
+    deadline: float
+    waiting_for: int | None
+    verdict: CommError | None = None
+
+
+class _Watchdog:
+    """One daemon thread per process that aborts the group of a blocked wait whose peer
+    was lost or whose deadline passed (so the wait returns with the backend's error).
+
+    It ticks every ``_LIVENESS_POLL_S`` while waits come and go, and sleeps after a second
+    without any; adding a watch wakes it only then, so a short wait costs a set insertion.
+    """
+
+    _IDLE_TICKS = 20
+
+    def __init__(self) -> None:
+        self._watches: set[_Watch] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._asleep = False
+
+    def add(self, watch: _Watch) -> None:
+        with self._cond:
+            self._watches.add(watch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="comm-watchdog", daemon=True)
+                self._thread.start()
+            if self._asleep:
+                self._cond.notify()
+
+    def discard(self, watch: _Watch) -> None:
+        with self._cond:
+            self._watches.discard(watch)
+
+    def _loop(self) -> None:
+        idle = 0
+        while True:
+            with self._cond:
+                idle = 0 if self._watches else idle + 1
+                if idle >= self._IDLE_TICKS:
+                    self._asleep = True
+                    while not self._watches:
+                        self._cond.wait()
+                    self._asleep = False
+                    idle = 0
+                self._cond.wait(_LIVENESS_POLL_S)
+                watches = list(self._watches)
+            for watch in watches:
+                if watch.verdict is not None:
+                    continue
+                try:
+                    verdict = watch.comm._verdict(
+                        watch.op, watch.peers, watch.start, watch.deadline, watch.waiting_for
+                    )
+                    if verdict is not None:
+                        watch.verdict = verdict
+                        watch.comm._fail(verdict)  # aborts the group: the blocked wait returns
+                except Exception:  # the watchdog must survive anything
+                    log.exception("comm watchdog failed on %s", watch.op)
+
+
+_WATCHDOG = _Watchdog()
 
 # Every communicator not yet closed; closed at interpreter exit (see [Note: aborting a gloo
 # process group]) so no backend thread finishes a work while Python shuts down.

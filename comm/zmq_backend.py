@@ -84,8 +84,8 @@ class _FutureWork(Work):
             self._future.result(timeout=limit)
         except FutureTimeout:
             raise CommTimeoutError(
-                f"{self._op}: async operation not finished after {limit:.1f}s", op=self._op, peer=None,
-                waited=limit,
+                f"{self._op}: async operation not finished after {limit:.1f}s",
+                op=self._op.split("(", 1)[0], peer=None, waited=limit,
             ) from None
 
     def is_completed(self) -> bool:

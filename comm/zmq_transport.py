@@ -55,12 +55,13 @@ STASH_LIMIT_BYTES = 4 << 30
 class Deadline:
     """A point in time by which an operation must finish, with the operation's name for errors."""
 
-    __slots__ = ("at", "op", "timeout")
+    __slots__ = ("at", "name", "op", "timeout")
 
     def __init__(self, timeout: timedelta, op: str) -> None:
         self.timeout = timeout.total_seconds()
         self.at = time.monotonic() + self.timeout
-        self.op = op
+        self.op = op  # the call with its arguments, for messages: "recv(src=0, tag=3)"
+        self.name = op.split("(", 1)[0]  # the bare operation, for the error's `op` attribute
 
     def left_ms(self) -> int:
         return max(0, int((self.at - time.monotonic()) * 1000))
@@ -82,7 +83,11 @@ def host_key() -> str:
 def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """A uint8 numpy view of a contiguous CPU tensor's memory (keeps the tensor alive)."""
     assert t.is_contiguous() and t.device.type == "cpu", "tensor_bytes needs a contiguous CPU tensor"
-    return t.reshape(-1).view(torch.uint8).numpy()
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # torch calls a tensor of 0 or 1 elements contiguous whatever its stride; the byte view needs 1
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8).numpy()
 
 
 class _Channel:
@@ -252,7 +257,7 @@ class Transport:
             raise CommTimeoutError(
                 f"{deadline.op} on rank {self.rank}: timed out after {deadline.timeout:.1f}s waiting "
                 f"to {what} rank {peer}",
-                op=deadline.op,
+                op=deadline.name,
                 peer=peer,
                 waited=deadline.timeout,
             )
@@ -282,7 +287,7 @@ def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline) -> Non
         except zmq.NotDone:
             raise CommTimeoutError(
                 f"{deadline.op}: timed out after {deadline.timeout:.1f}s waiting for a send to complete",
-                op=deadline.op,
+                op=deadline.name,
                 peer=None,
                 waited=deadline.timeout,
             ) from None

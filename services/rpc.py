@@ -39,6 +39,7 @@ from comm.codec import describe_validation_error, pack, unpack_raw
 from comm.errors import ProtocolError
 from comm.sockets import CHUNK_BYTES, bind_loopback, make_socket
 from comm.wire import DTYPES, dtype_name
+from comm.zmq_transport import tensor_bytes
 from services.protocol import ErrorBody, ReplyEnvelope, RequestEnvelope, TensorSpec
 
 __all__ = [
@@ -83,7 +84,7 @@ def encode_tensors(tensors: NamedTensors) -> tuple[list[TensorSpec], list[Any]]:
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy()
+        data = tensor_bytes(t)
         pieces = [data[o:o + CHUNK_BYTES] for o in range(0, data.nbytes, CHUNK_BYTES)] or [data[:0]]
         specs.append(TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape),
                                 frames=len(pieces)))

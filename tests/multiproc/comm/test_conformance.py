@@ -1,0 +1,114 @@
+"""The one conformance suite of the Communicator contract, run on every backend.
+
+One RankGroup per (backend, world size) stays alive for the whole module; each test
+sends one command and the ranks sweep a matrix (dtype x size x layout, see
+``checks.py``) and return every mismatch, so the suite stays fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness.procs import RankGroup
+
+CHECKS = "tests.multiproc.comm.checks"
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+def _group_param(backend: str, world: int) -> Any:
+    marks: list[pytest.MarkDecorator] = []
+    if backend == "nccl":  # one GPU per rank: NCCL refuses two ranks on one device
+        enough = torch.cuda.is_available() and torch.cuda.device_count() >= world
+        need = pytest.mark.skipif(not enough, reason=f"nccl world {world} needs {world} GPUs")
+        marks += [pytest.mark.gpu, need]
+    return pytest.param((backend, world), id=f"{backend}-w{world}", marks=marks)
+
+
+GROUPS = [_group_param(b, w) for b in ("gloo", "zmq", "nccl") for w in WORLD_SIZES]
+
+
+@pytest.fixture(scope="module", params=GROUPS)
+def group(request: pytest.FixtureRequest) -> Iterator[RankGroup]:
+    backend, world = request.param
+    with RankGroup(world, backend, timeout=timedelta(seconds=15)) as ranks:
+        yield ranks
+    assert ranks.exitcodes == [0] * world, f"rank processes did not exit cleanly: {ranks.exitcodes}"
+
+
+def _expect_clean(group: RankGroup, check: str, *, wait_s: float = 90, **kwargs: Any) -> None:
+    results = group.run(f"{CHECKS}:{check}", timeout=timedelta(seconds=wait_s), **kwargs)
+    failures = [f"rank {r}: {f}" for r, found in enumerate(results) for f in found]
+    shown = "\n".join(failures[:40])
+    more = f"\n... and {len(failures) - 40} more" if len(failures) > 40 else ""
+    where = f"{group.backend} world={group.world_size} {check}"
+    assert not failures, f"{where}: {len(failures)} failures\n{shown}{more}"
+
+
+MATRIX = [
+    ("check_all_reduce", {}),
+    ("check_all_reduce", {"async_op": True, "ops": ["sum"]}),
+    ("check_broadcast", {}),
+    ("check_all_gather_into_tensor", {}),
+    ("check_reduce_scatter_tensor", {}),
+    ("check_all_gather_list", {}),
+    ("check_reduce_scatter_list", {}),
+    ("check_async_collectives", {}),
+    ("check_send_recv", {}),
+    ("check_isend_irecv", {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("check", "kwargs"), MATRIX, ids=[f"{c.removeprefix('check_')}{'-async' if k else ''}" for c, k in MATRIX]
+)
+def test_matrix(group: RankGroup, check: str, kwargs: dict[str, Any]) -> None:
+    """Every dtype x size (0, 1, 4097) x layout (contiguous, strided) against the reference."""
+    _expect_clean(group, check, seed=11, **kwargs)
+
+
+def test_barrier(group: RankGroup) -> None:
+    _expect_clean(group, "check_barrier")
+
+
+def test_argument_errors(group: RankGroup) -> None:
+    _expect_clean(group, "check_argument_errors")
+
+
+def test_p2p_ordering(group: RankGroup) -> None:
+    """Same tag: in order; different tags: never mixed (receives for tag 2 are posted first)."""
+    if group.world_size < 2:
+        pytest.skip("point to point needs two ranks")
+    _expect_clean(group, "check_p2p_ordering")
+
+
+def test_p2p_polling(group: RankGroup) -> None:
+    """isend/irecv handles report completion through is_completed() without a wait."""
+    if group.world_size < 2:
+        pytest.skip("point to point needs two ranks")
+    _expect_clean(group, "check_p2p_polling")
+
+
+def test_subgroups(group: RankGroup) -> None:
+    """Disjoint groups reduce concurrently, each to its own answer; ranks renumber in order."""
+    if group.world_size != 4:
+        pytest.skip("runs on the 4-rank world")
+    _expect_clean(group, "check_subgroups", seed=5)
+
+
+def test_recv_timeout(group: RankGroup) -> None:
+    """A recv nobody sends to raises CommTimeoutError naming the peer, within about the timeout."""
+    if group.world_size < 2:
+        pytest.skip("point to point needs two ranks")
+    _expect_clean(group, "check_recv_timeout", timeout_s=0.5)
+
+
+def test_large(group: RankGroup) -> None:
+    """64 MiB float32 all_reduce and broadcast (world 2)."""
+    if group.world_size != 2:
+        pytest.skip("runs on the 2-rank world")
+    _expect_clean(group, "check_large", seed=3, mib=64, wait_s=120)
