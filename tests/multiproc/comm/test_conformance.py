@@ -29,15 +29,36 @@ def _group_param(backend: str, world: int) -> Any:
     return pytest.param((backend, world), id=f"{backend}-w{world}", marks=marks)
 
 
-GROUPS = [_group_param(b, w) for b in ("gloo", "zmq", "nccl") for w in WORLD_SIZES]
+def _groups(worlds: tuple[int, ...] = WORLD_SIZES) -> list[Any]:
+    return [_group_param(b, w) for b in ("gloo", "zmq", "nccl") for w in worlds]
 
 
-@pytest.fixture(scope="module", params=GROUPS)
-def group(request: pytest.FixtureRequest) -> Iterator[RankGroup]:
+GROUPS = _groups()
+P2P_GROUPS = _groups((2, 3, 4))  # point to point needs a peer
+_live: dict[tuple[str, int], RankGroup] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_groups() -> Iterator[None]:
+    """One RankGroup per (backend, world) serves every test of the module; all close at its end."""
+    yield
+    groups = list(_live.values())
+    _live.clear()
+    for ranks in groups:
+        ranks.close()
+    for ranks in groups:
+        where = f"{ranks.backend} world {ranks.world_size}"
+        assert ranks.exitcodes == [0] * ranks.world_size, f"{where}: ranks exited with {ranks.exitcodes}"
+
+
+@pytest.fixture
+def group(request: pytest.FixtureRequest) -> RankGroup:
     backend, world = request.param
-    with RankGroup(world, backend, timeout=timedelta(seconds=15)) as ranks:
-        yield ranks
-    assert ranks.exitcodes == [0] * world, f"rank processes did not exit cleanly: {ranks.exitcodes}"
+    ranks = _live.get((backend, world))
+    if ranks is None:
+        ranks = RankGroup(world, backend, timeout=timedelta(seconds=15)).start()
+        _live[(backend, world)] = ranks
+    return ranks
 
 
 def _expect_clean(group: RankGroup, check: str, *, wait_s: float = 90, **kwargs: Any) -> None:
@@ -63,6 +84,7 @@ MATRIX = [
 ]
 
 
+@pytest.mark.parametrize("group", GROUPS, indirect=True)
 @pytest.mark.parametrize(
     ("check", "kwargs"), MATRIX, ids=[f"{c.removeprefix('check_')}{'-async' if k else ''}" for c, k in MATRIX]
 )
@@ -71,44 +93,41 @@ def test_matrix(group: RankGroup, check: str, kwargs: dict[str, Any]) -> None:
     _expect_clean(group, check, seed=11, **kwargs)
 
 
+@pytest.mark.parametrize("group", GROUPS, indirect=True)
 def test_barrier(group: RankGroup) -> None:
     _expect_clean(group, "check_barrier")
 
 
+@pytest.mark.parametrize("group", GROUPS, indirect=True)
 def test_argument_errors(group: RankGroup) -> None:
     _expect_clean(group, "check_argument_errors")
 
 
+@pytest.mark.parametrize("group", P2P_GROUPS, indirect=True)
 def test_p2p_ordering(group: RankGroup) -> None:
     """Same tag: in order; different tags: never mixed (receives for tag 2 are posted first)."""
-    if group.world_size < 2:
-        pytest.skip("point to point needs two ranks")
     _expect_clean(group, "check_p2p_ordering")
 
 
+@pytest.mark.parametrize("group", P2P_GROUPS, indirect=True)
 def test_p2p_polling(group: RankGroup) -> None:
     """isend/irecv handles report completion through is_completed() without a wait."""
-    if group.world_size < 2:
-        pytest.skip("point to point needs two ranks")
     _expect_clean(group, "check_p2p_polling")
 
 
+@pytest.mark.parametrize("group", _groups((4,)), indirect=True)
 def test_subgroups(group: RankGroup) -> None:
     """Disjoint groups reduce concurrently, each to its own answer; ranks renumber in order."""
-    if group.world_size != 4:
-        pytest.skip("runs on the 4-rank world")
     _expect_clean(group, "check_subgroups", seed=5)
 
 
+@pytest.mark.parametrize("group", P2P_GROUPS, indirect=True)
 def test_recv_timeout(group: RankGroup) -> None:
     """A recv nobody sends to raises CommTimeoutError naming the peer, within about the timeout."""
-    if group.world_size < 2:
-        pytest.skip("point to point needs two ranks")
     _expect_clean(group, "check_recv_timeout", timeout_s=0.5)
 
 
+@pytest.mark.parametrize("group", _groups((2,)), indirect=True)
 def test_large(group: RankGroup) -> None:
     """64 MiB float32 all_reduce and broadcast (world 2)."""
-    if group.world_size != 2:
-        pytest.skip("runs on the 2-rank world")
     _expect_clean(group, "check_large", seed=3, mib=64, wait_s=120)
