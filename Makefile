@@ -33,7 +33,7 @@ demo: $(VENV)/.installed
 	$(BIN)/cellmesh demo
 
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check comm services coordinator tests bench
+	$(BIN)/ruff check comm services coordinator tests bench examples
 	$(BIN)/mypy
 
 test: $(VENV)/.dev-installed etcd lint

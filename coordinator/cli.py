@@ -1,4 +1,4 @@
-"""The `cellmesh` command line."""
+"""The `cellmesh` command line: ``run``, ``demo`` and ``worker``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,56 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, get_args
+
+if TYPE_CHECKING:
+    from coordinator.run import RunOptions
 
 __all__ = ["main"]
 
 LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
+DEMO_WORKERS = 2
+
+
+def _count(text: str) -> int:
+    """argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_training_options(parser: argparse.ArgumentParser, *, workers: int | None) -> None:
+    from coordinator.plan import Mode
+    from coordinator.planner import Strategy
+    from coordinator.schedules import SCHEDULES
+
+    parser.add_argument("--workers", type=_positive, default=workers, metavar="N",
+                        help="local worker processes" + (f" (default {workers})" if workers else
+                                                         " (default: the job's, else 2)"))
+    parser.add_argument("--steps", type=_count, metavar="K", help="steps to train (default: the job's)")
+    parser.add_argument("--strategy", choices=get_args(Strategy), help="what the planner may choose from")
+    parser.add_argument("--data-parallel", type=_positive, metavar="D", help="fix the number of replicas")
+    parser.add_argument("--stages", type=_positive, metavar="P", help="fix the number of pipeline stages")
+    parser.add_argument("--microbatches", type=_positive, metavar="M",
+                        help="fix microbatches per replica per step")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="fix the pipeline schedule")
+    parser.add_argument("--mode", choices=get_args(Mode), help="fix the gradient path")
+    parser.add_argument("--output", "-o", type=Path, metavar="PATH",
+                        help="where to write the final state_dict (default out/<job name>.pt)")
+    parser.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
+                        help="a progress bar, log lines, or a bar only on a terminal (default)")
+    parser.add_argument("--log-every", type=_positive, metavar="S", help="steps between log lines")
+    parser.add_argument("--traceback", action="store_true", help="print the traceback of an error too")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,11 +64,46 @@ def _parser() -> argparse.ArgumentParser:
                                      description="cellmesh: distributed training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("worker", help="run a worker process (see `cellmesh worker --help`)", add_help=False)
-    demo = sub.add_parser("demo", help="two local processes exercise the communication front end")
-    demo.add_argument("--backend", default="zmq", choices=["zmq", "gloo"], help="communication backend")
-    demo.add_argument("--world-size", type=int, default=2, help="number of local processes")
-    demo.add_argument("--timeout", type=float, default=120.0, help="seconds before the demo gives up")
+    run = sub.add_parser("run", help="train a job on local worker processes",
+                         description="Plan a job, train it on local worker processes and write its "
+                                     "final state_dict. JOB is a job module (.py exposing job()) or a "
+                                     "job spec (.yaml, .yml, .json); see docs/running.md.")
+    run.add_argument("job", metavar="JOB", help="a job module (.py) or a job spec (.yaml/.yml/.json)")
+    _add_training_options(run, workers=None)
+    demo = sub.add_parser("demo", help="train the example character-level language model on 2 workers "
+                                       "(--comm: exercise the communication front end instead)")
+    _add_training_options(demo, workers=DEMO_WORKERS)
+    comm = demo.add_argument_group("the communication demo (--comm)")
+    comm.add_argument("--comm", action="store_true", help="run the communication demo instead")
+    comm.add_argument("--backend", default="zmq", choices=["zmq", "gloo"], help="communication backend")
+    comm.add_argument("--world-size", type=int, default=2, help="number of local processes")
+    comm.add_argument("--timeout", type=float, default=120.0, help="seconds before the demo gives up")
     return parser
+
+
+def _run_options(args: argparse.Namespace, job: str) -> RunOptions:
+    from coordinator.jobspec import Overrides
+    from coordinator.run import RunOptions
+
+    overrides = Overrides(workers=args.workers, steps=args.steps, strategy=args.strategy,
+                          data_parallel=args.data_parallel, num_stages=args.stages, mode=args.mode,
+                          schedule=args.schedule, num_microbatches=args.microbatches)
+    bar = {"auto": None, "bar": True, "lines": False}[args.progress]
+    return RunOptions(job=job, overrides=overrides, output=args.output, bar=bar, log_every=args.log_every)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from coordinator import run
+
+    try:
+        with run.use_termination_as_exception():
+            if args.command == "demo":
+                run.run_demo_job(_run_options(args, str(run.demo_job_path())))
+            else:
+                run.run_job(_run_options(args, args.job))
+    except run.REPORTED as exc:
+        return run.report(exc, show_traceback=args.traceback)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,10 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     args = _parser().parse_args(argv)
-    if args.command == "demo":
+    if args.command == "demo" and args.comm:
         from coordinator.demo import run_demo
 
         return run_demo(args.backend, args.world_size, args.timeout)
+    if args.command in ("run", "demo"):
+        return _train(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 
