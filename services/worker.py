@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
+DEREGISTER_TIMEOUT = timedelta(seconds=3)
 
 ServiceBuilder = Callable[[Assignment], ServiceBase]
 
@@ -155,22 +156,35 @@ class Worker:
         return self
 
     def drain(self, timeout: timedelta = timedelta(seconds=10)) -> None:
-        """Stop taking work, close services, deregister. Idempotent."""
+        """Stop taking work, close services, deregister. Idempotent and bounded by ``timeout``.
+
+        Deregistering is best effort: when the registry is unreachable (the coordinator that
+        served it is gone), the worker gives up after a few seconds and its lease lapses.
+        """
         if self.stopped.is_set():
             return
         self.draining.set()
         self.host.shutdown(timeout)
-        try:
-            self.registry.delete(worker_key(self.job, self.name))
-        except Exception:  # the lease revocation below removes it too
-            log.debug("[worker %s] could not delete its card", self.name, exc_info=True)
-        if self._keepalive is not None:
-            self._keepalive.stop(revoke=True)
+
+        def deregister() -> None:
+            try:
+                self.registry.delete(worker_key(self.job, self.name))
+            except Exception:  # the lease revocation below removes it too
+                log.debug("[worker %s] could not delete its card", self.name, exc_info=True)
+            if self._keepalive is not None:
+                self._keepalive.stop(revoke=True)
+
+        cleanup = threading.Thread(target=deregister, name="worker-deregister", daemon=True)
+        cleanup.start()
+        cleanup.join(min(timeout.total_seconds(), DEREGISTER_TIMEOUT.total_seconds()))
+        if cleanup.is_alive():
+            log.warning("[worker %s] the registry did not answer; leaving without deregistering", self.name)
         self.stopped.set()
         log.info("[worker %s] drained", self.name)
 
-    def serve_forever(self) -> None:
-        """Block until SIGTERM/SIGINT (main thread only) or :meth:`drain` from elsewhere."""
+    def serve_forever(self) -> bool:
+        """Block until SIGTERM/SIGINT (main thread only), :meth:`drain` from elsewhere, or the
+        registry is lost; returns False in that last case (the worker is orphaned and exits)."""
         stop = threading.Event()
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -178,13 +192,17 @@ class Worker:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        healthy = True
         while not stop.wait(0.2):
             if self.stopped.is_set():
-                return
+                return True
             if self._keepalive is not None and self._keepalive.lost.is_set():
-                log.error("[worker %s] lost its lease in the registry; exiting", self.name)
+                log.error("[worker %s] could not renew its lease in the registry for a whole lease "
+                          "time (the registry or its coordinator is gone); exiting", self.name)
+                healthy = False
                 break
         self.drain()
+        return healthy
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -205,12 +223,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     tune_malloc()
     name = args.name or f"{os.uname().nodename}-{os.getpid()}"
-    registry = connect_registry(args.registry)
-    worker = Worker(registry, args.job, name, lease_ttl=timedelta(seconds=args.lease_ttl), host=args.host)
+    lease_ttl = timedelta(seconds=args.lease_ttl)
+    # a registry call may not outlast the lease, so an unreachable registry is noticed in time
+    registry = connect_registry(args.registry, request_timeout=min(timedelta(seconds=10), lease_ttl))
+    worker = Worker(registry, args.job, name, lease_ttl=lease_ttl, host=args.host)
     try:
         worker.start()
         print(f"cellmesh worker {name} serving at {worker.host.address}", flush=True)
-        worker.serve_forever()
+        if not worker.serve_forever():
+            return 1
     except Exception:
         log.exception("[worker %s] failed", name)
         worker.drain()

@@ -164,3 +164,14 @@ def test_kill9_loses_lease_within_ttl(server: RegistryServer) -> None:
         w.stop()
         registry.close()
     assert pack  # the card codec is the shared one
+
+
+def test_worker_exits_when_its_registry_is_gone() -> None:
+    with registry_server() as own:
+        w = start_worker(own.address, JOB, "orphan", lease_ttl=1.0)
+    # the registry (and the coordinator that served it) is gone: the worker must not linger
+    try:
+        code = w.wait(20)
+    finally:
+        w.stop()
+    assert code == 1
