@@ -93,14 +93,16 @@ class _FutureWork(Work):
 
 
 class _SendWork(Work):
-    def __init__(self, trackers: list[zmq.MessageTracker], timeout: timedelta, op: str, keep: object) -> None:
+    def __init__(self, trackers: list[zmq.MessageTracker], timeout: timedelta, op: str, keep: object,
+                 wait: Callable[[list[zmq.MessageTracker], Deadline], None]) -> None:
+        self._wait = wait
         self._trackers = trackers
         self._timeout = timeout
         self._op = op
         self._keep = keep  # the tensor stays alive while libzmq may read it
 
     def wait(self, timeout: timedelta | None = None) -> None:
-        wait_trackers(self._trackers, Deadline(self._timeout if timeout is None else timeout, self._op))
+        self._wait(self._trackers, Deadline(self._timeout if timeout is None else timeout, self._op))
         self._keep = None
 
     def is_completed(self) -> bool:
@@ -233,6 +235,9 @@ class ZmqCommunicator(Communicator):
 
     # -- plumbing -------------------------------------------------------------------
 
+    def _wait_sent(self, trackers: list[zmq.MessageTracker], deadline: Deadline) -> None:
+        wait_trackers(trackers, deadline, self._transport.rendezvous, self._members)
+
     def _deadline(self, timeout: timedelta | None, op: str) -> Deadline:
         return Deadline(self.timeout if timeout is None else timeout, op)
 
@@ -281,7 +286,12 @@ class ZmqCommunicator(Communicator):
         seq = self._next_seq(self._p2p_send_seq, peer, tag)
         deadline = self._deadline(None, f"isend(dst={dst}, tag={tag})")
         trackers = self._send_tensor(peer, src, KIND_P2P, seq, tag, deadline)
-        return _SendWork(trackers, self.timeout, deadline.op, src)
+        rendezvous = self._transport.rendezvous
+
+        def wait(pending: list[zmq.MessageTracker], dl: Deadline) -> None:
+            wait_trackers(pending, dl, rendezvous, (peer,))
+
+        return _SendWork(trackers, self.timeout, deadline.op, src, wait)
 
     def irecv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> Work:
         peer = self._peer(src, "irecv")
@@ -384,7 +394,7 @@ class ZmqCommunicator(Communicator):
                 acc = x.clone()
             else:
                 reduce(acc, x)
-        wait_trackers(trackers, deadline)
+        self._wait_sent(trackers, deadline)
         assert acc is not None
         flat.copy_(acc)
 
@@ -453,11 +463,11 @@ class ZmqCommunicator(Communicator):
                 else:
                     pending = sent.pop((seg, k), None)
                     if pending:  # an earlier send still reads this region
-                        wait_trackers(pending, deadline)
+                        self._wait_sent(pending, deadline)
                     target.copy_(incoming)
                 if step + 1 < steps:
                     send(step + 1, seg, k)
-        wait_trackers(all_trackers, deadline)
+        self._wait_sent(all_trackers, deadline)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, tensor: torch.Tensor,
                               op: ReduceOp = ReduceOp.SUM, *, timeout: timedelta | None = None,
@@ -532,7 +542,7 @@ class ZmqCommunicator(Communicator):
                     for r, peer in enumerate(self._members):
                         if r != src:
                             trackers += self._send_tensor(peer, work, KIND_COLLECTIVE, seq, 0, deadline)
-                    wait_trackers(trackers, deadline)
+                    self._wait_sent(trackers, deadline)
                 else:
                     self._recv_tensor(self._members[src], work, KIND_COLLECTIVE, seq, 0, deadline,
                                       check_shape=True)
@@ -568,7 +578,7 @@ class ZmqCommunicator(Communicator):
                                                self._members)
                 if tracker is not None:
                     trackers.append(tracker)
-        wait_trackers(trackers, deadline)
+        self._wait_sent(trackers, deadline)
 
     def barrier(self, *, timeout: timedelta | None = None) -> None:
         self.all_reduce(torch.zeros(1, dtype=torch.uint8), timeout=timeout)

@@ -276,19 +276,30 @@ class Transport:
                 os.unlink(path)
 
 
-def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline) -> None:
-    """Wait until libzmq has released every tracked zero-copy buffer."""
+def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline,
+                  rendezvous: Rendezvous | None = None, members: tuple[int, ...] = ()) -> None:
+    """Wait until libzmq has released every tracked zero-copy buffer.
+
+    A send to a peer that died never completes, so the wait runs in slices and, between
+    them, asks ``rendezvous`` whether one of ``members`` was lost (raising PeerLostError
+    naming it) before the deadline's CommTimeoutError.
+    """
     for tracker in trackers:
-        if tracker.done:
-            continue
-        left = max(deadline.at - time.monotonic(), 0.0)
-        try:
-            tracker.wait(left)
-        except zmq.NotDone:
-            raise CommTimeoutError(
-                f"{deadline.op}: timed out after {deadline.timeout:.1f}s waiting for a send to complete",
-                op=deadline.name,
-                peer=None,
-                waited=deadline.timeout,
-            ) from None
+        while not tracker.done:
+            left = deadline.at - time.monotonic()
+            try:
+                tracker.wait(max(0.0, min(left, _POLL_SLICE_MS / 1000)))
+                continue
+            except zmq.NotDone:
+                pass
+            # a whole slice without completion: is a member gone, is time up?
+            if rendezvous is not None:
+                rendezvous.check(members, deadline.op)
+            if deadline.expired():
+                raise CommTimeoutError(
+                    f"{deadline.op}: timed out after {deadline.timeout:.1f}s waiting for a send to complete",
+                    op=deadline.name,
+                    peer=None,
+                    waited=deadline.timeout,
+                )
     trackers.clear()
