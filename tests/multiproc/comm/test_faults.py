@@ -22,8 +22,9 @@ WORLD = 3
 VICTIM = 1
 OP_TIMEOUT_S = 5.0
 LIVENESS_TTL = timedelta(seconds=1)
-# How late after the fault a survivor may report it: the op timeout plus scheduling slack.
-REPORT_WITHIN_S = OP_TIMEOUT_S + 2.0
+# How late after the fault a survivor may report it: the op timeout plus scheduling slack (a loaded
+# 2-core machine has delayed a starved survivor by ~2 s; typical reports come ~1 s after the fault).
+REPORT_WITHIN_S = OP_TIMEOUT_S + 4.0
 
 ALL_REDUCE = ("loop_all_reduce", {"numel": 1 << 20})
 # The victim sends to the others, which block in recv (gloo: the watchdog path).
