@@ -73,7 +73,7 @@ def _cellmesh_rank(rank: int, address: str, prefix: str, reps: int, backend: str
 
     def run(op: str, numel: int) -> None:
         b = buffers.setdefault(numel, {
-            "x": torch.ones(numel), "out": torch.empty(numel * WORLD), "rs": torch.empty(numel // WORLD)})
+            "x": torch.ones(numel), "out": torch.empty(numel), "rs": torch.empty(numel // WORLD)})
         if op == "all_reduce":
             comm.all_reduce(b["x"])
         elif op == "broadcast":
@@ -104,7 +104,7 @@ def _gloo_rank(rank: int, port: int, reps: int, q: Any) -> None:
 
     def run(op: str, numel: int) -> None:
         b = buffers.setdefault(numel, {
-            "x": torch.ones(numel), "out": torch.empty(numel * WORLD), "rs": torch.empty(numel // WORLD)})
+            "x": torch.ones(numel), "out": torch.empty(numel), "rs": torch.empty(numel // WORLD)})
         if op == "all_reduce":
             dist.all_reduce(b["x"])
         elif op == "broadcast":

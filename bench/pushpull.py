@@ -167,8 +167,11 @@ def _report(args: argparse.Namespace, results: list[dict[str, float]], nbytes: i
           f"tensors, {args.part_mib:g} MiB parts; median (min-max) over rounds")
     print(f"\nraw ZeroMQ one-way ceiling, {nbytes / MIB:.0f} MiB in 1 MiB zero-copy frames: "
           f"{cell('ceiling')} GB/s")
-    tuning = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
-    print(f"allocator environment (inherited by every process here): {tuning or 'glibc defaults'}")
+    from comm.allocator import MALLOC_TUNE_ENV
+
+    tuned = os.environ.get(MALLOC_TUNE_ENV, "1") != "0"
+    print("allocator: " + ("comm.allocator.tune_malloc in every process (32 MiB mmap, 1 GiB trim thresholds)"
+                           if tuned else f"glibc defaults ({MALLOC_TUNE_ENV}=0)"))
     print(f"one SGD step over the whole set in one process: {sgd_ms:.1f} ms")
     print(f"parameters moved by copy-on-write (a pull reply still in flight at update time): {moved}\n")
     print("| shards | step | push+pull GB/s | / ceiling | push ms | pull ms |")

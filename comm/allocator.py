@@ -1,6 +1,6 @@
 """Keep glibc from handing large freed buffers back to the kernel on the data path.
 
-libzmq allocates one buffer per received frame (1 MiB on cellmesh's data path) and frees
+libzmq allocates one buffer per received frame (up to 4 MiB on cellmesh's data path) and frees
 it when the frame is released. With glibc's defaults, buffers of that size come from
 ``mmap`` and go back with ``munmap``, or the heap top is trimmed, so every frame pays page
 faults when it is touched again: measured here, 4,000-16,000 faults per process per

@@ -40,10 +40,13 @@ __all__ = [
     "shared_context",
 ]
 
-CHUNK_BYTES = 1 << 20  # tensors travel in 1 MiB frames (libzmq allocates one buffer per frame)
+# Tensors travel in frames of at most 4 MiB: libzmq allocates one receive buffer per frame, so
+# one frame per 64 MiB tensor is slow (fresh pages every time), while with the allocator kept
+# from trimming (comm.allocator) 4 MiB frames beat 1 MiB ones at 64 MiB (docs/benchmarks.md).
+CHUNK_BYTES = 4 << 20
 DATA_MAX_MESSAGE = 4 * CHUNK_BYTES
-CONTROL_MAX_MESSAGE = 16 << 20
-DATA_HWM = 1024  # <= 1 GiB of chunks in flight per connection
+CONTROL_MAX_MESSAGE = 4 * CHUNK_BYTES
+DATA_HWM = 256  # <= 1 GiB of chunks in flight per connection
 CONTROL_HWM = 10_000
 
 _context: zmq.Context[zmq.Socket[bytes]] | None = None

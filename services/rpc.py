@@ -8,7 +8,7 @@ answer later (a barrier releasing, a pull waiting for the step's update). One
 so handlers never race each other and deferred replies are sent from that same thread.
 
 Frames. A request is ``[envelope, *tensor frames]`` (see :mod:`services.protocol`); each
-tensor is split into frames of at most 1 MiB. The host validates the envelope, then the
+tensor is split into frames of at most CHUNK_BYTES (4 MiB). The host validates the envelope, then the
 body against the handler's model, then every tensor spec against its frames, before the
 handler runs; anything wrong gets an error reply naming the field and the reason, and the
 host serves the next message. Received tensors are read-only views of ZeroMQ's frames:
@@ -73,7 +73,7 @@ class RpcError(RuntimeError):
 
 
 def encode_tensors(tensors: NamedTensors) -> tuple[list[TensorSpec], list[Any]]:
-    """Specs and frames (zero-copy views, at most 1 MiB each) for ``tensors``.
+    """Specs and frames (zero-copy views, at most CHUNK_BYTES each) for ``tensors``.
 
     The frames view the tensors' memory: keep the tensors unchanged until the send completed.
     """

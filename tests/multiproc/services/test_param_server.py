@@ -23,6 +23,7 @@ from torch import nn
 
 from comm.codec import PROTOCOL_VERSION
 from comm.registry import RegistryServer
+from comm.sockets import CHUNK_BYTES
 from services.param_client import PushPullClient, ShardRef, setup_shards
 from services.param_store import ParamStore
 from services.protocol import (
@@ -162,10 +163,11 @@ def test_plan_is_balanced_largest_first_and_deterministic() -> None:
 
 
 def test_pieces_round_trip() -> None:
-    t = torch.arange(300_000, dtype=torch.float64).view(600, 500)  # 2.3 MiB -> 3 pieces
+    per_piece = CHUNK_BYTES // 8
+    t = torch.arange(2 * per_piece + 1000, dtype=torch.float64)  # a bit over two frames -> 3 pieces
     pieces = split_pieces("w", t)
     assert [n for n, _ in pieces] == ["w#0", "w#1", "w#2"]
-    assert all(p.numel() * 8 <= 1 << 20 for _, p in pieces)
+    assert all(p.numel() * 8 <= CHUNK_BYTES for _, p in pieces)
     joined = join_pieces(dict(pieces))["w"]
     assert torch.equal(torch.cat([joined[k] for k in range(3)]), t.view(-1))
     assert piece_slices(0, torch.float32) == [slice(0, 0)]
