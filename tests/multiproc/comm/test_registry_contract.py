@@ -158,8 +158,10 @@ class Backend:
 
 @pytest.fixture(scope="module")
 def etcd_server() -> Iterator[EtcdServer]:
+    # `make test` installs etcd; a suite run without it would silently lose the etcd backend
     if not etcd_available():
-        pytest.skip("the etcd server binary is not installed (apt-get install etcd-server)")
+        pytest.fail("the etcd server binary is not installed: run `make etcd` "
+                    "(apt-get install etcd-server) or `make test`, which does")
     with EtcdServer() as server:
         yield server
 
