@@ -2,10 +2,16 @@
 
 Gradients are gathered into buckets (``bucket_bytes``, 25 MiB by default, as torch DDP)
 in the reverse order of the parameters, which is roughly the order backward produces
-them. A hook on every parameter copies its gradient into the bucket as soon as autograd
-has accumulated it; when a bucket is full it is all-reduced asynchronously while backward
-goes on with earlier layers, so communication overlaps compute. :meth:`GradSync.finish`
-waits for the buckets and writes the averaged gradients back into ``param.grad``.
+them. In all_reduce mode every ``param.grad`` becomes a view into its bucket's flat buffer
+(DDP's ``gradient_as_bucket_view``): a hook on every parameter fires once autograd has
+accumulated its gradient; if ``param.grad`` is already the view (autograd accumulates into
+an existing ``.grad`` in place) the hook only marks it ready, otherwise (the first backward
+after ``param.grad`` was set to None or replaced) it copies the gradient into the view once
+and re-points ``param.grad`` at it. When a bucket is full it is all-reduced asynchronously,
+in place, while backward goes on with earlier layers, so communication overlaps compute.
+:meth:`GradSync.finish` waits for the buckets; ``param.grad`` then holds the average with
+no copy back. Zeroing gradients in place (``zero_grad(set_to_none=False)``) keeps the views
+and costs no copy at all; setting them to None costs one copy per parameter and step.
 
 Buckets are launched strictly in bucket order (bucket i waits until buckets < i were
 launched), so every replica issues the same collectives in the same order even if its
@@ -13,15 +19,18 @@ hooks fire in a slightly different order. A parameter that got no gradient in a 
 contributes zeros (as DDP with ``find_unused_parameters``).
 
 The reduce-scatter path (``mode="reduce_scatter"``) is the one a sharded optimizer
-(ZeRO) uses: :meth:`GradSync.finish` then leaves each replica with the averaged gradient
-of its own contiguous shard of every bucket, returned as :class:`Shard` views, and the
-full gradients are not written back.
+(ZeRO) uses: gradients are copied into the buckets (``param.grad`` stays a tensor of its
+own), :meth:`GradSync.finish` then leaves each replica with the averaged gradient of its
+own contiguous shard of every bucket, returned as :class:`Shard` views, and the full
+gradients are not written back.
 
 Pipeline stages run one backward per microbatch and gradients accumulate over them;
 only the last backward of a step may launch buckets. :attr:`GradSync.armed` says whether
-hooks act (True by default): a stage sets it False at the start of a step and True just
-before its last backward (see ``services/grad_path.py``). A parameter whose hook did not
-fire while armed contributes its accumulated ``.grad`` (zeros if it has none).
+hooks launch (True by default): a stage sets it False at the start of a step and True just
+before its last backward (see ``services/grad_path.py``). A disarmed hook still re-points
+``param.grad`` at its view (all_reduce mode), so later microbatches accumulate in place.
+A parameter whose hook did not fire while armed contributes its accumulated ``.grad``
+(zeros if it has none).
 
 Works on any :class:`~comm.base.Communicator` backend. Not thread-safe: one backward
 at a time.
@@ -97,8 +106,9 @@ class GradSync:
         module: the replica's model; its parameters that require grad are synchronised.
         comm: the data-parallel group.
         bucket_bytes: bucket capacity (25 MiB default).
-        mode: ``"all_reduce"`` (every replica gets the full averaged gradient) or
-            ``"reduce_scatter"`` (each gets its shard; for sharded optimizers).
+        mode: ``"all_reduce"`` (every replica gets the full averaged gradient; ``param.grad``
+            becomes a view into the bucket buffer) or ``"reduce_scatter"`` (each gets its
+            shard; for sharded optimizers).
         timeout: bound on waiting for each bucket's collective.
 
     Usage::
@@ -106,6 +116,10 @@ class GradSync:
         sync = GradSync(model, comm)
         loss.backward()        # buckets go out while backward runs
         sync.finish()          # param.grad now holds the average over replicas
+
+    In all_reduce mode ``param.grad`` is a view into a bucket buffer after the hooks or
+    :meth:`finish` ran: zero it in place or set it to None, but do not keep references to
+    it across steps (the next step's all-reduce overwrites it).
     """
 
     def __init__(
@@ -147,17 +161,33 @@ class GradSync:
 
     # -- during backward ----------------------------------------------------------------
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        if not self.armed:
-            return
-        b, pos = self._where[id(param)]
-        bucket = self.buckets[b]
-        grad = param.grad
-        view = bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + param.numel()]
+    def _view(self, bucket: Bucket, pos: int) -> torch.Tensor:
+        """Parameter ``pos`` of ``bucket``'s slice of the buffer, shaped as the parameter."""
+        p = bucket.params[pos]
+        return bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + p.numel()].view_as(p)
+
+    def _gather(self, bucket: Bucket, pos: int) -> None:
+        """Bring parameter ``pos``'s gradient into the bucket (all_reduce: make ``.grad`` the view)."""
+        p = bucket.params[pos]
+        view = self._view(bucket, pos)
+        grad = p.grad
         if grad is None:
             view.zero_()
+        elif grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.dtype == view.dtype:
+            return  # already the view: autograd accumulated in place
         else:
-            view.copy_(grad.reshape(-1))
+            view.copy_(grad)
+        if self.mode == "all_reduce":
+            p.grad = view
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        b, pos = self._where[id(param)]
+        bucket = self.buckets[b]
+        if not self.armed:
+            if self.mode == "all_reduce" and param.grad is not None:
+                self._gather(bucket, pos)  # later microbatches accumulate into the view
+            return
+        self._gather(bucket, pos)
         bucket.ready.add(pos)
         self._launch_ready()
 
@@ -185,30 +215,20 @@ class GradSync:
         """Wait for every bucket and publish the averaged gradients; reset for the next step.
 
         Parameters whose hook did not fire contribute their ``.grad`` as it is (zeros if
-        None). Returns the shards in reduce_scatter mode (an empty list in all_reduce mode).
+        None); in all_reduce mode each ``param.grad`` is then the averaged view. Returns the
+        shards in reduce_scatter mode (an empty list in all_reduce mode).
         """
         for bucket in self.buckets:  # parameters whose hook did not fire (no gradient, or not armed)
-            for pos, p in enumerate(bucket.params):
+            for pos in range(len(bucket.params)):
                 if pos not in bucket.ready:
-                    view = bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + p.numel()]
-                    if p.grad is None:
-                        view.zero_()
-                    else:
-                        view.copy_(p.grad.reshape(-1))
+                    self._gather(bucket, pos)
                     bucket.ready.add(pos)
         self._launch_ready()
         shards: list[Shard] = []
         for bucket in self.buckets:
             assert bucket.work is not None
             bucket.work.wait(self.timeout)
-            if self.mode == "all_reduce":
-                for pos, p in enumerate(bucket.params):
-                    view = bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + p.numel()].view_as(p)
-                    if p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
-            else:
+            if self.mode == "reduce_scatter":  # all_reduce: param.grad is the view, averaged in place
                 assert bucket.shard is not None
                 n = bucket.shard.numel()
                 start = self.comm.rank * n

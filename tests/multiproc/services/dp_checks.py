@@ -52,23 +52,34 @@ def reference(optimizer: str, steps: int, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_replica(comm: Communicator, *, optimizer: str, steps: int, seed: int, bucket_bytes: int
-                  ) -> dict[str, Any]:
-    """Train on this rank's contiguous share of every global batch, gradients averaged by GradSync."""
+def train_replica(comm: Communicator, *, optimizer: str, steps: int, seed: int, bucket_bytes: int,
+                  microbatches: int = 1, set_to_none: bool = True) -> dict[str, Any]:
+    """Train on this rank's contiguous share of every global batch, gradients averaged by GradSync.
+
+    With several ``microbatches`` the share is split and their gradients accumulate, the
+    hooks disarmed for every backward but the last (as a pipeline stage does).
+    """
     torch.set_num_threads(1)
     model = make_model(seed)
     opt = make_optimizer(optimizer, model)
     sync = GradSync(model, comm, bucket_bytes=bucket_bytes)
     share = GLOBAL_BATCH // comm.world_size
-    mine = slice(comm.rank * share, (comm.rank + 1) * share)
+    chunk = share // microbatches
+    views = True
     for step in range(steps):
         x, y = batch(step, seed)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.zero_grad(set_to_none=set_to_none)
+        for m in range(microbatches):
+            sync.armed = m == microbatches - 1
+            mine = slice(comm.rank * share + m * chunk, comm.rank * share + (m + 1) * chunk)
+            (nn.functional.mse_loss(model(x[mine]), y[mine]) / microbatches).backward()
         sync.finish()
+        views = views and all(  # zero-copy: every gradient is a view into its bucket
+            p.grad is not None and p.grad.data_ptr() == b.buffer[off:].data_ptr()
+            for b in sync.buckets for p, off in zip(b.params, b.offsets, strict=True))
         opt.step()
     sync.close()
-    return {"buckets": len(sync.buckets),
+    return {"buckets": len(sync.buckets), "views": views,
             "params": {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}}
 
 

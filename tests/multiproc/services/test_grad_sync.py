@@ -44,6 +44,20 @@ def test_two_replicas_match_one_process(pair: RankGroup, optimizer: str, bucket_
     assert any((ref[k] - start[k]).abs().max() > 1e-3 for k in ref)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_accumulated_microbatches_in_bucket_views_match_one_process(pair: RankGroup, set_to_none: bool
+                                                                    ) -> None:
+    results = pair.run("tests.multiproc.services.dp_checks:train_replica", optimizer="sgd", steps=STEPS,
+                       seed=SEED, bucket_bytes=300, microbatches=2, set_to_none=set_to_none)
+    ref = dp_checks.reference("sgd", STEPS, SEED)
+    for r, result in enumerate(results):
+        assert result["views"], f"rank {r}: param.grad is not a view into its bucket"
+        got = _params(result["params"])
+        for name, expected in ref.items():
+            diff = (got[name] - expected.reshape(-1)).abs().max().item()
+            assert diff < 1e-10, f"rank {r} {name}: max abs diff {diff:.3g} (set_to_none={set_to_none})"
+
+
 def test_reduce_scatter_shards_are_the_averaged_gradient(pair: RankGroup) -> None:
     results = pair.run("tests.multiproc.services.dp_checks:reduce_scatter_grads", seed=SEED, bucket_bytes=400)
     model = dp_checks.make_model(SEED)
