@@ -64,15 +64,22 @@ class WatchEvent:
 
 
 class Lease(abc.ABC):
-    """A time-to-live grant; keys put with it vanish when it expires or is revoked."""
+    """A time-to-live grant; keys put with it vanish when it expires or is revoked.
+
+    Backends subclass it with ``refresh`` and ``revoke``; the id and TTL live here.
+    """
+
+    def __init__(self, lease_id: int, ttl: timedelta) -> None:
+        self._id = lease_id
+        self._ttl = ttl
 
     @property
-    @abc.abstractmethod
-    def id(self) -> int: ...
+    def id(self) -> int:
+        return self._id
 
     @property
-    @abc.abstractmethod
-    def ttl(self) -> timedelta: ...
+    def ttl(self) -> timedelta:
+        return self._ttl
 
     @abc.abstractmethod
     def refresh(self) -> None:

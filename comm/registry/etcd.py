@@ -117,17 +117,8 @@ class EtcdLease(Lease):
     """An etcd lease; refresh sends one keep-alive, revoke revokes it (and deletes its keys)."""
 
     def __init__(self, registry: EtcdRegistry, lease_id: int, ttl: timedelta) -> None:
+        super().__init__(lease_id, ttl)
         self._registry = registry
-        self._id = lease_id
-        self._ttl = ttl
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> timedelta:
-        return self._ttl
 
     def refresh(self) -> None:
         """Send one keep-alive.

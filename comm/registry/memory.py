@@ -75,17 +75,8 @@ class MemoryLease(Lease):
     """A handle on a lease of a :class:`MemoryRegistry` (only its id is state)."""
 
     def __init__(self, registry: MemoryRegistry, lease_id: int, ttl: timedelta) -> None:
+        super().__init__(lease_id, ttl)
         self._registry = registry
-        self._id = lease_id
-        self._ttl = ttl
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> timedelta:
-        return self._ttl
 
     def refresh(self) -> None:
         self._registry.refresh_lease(self._id)

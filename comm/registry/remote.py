@@ -165,17 +165,8 @@ class RemoteLease(Lease):
     """A lease held by the server; refresh and revoke are requests."""
 
     def __init__(self, registry: RemoteRegistry, lease_id: int, ttl: timedelta) -> None:
+        super().__init__(lease_id, ttl)
         self._registry = registry
-        self._id = lease_id
-        self._ttl = ttl
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> timedelta:
-        return self._ttl
 
     def refresh(self) -> None:
         self._registry._call(
