@@ -50,6 +50,9 @@ __all__ = [
     "ServiceHost",
     "decode_tensors",
     "encode_tensors",
+    "read_reply",
+    "reply_error",
+    "request_frames",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,6 +132,33 @@ def decode_tensors(specs: Sequence[TensorSpec], frames: Sequence[zmq.Frame]) -> 
             t = flat.view(dtype).view(spec.shape)
         out[spec.name] = t
     return out
+
+
+# -- request and reply frames (shared by RpcClient and services.rpc_pipeline) ------------
+
+
+def request_frames(request_id: int, service: str, method: str, request: BaseModel,
+                   tensors: NamedTensors = ()) -> list[Any]:
+    """``[envelope, *tensor frames]`` of one request (the frames view the tensors' memory)."""
+    specs, frames = encode_tensors(tensors)
+    envelope = RequestEnvelope(id=request_id, service=service, method=method,
+                               body=request.model_dump(mode="python"), tensors=specs)
+    return [pack(envelope), *frames]
+
+
+def read_reply(envelope: bytes, address: str) -> ReplyEnvelope | None:
+    """The reply envelope, or None (logged) when a host sent something malformed."""
+    try:
+        return ReplyEnvelope.model_validate(unpack_raw(envelope, what="reply envelope"))
+    except (ValidationError, ProtocolError) as exc:
+        log.error("dropped a malformed reply from %s: %s", address, exc)
+        return None
+
+
+def reply_error(reply: ReplyEnvelope, service: str, method: str) -> RpcError:
+    """The :class:`RpcError` an error reply stands for."""
+    error = reply.error or ErrorBody(code="internal", message="error reply without error")
+    return RpcError(error.code, error.message, service=service, method=method)
 
 
 # -- the host ---------------------------------------------------------------------------
@@ -416,12 +446,10 @@ class RpcClient:
             TimeoutError: no answer within ``timeout``, naming the service and method.
         """
         limit = self.timeout if timeout is None else timeout
-        specs, frames = encode_tensors(tensors)
         with self._lock:
             request_id = next(self._ids)
-            envelope = RequestEnvelope(id=request_id, service=service, method=method,
-                                       body=request.model_dump(mode="python"), tensors=specs)
-            tracker = self._sock.send_multipart([pack(envelope), *frames], copy=False, track=True)
+            frames = request_frames(request_id, service, method, request, tensors)
+            tracker = self._sock.send_multipart(frames, copy=False, track=True)
             deadline = time.monotonic() + limit.total_seconds()
             while True:
                 left = deadline - time.monotonic()
@@ -433,19 +461,13 @@ class RpcClient:
                         )
                     continue
                 parts = self._sock.recv_multipart(copy=False)
-                try:
-                    reply = ReplyEnvelope.model_validate(unpack_raw(parts[0].bytes, what="reply envelope"))
-                except (ValidationError, ProtocolError) as exc:
-                    log.error("dropped a malformed reply from %s: %s", self.address, exc)
-                    continue
-                if reply.id != request_id:
-                    continue  # a late answer to an earlier call that timed out
-                break
+                reply = read_reply(parts[0].bytes, self.address)
+                if reply is not None and reply.id == request_id:
+                    break  # else malformed, or a late answer to an earlier call that timed out
             if isinstance(tracker, zmq.MessageTracker):
                 tracker.wait(max(0.0, deadline - time.monotonic()))
         if not reply.ok:
-            error = reply.error or ErrorBody(code="internal", message="error reply without error")
-            raise RpcError(error.code, error.message, service=service, method=method)
+            raise reply_error(reply, service, method)
         body = reply_type.model_validate(reply.body or {})
         return body, decode_tensors(reply.tensors, parts[1:])
 

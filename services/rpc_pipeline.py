@@ -29,13 +29,10 @@ from typing import Any
 
 import torch
 import zmq
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from comm.codec import pack, unpack_raw
-from comm.errors import ProtocolError
 from comm.sockets import make_socket
-from services.protocol import ReplyEnvelope, RequestEnvelope
-from services.rpc import RpcError, decode_tensors, encode_tensors
+from services.rpc import decode_tensors, read_reply, reply_error, request_frames
 
 __all__ = ["PipelinedCall", "PipelinedConnection", "run_calls"]
 
@@ -63,11 +60,8 @@ class PipelinedConnection:
     def send(self, service: str, method: str, request: BaseModel,
              tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
         """Queue one request (tensors as zero-copy frames); return its request id."""
-        specs, frames = encode_tensors(tensors)
         request_id = next(self._ids)
-        envelope = RequestEnvelope(id=request_id, service=service, method=method,
-                                   body=request.model_dump(mode="python"), tensors=specs)
-        self._sock.send_multipart([pack(envelope), *frames], copy=False)
+        self._sock.send_multipart(request_frames(request_id, service, method, request, tensors), copy=False)
         return request_id
 
     def close(self) -> None:
@@ -159,10 +153,8 @@ def run_calls(calls: Sequence[PipelinedCall], on_reply: OnReply, *, timeout: tim
 def _handle(frames: list[zmq.Frame], conn: PipelinedConnection, pending: dict[tuple[int, int], int],
             calls: Sequence[PipelinedCall], on_reply: OnReply) -> BaseException | None:
     """Match one reply to its call and hand it over; return the call's error, if any."""
-    try:
-        reply = ReplyEnvelope.model_validate(unpack_raw(frames[0].bytes, what="reply envelope"))
-    except (ValidationError, ProtocolError) as exc:
-        log.error("dropped a malformed reply from %s: %s", conn.address, exc)
+    reply = read_reply(frames[0].bytes, conn.address)
+    if reply is None:
         return None
     index = pending.pop((id(conn), reply.id), None)
     if index is None or calls[index].done:
@@ -170,9 +162,7 @@ def _handle(frames: list[zmq.Frame], conn: PipelinedConnection, pending: dict[tu
     call = calls[index]
     call.done = True
     if not reply.ok:
-        error = reply.error
-        code, message = (error.code, error.message) if error else ("internal", "error reply without error")
-        return RpcError(code, message, service=call.service, method=call.method)
+        return reply_error(reply, call.service, call.method)
     try:
         body = call.reply_type.model_validate(reply.body or {})
         on_reply(index, body, decode_tensors(reply.tensors, frames[1:]))
