@@ -245,11 +245,8 @@ class EventLoop:
 
     def _drain(self, sock: Any) -> None:
         worker = self._worker_of[sock]
-        while True:
-            try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again raised and caught per drain
+            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             reply = self._decode(worker, parts)
             if reply is not None:
                 self._ready.append(reply)

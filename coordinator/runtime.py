@@ -9,13 +9,14 @@ under ``/cellmesh/{job}/runs/{run}/dp/s{s}``. In parameter-server mode the worke
 each stage also host its parameter shards (``{run}/ps-s{s}-{i}``), set up from the
 coordinator's copy of the model before any step. :meth:`Runtime.close` releases them all.
 
-A step (:meth:`Runtime.run_step`) is a transaction in two rounds, each sent to every
-stage of every replica at once and awaited through the event loop:
-
-1. ``run_step``: every stage runs its action list on its replica's microbatches (the
-   collective path averages gradients during the last backward);
-2. ``commit``: only once every stage finished round 1, every stage applies the update
-   (local optimizer, or push/pull to the parameter shards).
+A step is a transaction: parameters and optimizer state change only when the coordinator
+commits it, and it commits a step only once every stage of every replica finished it.
+:meth:`Runtime.run_step` sends one ``run_step`` to every stage of every replica at once
+and awaits them through the event loop; the request carries the commit of the previous
+step (``RunStep.commit``), which each stage applies before its first action. So a step
+costs one round trip, and the last stage's optimizer overlaps the first stage's. The last
+step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
+:meth:`Runtime.state` calls first. A step that fails is never committed.
 
 Failure semantics: an error reply, a worker whose registry lease lapses (its card
 vanishes), or a round that outlasts its bound stops the job with :class:`JobFailed`
@@ -106,9 +107,22 @@ class ActionEvent:
     end: float
 
 
+@dataclass(frozen=True)
+class _Service:
+    worker: str
+    name: str
+    replica: int
+    stage: int
+
+
 @dataclass
 class StepRecord:
-    """A committed step: its loss, its samples, and the event log of every action."""
+    """A finished step: its loss, its samples, and the event log of every action.
+
+    The step's update is committed with the next step (or by ``Runtime.commit``), so the
+    ``optimizer`` / ``push_pull`` phases in a step's events are the previous step's commit,
+    applied before the step's first action. The event log is built on first access.
+    """
 
     step: int
     loss: float
@@ -116,19 +130,27 @@ class StepRecord:
     start: float
     end: float
     coordinator_s: float  # time the coordinator itself spent (not waiting for replies)
-    events: list[ActionEvent]
+    replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
+    labels: list[list[str]] = field(default_factory=list, repr=False)  # labels[stage][k]: action k's name
+    _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
 
-
-@dataclass(frozen=True)
-class _Service:
-    worker: str
-    name: str
-    replica: int
-    stage: int
+    @property
+    def events(self) -> list[ActionEvent]:
+        """Every action and phase of every stage of every replica, as timed by the stages."""
+        if self._events is None:
+            events: list[ActionEvent] = []
+            for sv, body in self.replies:
+                events += [ActionEvent(sv.worker, sv.replica, sv.stage, label, start, end)
+                           for label, start, end in zip(self.labels[sv.stage], body.starts, body.ends,
+                                                        strict=True)]
+                events += [ActionEvent(sv.worker, sv.replica, sv.stage, p.name, p.start, p.end)
+                           for p in body.phases]
+            self._events = events
+        return self._events
 
 
 def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
@@ -171,7 +193,8 @@ class Runtime:
         self.registry_url = registry_url
         self.addresses = dict(addresses)
         self.initial_params = initial_params
-        self.commits = 0
+        self.commits = 0  # updates committed so far
+        self._uncommitted = False  # the last step run awaits its commit
         self._shards: list[_Service] = []
         schedule = plan.schedule()
         self._actions = [[StageAction(kind=a.stage_kind, microbatch=a.microbatch, peer=a.peer)  # type: ignore[arg-type]
@@ -248,53 +271,66 @@ class Runtime:
     # -- steps --------------------------------------------------------------------------
 
     def run_step(self, step: int, batches: Sequence[Sequence[Sequence[int]]]) -> StepRecord:
-        """Run and commit one step; ``batches[r][m]`` are replica ``r``'s microbatch ``m``'s samples.
+        """Run one step, carrying the previous step's commit; ``batches[r][m]``: replica r, microbatch m.
+
+        The step's own update is committed by the next :meth:`run_step` (inside its
+        requests) or by :meth:`commit`; :meth:`state` commits first.
 
         Raises:
             JobFailed: Naming the worker, the service and the step.
         """
         start, polled = time.time(), self.loop.poll_seconds
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
+        commit = (CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
+                  if self._uncommitted else None)
         ids: dict[int, _Service] = {}
         for sv in self.services:
             request = RunStep(step=step, microbatches=[list(mb) for mb in batches[sv.replica]],
-                              actions=self._actions[sv.stage], timeout_ms=timeout_ms)
+                              actions=self._actions[sv.stage], timeout_ms=timeout_ms, commit=commit)
             ids[self.loop.send(sv.worker, sv.name, "run_step", request, StepReply)] = sv
         replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)
-        commit = CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
-        commit_ids = {self.loop.send(sv.worker, sv.name, "commit", commit, CommitReply): sv
-                      for sv in self.services}
-        commits = self._gather(commit_ids, f"the commit of step {step}",
-                               self.spec.step_timeout + timedelta(seconds=10), step)
-        self.commits += 1
-        events: list[ActionEvent] = []
+        if commit is not None:
+            self.commits += 1
+        self._uncommitted = True
         total = sum(len(mb) for per in batches for mb in per)
         loss = 0.0
+        bodies: list[tuple[_Service, StepReply]] = []
         for rid, reply in replies.items():
             sv, body = ids[rid], reply.body
             assert isinstance(body, StepReply)
-            for label, t in zip(self._labels[sv.stage], body.timings, strict=True):
-                events.append(ActionEvent(sv.worker, sv.replica, sv.stage, label, t.start, t.end))
-            events += [ActionEvent(sv.worker, sv.replica, sv.stage, p.name, p.start, p.end)
-                       for p in body.phases]
+            bodies.append((sv, body))
             for m, value in enumerate(body.losses):
                 loss += value * len(batches[sv.replica][m]) / total
-        for rid, reply in commits.items():
-            sv, cbody = commit_ids[rid], reply.body
-            assert isinstance(cbody, CommitReply)
-            events += [ActionEvent(sv.worker, sv.replica, sv.stage, p.name, p.start, p.end)
-                       for p in cbody.phases]
         end = time.time()
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
-                          events=events)
+                          replies=bodies, labels=self._labels)
+
+    def commit(self) -> None:
+        """Commit the last step run, if its commit has not gone out with a later step.
+
+        Raises:
+            JobFailed: A stage could not apply the update (names the worker and the service).
+        """
+        if not self._uncommitted:
+            return
+        timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
+        commit = CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
+        ids = {self.loop.send(sv.worker, sv.name, "commit", commit, CommitReply): sv for sv in self.services}
+        bound = self.spec.step_timeout + timedelta(seconds=10)
+        self._gather(ids, f"the commit of update {self.commits}", bound, None)
+        self.commits += 1
+        self._uncommitted = False
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every stage's parameters and buffers (replica 0), cell-qualified, as copies.
 
+        Commits the last step first (:meth:`commit`).
+
         Raises:
             JobFailed: A stage did not answer or vanished.
         """
+        self.commit()
         ids = {self.loop.send(sv.worker, sv.name, "state", Empty(), TensorsReply): sv
                for sv in self.services if sv.replica == 0}
         out: dict[str, torch.Tensor] = {}

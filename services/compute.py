@@ -20,7 +20,9 @@ action list runs). RPC surface (service kind ``compute``):
   local optimizer (built on the first commit, as ``optimizer_step``), or, on the
   parameter-server path, push the gradients and pull the new values
   (:mod:`services.grad_path`). The coordinator commits only once every stage of every
-  replica finished the step (a step is a transaction).
+  replica finished the step (a step is a transaction). A commit usually travels inside
+  the next ``run_step`` (``RunStep.commit``), applied before that step's first action;
+  this call commits the last step of a run.
 * ``state(Empty) -> TensorsReply`` + parameters and buffers (copies), cell-qualified.
 
 Data parallelism. Replicas of one stage synchronise gradients through the stage's
@@ -189,6 +191,7 @@ class CellComputeService(ServiceBase):
             if self._poisoned is not None:
                 raise RpcError("comm_failed", f"stage {stage.index}: {self._poisoned}; reconnect every stage "
                                               "under a new comm_prefix before the next step")
+            optimizer = self._commit_optimizer(request.commit) if request.commit is not None else None
         try:
             with_backward = validate_actions(request.actions, stage=stage.index, num_stages=stage.num_stages,
                                              num_microbatches=len(request.microbatches))
@@ -199,8 +202,11 @@ class CellComputeService(ServiceBase):
 
         def run() -> BaseModel:
             deadline = time.monotonic() + timeout.total_seconds()
+            phases: list[PhaseTiming] = []
+            if request.commit is not None:  # the previous step's update first: it was complete
+                phases = self._apply_commit(request.commit, optimizer, timeout)
             try:
-                comm = self._link.wait(timedelta(seconds=deadline - time.monotonic()))
+                comm = self._link.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
                 self._path.begin(timedelta(seconds=max(0.0, deadline - time.monotonic())))
             except (TimeoutError, RuntimeError) as exc:
                 raise StepFailed(f"stage {stage.index}, step {request.step}: {exc}",
@@ -216,7 +222,7 @@ class CellComputeService(ServiceBase):
                 raise
             log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
                       time.monotonic() - start)
-            return reply
+            return reply.model_copy(update={"phases": [*phases, *reply.phases]}) if phases else reply
 
         self._submit(call, f"step {request.step}", timeout, run)
 
@@ -269,31 +275,53 @@ class CellComputeService(ServiceBase):
         self._optimizer, self._optimizer_spec = optimizer, spec
         return optimizer
 
+    def _commit_optimizer(self, commit: CommitStep) -> torch.optim.Optimizer | None:
+        """The local optimizer ``commit`` applies (built on first use; None on the parameter-server path).
+
+        Call with the lock held.
+
+        Raises:
+            RpcError: ``bad_request`` if ``commit`` names another optimizer than the stage's.
+        """
+        if not self._path.updates_locally:
+            return None
+        optimizer = self._optimizer or self._build_optimizer(commit.optimizer)
+        if commit.optimizer != self._optimizer_spec:
+            raise RpcError("bad_request", f"stage {self._stage.index}: the optimizer is "
+                                          f"{self._optimizer_spec}; got {commit.optimizer} (reassign "
+                                          "the stage to change it)")
+        return optimizer
+
+    def _apply_commit(self, commit: CommitStep, optimizer: torch.optim.Optimizer | None,
+                      timeout: timedelta) -> list[PhaseTiming]:
+        """Apply the update of the step ``commit`` names (on the step thread); its phases.
+
+        Raises:
+            StepFailed: The parameter-server exchange failed.
+        """
+        phases: list[PhaseTiming] = []
+        if optimizer is not None:
+            start = time.time()
+            optimizer.step()
+            phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
+        else:
+            try:
+                phase = self._path.exchange(commit.step, self._stage.parameters(), timeout)
+            except Exception as exc:
+                raise StepFailed(f"stage {self._stage.index}, commit of step {commit.step}: push/pull: "
+                                 f"{type(exc).__name__}: {exc}", transfers_posted=False) from exc
+            phases += [phase] if phase is not None else []
+        self._optimizer_steps += 1
+        return phases
+
     def rpc_commit(self, request: CommitStep, call: Call) -> None:
         with self._lock:
             self._check_idle(f"commit step {request.step}")
-            optimizer = None
-            if self._path.updates_locally:
-                optimizer = self._optimizer or self._build_optimizer(request.optimizer)
-        if optimizer is not None and request.optimizer != self._optimizer_spec:
-            raise RpcError("bad_request", f"stage {self._stage.index}: the optimizer is "
-                                          f"{self._optimizer_spec}; got {request.optimizer}")
+            optimizer = self._commit_optimizer(request)
         timeout = timedelta(milliseconds=request.timeout_ms)
 
         def run() -> BaseModel:
-            phases: list[PhaseTiming] = []
-            if optimizer is not None:
-                start = time.time()
-                optimizer.step()
-                phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
-            else:
-                try:
-                    phase = self._path.exchange(request.step, self._stage.parameters(), timeout)
-                except Exception as exc:
-                    raise StepFailed(f"stage {self._stage.index}, commit of step {request.step}: push/pull: "
-                                     f"{type(exc).__name__}: {exc}", transfers_posted=False) from exc
-                phases += [phase] if phase is not None else []
-            self._optimizer_steps += 1
+            phases = self._apply_commit(request, optimizer, timeout)
             return CommitReply(step=request.step, optimizer_steps=self._optimizer_steps, phases=phases)
 
         self._submit(call, f"commit of step {request.step}", timeout, run)

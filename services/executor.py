@@ -50,7 +50,7 @@ import torch
 from comm.base import Communicator, Work
 from services.boundary import empty_buffers, flatten, transfer_tag, unflatten
 from services.grad_path import GradientPath
-from services.protocol import ActionTiming, PhaseTiming, RunStep, StageAction, StepReply
+from services.protocol import PhaseTiming, RunStep, StageAction, StepReply
 from services.stage import Stage
 
 __all__ = ["StepExecutor", "StepFailed"]
@@ -157,10 +157,9 @@ class StepExecutor:
                 f"stage {self._stage.index}, step {self._request.step}, waiting for the sends and the "
                 "gradient synchronisation")
             raise StepFailed(f"{at}: {type(exc).__name__}: {exc}", transfers_posted=self._posted) from exc
-        timings = [ActionTiming(start=s, end=e if e is not None else s)
-                   for s, e in zip(self._starts, self._ends, strict=True)]
+        ends = [e if e is not None else s for s, e in zip(self._starts, self._ends, strict=True)]
         return StepReply(step=self._request.step, stage=self._stage.index, losses=self._losses,
-                         timings=timings, phases=phases)
+                         starts=self._starts, ends=ends, phases=phases)
 
     # -- plumbing ---------------------------------------------------------------------
 

@@ -26,7 +26,6 @@ from comm.codec import Message
 from comm.wire import DTYPES, MAX_NDIM, MAX_TENSOR_BYTES
 
 __all__ = [
-    "ActionTiming",
     "Assignment",
     "AssignmentReply",
     "BarrierArrive",
@@ -427,12 +426,35 @@ class StageAction(Message):
         return f"{short}{self.microbatch}{arrow}"
 
 
+class CommitStep(Message):
+    """Apply step ``step``'s update: the local optimizer (collective) or push/pull (parameter server).
+
+    ``step`` counts the commits (0, 1, 2, ...), so a stage can tell a repeated commit from a new one.
+    """
+
+    step: int = Field(ge=0)
+    optimizer: OptimizerSpec
+    timeout_ms: int = Field(default=300_000, ge=1)
+
+
+class CommitReply(Message):
+    step: int
+    optimizer_steps: int  # updates applied so far by this stage
+    phases: list[PhaseTiming]
+
+
 class RunStep(Message):
     """Run one step's action list on a stage; every stage of the pipeline gets the same samples.
 
     ``microbatches[i]`` lists the sample indices of microbatch ``i`` (the data factory's
     indices); ``actions`` is this stage's ordered list. ``zero_grad`` clears gradients first
     (so a replayed step gives the same gradients); ``timeout_ms`` bounds the whole step.
+
+    ``commit`` carries the commit of the previous step (sent only once every stage of every
+    replica finished it): the stage applies that update first, then runs this step, so a
+    step costs one round trip instead of two. The commit is applied even if the step then
+    fails (the previous step was complete); it is reported as an ``optimizer`` or
+    ``push_pull`` phase of the reply.
     """
 
     step: int = Field(ge=0)
@@ -441,13 +463,7 @@ class RunStep(Message):
     actions: list[StageAction] = Field(min_length=1, max_length=1 << 20)
     zero_grad: bool = True
     timeout_ms: int = Field(default=300_000, ge=1)
-
-
-class ActionTiming(Message):
-    """Wall-clock seconds (``time.time()``) an action began and ended; see services/executor.py."""
-
-    start: float
-    end: float
+    commit: CommitStep | None = None
 
 
 class PhaseTiming(Message):
@@ -459,27 +475,25 @@ class PhaseTiming(Message):
 
 
 class StepReply(Message):
-    """A finished step: per-microbatch losses (last stage only) and one timing per action."""
+    """A finished step: per-microbatch losses (last stage only) and one timing per action.
+
+    Timings are wall-clock seconds (``time.time()``), kept as two flat lists (cheap to
+    encode and validate): action ``k`` of the request ran from ``starts[k]`` to ``ends[k]``
+    (see services/executor.py).
+    """
 
     step: int
     stage: int
     losses: list[float]  # losses[i] is microbatch i's unweighted loss; empty but on the last stage
-    timings: list[ActionTiming]  # timings[k] belongs to actions[k] of the request
-    phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce
+    starts: list[float]
+    ends: list[float]
+    phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce, the commit
 
-
-class CommitStep(Message):
-    """Apply step ``step``'s update: the local optimizer (collective) or push/pull (parameter server)."""
-
-    step: int = Field(ge=0)
-    optimizer: OptimizerSpec
-    timeout_ms: int = Field(default=300_000, ge=1)
-
-
-class CommitReply(Message):
-    step: int
-    optimizer_steps: int  # updates applied so far by this stage
-    phases: list[PhaseTiming]
+    @model_validator(mode="after")
+    def _check_timings(self) -> StepReply:
+        if len(self.starts) != len(self.ends):
+            raise ValueError(f"{len(self.starts)} action starts but {len(self.ends)} ends")
+        return self
 
 
 class TensorsReply(Message):

@@ -113,10 +113,11 @@ def test_gpipe_matches_single_process(stages: list[str], server: RegistryServer,
     assert max(abs(a - b) for a, b in zip(replies[1].losses, losses_ref, strict=True)) < TOL
     for stage, reply in enumerate(replies):
         actions = GPIPE[stage].split()
-        assert reply.stage == stage and len(reply.timings) == len(actions)
-        assert all(t.start <= t.end for t in reply.timings)
-        forwards = [t for a, t in zip(actions, reply.timings, strict=True) if a.startswith("F")]
-        assert all(a.end <= b.start for a, b in itertools.pairwise(forwards)), "forwards overlap"
+        assert reply.stage == stage and len(reply.starts) == len(reply.ends) == len(actions)
+        assert all(s <= e for s, e in zip(reply.starts, reply.ends, strict=True))
+        forwards = [(s, e) for a, s, e in zip(actions, reply.starts, reply.ends, strict=True)
+                    if a.startswith("F")]
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(forwards)), "forwards overlap"
 
 
 def test_tensors_that_need_no_grad_cross_without_gradient() -> None:
