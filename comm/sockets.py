@@ -21,6 +21,7 @@ High-water-mark policy (messages, per peer connection):
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,11 +35,15 @@ __all__ = [
     "DATA_HWM",
     "DATA_MAX_MESSAGE",
     "SocketLimits",
-    "bind_loopback",
+    "bind_port",
+    "default_host",
     "free_port",
     "make_socket",
     "shared_context",
 ]
+
+HOST_ENV = "CELLMESH_HOST"
+LOOPBACK = "127.0.0.1"
 
 # Tensors travel in frames of at most 4 MiB: libzmq allocates one receive buffer per frame, so
 # one frame per 64 MiB tensor is slow (fresh pages every time), while with the allocator kept
@@ -99,15 +104,28 @@ def make_socket(
     return sock
 
 
-def bind_loopback(sock: zmq.Socket[bytes], host: str = "127.0.0.1") -> str:
-    """Bind ``sock`` to a free port on ``host``; return the ``tcp://host:port`` address."""
-    sock.bind(f"tcp://{host}:*")  # the OS picks a free port, as with port 0
+def default_host() -> str:
+    """The address this process binds and advertises: ``$CELLMESH_HOST``, else loopback.
+
+    Every server socket of cellmesh (service hosts, data channels, rendezvous stores)
+    binds this address unless told otherwise, and peers reach it at the same address. A
+    pod sets it to its own IP (the downward API's ``status.podIP``); local runs keep
+    ``127.0.0.1``, so nothing is reachable from outside the machine.
+    """
+    return os.environ.get(HOST_ENV, "").strip() or LOOPBACK
+
+
+def bind_port(sock: zmq.Socket[bytes], host: str | None = None, port: int = 0) -> str:
+    """Bind ``sock`` to ``port`` on ``host`` (0: a free one; ``host`` defaults to
+    :func:`default_host`); return the ``tcp://host:port`` address peers connect to."""
+    host = host or default_host()
+    sock.bind(f"tcp://{host}:{port or '*'}")  # '*' lets the OS pick a free port, as port 0 does
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(endpoint, bytes)
     return endpoint.decode()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that was free a moment ago (for servers that cannot bind port 0 themselves)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -90,6 +90,7 @@ from comm.base import DEFAULT_TIMEOUT, Communicator, CompletedWork, ReduceOp, Wo
 from comm.errors import CommError, CommTimeoutError, PeerLostError
 from comm.registry.base import Registry
 from comm.rendezvous import DEFAULT_LIVENESS_TTL, Rendezvous
+from comm.sockets import default_host
 
 __all__ = ["GlooCommunicator", "NcclCommunicator", "TorchCommunicator"]
 
@@ -367,7 +368,7 @@ class TorchCommunicator(Communicator):
         prefix: str,
         timeout: timedelta = DEFAULT_TIMEOUT,
         liveness_ttl: timedelta = DEFAULT_LIVENESS_TTL,
-        host: str = "127.0.0.1",
+        host: str | None = None,
     ) -> _C:
         """Meet the other ranks under ``prefix`` and build the process group.
 
@@ -382,6 +383,7 @@ class TorchCommunicator(Communicator):
             RegistryTimeoutError: not every rank published its card within ``timeout``.
             CommError: the store or the process group could not be set up.
         """
+        host = host or default_host()
         rendezvous = Rendezvous(registry, prefix, rank, world_size, liveness_ttl=liveness_ttl)
         try:
             master: TCPStore | None = None

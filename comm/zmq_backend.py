@@ -197,13 +197,14 @@ class ZmqCommunicator(Communicator):
         prefix: str,
         timeout: timedelta = DEFAULT_TIMEOUT,
         liveness_ttl: timedelta = DEFAULT_LIVENESS_TTL,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         transport: Literal["auto", "tcp"] = "auto",
     ) -> ZmqCommunicator:
         """Bind this rank's channels, meet the other ranks under ``prefix`` and connect to them.
 
         Args:
-            host: the interface data sockets bind on (loopback by default).
+            host: the interface data sockets bind on (:func:`comm.sockets.default_host`
+                by default).
             transport: ``"auto"`` connects peers on the same host over Unix domain sockets
                 and others over TCP; ``"tcp"`` always uses TCP.
         """

@@ -40,7 +40,7 @@ import zmq
 
 from comm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
 from comm.rendezvous import Rendezvous
-from comm.sockets import SocketLimits, bind_loopback, make_socket
+from comm.sockets import SocketLimits, bind_port, default_host, make_socket
 from comm.wire import MessageKey, TensorHeader, decode_header
 
 __all__ = ["Deadline", "Transport", "tensor_bytes"]
@@ -107,10 +107,10 @@ class Transport:
 
     Args:
         rendezvous: the world's rendezvous (addresses and liveness).
-        host: the address to bind data sockets on (loopback by default).
+        host: the address to bind data sockets on (:func:`comm.sockets.default_host` by default).
     """
 
-    def __init__(self, rendezvous: Rendezvous, *, host: str = "127.0.0.1",
+    def __init__(self, rendezvous: Rendezvous, *, host: str | None = None,
                  transport: Literal["auto", "tcp"] = "auto") -> None:
         if transport not in ("auto", "tcp"):
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
@@ -119,7 +119,7 @@ class Transport:
         self.rendezvous = rendezvous
         self.rank = rendezvous.rank
         self.world_size = rendezvous.world_size
-        self.host = host
+        self.host = host or default_host()
         self.channels: dict[int, _Channel] = {}
         self.bad_messages = 0
         self._closed = False
@@ -138,7 +138,7 @@ class Transport:
                 continue
             ch = _Channel(peer)
             ch.pull = make_socket(zmq.PULL, SocketLimits.data())
-            tcp[str(peer)] = bind_loopback(ch.pull, self.host)
+            tcp[str(peer)] = bind_port(ch.pull, self.host)
             if self.transport != "tcp":
                 path = os.path.join(tempfile.gettempdir(), f"cm-{uuid.uuid4().hex[:16]}.sock")
                 ch.pull.bind(f"ipc://{path}")

@@ -131,6 +131,8 @@ class WorkerCard(Message):
     memory_bytes: int = Field(ge=0)
     gpus: int = Field(ge=0)
     services: list[str] = Field(default_factory=list)
+    rank: int | None = Field(default=None, ge=0)  # from RANK / PET_NODE_RANK (services/launch.py)
+    world_size: int | None = Field(default=None, ge=1)  # from WORLD_SIZE / PET_NNODES
 
 
 class Assignment(Message):

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from comm.codec import describe_validation_error, pack, unpack_raw
 from comm.errors import ProtocolError
-from comm.sockets import CHUNK_BYTES, bind_loopback, make_socket
+from comm.sockets import CHUNK_BYTES, bind_port, make_socket
 from comm.wire import DTYPES, dtype_name
 from comm.zmq_transport import tensor_bytes
 from services.protocol import ErrorBody, ReplyEnvelope, RequestEnvelope, TensorSpec
@@ -233,14 +233,15 @@ class ServiceHost:
     """Serves named services on one ROUTER socket from one background thread.
 
     Args:
-        host: interface to bind (loopback by default); the port is chosen by the OS.
+        host: interface to bind (:func:`comm.sockets.default_host` by default).
+        port: the port to bind (0: one the OS chooses).
     """
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str | None = None, port: int = 0) -> None:
         self._services: dict[str, tuple[ServiceBase, dict[str, Any]]] = {}
         self._sock = make_socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.address = bind_loopback(self._sock, host)
+        self.address = bind_port(self._sock, host, port)
         self._deferred: list[_Deferred] = []
         self._order = itertools.count()
         self._stop = threading.Event()

@@ -8,6 +8,12 @@ card vanishes (the coordinator's watch sees it go). Services arrive by message
 
 SIGTERM (and SIGINT) drain the worker: it stops taking assignments, lets the request in
 hand finish, closes its services, deletes its card, revokes its lease and exits 0.
+
+In a pod the worker takes who it is from the environment as a torchrun worker would
+(``RANK``/``WORLD_SIZE``/``MASTER_*`` or the ``PET_*`` form: ``services/launch.py``),
+binds the pod's address (``CELLMESH_HOST``) on a fixed ``--port``, and serves its probes
+on ``--health-port`` (``services/health.py``): ``/readyz`` once its card is published,
+``/healthz`` until its lease is lost.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from comm.allocator import tune_malloc
 from comm.codec import pack
 from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
+from services.health import HealthServer
+from services.launch import LaunchEnv, LaunchEnvError, read_launch_env
 from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus
 from services.rpc import Call, RpcError, ServiceBase, ServiceHost
 
@@ -123,15 +131,20 @@ class Worker:
         job: the job's name (the registry prefix).
         name: this worker's unique name within the job.
         lease_ttl: the card vanishes this long after the process stops renewing it.
-        host: the interface services bind to.
+        host: the interface services bind to (:func:`comm.sockets.default_host` by default).
+    port: the port services are served on (0: one the OS chooses).
+    launch: rank, world size and resource limits from the environment (``services/launch.py``).
     """
 
     def __init__(self, registry: Registry, job: str, name: str, *,
-                 lease_ttl: timedelta = DEFAULT_LEASE_TTL, host: str = "127.0.0.1") -> None:
+                 lease_ttl: timedelta = DEFAULT_LEASE_TTL, host: str | None = None, port: int = 0,
+                 launch: LaunchEnv | None = None) -> None:
         self.registry = registry
         self.job = job
         self.name = name
-        self.host = ServiceHost(host)
+        self.launch = launch or LaunchEnv()
+        self.host = ServiceHost(host, port)
+        self.published = threading.Event()
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self._lease = registry.lease(lease_ttl)
@@ -139,14 +152,31 @@ class Worker:
         self.host.add("worker", _Control(self))
 
     def card(self) -> WorkerCard:
+        launch = self.launch
         return WorkerCard(
-            name=self.name, address=self.host.address, pid=os.getpid(), cpus=os.cpu_count() or 1,
-            memory_bytes=_memory_bytes(), gpus=_gpus(),
-            services=[n for n in self.host.names() if n != "worker"],
+            name=self.name, address=self.host.address, pid=os.getpid(),
+            cpus=launch.cpus or os.cpu_count() or 1, memory_bytes=launch.memory_bytes or _memory_bytes(),
+            gpus=_gpus(), services=[n for n in self.host.names() if n != "worker"],
+            rank=launch.rank, world_size=launch.world_size,
         )
 
     def publish(self) -> None:
         self.registry.put(worker_key(self.job, self.name), pack(self.card()), lease=self._lease)
+        self.published.set()
+
+    def liveness(self) -> tuple[bool, str]:
+        """``/healthz``: alive until the lease is lost (then the process is about to exit 1)."""
+        if self._keepalive is not None and self._keepalive.lost.is_set():
+            return False, f"worker {self.name}: lease lost (the registry is unreachable)"
+        return True, f"worker {self.name}: alive"
+
+    def readiness(self) -> tuple[bool, str]:
+        """``/readyz``: ready once the card is in the registry, until the worker drains."""
+        if self.draining.is_set():
+            return False, f"worker {self.name}: draining"
+        if not self.published.is_set():
+            return False, f"worker {self.name}: not registered yet"
+        return self.liveness()
 
     def start(self) -> Worker:
         self.host.start()
@@ -206,13 +236,31 @@ class Worker:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cellmesh worker", description="run a cellmesh worker")
-    parser.add_argument("--registry", required=True, help="memory://, tcp://host:port or etcd://host:port")
-    parser.add_argument("--job", default="default", help="the job's name")
-    parser.add_argument("--name", default=None, help="this worker's name (default: hostname-pid)")
+    parser = argparse.ArgumentParser(
+        prog="cellmesh worker", description="run a cellmesh worker",
+        epilog="The environment of torchrun and Kubeflow Trainer is honoured: RANK, WORLD_SIZE, LOCAL_RANK, "
+               "MASTER_ADDR, MASTER_PORT and PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR, "
+               "PET_MASTER_PORT, PET_RDZV_BACKEND=etcd, PET_RDZV_ENDPOINT, PET_RDZV_ID; also "
+               "CELLMESH_REGISTRY, CELLMESH_JOB, CELLMESH_HOST, CELLMESH_CPUS, CELLMESH_MEMORY_BYTES "
+               "(see docs/kubernetes.md).")
+    parser.add_argument("--registry", default=None,
+                        help="memory://, tcp://host:port or etcd://host:port (default: $CELLMESH_REGISTRY, "
+                             "else the etcd of PET_RDZV_ENDPOINT)")
+    parser.add_argument("--job", default=None, help="the job's name (default: $CELLMESH_JOB, $PET_RDZV_ID, "
+                                                    "else 'default')")
+    parser.add_argument("--name", default=None,
+                        help="this worker's name (default: worker-RANK when a rank is given, "
+                             "else hostname-pid)")
     parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL.total_seconds(),
                         help="seconds before a dead worker's card vanishes")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to serve on")
+    parser.add_argument("--host", default=None, help="interface to serve on (default: $CELLMESH_HOST, "
+                                                     "else 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="port to serve services on (default: any free one)")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve /healthz, /readyz and /metrics over HTTP on this port (0: any free one)")
+    parser.add_argument("--health-host", default="0.0.0.0",
+                        help="interface of the HTTP endpoint (default 0.0.0.0, where the kubelet probes)")
     return parser
 
 
@@ -220,16 +268,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of a worker process: configure, build, serve until signalled, drain."""
     logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        launch = read_launch_env()
+    except LaunchEnvError as exc:
+        parser.error(str(exc))
+    url = args.registry or launch.registry
+    if not url:
+        parser.error("no registry: give --registry, set CELLMESH_REGISTRY, or PET_RDZV_BACKEND=etcd with "
+                     "PET_RDZV_ENDPOINT")
+    launch.export()  # RANK, WORLD_SIZE, ... for torch.distributed code in the job's factories
     tune_malloc()
-    name = args.name or f"{os.uname().nodename}-{os.getpid()}"
+    name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"
+    job = args.job or launch.job or "default"
     lease_ttl = timedelta(seconds=args.lease_ttl)
     # a registry call may not outlast the lease, so an unreachable registry is noticed in time
-    registry = connect_registry(args.registry, request_timeout=min(timedelta(seconds=10), lease_ttl))
-    worker = Worker(registry, args.job, name, lease_ttl=lease_ttl, host=args.host)
+    registry = connect_registry(url, request_timeout=min(timedelta(seconds=10), lease_ttl))
+    health: HealthServer | None = None
+    try:
+        worker = Worker(registry, job, name, lease_ttl=lease_ttl, host=args.host, port=args.port,
+                        launch=launch)
+        if args.health_port is not None:
+            health = HealthServer(live=worker.liveness, ready=worker.readiness, host=args.health_host,
+                                  port=args.health_port).start()
+    except Exception as exc:
+        registry.close()
+        log.error("[worker %s] cannot start: %s", name, exc)
+        return 1
     try:
         worker.start()
-        print(f"cellmesh worker {name} serving at {worker.host.address}", flush=True)
+        where = f" (probes at {health.url})" if health is not None else ""
+        print(f"cellmesh worker {name} of job {job} serving at {worker.host.address}{where}", flush=True)
         if not worker.serve_forever():
             return 1
     except Exception:
@@ -237,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker.drain()
         return 1
     finally:
+        if health is not None:
+            health.close()
         registry.close()
     return 0
 

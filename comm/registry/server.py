@@ -64,7 +64,7 @@ from comm.registry.protocol import (
     WatchPollRequest,
     decode_request,
 )
-from comm.sockets import bind_loopback, make_socket
+from comm.sockets import bind_port, make_socket
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "MAX_PARKED_POLLS", "RegistryServer"]
 
@@ -89,14 +89,14 @@ class RegistryServer:
     Args:
         registry: the registry to serve; a new :class:`MemoryRegistry` when None (and
             then the server closes it on shutdown).
-        host: the interface to bind (loopback by default).
+        host: the interface to bind (:func:`comm.sockets.default_host` by default).
 
     Lifecycle: ``start()`` binds and starts serving, ``address`` is where clients
     connect, ``shutdown(timeout)`` stops the thread and closes the socket. Also a
     context manager (start on enter, shutdown on exit).
     """
 
-    def __init__(self, registry: MemoryRegistry | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, registry: MemoryRegistry | None = None, host: str | None = None) -> None:
         self._owns_registry = registry is None
         self._registry = registry if registry is not None else MemoryRegistry()
         self._host = host
@@ -133,7 +133,7 @@ class RegistryServer:
             raise RuntimeError("RegistryServer.start: already started")
         sock = make_socket(zmq.ROUTER)
         try:
-            self._address = bind_loopback(sock, self._host)
+            self._address = bind_port(sock, self._host)
         except Exception:
             sock.close(linger=0)
             raise

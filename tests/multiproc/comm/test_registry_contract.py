@@ -59,7 +59,7 @@ from comm.registry.protocol import (
     decode_request,
 )
 from comm.registry.remote import RemoteLease
-from comm.sockets import bind_loopback, make_socket
+from comm.sockets import bind_port, make_socket
 from tests.harness.etcd import EtcdServer, etcd_available
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -572,7 +572,7 @@ def test_server_lifecycle_and_remote_compaction() -> None:
 
 def test_remote_request_timeout_names_server() -> None:
     sock = make_socket(zmq.ROUTER)
-    address = bind_loopback(sock)  # a peer that never answers
+    address = bind_port(sock)  # a peer that never answers
     client = RemoteRegistry(address, request_timeout=timedelta(milliseconds=200))
     try:
         start = time.monotonic()
@@ -586,7 +586,7 @@ def test_remote_request_timeout_names_server() -> None:
 
 def test_remote_drops_a_late_reply() -> None:
     router = make_socket(zmq.ROUTER)
-    address = bind_loopback(router)
+    address = bind_port(router)
     client = RemoteRegistry(address, request_timeout=timedelta(milliseconds=300))
     try:
         with pytest.raises(RegistryTimeoutError):
