@@ -1,4 +1,4 @@
-"""The `cellmesh` command line: ``run``, ``demo`` and ``worker``."""
+"""The `cellmesh` command line: ``run``, ``demo``, ``worker``, ``coordinator`` and ``k8s render``."""
 
 from __future__ import annotations
 
@@ -73,12 +73,59 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the example character-level language model on 2 workers "
                                        "(--comm: exercise the communication front end instead)")
     _add_training_options(demo, workers=DEMO_WORKERS)
+    _add_coordinator(sub)
+    _add_k8s(sub)
     comm = demo.add_argument_group("the communication demo (--comm)")
     comm.add_argument("--comm", action="store_true", help="run the communication demo instead")
     comm.add_argument("--backend", default="zmq", choices=["zmq", "gloo"], help="communication backend")
     comm.add_argument("--world-size", type=int, default=2, help="number of local processes")
     comm.add_argument("--timeout", type=float, default=120.0, help="seconds before the demo gives up")
     return parser
+
+
+def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    coord = sub.add_parser(
+        "coordinator", help="coordinate a job on workers started elsewhere (the coordinator pod's command)",
+        description="Wait until the job's workers registered in the registry, plan, train, write the final "
+                    "state_dict, then serve until stopped; see docs/kubernetes.md.")
+    coord.add_argument("job", metavar="JOB", help="a job spec (.yaml/.yml/.json) or job module (.py)")
+    _add_training_options(coord, workers=None)
+    coord.add_argument("--registry", required=True, help="where the workers register: etcd://host:port "
+                                                         "(or tcp://host:port for a served registry)")
+    coord.add_argument("--host", default=None,
+                       help="address the control port binds (default: $CELLMESH_HOST, else 127.0.0.1)")
+    coord.add_argument("--port", type=int, default=0, help="the control port (default: any free one)")
+    coord.add_argument("--metrics-port", type=int, default=None,
+                       help="serve /healthz, /readyz and /metrics over HTTP on this port")
+    coord.add_argument("--health-host", default="0.0.0.0", help="interface of that HTTP endpoint")
+    coord.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
+                       help="seconds to wait for the workers to register (default 600)")
+    coord.add_argument("--exit-when-done", action="store_true",
+                       help="exit after writing the state_dict instead of serving until SIGTERM")
+
+
+def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from coordinator.k8s.render import add_render_arguments
+
+    k8s = sub.add_parser("k8s", help="Kubernetes manifests for a job (`cellmesh k8s render --help`)")
+    k8s_sub = k8s.add_subparsers(dest="k8s_command", required=True)
+    render = k8s_sub.add_parser("render", help="write the manifests of a job",
+                                description="Write the Kubernetes manifests that run JOB (a job spec) on N "
+                                            "worker pods with etcd and a coordinator; apply them with "
+                                            "`kubectl apply -k DIR`. See docs/kubernetes.md.")
+    add_render_arguments(render)
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from coordinator.server import CoordinatorOptions, serve_job
+
+    options = CoordinatorOptions(
+        run=_run_options(args, args.job), registry=args.registry, workers=args.workers, host=args.host,
+        port=args.port, metrics_port=args.metrics_port, health_host=args.health_host,
+        wait_timeout=timedelta(seconds=args.wait_timeout), exit_when_done=args.exit_when_done)
+    return serve_job(options, show_traceback=args.traceback)
 
 
 def _run_options(args: argparse.Namespace, job: str) -> RunOptions:
@@ -123,6 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(args.backend, args.world_size, args.timeout)
     if args.command in ("run", "demo"):
         return _train(args)
+    if args.command == "coordinator":
+        return _coordinator(args)
+    if args.command == "k8s":
+        from coordinator.k8s.render import render_command
+
+        return render_command(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -11,9 +11,10 @@ of the unwrapped model (:meth:`Job.build_model`; it loads with ``strict=True``).
 Sessions. Outside a ``with job:`` block each ``fit`` starts the workers, trains from the
 factory's initial parameters and tears everything down. Inside one, the workers stay up
 and successive ``fit`` calls continue training (steps and samples carry on).
-``with job.attach(harness):`` runs the session on workers that are already up (a test
-fixture's, shared by many jobs): the job's services are released at the end, the
-workers stay.
+``with job.attach(pool):`` runs the session on workers that are already up (a test
+fixture's harness shared by many jobs, or a cluster's pods:
+:class:`~coordinator.cluster.ClusterWorkers`): the job's services are released at the
+end, the workers stay.
 
 [Note: what the invariant compares]
 ``coordinator/reference.py`` trains one process on the same global batches (the
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from coordinator.cluster import WorkerPool
 from coordinator.data import BatchSampler, split_batch
 from coordinator.factories import FactoryRef, build_cells, build_data, factory_path
 from coordinator.graph import build_graph
@@ -230,9 +232,9 @@ class Job:
         return self
 
     @contextmanager
-    def attach(self, harness: LocalHarness) -> Iterator[Job]:
-        """A session on ``harness``'s running workers (which must include the resources' workers)."""
-        self._session = _Session(self, harness).start()
+    def attach(self, pool: WorkerPool) -> Iterator[Job]:
+        """A session on ``pool``'s running workers (which must include the resources' workers)."""
+        self._session = _Session(self, pool).start()
         try:
             yield self
         finally:
@@ -246,8 +248,9 @@ class Job:
 
     @property
     def harness(self) -> LocalHarness | None:
-        """The running harness inside ``with job:`` (fault-injection tests use it)."""
-        return self._session.harness if self._session is not None else None
+        """The running local harness inside ``with job:`` (fault-injection tests use it)."""
+        pool = self._session.harness if self._session is not None else None
+        return pool if isinstance(pool, LocalHarness) else None
 
     def fit(self, steps: int, *, callback: StepCallback | None = None) -> FitResult:
         """Train ``steps`` steps; return the losses, the final state_dict and the step records.
@@ -273,14 +276,16 @@ class Job:
 class _Session:
     """The harness, event loop and runtime of one ``with job:`` block."""
 
-    def __init__(self, job: Job, harness: LocalHarness | None) -> None:
+    def __init__(self, job: Job, pool: WorkerPool | None) -> None:
         self.job = job
         self.plan = job.plan()
         self.sampler = job.sampler()
-        self.owned = harness is None
         names = [w.name for w in job.resources.workers]
-        self.harness = harness or LocalHarness(names, job=job.name, lease_ttl=job.lease_ttl,
-                                               threads=max(1, min(w.cpus for w in job.resources.workers)))
+        self.local: LocalHarness | None = None  # the harness this session starts and stops itself
+        if pool is None:
+            threads = max(1, min(w.cpus for w in job.resources.workers))
+            pool = self.local = LocalHarness(names, job=job.name, lease_ttl=job.lease_ttl, threads=threads)
+        self.harness: WorkerPool = pool
         missing = sorted({w for r in self.plan.placement for w in r}
                          - set(self.harness.names))
         if missing:
@@ -294,8 +299,8 @@ class _Session:
         job.steps_done = 0  # a new session trains from the initial parameters and the first batch
         try:
             started = time.monotonic()
-            if self.owned:
-                self.harness.start()
+            if self.local is not None:
+                self.local.start()
             self.loop = EventLoop(self.harness.registry, self.harness.job).start()
             _, cells = build_cells(job.model, job.model_kwargs, job.seed)
             initial = {n: p.detach() for n, p in cell_parameters(cells)}
@@ -325,9 +330,9 @@ class _Session:
         return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=plan)
 
     def close(self) -> None:
-        if self.runtime is not None and not self.owned:
+        if self.runtime is not None and self.local is None:
             self.runtime.close()
         if self.loop is not None:
             self.loop.close()
-        if self.owned:
-            self.harness.close()
+        if self.local is not None:
+            self.local.close()

@@ -37,17 +37,18 @@ from typing import TextIO
 import torch
 from torch import nn
 
-from coordinator.job import FitResult
+from coordinator.cluster import WorkerPool
+from coordinator.job import FitResult, StepCallback
 from coordinator.jobspec import JobSpecError, LoadedJob, Overrides, load_job
 from coordinator.planner import PlanningError
 from coordinator.profile import format_bytes
 from coordinator.progress import make_progress
-from coordinator.runtime import JobFailed
+from coordinator.runtime import JobFailed, StepRecord
 from services.stage import make_optimizer
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "REPORTED", "USER_ERRORS", "RunOptions", "RunResult", "Terminated",
            "check_writable", "demo_job_path", "describe_error", "exit_code", "report", "run_demo_job",
-           "run_job", "save_state_dict", "summary", "use_termination_as_exception"]
+           "run_job", "save_state_dict", "summary", "train", "use_termination_as_exception"]
 
 DEFAULT_OUTPUT_DIR = Path("out")
 USER_ERRORS: tuple[type[BaseException], ...] = (JobSpecError, PlanningError, JobFailed, ValueError,
@@ -110,8 +111,19 @@ def run_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
         JobFailed: A worker failed or vanished during training (names worker, service, step).
         TimeoutError: The workers did not start in time.
     """
+    return train(load_job(options.job, options.overrides), options, out)
+
+
+def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
+          pool: WorkerPool | None = None, on_step: StepCallback | None = None) -> RunResult:
+    """:func:`run_job` after loading: plan, train on ``pool`` (default: local workers), save.
+
+    Args:
+        pool: Workers that are already up (a cluster's: the job's resources must name them);
+            None starts ``Resources.local`` worker processes and stops them at the end.
+        on_step: Called with each committed step's record, after the progress display.
+    """
     out = out or sys.stdout
-    loaded = load_job(options.job, options.overrides)
     job = loaded.job
     make_optimizer(job.optimizer, [nn.Parameter(torch.zeros(1))])  # refuses bad arguments now, not in a step
     output = options.output or DEFAULT_OUTPUT_DIR / f"{loaded.name}.pt"
@@ -122,20 +134,28 @@ def run_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
     say(f"  model {job.model}, data {job.data} ({sampler.num_samples} samples, "
         f"{sampler.steps_per_epoch} steps per epoch), loss {job.loss}")
     kwargs = ", ".join(f"{k}={v}" for k, v in job.optimizer.kwargs.items())
+    where = "local workers" if pool is None else f"workers of {pool.registry_url}"
     say(f"  optimizer {job.optimizer.name}({kwargs}), global batch {job.global_batch}, {loaded.steps} steps, "
-        f"{job.resources.num_workers} local workers")
+        f"{job.resources.num_workers} {where}")
     started = time.monotonic()
     plan = job.plan()
     say(f"planned in {time.monotonic() - started:.1f}s (profiled on a sample microbatch):\n")
     say(str(plan) + "\n")
-    say(f"starting {job.resources.num_workers} worker processes...")
+    say(f"starting {job.resources.num_workers} worker processes..." if pool is None
+        else f"placing services on {', '.join(pool.names)}...")
     started = time.monotonic()
-    with job:
+    with job if pool is None else job.attach(pool):
         say(f"workers up and services placed in {time.monotonic() - started:.1f}s; training "
             f"{loaded.steps} steps")
         progress = make_progress(loaded.steps, out, bar=options.bar, every=options.log_every)
+
+        def step_done(record: StepRecord) -> None:
+            progress.update(record)
+            if on_step is not None:
+                on_step(record)
+
         try:
-            fit = job.fit(loaded.steps, callback=progress.update)
+            fit = job.fit(loaded.steps, callback=step_done)
         finally:
             progress.close()
     save_state_dict(fit.state_dict, output)

@@ -1,0 +1,166 @@
+"""The pod entry points for real: etcd, the coordinator and two workers as the rendered manifests run them.
+
+Each process gets exactly the command, arguments and environment its pod gets from
+``cellmesh k8s render`` (addresses and ports rewritten to loopback: tests/harness/pods.py),
+with the Debian etcd as the registry. The job trains to the end; its checkpoint must
+equal one process training the same model on the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from comm.codec import unpack
+from comm.registry import connect_registry
+from coordinator.jobspec import load_job
+from coordinator.k8s.render import RenderOptions, render
+from coordinator.reference import max_abs_diff, train_reference
+from coordinator.server import CoordinatorStatus
+from services.protocol import Empty, WorkerCard
+from services.rpc import RpcClient
+from tests.harness.etcd import etcd_available
+from tests.harness.pods import LoopbackCluster
+
+pytestmark = [
+    pytest.mark.etcd,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not etcd_available(), reason="etcd is installed by `make test` (etcd-server)"),
+]
+
+REPO = Path(__file__).resolve().parents[3]
+SPEC = """\
+name: podjob
+model: charlm:model
+model_kwargs: {width: 32, heads: 2, blocks: 1}
+data: charlm:data
+loss: charlm:loss
+optimizer: SGD
+optimizer_kwargs: {lr: 0.05}
+global_batch: 8
+steps: 4
+workers: 2
+strategy: auto
+seed: 3
+"""
+FLOAT32_TOLERANCE = 1e-5  # float32 sums in another order than one process's
+
+
+def _http(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def _wait(what: str, check: Callable[[], bool], cluster: LoopbackCluster, timeout: float) -> None:
+    """Poll ``check`` until true; fail early if a pod process that should be running exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        for name, proc in cluster.procs.items():
+            if proc.poll() is not None and name not in cluster.stopped:
+                raise AssertionError(
+                    f"{name} exited with {proc.returncode} while waiting for {what}\n{cluster.logs()}"
+                )
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{cluster.logs()}")
+
+
+def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = tmp_path / "podjob.yaml"
+    spec.write_text(SPEC)
+    files = render(RenderOptions(job=spec, workers=2, namespace="ml"))
+    objects = [o for objs in files.values() for o in objs]
+    with LoopbackCluster(objects, tmp_path) as cluster:
+        assert sorted(cluster.pods) == [
+            "podjob-coordinator-pod",
+            "podjob-etcd-0",
+            "podjob-worker-0",
+            "podjob-worker-1",
+        ]
+        etcd = cluster.pods["podjob-etcd-0"]
+        cluster.start("podjob-etcd-0")
+        _wait(
+            "etcd's /readyz",
+            lambda: _http(f"http://127.0.0.1:{etcd.port('client')}/health")[0] == 200,
+            cluster,
+            60,
+        )
+        for name in ("podjob-worker-1", "podjob-worker-0"):  # out of order: ranks, not start order, place
+            cluster.start(name)
+        for name in ("podjob-worker-0", "podjob-worker-1"):
+            health = f"http://127.0.0.1:{cluster.pods[name].port('health')}"
+            _wait(f"{name}'s /readyz", lambda h=health: _http(h + "/readyz")[0] == 200, cluster, 90)
+            assert _http(health + "/healthz")[0] == 200
+        registry = connect_registry(f"etcd://127.0.0.1:{etcd.port('client')}")
+        try:
+            cards = {
+                c.name: c
+                for c in (unpack(kv.value, WorkerCard) for kv in registry.list("/cellmesh/podjob/workers/"))
+            }
+        finally:
+            registry.close()
+        assert {n: (c.rank, c.world_size, c.cpus) for n, c in cards.items()} == {
+            "podjob-worker-0": (0, 2, 2),
+            "podjob-worker-1": (1, 2, 2),
+        }  # RANK from the pod index, CPUs from limits
+
+        coordinator = cluster.pods["podjob-coordinator-pod"]
+        cluster.start(coordinator.name)
+        metrics = f"http://127.0.0.1:{coordinator.port('metrics')}"
+        _wait(
+            "the coordinator's record of the finished job",
+            lambda: "cellmesh_done 1.0" in _http(metrics + "/metrics")[1],
+            cluster,
+            150,
+        )
+        client = RpcClient(f"tcp://127.0.0.1:{coordinator.port('control')}", timeout=timedelta(seconds=10))
+        try:
+            status, _ = client.call("coordinator", "status", Empty(), CoordinatorStatus)
+        finally:
+            client.close()
+        assert (status.phase, status.step, status.steps) == ("done", 4, 4)
+        assert status.workers == ["podjob-worker-0", "podjob-worker-1"]
+        assert _http(metrics + "/readyz")[0] == 200 and "cellmesh_step 4.0" in _http(metrics + "/metrics")[1]
+        checkpoint = Path(status.output)
+        assert checkpoint.is_file() and checkpoint.is_relative_to(tmp_path)
+        record = json.loads(checkpoint.with_name(checkpoint.name + ".json").read_text())
+        assert record["phase"] == "done" and record["step"] == 4
+
+        # SIGTERM, as a deletion does: the coordinator (done) and the workers (drained) exit 0
+        codes = {
+            name: cluster.stop(name) for name in (coordinator.name, "podjob-worker-0", "podjob-worker-1")
+        }
+        assert codes == dict.fromkeys(codes, 0), cluster.logs()
+
+        # a coordinator pod restarted after the job finished finds its record and does not train again
+        cluster.start(coordinator.name)
+        _wait(
+            "the restarted coordinator",
+            lambda: "cellmesh_done 1.0" in _http(metrics + "/metrics")[1],
+            cluster,
+            60,
+        )
+        assert cluster.stop(coordinator.name) == 0
+        assert "already finished" in cluster.tail(coordinator.name), cluster.logs()
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))  # the image's PYTHONPATH, for the reference here
+    loaded = load_job(tmp_path / "podjob-coordinator-pod_etc_cellmesh" / "job.yaml")
+    reference = train_reference(loaded.job, 4)
+    state = torch.load(checkpoint, weights_only=True)
+    model = loaded.job.build_model()
+    model.load_state_dict(state, strict=True)
+    assert max_abs_diff(state, reference.state_dict) < FLOAT32_TOLERANCE
