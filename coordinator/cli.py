@@ -97,7 +97,8 @@ def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     coord.add_argument("--port", type=int, default=0, help="the control port (default: any free one)")
     coord.add_argument("--metrics-port", type=int, default=None,
                        help="serve /healthz, /readyz and /metrics over HTTP on this port")
-    coord.add_argument("--health-host", default="0.0.0.0", help="interface of that HTTP endpoint")
+    coord.add_argument("--health-host", default=None,
+                       help="interface of that HTTP endpoint (default: as --host)")
     coord.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
                        help="seconds to wait for the workers to register (default 600)")
     coord.add_argument("--exit-when-done", action="store_true",

@@ -89,7 +89,7 @@ class CoordinatorOptions:
         host: The address the control port binds (``$CELLMESH_HOST``, else loopback).
         port: The control port (0: any free one).
         metrics_port: The HTTP port of ``/healthz``, ``/readyz`` and ``/metrics`` (None: none).
-        health_host: The interface of that HTTP endpoint.
+        health_host: The interface of that HTTP endpoint (None: as ``host``; the kubelet probes the pod IP).
         wait_timeout: Bounds the wait for the workers.
         exit_when_done: Exit after writing the checkpoint instead of serving until SIGTERM.
     """
@@ -100,7 +100,7 @@ class CoordinatorOptions:
     host: str | None = None
     port: int = 0
     metrics_port: int | None = None
-    health_host: str = "0.0.0.0"
+    health_host: str | None = None
     wait_timeout: timedelta = DEFAULT_WAIT_TIMEOUT
     exit_when_done: bool = False
 
@@ -162,7 +162,14 @@ class CoordinatorServer:
 
     def _on_step(self, record: StepRecord) -> None:
         seconds = max(record.seconds, 1e-9)
-        self._set(step=self._status.step + 1, loss=record.loss, samples_per_s=record.num_samples / seconds)
+        with self._lock:
+            self._status = self._status.model_copy(
+                update={
+                    "step": self._status.step + 1,
+                    "loss": record.loss,
+                    "samples_per_s": record.num_samples / seconds,
+                }
+            )
         m = self.metrics
         m.step.inc()
         m.loss.set(record.loss)
@@ -172,7 +179,8 @@ class CoordinatorServer:
 
     def _live(self) -> tuple[bool, str]:
         status = self.status()
-        return True, f"coordinator of {status.job or 'a job'}: {status.phase}"
+        detail = f"coordinator of {status.job or 'a job'}: {status.phase}"
+        return status.phase != "failed", detail + (f" ({status.error})" if status.error else "")
 
     def _ready(self) -> tuple[bool, str]:
         status = self.status()
@@ -190,7 +198,7 @@ class CoordinatorServer:
                 live=self._live,
                 ready=self._ready,
                 metrics=self.metrics.registry,
-                host=self.options.health_host,
+                host=self.options.health_host or self.options.host,
                 port=self.options.metrics_port,
             ).start()
         return self

@@ -41,7 +41,8 @@ class HealthServer:
         live: The liveness check.
         ready: The readiness check.
         metrics: The registry ``/metrics`` renders (a new, empty one by default).
-        host: The interface (:func:`comm.sockets.default_host` by default; ``0.0.0.0`` in a pod).
+        host: The interface (:func:`comm.sockets.default_host` by default: the pod IP in a pod,
+            which is where the kubelet probes).
         port: The port (0: one the OS chooses; :attr:`port` tells which).
     """
 

@@ -259,8 +259,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="port to serve services on (default: any free one)")
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /healthz, /readyz and /metrics over HTTP on this port (0: any free one)")
-    parser.add_argument("--health-host", default="0.0.0.0",
-                        help="interface of the HTTP endpoint (default 0.0.0.0, where the kubelet probes)")
+    parser.add_argument("--health-host", default=None,
+                        help="interface of the HTTP endpoint (default: as --host, where the kubelet probes)")
     return parser
 
 
@@ -290,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker = Worker(registry, job, name, lease_ttl=lease_ttl, host=args.host, port=args.port,
                         launch=launch)
         if args.health_port is not None:
-            health = HealthServer(live=worker.liveness, ready=worker.readiness, host=args.health_host,
-                                  port=args.health_port).start()
+            health = HealthServer(live=worker.liveness, ready=worker.readiness,
+                                  host=args.health_host or args.host, port=args.health_port).start()
     except Exception as exc:
         registry.close()
         log.error("[worker %s] cannot start: %s", name, exc)
