@@ -221,6 +221,17 @@ def _service_account(name: str, job: str, component: str, ns: str | None) -> Man
     }
 
 
+def _claim(o: RenderOptions) -> dict[str, Any]:
+    """A PersistentVolumeClaim's spec: one writer, ``storage`` of the StorageClass asked for."""
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": o.storage}},
+    }
+    if o.storage_class:
+        claim["storageClassName"] = o.storage_class
+    return claim
+
+
 def _tmp_volume() -> dict[str, Any]:
     return {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
 
@@ -305,12 +316,6 @@ def _etcd(o: RenderOptions, n: _Names) -> list[Manifest]:
         "securityContext": sc,
         "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
     }
-    claim: dict[str, Any] = {
-        "accessModes": ["ReadWriteOnce"],
-        "resources": {"requests": {"storage": o.storage}},
-    }
-    if o.storage_class:
-        claim["storageClassName"] = o.storage_class
     stateful = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -331,7 +336,7 @@ def _etcd(o: RenderOptions, n: _Names) -> list[Manifest]:
                 },
             },
             "volumeClaimTemplates": [
-                {"metadata": {"name": "data", "labels": _labels(job, "etcd")}, "spec": claim}
+                {"metadata": {"name": "data", "labels": _labels(job, "etcd")}, "spec": _claim(o)}
             ],
         },
     }
@@ -354,17 +359,11 @@ def _coordinator(o: RenderOptions, n: _Names) -> list[Manifest]:
             ],
         },
     }
-    claim: dict[str, Any] = {
-        "accessModes": ["ReadWriteOnce"],
-        "resources": {"requests": {"storage": o.storage}},
-    }
-    if o.storage_class:
-        claim["storageClassName"] = o.storage_class
     pvc = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
         "metadata": _meta(n.checkpoints, job, "coordinator", ns),
-        "spec": claim,
+        "spec": _claim(o),
     }
     container = {
         "name": "coordinator",
