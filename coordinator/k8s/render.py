@@ -311,8 +311,10 @@ def _etcd(o: RenderOptions, n: _Names) -> list[Manifest]:
             "requests": {"cpu": "250m", "memory": "256Mi"},
             "limits": {"cpu": "1", "memory": "512Mi"},
         },
-        "readinessProbe": _http_probe("/readyz", "client", period=5, failures=3),
-        "livenessProbe": _http_probe("/livez", "client", period=10, failures=6, delay=15),
+        "readinessProbe": _http_probe("/health", "client", period=5, failures=3),
+        "livenessProbe": _http_probe(
+            "/health?exclude=NOSPACE&serializable=true", "client", period=10, failures=6, delay=15
+        ),
         "securityContext": sc,
         "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
     }
