@@ -27,14 +27,9 @@ from coordinator.reference import max_abs_diff, train_reference
 from coordinator.server import CoordinatorStatus
 from services.protocol import Empty, WorkerCard
 from services.rpc import RpcClient
-from tests.harness.etcd import etcd_available
 from tests.harness.pods import LoopbackCluster
 
-pytestmark = [
-    pytest.mark.etcd,
-    pytest.mark.timeout(240),
-    pytest.mark.skipif(not etcd_available(), reason="etcd is installed by `make test` (etcd-server)"),
-]
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240)]  # `make test` installs etcd: no etcd is a failure
 
 REPO = Path(__file__).resolve().parents[3]
 SPEC = """\
