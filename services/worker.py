@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import FrameType
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from comm.allocator import tune_malloc
 from comm.codec import pack
 from comm.registry import connect_registry
@@ -164,6 +166,15 @@ class Worker:
         self.registry.put(worker_key(self.job, self.name), pack(self.card()), lease=self._lease)
         self.published.set()
 
+    def metrics(self) -> CollectorRegistry:
+        """``/metrics`` of the worker: the services it hosts, and 1 while it is ready."""
+        registry = CollectorRegistry()
+        Gauge("cellmesh_worker_services", "Services this worker hosts", registry=registry).set_function(
+            lambda: len(self.host.names()) - 1)
+        Gauge("cellmesh_worker_ready", "1 while the worker is registered and not draining",
+              registry=registry).set_function(lambda: float(self.readiness()[0]))
+        return registry
+
     def liveness(self) -> tuple[bool, str]:
         """``/healthz``: alive until the lease is lost (then the process is about to exit 1)."""
         if self._keepalive is not None and self._keepalive.lost.is_set():
@@ -290,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker = Worker(registry, job, name, lease_ttl=lease_ttl, host=args.host, port=args.port,
                         launch=launch)
         if args.health_port is not None:
-            health = HealthServer(live=worker.liveness, ready=worker.readiness,
+            health = HealthServer(live=worker.liveness, ready=worker.readiness, metrics=worker.metrics(),
                                   host=args.health_host or args.host, port=args.health_port).start()
     except Exception as exc:
         registry.close()

@@ -100,6 +100,9 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
             health = f"http://127.0.0.1:{cluster.pods[name].port('health')}"
             _wait(f"{name}'s /readyz", lambda h=health: _http(h + "/readyz")[0] == 200, cluster, 90)
             assert _http(health + "/healthz")[0] == 200
+            worker_metrics = _http(health + "/metrics")[1]
+            assert "cellmesh_worker_ready 1.0" in worker_metrics
+            assert "cellmesh_worker_services 0.0" in worker_metrics
         registry = connect_registry(f"etcd://127.0.0.1:{etcd.port('client')}")
         try:
             cards = {
