@@ -10,7 +10,8 @@ with the CPUs, memory and GPUs its card reports (a pod's limits).
 
 Workers are ordered by the rank their launcher gave them (``RANK``/``PET_NODE_RANK``,
 ``services/launch.py``), then by name, so the plan places stage 0 on rank 0 whatever order
-the pods came up in.
+the pods came up in. Services the workers still host when the pool starts were left by a
+coordinator that died (a restarted coordinator pod): they are released first.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from comm.errors import ProtocolError
 from comm.registry import connect_registry
 from comm.registry.base import Registry
 from coordinator.resources import Resources, Worker
-from services.protocol import WorkerCard
+from services.protocol import Empty, Release, WorkerCard
+from services.rpc import RpcClient
 
 __all__ = ["DEFAULT_MEMORY_FRACTION", "ClusterWorkers", "WorkerPool"]
 
@@ -136,7 +138,27 @@ class ClusterWorkers:
                     next_report = now + progress.total_seconds()
                 watch.get(timedelta(seconds=min(1.0, deadline - now)))
         self.cards = {c.name: c for c in self._choose(cards)}
+        self._release_leftovers()
         return self
+
+    def _release_leftovers(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Release services a coordinator that died without cleaning up left on the workers.
+
+        The job's workers serve one coordinator at a time (the Deployment recreates it), so
+        whatever they host when a coordinator starts belongs to a predecessor: its step
+        threads may be blocked on peers that will never answer, and it holds memory.
+        """
+        for card in self.cards.values():
+            if not card.services:
+                continue
+            log.warning("[coordinator %s] releasing %s on %s, left by an earlier coordinator", self.job,
+                        ", ".join(card.services), card.name)
+            client = RpcClient(card.address, timeout=timeout)
+            try:
+                for service in card.services:
+                    client.call("worker", "release", Release(service=service), Empty)
+            finally:
+                client.close()
 
     def _choose(self, cards: list[WorkerCard]) -> list[WorkerCard]:
         for card in cards:

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 StepCallback = Callable[[StepRecord], None]
 _runs = itertools.count()
+_PROCESS_TAG = uuid.uuid4().hex[:4]
 OptimizerRef = str | type[torch.optim.Optimizer]
 
 
@@ -305,7 +306,8 @@ class _Session:
             _, cells = build_cells(job.model, job.model_kwargs, job.seed)
             initial = {n: p.detach() for n, p in cell_parameters(cells)}
             addresses = {n: self.harness.address(n) for n in self.harness.names}
-            spec = job.run_spec(self.harness.job, f"{job.name}-{next(_runs)}")
+            # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
+            spec = job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}")
             self.runtime = Runtime(self.plan, spec, self.loop, self.harness.registry_url, addresses, initial)
             self.runtime.place()
             log.info("[coordinator %s] up in %.1fs", job.name, time.monotonic() - started)

@@ -9,6 +9,7 @@ equal one process training the same model on the same batches.
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -27,7 +28,7 @@ from coordinator.reference import max_abs_diff, train_reference
 from coordinator.server import CoordinatorStatus
 from services.protocol import Empty, WorkerCard
 from services.rpc import RpcClient
-from tests.harness.pods import LoopbackCluster
+from tests.harness.pods import LoopbackCluster, Pod
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240)]  # `make test` installs etcd: no etcd is a failure
 
@@ -74,6 +75,28 @@ def _wait(what: str, check: Callable[[], bool], cluster: LoopbackCluster, timeou
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{cluster.logs()}")
 
 
+def _start_etcd_and_workers(cluster: LoopbackCluster) -> Pod:
+    """Start the etcd pod and the worker pods; wait until each worker is ready; return the etcd pod."""
+    etcd = cluster.pods["podjob-etcd-0"]
+    cluster.start("podjob-etcd-0")
+    _wait(
+        "etcd's /readyz",
+        lambda: _http(f"http://127.0.0.1:{etcd.port('client')}/health")[0] == 200,
+        cluster,
+        60,
+    )
+    for name in ("podjob-worker-1", "podjob-worker-0"):  # out of order: ranks, not start order, place
+        cluster.start(name)
+    for name in ("podjob-worker-0", "podjob-worker-1"):
+        health = f"http://127.0.0.1:{cluster.pods[name].port('health')}"
+        _wait(f"{name}'s /readyz", lambda h=health: _http(h + "/readyz")[0] == 200, cluster, 90)
+        assert _http(health + "/healthz")[0] == 200
+        worker_metrics = _http(health + "/metrics")[1]
+        assert "cellmesh_worker_ready 1.0" in worker_metrics
+        assert "cellmesh_worker_services 0.0" in worker_metrics
+    return etcd
+
+
 def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = tmp_path / "podjob.yaml"
     spec.write_text(SPEC)
@@ -86,23 +109,7 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
             "podjob-worker-0",
             "podjob-worker-1",
         ]
-        etcd = cluster.pods["podjob-etcd-0"]
-        cluster.start("podjob-etcd-0")
-        _wait(
-            "etcd's /readyz",
-            lambda: _http(f"http://127.0.0.1:{etcd.port('client')}/health")[0] == 200,
-            cluster,
-            60,
-        )
-        for name in ("podjob-worker-1", "podjob-worker-0"):  # out of order: ranks, not start order, place
-            cluster.start(name)
-        for name in ("podjob-worker-0", "podjob-worker-1"):
-            health = f"http://127.0.0.1:{cluster.pods[name].port('health')}"
-            _wait(f"{name}'s /readyz", lambda h=health: _http(h + "/readyz")[0] == 200, cluster, 90)
-            assert _http(health + "/healthz")[0] == 200
-            worker_metrics = _http(health + "/metrics")[1]
-            assert "cellmesh_worker_ready 1.0" in worker_metrics
-            assert "cellmesh_worker_services 0.0" in worker_metrics
+        etcd = _start_etcd_and_workers(cluster)
         registry = connect_registry(f"etcd://127.0.0.1:{etcd.port('client')}")
         try:
             cards = {
@@ -162,3 +169,50 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
     model = loaded.job.build_model()
     model.load_state_dict(state, strict=True)
     assert max_abs_diff(state, reference.state_dict) < FLOAT32_TOLERANCE
+
+
+def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL the coordinator pod mid-training (an eviction): its successor trains the job from the start."""
+    steps = 40
+    spec = tmp_path / "podjob.yaml"
+    spec.write_text(SPEC.replace("steps: 4", f"steps: {steps}"))
+    objects = [o for objs in render(RenderOptions(job=spec, workers=2)).values() for o in objs]
+    with LoopbackCluster(objects, tmp_path) as cluster:
+        _start_etcd_and_workers(cluster)
+        coordinator = cluster.pods["podjob-coordinator-pod"]
+        metrics = f"http://127.0.0.1:{coordinator.port('metrics')}"
+
+        def step() -> int:
+            match = re.search(r"^cellmesh_step ([0-9.]+)$", _http(metrics + "/metrics")[1], re.M)
+            return int(float(match.group(1))) if match else 0
+
+        cluster.start(coordinator.name)
+        _wait("a few committed steps", lambda: step() >= 3, cluster, 150)
+        cluster.procs[coordinator.name].kill()  # no cleanup: the workers keep its services
+        cluster.procs[coordinator.name].wait(10)
+        assert step() == 0  # gone
+        health = f"http://127.0.0.1:{cluster.pods['podjob-worker-0'].port('health')}"
+        assert "cellmesh_worker_services 0.0" not in _http(health + "/metrics")[1]
+
+        cluster.start(coordinator.name)
+        _wait(
+            "the successor's finished job",
+            lambda: "cellmesh_done 1.0" in _http(metrics + "/metrics")[1],
+            cluster,
+            150,
+        )
+        assert step() == steps
+        assert "left by an earlier coordinator" in cluster.tail(coordinator.name, 200), cluster.logs()
+        _wait(
+            "the workers to release the services",
+            lambda: "cellmesh_worker_services 0.0" in _http(health + "/metrics")[1],
+            cluster,
+            30,
+        )
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    loaded = load_job(tmp_path / "podjob-coordinator-pod_etc_cellmesh" / "job.yaml")
+    state = torch.load(tmp_path / "podjob-coordinator-pod_var_lib_cellmesh" / "podjob.pt", weights_only=True)
+    assert max_abs_diff(state, train_reference(loaded.job, steps).state_dict) < FLOAT32_TOLERANCE
