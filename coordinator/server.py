@@ -25,7 +25,9 @@ trains the job again from the start on the workers then registered.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -47,7 +49,6 @@ from coordinator.run import (
     Terminated,
     check_writable,
     report,
-    summary,
     train,
     use_termination_as_exception,
 )
@@ -76,6 +77,7 @@ class CoordinatorStatus(Message):
     samples_per_s: float | None = None
     output: str = ""
     error: str = ""
+    spec_sha256: str = ""  # of the job file: a record of another spec under the same name is not this job's
 
 
 @dataclass(frozen=True)
@@ -232,9 +234,10 @@ class CoordinatorServer:
         job = loaded.job
         output = opts.run.output or DEFAULT_OUTPUT_DIR / f"{loaded.name}.pt"
         workers = opts.workers or job.resources.num_workers
-        self._set(job=job.name, steps=loaded.steps, output=str(output))
+        digest = hashlib.sha256(Path(opts.run.job).read_bytes()).hexdigest()
+        self._set(job=job.name, steps=loaded.steps, output=str(output), spec_sha256=digest)
         self.metrics.steps.set(loaded.steps)
-        finished = _finished_record(output, job.name, loaded.steps)
+        finished = _finished_record(output, self.status())
         if finished is not None:
             self._set(**finished.model_dump(exclude={"job", "output"}))
             self.metrics.done.set(1)
@@ -263,9 +266,14 @@ class CoordinatorServer:
             self._set(phase="failed", error=" ".join(str(exc).split()))
             raise
         self._set(phase="done")
+        _write_record(_record_path(output), self.status())
         self.metrics.done.set(1)
-        _record_path(output).write_text(self.status().model_dump_json(indent=2) + "\n")
-        log.info("[coordinator %s] %s", job.name, summary(result).replace("\n", "; "))
+        log.info(
+            "[coordinator %s] done: %d steps, final loss %s",
+            job.name,
+            len(result.fit.losses),
+            f"{result.fit.losses[-1]:.4f}" if result.fit.losses else "-",
+        )
 
     def wait_for_stop(self) -> None:
         """Serve until SIGTERM/SIGINT (the caller turns them into ``Terminated``/``KeyboardInterrupt``)."""
@@ -277,8 +285,19 @@ def _record_path(output: Path) -> Path:
     return output.with_name(output.name + ".json")
 
 
-def _finished_record(output: Path, job: str, steps: int) -> CoordinatorStatus | None:
-    """The record of ``job``'s finished run of ``steps`` steps beside ``output``, if both files are there."""
+def _write_record(path: Path, status: CoordinatorStatus) -> None:
+    """Write the record atomically (a temporary file, then rename), as the state_dict is written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(status.model_dump_json(indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _finished_record(output: Path, current: CoordinatorStatus) -> CoordinatorStatus | None:
+    """The record of this job's finished run beside ``output`` (same name, steps, spec), if both are there."""
     record = _record_path(output)
     if not (record.is_file() and output.is_file()):
         return None
@@ -287,7 +306,9 @@ def _finished_record(output: Path, job: str, steps: int) -> CoordinatorStatus | 
     except (OSError, ValidationError) as exc:
         log.warning("ignoring the unreadable run record %s: %s", record, exc)
         return None
-    if status.job != job or status.phase != "done" or status.steps != steps:
+    same = (status.job, status.steps, status.spec_sha256) == (current.job, current.steps, current.spec_sha256)
+    if not same or status.phase != "done":
+        log.info("not the record of this job (%s); training it", record)
         return None
     return status
 
