@@ -125,6 +125,13 @@ class RenderOptions:
             raise ValueError(
                 f"--namespace {self.namespace!r} is not a DNS label (lower case letters, digits, '-')"
             )
+        for flag, value in (
+            ("--memory-per-worker", self.memory_per_worker),
+            ("--storage", self.storage),
+            ("coordinator memory", self.coordinator_memory),
+        ):
+            if not re.fullmatch(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?", value):
+                raise ValueError(f"{flag} {value!r} is not a Kubernetes quantity (e.g. 4Gi, 512Mi, 8G)")
 
     @property
     def worker_image(self) -> str:

@@ -270,6 +270,8 @@ def test_render_refuses_what_it_cannot_render(tmp_path: Path) -> None:
         render(RenderOptions(job=bad, workers=1))
     with pytest.raises(ValueError, match="not a DNS label"):
         RenderOptions(job=CHARLM, workers=1, namespace="Bad_NS")
+    with pytest.raises(ValueError, match="'4GB' is not a Kubernetes quantity"):
+        RenderOptions(job=CHARLM, workers=1, memory_per_worker="4GB")
     with pytest.raises(ValueError, match="workers must be >= 1"):
         RenderOptions(job=CHARLM, workers=0)
 
