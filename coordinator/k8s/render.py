@@ -672,6 +672,12 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-per-worker", default="4Gi", metavar="M", help="memory request = limit (4Gi)"
     )
     parser.add_argument("--etcd-replicas", type=int, default=1, choices=[1, 3, 5], help="etcd members (1)")
+    parser.add_argument(
+        "--storage",
+        default="1Gi",
+        metavar="SIZE",
+        help="size of each etcd member's volume and of the checkpoint volume (1Gi)",
+    )
     parser.add_argument("--storage-class", default=None, help="StorageClass of the volumes (cluster default)")
     parser.add_argument(
         "--python-path",
@@ -693,6 +699,7 @@ def render_command(args: argparse.Namespace) -> int:
             cpus_per_worker=args.cpus_per_worker,
             memory_per_worker=args.memory_per_worker,
             etcd_replicas=args.etcd_replicas,
+            storage=args.storage,
             storage_class=args.storage_class,
             python_path=args.python_path,
         )
