@@ -354,17 +354,19 @@ def replay(plan: Any, resources: Any, forward_s: list[float], backward_s: list[f
 
     cuts = [st.outgoing for st in plan.stages[:-1]]
     costs = StageCosts(tuple(forward_s), tuple(backward_s), tuple(transfer(c.forward_bytes) for c in cuts),
-                       tuple(transfer(c.backward_bytes) for c in cuts))
-    return float(simulate(plan.schedule(), costs).step_time_s + plan.sync_time_s)
+                       tuple(transfer(c.backward_bytes) for c in cuts),
+                       start_s=tuple(st.optimizer_s for st in plan.stages))
+    return float(simulate(plan.schedule(), costs).step_time_s + plan.sync_time_s + plan.overhead_s)
 
 
 def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, Any]:
     # A step's request commits the previous step, so the first step after the warm-up (whose
     # last step was committed on its own) is left out of the timing: each timed step then
-    # carries one commit. cpu: the coordinator thread's CPU time after each step.
+    # carries one commit, and the job trains warmup + steps steps as torch's do. cpu: the
+    # coordinator thread's CPU time after each step.
     cpu: list[float] = []
     with job.attach(harness):
-        job.fit(warmup)
+        job.fit(max(0, warmup - 1))
         result = job.fit(steps + 1, callback=lambda _: cpu.append(time.thread_time()))
     recs = result.steps[1:]
     wall = recs[-1].end - recs[0].start

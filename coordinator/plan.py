@@ -47,6 +47,7 @@ class StagePlan(BaseModel):
     transfer_s: float
     sync_s: float
     param_bytes: int
+    optimizer_s: float = 0.0
     in_flight: int
     peak_memory_bytes: int
     incoming: CutInfo
@@ -73,9 +74,11 @@ class Plan(BaseModel):
         bounds: Stage boundaries over the profiled chain, ``(0, ..., n)``.
         stages: One entry per stage.
         placement: ``placement[r][s]`` is the worker running stage ``s`` of replica ``r``.
-        step_time_s: Predicted step: ``pipeline_time_s + sync_time_s``.
-        pipeline_time_s: The simulated schedule (forward, backward, transfers).
+        step_time_s: Predicted step: ``pipeline_time_s + sync_time_s + overhead_s``.
+        pipeline_time_s: The simulated schedule (each stage's optimizer step, then
+            forward, backward, transfers).
         sync_time_s: Gradient synchronisation not hidden behind the last backward.
+        overhead_s: The step's control messages (the request out, the replies back).
         bubble_fraction: Idle share of the pipeline (see ``coordinator/simulator.py``).
         peak_memory_bytes: The largest per-worker peak.
     """
@@ -97,6 +100,7 @@ class Plan(BaseModel):
     step_time_s: float
     pipeline_time_s: float
     sync_time_s: float
+    overhead_s: float = 0.0
     bubble_fraction: float
     peak_memory_bytes: int
 
@@ -168,7 +172,8 @@ class Plan(BaseModel):
             f"{self.schedule_name}, {self.num_microbatches} microbatches of {self.microbatch_size} "
             f"(global batch {self.global_batch}), {self.mode.replace('_', ' ')}, cut by {self.cutter}",
             f"predicted step {self.step_time_s * 1e3:.3f} ms = pipeline {self.pipeline_time_s * 1e3:.3f} "
-            f"+ gradient sync {self.sync_time_s * 1e3:.3f}; bubble {self.bubble_fraction:.1%}; "
+            f"+ gradient sync {self.sync_time_s * 1e3:.3f} + messages {self.overhead_s * 1e3:.3f}; "
+            f"bubble {self.bubble_fraction:.1%}; "
             f"peak memory {format_bytes(self.peak_memory_bytes)} per worker",
             "",
             f"{'stage':>5}  {'nodes':<24} {'fwd ms':>8} {'bwd ms':>8} {'xfer ms':>8} {'sync ms':>8} "

@@ -15,22 +15,36 @@ schedule, microbatches ``m``). For each shape the cost model, built on the profi
 
 [Note: gradient sync cost] With ``G`` gradient bytes per stage, ``d`` replicas and the
 slowest link of the stage's group (``bw``, ``lat``), moving a ``1/d`` share of the
-gradients off every worker takes ``S = (d-1)/d * G / bw``:
+gradients off every worker takes ``S = (d-1)/d * G / (e * bw)``, where ``e`` is
+:data:`COLLECTIVE_EFFICIENCY`: a process that sends and receives at once, over
+ZeroMQ on loopback, moves ~1 GB/s of all-reduce against 1.5 GB/s one way.
 
-- collective: a ring all-reduce, ``2 S + 2 (d-1) lat``, started bucket by bucket during
-  the last microbatch's backward, so that backward hides part of it;
+- collective: a ring all-reduce, ``2 S + 2 (d-1) lat``, launched bucket by bucket during
+  the last microbatch's backward. Only the backward that runs after the first bucket
+  (``DEFAULT_BUCKET_BYTES``, filled from the last parameters) is ready can hide it;
 - parameter server: the stage's parameters and optimizer state are sharded over its
   ``d`` workers (each keeps ``1/d`` of the optimizer state and a master copy of ``1/d``
-  of the parameters). A push (``S + (d-1) lat``: each worker handles its ``d-1`` peers'
-  messages one after another) that the last backward may hide, then a pull of the same
-  cost that nothing hides, because it must wait for every replica's push.
+  of the parameters). Every shard is reached through a socket, the worker's own too, so
+  a push moves all ``G`` bytes (``G / (e * bw) + (d-1) lat``: each worker handles its
+  ``d-1`` peers' messages one after another) and the pull as much; both happen when the
+  step is committed, after the backward: nothing hides them.
 
-Collective mode is never slower (equal when the last backward hides no more than a push);
-parameter-server mode needs less memory per worker. Among equally fast plans the planner
-prefers fewer workers, then collective mode, then less memory.
+Collective mode is never slower; parameter-server mode needs less memory per worker.
+Among equally fast plans the planner prefers fewer workers, then collective mode, then
+less memory.
+
+[Note: step overheads] Around the schedule, a step also pays: each stage's optimizer step
+(the previous step's update, applied before the first action, see
+``coordinator/runtime.py``), modelled as the memory traffic of a fused update
+(:data:`OPTIMIZER_TRAFFIC`) at :data:`OPTIMIZER_BANDWIDTH_BPS`; and two control messages
+(:data:`CONTROL_MESSAGE_S` each: the request to every stage, the replies back).
+Where the plan runs more than one worker on this machine, :data:`SHARED_HOST_SLOWDOWN`
+scales compute: two busy processes on two cores share caches and memory bandwidth.
 
 ``strategy="auto"`` searches every shape the resources allow; ``"data_parallel"`` fixes
-``p = 1`` and ``"pipeline"`` fixes ``d = 1``; any field may also be fixed by keyword.
+``p = 1`` and uses at least 2 replicas, ``"pipeline"`` fixes ``d = 1`` and uses at least
+2 stages (where the workers, the batch and the model allow); any field may also be fixed
+by keyword.
 A request that nothing satisfies raises :class:`PlanningError` saying why and what fits.
 """
 
@@ -50,9 +64,11 @@ from coordinator.profile import Profile, format_bytes
 from coordinator.resources import Resources
 from coordinator.schedules import SCHEDULES, build_schedule, peak_in_flight
 from coordinator.simulator import StageCosts, simulate
+from services.grad_sync import DEFAULT_BUCKET_BYTES
 
-__all__ = ["MAX_MICROBATCHES", "Candidate", "PlanningError", "Strategy", "balance_bounds", "candidate_plans",
-           "choose_plan", "cut_problem", "format_candidates"]
+__all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "MAX_MICROBATCHES", "OPTIMIZER_BANDWIDTH_BPS",
+           "OPTIMIZER_TRAFFIC", "SHARED_HOST_SLOWDOWN", "Candidate", "PlanningError", "Strategy",
+           "balance_bounds", "candidate_plans", "choose_plan", "cut_problem", "format_candidates"]
 
 Strategy = Literal["auto", "data_parallel", "pipeline"]
 MAX_MICROBATCHES = 64
@@ -87,13 +103,46 @@ def _transfer(nbytes: float, bandwidth: float, latency: float) -> float:
     return 0.0 if nbytes <= 0 else latency + nbytes / bandwidth
 
 
+# Measured on the development machine (2 vCPUs, loopback; docs/benchmarks.md): ZeroMQ
+# all-reduce of 16-64 MiB moves 1.1-1.3 GB/s (bench/comm.py), 1.3-1.7 GB/s inside a
+# data-parallel step (bench/train.py), against the 1.5 GB/s one-way link figure.
+COLLECTIVE_EFFICIENCY = 0.85
+# A control message from the coordinator to a stage's step thread, or a reply back: 0.5-0.9 ms
+# measured (bench/train.py "dispatch" and "tail"): more than the link latency, as each end
+# validates and dispatches it.
+CONTROL_MESSAGE_S = 6e-4
+# A fused optimizer step reads and writes this many bytes per parameter byte, by the
+# optimizer kinds of coordinator/profile.py (parameter, gradient and state each read, the
+# parameter and state written); at 25 GB/s it matched the 1.7-4.1 ms of SGD over 17-34 MB.
+OPTIMIZER_TRAFFIC: dict[str, float] = {"sgd": 3.0, "momentum": 5.0, "adam": 7.0, "adamw": 7.0}
+OPTIMIZER_BANDWIDTH_BPS = 25e9
+# Compute of a plan with more than one busy CPU worker, against the profile taken by one
+# process alone (see [Note: step overheads]): in two-process steps on the development
+# machine, forwards and backwards took 1.07-1.23x their profiled times (the most on 8-sample
+# microbatches, which stream weights from memory). It assumes the workers share a machine;
+# the resource list does not say which workers share one.
+SHARED_HOST_SLOWDOWN = 1.15
+
+
 def _sync(mode: Mode, grad_bytes: float, d: int, hidden: float, bw: float, lat: float) -> float:
+    """Gradient sync time not hidden (``hidden``: the backward after the first bucket is ready)."""
     if d == 1 or grad_bytes == 0:
         return 0.0
-    phase = (d - 1) / d * grad_bytes / bw + (d - 1) * lat  # see [Note: gradient sync cost]
+    bandwidth = COLLECTIVE_EFFICIENCY * bw  # see [Note: gradient sync cost]
     if mode == "collective":
-        return max(0.0, 2 * phase - hidden)
-    return max(0.0, phase - hidden) + phase
+        return max(0.0, 2 * ((d - 1) / d * grad_bytes / bandwidth + (d - 1) * lat) - hidden)
+    return 2 * (grad_bytes / bandwidth + (d - 1) * lat)
+
+
+def _after_first_bucket(grads: Sequence[float], backward: Sequence[float]) -> float:
+    """The backward time left once the first bucket is ready (nodes' gradients fill it from the last)."""
+    need = min(float(DEFAULT_BUCKET_BYTES), sum(grads))
+    filled = 0.0
+    for i in reversed(range(len(grads))):
+        filled += grads[i]
+        if filled >= need:
+            return sum(backward[:i])
+    return 0.0
 
 
 def _scaled_cuts(profile: Profile, size: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
@@ -112,7 +161,8 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
     Args:
         profile: The model's profile.
         num_stages: Stages to cut into.
-        microbatch_size: Scales times and activation bytes (default: the profiled size).
+        microbatch_size: Scales times (affine, ``Profile.node_times``) and activation bytes
+            (linearly); default: the profiled size.
         bandwidth_bps: Link bandwidth between consecutive stages.
         latency_s: Link latency between consecutive stages.
         speed: Worker speed relative to the profiling machine.
@@ -123,6 +173,7 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
     """
     mb = microbatch_size or profile.microbatch_size
     scale = mb / profile.microbatch_size
+    times = profile.node_times(mb)
     _, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
     cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
                   for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
@@ -133,7 +184,7 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
                       else (nd.optimizer_state_bytes + nd.param_bytes) * ps_share)
                    for nd in profile.nodes)
     limits = tuple(memory_limit) if memory_limit is not None else None
-    return CutProblem(tuple(nd.compute_s * scale / speed for nd in profile.nodes), cut_s, num_stages,
+    return CutProblem(tuple((f + b) / speed for f, b in times), cut_s, num_stages,
                       tuple(c.cuttable for c in profile.cuts), static,
                       tuple(nd.activation_bytes * scale for nd in profile.nodes),
                       tuple(in_flight) if in_flight is not None else (1,) * num_stages, limits)
@@ -153,9 +204,11 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None) -> Candidate:
     d, p, mode, sched_name, m = shape
     mb = global_batch // (d * m)
-    scale = mb / profile.microbatch_size
+    times = profile.node_times(mb)
     placement = tuple(tuple(resources.workers[r * p + s].name for s in range(p)) for r in range(d))
     workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
+    on_cpu = all(w.device == "cpu" for ws in workers for w in ws)
+    shared = SHARED_HOST_SLOWDOWN if d * p > 1 and on_cpu else 1.0
     speed = [min(w.speed for w in ws) for ws in workers]
     bw, lat = resources.slowest_link([nm for row in placement for nm in row])
     schedule = build_schedule(sched_name, p, m)
@@ -176,27 +229,34 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             return Candidate(d, p, mode, sched_name, m, None, str(exc))
         cut_error = str(exc)
     spans = list(itertools.pairwise(bounds))
-    fwd = tuple(sum(nd.forward_s for nd in nodes[a:b]) * scale / speed[s] + ACTION_OVERHEAD_S
+    fwd = tuple(sum(f for f, _ in times[a:b]) * shared / speed[s] + ACTION_OVERHEAD_S
                 for s, (a, b) in enumerate(spans))
-    bwd = tuple(sum(nd.backward_s for nd in nodes[a:b]) * scale / speed[s] + ACTION_OVERHEAD_S
+    bwd = tuple(sum(b_ for _, b_ in times[a:b]) * shared / speed[s] + ACTION_OVERHEAD_S
                 for s, (a, b) in enumerate(spans))
+    traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
+    share = 1.0 if mode == "collective" else 1.0 / d  # a parameter shard updates 1/d of the stage
+    optimizer = tuple(sum(nd.grad_bytes for nd in nodes[a:b]) * share * traffic / OPTIMIZER_BANDWIDTH_BPS
+                      / speed[s] for s, (a, b) in enumerate(spans))
     inner = bounds[1:-1]
     costs = StageCosts(fwd, bwd, tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
                        tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
-                       tuple(sum(act[a:b]) for a, b in spans))
+                       tuple(sum(act[a:b]) for a, b in spans), start_s=optimizer)
     sim = simulate(schedule, costs)
     stages = []
     reason = ""
     for s, (a, b) in enumerate(spans):
         names = [w.name for w in workers[s]]
         grad = sum(nd.grad_bytes for nd in nodes[a:b])
-        sync = _sync(mode, grad, d, bwd[s], *resources.slowest_link(names))
+        hidden = _after_first_bucket([nd.grad_bytes for nd in nodes[a:b]],
+                                     [b_ * shared / speed[s] for _, b_ in times[a:b]])
+        sync = _sync(mode, grad, d, hidden, *resources.slowest_link(names))
         memory = int(problem.stage_memory(s, a, b))
         xfer = (cut_s[a] if s > 0 else 0.0) + (cut_s[b] if s < p - 1 else 0.0)
         stages.append(StagePlan(
             index=s, start=a, stop=b, nodes=tuple(nd.name for nd in nodes[a:b]), workers=tuple(names),
             forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
-            param_bytes=sum(nd.param_bytes for nd in nodes[a:b]), in_flight=in_flight[s],
+            param_bytes=sum(nd.param_bytes for nd in nodes[a:b]), optimizer_s=optimizer[s],
+            in_flight=in_flight[s],
             peak_memory_bytes=memory,
             incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
             outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
@@ -208,8 +268,10 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     sync_time = max(st.sync_s for st in stages)
     plan = Plan(data_parallel=d, num_stages=p, mode=mode, schedule_name=sched_name, num_microbatches=m,
                 microbatch_size=mb, global_batch=global_batch, cutter=cutter_name, bounds=bounds,
-                stages=tuple(stages), placement=placement, step_time_s=sim.step_time_s + sync_time,
-                pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, bubble_fraction=sim.bubble_fraction,
+                stages=tuple(stages), placement=placement,
+                step_time_s=sim.step_time_s + sync_time + 2 * CONTROL_MESSAGE_S,
+                pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, overhead_s=2 * CONTROL_MESSAGE_S,
+                bubble_fraction=sim.bubble_fraction,
                 peak_memory_bytes=max(st.peak_memory_bytes for st in stages))
     return Candidate(d, p, mode, sched_name, m, plan, reason)
 
@@ -288,6 +350,8 @@ def candidate_plans(profile: Profile, resources: Resources, *, global_batch: int
     if global_batch < 1:
         raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
     degrees = [data_parallel] if data_parallel is not None else _divisors(global_batch, num_workers)
+    if strategy == "data_parallel" and data_parallel is None and len(degrees) > 1:
+        degrees = degrees[1:]  # replicas, not one worker: the cost model may favour one on small models
     if global_batch % degrees[0]:
         raise PlanningError(f"global_batch={global_batch} does not split evenly into "
                             f"data_parallel={degrees[0]} replicas; degrees that divide it: "
@@ -299,6 +363,8 @@ def candidate_plans(profile: Profile, resources: Resources, *, global_batch: int
         counts = [c for c in counts if c >= 1 and per_replica % c == 0]
         most = min(max_stages, num_workers // d)
         stage_counts = range(1, most + 1) if num_stages is None else [num_stages]
+        if strategy == "pipeline" and num_stages is None and most > 1:
+            stage_counts = range(2, most + 1)  # stages, not one worker
         modes: tuple[Mode, ...] = get_args(Mode) if d > 1 else ("collective",)
         if mode is not None:
             modes = (mode,)
@@ -332,7 +398,8 @@ def choose_plan(profile: Profile, resources: Resources, *, global_batch: int, st
         profile: The model's profile.
         resources: The workers the plan may use (it uses the first ``d * p``).
         global_batch: Samples per training step over all replicas.
-        strategy: ``"auto"`` (search all), ``"data_parallel"`` (``p = 1``) or ``"pipeline"`` (``d = 1``).
+        strategy: ``"auto"`` (search all), ``"data_parallel"`` (``p = 1``, ``d >= 2``) or ``"pipeline"``
+            (``d = 1``, ``p >= 2``), where the resources allow.
         data_parallel: Fixes the number of replicas.
         num_stages: Fixes the number of pipeline stages.
         mode: Fixes the gradient path, ``"collective"`` or ``"parameter_server"``.

@@ -2,13 +2,24 @@
 
 Each node runs alone as its own stage module (``Graph.stage_module(i, i + 1)``) on the
 tensors that really reach it, so a node's time excludes its neighbours and its memory is
-what it alone holds. Forward and backward times are the median of ``repeats`` timed runs
-after ``warmup`` untimed ones. Activation bytes are the bytes autograd saves for the
-backward (distinct storages, parameters excluded), measured with saved-tensor hooks.
+what it alone holds. Activation bytes are the bytes autograd saves for the backward
+(distinct storages, parameters excluded), measured with saved-tensor hooks.
+
+[Note: profile timing] A node's forward and backward are timed at two microbatch sizes:
+the sample's ``b`` and ``SCALE_FACTOR * b`` (the sample repeated along its batch
+dimension), and fitted as ``t(n) = fixed + per_sample * n``. Small microbatches cost more
+per sample than large ones (a GEMM over 8 rows reads the whole weight as one over 64
+does), so linear scaling from 8 samples predicted 3-4x the measured step of a 64-sample
+one. Each size is timed ``repeats`` times and at least until ``MIN_TIMED_S`` of timed
+runs (at most ``MAX_REPEATS``), after ``warmup`` untimed runs, and the lower quartile
+is kept: on a shared machine slow outliers are interference, not the node's cost. A model
+that cannot run at the larger size (a fixed batch), or whose inputs have no known batch
+dimension, falls back to linear scaling.
 
 The result is a :class:`Profile`: a frozen pydantic model, saved and loaded as JSON, so a
 profile taken once can be reused (and one can be written by hand, :meth:`Profile.synthetic`).
-Times and bytes hold for the profiled microbatch size; the planner scales them linearly.
+Times hold for the profiled microbatch size; :meth:`Profile.node_times` gives them at
+another size (affine in the size; bytes scale linearly).
 """
 
 from __future__ import annotations
@@ -25,7 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.graph import CutInfo, Graph, TensorMeta, use_snapshot
 
-__all__ = ["OPTIMIZER_STATE_FACTORS", "NodeProfile", "Profile", "format_bytes", "profile_graph"]
+__all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "SCALE_FACTOR", "NodeProfile", "Profile",
+           "format_bytes", "profile_graph"]
+
+SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
+MIN_TIMED_S = 0.02  # timed runs per node and size last at least this long in total...
+MAX_REPEATS = 25  # ...but no more runs than this
 
 # Optimizer state per byte of trainable parameter: Adam keeps two moments, momentum SGD one.
 OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
@@ -41,13 +57,19 @@ def format_bytes(n: float) -> str:
 
 
 class NodeProfile(BaseModel):
-    """What one node costs for one microbatch of the profiled size."""
+    """What one node costs for one microbatch of the profiled size.
+
+    ``forward_fixed_s`` / ``backward_fixed_s`` are the parts of ``forward_s`` / ``backward_s``
+    that do not grow with the microbatch size (0: the time scales linearly).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
     forward_s: float = Field(ge=0)
     backward_s: float = Field(ge=0)
+    forward_fixed_s: float = Field(default=0.0, ge=0)
+    backward_fixed_s: float = Field(default=0.0, ge=0)
     param_bytes: int = Field(ge=0)
     buffer_bytes: int = Field(default=0, ge=0)
     grad_bytes: int = Field(ge=0)
@@ -57,6 +79,17 @@ class NodeProfile(BaseModel):
     @property
     def compute_s(self) -> float:
         return self.forward_s + self.backward_s
+
+    @model_validator(mode="after")
+    def _fixed_within(self) -> NodeProfile:
+        if self.forward_fixed_s > self.forward_s or self.backward_fixed_s > self.backward_s:
+            raise ValueError(f"node {self.name}: a fixed part exceeds its whole time")
+        return self
+
+    def times_at(self, scale: float) -> tuple[float, float]:
+        """Forward and backward seconds at ``scale`` times the profiled microbatch size."""
+        f0, b0 = self.forward_fixed_s, self.backward_fixed_s
+        return f0 + (self.forward_s - f0) * scale, b0 + (self.backward_s - b0) * scale
 
 
 class Profile(BaseModel):
@@ -84,6 +117,10 @@ class Profile(BaseModel):
     def num_nodes(self) -> int:
         return len(self.nodes)
 
+    def node_times(self, size: float) -> list[tuple[float, float]]:
+        """Every node's (forward, backward) seconds for a microbatch of ``size`` samples."""
+        return [nd.times_at(size / self.microbatch_size) for nd in self.nodes]
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=1), encoding="utf-8")
 
@@ -98,7 +135,7 @@ class Profile(BaseModel):
 
     def __str__(self) -> str:
         rows = [f"profile: {self.num_nodes} nodes, microbatch {self.microbatch_size}, {self.device}, "
-                f"median of {self.repeats}, optimizer {self.optimizer}",
+                f"lower quartile of >= {self.repeats} runs, optimizer {self.optimizer}",
                 f"{'#':>3} {'node':<18} {'fwd ms':>8} {'bwd ms':>8} {'params':>10} {'saved act':>10} "
                 f"{'cut after':>10}"]
         for i, nd in enumerate(self.nodes):
@@ -189,6 +226,47 @@ def _restore_grads(saved: dict[torch.nn.Parameter, torch.Tensor | None]) -> None
         p.grad = g
 
 
+def _robust(samples: list[float]) -> float:
+    """The lower quartile of ``samples`` (the minimum of fewer than 4)."""
+    if len(samples) < 4:
+        return min(samples)
+    return statistics.quantiles(samples, n=4, method="inclusive")[0]
+
+
+def _time_node(module: torch.nn.Module, args: list[Any], names: tuple[str, ...], grad: set[str],
+               repeats: int, warmup: int) -> tuple[float, float]:
+    """(forward, backward) seconds of ``module`` on ``args``: see [Note: profile timing]."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    r = 0
+    while r < warmup + repeats or (sum(fwd) + sum(bwd) < MIN_TIMED_S and len(fwd) < MAX_REPEATS):
+        ins = _fresh(args, names, grad)
+        t0 = time.perf_counter()
+        out = module(*ins)
+        t1 = time.perf_counter()
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        t2 = time.perf_counter()
+        if r >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1 if outs else 0.0)
+        r += 1
+    return _robust(fwd), _robust(bwd)
+
+
+def _tile(value: Any, batch_dim: int | None, factor: int) -> Any:
+    if not isinstance(value, torch.Tensor) or batch_dim is None:
+        return value
+    return torch.cat([value.detach()] * factor, dim=batch_dim)
+
+
+def _affine(small: float, large: float, size: int, factor: int) -> tuple[float, float]:
+    """(time at ``size``, its fixed part) from times at ``size`` and ``factor * size``."""
+    per_sample = max(0.0, (large - small) / ((factor - 1) * size))
+    return small, min(small, max(0.0, small - per_sample * size))
+
+
 def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repeats: int = 5, warmup: int = 1,
                   optimizer: str = "adam", num_threads: int | None = None) -> Profile:
     """Measures every node of ``graph`` on ``sample`` (the microbatch the graph was built with).
@@ -199,8 +277,8 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
     Args:
         graph: From :func:`coordinator.graph.build_graph`.
         sample: The sample inputs, as given to ``build_graph``.
-        repeats: Timed runs per node; the median is kept.
-        warmup: Untimed runs per node before the timed ones.
+        repeats: The fewest timed runs per node and size (see [Note: profile timing]).
+        warmup: Untimed runs per node and size before the timed ones.
         optimizer: A key of :data:`OPTIMIZER_STATE_FACTORS` (sets optimizer-state bytes).
         num_threads: Torch intra-op threads while measuring (restored afterwards); set it to
             a worker's ``cpus``. None keeps the current setting. On a loaded machine, more
@@ -222,9 +300,16 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             values.update((f"{nd.name}.{i}", v) for i, v in enumerate(x))
         elif isinstance(x, dict):
             values.update((f"{nd.name}.{k}", v) for k, v in x.items())
+    batch_dims = {m.name: m.batch_dim for m in graph.cuts[0].tensors}
+    large: dict[str, Any] | None = {nm: _tile(values[nm], batch_dims.get(nm), SCALE_FACTOR)
+                                    for nm in graph.boundary(0)}
+    if not any(isinstance(values[nm], torch.Tensor) and batch_dims.get(nm) is not None
+               for nm in graph.boundary(0)):
+        large = None  # no input with a known batch dimension: linear scaling
     saved_grads = {p: p.grad for p in graph.module.parameters()}
     saved_threads = torch.get_num_threads()
     factor = OPTIMIZER_STATE_FACTORS[optimizer]
+    size = graph.sample_batch
     nodes = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(use_snapshot(graph.module))
@@ -238,19 +323,20 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             names = graph.boundary(i)
             grad = {m.name for m in graph.cuts[i].tensors if m.requires_grad}
             args = [values[nm] for nm in names]
-            fwd, bwd = [], []
-            for r in range(warmup + repeats):
-                ins = _fresh(args, names, grad)
-                t0 = time.perf_counter()
-                out = module(*ins)
-                t1 = time.perf_counter()
-                outs = [t for t in _tensors(out) if t.requires_grad]
-                if outs:
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                t2 = time.perf_counter()
-                if r >= warmup:
-                    fwd.append(t1 - t0)
-                    bwd.append(t2 - t1 if outs else 0.0)
+            fwd, bwd = _time_node(module, args, names, grad, repeats, warmup)
+            fwd_fixed, bwd_fixed = 0.0, 0.0
+            if large is not None:
+                try:
+                    big = [large[nm] for nm in names]
+                    fwd_big, bwd_big = _time_node(module, big, names, grad, repeats, warmup)
+                    fwd, fwd_fixed = _affine(fwd, fwd_big, size, SCALE_FACTOR)
+                    bwd, bwd_fixed = _affine(bwd, bwd_big, size, SCALE_FACTOR)
+                    if i + 1 < len(graph.nodes):
+                        with torch.no_grad():
+                            out = module(*big)
+                        large.update(zip(graph.boundary(i + 1), out, strict=True))
+                except Exception:  # the model does not run at the larger size: linear scaling
+                    large, fwd_fixed, bwd_fixed = None, 0.0, 0.0
             if i + 1 < len(graph.nodes):
                 with torch.no_grad():
                     out = module(*args)
@@ -258,12 +344,15 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             params = list(module.parameters())
             trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             nodes.append(NodeProfile(
-                name=node.name, forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
+                name=node.name, forward_s=fwd, backward_s=bwd, forward_fixed_s=fwd_fixed,
+                backward_fixed_s=bwd_fixed,
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
                 grad_bytes=trainable, optimizer_state_bytes=int(trainable * factor),
                 activation_bytes=_saved_bytes(module, _fresh(args, names, grad)),
             ))
+    if large is None:  # a node failed at the larger size: every node scales linearly
+        nodes = [nd.model_copy(update={"forward_fixed_s": 0.0, "backward_fixed_s": 0.0}) for nd in nodes]
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,
                    nodes=tuple(nodes), cuts=graph.cuts)

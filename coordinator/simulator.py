@@ -3,7 +3,8 @@
 The model (the same one the cutter optimises, see [Note: transfer cost] in
 ``coordinator/cutting.py``):
 
-- each stage runs its actions one after another, never two at once;
+- each stage runs its actions one after another, never two at once, from its start time
+  (``StageCosts.start_s``, 0 by default);
 - FORWARD and BACKWARD take the stage's per-microbatch compute time;
 - a SEND keeps the sender busy for the transfer time of what crosses the cut; the
   tensors are available to the receiver when the send ends (eager sends, see
@@ -40,6 +41,8 @@ class StageCosts:
         gradient_transfer_s: The same for gradients flowing from c+1 back to c (length p-1).
         activation_bytes: Bytes one microbatch's activations hold on each stage (length p,
             or empty when memory is not of interest).
+        start_s: When each stage can begin its first action (length p, or empty: at 0),
+            e.g. after applying the previous step's update.
 
     Raises:
         ValueError: On inconsistent lengths or negative times.
@@ -50,14 +53,17 @@ class StageCosts:
     activation_transfer_s: tuple[float, ...]
     gradient_transfer_s: tuple[float, ...]
     activation_bytes: tuple[float, ...] = ()
+    start_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         p = len(self.forward_s)
         lengths = (len(self.backward_s), len(self.activation_transfer_s) + 1,
                    len(self.gradient_transfer_s) + 1)
-        if p < 1 or any(n != p for n in lengths) or len(self.activation_bytes) not in (0, p):
+        if (p < 1 or any(n != p for n in lengths) or len(self.activation_bytes) not in (0, p)
+                or len(self.start_s) not in (0, p)):
             raise ValueError(f"inconsistent stage cost lengths for {p} stages: {lengths}")
-        times = (*self.forward_s, *self.backward_s, *self.activation_transfer_s, *self.gradient_transfer_s)
+        times = (*self.forward_s, *self.backward_s, *self.activation_transfer_s, *self.gradient_transfer_s,
+                 *self.start_s)
         if any(t < 0 for t in times):
             raise ValueError("stage costs must be >= 0")
 
@@ -146,10 +152,10 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     if costs.num_stages != p:
         raise ValueError(f"schedule has {p} stages, costs describe {costs.num_stages}")
     arrival: dict[tuple[int, int, int], float] = {}  # (src, dst, microbatch) -> send end
-    clock = [0.0] * p
+    clock = list(costs.start_s) if costs.start_s else [0.0] * p
     pos = [0] * p
     played: list[list[TimedAction]] = [[] for _ in range(p)]
-    busy = [0.0] * p
+    busy = list(clock)  # the time before the start counts as busy (applying an update)
     held: list[list[tuple[float, int]]] = [[(0.0, 0)] for _ in range(p)]
     progress = True
     while progress:

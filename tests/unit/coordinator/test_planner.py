@@ -160,3 +160,31 @@ def test_min_max_beats_even_split_on_a_real_uneven_model() -> None:
     print(f"\nreal uneven model, 4 stages: even split slowest stage {even * 1e3:.3f} ms, "
           f"min-max {best * 1e3:.3f} ms, ratio {even / best:.2f}x (bounds {cut_min_max(problem)})")
     assert even / best > 1.3  # 1.7-1.9x measured; margin for a loaded machine
+
+
+def test_strategies_use_more_than_one_worker() -> None:
+    # a tiny model: one worker would be fastest, but the strategy asks for replicas or stages
+    prof = Profile.synthetic([1e-5] * 4, param_bytes=[1024] * 4, cut_bytes=[64] * 3, microbatch_size=4)
+    res = workers(2, 10_000 * MiB)
+    assert choose_plan(prof, res, global_batch=8, strategy="data_parallel").data_parallel == 2
+    assert choose_plan(prof, res, global_batch=8, strategy="pipeline").num_stages == 2
+    one = Resources(workers=(Worker(name="w0", memory_bytes=10_000 * MiB),))
+    assert choose_plan(prof, one, global_batch=8, strategy="data_parallel").data_parallel == 1
+
+
+def test_step_pays_the_optimizer_and_the_messages() -> None:
+    prof = Profile.synthetic([1e-3] * 2, param_bytes=[64 * MiB] * 2, microbatch_size=4, optimizer="sgd")
+    plan = choose_plan(prof, workers(1, 10_000 * MiB), global_batch=4)
+    assert plan.stages[0].optimizer_s > 0 and plan.overhead_s > 0
+    compute = plan.stages[0].forward_s + plan.stages[0].backward_s
+    assert plan.step_time_s == pytest.approx(plan.stages[0].optimizer_s + compute + plan.overhead_s)
+
+
+def test_only_backward_after_the_first_bucket_hides_the_all_reduce() -> None:
+    # 4 nodes of 16 MiB of gradients: the first 25 MiB bucket is ready once the last two
+    # nodes' backwards ran, so only the first two nodes' backwards can hide the all-reduce
+    prof = Profile.synthetic([1e-3] * 4, backward_s=[1.0] * 4, param_bytes=[16 * MiB] * 4, microbatch_size=4)
+    plan = choose_plan(prof, workers(2, 10_000 * MiB), global_batch=8, data_parallel=2, mode="collective")
+    res = workers(2, 10_000 * MiB)
+    allreduce = 64 * MiB / (0.85 * res.bandwidth_bps) + 2 * res.latency_s
+    assert plan.sync_time_s == pytest.approx(max(0.0, allreduce - 2.0 * 1.15))

@@ -95,3 +95,31 @@ def test_capture_and_profiling_leave_the_model_and_rng_untouched() -> None:
     assert torch.equal(torch.rand(3), expected)
     assert torch.equal(model[1].module.running_mean, stats)  # type: ignore[union-attr,arg-type]
     assert all(p.grad is None for c in model for p in c.parameters())
+
+
+def test_times_are_affine_in_the_microbatch_size() -> None:
+    # a node's fixed part does not grow with the microbatch; the rest grows linearly
+    sample = torch.randn(8, 16)
+    prof = profile_graph(build_graph(mlp(), sample), sample, repeats=3, num_threads=1)
+    for nd in prof.nodes:
+        assert 0 <= nd.forward_fixed_s <= nd.forward_s and 0 <= nd.backward_fixed_s <= nd.backward_s
+    node = prof.nodes[0].model_copy(update={"forward_s": 3.0, "forward_fixed_s": 1.0, "backward_s": 2.0,
+                                            "backward_fixed_s": 0.0})
+    assert node.times_at(1.0) == (3.0, 2.0)
+    assert node.times_at(4.0) == (1.0 + 2.0 * 4, 2.0 * 4)
+    with pytest.raises(ValueError, match="fixed part exceeds"):
+        prof.nodes[0].model_copy().model_validate({**prof.nodes[0].model_dump(), "forward_fixed_s": 1.0})
+
+
+def test_a_model_with_a_fixed_batch_scales_linearly() -> None:
+    class Fixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x.reshape(8, 16))  # only runs on 8 samples
+
+    sample = torch.randn(8, 16)
+    prof = profile_graph(build_graph(Fixed(), sample), sample, repeats=2, num_threads=1)
+    assert all(nd.forward_fixed_s == 0 and nd.backward_fixed_s == 0 for nd in prof.nodes)

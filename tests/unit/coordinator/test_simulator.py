@@ -112,3 +112,13 @@ def test_timeline_svg_has_one_box_per_action(tmp_path: Path) -> None:
     assert "1f1b: step" in svg and "stage 3" in svg
     assert "1F7" in svg  # labelled compute boxes
     print(result.summary())
+
+
+def test_stages_start_after_their_start_time() -> None:
+    # stage 0 applies a 3 s update first; stage 1's own 1 s update hides behind it
+    costs = StageCosts((1.0, 1.0), (2.0, 2.0), (0.0,), (0.0,), start_s=(3.0, 1.0))
+    result = simulate(gpipe(2, 1), costs)
+    assert result.step_time_s == pytest.approx(3 + 1 + 1 + 2 + 2)
+    assert result.busy_s[0] == pytest.approx(3 + 1 + 2)
+    with pytest.raises(ValueError, match="inconsistent"):
+        StageCosts((1.0, 1.0), (2.0, 2.0), (0.0,), (0.0,), start_s=(3.0,))
