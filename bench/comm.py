@@ -60,6 +60,9 @@ def _time_ops(run: Any, barrier: Any, reps: int) -> dict[tuple[str, int], float]
 
 def _cellmesh_rank(rank: int, address: str, prefix: str, reps: int, backend: str, q: Any) -> None:
     torch.set_num_threads(1)
+    if backend == "zmq-sockets":  # the zmq backend without shared-memory bodies (comm/shm.py)
+        os.environ["CELLMESH_SHM"] = "0"
+        backend = "zmq"
     from comm.allocator import tune_malloc
 
     tune_malloc()
@@ -202,8 +205,7 @@ def run_round(ctx: Any, reps: int, index: int) -> dict[str, dict[str, float]]:
     server = RegistryServer()
     server.start()
     try:
-        for backend in ("zmq", "gloo-cellmesh"):
-            name = "zmq" if backend == "zmq" else "gloo"
+        for name in ("zmq", "zmq-sockets", "gloo"):
             prefix = f"/bench/{index}/{name}"
             _spawn(ctx, [(_cellmesh_rank, (r, server.address, prefix, reps, name, q)) for r in range(WORLD)])
             results[f"cellmesh-{name}"] = q.get(timeout=10)
@@ -236,17 +238,18 @@ def main() -> None:
     print(f"date {dt.date.today()}, {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{args.rounds} rounds x {args.reps} reps; median (min-max) over rounds, GB/s")
     print(f"\nraw ZeroMQ one-way ceiling, 64 MiB in 1 MiB zero-copy frames: {cell(ceiling)} GB/s\n")
-    print("| op | MiB | zmq algbw | zmq busbw | torch gloo algbw | torch gloo busbw | cellmesh gloo algbw "
-          "| zmq / gloo | zmq / ceiling |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| op | MiB | zmq algbw | zmq busbw | zmq sockets-only algbw | torch gloo algbw | torch gloo busbw "
+          "| cellmesh gloo algbw | zmq / gloo | zmq / ceiling |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for op in OPS:
         for mib in SIZES_MIB:
             z, g = gbps("cellmesh-zmq", op, mib), gbps("torch-gloo", op, mib)
             cg = gbps("cellmesh-gloo", op, mib)
+            zs = gbps("cellmesh-zmq-sockets", op, mib)
             f = _busbw_factor(op, WORLD)
             ratio = [a / b for a, b in zip(z, g, strict=True)]
             ceil_ratio = [a / c for a, c in zip(z, ceiling, strict=True)]
-            print(f"| {op} | {mib} | {cell(z)} | {cell([v * f for v in z])} | {cell(g)} | "
+            print(f"| {op} | {mib} | {cell(z)} | {cell([v * f for v in z])} | {cell(zs)} | {cell(g)} | "
                   f"{cell([v * f for v in g])} | {cell(cg)} | {cell(ratio)} | {cell(ceil_ratio)} |")
 
 

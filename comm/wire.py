@@ -1,10 +1,14 @@
 """The tensor wire format of the ZeroMQ data path: a small msgpack header frame, then raw bytes.
 
-One data message is exactly two frames::
+One data message is two frames, or one when its body is in shared memory::
 
     [header, body]
-    header = msgpack array [version, group, src, kind, seq, tag, part, dtype, shape, offset, nbytes]
+    header = msgpack array [version, group, src, kind, seq, tag, part, dtype, shape, offset, nbytes, slot]
     body   = nbytes raw bytes: bytes [offset, offset + nbytes) of the tensor's contiguous storage
+
+``slot`` is -1 for a body in the message; a slot index ``>= 0`` means the message is the
+header alone and the body is in that slot of the receiver's shared-memory inbox from this
+peer (``comm/shm.py``, same-host peers only).
 
 A tensor larger than :data:`comm.sockets.CHUNK_BYTES` travels as several messages
 (parts), so libzmq never allocates one huge receive buffer and the receiver can work on
@@ -87,6 +91,7 @@ class TensorHeader:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    slot: int = -1  # >= 0: the body is in this shared-memory slot, not in the message
 
     @property
     def key(self) -> MessageKey:
@@ -114,6 +119,7 @@ class TensorHeader:
                 list(self.shape),
                 self.offset,
                 self.nbytes,
+                self.slot,
             ],
             use_bin_type=True,
         )
@@ -135,17 +141,18 @@ def decode_header(frames_count: int, header: bytes, body_len: int) -> TensorHead
     Raises:
         ProtocolError: naming what is wrong; nothing has been allocated.
     """
-    if frames_count != 2:
-        raise ProtocolError(f"data message has {frames_count} frames, expected 2 (header, body)")
+    if frames_count not in (1, 2):
+        raise ProtocolError(f"data message has {frames_count} frames, expected 2 (header, body) or 1 "
+                            "(a header whose body is in shared memory)")
     if len(header) > 4096:
         raise ProtocolError(f"tensor header of {len(header)} bytes is over the 4096-byte limit")
     try:
         fields = msgpack.unpackb(header, raw=False, max_array_len=64, max_str_len=1024, max_bin_len=0)
     except Exception as exc:
         raise ProtocolError(f"tensor header is not msgpack ({type(exc).__name__})") from None
-    if not isinstance(fields, list) or len(fields) != 11:
-        raise ProtocolError("tensor header must be a msgpack array of 11 fields")
-    version, group, src, kind, seq, tag, part, dtype, shape, offset, nbytes = fields
+    if not isinstance(fields, list) or len(fields) != 12:
+        raise ProtocolError("tensor header must be a msgpack array of 12 fields")
+    version, group, src, kind, seq, tag, part, dtype, shape, offset, nbytes, slot = fields
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"tensor header: protocol version {version!r}, this process speaks {PROTOCOL_VERSION}"
@@ -167,7 +174,11 @@ def decode_header(frames_count: int, header: bytes, body_len: int) -> TensorHead
     off = _int(offset, "offset", 0, total)
     if off + n > total:
         raise ProtocolError(f"tensor header: bytes [{off}, {off + n}) run past the tensor's {total} bytes")
-    if body_len != n:
+    in_shm = _int(slot, "slot", -1, 1 << 16) >= 0
+    if in_shm != (frames_count == 1):
+        raise ProtocolError(f"tensor header: slot {slot} with {frames_count} frames (a body in shared memory "
+                            "comes without a body frame, any other with one)")
+    if not in_shm and body_len != n:
         raise ProtocolError(f"tensor body is {body_len} bytes but its header says {n}")
     return TensorHeader(
         group=group,
@@ -180,4 +191,5 @@ def decode_header(frames_count: int, header: bytes, body_len: int) -> TensorHead
         shape=dims,
         offset=off,
         nbytes=n,
+        slot=slot,
     )

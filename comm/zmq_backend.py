@@ -43,7 +43,7 @@ from comm.registry.base import Registry
 from comm.rendezvous import DEFAULT_LIVENESS_TTL, Rendezvous
 from comm.sockets import CHUNK_BYTES
 from comm.wire import KIND_COLLECTIVE, KIND_P2P, TensorHeader, dtype_name
-from comm.zmq_transport import Deadline, Transport, tensor_bytes, wait_trackers
+from comm.zmq_transport import Body, Deadline, Transport, tensor_bytes, wait_trackers
 
 __all__ = ["SMALL_BYTES", "ZmqCommunicator"]
 
@@ -54,7 +54,7 @@ SMALL_BYTES = 64 << 10
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
-def _frame_tensor(frame: zmq.Frame, dtype: torch.dtype) -> torch.Tensor:
+def _frame_tensor(frame: Body, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(frame.buffer, dtype=dtype)
 
 
@@ -349,6 +349,7 @@ class ZmqCommunicator(Communicator):
             )
         if header.nbytes:
             data[offset:offset + header.nbytes] = memoryview(body.buffer)
+        self._transport.release(peer, body)
 
     # -- collectives ----------------------------------------------------------------
 
@@ -395,6 +396,9 @@ class ZmqCommunicator(Communicator):
                 acc = x.clone()
             else:
                 reduce(acc, x)
+            if r != self._rank:
+                del x
+                self._transport.release(peer, body)
         self._wait_sent(trackers, deadline)
         assert acc is not None
         flat.copy_(acc)
@@ -466,6 +470,8 @@ class ZmqCommunicator(Communicator):
                     if pending:  # an earlier send still reads this region
                         self._wait_sent(pending, deadline)
                     target.copy_(incoming)
+                del incoming
+                self._transport.release(left, body)
                 if step + 1 < steps:
                     send(step + 1, seg, k)
         self._wait_sent(all_trackers, deadline)
@@ -573,6 +579,7 @@ class ZmqCommunicator(Communicator):
                         f"({header.dtype}{list(header.shape)} vs {dtype_name(work.dtype)}{list(work.shape)})"
                     )
                 data[offset:offset + count] = memoryview(body.buffer)
+                self._transport.release(left, body)
             if pos < n - 1:
                 header = self._header(KIND_COLLECTIVE, seq, 0, part, work, offset, count)
                 tracker = self._transport.send(right, header, data[offset:offset + count], deadline,

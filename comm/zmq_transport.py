@@ -18,11 +18,18 @@ Zero copy. Sends hand libzmq a view of the tensor's memory (``copy=False``) and 
 the tracker: a region must not be written until its tracker is done (see
 :meth:`Transport.send`). Receives hand back libzmq's frame, which callers reduce
 from or copy into place.
+
+Shared memory. Between two ranks on the same host a body of :data:`comm.shm.MIN_BYTES`
+or more goes through a slot of the receiver's shared-memory inbox when one is free
+(see [Note: the shared-memory inbox] in ``comm/shm.py``): the message is then the header
+alone, the send copies once and needs no tracker, and the receiver reads the slot and
+hands it back with :meth:`Transport.release` once it has reduced or copied it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -38,12 +45,13 @@ import numpy as np
 import torch
 import zmq
 
+from comm import shm
 from comm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
 from comm.rendezvous import Rendezvous
 from comm.sockets import SocketLimits, bind_port, default_host, make_socket
 from comm.wire import MessageKey, TensorHeader, decode_header
 
-__all__ = ["Deadline", "Transport", "tensor_bytes"]
+__all__ = ["Body", "Deadline", "Transport", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,18 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
     return flat.view(torch.uint8).numpy()
 
 
+class _Copied:
+    """A body held in private memory (a shared-memory body stashed for a later reader)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+
+Body = zmq.Frame | shm.ShmBody | _Copied  # what a receive hands back: all have ``.buffer``
+
+
 class _Channel:
     def __init__(self, peer: int) -> None:
         self.peer = peer
@@ -97,9 +117,11 @@ class _Channel:
         self.pull: zmq.Socket[bytes] | None = None
         self.send_lock = threading.Lock()
         self.recv_lock = threading.Lock()
-        self.stash: dict[MessageKey, deque[tuple[TensorHeader, zmq.Frame]]] = {}
+        self.stash: dict[MessageKey, deque[tuple[TensorHeader, Body]]] = {}
         self.stash_bytes = 0
         self.address = ""
+        self.inbox: shm.Inbox | None = None  # bodies from this peer in shared memory
+        self.outbox: shm.Outbox | None = None  # bodies to this peer in shared memory
 
 
 class Transport:
@@ -129,10 +151,12 @@ class Transport:
 
         Each PULL socket is bound on TCP and, unless ``transport="tcp"``, also on a Unix
         domain socket (``ipc://``): a peer on the same host (same hostname and boot id)
-        connects over IPC, which skips the TCP stack (see docs/benchmarks.md).
+        connects over IPC, which skips the TCP stack (see docs/benchmarks.md), and writes
+        large bodies into the shared-memory inbox made for it (``comm/shm.py``).
         """
         tcp: dict[str, str] = {}
         ipc: dict[str, str] = {}
+        inboxes: dict[str, str] = {}
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
@@ -144,8 +168,15 @@ class Transport:
                 ch.pull.bind(f"ipc://{path}")
                 self._ipc_paths.append(path)
                 ipc[str(peer)] = f"ipc://{path}"
+                if shm.available():
+                    try:
+                        ch.inbox = shm.Inbox()
+                        inboxes[str(peer)] = ch.inbox.path
+                    except OSError as exc:  # /dev/shm full or missing: bodies go through the socket
+                        log.warning("[rank %d] no shared-memory inbox for rank %d (%s); using the socket",
+                                    self.rank, peer, exc)
             self.channels[peer] = ch
-        return {"data": tcp, "ipc": ipc, "host_key": host_key()}
+        return {"data": tcp, "ipc": ipc, "shm": inboxes, "host_key": host_key()}
 
     def connect(self, cards: list[dict[str, Any]]) -> None:
         """Connect a PUSH socket to every peer's PULL socket bound for this rank (IPC if same host)."""
@@ -158,6 +189,13 @@ class Transport:
             ch.push = make_socket(zmq.PUSH, SocketLimits.data())
             ch.push.connect(address)
             ch.address = address
+            inbox = card.get("shm", {}).get(str(self.rank))
+            if use_ipc and inbox and shm.available():
+                try:
+                    ch.outbox = shm.Outbox(str(inbox))
+                except OSError as exc:
+                    log.warning("[rank %d] cannot map rank %d's shared-memory inbox (%s); using the socket",
+                                self.rank, peer, exc)
 
     # -- sending ----------------------------------------------------------------------
 
@@ -176,6 +214,11 @@ class Transport:
         ch = self.channels[peer]
         assert ch.push is not None
         frames: list[Any] = [header.encode(), body]
+        if ch.outbox is not None and isinstance(body, np.ndarray) and body.nbytes >= shm.MIN_BYTES:
+            with ch.send_lock:
+                slot = ch.outbox.put(body)
+            if slot is not None:
+                frames = [dataclasses.replace(header, slot=slot).encode()]
         with ch.send_lock:
             while True:
                 try:
@@ -189,8 +232,11 @@ class Transport:
 
     def recv(
         self, peer: int, key: MessageKey, deadline: Deadline, members: tuple[int, ...]
-    ) -> tuple[TensorHeader, zmq.Frame]:
-        """The message with ``key`` from ``peer``: its header and body frame (zero-copy)."""
+    ) -> tuple[TensorHeader, Body]:
+        """The message with ``key`` from ``peer``: its header and body (zero-copy).
+
+        Hand the body back with :meth:`release` once it has been read.
+        """
         ch = self.channels[peer]
         assert ch.pull is not None
         closed_since: float | None = None
@@ -223,7 +269,7 @@ class Transport:
                 if time.monotonic() - closed_since > _CLOSED_GRACE_S:
                     raise
 
-    def _read_one(self, ch: _Channel) -> tuple[TensorHeader, zmq.Frame] | None:
+    def _read_one(self, ch: _Channel) -> tuple[TensorHeader, Body] | None:
         assert ch.pull is not None
         try:
             frames = ch.pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -234,14 +280,25 @@ class Transport:
             header = decode_header(len(frames), frames[0].bytes, body_len)
             if header.src != ch.peer:
                 raise ProtocolError(f"message claims src={header.src} on the channel from rank {ch.peer}")
+            if header.slot < 0:
+                return header, frames[1]
+            if ch.inbox is None:
+                raise ProtocolError(f"a shared-memory body from rank {ch.peer}, which has no inbox here")
+            return header, ch.inbox.take(header.slot, header.nbytes)
         except ProtocolError as exc:
             self.bad_messages += 1
             log.error("[rank %d] dropped a bad data message on the channel from rank %d: %s",
                       self.rank, ch.peer, exc)
             return None
-        return header, frames[1]
 
-    def _stash(self, ch: _Channel, header: TensorHeader, body: zmq.Frame) -> None:
+    def release(self, peer: int, body: Body) -> None:
+        """``body`` (from :meth:`recv`) has been read: a shared-memory slot goes back to ``peer``."""
+        if isinstance(body, shm.ShmBody):
+            inbox = self.channels[peer].inbox
+            assert inbox is not None
+            inbox.release(body)
+
+    def _stash(self, ch: _Channel, header: TensorHeader, body: Body) -> None:
         ch.stash_bytes += header.nbytes
         if ch.stash_bytes > STASH_LIMIT_BYTES:
             raise CommError(
@@ -249,6 +306,10 @@ class Transport:
                 f"{ch.peer}; the ranks' operations are out of step (every rank must issue "
                 "collectives in the same order, and every send needs a matching recv)"
             )
+        if isinstance(body, shm.ShmBody):  # a stashed body must not hold a slot the sender waits for
+            copied = _Copied(bytes(body.buffer))
+            self.release(ch.peer, body)
+            body = copied
         ch.stash.setdefault(header.key, deque()).append((header, body))
 
     def _check_progress(self, peer: int, deadline: Deadline, members: tuple[int, ...], what: str) -> None:
@@ -271,6 +332,9 @@ class Transport:
                 if sock is not None:
                     sock.close()
             ch.stash.clear()
+            for box in (ch.inbox, ch.outbox):
+                if box is not None:
+                    box.close()
         for path in self._ipc_paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)

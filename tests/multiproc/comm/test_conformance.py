@@ -20,6 +20,14 @@ CHECKS = "tests.multiproc.comm.checks"
 WORLD_SIZES = (1, 2, 3, 4)
 
 
+# the zmq backend's body paths between ranks on one host (comm/shm.py): the default (shared memory
+# for bodies of 64 KiB and more), every body through shared memory, and sockets only
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "zmq-shm": ("zmq", {"CELLMESH_SHM_MIN_BYTES": "1"}),
+    "zmq-sockets": ("zmq", {"CELLMESH_SHM": "0"}),
+}
+
+
 def _group_param(backend: str, world: int) -> Any:
     marks: list[pytest.MarkDecorator] = []
     if backend == "nccl":  # one GPU per rank: NCCL refuses two ranks on one device
@@ -30,7 +38,8 @@ def _group_param(backend: str, world: int) -> Any:
 
 
 def _groups(worlds: tuple[int, ...] = WORLD_SIZES) -> list[Any]:
-    return [_group_param(b, w) for b in ("gloo", "zmq", "nccl") for w in worlds]
+    return [_group_param(b, w) for b in ("gloo", "zmq", "zmq-shm", "zmq-sockets", "nccl") for w in worlds
+            if b not in VARIANTS or w > 1]
 
 
 GROUPS = _groups()
@@ -56,7 +65,8 @@ def group(request: pytest.FixtureRequest) -> RankGroup:
     backend, world = request.param
     ranks = _live.get((backend, world))
     if ranks is None:
-        ranks = RankGroup(world, backend, timeout=timedelta(seconds=15)).start()
+        name, env = VARIANTS.get(backend, (backend, {}))
+        ranks = RankGroup(world, name, timeout=timedelta(seconds=15), env=env).start()
         _live[(backend, world)] = ranks
     return ranks
 

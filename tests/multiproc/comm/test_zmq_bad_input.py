@@ -70,7 +70,7 @@ def _pack(*fields: object) -> bytes:
 
 def _good(**kw: object) -> list[object]:
     fields: dict[str, object] = dict(v=PROTOCOL_VERSION, group="w", src=0, kind=0, seq=0, tag=0, part=0,
-                                     dtype="float32", shape=[4], offset=0, nbytes=16)
+                                     dtype="float32", shape=[4], offset=0, nbytes=16, slot=-1)
     fields.update(kw)
     return list(fields.values())
 
@@ -88,6 +88,11 @@ GARBAGE: dict[str, list[bytes]] = {
     "body longer than header": [_pack(*_good()), b"\0" * 17],
     "bytes past the tensor": [_pack(*_good(offset=8)), b"\0" * 16],
     "claims another source": [_pack(*_good(src=1)), b"\0" * 16],
+    # a header naming a shared-memory slot (same-host peers, comm/shm.py)
+    "slot that does not exist": [_pack(*_good(slot=99))],
+    "slot not marked full": [_pack(*_good(slot=0))],
+    "body larger than a slot": [_pack(*_good(shape=[2 << 20], nbytes=(4 << 20) + 4, slot=1))],
+    "slot with a body frame": [_pack(*_good(slot=2)), b"\0" * 16],
 }
 
 
@@ -144,7 +149,8 @@ def test_garbage_is_dropped_and_the_rank_keeps_serving(
         assert len(dropped) == len(GARBAGE)
         reasons = " | ".join(r.getMessage() for r in dropped)
         for needle in ("frames", "not msgpack", "protocol version", "unknown dtype", "outside",
-                       "over the", "header says", "run past", "claims src"):
+                       "over the", "header says", "run past", "claims src", "does not exist",
+                       "not marked full", "-byte slot"):
             assert needle in reasons, f"no drop logged for {needle!r}: {reasons}"
     finally:
         attacker.close()

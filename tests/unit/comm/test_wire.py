@@ -27,12 +27,14 @@ def _raw(*fields: object) -> bytes:
     return data
 
 
-GOOD = [PROTOCOL_VERSION, "w", 1, 1, 7, 3, 0, "float32", [4, 5], 0, 80]
+GOOD = [PROTOCOL_VERSION, "w", 1, 1, 7, 3, 0, "float32", [4, 5], 0, 80, -1]
 
 
 def test_round_trip() -> None:
     h = _header()
     assert decode_header(2, h.encode(), 80) == h
+    in_shm = _header(slot=3)
+    assert decode_header(1, in_shm.encode(), -1) == in_shm
     assert h.total_bytes == 80 and h.torch_dtype == torch.float32
 
 
@@ -52,22 +54,26 @@ def test_round_trip_any_valid(dtype: str, shape: list[int], seq: int, tag: int) 
 @pytest.mark.parametrize(
     ("frames", "header", "body_len", "reason"),
     [
-        (1, _raw(*GOOD), 80, "frames"),
+        (1, _raw(*GOOD), 80, "frames"),  # a body-less message must name its shared-memory slot
+        (2, _raw(*GOOD[:11], 2), 80, "frames"),  # and a message with a body must not
         (3, _raw(*GOOD), 80, "frames"),
+        (0, _raw(*GOOD), 80, "frames"),
+        (1, _raw(*GOOD[:11], -2), -1, "outside"),
+        (1, _raw(*GOOD[:11], 1 << 20), -1, "outside"),
         (2, b"\xc1\xc1garbage", 80, "not msgpack"),
         (2, b"", 80, "not msgpack"),
-        (2, _raw(*GOOD[:-1]), 80, "11 fields"),
-        (2, msgpack.packb({"a": 1}), 80, "11 fields"),
+        (2, _raw(*GOOD[:-1]), 80, "12 fields"),
+        (2, msgpack.packb({"a": 1}), 80, "12 fields"),
         (2, _raw(99, *GOOD[1:]), 80, "protocol version"),
         (2, _raw(*GOOD[:7], "complex512", *GOOD[8:]), 80, "unknown dtype"),
         (2, _raw(*GOOD[:8], [-1, 5], *GOOD[9:]), 80, "outside"),
-        (2, _raw(*GOOD[:8], [1 << 40], 0, 80), 80, "outside|over the"),
-        (2, _raw(*GOOD[:8], [1 << 20, 1 << 20], 0, 80), 80, "over the"),
-        (2, _raw(*GOOD[:8], list(range(1, 20)), 0, 80), 80, "at most"),
-        (2, _raw(*GOOD[:8], ["4", 5], 0, 80), 80, "must be an int"),
-        (2, _raw(*GOOD[:9], 40, 80), 80, "run past"),
-        (2, _raw(*GOOD[:9], -1, 80), 80, "outside"),
-        (2, _raw(*GOOD[:10], DATA_MAX_MESSAGE + 1), DATA_MAX_MESSAGE + 1, "outside"),
+        (2, _raw(*GOOD[:8], [1 << 40], 0, 80, -1), 80, "outside|over the"),
+        (2, _raw(*GOOD[:8], [1 << 20, 1 << 20], 0, 80, -1), 80, "over the"),
+        (2, _raw(*GOOD[:8], list(range(1, 20)), 0, 80, -1), 80, "at most"),
+        (2, _raw(*GOOD[:8], ["4", 5], 0, 80, -1), 80, "must be an int"),
+        (2, _raw(*GOOD[:9], 40, 80, -1), 80, "run past"),
+        (2, _raw(*GOOD[:9], -1, 80, -1), 80, "outside"),
+        (2, _raw(*GOOD[:10], DATA_MAX_MESSAGE + 1, -1), DATA_MAX_MESSAGE + 1, "outside"),
         (2, _raw(*GOOD), 79, "header says"),
         (2, _raw(*GOOD[:2], True, *GOOD[3:]), 80, "must be an int"),
         (2, b"x" * 5000, 80, "limit"),
