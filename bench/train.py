@@ -256,7 +256,7 @@ class TorchPool:
 
 
 def _profile(model: str, size: int, repeats: int) -> Any:
-    """The model's profile on ``size`` samples, the median of ``repeats`` timed runs per node."""
+    """The model's profile on ``size`` samples, at least ``repeats`` timed runs per node and size."""
     from coordinator.factories import build_cells, build_data
     from coordinator.graph import build_graph
     from coordinator.profile import profile_graph
@@ -270,10 +270,10 @@ def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, floa
     """Every cellmesh configuration as a job with its plan fixed, and a second prediction of each plan.
 
     The plans come from one profile per model taken as ``Job.plan()`` takes it (8 samples,
-    median of 3 runs per node), shared by the model's jobs, so their predictions (and the
-    even and the auto cut) differ only by the plan. The second prediction plays the same
-    plan against a careful profile: on the plan's own microbatch size (no linear scaling),
-    median of ``careful_repeats`` runs.
+    at least 3 runs per node and size, see coordinator/profile.py), shared by the model's
+    jobs, so their predictions (and the even and the auto cut) differ only by the plan. The second prediction plays the same
+    plan against a careful profile: on the plan's own microbatch size (no scaling), at least
+    ``careful_repeats`` runs.
     """
     from coordinator.job import Job
     from coordinator.planner import choose_plan
@@ -484,8 +484,9 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
             "Coordinator ms/step: `StepRecord.coordinator_s`, the step's wall time less the coordinator's "
             "waits in its poller; CPU ms/step: the coordinator thread's CPU time per step (the same work "
             "without the time it waited for a core). Predicted: `Plan.step_time_s` (simulator + gradient "
-            "sync) from the profile `Job.plan()` takes (8 samples, median of 3 runs per node); careful: "
-            "the same plan against a profile on the plan's own microbatch size, median of more runs; "
+            "sync + optimizer + messages) from the profile `Job.plan()` takes (8 and 32 samples, lower "
+            "quartile of at least 3 runs per node and size); careful: the same plan against a profile on "
+            "the plan's own microbatch size, at least 15 runs; "
             "replay: the simulator fed the forward and backward times measured in the round (median per "
             "stage and microbatch), transfers and gradient sync from the cost model.", "",
             "| configuration | plan | coordinator ms/step | % of step | coordinator CPU ms/step | % of step "

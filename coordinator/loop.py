@@ -23,16 +23,17 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import msgpack
 import torch
 import zmq
 from pydantic import BaseModel, ValidationError
 
-from comm.codec import pack, unpack, unpack_raw
+from comm.codec import PROTOCOL_VERSION, pack, unpack, unpack_raw
 from comm.errors import ProtocolError
 from comm.registry.base import EventType, Registry
 from comm.sockets import make_socket
@@ -44,6 +45,7 @@ __all__ = ["Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
 log = logging.getLogger(__name__)
 
 _WATCH_POLL = timedelta(seconds=0.25)  # how often the watch thread checks for close()
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum objects on the hot path
 
 
 @dataclass(frozen=True)
@@ -188,9 +190,13 @@ class EventLoop:
         self._worker_of[sock] = worker
         self._poller.register(sock, zmq.POLLIN)
 
-    def send(self, worker: str, service: str, method: str, request: BaseModel, reply_type: type[BaseModel],
-             *, tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
+    def send(self, worker: str, service: str, method: str, request: BaseModel | Mapping[str, Any],
+             reply_type: type[BaseModel], *, tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
         """Send ``request`` to ``service.method`` on ``worker``; its answer arrives as a :class:`Reply`.
+
+        ``request`` is a message, or a message already dumped (``model_dump(mode="python")``),
+        which a caller sending the same large parts every step can build from cached pieces;
+        the service validates it either way.
 
         Returns:
             The request id (``Reply.id``).
@@ -200,10 +206,15 @@ class EventLoop:
         """
         sock = self._socks[worker]
         request_id = next(self._ids)
-        specs, frames = encode_tensors(tensors)
-        envelope = RequestEnvelope(id=request_id, service=service, method=method,
-                                   body=request.model_dump(mode="python"), tensors=specs)
-        sock.send_multipart([pack(envelope), *frames], copy=True)
+        body = request.model_dump(mode="python") if isinstance(request, BaseModel) else dict(request)
+        if tensors:
+            specs, frames = encode_tensors(tensors)
+            envelope = RequestEnvelope(id=request_id, service=service, method=method, body=body,
+                                       tensors=specs)
+            sock.send_multipart([pack(envelope), *frames], copy=True)
+        else:  # the envelope's fields as RequestEnvelope dumps them, without building one
+            sock.send(msgpack.packb({"id": request_id, "service": service, "method": method, "body": body,
+                                     "tensors": [], "v": PROTOCOL_VERSION}, use_bin_type=True), copy=True)
         self._requests[request_id] = _Request(worker, service, method, reply_type, time.time())
         return request_id
 
@@ -245,7 +256,7 @@ class EventLoop:
 
     def _drain(self, sock: Any) -> None:
         worker = self._worker_of[sock]
-        while sock.get(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again raised and caught per drain
+        while sock.getsockopt(_EVENTS) & _POLLIN:  # no zmq.Again raised and caught per drain
             parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             reply = self._decode(worker, parts)
             if reply is not None:
@@ -253,8 +264,13 @@ class EventLoop:
 
     def _decode(self, worker: str, parts: list[zmq.Frame]) -> Reply | None:
         try:
-            envelope = ReplyEnvelope.model_validate(unpack_raw(parts[0].bytes, what="reply envelope"))
-        except (ValidationError, ProtocolError) as exc:
+            raw = unpack_raw(parts[0].bytes, what="reply envelope")
+        except ProtocolError as exc:
+            log.error("[coordinator %s] dropped a malformed reply from worker %s: %s", self.job, worker, exc)
+            return None
+        try:
+            envelope = ReplyEnvelope.model_validate(raw)
+        except ValidationError as exc:
             log.error("[coordinator %s] dropped a malformed reply from worker %s: %s", self.job, worker, exc)
             return None
         request = self._requests.pop(envelope.id, None)

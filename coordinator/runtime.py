@@ -195,11 +195,14 @@ class Runtime:
         self.initial_params = initial_params
         self.commits = 0  # updates committed so far
         self._uncommitted = False  # the last step run awaits its commit
+        self._first_request = True
         self._shards: list[_Service] = []
         schedule = plan.schedule()
         self._actions = [[StageAction(kind=a.stage_kind, microbatch=a.microbatch, peer=a.peer)  # type: ignore[arg-type]
                           for a in acts] for acts in schedule.actions]
         self._labels = [[str(a) for a in acts] for acts in self._actions]
+        # each stage's action list as RunStep dumps it, built once: a step's request reuses it
+        self._dumped_actions = [[a.model_dump(mode="python") for a in acts] for acts in self._actions]
         self.services = [_Service(plan.placement[r][s], f"{spec.run}/compute-r{r}-s{s}", r, s)
                          for r in range(plan.data_parallel) for s in range(plan.num_stages)]
         self.workers = sorted({sv.worker for sv in self.services})
@@ -283,11 +286,17 @@ class Runtime:
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
         commit = (CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
                   if self._uncommitted else None)
+        if self._first_request:  # the request's shape, checked once by building one
+            RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], actions=self._actions[0],
+                    timeout_ms=timeout_ms, commit=commit)
+            self._first_request = False
+        commit_body = commit.model_dump(mode="python") if commit is not None else None
         ids: dict[int, _Service] = {}
-        for sv in self.services:
-            request = RunStep(step=step, microbatches=[list(mb) for mb in batches[sv.replica]],
-                              actions=self._actions[sv.stage], timeout_ms=timeout_ms, commit=commit)
-            ids[self.loop.send(sv.worker, sv.name, "run_step", request, StepReply)] = sv
+        for sv in self.services:  # RunStep, dumped: the services validate it
+            body = {"step": step, "microbatches": [list(mb) for mb in batches[sv.replica]],
+                    "actions": self._dumped_actions[sv.stage], "zero_grad": True, "timeout_ms": timeout_ms,
+                    "commit": commit_body}
+            ids[self.loop.send(sv.worker, sv.name, "run_step", body, StepReply)] = sv
         replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)
         if commit is not None:
             self.commits += 1
