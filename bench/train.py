@@ -271,9 +271,9 @@ def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, floa
 
     The plans come from one profile per model taken as ``Job.plan()`` takes it (8 samples,
     at least 3 runs per node and size, see coordinator/profile.py), shared by the model's
-    jobs, so their predictions (and the even and the auto cut) differ only by the plan. The second prediction plays the same
-    plan against a careful profile: on the plan's own microbatch size (no scaling), at least
-    ``careful_repeats`` runs.
+    jobs, so their predictions (and the even and the auto cut) differ only by the plan. The
+    second prediction plays the same plan against a careful profile: on the plan's own
+    microbatch size (no scaling), at least ``careful_repeats`` runs.
     """
     from coordinator.job import Job
     from coordinator.planner import choose_plan
