@@ -16,8 +16,9 @@ schedule, microbatches ``m``). For each shape the cost model, built on the profi
 [Note: gradient sync cost] With ``G`` gradient bytes per stage, ``d`` replicas and the
 slowest link of the stage's group (``bw``, ``lat``), moving a ``1/d`` share of the
 gradients off every worker takes ``S = (d-1)/d * G / (e * bw)``, where ``e`` is
-:data:`COLLECTIVE_EFFICIENCY`: a process that sends and receives at once, over
-ZeroMQ on loopback, moves ~1 GB/s of all-reduce against 1.5 GB/s one way.
+:data:`COLLECTIVE_EFFICIENCY`, the all-reduce's bandwidth over the link's as measured
+(it depends on the transport: shared memory between processes of one host beats the
+loopback figure, sockets fall short of it).
 
 - collective: a ring all-reduce, ``2 S + 2 (d-1) lat``, launched bucket by bucket during
   the last microbatch's backward. Only the backward that runs after the first bucket
@@ -103,10 +104,12 @@ def _transfer(nbytes: float, bandwidth: float, latency: float) -> float:
     return 0.0 if nbytes <= 0 else latency + nbytes / bandwidth
 
 
-# Measured on the development machine (2 vCPUs, loopback; docs/benchmarks.md): ZeroMQ
-# all-reduce of 16-64 MiB moves 1.1-1.3 GB/s (bench/comm.py), 1.3-1.7 GB/s inside a
-# data-parallel step (bench/train.py), against the 1.5 GB/s one-way link figure.
-COLLECTIVE_EFFICIENCY = 0.85
+# The all-reduce's bandwidth over the link bandwidth of the resource list. Measured on the
+# development machine (2 vCPUs, docs/benchmarks.md): with the shared-memory transport
+# between processes of one host, 34 MB all-reduce in about 11 ms inside a data-parallel step
+# (~3 GB/s, against the 1.5 GB/s loopback default of coordinator/resources.py); over sockets
+# only, 1.1-1.7 GB/s.
+COLLECTIVE_EFFICIENCY = 2.0
 # A control message from the coordinator to a stage's step thread, or a reply back: 0.5-0.9 ms
 # measured (bench/train.py "dispatch" and "tail"): more than the link latency, as each end
 # validates and dispatches it.

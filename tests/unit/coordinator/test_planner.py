@@ -10,7 +10,15 @@ from torch import nn
 from coordinator.cutting import CutProblem, cut_even, cut_min_max
 from coordinator.graph import build_graph
 from coordinator.plan import Plan
-from coordinator.planner import PlanningError, candidate_plans, choose_plan, cut_problem, format_candidates
+from coordinator.planner import (
+    COLLECTIVE_EFFICIENCY,
+    SHARED_HOST_SLOWDOWN,
+    PlanningError,
+    candidate_plans,
+    choose_plan,
+    cut_problem,
+    format_candidates,
+)
 from coordinator.profile import Profile, profile_graph
 from coordinator.resources import Resources, Worker
 from coordinator.schedules import validate_schedule
@@ -186,5 +194,5 @@ def test_only_backward_after_the_first_bucket_hides_the_all_reduce() -> None:
     prof = Profile.synthetic([1e-3] * 4, backward_s=[1.0] * 4, param_bytes=[16 * MiB] * 4, microbatch_size=4)
     plan = choose_plan(prof, workers(2, 10_000 * MiB), global_batch=8, data_parallel=2, mode="collective")
     res = workers(2, 10_000 * MiB)
-    allreduce = 64 * MiB / (0.85 * res.bandwidth_bps) + 2 * res.latency_s
-    assert plan.sync_time_s == pytest.approx(max(0.0, allreduce - 2.0 * 1.15))
+    allreduce = 64 * MiB / (COLLECTIVE_EFFICIENCY * res.bandwidth_bps) + 2 * res.latency_s
+    assert plan.sync_time_s == pytest.approx(max(0.0, allreduce - 2.0 * SHARED_HOST_SLOWDOWN))
