@@ -40,8 +40,8 @@ __all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "SCALE_FACTO
            "format_bytes", "profile_graph"]
 
 SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
-MIN_TIMED_S = 0.02  # timed runs per node and size last at least this long in total...
-MAX_REPEATS = 25  # ...but no more runs than this
+MIN_TIMED_S = 0.05  # timed runs per node and size last at least this long in total...
+MAX_REPEATS = 50  # ...but no more runs than this
 
 # Optimizer state per byte of trainable parameter: Adam keeps two moments, momentum SGD one.
 OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
