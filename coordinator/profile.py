@@ -11,8 +11,9 @@ dimension), and fitted as ``t(n) = fixed + per_sample * n``. Small microbatches 
 per sample than large ones (a GEMM over 8 rows reads the whole weight as one over 64
 does), so linear scaling from 8 samples predicted 3-4x the measured step of a 64-sample
 one. Each size is timed ``repeats`` times and at least until ``MIN_TIMED_S`` of timed
-runs (at most ``MAX_REPEATS``), after ``warmup`` untimed runs, and the lower quartile
-is kept: on a shared machine slow outliers are interference, not the node's cost. A model
+runs (at most ``MAX_REPEATS``), after ``warmup`` untimed runs, every node one run per
+round, and the lower quartile is kept: on a shared machine slow outliers are
+interference, not the node's cost, and round robin spreads a burst of it over all nodes. A model
 that cannot run at the larger size (a fixed batch), or whose inputs have no known batch
 dimension, falls back to linear scaling.
 
@@ -233,26 +234,49 @@ def _robust(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=4, method="inclusive")[0]
 
 
-def _time_node(module: torch.nn.Module, args: list[Any], names: tuple[str, ...], grad: set[str],
-               repeats: int, warmup: int) -> tuple[float, float]:
-    """(forward, backward) seconds of ``module`` on ``args``: see [Note: profile timing]."""
-    fwd: list[float] = []
-    bwd: list[float] = []
-    r = 0
-    while r < warmup + repeats or (sum(fwd) + sum(bwd) < MIN_TIMED_S and len(fwd) < MAX_REPEATS):
-        ins = _fresh(args, names, grad)
+class _Timings:
+    """The timed runs of one node at one size (see [Note: profile timing])."""
+
+    def __init__(self, module: torch.nn.Module, args: list[Any], names: tuple[str, ...],
+                 grad: set[str]) -> None:
+        self.module, self.args, self.names, self.grad = module, args, names, grad
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+
+    def done(self, repeats: int) -> bool:
+        return len(self.fwd) >= repeats and (sum(self.fwd) + sum(self.bwd) >= MIN_TIMED_S
+                                             or len(self.fwd) >= MAX_REPEATS)
+
+    def run(self, timed: bool) -> None:
+        ins = _fresh(self.args, self.names, self.grad)
         t0 = time.perf_counter()
-        out = module(*ins)
+        out = self.module(*ins)
         t1 = time.perf_counter()
         outs = [t for t in _tensors(out) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         t2 = time.perf_counter()
-        if r >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1 if outs else 0.0)
-        r += 1
-    return _robust(fwd), _robust(bwd)
+        if timed:
+            self.fwd.append(t1 - t0)
+            self.bwd.append(t2 - t1 if outs else 0.0)
+
+    def result(self) -> tuple[float, float]:
+        return _robust(self.fwd), _robust(self.bwd)
+
+
+def _time_all(timings: list[_Timings], repeats: int, warmup: int) -> None:
+    """Time every node in rounds, one run each per round, until each has enough runs.
+
+    Round robin spreads each node's runs over the whole profiling time, so a burst of load
+    from elsewhere on the machine hits every node a little instead of one node entirely.
+    """
+    for t in timings:
+        for _ in range(warmup):
+            t.run(timed=False)
+    while not all(t.done(repeats) for t in timings):
+        for t in timings:
+            if not t.done(repeats):
+                t.run(timed=True)
 
 
 def _tile(value: Any, batch_dim: int | None, factor: int) -> Any:
@@ -317,42 +341,53 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
         stack.callback(_restore_grads, saved_grads)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        for node in graph.nodes:
+        small: list[_Timings] = []
+        big: list[_Timings] = []
+        for node in graph.nodes:  # every node's inputs at both sizes, from the previous nodes' outputs
             i = node.index
             module = graph.stage_module(i, i + 1)
             names = graph.boundary(i)
             grad = {m.name for m in graph.cuts[i].tensors if m.requires_grad}
             args = [values[nm] for nm in names]
-            fwd, bwd = _time_node(module, args, names, grad, repeats, warmup)
-            fwd_fixed, bwd_fixed = 0.0, 0.0
+            small.append(_Timings(module, args, names, grad))
             if large is not None:
                 try:
-                    big = [large[nm] for nm in names]
-                    fwd_big, bwd_big = _time_node(module, big, names, grad, repeats, warmup)
-                    fwd, fwd_fixed = _affine(fwd, fwd_big, size, SCALE_FACTOR)
-                    bwd, bwd_fixed = _affine(bwd, bwd_big, size, SCALE_FACTOR)
+                    big.append(_Timings(module, [large[nm] for nm in names], names, grad))
+                    with torch.no_grad():
+                        out = module(*big[-1].args)
                     if i + 1 < len(graph.nodes):
-                        with torch.no_grad():
-                            out = module(*big)
                         large.update(zip(graph.boundary(i + 1), out, strict=True))
                 except Exception:  # the model does not run at the larger size: linear scaling
-                    large, fwd_fixed, bwd_fixed = None, 0.0, 0.0
+                    large, big = None, []
             if i + 1 < len(graph.nodes):
                 with torch.no_grad():
                     out = module(*args)
                 values.update(zip(graph.boundary(i + 1), out, strict=True))
-            params = list(module.parameters())
+        try:
+            _time_all(small + big, repeats, warmup)
+        except Exception:
+            if not big:
+                raise
+            large, big = None, []  # a backward failed at the larger size: linear scaling
+            _time_all(small, repeats, warmup)
+        for i, node in enumerate(graph.nodes):
+            t = small[i]
+            fwd, bwd = t.result()
+            fwd_fixed, bwd_fixed = 0.0, 0.0
+            if big:
+                fwd_big, bwd_big = big[i].result()
+                fwd, fwd_fixed = _affine(fwd, fwd_big, size, SCALE_FACTOR)
+                bwd, bwd_fixed = _affine(bwd, bwd_big, size, SCALE_FACTOR)
+            params = list(t.module.parameters())
             trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             nodes.append(NodeProfile(
                 name=node.name, forward_s=fwd, backward_s=bwd, forward_fixed_s=fwd_fixed,
                 backward_fixed_s=bwd_fixed,
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
-                buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+                buffer_bytes=sum(b.numel() * b.element_size() for b in t.module.buffers()),
                 grad_bytes=trainable, optimizer_state_bytes=int(trainable * factor),
-                activation_bytes=_saved_bytes(module, _fresh(args, names, grad)),
+                activation_bytes=_saved_bytes(t.module, _fresh(t.args, t.names, t.grad)),
             ))
-    if large is None:  # a node failed at the larger size: every node scales linearly
-        nodes = [nd.model_copy(update={"forward_fixed_s": 0.0, "backward_fixed_s": 0.0}) for nd in nodes]
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,
                    nodes=tuple(nodes), cuts=graph.cuts)
