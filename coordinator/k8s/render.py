@@ -239,6 +239,39 @@ def _claim(o: RenderOptions) -> dict[str, Any]:
     return claim
 
 
+def _service(
+    name: str, job: str, component: str, ns: str | None, ports: dict[str, str], *, headless: bool = False
+) -> Manifest:
+    """A Service selecting ``component``'s pods; ``ports`` maps port names to :data:`PORTS` keys.
+
+    A headless one gives each pod a stable DNS name, ready or not (peers find each other
+    while they start)."""
+    spec: dict[str, Any] = {"clusterIP": "None", "publishNotReadyAddresses": True} if headless else {}
+    spec["selector"] = _labels(job, component)
+    spec["ports"] = [{"name": p, "port": PORTS[key], "targetPort": p} for p, key in ports.items()]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, job, component, ns), "spec": spec}
+
+
+def _pod_spec(
+    account: str,
+    security: dict[str, Any],
+    container: dict[str, Any],
+    *,
+    volumes: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A pod running ``container`` as ``account`` (no API token), with ``volumes``."""
+    pod: dict[str, Any] = {
+        "serviceAccountName": account,
+        "automountServiceAccountToken": False,
+        "securityContext": security,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+    }
+    if volumes is not None:
+        pod["volumes"] = volumes
+    return pod
+
+
 def _tmp_volume() -> dict[str, Any]:
     return {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
 
@@ -278,20 +311,7 @@ def _etcd(o: RenderOptions, n: _Names) -> list[Manifest]:
     members = ",".join(
         f"{n.etcd}-{i}=http://{n.etcd}-{i}.{n.etcd}:{PORTS['etcd-peer']}" for i in range(o.etcd_replicas)
     )
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(n.etcd, job, "etcd", ns),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": _labels(job, "etcd"),
-            "ports": [
-                {"name": "client", "port": PORTS["etcd-client"], "targetPort": "client"},
-                {"name": "peer", "port": PORTS["etcd-peer"], "targetPort": "peer"},
-            ],
-        },
-    }
+    service = _service(n.etcd, job, "etcd", ns, {"client": "etcd-client", "peer": "etcd-peer"}, headless=True)
     container = {
         "name": "etcd",
         "image": o.etcd_image,
@@ -336,13 +356,7 @@ def _etcd(o: RenderOptions, n: _Names) -> list[Manifest]:
             "selector": {"matchLabels": _labels(job, "etcd")},
             "template": {
                 "metadata": {"labels": _labels(job, "etcd")},
-                "spec": {
-                    "serviceAccountName": n.etcd,
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_sc,
-                    "terminationGracePeriodSeconds": 30,
-                    "containers": [container],
-                },
+                "spec": _pod_spec(n.etcd, pod_sc, container),
             },
             "volumeClaimTemplates": [
                 {"metadata": {"name": "data", "labels": _labels(job, "etcd")}, "spec": _claim(o)}
@@ -356,18 +370,7 @@ def _coordinator(o: RenderOptions, n: _Names) -> list[Manifest]:
     ns, job = o.namespace, n.job
     pod_sc, sc = _security(USER_ID)
     labels = _labels(job, "coordinator")
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(n.coordinator, job, "coordinator", ns),
-        "spec": {
-            "selector": labels,
-            "ports": [
-                {"name": "control", "port": PORTS["control"], "targetPort": "control"},
-                {"name": "metrics", "port": PORTS["metrics"], "targetPort": "metrics"},
-            ],
-        },
-    }
+    service = _service(n.coordinator, job, "coordinator", ns, {"control": "control", "metrics": "metrics"})
     pvc = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -426,18 +429,16 @@ def _coordinator(o: RenderOptions, n: _Names) -> list[Manifest]:
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {
-                    "serviceAccountName": n.coordinator,
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_sc,
-                    "terminationGracePeriodSeconds": 30,
-                    "containers": [container],
-                    "volumes": [
+                "spec": _pod_spec(
+                    n.coordinator,
+                    pod_sc,
+                    container,
+                    volumes=[
                         {"name": "job", "configMap": {"name": n.config}},
                         {"name": "checkpoints", "persistentVolumeClaim": {"claimName": n.checkpoints}},
                         _tmp_volume(),
                     ],
-                },
+                ),
             },
         },
     }
@@ -448,20 +449,9 @@ def _workers(o: RenderOptions, n: _Names) -> list[Manifest]:
     ns, job = o.namespace, n.job
     pod_sc, sc = _security(USER_ID)
     labels = _labels(job, "worker")
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(n.workers_svc, job, "worker", ns),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": labels,
-            "ports": [
-                {"name": "control", "port": PORTS["control"], "targetPort": "control"},
-                {"name": "dist", "port": PORTS["dist"], "targetPort": "dist"},
-            ],
-        },
-    }
+    service = _service(
+        n.workers_svc, job, "worker", ns, {"control": "control", "dist": "dist"}, headless=True
+    )
     world, master, port = str(o.workers), n.master, str(PORTS["dist"])
     env = _env(
         [
@@ -519,14 +509,7 @@ def _workers(o: RenderOptions, n: _Names) -> list[Manifest]:
         "securityContext": sc,
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
-    pod: dict[str, Any] = {
-        "serviceAccountName": n.worker,
-        "automountServiceAccountToken": False,
-        "securityContext": pod_sc,
-        "terminationGracePeriodSeconds": 30,
-        "containers": [container],
-        "volumes": [_tmp_volume()],
-    }
+    pod = _pod_spec(n.worker, pod_sc, container, volumes=[_tmp_volume()])
     if o.gpus_per_worker:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     stateful = {
