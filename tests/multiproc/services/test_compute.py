@@ -21,6 +21,8 @@ from comm.registry import RegistryServer
 from services.protocol import (
     Assignment,
     AssignmentReply,
+    CommitReply,
+    CommitStep,
     Empty,
     OptimizerSpec,
     OptimizerStepReply,
@@ -135,6 +137,36 @@ def test_1f1b_matches_single_process_and_replays(stages: list[str], server: Regi
     for step in range(2):  # the second step zeroes first: replaying a step gives the same gradients
         run_step(stages, service, ONE_F_ONE_B, step=step)
         assert max_diff(fetch(stages, service, "gradients"), grads_ref) < TOL
+
+
+def test_a_commit_carried_by_the_next_step_applies_before_it(stages: list[str], server: RegistryServer
+                                                              ) -> None:
+    # steps 1 and 2 carry the commits of steps 0 and 1; a commit round applies step 2's:
+    # three updates, each from its own step's gradients, as one process takes them
+    service = _pipeline(stages, server, "mlp", 2, 5)
+    spec = OptimizerSpec(name="Adam", kwargs={"lr": 0.01, "betas": [0.8, 0.99]})
+    other = OptimizerSpec(name="SGD", kwargs={"lr": 0.1})
+    run_step(stages, service, GPIPE, step=0)
+    refused = call_stages(stages, service, "run_step", [
+        RunStep(step=1, microbatches=MICROBATCHES, actions=parse_actions(GPIPE[s]), timeout_ms=20_000,
+                commit=CommitStep(step=0, optimizer=spec))
+        for s in range(2)], StepReply)
+    assert all(isinstance(r, tuple) for r in refused)  # the first commit builds the optimizer
+    mismatch = call_stages(stages, service, "run_step", [
+        RunStep(step=2, microbatches=MICROBATCHES, actions=parse_actions(ONE_F_ONE_B[s]), timeout_ms=20_000,
+                commit=CommitStep(step=1, optimizer=other))
+        for s in range(2)], StepReply)
+    assert all(isinstance(r, RpcError) and r.code == "bad_request" for r in mismatch), mismatch
+    replies = call_stages(stages, service, "run_step", [
+        RunStep(step=2, microbatches=MICROBATCHES, actions=parse_actions(ONE_F_ONE_B[s]), timeout_ms=20_000,
+                commit=CommitStep(step=1, optimizer=spec))
+        for s in range(2)], StepReply)
+    assert all("optimizer" in [p.name for p in r[0].phases] for r in replies), replies
+    commits = call_stages(stages, service, "commit", [CommitStep(step=2, optimizer=spec)] * 2, CommitReply)
+    assert [r[0].optimizer_steps for r in commits] == [3, 3], commits
+    _, params_ref, _ = reference("mlp", steps=3,
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.99)))
+    assert max_diff(fetch(stages, service, "parameters"), params_ref) < TOL
 
 
 def test_optimizer_steps_match_single_process(stages: list[str], server: RegistryServer) -> None:
