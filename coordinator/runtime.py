@@ -182,7 +182,7 @@ class Runtime:
         initial_params: Cell-qualified initial parameters (parameter-server setup).
 
     Timeouts: ``spec.call_timeout`` bounds placement and state collection;
-    ``spec.step_timeout`` bounds each of a step's two rounds.
+    ``spec.step_timeout`` bounds a step's round and the last step's commit round.
     """
 
     def __init__(self, plan: Plan, spec: RunSpec, loop: EventLoop, registry_url: str,

@@ -454,9 +454,10 @@ class RunStep(Message):
 
     ``commit`` carries the commit of the previous step (sent only once every stage of every
     replica finished it): the stage applies that update first, then runs this step, so a
-    step costs one round trip instead of two. The commit is applied even if the step then
-    fails (the previous step was complete); it is reported as an ``optimizer`` or
-    ``push_pull`` phase of the reply.
+    step costs one round trip instead of two. A request refused before it runs
+    (``bad_request``, ``busy``, ``comm_failed``) applies nothing; once it runs, the commit is
+    applied even if the step then fails (the previous step was complete). It is reported as
+    an ``optimizer`` or ``push_pull`` phase of the reply.
     """
 
     step: int = Field(ge=0)
