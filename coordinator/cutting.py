@@ -49,6 +49,15 @@ __all__ = [
 
 Bounds: TypeAlias = tuple[int, ...]
 
+# Memory sums are compared with a rounding slack: the cutter sums prefix differences, a check
+# sums a stage's nodes directly, and the two may differ in the last bits for the same stage.
+MEMORY_SLACK = 1e-9
+
+
+def _with_slack(limit: float) -> float:
+    """``limit`` plus a rounding slack (relative, and absolute for limits near 0)."""
+    return limit + MEMORY_SLACK * max(1.0, abs(limit))
+
 
 class CutError(ValueError):
     """No cut satisfies the problem (too many stages, memory limits, uncuttable positions)."""
@@ -139,7 +148,7 @@ class CutProblem:
         if self.memory_limit is not None:
             for s in range(k):
                 need = self.stage_memory(s, b[s], b[s + 1])
-                if need > self.memory_limit[s]:
+                if need > _with_slack(self.memory_limit[s]):
                     raise CutError(f"stage {s} (nodes {b[s]}..{b[s + 1] - 1}) needs {need:.4g} bytes, "
                                    f"its limit is {self.memory_limit[s]:.4g}")
         return b
@@ -197,7 +206,7 @@ def cut_min_max(problem: CutProblem) -> Bounds:
         if mem_static is None or mem_act is None:
             return cost
         assert problem.memory_limit is not None and problem.in_flight is not None
-        over = mem_static + mem_act * problem.in_flight[s] > problem.memory_limit[s]
+        over = mem_static + mem_act * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
         return np.where(over, np.inf, cost)
 
     best = stage_cost(0)[0].copy()  # best[j]: stage 0 covers [0, j)

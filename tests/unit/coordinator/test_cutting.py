@@ -79,6 +79,15 @@ def test_min_max_equals_brute_force_under_memory_limits(problem: CutProblem) -> 
     assert_exact(problem)
 
 
+def test_a_stage_exactly_at_its_memory_limit_fits() -> None:
+    """Found by hypothesis: prefix sums put stage 1 at 6.914363438809985 against a limit of
+    6.914363438809984 (the same sum taken directly); a rounding error must not make it infeasible."""
+    problem = CutProblem((0.0,) * 4, (0.0,) * 5, 2, None, (0.0, 10.0, 1.9143634388099837, 5.0), (0.0,) * 4,
+                         (1, 1), (10.0, 6.914363438809984))
+    assert cut_min_max(problem) == (0, 2, 4)
+    assert_exact(problem)
+
+
 def test_thousand_nodes_into_sixteen_stages_under_a_second() -> None:
     rng = random.Random(7)
     n = 1000
