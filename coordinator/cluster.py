@@ -26,7 +26,7 @@ from comm.codec import unpack
 from comm.errors import ProtocolError
 from comm.registry import connect_registry
 from comm.registry.base import Registry
-from coordinator.resources import Resources, Worker
+from coordinator.resources import CLUSTER_BANDWIDTH_BPS, CLUSTER_LATENCY_S, Resources, Worker
 from services.protocol import Empty, Release, WorkerCard
 from services.rpc import RpcClient
 
@@ -177,13 +177,14 @@ class ClusterWorkers:
         return ordered[:self.expected]
 
     def resources(self, memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> Resources:
-        """The registered workers as the planner's resource list (link speeds: the defaults)."""
+        """The registered workers as the planner's resource list: each a host of its own (a pod),
+        linked by :data:`~coordinator.resources.CLUSTER_BANDWIDTH_BPS`."""
         if not self.cards:
             raise RuntimeError("start() first")
         return Resources(workers=tuple(
             Worker(name=c.name, device="cuda" if c.gpus else "cpu", cpus=c.cpus, gpus=c.gpus,
                    memory_bytes=max(1, int(c.memory_bytes * memory_fraction)))
-            for c in self.cards.values()))
+            for c in self.cards.values()), bandwidth_bps=CLUSTER_BANDWIDTH_BPS, latency_s=CLUSTER_LATENCY_S)
 
     def close(self) -> None:
         if self._registry is not None:

@@ -39,8 +39,9 @@ less memory.
 ``coordinator/runtime.py``), modelled as the memory traffic of a fused update
 (:data:`OPTIMIZER_TRAFFIC`) at :data:`OPTIMIZER_BANDWIDTH_BPS`; and two control messages
 (:data:`CONTROL_MESSAGE_S` each: the request to every stage, the replies back).
-Where the plan runs more than one worker on this machine, :data:`SHARED_HOST_SLOWDOWN`
-scales compute: two busy processes on two cores share caches and memory bandwidth.
+Where the plan runs more than one CPU worker on one host (``Worker.host``),
+:data:`SHARED_HOST_SLOWDOWN` scales compute: two busy processes on two cores share caches
+and memory bandwidth.
 
 ``strategy="auto"`` searches every shape the resources allow; ``"data_parallel"`` fixes
 ``p = 1`` and uses at least 2 replicas, ``"pipeline"`` fixes ``d = 1`` and uses at least
@@ -104,12 +105,11 @@ def _transfer(nbytes: float, bandwidth: float, latency: float) -> float:
     return 0.0 if nbytes <= 0 else latency + nbytes / bandwidth
 
 
-# The all-reduce's bandwidth over the link bandwidth of the resource list. Measured on the
-# development machine (2 vCPUs, docs/benchmarks.md): with the shared-memory transport
-# between processes of one host, 34 MB all-reduce in about 11 ms inside a data-parallel step
-# (~3 GB/s, against the 1.5 GB/s loopback default of coordinator/resources.py); over sockets
-# only, 1.1-1.7 GB/s.
-COLLECTIVE_EFFICIENCY = 2.0
+# The all-reduce's bandwidth over the link bandwidth of the resource list: a process sends and
+# receives at once. Measured on the development machine (2 vCPUs, docs/benchmarks.md): 34 MB
+# all-reduce in about 11 ms inside a data-parallel step (~3 GB/s) over the shared-memory
+# transport, whose link figure is LOCAL_BANDWIDTH_BPS (coordinator/resources.py).
+COLLECTIVE_EFFICIENCY = 0.85
 # A control message from the coordinator to a stage's step thread, or a reply back: 0.5-0.9 ms
 # measured (bench/train.py "dispatch" and "tail"): more than the link latency, as each end
 # validates and dispatches it.
@@ -122,8 +122,8 @@ OPTIMIZER_BANDWIDTH_BPS = 25e9
 # Compute of a plan with more than one busy CPU worker, against the profile taken by one
 # process alone (see [Note: step overheads]): in two-process steps on the development
 # machine, forwards and backwards took 1.1-1.35x their profiled times (the most on 8-sample
-# microbatches, which stream weights from memory; bench/train.py "replay"). It assumes the
-# workers share a machine; the resource list does not say which workers share one.
+# microbatches, which stream weights from memory; bench/train.py "replay"). It applies where
+# two placed CPU workers name the same host.
 SHARED_HOST_SLOWDOWN = 1.25
 
 
@@ -211,7 +211,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     placement = tuple(tuple(resources.workers[r * p + s].name for s in range(p)) for r in range(d))
     workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
     on_cpu = all(w.device == "cpu" for ws in workers for w in ws)
-    shared = SHARED_HOST_SLOWDOWN if d * p > 1 and on_cpu else 1.0
+    hosts = [w.host for ws in workers for w in ws if w.host is not None]
+    shared = SHARED_HOST_SLOWDOWN if on_cpu and len(hosts) > len(set(hosts)) else 1.0
     speed = [min(w.speed for w in ws) for ws in workers]
     bw, lat = resources.slowest_link([nm for row in placement for nm in row])
     schedule = build_schedule(sched_name, p, m)

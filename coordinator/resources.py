@@ -12,17 +12,23 @@ Bandwidth and latency follow [Note: transfer cost] in ``coordinator/cutting.py``
 from __future__ import annotations
 
 import os
+import platform
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["LOCAL_BANDWIDTH_BPS", "LOCAL_LATENCY_S", "Link", "Resources", "Worker"]
+__all__ = ["CLUSTER_BANDWIDTH_BPS", "CLUSTER_LATENCY_S", "LOCAL_BANDWIDTH_BPS", "LOCAL_LATENCY_S", "Link",
+           "Resources", "Worker"]
 
-# Loopback between two processes on the development machine (../shared/FACTS.md): one-way
-# 1.3-2.7 GB/s into a preallocated tensor, ~0.8-1 GB/s for chunked ZeroMQ collectives; a
-# REQ/REP round trip is 200-270 us, so one message costs ~100 us.
-LOCAL_BANDWIDTH_BPS = 1.5e9
+# Between two processes of the development machine (docs/benchmarks.md): large bodies cross in
+# shared memory (comm/shm.py), a 34 MB all-reduce inside a data-parallel step in ~11 ms
+# (~3 GB/s of all-reduce, the link figure times the planner's COLLECTIVE_EFFICIENCY); a
+# message costs ~100 us.
+LOCAL_BANDWIDTH_BPS = 3.5e9
 LOCAL_LATENCY_S = 100e-6
+# Between pods or machines, unless the resource list says otherwise: a 10 Gb/s network.
+CLUSTER_BANDWIDTH_BPS = 1.25e9
+CLUSTER_LATENCY_S = 100e-6
 
 
 class Worker(BaseModel):
@@ -37,6 +43,8 @@ class Worker(BaseModel):
             worker): parameters, gradients, optimizer state, activations.
         speed: Compute speed relative to the machine that took the profile (2.0 runs the
             profiled forward and backward in half the time).
+        host: The machine it runs on, if known: CPU workers of one host share its cores and
+            memory bandwidth, which the planner accounts for (None: a machine of its own).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -47,6 +55,7 @@ class Worker(BaseModel):
     gpus: int = Field(default=0, ge=0)
     memory_bytes: int = Field(gt=0)
     speed: float = Field(default=1.0, gt=0)
+    host: str | None = None
 
     @model_validator(mode="after")
     def _gpus_match_device(self) -> Worker:
@@ -146,7 +155,8 @@ class Resources(BaseModel):
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             memory_bytes = int(total * memory_fraction / workers)
         cpus = max(1, (os.cpu_count() or 1) // workers)
-        return cls(workers=tuple(Worker(name=f"local-{i}", cpus=cpus, memory_bytes=memory_bytes)
+        host = platform.node() or "localhost"
+        return cls(workers=tuple(Worker(name=f"local-{i}", cpus=cpus, memory_bytes=memory_bytes, host=host)
                                  for i in range(workers)))
 
     def __str__(self) -> str:

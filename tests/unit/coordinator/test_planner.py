@@ -34,7 +34,8 @@ def big_model() -> Profile:
 
 
 def workers(num: int, memory: int) -> Resources:
-    return Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=memory) for i in range(num)))
+    """``num`` CPU workers of one host (as ``Resources.local`` describes them)."""
+    return Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=memory, host="h") for i in range(num)))
 
 
 def test_model_too_big_for_one_worker_gets_a_pipeline_that_fits() -> None:
@@ -196,3 +197,18 @@ def test_only_backward_after_the_first_bucket_hides_the_all_reduce() -> None:
     res = workers(2, 10_000 * MiB)
     allreduce = 64 * MiB / (COLLECTIVE_EFFICIENCY * res.bandwidth_bps) + 2 * res.latency_s
     assert plan.sync_time_s == pytest.approx(max(0.0, allreduce - 2.0 * SHARED_HOST_SLOWDOWN))
+
+
+def test_only_workers_sharing_a_host_slow_each_other_down() -> None:
+    prof = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
+
+    def step(hosts: tuple[str | None, str | None]) -> float:
+        res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1000 * MiB, host=h)
+                                      for i, h in enumerate(hosts)))
+        plan = choose_plan(prof, res, global_batch=8, num_stages=2, data_parallel=1, num_microbatches=2,
+                           schedule="gpipe")
+        return plan.pipeline_time_s
+
+    apart, unknown, together = step(("a", "b")), step((None, None)), step(("a", "a"))
+    assert apart == unknown
+    assert together == pytest.approx(apart * SHARED_HOST_SLOWDOWN, rel=0.05)
