@@ -1,6 +1,6 @@
 """Training progress for the command line: a bar on a terminal, plain log lines otherwise.
 
-Both displays take each committed step's :class:`~coordinator.runtime.StepRecord` (the
+Both displays take each finished step's :class:`~coordinator.runtime.StepRecord` (the
 callback of ``Job.fit``) and show the step, its loss and the throughput. Throughput is
 measured over a trailing window of steps, from the end of the step before the window to
 the end of the last one, so it counts everything a step costs (the coordinator's own
@@ -80,7 +80,7 @@ class Throughput:
 
 
 class Progress(Protocol):
-    """What ``cellmesh run`` drives: one :meth:`update` per committed step, then :meth:`close`."""
+    """What ``cellmesh run`` drives: one :meth:`update` per finished step, then :meth:`close`."""
 
     throughput: Throughput
 

@@ -8,7 +8,7 @@ and is what ``cellmesh demo`` calls too:
 2. plan it (profile on a sample microbatch, ask the planner) and print the plan's table;
 3. start the local harness (``Resources.local``: an embedded registry and one worker
    process per resource worker) and place the plan's services;
-4. train, showing each committed step (``coordinator/progress.py``);
+4. train, showing each finished step (``coordinator/progress.py``);
 5. write the final parameters with ``torch.save`` as a plain ``{name: tensor}`` dict that
    loads into the job's model with ``strict=True`` (``torch.load(path, weights_only=True)``),
    and print the loss at the start and the end, the throughput and the output path.
@@ -121,7 +121,8 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
     Args:
         pool: Workers that are already up (a cluster's: the job's resources must name them);
             None starts ``Resources.local`` worker processes and stops them at the end.
-        on_step: Called with each committed step's record, after the progress display.
+        on_step: Called with each finished step's record (its update is applied when the next step
+            starts, or by the final commit), after the progress display.
     """
     out = out or sys.stdout
     job = loaded.job

@@ -71,9 +71,9 @@ class CoordinatorStatus(Message):
     job: str
     phase: Phase
     workers: list[str] = Field(default_factory=list)
-    step: int = Field(default=0, ge=0)  # steps committed
+    step: int = Field(default=0, ge=0)  # steps finished (each applied before the next one runs)
     steps: int = Field(default=0, ge=0)  # steps to train
-    loss: float | None = None  # the last committed step's
+    loss: float | None = None  # the last finished step's
     samples_per_s: float | None = None
     output: str = ""
     error: str = ""
@@ -121,9 +121,9 @@ class _Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
-        self.step = Gauge("cellmesh_step", "Steps committed", registry=r)
+        self.step = Gauge("cellmesh_step", "Steps finished", registry=r)
         self.steps = Gauge("cellmesh_steps", "Steps the job trains", registry=r)
-        self.loss = Gauge("cellmesh_loss", "Loss of the last committed step", registry=r)
+        self.loss = Gauge("cellmesh_loss", "Loss of the last finished step", registry=r)
         self.samples_per_s = Gauge(
             "cellmesh_samples_per_second", "Samples per second of the last step", registry=r
         )
