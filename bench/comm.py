@@ -33,13 +33,20 @@ if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shado
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MIB = 1 << 20
-SIZES_MIB = (1, 16, 64)
+SIZES_MIB = tuple(int(x) for x in os.environ.get("CELLMESH_BENCH_SIZES_MIB", "1,16,64").split(","))
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 WORLD = 2
 
 
 def _busbw_factor(op: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)
+
+
+def _buffers(buffers: dict[int, dict[str, torch.Tensor]], numel: int) -> dict[str, torch.Tensor]:
+    """The tensors of one size, made once (allocating them inside the timed loop would time the
+    allocator and the page faults of fresh memory, not the collective)."""
+    buffers[numel] = {"x": torch.ones(numel), "out": torch.empty(numel), "rs": torch.empty(numel // WORLD)}
+    return buffers[numel]
 
 
 def _time_ops(run: Any, barrier: Any, reps: int) -> dict[tuple[str, int], float]:
@@ -75,8 +82,7 @@ def _cellmesh_rank(rank: int, address: str, prefix: str, reps: int, backend: str
     buffers: dict[int, dict[str, torch.Tensor]] = {}
 
     def run(op: str, numel: int) -> None:
-        b = buffers.setdefault(numel, {
-            "x": torch.ones(numel), "out": torch.empty(numel), "rs": torch.empty(numel // WORLD)})
+        b = buffers.get(numel) or _buffers(buffers, numel)
         if op == "all_reduce":
             comm.all_reduce(b["x"])
         elif op == "broadcast":
@@ -106,8 +112,7 @@ def _gloo_rank(rank: int, port: int, reps: int, q: Any) -> None:
     buffers: dict[int, dict[str, torch.Tensor]] = {}
 
     def run(op: str, numel: int) -> None:
-        b = buffers.setdefault(numel, {
-            "x": torch.ones(numel), "out": torch.empty(numel), "rs": torch.empty(numel // WORLD)})
+        b = buffers.get(numel) or _buffers(buffers, numel)
         if op == "all_reduce":
             dist.all_reduce(b["x"])
         elif op == "broadcast":
