@@ -186,6 +186,10 @@ class ZmqCommunicator(Communicator):
         self._groups = itertools.count()
         self._pending: list[Future[None]] = []
         self._closed = False
+        # reduce_scatter_tensor's working copy of its input, kept between calls: fresh memory of
+        # that size (above tune_malloc's mmap threshold) would be faulted in on every call
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch_lock = threading.Lock()
 
     @classmethod
     def create(
@@ -491,17 +495,31 @@ class ZmqCommunicator(Communicator):
 
         def run() -> None:
             deadline = self._deadline(timeout, deadline_op)
-            work = tensor.detach().reshape(-1).clone()
-            m = output.numel()
-            if n > 1 and m > 0:
-                self._ring(work, seq, deadline, d=-1, steps=n - 1, reduce_steps=n - 1, reduce=reduce,
-                           segments=[(i * m, m) for i in range(n)])
-            mine = work[self._rank * m:(self._rank + 1) * m]
-            if ReduceOp(op) is ReduceOp.MEAN:
-                mine.div_(n)
-            output.copy_(mine.view(output.shape))
+            owned = self._scratch_lock.acquire(blocking=False)  # another thread's call uses it: a copy
+            try:
+                work = self._working_copy(tensor) if owned else tensor.detach().reshape(-1).clone()
+                m = output.numel()
+                if n > 1 and m > 0:
+                    self._ring(work, seq, deadline, d=-1, steps=n - 1, reduce_steps=n - 1, reduce=reduce,
+                               segments=[(i * m, m) for i in range(n)])
+                mine = work[self._rank * m:(self._rank + 1) * m]
+                if ReduceOp(op) is ReduceOp.MEAN:
+                    mine.div_(n)
+                output.copy_(mine.view(output.shape))
+            finally:
+                if owned:
+                    self._scratch_lock.release()
 
         return self._run(deadline_op, run, async_op)
+
+    def _working_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` flattened into the kept scratch buffer (grown when too small)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        work = self._scratch[:nbytes].view(tensor.dtype)
+        work.copy_(tensor.detach().reshape(-1))
+        return work
 
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, *,
                                timeout: timedelta | None = None, async_op: bool = False) -> Work:
