@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +26,7 @@ from coordinator.reference import max_abs_diff, train_reference
 from coordinator.server import CoordinatorStatus
 from services.protocol import Empty, WorkerCard
 from services.rpc import RpcClient
+from tests.harness.http import http_get as _http
 from tests.harness.pods import LoopbackCluster, Pod
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240)]  # `make test` installs etcd: no etcd is a failure
@@ -50,14 +49,9 @@ seed: 3
 FLOAT32_TOLERANCE = 1e-5  # float32 sums in another order than one process's
 
 
-def _http(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return int(response.status), response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError as exc:
-        return 0, str(exc)
+def _done(metrics: str) -> bool:
+    """The coordinator at ``metrics`` wrote the final state_dict and its record."""
+    return "cellmesh_done 1.0" in _http(metrics + "/metrics")[1]
 
 
 def _wait(what: str, check: Callable[[], bool], cluster: LoopbackCluster, timeout: float) -> None:
@@ -128,7 +122,7 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
         metrics = f"http://127.0.0.1:{coordinator.port('metrics')}"
         _wait(
             "the coordinator's record of the finished job",
-            lambda: "cellmesh_done 1.0" in _http(metrics + "/metrics")[1],
+            lambda: _done(metrics),
             cluster,
             150,
         )
@@ -155,7 +149,7 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
         cluster.start(coordinator.name)
         _wait(
             "the restarted coordinator",
-            lambda: "cellmesh_done 1.0" in _http(metrics + "/metrics")[1],
+            lambda: _done(metrics),
             cluster,
             60,
         )
@@ -199,7 +193,7 @@ def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_t
         cluster.start(coordinator.name)
         _wait(
             "the successor's finished job",
-            lambda: "cellmesh_done 1.0" in _http(metrics + "/metrics")[1],
+            lambda: _done(metrics),
             cluster,
             150,
         )

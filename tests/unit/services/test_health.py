@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import socket
-import urllib.error
-import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from services.health import HealthServer
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return int(response.status), response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+from tests.harness.http import http_get as _get
 
 
 @pytest.fixture
