@@ -17,7 +17,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.dev-installed: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,etcd]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -33,7 +33,7 @@ demo: $(VENV)/.installed
 	$(BIN)/cellmesh demo
 
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check comm services coordinator tests bench examples
+	$(BIN)/ruff check cellmesh comm services coordinator tests bench examples
 	$(BIN)/mypy
 
 test: $(VENV)/.dev-installed etcd lint

@@ -67,7 +67,7 @@ def _time_ops(run: Any, barrier: Any, reps: int) -> dict[tuple[str, int], float]
 
 def _cellmesh_rank(rank: int, address: str, prefix: str, reps: int, backend: str, q: Any) -> None:
     torch.set_num_threads(1)
-    if backend == "zmq-sockets":  # the zmq backend without shared-memory bodies (comm/shm.py)
+    if backend == "zmq-sockets":  # the zmq backend without shared-memory bodies (comm/zmq/shm.py)
         os.environ["CELLMESH_SHM"] = "0"
         backend = "zmq"
     from comm.allocator import tune_malloc

@@ -1,4 +1,4 @@
-"""Bucketed, overlapped gradient all-reduce (services.grad_sync) against one flat all-reduce.
+"""Bucketed, overlapped gradient all-reduce (services.params.grad_sync) against one flat all-reduce.
 
 Two processes on loopback, one thread each; the model of FACTS.md (8 x Linear(1024,1024) +
 GELU, 8.4 M parameters, 34 MB of float32 gradients), local batch 32. Per step and per
@@ -47,7 +47,7 @@ def _rank(rank: int, address: str, prefix: str, backend: str, steps: int, q: Any
     from comm.base import ReduceOp
     from comm.factory import init_communicator
     from comm.registry import RemoteRegistry
-    from services.grad_sync import GradSync
+    from services.params.grad_sync import GradSync
 
     registry = RemoteRegistry(address)
     comm = init_communicator(backend, rank=rank, world_size=WORLD, registry=registry, prefix=prefix,

@@ -2,7 +2,7 @@
 
 The workers of a cellmesh job import these by name (``bench.models:mlp``), and the torch
 peers build the same modules from the same functions (seeded alike, see
-``coordinator.factories.build_cells``), so every configuration of the benchmark trains the
+``coordinator.runtime.factories.build_cells``), so every configuration of the benchmark trains the
 same model from the same initial parameters on the same samples.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.cell import Cell
+from services.compute.cell import Cell
 
 __all__ = ["UNEVEN_LAYERS", "WIDTH", "block", "mlp", "regression", "uneven"]
 

@@ -2,7 +2,7 @@
 
 One replica (this process, one torch thread) trains against a synchronous parameter
 service of 1 and of 2 shards, each shard in its own worker process (``python -m
-services.worker``): a parameter set of ``--mib`` MiB float32 in ``--tensors`` equal
+services.host.worker``): a parameter set of ``--mib`` MiB float32 in ``--tensors`` equal
 tensors, SGD on the shards. A step is ``push(grads, step)`` then ``pull(params,
 min_version=step + 1)`` (two calls), or the same as one ``push_pull`` (every request sent
 before any reply is awaited). Throughput is (bytes pushed + bytes pulled) / step time, so
@@ -38,7 +38,7 @@ import torch
 if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shadowing the comm package
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from services.param_client import PushPullClient
+from services.params.client import PushPullClient
 
 MIB = 1 << 20
 SHARDS = (1, 2)
@@ -99,9 +99,9 @@ def main() -> None:
     tune_malloc()
 
     from bench.comm import raw_ceiling
-    from services.param_client import ShardRef, setup_shards
+    from comm.rpc.service import RpcClient
+    from services.params.client import ShardRef, setup_shards
     from services.protocol import Assignment, AssignmentReply, Empty, OptimizerSpec, ShardInfo
-    from services.rpc import RpcClient
     from tests.harness.workers import registry_server, start_worker
 
     numel = args.mib * MIB // 4 // args.tensors

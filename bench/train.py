@@ -68,8 +68,8 @@ LOSS = "torch.nn:MSELoss"
 def _torch_setup(model_path: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
     """The model, the samples and the sampler exactly as a cellmesh job with this model builds them."""
     from bench.models import regression
-    from coordinator.data import BatchSampler
-    from coordinator.factories import build_cells, seeded
+    from coordinator.planning.data import BatchSampler
+    from coordinator.runtime.factories import build_cells, seeded
 
     model, _ = build_cells(model_path, {}, SEED)
     x, y = seeded(SEED, regression)
@@ -257,9 +257,9 @@ class TorchPool:
 
 def _profile(model: str, size: int, repeats: int) -> Any:
     """The model's profile on ``size`` samples, at least ``repeats`` timed runs per node and size."""
-    from coordinator.factories import build_cells, build_data
-    from coordinator.graph import build_graph
-    from coordinator.profile import profile_graph
+    from coordinator.planning.graph import build_graph
+    from coordinator.planning.profile import profile_graph
+    from coordinator.runtime.factories import build_cells, build_data
 
     _, cells = build_cells(model, {}, SEED)
     inputs, _ = build_data(DATA, {}, SEED).load(list(range(size)))
@@ -270,14 +270,14 @@ def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, floa
     """Every cellmesh configuration as a job with its plan fixed, and a second prediction of each plan.
 
     The plans come from one profile per model taken as ``Job.plan()`` takes it (8 samples,
-    at least 3 runs per node and size, see coordinator/profile.py), shared by the model's
+    at least 3 runs per node and size, see coordinator/planning/profile.py), shared by the model's
     jobs, so their predictions (and the even and the auto cut) differ only by the plan. The
     second prediction plays the same plan against a careful profile: on the plan's own
     microbatch size (no scaling), at least ``careful_repeats`` runs.
     """
-    from coordinator.job import Job
-    from coordinator.planner import choose_plan
-    from coordinator.resources import Resources
+    from coordinator.planning.planner import choose_plan
+    from coordinator.planning.resources import Resources
+    from coordinator.runtime.job import Job
 
     resources = Resources.local(WORLD)
     pipe = dict(data_parallel=1, num_stages=2, num_microbatches=MICROBATCHES)
@@ -347,7 +347,7 @@ def replay(plan: Any, resources: Any, forward_s: list[float], backward_s: list[f
     ``forward_s[s]`` / ``backward_s[s]``: stage ``s``'s measured time per microbatch. The
     transfers and the gradient sync are the cost model's, as in the plan.
     """
-    from coordinator.simulator import StageCosts, simulate
+    from coordinator.planning.simulator import StageCosts, simulate
 
     def transfer(nbytes: int) -> float:
         return 0.0 if nbytes <= 0 else resources.latency_s + nbytes / resources.bandwidth_bps
@@ -548,7 +548,7 @@ def main() -> None:
     from comm.allocator import tune_malloc
 
     tune_malloc()
-    from coordinator.harness import LocalHarness
+    from coordinator.runtime.harness import LocalHarness
 
     configs = [c for c in CONFIGS if not args.only or c.key in args.only.split(",")]
     started, load = time.monotonic(), os.getloadavg()[0]

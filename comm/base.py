@@ -65,7 +65,7 @@ class CompletedWork(Work):
 class Communicator(abc.ABC):
     """A group of ``world_size`` ranks that exchange tensors.
 
-    Backends: ``comm.zmq_backend.ZmqCommunicator``, ``comm.torch_backend.GlooCommunicator``
+    Backends: ``comm.zmq.backend.ZmqCommunicator``, ``comm.torch.backend.GlooCommunicator``
     and ``NcclCommunicator``; build one with :func:`comm.init_communicator`.
     """
 

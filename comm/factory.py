@@ -71,13 +71,13 @@ def init_communicator(
         liveness_ttl=liveness_ttl,
     )
     if name == "zmq":
-        from comm.zmq_backend import ZmqCommunicator
+        from comm.zmq.backend import ZmqCommunicator
 
         return ZmqCommunicator.create(**common, **options)
     if name == "gloo":
-        from comm.torch_backend import GlooCommunicator
+        from comm.torch.backend import GlooCommunicator
 
         return GlooCommunicator.create(**common, **options)
-    from comm.torch_backend import NcclCommunicator
+    from comm.torch.backend import NcclCommunicator
 
     return NcclCommunicator.create(**common, **options)

@@ -8,7 +8,7 @@ One data message is two frames, or one when its body is in shared memory::
 
 ``slot`` is -1 for a body in the message; a slot index ``>= 0`` means the message is the
 header alone and the body is in that slot of the receiver's shared-memory inbox from this
-peer (``comm/shm.py``, same-host peers only).
+peer (``comm/zmq/shm.py``, same-host peers only).
 
 A tensor larger than :data:`comm.sockets.CHUNK_BYTES` travels as several messages
 (parts), so libzmq never allocates one huge receive buffer and the receiver can work on
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from comm.codec import PROTOCOL_VERSION
@@ -45,6 +46,7 @@ __all__ = [
     "TensorHeader",
     "decode_header",
     "dtype_name",
+    "tensor_bytes",
 ]
 
 KIND_P2P = 0
@@ -193,3 +195,13 @@ def decode_header(frames_count: int, header: bytes, body_len: int) -> TensorHead
         nbytes=n,
         slot=slot,
     )
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A uint8 numpy view of a contiguous CPU tensor's memory (keeps the tensor alive)."""
+    assert t.is_contiguous() and t.device.type == "cpu", "tensor_bytes needs a contiguous CPU tensor"
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # torch calls a tensor of 0 or 1 elements contiguous whatever its stride; the byte view needs 1
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8).numpy()

@@ -1,5 +1,3 @@
-"""cellmesh services: stateless handlers hosted in worker processes."""
+"""cellmesh services: stateless handlers hosted in worker processes (compute, parameters, barrier)."""
 
-from services.cell import Cell, as_cells
-
-__all__ = ["Cell", "as_cells"]
+__all__: list[str] = []

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from comm.rpc.service import Call, RpcError, ServiceBase
 from services.protocol import BarrierArrive, BarrierReleased
-from services.rpc import Call, RpcError, ServiceBase
 
 __all__ = ["BarrierService"]
 

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from comm.codec import Message
+from comm.rpc.envelope import Empty, ErrorBody, Name, ReplyEnvelope, RequestEnvelope, TensorSpec
 from comm.wire import DTYPES, MAX_NDIM, MAX_TENSOR_BYTES
 
 __all__ = [
@@ -63,61 +64,6 @@ __all__ = [
     "ZeroGradRequest",
 ]
 
-Name = Annotated[str, Field(min_length=1, max_length=256)]
-
-
-class TensorSpec(Message):
-    """A tensor that follows the envelope as ``frames`` raw frames (split at 1 MiB)."""
-
-    name: Name
-    dtype: str
-    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
-    frames: int = Field(ge=1, le=1 << 20)
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        if v not in DTYPES:
-            raise ValueError(f"unknown dtype {v!r}; known: {', '.join(DTYPES)}")
-        return v
-
-    @field_validator("shape")
-    @classmethod
-    def _sane_size(cls, v: list[int]) -> list[int]:
-        if math.prod(v) > MAX_TENSOR_BYTES:
-            raise ValueError(f"shape {v} has more than {MAX_TENSOR_BYTES} elements")
-        return v
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
-
-
-class RequestEnvelope(Message):
-    id: int = Field(ge=0)
-    service: Name
-    method: Name
-    body: dict[str, Any]
-    tensors: list[TensorSpec] = Field(default_factory=list, max_length=1 << 16)
-
-
-class ErrorBody(Message):
-    code: str
-    message: str
-
-
-class ReplyEnvelope(Message):
-    id: int = Field(ge=0)
-    ok: bool
-    body: dict[str, Any] | None = None
-    error: ErrorBody | None = None
-    tensors: list[TensorSpec] = Field(default_factory=list, max_length=1 << 16)
-
-
-class Empty(Message):
-    """A body with nothing in it."""
-
-
 # -- worker control --------------------------------------------------------------------
 
 
@@ -131,7 +77,7 @@ class WorkerCard(Message):
     memory_bytes: int = Field(ge=0)
     gpus: int = Field(ge=0)
     services: list[str] = Field(default_factory=list)
-    rank: int | None = Field(default=None, ge=0)  # from RANK / PET_NODE_RANK (services/launch.py)
+    rank: int | None = Field(default=None, ge=0)  # from RANK / PET_NODE_RANK (services/host/launch.py)
     world_size: int | None = Field(default=None, ge=1)  # from WORLD_SIZE / PET_NNODES
 
 
@@ -164,8 +110,8 @@ class WorkerStatus(Message):
 
 
 # -- push/pull (parameter server) -------------------------------------------------------
-# The contract (modes, versions, clocks, dedup) is services/param_server.py's docstring; the
-# tensors of setup, pull and push travel as pieces named "{param}#{k}" (services/sharding.py).
+# The contract (modes, versions, clocks, dedup) is services/params/server.py's docstring; the
+# tensors of setup, pull and push travel as pieces named "{param}#{k}" (services/params/sharding.py).
 
 
 class OptimizerSpec(Message):
@@ -276,11 +222,11 @@ class BarrierReleased(Message):
 
 
 # -- cell compute -----------------------------------------------------------------------
-# The stage action IR and the boundary metadata; see services/compute.py for the contract.
+# The stage action IR and the boundary metadata; see services/compute/service.py for the contract.
 
 StageActionKind = Literal["forward", "backward", "send_act", "recv_act", "send_grad", "recv_grad"]
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
-MAX_BOUNDARY_TENSORS = 256  # tensors per cut; also the stride of transfer tags (services/boundary.py)
+MAX_BOUNDARY_TENSORS = 256  # tensors per cut; also the stride of transfer tags (services/compute/boundary.py)
 
 
 class BoundaryTensor(Message):
@@ -358,9 +304,9 @@ class ComputeOptions(Message):
     """``Assignment.options`` of a ``compute`` service: the plan fields one pipeline stage needs.
 
     Factories are ``"package.module:function"`` names: ``data`` returns the samples (see
-    ``services/stage.py``), ``loss`` returns ``loss(output, targets) -> scalar``.
+    ``services/compute/stage.py``), ``loss`` returns ``loss(output, targets) -> scalar``.
 
-    Data parallelism (``services/grad_path.py``): the stage is replica ``replica`` of
+    Data parallelism (``services/params/grad_path.py``): the stage is replica ``replica`` of
     ``num_replicas``. ``grad_path="collective"`` averages gradients with the stage's
     other replicas over a communicator that meets under ``dp_prefix`` (unique per stage and
     generation); ``"parameter_server"`` pushes them to ``shards`` (this stage's parameter
@@ -482,7 +428,7 @@ class StepReply(Message):
 
     Timings are wall-clock seconds (``time.time()``), kept as two flat lists (cheap to
     encode and validate): action ``k`` of the request ran from ``starts[k]`` to ``ends[k]``
-    (see services/executor.py).
+    (see services/compute/executor.py).
     """
 
     step: int

@@ -28,7 +28,6 @@ from comm.registry.base import (
     Watch,
     WatchEvent,
 )
-from comm.registry.etcd import EtcdRegistry, WatchRetry
 from comm.registry.memory import MemoryRegistry
 from comm.registry.remote import DEFAULT_REQUEST_TIMEOUT, RemoteRegistry
 from comm.registry.server import RegistryServer
@@ -37,7 +36,6 @@ __all__ = [
     "DEFAULT_REGISTRY_TIMEOUT",
     "DEFAULT_REQUEST_TIMEOUT",
     "SCHEMES",
-    "EtcdRegistry",
     "EventType",
     "KeepAlive",
     "KeyValue",
@@ -48,7 +46,6 @@ __all__ = [
     "RemoteRegistry",
     "Watch",
     "WatchEvent",
-    "WatchRetry",
     "connect_registry",
 ]
 
@@ -91,6 +88,11 @@ def connect_registry(url: str, *, request_timeout: timedelta = DEFAULT_REQUEST_T
             port = None
         if not parts.hostname:
             raise ValueError(f"registry URL {url!r}: an etcd:// URL needs a host (etcd://host:port)")
+        try:
+            from comm.registry.etcd import EtcdRegistry
+        except ImportError as exc:
+            raise ImportError(f"registry URL {url!r}: the etcd backend needs the etcd3 package ({exc}); "
+                              "install it with `pip install 'cellmesh[etcd]'`") from exc
         return EtcdRegistry(parts.hostname, port or _ETCD_DEFAULT_PORT, request_timeout=request_timeout)
     accepted = ", ".join(f"{s}://" for s in SCHEMES)
     raise ValueError(f"registry URL {url!r}: unknown scheme {parts.scheme!r}; accepted: {accepted}")

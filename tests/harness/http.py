@@ -1,4 +1,4 @@
-"""A bounded HTTP GET for tests of the probe and metrics endpoints (services/health.py)."""
+"""A bounded HTTP GET for tests of the probe and metrics endpoints (services/host/health.py)."""
 
 from __future__ import annotations
 

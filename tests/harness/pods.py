@@ -13,7 +13,7 @@ cluster has rewritten to this machine:
   arguments (``--port 7000``) are rewritten to the pod's own port;
 - image paths (``/app``, the mount paths of volumes) become directories of the test;
 - the image's commands (``cellmesh``, ``etcd``) become this interpreter's
-  ``-m coordinator.cli`` and the Debian etcd binary.
+  ``-m coordinator.commands.cli`` and the Debian etcd binary.
 
 Processes log to files in the work directory (``log(pod)``), run in sessions of their
 own, and are terminated, then killed, on :meth:`close` (also on errors in ``with``).
@@ -177,7 +177,7 @@ class LoopbackCluster:
                 arg = str(pod.ports[int(arg)])
             argv.append(self._rewrite(arg, pod))
         program = {
-            "cellmesh": [sys.executable, "-m", "coordinator.cli"],
+            "cellmesh": [sys.executable, "-m", "coordinator.commands.cli"],
             "etcd": [shutil.which("etcd") or "/usr/bin/etcd"],
         }
         return [*program.get(argv[0], argv[:1]), *argv[1:]], env

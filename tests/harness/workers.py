@@ -1,4 +1,4 @@
-"""Worker processes for tests: the real `python -m services.worker` entry point, always cleaned up."""
+"""Worker processes for tests: the real `python -m services.host.worker` entry point, always cleaned up."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from datetime import timedelta
 
 from comm.codec import unpack
 from comm.registry import RegistryServer, RemoteRegistry
+from services.host.worker import worker_key
 from services.protocol import WorkerCard
-from services.worker import worker_key
 
 __all__ = ["WorkerProcess", "registry_server", "start_worker"]
 
@@ -49,7 +49,7 @@ def start_worker(registry_address: str, job: str, name: str, *, lease_ttl: float
     """Start a worker process and wait (bounded) until its card is in the registry."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CELLMESH_LOG_LEVEL="WARNING")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.worker", "--registry", registry_address, "--job", job,
+        [sys.executable, "-m", "services.host.worker", "--registry", registry_address, "--job", job,
          "--name", name, "--lease-ttl", str(lease_ttl)],
         env=env, stdout=subprocess.DEVNULL,
     )

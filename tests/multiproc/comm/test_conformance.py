@@ -20,7 +20,7 @@ CHECKS = "tests.multiproc.comm.checks"
 WORLD_SIZES = (1, 2, 3, 4)
 
 
-# the zmq backend's body paths between ranks on one host (comm/shm.py): the default (shared memory
+# the zmq backend's body paths between ranks on one host (comm/zmq/shm.py): the default (shared memory
 # for bodies of 64 KiB and more), every body through shared memory, and sockets only
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "zmq-shm": ("zmq", {"CELLMESH_SHM_MIN_BYTES": "1"}),

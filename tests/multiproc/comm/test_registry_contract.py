@@ -36,7 +36,6 @@ import zmq
 from comm.codec import pack
 from comm.errors import ProtocolError, RegistryError, RegistryTimeoutError
 from comm.registry import (
-    EtcdRegistry,
     EventType,
     KeepAlive,
     MemoryRegistry,
@@ -45,9 +44,9 @@ from comm.registry import (
     RemoteRegistry,
     Watch,
     WatchEvent,
-    WatchRetry,
     connect_registry,
 )
+from comm.registry.etcd import EtcdRegistry, WatchRetry
 from comm.registry.protocol import (
     ErrorReply,
     EventsReply,

@@ -19,7 +19,7 @@ import zmq
 
 from comm.codec import PROTOCOL_VERSION
 from comm.registry.memory import MemoryRegistry
-from comm.zmq_backend import ZmqCommunicator
+from comm.zmq.backend import ZmqCommunicator
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -88,7 +88,7 @@ GARBAGE: dict[str, list[bytes]] = {
     "body longer than header": [_pack(*_good()), b"\0" * 17],
     "bytes past the tensor": [_pack(*_good(offset=8)), b"\0" * 16],
     "claims another source": [_pack(*_good(src=1)), b"\0" * 16],
-    # a header naming a shared-memory slot (same-host peers, comm/shm.py)
+    # a header naming a shared-memory slot (same-host peers, comm/zmq/shm.py)
     "slot that does not exist": [_pack(*_good(slot=99))],
     "slot not marked full": [_pack(*_good(slot=0))],
     "body larger than a slot": [_pack(*_good(shape=[2 << 20], nbytes=(4 << 20) + 4, slot=1))],
@@ -118,7 +118,7 @@ def test_garbage_is_dropped_and_the_rank_keeps_serving(
             attacker.send_multipart(frames)
         # a valid operation after the garbage: rank 1 reads the channel from rank 0, meets every bad
         # message first, drops each, and still completes the all_reduce and a point-to-point receive
-        with caplog.at_level(logging.ERROR, logger="comm.zmq_transport"):
+        with caplog.at_level(logging.ERROR, logger="comm.zmq.transport"):
             results: dict[int, torch.Tensor] = {}
 
             def rank(c: ZmqCommunicator) -> Callable[[], None]:

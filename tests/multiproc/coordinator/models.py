@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.cell import Cell
+from services.compute.cell import Cell
 
 IN, HIDDEN, OUT = 6, 12, 3
 NUM_SAMPLES = 64

@@ -1,4 +1,4 @@
-"""Workers started elsewhere (coordinator/cluster.py) and the entry points' refusals, on a served registry."""
+"""Workers started elsewhere (coordinator/runtime/cluster.py) and the entry points' refusals."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 
 from comm.codec import pack
 from comm.registry import RegistryServer
-from coordinator.cluster import ClusterWorkers
+from coordinator.runtime.cluster import ClusterWorkers
+from services.host.worker import worker_key
 from services.protocol import WorkerCard
-from services.worker import worker_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +89,7 @@ def test_inconsistent_cards_are_refused(
 
 def _cellmesh(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
+        [sys.executable, "-m", "coordinator.commands.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -130,7 +130,7 @@ def test_the_coordinator_names_the_missing_workers_and_exits_2(
 def test_the_worker_refuses_a_bad_launch_environment(env: dict[str, str], message: str) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "CELLMESH_REGISTRY"))}
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "worker"],
+        [sys.executable, "-m", "coordinator.commands.cli", "worker"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -9,10 +9,10 @@ from datetime import timedelta
 
 import pytest
 
-from coordinator.harness import LocalHarness
-from coordinator.job import Job
-from coordinator.resources import Resources
-from coordinator.runtime import JobFailed
+from coordinator.planning.resources import Resources
+from coordinator.runtime.driver import JobFailed
+from coordinator.runtime.harness import LocalHarness
+from coordinator.runtime.job import Job
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -2,7 +2,7 @@
 
 One harness of four worker processes serves every job of this module (``Job.attach``);
 each job places its own services, trains 5 steps, is compared with
-``coordinator.reference.train_reference`` and releases its services.
+``coordinator.runtime.reference.train_reference`` and releases its services.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.harness import LocalHarness
-from coordinator.job import FitResult, Job
-from coordinator.reference import max_abs_diff, train_reference
-from coordinator.resources import Resources
+from coordinator.planning.resources import Resources
+from coordinator.runtime.harness import LocalHarness
+from coordinator.runtime.job import FitResult, Job
+from coordinator.runtime.reference import max_abs_diff, train_reference
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,7 +133,7 @@ def test_auto_trains_like_the_same_plan_fixed_by_hand(harness: LocalHarness) -> 
 
 
 def test_a_service_error_stops_the_job_naming_worker_service_and_step(harness: LocalHarness) -> None:
-    from coordinator.runtime import JobFailed
+    from coordinator.runtime.driver import JobFailed
 
     job = Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:failing_data", num_samples=64, shuffle=False,
               global_batch=16, data_parallel=2, num_stages=1, num_microbatches=1,

@@ -20,12 +20,12 @@ import torch
 
 from comm.codec import unpack
 from comm.registry import connect_registry
-from coordinator.jobspec import load_job
-from coordinator.k8s.render import RenderOptions, render
-from coordinator.reference import max_abs_diff, train_reference
-from coordinator.server import CoordinatorStatus
+from comm.rpc.service import RpcClient
+from coordinator.commands.jobspec import load_job
+from coordinator.commands.k8s.render import RenderOptions, render
+from coordinator.commands.server import CoordinatorStatus
+from coordinator.runtime.reference import max_abs_diff, train_reference
 from services.protocol import Empty, WorkerCard
-from services.rpc import RpcClient
 from tests.harness.http import http_get as _http
 from tests.harness.pods import LoopbackCluster, Pod
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.run import report
-from coordinator.runtime import JobFailed
+from coordinator.commands.run import report
+from coordinator.runtime.driver import JobFailed
 from examples import charlm
 from tests.multiproc.coordinator import models
 
@@ -37,9 +37,9 @@ Proc = subprocess.CompletedProcess[str]
 
 
 def cellmesh(*args: str | Path, timeout: float = RUN_TIMEOUT) -> Proc:
-    """The installed ``cellmesh`` command (``python -m coordinator.cli`` without one), from the repo root."""
+    """The installed ``cellmesh`` command (else ``python -m coordinator.commands.cli``), run in the repo."""
     script = Path(sys.executable).with_name("cellmesh")
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "coordinator.cli"]
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "coordinator.commands.cli"]
     return subprocess.run([*cmd, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           check=False)
 
@@ -102,7 +102,7 @@ def test_job_module_with_its_own_factories(tmp_path: Path) -> None:
         import torch
         from torch import nn
 
-        from coordinator.job import Job
+        from coordinator.runtime.job import Job
 
         STEPS = 3
 

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from comm.rpc.service import RpcClient, RpcError
 from comm.wire import dtype_name
-from services.cell import as_cells, cell_parameters
+from services.compute.cell import as_cells, cell_parameters
 from services.protocol import (
     Assignment,
     AssignmentReply,
@@ -30,7 +31,6 @@ from services.protocol import (
     StepReply,
     TensorsReply,
 )
-from services.rpc import RpcClient, RpcError
 from tests.multiproc.services import models
 
 SEED = 7

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from comm.base import Communicator
-from services.grad_sync import GradSync
+from services.params.grad_sync import GradSync
 
 GLOBAL_BATCH = 16
 IN, HIDDEN, OUT = 8, 16, 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.cell import Cell
+from services.compute.cell import Cell
 
 __all__ = ["IN", "NUM_SAMPLES", "OUT", "mlp", "mse", "regression", "skip_model"]
 

@@ -18,6 +18,7 @@ import torch
 
 from comm.codec import PROTOCOL_VERSION
 from comm.registry import RegistryServer
+from comm.rpc.service import RpcClient, RpcError
 from services.protocol import (
     Assignment,
     AssignmentReply,
@@ -31,7 +32,6 @@ from services.protocol import (
     RunStep,
     StepReply,
 )
-from services.rpc import RpcClient, RpcError
 from tests.harness.workers import WorkerProcess, registry_server, start_worker
 from tests.multiproc.services import models
 from tests.multiproc.services.compute_checks import (

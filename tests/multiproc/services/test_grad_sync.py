@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.grad_sync import assign_buckets
+from services.params.grad_sync import assign_buckets
 from tests.harness.procs import RankGroup
 from tests.multiproc.services import dp_checks
 

@@ -23,9 +23,11 @@ from torch import nn
 
 from comm.codec import PROTOCOL_VERSION
 from comm.registry import RegistryServer
+from comm.rpc.service import RpcClient, RpcError
 from comm.sockets import CHUNK_BYTES
-from services.param_client import PushPullClient, ShardRef, setup_shards
-from services.param_store import ParamStore
+from services.params.client import PushPullClient, ShardRef, setup_shards
+from services.params.sharding import join_pieces, piece_slices, plan_shards, split_pieces
+from services.params.store import ParamStore
 from services.protocol import (
     Assignment,
     AssignmentReply,
@@ -39,8 +41,6 @@ from services.protocol import (
     ShardInfo,
     ShardSetup,
 )
-from services.rpc import RpcClient, RpcError
-from services.sharding import join_pieces, piece_slices, plan_shards, split_pieces
 from tests.harness.workers import WorkerProcess, registry_server, start_worker
 
 JOB = "t-param-server"

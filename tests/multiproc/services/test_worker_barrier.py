@@ -12,9 +12,9 @@ import pytest
 
 from comm.codec import pack
 from comm.registry import RegistryServer, RemoteRegistry
+from comm.rpc.service import RpcClient, RpcError
+from services.host.worker import worker_key
 from services.protocol import Assignment, AssignmentReply, BarrierArrive, BarrierReleased, Empty, WorkerStatus
-from services.rpc import RpcClient, RpcError
-from services.worker import worker_key
 from tests.harness.workers import WorkerProcess, registry_server, start_worker
 
 JOB = "t-worker"

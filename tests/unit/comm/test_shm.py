@@ -1,4 +1,4 @@
-"""Shared-memory bodies (comm/shm.py): slots handed over and back, full inboxes, bad slots, cleanup."""
+"""Shared-memory bodies (comm/zmq/shm.py): slots handed over and back, full inboxes, bad slots, cleanup."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from comm import shm
 from comm.errors import ProtocolError
 from comm.sockets import CHUNK_BYTES
+from comm.zmq import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="shared-memory bodies need x86-64 and /dev/shm")
 
@@ -80,7 +80,7 @@ def test_close_unlinks_and_an_outbox_needs_a_real_inbox() -> None:
 
 
 def test_inboxes_of_dead_processes_are_swept() -> None:
-    code = "from comm import shm; box = shm.Inbox(); print(box.path, flush=True); import os; os._exit(0)"
+    code = "from comm.zmq import shm; box = shm.Inbox(); print(box.path, flush=True); import os; os._exit(0)"
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

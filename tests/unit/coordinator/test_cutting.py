@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.cutting import (
+from coordinator.planning.cutting import (
     CUTTERS,
     CutError,
     CutProblem,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.graph import Graph, build_graph
-from services.cell import Cell
+from coordinator.planning.graph import Graph, build_graph
+from services.compute.cell import Cell
 
 
 class SkipNet(nn.Module):

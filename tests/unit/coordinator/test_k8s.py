@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from coordinator.cli import main
-from coordinator.jobspec import JobSpec, JobSpecError, load_job
-from coordinator.k8s.lint import Expect, lint
-from coordinator.k8s.render import RenderOptions, render, write
+from coordinator.commands.cli import main
+from coordinator.commands.jobspec import JobSpec, JobSpecError, load_job
+from coordinator.commands.k8s.lint import Expect, lint
+from coordinator.commands.k8s.render import RenderOptions, render, write
 
 REPO = Path(__file__).resolve().parents[3]
 CHARLM = REPO / "examples" / "charlm.yaml"

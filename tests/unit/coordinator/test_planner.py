@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.cutting import CutProblem, cut_even, cut_min_max
-from coordinator.graph import build_graph
-from coordinator.plan import Plan
-from coordinator.planner import (
+from coordinator.planning.cutting import CutProblem, cut_even, cut_min_max
+from coordinator.planning.graph import build_graph
+from coordinator.planning.plan import Plan
+from coordinator.planning.planner import (
     COLLECTIVE_EFFICIENCY,
     SHARED_HOST_SLOWDOWN,
     PlanningError,
@@ -19,10 +19,10 @@ from coordinator.planner import (
     cut_problem,
     format_candidates,
 )
-from coordinator.profile import Profile, profile_graph
-from coordinator.resources import Resources, Worker
-from coordinator.schedules import validate_schedule
-from services.cell import Cell
+from coordinator.planning.profile import Profile, profile_graph
+from coordinator.planning.resources import Resources, Worker
+from coordinator.planning.schedules import validate_schedule
+from services.compute.cell import Cell
 
 MiB = 2**20
 

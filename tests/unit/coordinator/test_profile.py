@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.graph import build_graph
-from coordinator.profile import Profile, format_bytes, profile_graph
-from services.cell import Cell
+from coordinator.planning.graph import build_graph
+from coordinator.planning.profile import Profile, format_bytes, profile_graph
+from services.compute.cell import Cell
 
 
 def mlp() -> list[Cell]:

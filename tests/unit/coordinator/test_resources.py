@@ -7,7 +7,7 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from coordinator.resources import Link, Resources, Worker
+from coordinator.planning.resources import Link, Resources, Worker
 
 
 def test_local_describes_this_machine() -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from coordinator.schedules import (
+from coordinator.planning.schedules import (
     Action,
     ActionKind,
     Schedule,

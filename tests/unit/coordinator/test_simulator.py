@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.schedules import (
+from coordinator.planning.schedules import (
     Action,
     ActionKind,
     Schedule,
@@ -20,7 +20,7 @@ from coordinator.schedules import (
     gpipe,
     one_f_one_b,
 )
-from coordinator.simulator import StageCosts, TimedAction, draw_timeline, simulate
+from coordinator.planning.simulator import StageCosts, TimedAction, draw_timeline, simulate
 
 
 @settings(max_examples=60, deadline=None)

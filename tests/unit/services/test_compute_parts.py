@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from services.actions import ActionListError, validate_actions
-from services.boundary import BoundaryError, empty_buffers, flatten, shapes_at, unflatten
-from services.cell import Cell, as_cells, cell_parameters
-from services.compute import CellComputeService
+from comm.rpc.service import RpcClient, RpcError, ServiceHost
+from services.compute.actions import ActionListError, validate_actions
+from services.compute.boundary import BoundaryError, empty_buffers, flatten, shapes_at, unflatten
+from services.compute.cell import Cell, as_cells, cell_parameters
+from services.compute.service import CellComputeService
 from services.protocol import (
     Assignment,
     BoundarySpec,
@@ -22,7 +23,6 @@ from services.protocol import (
     StepReply,
     TensorsReply,
 )
-from services.rpc import RpcClient, RpcError, ServiceHost
 from tests.multiproc.services import models
 from tests.multiproc.services.compute_checks import GPIPE, MODELS, ONE_F_ONE_B, parse_actions, reference
 

@@ -1,4 +1,4 @@
-"""The probe and metrics endpoint (services/health.py), over a real socket."""
+"""The probe and metrics endpoint (services/host/health.py), over a real socket."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from services.health import HealthServer
+from services.host.health import HealthServer
 from tests.harness.http import http_get as _get
 
 

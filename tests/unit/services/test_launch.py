@@ -1,10 +1,10 @@
-"""The launcher variables a worker honours (services/launch.py): torchrun's and Kubeflow Trainer's PET_*."""
+"""The launcher variables a worker honours (services/host/launch.py): torchrun's and Kubeflow's PET_*."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.launch import LaunchEnv, LaunchEnvError, read_launch_env
+from services.host.launch import LaunchEnv, LaunchEnvError, read_launch_env
 
 
 def test_nothing_set_says_nothing() -> None:

@@ -1,0 +1,89 @@
+"""cellmesh: distributed training for PyTorch, as small stateless services under one coordinator.
+
+The public API is this package's ``__all__``; everything else (``comm``, ``services``,
+``coordinator``) is internal and may change. Names load on first use, so ``import
+cellmesh`` (and the ``cellmesh`` command's ``--help``) costs no torch import::
+
+    import cellmesh
+
+    job = cellmesh.Job(model="mypackage.model:build", loss="mypackage.model:loss",
+                       data="mypackage.data:samples", resources=cellmesh.Resources.local(workers=2))
+    result = job.fit(steps=100)
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from comm.errors import CommError, CommTimeoutError, PeerLostError, RegistryError
+    from coordinator.planning.cutting import CutError
+    from coordinator.planning.plan import Plan
+    from coordinator.planning.planner import PlanningError
+    from coordinator.planning.resources import Link, Resources, Worker
+    from coordinator.planning.schedules import ScheduleError
+    from coordinator.runtime.driver import JobFailed
+    from coordinator.runtime.job import FitResult, Job
+    from services.compute.cell import Cell, as_cells
+
+# name -> the module that defines it; imported on first access (PEP 562).
+_EXPORTS: dict[str, str] = {
+    "Job": "coordinator.runtime.job",
+    "FitResult": "coordinator.runtime.job",
+    "Resources": "coordinator.planning.resources",
+    "Worker": "coordinator.planning.resources",
+    "Link": "coordinator.planning.resources",
+    "Plan": "coordinator.planning.plan",
+    "Cell": "services.compute.cell",
+    "as_cells": "services.compute.cell",
+    # errors
+    "JobFailed": "coordinator.runtime.driver",
+    "PlanningError": "coordinator.planning.planner",
+    "CutError": "coordinator.planning.cutting",
+    "ScheduleError": "coordinator.planning.schedules",
+    "CommError": "comm.errors",
+    "CommTimeoutError": "comm.errors",
+    "PeerLostError": "comm.errors",
+    "RegistryError": "comm.errors",
+}
+
+try:
+    __version__ = version("cellmesh")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Cell",
+    "CommError",
+    "CommTimeoutError",
+    "CutError",
+    "FitResult",
+    "Job",
+    "JobFailed",
+    "Link",
+    "PeerLostError",
+    "Plan",
+    "PlanningError",
+    "RegistryError",
+    "Resources",
+    "ScheduleError",
+    "Worker",
+    "__version__",
+    "as_cells",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cellmesh' has no attribute {name!r}; the public names are "
+                             f"{', '.join(sorted(_EXPORTS))}")
+    value = getattr(importlib.import_module(module), name)  # an ImportError here is real: let it show
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,1 @@
+"""gloo and NCCL through torch.distributed process groups."""

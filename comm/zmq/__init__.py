@@ -1,0 +1,1 @@
+"""cellmesh's own ZeroMQ transport: point to point, collectives, shared-memory bodies."""

@@ -1,0 +1,365 @@
+"""Point-to-point channels of the ZeroMQ backend: sockets, message matching, deadlines, liveness.
+
+Every ordered pair of ranks (i -> j) has its own channel: i owns a PUSH socket
+connected to a PULL socket that j bound for i alone. So a receiver reads exactly the
+peer it waits for, and ZeroMQ's per-connection ordering gives per-pair FIFO order.
+
+Matching. A reader wants one message key ``(group, kind, seq, tag, part)``. It first
+looks in the channel's stash (messages read earlier that belonged to another
+operation), then reads the socket; a message with another key is stashed for its
+owner. Readers hold the channel's lock only while reading one message, so two threads
+waiting on the same peer (a blocking recv and an async collective) never deadlock.
+
+Progress. Sends go to libzmq at once (its I/O threads move the bytes in the
+background); receives are completed by whichever thread waits for them. Bytes in flight
+arrive into libzmq's queue meanwhile, so transfers overlap the caller's compute.
+
+Zero copy. Sends hand libzmq a view of the tensor's memory (``copy=False``) and keep
+the tracker: a region must not be written until its tracker is done (see
+:meth:`Transport.send`). Receives hand back libzmq's frame, which callers reduce
+from or copy into place.
+
+Shared memory. Between two ranks on the same host a body of :data:`comm.zmq.shm.MIN_BYTES`
+or more goes through a slot of the receiver's shared-memory inbox when one is free
+(see [Note: the shared-memory inbox] in ``comm/zmq/shm.py``): the message is then the header
+alone, the send copies once and needs no tracker, and the receiver reads the slot and
+hands it back with :meth:`Transport.release` once it has reduced or copied it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from datetime import timedelta
+from typing import Any, Literal
+
+import numpy as np
+import zmq
+
+from comm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
+from comm.rendezvous import Rendezvous
+from comm.sockets import SocketLimits, bind_port, default_host, make_socket
+from comm.wire import MessageKey, TensorHeader, decode_header
+from comm.zmq import shm
+
+__all__ = ["Body", "Deadline", "Transport"]
+
+log = logging.getLogger(__name__)
+
+_POLL_SLICE_MS = 100  # how often a blocked reader checks its deadline and peer liveness
+_CLOSED_GRACE_S = 1.0  # a peer that closed cleanly may still have messages on the wire
+STASH_LIMIT_BYTES = 4 << 30
+ZERO_COPY_MIN_BYTES = 64 << 10  # smaller bodies are copied into the message: cheaper than tracking them
+
+
+class Deadline:
+    """A point in time by which an operation must finish, with the operation's name for errors."""
+
+    __slots__ = ("at", "name", "op", "timeout")
+
+    def __init__(self, timeout: timedelta, op: str) -> None:
+        self.timeout = timeout.total_seconds()
+        self.at = time.monotonic() + self.timeout
+        self.op = op  # the call with its arguments, for messages: "recv(src=0, tag=3)"
+        self.name = op.split("(", 1)[0]  # the bare operation, for the error's `op` attribute
+
+    def left_ms(self) -> int:
+        return max(0, int((self.at - time.monotonic()) * 1000))
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
+
+
+def host_key() -> str:
+    """Identifies this host's filesystem namespace: hostname plus the kernel's boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _Copied:
+    """A body held in private memory (a shared-memory body stashed for a later reader)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+
+Body = zmq.Frame | shm.ShmBody | _Copied  # what a receive hands back: all have ``.buffer``
+
+
+class _Channel:
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.push: zmq.Socket[bytes] | None = None
+        self.pull: zmq.Socket[bytes] | None = None
+        self.send_lock = threading.Lock()
+        self.recv_lock = threading.Lock()
+        self.stash: dict[MessageKey, deque[tuple[TensorHeader, Body]]] = {}
+        self.stash_bytes = 0
+        self.address = ""
+        self.inbox: shm.Inbox | None = None  # bodies from this peer in shared memory
+        self.outbox: shm.Outbox | None = None  # bodies to this peer in shared memory
+
+
+class Transport:
+    """The sockets of one rank of a ZeroMQ communicator, shared by its sub-groups.
+
+    Args:
+        rendezvous: the world's rendezvous (addresses and liveness).
+        host: the address to bind data sockets on (:func:`comm.sockets.default_host` by default).
+    """
+
+    def __init__(self, rendezvous: Rendezvous, *, host: str | None = None,
+                 transport: Literal["auto", "tcp"] = "auto") -> None:
+        if transport not in ("auto", "tcp"):
+            raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
+        self.transport = transport
+        self._ipc_paths: list[str] = []
+        self.rendezvous = rendezvous
+        self.rank = rendezvous.rank
+        self.world_size = rendezvous.world_size
+        self.host = host or default_host()
+        self.channels: dict[int, _Channel] = {}
+        self.bad_messages = 0
+        self._closed = False
+
+    def bind(self) -> dict[str, Any]:
+        """Bind one PULL socket per peer; return the card entries peers connect with.
+
+        Each PULL socket is bound on TCP and, unless ``transport="tcp"``, also on a Unix
+        domain socket (``ipc://``): a peer on the same host (same hostname and boot id)
+        connects over IPC, which skips the TCP stack (see docs/benchmarks.md), and writes
+        large bodies into the shared-memory inbox made for it (``comm/zmq/shm.py``).
+        """
+        tcp: dict[str, str] = {}
+        ipc: dict[str, str] = {}
+        inboxes: dict[str, str] = {}
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            ch = _Channel(peer)
+            ch.pull = make_socket(zmq.PULL, SocketLimits.data())
+            tcp[str(peer)] = bind_port(ch.pull, self.host)
+            if self.transport != "tcp":
+                path = os.path.join(tempfile.gettempdir(), f"cm-{uuid.uuid4().hex[:16]}.sock")
+                ch.pull.bind(f"ipc://{path}")
+                self._ipc_paths.append(path)
+                ipc[str(peer)] = f"ipc://{path}"
+                if shm.available():
+                    try:
+                        ch.inbox = shm.Inbox()
+                        inboxes[str(peer)] = ch.inbox.path
+                    except OSError as exc:  # /dev/shm full or missing: bodies go through the socket
+                        log.warning("[rank %d] no shared-memory inbox for rank %d (%s); using the socket",
+                                    self.rank, peer, exc)
+            self.channels[peer] = ch
+        return {"data": tcp, "ipc": ipc, "shm": inboxes, "host_key": host_key()}
+
+    def connect(self, cards: list[dict[str, Any]]) -> None:
+        """Connect a PUSH socket to every peer's PULL socket bound for this rank (IPC if same host)."""
+        mine = host_key()
+        for peer, ch in self.channels.items():
+            card = cards[peer]
+            ipc = card.get("ipc", {}).get(str(self.rank))
+            use_ipc = self.transport != "tcp" and ipc and card.get("host_key") == mine
+            address = ipc if use_ipc else card["data"][str(self.rank)]
+            ch.push = make_socket(zmq.PUSH, SocketLimits.data())
+            ch.push.connect(address)
+            ch.address = address
+            inbox = card.get("shm", {}).get(str(self.rank))
+            if use_ipc and inbox and shm.available():
+                try:
+                    ch.outbox = shm.Outbox(str(inbox))
+                except OSError as exc:
+                    log.warning("[rank %d] cannot map rank %d's shared-memory inbox (%s); using the socket",
+                                self.rank, peer, exc)
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send(
+        self,
+        peer: int,
+        header: TensorHeader,
+        body: np.ndarray[Any, Any] | bytes,
+        deadline: Deadline,
+        members: tuple[int, ...],
+    ) -> zmq.MessageTracker | None:
+        """Queue one message to ``peer``; return the tracker of a zero-copy body (None if copied).
+
+        Blocks only while the channel is at its high-water mark, bounded by ``deadline``.
+        """
+        ch = self.channels[peer]
+        assert ch.push is not None
+        frames: list[Any] = [header.encode(), body]
+        size = body.nbytes if isinstance(body, np.ndarray) else len(body)
+        if ch.outbox is not None and isinstance(body, np.ndarray) and size >= shm.MIN_BYTES:
+            with ch.send_lock:
+                slot = ch.outbox.put(body)
+            if slot is not None:
+                frames = [dataclasses.replace(header, slot=slot).encode()]
+        # a tracked zero-copy send costs ~0.1 ms of pyzmq bookkeeping: only a large body is worth it
+        zero_copy = len(frames) == 2 and size >= ZERO_COPY_MIN_BYTES
+        with ch.send_lock:
+            while True:
+                try:
+                    if not zero_copy:
+                        ch.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+                        return None
+                    tracker = ch.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+                    return tracker if isinstance(tracker, zmq.MessageTracker) else None
+                except zmq.Again:
+                    self._check_progress(peer, deadline, members, "send to")
+                    ch.push.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1), zmq.POLLOUT)
+
+    # -- receiving --------------------------------------------------------------------
+
+    def recv(
+        self, peer: int, key: MessageKey, deadline: Deadline, members: tuple[int, ...]
+    ) -> tuple[TensorHeader, Body]:
+        """The message with ``key`` from ``peer``: its header and body (zero-copy).
+
+        Hand the body back with :meth:`release` once it has been read.
+        """
+        ch = self.channels[peer]
+        assert ch.pull is not None
+        closed_since: float | None = None
+        while True:
+            with ch.recv_lock:
+                queue = ch.stash.get(key)
+                if queue:
+                    header, body = queue.popleft()
+                    if not queue:
+                        del ch.stash[key]
+                    ch.stash_bytes -= header.nbytes
+                    return header, body
+                if ch.pull.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1), zmq.POLLIN):
+                    got = self._read_one(ch)
+                    if got is None:
+                        continue
+                    header, body = got
+                    if header.key == key:
+                        return header, body
+                    self._stash(ch, header, body)
+                    continue
+            # nothing arrived within a slice: is the peer still there, is time up?
+            try:
+                self._check_progress(peer, deadline, members, "receive from")
+            except PeerLostError:
+                # a peer that closed cleanly may still have this message in flight
+                if self.rendezvous.lost().get(peer) != "closed":
+                    raise
+                closed_since = closed_since or time.monotonic()
+                if time.monotonic() - closed_since > _CLOSED_GRACE_S:
+                    raise
+
+    def _read_one(self, ch: _Channel) -> tuple[TensorHeader, Body] | None:
+        assert ch.pull is not None
+        try:
+            frames = ch.pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        try:
+            body_len = len(frames[1].buffer) if len(frames) == 2 else -1
+            header = decode_header(len(frames), frames[0].bytes, body_len)
+            if header.src != ch.peer:
+                raise ProtocolError(f"message claims src={header.src} on the channel from rank {ch.peer}")
+            if header.slot < 0:
+                return header, frames[1]
+            if ch.inbox is None:
+                raise ProtocolError(f"a shared-memory body from rank {ch.peer}, which has no inbox here")
+            return header, ch.inbox.take(header.slot, header.nbytes)
+        except ProtocolError as exc:
+            self.bad_messages += 1
+            log.error("[rank %d] dropped a bad data message on the channel from rank %d: %s",
+                      self.rank, ch.peer, exc)
+            return None
+
+    def release(self, peer: int, body: Body) -> None:
+        """``body`` (from :meth:`recv`) has been read: a shared-memory slot goes back to ``peer``."""
+        if isinstance(body, shm.ShmBody):
+            inbox = self.channels[peer].inbox
+            assert inbox is not None
+            inbox.release(body)
+
+    def _stash(self, ch: _Channel, header: TensorHeader, body: Body) -> None:
+        ch.stash_bytes += header.nbytes
+        if ch.stash_bytes > STASH_LIMIT_BYTES:
+            raise CommError(
+                f"rank {self.rank}: over {STASH_LIMIT_BYTES >> 30} GiB of unmatched messages from rank "
+                f"{ch.peer}; the ranks' operations are out of step (every rank must issue "
+                "collectives in the same order, and every send needs a matching recv)"
+            )
+        if isinstance(body, shm.ShmBody):  # a stashed body must not hold a slot the sender waits for
+            copied = _Copied(bytes(body.buffer))
+            self.release(ch.peer, body)
+            body = copied
+        ch.stash.setdefault(header.key, deque()).append((header, body))
+
+    def _check_progress(self, peer: int, deadline: Deadline, members: tuple[int, ...], what: str) -> None:
+        self.rendezvous.check(members, deadline.op)
+        if deadline.expired():
+            raise CommTimeoutError(
+                f"{deadline.op} on rank {self.rank}: timed out after {deadline.timeout:.1f}s waiting "
+                f"to {what} rank {peer}",
+                op=deadline.name,
+                peer=peer,
+                waited=deadline.timeout,
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ch in self.channels.values():
+            for sock in (ch.push, ch.pull):
+                if sock is not None:
+                    sock.close()
+            ch.stash.clear()
+            for box in (ch.inbox, ch.outbox):
+                if box is not None:
+                    box.close()
+        for path in self._ipc_paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline,
+                  rendezvous: Rendezvous | None = None, members: tuple[int, ...] = ()) -> None:
+    """Wait until libzmq has released every tracked zero-copy buffer.
+
+    A send to a peer that died never completes, so the wait runs in slices and, between
+    them, asks ``rendezvous`` whether one of ``members`` was lost (raising PeerLostError
+    naming it) before the deadline's CommTimeoutError.
+    """
+    for tracker in trackers:
+        while not tracker.done:
+            left = deadline.at - time.monotonic()
+            try:
+                tracker.wait(max(0.0, min(left, _POLL_SLICE_MS / 1000)))
+                continue
+            except zmq.NotDone:
+                pass
+            # a whole slice without completion: is a member gone, is time up?
+            if rendezvous is not None:
+                rendezvous.check(members, deadline.op)
+            if deadline.expired():
+                raise CommTimeoutError(
+                    f"{deadline.op}: timed out after {deadline.timeout:.1f}s waiting for a send to complete",
+                    op=deadline.name,
+                    peer=None,
+                    waited=deadline.timeout,
+                )
+    trackers.clear()

@@ -1,0 +1,1 @@
+"""The command line: run, coordinator, worker, demo, plan, k8s render."""

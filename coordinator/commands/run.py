@@ -1,0 +1,298 @@
+"""``cellmesh run JOB``: load a job, print its plan, train with progress, write the final state_dict.
+
+:func:`run_job` is the whole command without the argument parsing (``coordinator/commands/cli.py``)
+and is what ``cellmesh demo`` calls too:
+
+1. load the job (``coordinator/commands/jobspec.py``: a spec file or a job module), check its
+   optimizer builds and the output path is writable;
+2. plan it (profile on a sample microbatch, ask the planner) and print the plan's table;
+3. start the local harness (``Resources.local``: an embedded registry and one worker
+   process per resource worker) and place the plan's services;
+4. train, showing each finished step (``coordinator/commands/progress.py``);
+5. write the final parameters with ``torch.save`` as a plain ``{name: tensor}`` dict that
+   loads into the job's model with ``strict=True`` (``torch.load(path, weights_only=True)``),
+   and print the loss at the start and the end, the throughput and the output path.
+
+Errors a user can fix (:data:`USER_ERRORS`: a bad job file, a factory that does not
+import, a plan that does not fit, a worker that failed) are raised to the caller, whose
+:func:`describe_error` turns them into one paragraph; the CLI prints it without a
+traceback and exits non-zero (:func:`exit_code`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TextIO
+
+import torch
+from torch import nn
+
+from coordinator.commands.jobspec import JobSpecError, LoadedJob, Overrides, load_job
+from coordinator.commands.progress import make_progress
+from coordinator.planning.planner import PlanningError
+from coordinator.planning.profile import format_bytes
+from coordinator.runtime.cluster import WorkerPool
+from coordinator.runtime.driver import JobFailed, StepRecord
+from coordinator.runtime.job import FitResult, StepCallback
+from services.compute.stage import make_optimizer
+
+__all__ = ["DEFAULT_OUTPUT_DIR", "REPORTED", "USER_ERRORS", "RunOptions", "RunResult", "Terminated",
+           "check_writable", "demo_job_path", "describe_error", "exit_code", "report", "run_demo_job",
+           "run_job", "save_state_dict", "summary", "train", "use_termination_as_exception"]
+
+DEFAULT_OUTPUT_DIR = Path("out")
+USER_ERRORS: tuple[type[BaseException], ...] = (JobSpecError, PlanningError, JobFailed, ValueError,
+                                                TimeoutError)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: raised in the main thread so every ``with`` block tears down."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+# what the CLI reports without a traceback
+REPORTED: tuple[type[BaseException], ...] = (*USER_ERRORS, KeyboardInterrupt, Terminated)
+EXIT_USER_ERROR = 2  # the job as given cannot run: fix the job file, the options or the resources
+EXIT_JOB_FAILED = 1  # the job started and a worker failed
+EXIT_INTERRUPTED = 130
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """``cellmesh run``'s options.
+
+    Attributes:
+        job: A job module (``.py``) or a job spec (``.yaml``/``.yml``/``.json``).
+        overrides: Workers, steps and plan fields over the job's own.
+        output: Where to write the state_dict; ``out/{job name}.pt`` by default.
+        bar: A progress bar (True), log lines (False), or a bar only on a terminal (None).
+        log_every: Steps between log lines (about 20 lines per run by default).
+    """
+
+    job: str
+    overrides: Overrides = field(default_factory=Overrides)
+    output: Path | None = None
+    bar: bool | None = None
+    log_every: int | None = None
+
+
+@dataclass
+class RunResult:
+    """What a run did: the job, the fit, where the state_dict went, and how fast it trained."""
+
+    loaded: LoadedJob
+    fit: FitResult
+    output: Path
+    seconds: float  # from the first step's start to the last one's end
+    samples_per_s: float  # after the first step, which warms up
+    overall_samples_per_s: float  # including the first step
+
+
+def run_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
+    """Load, plan, train and save (see the module docstring); progress and results go to ``out``.
+
+    Raises:
+        JobSpecError: The job file cannot be loaded.
+        PlanningError: No plan fits the resources (the message names one that would).
+        ValueError: The job is inconsistent (a factory's output, the optimizer's arguments...).
+        JobFailed: A worker failed or vanished during training (names worker, service, step).
+        TimeoutError: The workers did not start in time.
+    """
+    return train(load_job(options.job, options.overrides), options, out)
+
+
+def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
+          pool: WorkerPool | None = None, on_step: StepCallback | None = None) -> RunResult:
+    """:func:`run_job` after loading: plan, train on ``pool`` (default: local workers), save.
+
+    Args:
+        pool: Workers that are already up (a cluster's: the job's resources must name them);
+            None starts ``Resources.local`` worker processes and stops them at the end.
+        on_step: Called with each finished step's record (its update is applied when the next step
+            starts, or by the final commit), after the progress display.
+    """
+    out = out or sys.stdout
+    job = loaded.job
+    make_optimizer(job.optimizer, [nn.Parameter(torch.zeros(1))])  # refuses bad arguments now, not in a step
+    output = options.output or DEFAULT_OUTPUT_DIR / f"{loaded.name}.pt"
+    check_writable(output)
+    sampler = job.sampler()
+    say = functools.partial(print, file=out, flush=True)
+    say(f"cellmesh run: {loaded.source}")
+    say(f"  model {job.model}, data {job.data} ({sampler.num_samples} samples, "
+        f"{sampler.steps_per_epoch} steps per epoch), loss {job.loss}")
+    kwargs = ", ".join(f"{k}={v}" for k, v in job.optimizer.kwargs.items())
+    where = "local workers" if pool is None else f"workers of {pool.registry_url}"
+    say(f"  optimizer {job.optimizer.name}({kwargs}), global batch {job.global_batch}, {loaded.steps} steps, "
+        f"{job.resources.num_workers} {where}")
+    started = time.monotonic()
+    plan = job.plan()
+    say(f"planned in {time.monotonic() - started:.1f}s (profiled on a sample microbatch):\n")
+    say(str(plan) + "\n")
+    say(f"starting {job.resources.num_workers} worker processes..." if pool is None
+        else f"placing services on {', '.join(pool.names)}...")
+    started = time.monotonic()
+    with job if pool is None else job.attach(pool):
+        say(f"workers up and services placed in {time.monotonic() - started:.1f}s; training "
+            f"{loaded.steps} steps")
+        progress = make_progress(loaded.steps, out, bar=options.bar, every=options.log_every)
+
+        def step_done(record: StepRecord) -> None:
+            progress.update(record)
+            if on_step is not None:
+                on_step(record)
+
+        try:
+            fit = job.fit(loaded.steps, callback=step_done)
+        finally:
+            progress.close()
+    save_state_dict(fit.state_dict, output)
+    speed = progress.throughput
+    result = RunResult(loaded, fit, output, speed.elapsed, speed.steady, speed.overall)
+    say(summary(result))
+    return result
+
+
+def summary(result: RunResult) -> str:
+    """The closing lines: loss at the start and the end, throughput, where the state_dict is."""
+    losses, state = result.fit.losses, result.fit.state_dict
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    lines = []
+    if losses:
+        tail = losses[-min(10, len(losses)):]
+        lines.append(f"done: {len(losses)} steps in {result.seconds:.1f}s, {result.samples_per_s:.1f} "
+                     f"samples/s after the first step ({result.overall_samples_per_s:.1f} overall)")
+        lines.append(f"loss {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {len(losses)} "
+                     f"(mean of the last {len(tail)}: {sum(tail) / len(tail):.4f})")
+    else:
+        lines.append("done: 0 steps; the state_dict holds the initial parameters")
+    lines.append(f"state_dict ({len(state)} tensors, {format_bytes(nbytes)}) written to {result.output}")
+    lines.append("  (load it with model.load_state_dict(torch.load(path, weights_only=True)))")
+    return "\n".join(lines)
+
+
+def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``torch.save`` plain, contiguous CPU tensors to ``path`` atomically (a temporary file, then rename).
+
+    Raises:
+        OSError: The directory cannot be created or written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open() applies the umask, as for any output
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(plain, f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_writable(path: Path) -> None:
+    """Fail before training, not after, if ``path`` cannot be written.
+
+    Raises:
+        ValueError: Its directory cannot be created or written, or it is a directory.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create the output directory {path.parent}: {exc.strerror}") from exc
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise ValueError(f"cannot write the state_dict to {path}: "
+                         + ("it is a directory" if path.is_dir() else f"{path.parent} is not writable"))
+
+
+def describe_error(exc: BaseException) -> str:
+    """One paragraph for a user error: what failed and, where the message has it, how to fix it."""
+    message = " ".join(str(exc).split())
+    if isinstance(exc, JobSpecError):
+        return message
+    if isinstance(exc, PlanningError):
+        return f"no plan: {message}"
+    if isinstance(exc, JobFailed):
+        return f"the job failed: {message}"
+    if isinstance(exc, TimeoutError):
+        return f"timed out: {message}"
+    return f"{type(exc).__name__}: {message}"
+
+
+@contextmanager
+def use_termination_as_exception() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise :class:`Terminated` (main thread only).
+
+    Python's default for SIGTERM ends the process without unwinding, which would leave the
+    harness's workers (in sessions of their own) running; as an exception, ``with job:``
+    tears them down as it does on Ctrl-C.
+    """
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def exit_code(exc: BaseException) -> int:
+    """The process exit code for ``exc`` (see the module's ``EXIT_*`` constants)."""
+    if isinstance(exc, Terminated):
+        return 128 + exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_JOB_FAILED if isinstance(exc, JobFailed) else EXIT_USER_ERROR
+
+
+def report(exc: BaseException, *, err: TextIO | None = None, show_traceback: bool = False) -> int:
+    """Print ``exc`` for the user (with its traceback if asked) and return the exit code."""
+    err = err or sys.stderr
+    if show_traceback:
+        traceback.print_exception(exc, file=err)
+    text = ("interrupted" if isinstance(exc, KeyboardInterrupt)
+            else str(exc) if isinstance(exc, Terminated) else describe_error(exc))
+    print(f"cellmesh: error: {text}", file=err, flush=True)
+    return exit_code(exc)
+
+
+def demo_job_path() -> Path:
+    """``examples/charlm.py``: in the current directory's ``examples/`` if there, else beside the package.
+
+    Raises:
+        JobSpecError: Neither exists (a non-editable install ships no examples).
+    """
+    here = Path.cwd() / "examples" / "charlm.py"
+    beside = Path(__file__).resolve().parent.parent / "examples" / "charlm.py"
+    for candidate in (here, beside):
+        if candidate.is_file():
+            return candidate
+    raise JobSpecError(f"the demo job examples/charlm.py is neither in {here.parent} nor in {beside.parent}; "
+                       "run `cellmesh demo` from a clone of the cellmesh repository")
+
+
+def run_demo_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
+    """``cellmesh demo``: :func:`run_job` on ``options`` (the charlm job), then a sample of its text."""
+    out = out or sys.stdout
+    result = run_job(options, out)
+    generate = getattr(result.loaded.module, "generate", None)
+    if callable(generate):
+        model = result.loaded.job.build_model()
+        model.load_state_dict(result.fit.state_dict, strict=True)
+        text = generate(model, "The ", 160)
+        print("\nthe trained model continues 'The ':\n\n" + str(text) + "\n", file=out, flush=True)
+    return result

@@ -1,0 +1,1 @@
+"""Planning, with no processes: graph, profile, cutting, schedules, simulator, planner."""

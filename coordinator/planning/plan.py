@@ -1,0 +1,195 @@
+"""The plan: what the planner decided and predicted, as a frozen, serialisable, printable object.
+
+A :class:`Plan` is the seam between the planning half of the coordinator and the runtime:
+it names, for every worker, its data-parallel replica and pipeline stage; for every stage,
+its nodes (``graph.stage_module(start, stop)`` builds it), the tensors it receives and
+sends per microbatch, and its data-parallel group; and for the whole step, the schedule
+(:meth:`Plan.schedule` gives every stage's action list), the microbatch split, the gradient
+path (collective or parameter server) and the cost model's predictions. It holds only
+plain values, so it round-trips through JSON (:meth:`Plan.to_json`) and msgpack
+(``plan.model_dump(mode="json")``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from coordinator.planning.graph import CutInfo
+from coordinator.planning.profile import format_bytes
+from coordinator.planning.schedules import Action, Schedule, build_schedule
+
+__all__ = ["Mode", "Plan", "StagePlan"]
+
+Mode = Literal["collective", "parameter_server"]
+
+
+class StagePlan(BaseModel):
+    """One pipeline stage, replicated on ``len(workers)`` data-parallel workers.
+
+    The stage runs profiled nodes ``[start, stop)``; it receives ``incoming`` (cut
+    ``start``) and sends ``outgoing`` (cut ``stop``) once per microbatch, shapes at the
+    plan's microbatch size (stage 0's incoming are the model inputs, the last stage's
+    outgoing its outputs; neither travels between stages). Times are per microbatch on
+    the stage's slowest worker.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int
+    start: int
+    stop: int
+    nodes: tuple[str, ...]
+    workers: tuple[str, ...]
+    forward_s: float
+    backward_s: float
+    transfer_s: float
+    sync_s: float
+    param_bytes: int
+    optimizer_s: float = 0.0
+    in_flight: int
+    peak_memory_bytes: int
+    incoming: CutInfo
+    outgoing: CutInfo
+
+    @property
+    def time_s(self) -> float:
+        """Forward + backward + the transfers at its cuts (the cutter's stage time)."""
+        return self.forward_s + self.backward_s + self.transfer_s
+
+
+class Plan(BaseModel):
+    """A complete parallel plan and its predicted cost.
+
+    Attributes:
+        data_parallel: Number of replicas ``d``.
+        num_stages: Pipeline stages ``p``; the plan uses ``d * p`` workers.
+        mode: Gradient path between replicas.
+        schedule_name: A key of ``coordinator.planning.schedules.SCHEDULES``.
+        num_microbatches: Microbatches ``m`` per replica per step.
+        microbatch_size: Samples per microbatch; ``global_batch = d * m * microbatch_size``.
+        global_batch: Samples per step over all replicas.
+        cutter: The cutter's name (or the callable's name) that chose ``bounds``.
+        bounds: Stage boundaries over the profiled chain, ``(0, ..., n)``.
+        stages: One entry per stage.
+        placement: ``placement[r][s]`` is the worker running stage ``s`` of replica ``r``.
+        step_time_s: Predicted step: ``pipeline_time_s + sync_time_s + overhead_s``.
+        pipeline_time_s: The simulated schedule (each stage's optimizer step, then
+            forward, backward, transfers).
+        sync_time_s: Gradient synchronisation not hidden behind the last backward.
+        overhead_s: The step's control messages (the request out, the replies back).
+        bubble_fraction: Idle share of the pipeline (see ``coordinator/planning/simulator.py``).
+        peak_memory_bytes: The largest per-worker peak.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int = 1
+    data_parallel: int = Field(ge=1)
+    num_stages: int = Field(ge=1)
+    mode: Mode
+    schedule_name: str
+    num_microbatches: int = Field(ge=1)
+    microbatch_size: int = Field(ge=1)
+    global_batch: int = Field(ge=1)
+    cutter: str
+    bounds: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    placement: tuple[tuple[str, ...], ...]
+    step_time_s: float
+    pipeline_time_s: float
+    sync_time_s: float
+    overhead_s: float = 0.0
+    bubble_fraction: float
+    peak_memory_bytes: int
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        d, p = self.data_parallel, self.num_stages
+        if self.global_batch != d * self.num_microbatches * self.microbatch_size:
+            raise ValueError("global_batch must equal data_parallel * num_microbatches * microbatch_size")
+        if len(self.stages) != p or len(self.bounds) != p + 1:
+            raise ValueError(f"{p} stages need {p} stage entries and {p + 1} bounds")
+        if len(self.placement) != d or any(len(r) != p for r in self.placement):
+            raise ValueError(f"placement must be {d} replicas x {p} stages")
+        names = [w for r in self.placement for w in r]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a worker appears twice in the placement: {names}")
+        return self
+
+    @property
+    def num_workers(self) -> int:
+        return self.data_parallel * self.num_stages
+
+    @property
+    def dp_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Per stage, the workers holding its replicas (they synchronise gradients)."""
+        return tuple(tuple(r[s] for r in self.placement) for s in range(self.num_stages))
+
+    def role(self, worker: str) -> tuple[int, int]:
+        """``(replica, stage)`` of ``worker``.
+
+        Raises:
+            KeyError: If the plan does not use that worker.
+        """
+        for r, row in enumerate(self.placement):
+            if worker in row:
+                return r, row.index(worker)
+        raise KeyError(f"worker {worker!r} has no role in this plan")
+
+    def schedule(self) -> Schedule:
+        """Every stage's action list (the same for every replica)."""
+        return build_schedule(self.schedule_name, self.num_stages, self.num_microbatches)
+
+    def actions(self, stage: int) -> tuple[Action, ...]:
+        """Stage ``stage``'s ordered action list."""
+        return self.schedule().actions[stage]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parses :meth:`to_json` output.
+
+        Raises:
+            pydantic.ValidationError: If the text is not a consistent plan.
+        """
+        return cls.model_validate_json(text)
+
+    def summary(self) -> str:
+        """One line: shape and predicted cost."""
+        return (f"d={self.data_parallel} x p={self.num_stages} {self.schedule_name} "
+                f"m={self.num_microbatches} "
+                f"(microbatch {self.microbatch_size}) {self.mode}: step {self.step_time_s * 1e3:.2f} ms, "
+                f"peak {format_bytes(self.peak_memory_bytes)}")
+
+    def __str__(self) -> str:
+        lines = [
+            f"plan: {self.data_parallel} replica(s) x {self.num_stages} stage(s) = "
+            f"{self.num_workers} worker(s), "
+            f"{self.schedule_name}, {self.num_microbatches} microbatches of {self.microbatch_size} "
+            f"(global batch {self.global_batch}), {self.mode.replace('_', ' ')}, cut by {self.cutter}",
+            f"predicted step {self.step_time_s * 1e3:.3f} ms = pipeline {self.pipeline_time_s * 1e3:.3f} "
+            f"+ gradient sync {self.sync_time_s * 1e3:.3f} + messages {self.overhead_s * 1e3:.3f}; "
+            f"bubble {self.bubble_fraction:.1%}; "
+            f"peak memory {format_bytes(self.peak_memory_bytes)} per worker",
+            "",
+            f"{'stage':>5}  {'nodes':<24} {'fwd ms':>8} {'bwd ms':>8} {'xfer ms':>8} {'sync ms':>8} "
+            f"{'held':>4} {'memory':>10}  workers (data-parallel group)",
+        ]
+        for st in self.stages:
+            span = st.nodes[0] if len(st.nodes) == 1 else f"{st.nodes[0]}..{st.nodes[-1]} ({len(st.nodes)})"
+            lines.append(f"{st.index:>5}  {span:<24} {st.forward_s * 1e3:>8.3f} {st.backward_s * 1e3:>8.3f} "
+                         f"{st.transfer_s * 1e3:>8.3f} {st.sync_s * 1e3:>8.3f} {st.in_flight:>4} "
+                         f"{format_bytes(st.peak_memory_bytes):>10}  {', '.join(st.workers)}")
+        lines += ["", "crossing tensors per microbatch:"]
+        for st in self.stages[:-1]:
+            tensors = ", ".join(f"{t.name}{list(t.shape)} {t.dtype}{'' if t.requires_grad else ' (no grad)'}"
+                                for t in st.outgoing.tensors)
+            nbytes = st.outgoing.forward_bytes
+            lines.append(f"  {st.index} -> {st.index + 1}: {format_bytes(nbytes)}: {tensors}")
+        if self.num_stages == 1:
+            lines.append("  none (one stage)")
+        return "\n".join(lines)

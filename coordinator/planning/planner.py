@@ -1,0 +1,469 @@
+"""Choosing a plan: enumerate shapes, predict step time and memory of each, take the fastest that fits.
+
+A plan's *shape* is (data-parallel degree ``d``, pipeline stages ``p``, gradient mode,
+schedule, microbatches ``m``). For each shape the cost model, built on the profile:
+
+1. scales the profile to the microbatch size ``global_batch / (d * m)`` (times, activation
+   and crossing bytes grow linearly with it; parameters do not) and divides compute by
+   the slowest worker's ``speed``;
+2. cuts the chain into ``p`` stages with the cutter, each stage within the memory of the
+   workers that would run it (see ``coordinator/planning/cutting.py``);
+3. plays the schedule in the simulator for the pipeline time, bubble and the microbatches
+   each stage holds at its peak;
+4. adds gradient synchronisation between replicas (below) and computes every worker's
+   peak memory: parameters + buffers + gradients + optimizer state + held activations.
+
+[Note: gradient sync cost] With ``G`` gradient bytes per stage, ``d`` replicas and the
+slowest link of the stage's group (``bw``, ``lat``), moving a ``1/d`` share of the
+gradients off every worker takes ``S = (d-1)/d * G / (e * bw)``, where ``e`` is
+:data:`COLLECTIVE_EFFICIENCY`, the all-reduce's bandwidth over the link's as measured
+(it depends on the transport: shared memory between processes of one host beats the
+loopback figure, sockets fall short of it).
+
+- collective: a ring all-reduce, ``2 S + 2 (d-1) lat``, launched bucket by bucket during
+  the last microbatch's backward. Only the backward that runs after the first bucket
+  (``DEFAULT_BUCKET_BYTES``, filled from the last parameters) is ready can hide it;
+- parameter server: the stage's parameters and optimizer state are sharded over its
+  ``d`` workers (each keeps ``1/d`` of the optimizer state and a master copy of ``1/d``
+  of the parameters). Every shard is reached through a socket, the worker's own too, so
+  a push moves all ``G`` bytes (``G / (e * bw) + (d-1) lat``: each worker handles its
+  ``d-1`` peers' messages one after another) and the pull as much; both happen when the
+  step is committed, after the backward: nothing hides them.
+
+Collective mode is never slower; parameter-server mode needs less memory per worker.
+Among equally fast plans the planner prefers fewer workers, then collective mode, then
+less memory.
+
+[Note: step overheads] Around the schedule, a step also pays: each stage's optimizer step
+(the previous step's update, applied before the first action, see
+``coordinator/runtime/driver.py``), modelled as the memory traffic of a fused update
+(:data:`OPTIMIZER_TRAFFIC`) at :data:`OPTIMIZER_BANDWIDTH_BPS`; and two control messages
+(:data:`CONTROL_MESSAGE_S` each: the request to every stage, the replies back).
+Where the plan runs more than one CPU worker on one host (``Worker.host``),
+:data:`SHARED_HOST_SLOWDOWN` scales compute: two busy processes on two cores share caches
+and memory bandwidth.
+
+``strategy="auto"`` searches every shape the resources allow; ``"data_parallel"`` fixes
+``p = 1`` and uses at least 2 replicas, ``"pipeline"`` fixes ``d = 1`` and uses at least
+2 stages (where the workers, the batch and the model allow); any field may also be fixed
+by keyword.
+A request that nothing satisfies raises :class:`PlanningError` saying why and what fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from coordinator.planning.cutting import CutError, CutProblem, Cutter, get_cutter
+from coordinator.planning.graph import TensorMeta
+from coordinator.planning.plan import Mode, Plan, StagePlan
+from coordinator.planning.profile import Profile, format_bytes
+from coordinator.planning.resources import Resources
+from coordinator.planning.schedules import SCHEDULES, build_schedule, peak_in_flight
+from coordinator.planning.simulator import StageCosts, simulate
+from services.params.grad_sync import DEFAULT_BUCKET_BYTES
+
+__all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "MAX_MICROBATCHES", "OPTIMIZER_BANDWIDTH_BPS",
+           "OPTIMIZER_TRAFFIC", "SHARED_HOST_SLOWDOWN", "Candidate", "PlanningError", "Strategy",
+           "balance_bounds", "candidate_plans", "choose_plan", "cut_problem", "format_candidates"]
+
+Strategy = Literal["auto", "data_parallel", "pipeline"]
+MAX_MICROBATCHES = 64
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the request; the message says why and what would fit."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated shape: its plan (None if no cut exists) and why it does not fit ("" if it does)."""
+
+    data_parallel: int
+    num_stages: int
+    mode: Mode
+    schedule_name: str
+    num_microbatches: int
+    plan: Plan | None
+    reason: str
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and not self.reason
+
+    @property
+    def step_time_s(self) -> float:
+        return self.plan.step_time_s if self.plan is not None else math.inf
+
+
+def _transfer(nbytes: float, bandwidth: float, latency: float) -> float:
+    return 0.0 if nbytes <= 0 else latency + nbytes / bandwidth
+
+
+# The all-reduce's bandwidth over the link bandwidth of the resource list: a process sends and
+# receives at once. Measured on the development machine (2 vCPUs, docs/benchmarks.md): 34 MB
+# all-reduce in about 11 ms inside a data-parallel step (~3 GB/s) over the shared-memory
+# transport, whose link figure is LOCAL_BANDWIDTH_BPS (coordinator/planning/resources.py).
+COLLECTIVE_EFFICIENCY = 0.85
+# A control message from the coordinator to a stage's step thread, or a reply back: 0.5-0.9 ms
+# measured (bench/train.py "dispatch" and "tail"): more than the link latency, as each end
+# validates and dispatches it.
+CONTROL_MESSAGE_S = 6e-4
+# A fused optimizer step reads and writes this many bytes per parameter byte, by the
+# optimizer kinds of coordinator/planning/profile.py (parameter, gradient and state each read, the
+# parameter and state written); at 25 GB/s it matched the 1.7-4.1 ms of SGD over 17-34 MB.
+OPTIMIZER_TRAFFIC: dict[str, float] = {"sgd": 3.0, "momentum": 5.0, "adam": 7.0, "adamw": 7.0}
+OPTIMIZER_BANDWIDTH_BPS = 25e9
+# Compute of a plan with more than one busy CPU worker, against the profile taken by one
+# process alone (see [Note: step overheads]): in two-process steps on the development
+# machine, forwards and backwards took 1.1-1.35x their profiled times (the most on 8-sample
+# microbatches, which stream weights from memory; bench/train.py "replay"). It applies where
+# two placed CPU workers name the same host.
+SHARED_HOST_SLOWDOWN = 1.25
+
+
+def _sync(mode: Mode, grad_bytes: float, d: int, hidden: float, bw: float, lat: float) -> float:
+    """Gradient sync time not hidden (``hidden``: the backward after the first bucket is ready)."""
+    if d == 1 or grad_bytes == 0:
+        return 0.0
+    bandwidth = COLLECTIVE_EFFICIENCY * bw  # see [Note: gradient sync cost]
+    if mode == "collective":
+        return max(0.0, 2 * ((d - 1) / d * grad_bytes / bandwidth + (d - 1) * lat) - hidden)
+    return 2 * (grad_bytes / bandwidth + (d - 1) * lat)
+
+
+def _after_first_bucket(grads: Sequence[float], backward: Sequence[float]) -> float:
+    """The backward time left once the first bucket is ready (nodes' gradients fill it from the last)."""
+    need = min(float(DEFAULT_BUCKET_BYTES), sum(grads))
+    filled = 0.0
+    for i in reversed(range(len(grads))):
+        filled += grads[i]
+        if filled >= need:
+            return sum(backward[:i])
+    return 0.0
+
+
+def _scaled_cuts(profile: Profile, size: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
+    """Per cut: its tensors at microbatch ``size``, their bytes, the bytes of those needing gradients."""
+    metas = [tuple(t.at_batch(size, profile.microbatch_size) for t in c.tensors) for c in profile.cuts]
+    return (metas, [sum(t.nbytes for t in ts) for ts in metas],
+            [sum(t.nbytes for t in ts if t.requires_grad) for ts in metas])
+
+
+def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | None = None,
+                bandwidth_bps: float, latency_s: float, speed: float = 1.0, data_parallel: int = 1,
+                mode: Mode = "collective", in_flight: Sequence[int] | None = None,
+                memory_limit: Sequence[float] | None = None) -> CutProblem:
+    """The cutter's view of a profile (see [Note: transfer cost] in ``coordinator/planning/cutting.py``).
+
+    Args:
+        profile: The model's profile.
+        num_stages: Stages to cut into.
+        microbatch_size: Scales times (affine, ``Profile.node_times``) and activation bytes
+            (linearly); default: the profiled size.
+        bandwidth_bps: Link bandwidth between consecutive stages.
+        latency_s: Link latency between consecutive stages.
+        speed: Worker speed relative to the profiling machine.
+        data_parallel: Replicas per stage (shards parameter-server state).
+        mode: Gradient path; parameter-server mode shards optimizer state ``1/d``.
+        in_flight: Microbatches each stage holds at its peak (with ``memory_limit``).
+        memory_limit: Bytes each stage's worker may use; None ignores memory.
+    """
+    mb = microbatch_size or profile.microbatch_size
+    scale = mb / profile.microbatch_size
+    times = profile.node_times(mb)
+    _, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
+    cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
+                  for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
+    # parameter server: the worker keeps 1/d of the optimizer state and a 1/d master copy
+    ps_share = 1.0 / data_parallel if mode == "parameter_server" else None
+    static = tuple(nd.param_bytes + nd.buffer_bytes + nd.grad_bytes
+                   + (nd.optimizer_state_bytes if ps_share is None
+                      else (nd.optimizer_state_bytes + nd.param_bytes) * ps_share)
+                   for nd in profile.nodes)
+    limits = tuple(memory_limit) if memory_limit is not None else None
+    return CutProblem(tuple((f + b) / speed for f, b in times), cut_s, num_stages,
+                      tuple(c.cuttable for c in profile.cuts), static,
+                      tuple(nd.activation_bytes * scale for nd in profile.nodes),
+                      tuple(in_flight) if in_flight is not None else (1,) * num_stages, limits)
+
+
+# [Note: action overhead] Every forward or backward action costs a fixed time on top of its
+# compute, whatever the microbatch size: the step executor's dispatch, autograd's graph
+# bookkeeping and the boundary handling, measured at 0.1-0.5 ms per action on the development
+# machines. Without it the model would see microbatching as free and pick microbatches of one
+# sample for a single stage (4-16x more actions for the same work).
+ACTION_OVERHEAD_S = 3e-4
+
+Shape = tuple[int, int, Mode, str, int]  # (data_parallel, num_stages, mode, schedule, num_microbatches)
+
+
+def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
+              cutter: Cutter, cutter_name: str, balance: Sequence[int] | None) -> Candidate:
+    d, p, mode, sched_name, m = shape
+    mb = global_batch // (d * m)
+    times = profile.node_times(mb)
+    placement = tuple(tuple(resources.workers[r * p + s].name for s in range(p)) for r in range(d))
+    workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
+    on_cpu = all(w.device == "cpu" for ws in workers for w in ws)
+    hosts = [w.host for ws in workers for w in ws if w.host is not None]
+    shared = SHARED_HOST_SLOWDOWN if on_cpu and len(hosts) > len(set(hosts)) else 1.0
+    speed = [min(w.speed for w in ws) for ws in workers]
+    bw, lat = resources.slowest_link([nm for row in placement for nm in row])
+    schedule = build_schedule(sched_name, p, m)
+    in_flight = tuple(peak_in_flight(acts) for acts in schedule.actions)
+    problem = cut_problem(profile, p, microbatch_size=mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed),
+                          data_parallel=d, mode=mode, in_flight=in_flight,
+                          memory_limit=[float(min(w.memory_bytes for w in ws)) for ws in workers])
+    metas, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
+    cut_s, act, nodes = problem.cut_s, problem.activation_bytes or (), profile.nodes
+    cut_error = ""  # why no cut fits memory, when only a cut ignoring memory exists
+    try:
+        bounds = problem.check(balance_bounds(balance) if balance is not None else cutter(problem))
+    except CutError as exc:
+        try:  # the best cut ignoring memory tells how much memory the shape needs (reason set below)
+            free = dataclasses.replace(problem, memory_limit=None)
+            bounds = free.check(balance_bounds(balance) if balance is not None else cutter(free))
+        except CutError:
+            return Candidate(d, p, mode, sched_name, m, None, str(exc))
+        cut_error = str(exc)
+    spans = list(itertools.pairwise(bounds))
+    fwd = tuple(sum(f for f, _ in times[a:b]) * shared / speed[s] + ACTION_OVERHEAD_S
+                for s, (a, b) in enumerate(spans))
+    bwd = tuple(sum(b_ for _, b_ in times[a:b]) * shared / speed[s] + ACTION_OVERHEAD_S
+                for s, (a, b) in enumerate(spans))
+    traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
+    share = 1.0 if mode == "collective" else 1.0 / d  # a parameter shard updates 1/d of the stage
+    optimizer = tuple(sum(nd.grad_bytes for nd in nodes[a:b]) * share * traffic / OPTIMIZER_BANDWIDTH_BPS
+                      / speed[s] for s, (a, b) in enumerate(spans))
+    inner = bounds[1:-1]
+    costs = StageCosts(fwd, bwd, tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
+                       tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
+                       tuple(sum(act[a:b]) for a, b in spans), start_s=optimizer)
+    sim = simulate(schedule, costs)
+    stages = []
+    reason = ""
+    for s, (a, b) in enumerate(spans):
+        names = [w.name for w in workers[s]]
+        grad = sum(nd.grad_bytes for nd in nodes[a:b])
+        hidden = _after_first_bucket([nd.grad_bytes for nd in nodes[a:b]],
+                                     [b_ * shared / speed[s] for _, b_ in times[a:b]])
+        sync = _sync(mode, grad, d, hidden, *resources.slowest_link(names))
+        memory = int(problem.stage_memory(s, a, b))
+        xfer = (cut_s[a] if s > 0 else 0.0) + (cut_s[b] if s < p - 1 else 0.0)
+        stages.append(StagePlan(
+            index=s, start=a, stop=b, nodes=tuple(nd.name for nd in nodes[a:b]), workers=tuple(names),
+            forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
+            param_bytes=sum(nd.param_bytes for nd in nodes[a:b]), optimizer_s=optimizer[s],
+            in_flight=in_flight[s],
+            peak_memory_bytes=memory,
+            incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
+            outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
+        over = [w for w in workers[s] if memory > w.memory_bytes]
+        if over and not reason:
+            reason = (f"stage {s} needs {format_bytes(memory)} per worker, "
+                      f"{over[0].name} has {format_bytes(over[0].memory_bytes)}")
+    reason = reason or cut_error
+    sync_time = max(st.sync_s for st in stages)
+    plan = Plan(data_parallel=d, num_stages=p, mode=mode, schedule_name=sched_name, num_microbatches=m,
+                microbatch_size=mb, global_batch=global_batch, cutter=cutter_name, bounds=bounds,
+                stages=tuple(stages), placement=placement,
+                step_time_s=sim.step_time_s + sync_time + 2 * CONTROL_MESSAGE_S,
+                pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, overhead_s=2 * CONTROL_MESSAGE_S,
+                bubble_fraction=sim.bubble_fraction,
+                peak_memory_bytes=max(st.peak_memory_bytes for st in stages))
+    return Candidate(d, p, mode, sched_name, m, plan, reason)
+
+
+def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
+    """Nodes per stage (torchgpipe's ``balance``) -> boundaries: ``[2, 3]`` -> ``(0, 2, 5)``."""
+    bounds = [0]
+    for size in balance:
+        bounds.append(bounds[-1] + size)
+    return tuple(bounds)
+
+
+def _divisors(x: int, cap: int) -> list[int]:
+    return [k for k in range(1, min(x, cap) + 1) if x % k == 0]
+
+
+def candidate_plans(profile: Profile, resources: Resources, *, global_batch: int, strategy: Strategy = "auto",
+                    data_parallel: int | None = None, num_stages: int | None = None, mode: Mode | None = None,
+                    num_microbatches: int | None = None, schedule: str | None = None,
+                    cutter: str | Cutter = "minmax", balance: Sequence[int] | None = None,
+                    max_microbatches: int = MAX_MICROBATCHES) -> list[Candidate]:
+    """Evaluates every plan shape the request allows (see :func:`choose_plan` for the arguments).
+
+    Returns:
+        One :class:`Candidate` per shape, fitting or not, in enumeration order.
+
+    Raises:
+        PlanningError: If the fixed fields contradict each other, the model or the resources.
+    """
+    n, num_workers = profile.num_nodes, resources.num_workers
+    if strategy not in get_args(Strategy):
+        raise PlanningError(f"unknown strategy {strategy!r}; use one of {get_args(Strategy)}")
+    if mode is not None and mode not in get_args(Mode):
+        raise PlanningError(f"unknown mode {mode!r}; use one of {get_args(Mode)}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise PlanningError(f"unknown schedule {schedule!r}; use one of {tuple(SCHEDULES)}")
+    try:
+        cut_fn = get_cutter(cutter)
+    except ValueError as exc:
+        raise PlanningError(str(exc)) from None
+    cutter_name = cutter if isinstance(cutter, str) else getattr(cutter, "__name__", type(cutter).__name__)
+    if strategy == "data_parallel":
+        if num_stages not in (None, 1):
+            raise PlanningError(f"strategy='data_parallel' means num_stages=1, not {num_stages}")
+        num_stages = 1
+    if strategy == "pipeline":
+        if data_parallel not in (None, 1):
+            raise PlanningError(f"strategy='pipeline' means data_parallel=1, not {data_parallel}")
+        data_parallel = 1
+    if balance is not None:
+        if any(b < 1 for b in balance) or sum(balance) != n:
+            raise PlanningError(f"balance {list(balance)} must be positive node counts summing to "
+                                f"the {n} nodes")
+        if num_stages not in (None, len(balance)):
+            raise PlanningError(f"balance has {len(balance)} stages but num_stages={num_stages}")
+        num_stages = len(balance)
+    max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
+    if num_stages is not None and not 1 <= num_stages <= max_stages:
+        why = f"the model has {n} nodes"
+        if max_stages < n:
+            why += f" and {max_stages - 1} cuttable positions"
+        raise PlanningError(f"num_stages={num_stages} is impossible: {why}; use 1..{max_stages} stages")
+    if num_stages is not None and num_stages > num_workers:
+        raise PlanningError(f"num_stages={num_stages} needs {num_stages} workers, the resources have "
+                            f"{num_workers}; use at most {min(num_workers, max_stages)} stages")
+    if num_microbatches is not None and num_microbatches < 1:
+        raise PlanningError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if data_parallel is not None and not 1 <= data_parallel <= num_workers:
+        raise PlanningError(f"data_parallel={data_parallel} needs 1..{num_workers} workers; "
+                            f"the resources have {num_workers}")
+    if data_parallel is not None and num_stages is not None and data_parallel * num_stages > num_workers:
+        raise PlanningError(f"data_parallel={data_parallel} x num_stages={num_stages} needs "
+                            f"{data_parallel * num_stages} workers, the resources have {num_workers}; with "
+                            f"data_parallel={data_parallel} at most {num_workers // data_parallel} "
+                            "stages fit")
+    if global_batch < 1:
+        raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
+    degrees = [data_parallel] if data_parallel is not None else _divisors(global_batch, num_workers)
+    if strategy == "data_parallel" and data_parallel is None and len(degrees) > 1:
+        degrees = degrees[1:]  # replicas, not one worker: the cost model may favour one on small models
+    if global_batch % degrees[0]:
+        raise PlanningError(f"global_batch={global_batch} does not split evenly into "
+                            f"data_parallel={degrees[0]} replicas; degrees that divide it: "
+                            f"{_divisors(global_batch, num_workers)}")
+    shapes: list[Shape] = []
+    for d in degrees:
+        per_replica = global_batch // d
+        counts = _divisors(per_replica, max_microbatches) if num_microbatches is None else [num_microbatches]
+        counts = [c for c in counts if c >= 1 and per_replica % c == 0]
+        most = min(max_stages, num_workers // d)
+        stage_counts = range(1, most + 1) if num_stages is None else [num_stages]
+        if strategy == "pipeline" and num_stages is None and most > 1:
+            stage_counts = range(2, most + 1)  # stages, not one worker
+        modes: tuple[Mode, ...] = get_args(Mode) if d > 1 else ("collective",)
+        if mode is not None:
+            modes = (mode,)
+        scheds = list(SCHEDULES) if schedule is None else [schedule]
+        shapes += [(d, p, md, sc, m) for p in stage_counts if d * p <= num_workers
+                   for md in modes for sc in scheds for m in counts]
+    if not shapes:
+        d_text = f"data_parallel={data_parallel}" if data_parallel is not None else "any data-parallel degree"
+        raise PlanningError(f"num_microbatches={num_microbatches} does not divide "
+                            f"global_batch={global_batch} with {d_text}; per replica it must divide "
+                            "global_batch / data_parallel, e.g. "
+                            f"{_divisors(global_batch // degrees[0], max_microbatches)}")
+    return [_evaluate(profile, resources, sh, global_batch, cut_fn, cutter_name, balance) for sh in shapes]
+
+
+def _rank(c: Candidate) -> tuple[float, int, int, float]:
+    """Fastest first (to 9 significant digits); then fewer workers, collective mode, less memory."""
+    assert c.plan is not None
+    step = float(f"{c.plan.step_time_s:.9g}")
+    return step, c.plan.num_workers, c.mode != "collective", c.plan.peak_memory_bytes
+
+
+def choose_plan(profile: Profile, resources: Resources, *, global_batch: int, strategy: Strategy = "auto",
+                data_parallel: int | None = None, num_stages: int | None = None, mode: Mode | None = None,
+                num_microbatches: int | None = None, schedule: str | None = None,
+                cutter: str | Cutter = "minmax", balance: Sequence[int] | None = None,
+                max_microbatches: int = MAX_MICROBATCHES) -> Plan:
+    """The fastest plan that fits every worker's memory, among those the request allows.
+
+    Args:
+        profile: The model's profile.
+        resources: The workers the plan may use (it uses the first ``d * p``).
+        global_batch: Samples per training step over all replicas.
+        strategy: ``"auto"`` (search all), ``"data_parallel"`` (``p = 1``, ``d >= 2``) or ``"pipeline"``
+            (``d = 1``, ``p >= 2``), where the resources allow.
+        data_parallel: Fixes the number of replicas.
+        num_stages: Fixes the number of pipeline stages.
+        mode: Fixes the gradient path, ``"collective"`` or ``"parameter_server"``.
+        num_microbatches: Fixes the microbatches per replica per step.
+        schedule: Fixes the schedule (a key of ``coordinator.planning.schedules.SCHEDULES``).
+        cutter: A registered cutter's name or a :class:`~coordinator.planning.cutting.Cutter`.
+        balance: Fixes the nodes per stage (as torchgpipe's ``balance``), bypassing the cutter.
+        max_microbatches: The largest microbatch count searched when not fixed.
+
+    Raises:
+        PlanningError: If the request is impossible or no plan fits in memory; the message
+            says why and names a plan that would fit when one exists.
+    """
+    cands = candidate_plans(profile, resources, global_batch=global_batch, strategy=strategy,
+                            data_parallel=data_parallel, num_stages=num_stages, mode=mode,
+                            num_microbatches=num_microbatches, schedule=schedule, cutter=cutter,
+                            balance=balance, max_microbatches=max_microbatches)
+    fitting = [c for c in cands if c.fits]
+    if fitting:
+        best = min(fitting, key=_rank)
+        assert best.plan is not None
+        return best.plan
+    request: dict[str, object] = dict(strategy=strategy, data_parallel=data_parallel, num_stages=num_stages,
+                                      mode=mode, num_microbatches=num_microbatches, schedule=schedule,
+                                      balance=balance)
+    raise PlanningError(_explain(profile, resources, global_batch, cands, request, cutter, max_microbatches))
+
+
+def _explain(profile: Profile, resources: Resources, global_batch: int, cands: list[Candidate],
+             request: dict[str, object], cutter: str | Cutter, max_microbatches: int) -> str:
+    fixed = {k: v for k, v in request.items() if v is not None and not (k == "strategy" and v == "auto")}
+    asked = ", ".join(f"{k}={v!r}" for k, v in fixed.items()) or "no fixed fields"
+    planned = [c for c in cands if c.plan is not None]
+    if not planned:
+        return f"no plan exists for {asked}: " + "; ".join(sorted({c.reason for c in cands}))
+    least = min(planned, key=lambda c: c.plan.peak_memory_bytes if c.plan else math.inf)
+    assert least.plan is not None
+    budget = max(w.memory_bytes for w in resources.workers)
+    msg = (f"no plan fits in memory ({len(cands)} evaluated with {asked}). The least memory any of them "
+           f"needs is {format_bytes(least.plan.peak_memory_bytes)} per worker ({least.plan.summary()}: "
+           f"{least.reason}); the largest worker has {format_bytes(budget)}.")
+    if fixed:
+        free = [c for c in candidate_plans(profile, resources, global_batch=global_batch, cutter=cutter,
+                                           max_microbatches=max_microbatches) if c.fits]
+        if free:
+            best = min(free, key=_rank)
+            assert best.plan is not None
+            return f"{msg} Without fixing {', '.join(fixed)}, this plan fits: {best.plan.summary()}."
+    return (f"{msg} Give the workers at least {format_bytes(least.plan.peak_memory_bytes)} each, add "
+            "workers (more pipeline stages split the parameters), use parameter-server mode or a smaller "
+            "global batch.")
+
+
+def format_candidates(cands: Sequence[Candidate], limit: int = 10) -> str:
+    """The ``limit`` fastest candidates as a table (fitting ones first)."""
+    ordered = sorted(cands, key=lambda c: (not c.fits, c.step_time_s))[:limit]
+    rows = [f"{'d':>3} {'p':>3} {'mode':<16} {'sched':<6} {'m':>4} {'step ms':>10} {'peak mem':>10}  fits"]
+    for c in ordered:
+        step = f"{c.step_time_s * 1e3:.3f}" if c.plan else "-"
+        mem = format_bytes(c.plan.peak_memory_bytes) if c.plan else "-"
+        rows.append(f"{c.data_parallel:>3} {c.num_stages:>3} {c.mode:<16} {c.schedule_name:<6} "
+                    f"{c.num_microbatches:>4} {step:>10} {mem:>10}  {'yes' if c.fits else c.reason}")
+    return "\n".join(rows)

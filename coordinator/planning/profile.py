@@ -1,0 +1,393 @@
+"""Profiling a graph on a sample microbatch: per-node times and bytes, per-cut crossing bytes.
+
+Each node runs alone as its own stage module (``Graph.stage_module(i, i + 1)``) on the
+tensors that really reach it, so a node's time excludes its neighbours and its memory is
+what it alone holds. Activation bytes are the bytes autograd saves for the backward
+(distinct storages, parameters excluded), measured with saved-tensor hooks.
+
+[Note: profile timing] A node's forward and backward are timed at two microbatch sizes:
+the sample's ``b`` and ``SCALE_FACTOR * b`` (the sample repeated along its batch
+dimension), and fitted as ``t(n) = fixed + per_sample * n``. Small microbatches cost more
+per sample than large ones (a GEMM over 8 rows reads the whole weight as one over 64
+does), so linear scaling from 8 samples predicted 3-4x the measured step of a 64-sample
+one. Each size is timed ``repeats`` times and at least until ``MIN_TIMED_S`` of timed
+runs (at most ``MAX_REPEATS``), after ``warmup`` untimed runs, every node one run per
+round, and the lower quartile is kept: on a shared machine slow outliers are
+interference, not the node's cost, and round robin spreads a burst of it over all nodes. A model
+that cannot run at the larger size (a fixed batch), or whose inputs have no known batch
+dimension, falls back to linear scaling.
+
+The result is a :class:`Profile`: a frozen pydantic model, saved and loaded as JSON, so a
+profile taken once can be reused (and one can be written by hand, :meth:`Profile.synthetic`).
+Times hold for the profiled microbatch size; :meth:`Profile.node_times` gives them at
+another size (affine in the size; bytes scale linearly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
+
+__all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "SCALE_FACTOR", "NodeProfile", "Profile",
+           "format_bytes", "profile_graph"]
+
+SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
+MIN_TIMED_S = 0.05  # timed runs per node and size last at least this long in total...
+MAX_REPEATS = 50  # ...but no more runs than this
+
+# Optimizer state per byte of trainable parameter: Adam keeps two moments, momentum SGD one.
+OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: binary units, three significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class NodeProfile(BaseModel):
+    """What one node costs for one microbatch of the profiled size.
+
+    ``forward_fixed_s`` / ``backward_fixed_s`` are the parts of ``forward_s`` / ``backward_s``
+    that do not grow with the microbatch size (0: the time scales linearly).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    forward_s: float = Field(ge=0)
+    backward_s: float = Field(ge=0)
+    forward_fixed_s: float = Field(default=0.0, ge=0)
+    backward_fixed_s: float = Field(default=0.0, ge=0)
+    param_bytes: int = Field(ge=0)
+    buffer_bytes: int = Field(default=0, ge=0)
+    grad_bytes: int = Field(ge=0)
+    optimizer_state_bytes: int = Field(ge=0)
+    activation_bytes: int = Field(ge=0)
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @model_validator(mode="after")
+    def _fixed_within(self) -> NodeProfile:
+        if self.forward_fixed_s > self.forward_s or self.backward_fixed_s > self.backward_s:
+            raise ValueError(f"node {self.name}: a fixed part exceeds its whole time")
+        return self
+
+    def times_at(self, scale: float) -> tuple[float, float]:
+        """Forward and backward seconds at ``scale`` times the profiled microbatch size."""
+        f0, b0 = self.forward_fixed_s, self.backward_fixed_s
+        return f0 + (self.forward_s - f0) * scale, b0 + (self.backward_s - b0) * scale
+
+
+class Profile(BaseModel):
+    """A profiled chain: ``n`` nodes and ``n + 1`` cuts (see ``coordinator/planning/graph.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int = 1
+    microbatch_size: int = Field(ge=1)
+    repeats: int = Field(ge=1)
+    optimizer: str
+    device: str = "cpu"
+    nodes: tuple[NodeProfile, ...] = Field(min_length=1)
+    cuts: tuple[CutInfo, ...]
+
+    @model_validator(mode="after")
+    def _shape(self) -> Profile:
+        if len(self.cuts) != len(self.nodes) + 1:
+            raise ValueError(f"{len(self.nodes)} nodes need {len(self.nodes) + 1} cuts, got {len(self.cuts)}")
+        if [c.index for c in self.cuts] != list(range(len(self.cuts))):
+            raise ValueError("cuts must be numbered 0..n in order")
+        return self
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    def node_times(self, size: float) -> list[tuple[float, float]]:
+        """Every node's (forward, backward) seconds for a microbatch of ``size`` samples."""
+        return [nd.times_at(size / self.microbatch_size) for nd in self.nodes]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=1), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Reads a profile written by :meth:`save`.
+
+        Raises:
+            pydantic.ValidationError: If the file is not a valid profile.
+        """
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+    def __str__(self) -> str:
+        rows = [f"profile: {self.num_nodes} nodes, microbatch {self.microbatch_size}, {self.device}, "
+                f"lower quartile of >= {self.repeats} runs, optimizer {self.optimizer}",
+                f"{'#':>3} {'node':<18} {'fwd ms':>8} {'bwd ms':>8} {'params':>10} {'saved act':>10} "
+                f"{'cut after':>10}"]
+        for i, nd in enumerate(self.nodes):
+            rows.append(f"{i:>3} {nd.name:<18} {nd.forward_s * 1e3:>8.3f} {nd.backward_s * 1e3:>8.3f} "
+                        f"{format_bytes(nd.param_bytes):>10} {format_bytes(nd.activation_bytes):>10} "
+                        f"{format_bytes(self.cuts[i + 1].forward_bytes):>10}")
+        return "\n".join(rows)
+
+    @classmethod
+    def synthetic(cls, forward_s: Sequence[float], *, backward_s: Sequence[float] | None = None,
+                  param_bytes: Sequence[int] | None = None, activation_bytes: Sequence[int] | None = None,
+                  cut_bytes: Sequence[int] | None = None, microbatch_size: int = 1,
+                  optimizer: str = "adam") -> Profile:
+        """A profile written by hand (for tests, examples and what-if planning).
+
+        Args:
+            forward_s: Forward time per node; backward defaults to twice forward.
+            backward_s: Backward time per node.
+            param_bytes: Trainable parameter bytes per node (default 0).
+            activation_bytes: Saved activation bytes per node (default 0).
+            cut_bytes: Bytes crossing each inner cut 1..n-1 (length n-1; default 0), one
+                float32 tensor per cut that needs a gradient, batch dimension 0.
+            microbatch_size: The microbatch size the numbers describe.
+            optimizer: A key of :data:`OPTIMIZER_STATE_FACTORS`.
+        """
+        n = len(forward_s)
+        bwd = list(backward_s) if backward_s is not None else [2 * f for f in forward_s]
+        params = list(param_bytes) if param_bytes is not None else [0] * n
+        acts = list(activation_bytes) if activation_bytes is not None else [0] * n
+        inner = list(cut_bytes) if cut_bytes is not None else [0] * (n - 1)
+        factor = OPTIMIZER_STATE_FACTORS[optimizer]
+        nodes = tuple(NodeProfile(name=f"n{i}", forward_s=forward_s[i], backward_s=bwd[i],
+                                  param_bytes=params[i], grad_bytes=params[i],
+                                  optimizer_state_bytes=int(params[i] * factor), activation_bytes=acts[i])
+                      for i in range(n))
+
+        def cut(c: int, nbytes: int) -> CutInfo:
+            meta = TensorMeta(name=f"x{c}", shape=(microbatch_size, nbytes // 4 // microbatch_size),
+                              dtype="float32", requires_grad=c > 0, nbytes=nbytes, batch_dim=0)
+            return CutInfo(index=c, tensors=(meta,))
+
+        cuts = (cut(0, 0), *(cut(c, inner[c - 1]) for c in range(1, n)), cut(n, 0))
+        return cls(microbatch_size=microbatch_size, repeats=1, optimizer=optimizer, device="synthetic",
+                   nodes=nodes, cuts=cuts)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _saved_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]) -> int:
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    return sum(storages.values())
+
+
+def _fresh(values: list[Any], names: tuple[str, ...], grad: set[str]) -> list[Any]:
+    """New leaves for the tensors among ``values`` (needing a gradient where recorded so)."""
+    out: list[Any] = []
+    for v, nm in zip(values, names, strict=True):
+        if isinstance(v, torch.Tensor):
+            x = v.detach()
+            v = x.requires_grad_(nm in grad and (x.is_floating_point() or x.is_complex()))
+        out.append(v)
+    return out
+
+
+def _restore_grads(saved: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
+    for p, g in saved.items():
+        p.grad = g
+
+
+def _robust(samples: list[float]) -> float:
+    """The lower quartile of ``samples`` (the minimum of fewer than 4)."""
+    if len(samples) < 4:
+        return min(samples)
+    return statistics.quantiles(samples, n=4, method="inclusive")[0]
+
+
+class _Timings:
+    """The timed runs of one node at one size (see [Note: profile timing])."""
+
+    def __init__(self, module: torch.nn.Module, args: list[Any], names: tuple[str, ...],
+                 grad: set[str]) -> None:
+        self.module, self.args, self.names, self.grad = module, args, names, grad
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+
+    def done(self, repeats: int) -> bool:
+        return len(self.fwd) >= repeats and (sum(self.fwd) + sum(self.bwd) >= MIN_TIMED_S
+                                             or len(self.fwd) >= MAX_REPEATS)
+
+    def run(self, timed: bool) -> None:
+        ins = _fresh(self.args, self.names, self.grad)
+        t0 = time.perf_counter()
+        out = self.module(*ins)
+        t1 = time.perf_counter()
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        t2 = time.perf_counter()
+        if timed:
+            self.fwd.append(t1 - t0)
+            self.bwd.append(t2 - t1 if outs else 0.0)
+
+    def result(self) -> tuple[float, float]:
+        return _robust(self.fwd), _robust(self.bwd)
+
+
+def _time_all(timings: list[_Timings], repeats: int, warmup: int) -> None:
+    """Time every node in rounds, one run each per round, until each has enough runs.
+
+    Round robin spreads each node's runs over the whole profiling time, so a burst of load
+    from elsewhere on the machine hits every node a little instead of one node entirely.
+    """
+    for t in timings:
+        for _ in range(warmup):
+            t.run(timed=False)
+    while not all(t.done(repeats) for t in timings):
+        for t in timings:
+            if not t.done(repeats):
+                t.run(timed=True)
+
+
+def _tile(value: Any, batch_dim: int | None, factor: int) -> Any:
+    if not isinstance(value, torch.Tensor) or batch_dim is None:
+        return value
+    return torch.cat([value.detach()] * factor, dim=batch_dim)
+
+
+def _affine(small: float, large: float, size: int, factor: int) -> tuple[float, float]:
+    """(time at ``size``, its fixed part) from times at ``size`` and ``factor * size``."""
+    per_sample = max(0.0, (large - small) / ((factor - 1) * size))
+    return small, min(small, max(0.0, small - per_sample * size))
+
+
+def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repeats: int = 5, warmup: int = 1,
+                  optimizer: str = "adam", num_threads: int | None = None) -> Profile:
+    """Measures every node of ``graph`` on ``sample`` (the microbatch the graph was built with).
+
+    The runs leave no trace on the model: gradients, buffers (batch-norm statistics) and
+    torch's RNG state are restored afterwards.
+
+    Args:
+        graph: From :func:`coordinator.planning.graph.build_graph`.
+        sample: The sample inputs, as given to ``build_graph``.
+        repeats: The fewest timed runs per node and size (see [Note: profile timing]).
+        warmup: Untimed runs per node and size before the timed ones.
+        optimizer: A key of :data:`OPTIMIZER_STATE_FACTORS` (sets optimizer-state bytes).
+        num_threads: Torch intra-op threads while measuring (restored afterwards); set it to
+            a worker's ``cpus``. None keeps the current setting. On a loaded machine, more
+            threads than free cores make every op wait for a descheduled thread.
+
+    Raises:
+        ValueError: If ``repeats`` < 1 or the optimizer is unknown.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if optimizer not in OPTIMIZER_STATE_FACTORS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_FACTORS)}")
+    inputs = sample if isinstance(sample, tuple) else (sample,)
+    placeholders = [nd for nd in graph.module.graph.nodes if nd.op == "placeholder"]
+    values: dict[str, Any] = {}
+    for nd, x in zip(placeholders, inputs, strict=False):
+        values[nd.name] = x
+        if isinstance(x, tuple | list):
+            values.update((f"{nd.name}.{i}", v) for i, v in enumerate(x))
+        elif isinstance(x, dict):
+            values.update((f"{nd.name}.{k}", v) for k, v in x.items())
+    batch_dims = {m.name: m.batch_dim for m in graph.cuts[0].tensors}
+    large: dict[str, Any] | None = {nm: _tile(values[nm], batch_dims.get(nm), SCALE_FACTOR)
+                                    for nm in graph.boundary(0)}
+    if not any(isinstance(values[nm], torch.Tensor) and batch_dims.get(nm) is not None
+               for nm in graph.boundary(0)):
+        large = None  # no input with a known batch dimension: linear scaling
+    saved_grads = {p: p.grad for p in graph.module.parameters()}
+    saved_threads = torch.get_num_threads()
+    factor = OPTIMIZER_STATE_FACTORS[optimizer]
+    size = graph.sample_batch
+    nodes = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(use_snapshot(graph.module))
+        stack.callback(torch.set_num_threads, saved_threads)
+        stack.callback(_restore_grads, saved_grads)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        small: list[_Timings] = []
+        big: list[_Timings] = []
+        for node in graph.nodes:  # every node's inputs at both sizes, from the previous nodes' outputs
+            i = node.index
+            module = graph.stage_module(i, i + 1)
+            names = graph.boundary(i)
+            grad = {m.name for m in graph.cuts[i].tensors if m.requires_grad}
+            args = [values[nm] for nm in names]
+            small.append(_Timings(module, args, names, grad))
+            if large is not None:
+                try:
+                    big.append(_Timings(module, [large[nm] for nm in names], names, grad))
+                    with torch.no_grad():
+                        out = module(*big[-1].args)
+                    if i + 1 < len(graph.nodes):
+                        large.update(zip(graph.boundary(i + 1), out, strict=True))
+                except Exception:  # the model does not run at the larger size: linear scaling
+                    large, big = None, []
+            if i + 1 < len(graph.nodes):
+                with torch.no_grad():
+                    out = module(*args)
+                values.update(zip(graph.boundary(i + 1), out, strict=True))
+        try:
+            _time_all(small + big, repeats, warmup)
+        except Exception:
+            if not big:
+                raise
+            large, big = None, []  # a backward failed at the larger size: linear scaling
+            _time_all(small, repeats, warmup)
+        for i, node in enumerate(graph.nodes):
+            t = small[i]
+            fwd, bwd = t.result()
+            fwd_fixed, bwd_fixed = 0.0, 0.0
+            if big:
+                fwd_big, bwd_big = big[i].result()
+                fwd, fwd_fixed = _affine(fwd, fwd_big, size, SCALE_FACTOR)
+                bwd, bwd_fixed = _affine(bwd, bwd_big, size, SCALE_FACTOR)
+            params = list(t.module.parameters())
+            trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            nodes.append(NodeProfile(
+                name=node.name, forward_s=fwd, backward_s=bwd, forward_fixed_s=fwd_fixed,
+                backward_fixed_s=bwd_fixed,
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                buffer_bytes=sum(b.numel() * b.element_size() for b in t.module.buffers()),
+                grad_bytes=trainable, optimizer_state_bytes=int(trainable * factor),
+                activation_bytes=_saved_bytes(t.module, _fresh(t.args, t.names, t.grad)),
+            ))
+    device = next((str(p.device) for p in graph.module.parameters()), "cpu")
+    return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,
+                   nodes=tuple(nodes), cuts=graph.cuts)

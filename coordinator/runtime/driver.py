@@ -1,0 +1,413 @@
+"""Drives a plan on running workers: places services, dispatches steps, commits them, collects state.
+
+One :class:`Runtime` per plan and run (``RunSpec.run``, unique: a new run never reads an
+old one's keys). Placement follows the plan exactly: the worker ``plan.placement[r][s]``
+hosts ``{run}/compute-r{r}-s{s}``, stage ``s`` of replica ``r``, with the stage's boundary
+specs derived from the plan's cuts, its pipeline communicator under
+``/cellmesh/{job}/runs/{run}/pipe/r{r}`` and (collective mode) its data-parallel group
+under ``/cellmesh/{job}/runs/{run}/dp/s{s}``. In parameter-server mode the workers of
+each stage also host its parameter shards (``{run}/ps-s{s}-{i}``), set up from the
+coordinator's copy of the model before any step. :meth:`Runtime.close` releases them all.
+
+A step is a transaction: parameters and optimizer state change only when the coordinator
+commits it, and it commits a step only once every stage of every replica finished it.
+:meth:`Runtime.run_step` sends one ``run_step`` to every stage of every replica at once
+and awaits them through the event loop; the request carries the commit of the previous
+step (``RunStep.commit``), which each stage applies before its first action. So a step
+costs one round trip, and the last stage's optimizer overlaps the first stage's. The last
+step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
+:meth:`Runtime.state` calls first. A step that fails is never committed.
+
+Failure semantics: an error reply, a worker whose registry lease lapses (its card
+vanishes), or a round that outlasts its bound stops the job with :class:`JobFailed`
+naming the worker, the service and the step. When a service reports an error, the
+workers are probed first (``worker.status``, bounded): a worker that does not answer is
+named as the cause, since a dead stage makes its neighbours fail too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from coordinator.planning.graph import CutInfo
+from coordinator.planning.plan import Plan
+from coordinator.runtime.loop import EventLoop, Reply, WorkerLost
+from services.params.client import ShardRef, setup_shards
+from services.protocol import (
+    Assignment,
+    AssignmentReply,
+    BoundarySpec,
+    BoundaryTensor,
+    CommitReply,
+    CommitStep,
+    ComputeOptions,
+    Empty,
+    FactoryKwargs,
+    OptimizerSpec,
+    Release,
+    RunStep,
+    ShardAddress,
+    StageAction,
+    StepReply,
+    TensorsReply,
+    WorkerStatus,
+)
+
+__all__ = ["ActionEvent", "JobFailed", "RunSpec", "Runtime", "StepRecord", "boundary_spec"]
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = timedelta(seconds=2)
+
+
+class JobFailed(RuntimeError):
+    """The job stopped: a worker failed or vanished. The message names the worker, service and step."""
+
+    def __init__(self, message: str, *, worker: str = "", service: str = "", step: int | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.service = service
+        self.step = step
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the services of a job are built from (names of factories, never code)."""
+
+    job: str  # the workers' job (their registry prefix)
+    run: str  # unique per runtime: names its services and communicator prefixes
+    model: str
+    data: str
+    loss: str
+    optimizer: OptimizerSpec
+    model_kwargs: FactoryKwargs = field(default_factory=dict)
+    data_kwargs: FactoryKwargs = field(default_factory=dict)
+    loss_kwargs: FactoryKwargs = field(default_factory=dict)
+    seed: int = 0
+    comm_backend: str = "zmq"
+    step_timeout: timedelta = timedelta(seconds=300)
+    call_timeout: timedelta = timedelta(seconds=120)
+
+
+@dataclass(frozen=True)
+class ActionEvent:
+    """One timed action or phase of one stage: ``F3``, ``SA3->1``, ``all_reduce``, ``optimizer``..."""
+
+    worker: str
+    replica: int
+    stage: int
+    name: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class _Service:
+    worker: str
+    name: str
+    replica: int
+    stage: int
+
+
+@dataclass
+class StepRecord:
+    """A finished step: its loss, its samples, and the event log of every action.
+
+    The step's update is committed with the next step (or by ``Runtime.commit``), so the
+    ``optimizer`` / ``push_pull`` phases in a step's events are the previous step's commit,
+    applied before the step's first action. The event log is built on first access.
+    """
+
+    step: int
+    loss: float
+    num_samples: int
+    start: float
+    end: float
+    coordinator_s: float  # time the coordinator itself spent (not waiting for replies)
+    replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
+    labels: list[list[str]] = field(default_factory=list, repr=False)  # labels[stage][k]: action k's name
+    _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def events(self) -> list[ActionEvent]:
+        """Every action and phase of every stage of every replica, as timed by the stages."""
+        if self._events is None:
+            events: list[ActionEvent] = []
+            for sv, body in self.replies:
+                events += [ActionEvent(sv.worker, sv.replica, sv.stage, label, start, end)
+                           for label, start, end in zip(self.labels[sv.stage], body.starts, body.ends,
+                                                        strict=True)]
+                events += [ActionEvent(sv.worker, sv.replica, sv.stage, p.name, p.start, p.end)
+                           for p in body.phases]
+            self._events = events
+        return self._events
+
+
+def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
+    """The compute service's view of a cut (shapes at ``batch_size`` samples).
+
+    Raises:
+        ValueError: The cut is crossed by several values (only a cell-sequence model's single
+            value, a tensor, tuple, list or dict of tensors, can cross between compute stages).
+    """
+    if cut.structure == "values" or not cut.cuttable:
+        raise ValueError(f"cut {cut.index} is crossed by {len(cut.tensors)} separate values; cellmesh's "
+                         "compute stages pass one value between cells: give the model as a sequence of Cells")
+    tensors = [BoundaryTensor(name=t.name, dtype=t.dtype, shape=list(t.shape), requires_grad=t.requires_grad,
+                              batch_dim=t.batch_dim,
+                              key=t.name.split(".", 1)[1] if cut.structure == "dict" else None)
+               for t in cut.tensors]
+    return BoundarySpec(structure=cut.structure, tensors=tensors, batch_size=batch_size)
+
+
+class Runtime:
+    """Runs ``plan`` on connected workers through ``loop``.
+
+    Args:
+        plan: The plan (its placement names the workers).
+        spec: The factories, optimizer, seed, backend and bounds.
+        loop: The started event loop.
+        registry_url: What the services rendezvous through.
+        addresses: Each placed worker's service-host address.
+        initial_params: Cell-qualified initial parameters (parameter-server setup).
+
+    Timeouts: ``spec.call_timeout`` bounds placement and state collection;
+    ``spec.step_timeout`` bounds a step's round and the last step's commit round.
+    """
+
+    def __init__(self, plan: Plan, spec: RunSpec, loop: EventLoop, registry_url: str,
+                 addresses: Mapping[str, str], initial_params: Mapping[str, torch.Tensor]) -> None:
+        self.plan = plan
+        self.spec = spec
+        self.loop = loop
+        self.registry_url = registry_url
+        self.addresses = dict(addresses)
+        self.initial_params = initial_params
+        self.commits = 0  # updates committed so far
+        self._uncommitted = False  # the last step run awaits its commit
+        self._first_request = True
+        self._shards: list[_Service] = []
+        schedule = plan.schedule()
+        self._actions = [[StageAction(kind=a.stage_kind, microbatch=a.microbatch, peer=a.peer)  # type: ignore[arg-type]
+                          for a in acts] for acts in schedule.actions]
+        self._labels = [[str(a) for a in acts] for acts in self._actions]
+        # each stage's action list as RunStep dumps it, built once: a step's request reuses it
+        self._dumped_actions = [[a.model_dump(mode="python") for a in acts] for acts in self._actions]
+        self.services = [_Service(plan.placement[r][s], f"{spec.run}/compute-r{r}-s{s}", r, s)
+                         for r in range(plan.data_parallel) for s in range(plan.num_stages)]
+        self.workers = sorted({sv.worker for sv in self.services})
+        for w in self.workers:
+            loop.connect(w, self.addresses[w])
+
+    # -- placement ----------------------------------------------------------------------
+
+    def place(self) -> None:
+        """Assign every service the plan needs (shards first, set up; then every stage).
+
+        Raises:
+            JobFailed: A worker refused an assignment (a factory error, a bad option) or vanished.
+        """
+        plan, spec = self.plan, self.spec
+        shards: list[list[ShardAddress]] = [[] for _ in range(plan.num_stages)]
+        if plan.mode == "parameter_server":
+            shards = self._place_shards()
+        gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
+        ids: dict[int, _Service] = {}
+        for sv in self.services:
+            st = plan.stages[sv.stage]
+            options = ComputeOptions(
+                stage=sv.stage, num_stages=plan.num_stages, comm_backend=spec.comm_backend,  # type: ignore[arg-type]
+                registry=self.registry_url, comm_prefix=f"{gen}/pipe/r{sv.replica}",
+                comm_timeout_ms=int(spec.call_timeout.total_seconds() * 1000),
+                factory_kwargs=spec.model_kwargs, data=spec.data, data_kwargs=spec.data_kwargs,
+                loss=spec.loss, loss_kwargs=spec.loss_kwargs,
+                incoming=boundary_spec(st.incoming, plan.microbatch_size) if sv.stage > 0 else None,
+                outgoing=(boundary_spec(st.outgoing, plan.microbatch_size)
+                          if sv.stage < plan.num_stages - 1 else None),
+                replica=sv.replica, num_replicas=plan.data_parallel, grad_path=plan.mode,
+                dp_prefix=f"{gen}/dp/s{sv.stage}",
+                shards=shards[sv.stage])
+            assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
+                                    cells=[st.start, st.stop], seed=spec.seed,
+                                    options=options.model_dump(mode="json"))
+            ids[self.loop.send(sv.worker, "worker", "assign", assignment, AssignmentReply)] = sv
+        self._gather(ids, "placing the stages", spec.call_timeout, None)
+        log.info("[coordinator %s] placed %d stages on %s", spec.run, len(self.services),
+                 ", ".join(self.workers))
+
+    def _place_shards(self) -> list[list[ShardAddress]]:
+        plan = self.plan
+        out: list[list[ShardAddress]] = []
+        placed: list[tuple[int, list[ShardRef], dict[str, torch.Tensor]]] = []
+        ids: dict[int, _Service] = {}
+        for s, st in enumerate(plan.stages):
+            names = set(st.nodes)
+            params = {n: t for n, t in self.initial_params.items() if n.split(".", 1)[0] in names}
+            group = plan.dp_groups[s][:len(params)]
+            refs = [ShardRef(self.addresses[w], f"{self.spec.run}/ps-s{s}-{i}") for i, w in enumerate(group)]
+            for i, w in enumerate(group):
+                assign = Assignment(service=refs[i].service, kind="param_server")
+                shard = _Service(w, refs[i].service, -1, s)
+                ids[self.loop.send(w, "worker", "assign", assign, AssignmentReply)] = shard
+                self._shards.append(shard)
+            out.append([ShardAddress(address=r.address, service=r.service) for r in refs])
+            placed.append((s, refs, params))
+        self._gather(ids, "placing the parameter shards", self.spec.call_timeout, None)
+        for s, refs, params in placed:
+            if refs:
+                setup_shards(refs, params, mode="sync", replicas=plan.data_parallel,
+                             optimizer=self.spec.optimizer, timeout=self.spec.call_timeout)
+                log.info("[coordinator %s] stage %d: %d parameters on %d shards", self.spec.run, s,
+                         len(params), len(refs))
+        return out
+
+    # -- steps --------------------------------------------------------------------------
+
+    def run_step(self, step: int, batches: Sequence[Sequence[Sequence[int]]]) -> StepRecord:
+        """Run one step, carrying the previous step's commit; ``batches[r][m]``: replica r, microbatch m.
+
+        The step's own update is committed by the next :meth:`run_step` (inside its
+        requests) or by :meth:`commit`; :meth:`state` commits first.
+
+        Raises:
+            JobFailed: Naming the worker, the service and the step.
+        """
+        start, polled = time.time(), self.loop.poll_seconds
+        timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
+        commit = (CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
+                  if self._uncommitted else None)
+        if self._first_request:  # the request's shape, checked once by building one
+            RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], actions=self._actions[0],
+                    timeout_ms=timeout_ms, commit=commit)
+            self._first_request = False
+        commit_body = commit.model_dump(mode="python") if commit is not None else None
+        ids: dict[int, _Service] = {}
+        for sv in self.services:  # RunStep, dumped: the services validate it
+            body = {"step": step, "microbatches": [list(mb) for mb in batches[sv.replica]],
+                    "actions": self._dumped_actions[sv.stage], "zero_grad": True, "timeout_ms": timeout_ms,
+                    "commit": commit_body}
+            ids[self.loop.send(sv.worker, sv.name, "run_step", body, StepReply)] = sv
+        replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)
+        if commit is not None:
+            self.commits += 1
+        self._uncommitted = True
+        total = sum(len(mb) for per in batches for mb in per)
+        loss = 0.0
+        bodies: list[tuple[_Service, StepReply]] = []
+        for rid, reply in replies.items():
+            sv, body = ids[rid], reply.body
+            assert isinstance(body, StepReply)
+            bodies.append((sv, body))
+            for m, value in enumerate(body.losses):
+                loss += value * len(batches[sv.replica][m]) / total
+        end = time.time()
+        return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
+                          coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
+                          replies=bodies, labels=self._labels)
+
+    def commit(self) -> None:
+        """Commit the last step run, if its commit has not gone out with a later step.
+
+        Raises:
+            JobFailed: A stage could not apply the update (names the worker and the service).
+        """
+        if not self._uncommitted:
+            return
+        timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
+        commit = CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
+        ids = {self.loop.send(sv.worker, sv.name, "commit", commit, CommitReply): sv for sv in self.services}
+        bound = self.spec.step_timeout + timedelta(seconds=10)
+        self._gather(ids, f"the commit of update {self.commits}", bound, None)
+        self.commits += 1
+        self._uncommitted = False
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every stage's parameters and buffers (replica 0), cell-qualified, as copies.
+
+        Commits the last step first (:meth:`commit`).
+
+        Raises:
+            JobFailed: A stage did not answer or vanished.
+        """
+        self.commit()
+        ids = {self.loop.send(sv.worker, sv.name, "state", Empty(), TensorsReply): sv
+               for sv in self.services if sv.replica == 0}
+        out: dict[str, torch.Tensor] = {}
+        for reply in self._gather(ids, "collecting the final state", self.spec.call_timeout, None).values():
+            out.update({k: v.clone() for k, v in reply.tensors.items()})
+        return out
+
+    def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Release every service this runtime placed (best effort, bounded; never raises)."""
+        ids = {self.loop.send(sv.worker, "worker", "release", Release(service=sv.name), Empty): sv
+               for sv in [*self.services, *self._shards] if sv.worker in self.loop.members}
+        try:
+            self._gather(ids, "releasing the services", timeout, None)
+        except JobFailed as exc:
+            log.warning("[coordinator %s] %s", self.spec.run, exc)
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def _gather(self, ids: dict[int, _Service], what: str, timeout: timedelta,
+                step: int | None) -> dict[int, Reply]:
+        deadline = time.monotonic() + timeout.total_seconds()
+        replies: dict[int, Reply] = {}
+        try:
+            while len(replies) < len(ids):
+                event = self.loop.next_event(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+                if event is None:
+                    missing = [ids[i] for i in ids if i not in replies]
+                    sv = missing[0]
+                    raise JobFailed(f"{what}: no reply within {timeout.total_seconds():.0f}s from "
+                                    + ", ".join(f"worker {m.worker} (service {m.name})" for m in missing),
+                                    worker=sv.worker, service=sv.name, step=step)
+                if isinstance(event, WorkerLost) and event.name in self.workers:
+                    hosted = [sv.name for sv in self.services if sv.worker == event.name]
+                    raise JobFailed(f"worker {event.name} (hosting {', '.join(hosted)}) lost its registry "
+                                    f"lease during {what}: its process died or stopped",
+                                    worker=event.name, service=hosted[0] if hosted else "", step=step)
+                if isinstance(event, Reply) and event.id in ids:
+                    if not event.ok:
+                        raise self._failure(event, ids[event.id], what, step)
+                    replies[event.id] = event
+        finally:
+            for i in ids:
+                if i not in replies:
+                    self.loop.forget(i)
+        return replies
+
+    def _failure(self, reply: Reply, sv: _Service, what: str, step: int | None) -> JobFailed:
+        detail = f"worker {sv.worker}, service {sv.name}: [{reply.code}] {reply.message}"
+        silent = self._unresponsive()
+        if silent:
+            hosted = [s.name for s in self.services if s.worker == silent[0]]
+            return JobFailed(f"{what} failed: worker {silent[0]} (hosting {', '.join(hosted)}) does not "
+                             f"answer; its process died or froze. Then {detail}", worker=silent[0],
+                             service=hosted[0] if hosted else "", step=step)
+        return JobFailed(f"{what} failed: {detail}", worker=sv.worker, service=sv.name, step=step)
+
+    def _unresponsive(self) -> list[str]:
+        """The placed workers that do not answer ``worker.status`` within :data:`PROBE_TIMEOUT`."""
+        ids = {self.loop.send(w, "worker", "status", Empty(), WorkerStatus): w for w in self.workers}
+        answered: set[str] = set()
+        deadline = time.monotonic() + PROBE_TIMEOUT.total_seconds()
+        while len(answered) < len(ids):
+            event = self.loop.next_event(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            if event is None:
+                break
+            if isinstance(event, Reply) and event.id in ids:
+                answered.add(ids[event.id])
+        for i in ids:
+            self.loop.forget(i)
+        return [w for w in self.workers if w not in answered]
+

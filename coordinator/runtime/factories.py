@@ -1,0 +1,96 @@
+"""Importable factories: what a job names so that workers build the model, the data and the loss.
+
+Workers never receive code (../shared/DESIGN.md): a job names each factory as
+``"package.module:function"``. A user may pass the function object instead;
+:func:`factory_path` turns it into that name and checks it resolves to the same object
+(so a lambda, a nested function or a function defined in ``__main__`` is refused with the
+fix). The builders here run the factories in the coordinator's process exactly as a
+worker's stage does (``services/compute/stage.py``): seeded in a forked RNG, so the coordinator's
+copy of the model has the parameters every worker builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.compute.cell import Cell, as_cells
+from services.compute.stage import SampleSource, import_object
+
+__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "factory_path", "seeded", "unwrapped"]
+
+FactoryRef = str | Callable[..., Any]
+
+
+def factory_path(ref: FactoryRef, *, what: str) -> str:
+    """The ``"package.module:function"`` name of ``ref`` (a name or a module-level function).
+
+    Raises:
+        ValueError: ``ref`` is malformed, does not import, or is not importable by name
+            (a lambda, a nested function, something defined in ``__main__``).
+    """
+    if isinstance(ref, str):
+        import_object(ref, what=what)  # fails early, in the caller's process, with the reason
+        return ref
+    module = getattr(ref, "__module__", None)
+    qualname = getattr(ref, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<" in qualname:
+        raise ValueError(f"{what} {ref!r} cannot be imported by name by the workers: define it at module "
+                         "level in an importable module (not __main__, not a lambda or nested function) "
+                         "or pass its 'package.module:function' name")
+    path = f"{module}:{qualname}"
+    if import_object(path, what=what) is not ref:
+        raise ValueError(f"{what} {path!r} does not resolve to the object given; pass its name instead")
+    return path
+
+
+def seeded(seed: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` under ``torch.manual_seed(seed)`` in a forked RNG (as ``services.compute.stage`` builds)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return fn()
+
+
+def unwrapped(made: Any) -> nn.Module:
+    """The model a factory's result stands for: the module itself, or ``nn.Sequential`` of a sequence.
+
+    This is the module whose ``state_dict`` a job's result loads into with ``strict=True``.
+    """
+    return made if isinstance(made, nn.Module) else nn.Sequential(*made)
+
+
+def build_cells(path: str, kwargs: Mapping[str, Any], seed: int) -> tuple[nn.Module, list[Cell]]:
+    """The unwrapped model and its cells (sharing parameters), built as a worker builds them.
+
+    Raises:
+        ValueError: The factory does not import or its result has no cells.
+    """
+    factory = import_object(path, what="model factory")
+    made = seeded(seed, lambda: factory(**kwargs))
+    return unwrapped(made), as_cells(made)
+
+
+def build_data(path: str, kwargs: Mapping[str, Any], seed: int) -> SampleSource:
+    """The job's samples, seeded as the workers' are.
+
+    Raises:
+        ValueError: The factory does not import or returns neither a pair nor a loader.
+    """
+    data = import_object(path, what="data factory")
+    return SampleSource(seeded(seed, lambda: data(**kwargs)), what=f"data factory {path!r}")
+
+
+def build_loss(path: str, kwargs: Mapping[str, Any]) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss(output, targets)`` from the loss factory.
+
+    Raises:
+        ValueError: The factory does not import or returns something not callable.
+    """
+    made = import_object(path, what="loss factory")(**kwargs)
+    if not callable(made):
+        raise ValueError(f"loss factory {path!r} returned a {type(made).__name__}, not a callable")
+    fn: Callable[[Any, Any], torch.Tensor] = made
+    return fn

@@ -1,0 +1,194 @@
+"""The embedded local harness: a registry served from this process and N worker processes on loopback.
+
+``Resources.local(workers=N)`` runs here: :class:`LocalHarness` serves the registry
+(:class:`~comm.registry.RegistryServer`, in-process), starts ``python -m services.host.worker``
+once per resource worker (named as the resources name them, so a plan's placement names
+the processes), and waits, bounded, until every worker's card is in the registry.
+
+Teardown (:meth:`LocalHarness.close`, also on errors inside ``with``, at interpreter exit
+and from a test's fixture) asks every worker to drain (SIGTERM), waits ``grace``, then
+kills what is left (SIGKILL) and reaps it, then stops the registry: every process the
+harness started is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from types import TracebackType
+
+from comm.codec import unpack
+from comm.registry import RegistryServer
+from comm.registry.base import Registry
+from services.host.worker import worker_key
+from services.protocol import WorkerCard
+
+__all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_START_TIMEOUT", "LocalHarness"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TTL = timedelta(seconds=5)
+DEFAULT_START_TIMEOUT = timedelta(seconds=90)
+WORKER_LOG_LEVEL_ENV = "CELLMESH_WORKER_LOG_LEVEL"  # the workers' log level (default WARNING)
+
+_live: weakref.WeakSet[LocalHarness] = weakref.WeakSet()
+
+
+class LocalHarness:
+    """A registry and one worker process per name, on loopback.
+
+    Args:
+        names: The workers' names (e.g. ``Resources.local(2)``'s ``local-0``, ``local-1``).
+
+    Keyword Args:
+        job: The job's name (the registry prefix ``/cellmesh/{job}/``).
+        lease_ttl: A worker's card vanishes this long after its process stops renewing it.
+        threads: ``OMP_NUM_THREADS`` of each worker (torch's intra-op threads).
+        python_path: Directories the workers need on ``sys.path`` (where the job's factories live).
+        env: Extra environment variables for the workers.
+        start_timeout: Bounds starting every worker until its card is registered.
+        grace: How long :meth:`close` waits for workers to drain before killing them.
+    """
+
+    def __init__(self, names: Sequence[str], *, job: str, lease_ttl: timedelta = DEFAULT_LEASE_TTL,
+                 threads: int = 1, python_path: Iterable[str] = (), env: Mapping[str, str] | None = None,
+                 start_timeout: timedelta = DEFAULT_START_TIMEOUT,
+                 grace: timedelta = timedelta(seconds=5)) -> None:
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"worker names must be non-empty and unique, got {list(names)}")
+        self.names = list(names)
+        self.job = job
+        self.lease_ttl = lease_ttl
+        self.threads = threads
+        self.python_path = list(python_path)
+        self.env = dict(env or {})
+        self.start_timeout = start_timeout
+        self.grace = grace
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.cards: dict[str, WorkerCard] = {}
+        self._server: RegistryServer | None = None
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def registry_url(self) -> str:
+        assert self._server is not None, "start() first"
+        return str(self._server.address)
+
+    @property
+    def registry(self) -> Registry:
+        """The served registry itself (in this process)."""
+        assert self._server is not None, "start() first"
+        return self._server.registry
+
+    def start(self) -> LocalHarness:
+        """Serve the registry, start the workers, wait until each registered.
+
+        Raises:
+            RuntimeError: A worker exited before registering (its exit code is named).
+            TimeoutError: Naming the workers not registered within ``start_timeout``.
+        """
+        _live.add(self)
+        try:
+            self._server = RegistryServer().start()
+            env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), **self.env)
+            env.setdefault("CELLMESH_LOG_LEVEL", os.environ.get(WORKER_LOG_LEVEL_ENV, "WARNING"))
+            paths = [*self.python_path, os.getcwd(), env.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+            for name in self.names:
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
+                     "--job", self.job, "--name", name, "--lease-ttl", str(self.lease_ttl.total_seconds())],
+                    env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+            self._wait_registered()
+        except BaseException:
+            self.close()
+            raise
+        log.info("[harness %s] %d workers up: %s", self.job, len(self.names), ", ".join(self.names))
+        return self
+
+    def _wait_registered(self) -> None:
+        prefix = f"/cellmesh/{self.job}/workers/"
+        deadline = time.monotonic() + self.start_timeout.total_seconds()
+        with self.registry.watch(prefix, start_revision=1) as watch:
+            while True:
+                for kv in self.registry.list(prefix):
+                    card = unpack(kv.value, WorkerCard)
+                    if card.name in self.procs:
+                        self.cards[card.name] = card
+                missing = [n for n in self.names if n not in self.cards]
+                if not missing:
+                    return
+                for name in missing:
+                    code = self.procs[name].poll()
+                    if code is not None:
+                        raise RuntimeError(f"worker {name} exited with code {code} before registering "
+                                           f"(set {WORKER_LOG_LEVEL_ENV}=INFO to see its log)")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"workers {missing} did not register under {prefix} within "
+                                       f"{self.start_timeout.total_seconds():.0f}s")
+                watch.get(timedelta(seconds=min(left, 0.5)))
+
+    def address(self, name: str) -> str:
+        """Worker ``name``'s service-host address."""
+        return self.cards[name].address
+
+    def worker_key(self, name: str) -> str:
+        return worker_key(self.job, name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to worker ``name`` (fault injection)."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.kill(proc.pid, sig)
+
+    def close(self) -> None:
+        """Drain, then kill, every worker; stop the registry. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped worker cannot drain
+        deadline = time.monotonic() + self.grace.total_seconds()
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("[harness %s] worker %s did not drain within %.1fs; killing it", self.job, name,
+                            self.grace.total_seconds())
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown(timeout=timedelta(seconds=5))
+        _live.discard(self)
+
+    def __enter__(self) -> LocalHarness:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    for harness in list(_live):
+        harness.close()

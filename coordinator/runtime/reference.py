@@ -1,0 +1,54 @@
+"""One process training a job's model on the job's global batches: what every plan must match.
+
+See [Note: what the invariant compares] in ``coordinator/runtime/job.py``. The reference builds
+the model, data and loss from the job's factories exactly as the workers do, takes the
+sampler's global batch of each step in order, and runs one forward, one backward of the
+mean loss and one optimizer step per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from coordinator.runtime.factories import build_cells, build_data, build_loss
+from coordinator.runtime.job import FitResult, Job
+from services.compute.cell import cell_parameters
+from services.compute.stage import make_optimizer
+
+__all__ = ["max_abs_diff", "train_reference"]
+
+
+def train_reference(job: Job, steps: int) -> FitResult:
+    """Train ``job``'s model for ``steps`` steps in this process; return losses and the final state_dict.
+
+    The losses are each step's loss before its update, as ``Job.fit`` reports them.
+    """
+    model, cells = build_cells(job.model, job.model_kwargs, job.seed)
+    whole = nn.Sequential(*cells)
+    source = build_data(job.data, job.data_kwargs, job.seed)
+    loss_fn = build_loss(job.loss, job.loss_kwargs)
+    params = [p for _, p in cell_parameters(cells)]
+    optimizer = make_optimizer(job.optimizer, params)
+    sampler = job.sampler()
+    losses = []
+    for step in range(steps):
+        inputs, targets = source.load(sampler.indices(step))
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(whole(inputs), targets)
+        loss.backward()  # type: ignore[no-untyped-call]  # torch stub
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return FitResult(losses=losses, state_dict=state)
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two state_dicts with the same keys.
+
+    Raises:
+        KeyError: The keys differ.
+    """
+    if sorted(a) != sorted(b):
+        raise KeyError(f"state_dict keys differ: {sorted(set(a) ^ set(b))}")
+    return max((float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].numel()), default=0.0)

@@ -1,0 +1,1 @@
+"""Cell compute: stages of cells, their pipeline actions and boundary transfers."""

@@ -1,0 +1,356 @@
+"""The cell compute service: one pipeline stage's forward and backward, driven by action lists.
+
+One service runs cells ``[start, stop)`` of a model as stage ``s`` of ``p`` (see
+:mod:`services.compute.stage` for the factories and :mod:`services.compute.executor` for how a step's
+action list runs). RPC surface (service kind ``compute``):
+
+* ``run_step(RunStep) -> StepReply``: validate the action list (:mod:`services.compute.actions`;
+  an invalid list is a ``bad_request`` and nothing runs), then run it on the service's
+  step thread; the reply (per-microbatch losses on the last stage, per-action timings)
+  is sent from that thread when the step ends. ``step_failed`` if it fails.
+* ``parameters(Empty)`` / ``gradients(Empty) -> TensorsReply`` + tensors named
+  ``"{cell}.{param}"`` (copies; ``gradients`` sends zeros for, and lists as ``missing``,
+  parameters without a gradient).
+* ``zero_grad(ZeroGradRequest) -> Empty``.
+* ``optimizer_step(OptimizerStepRequest) -> OptimizerStepReply``: a ``torch.optim``
+  class by name; built on the first call and kept (its state lives with the stage), run
+  on the step thread.
+* ``reconnect(Reconnect) -> Empty``: replace the communicator (a new generation prefix).
+* ``commit(CommitStep) -> CommitReply``: apply the step's update, on the step thread: the
+  local optimizer (built on the first commit, as ``optimizer_step``), or, on the
+  parameter-server path, push the gradients and pull the new values
+  (:mod:`services.params.grad_path`). The coordinator commits only once every stage of every
+  replica finished the step (a step is a transaction). A commit usually travels inside
+  the next ``run_step`` (``RunStep.commit``), applied before that step's first action;
+  this call commits the last step of a run.
+* ``state(Empty) -> TensorsReply`` + parameters and buffers (copies), cell-qualified.
+
+Data parallelism. Replicas of one stage synchronise gradients through the stage's
+gradient path (:mod:`services.params.grad_path`): ``run_step`` begins it (waiting for the
+data-parallel group, bounded by the step's deadline) and the executor arms and finishes
+it around the last backward.
+
+One thing at a time: while a step or optimizer step runs, every state-touching call is
+answered ``busy``.
+
+Communicator. The stages of one pipeline form a communicator (rank = stage index) that
+meets under ``comm_prefix``; it is joined in the background from the moment of
+assignment (:class:`~services.link.PipelineLink`), and ``run_step`` waits for it, bounded
+by the step's deadline.
+
+[Note: a failed step poisons the channels]
+A step that fails after posting a transfer may leave messages in flight, and the
+backends number messages per peer and tag, so later steps would read stale data. The
+service then refuses ``run_step`` with ``comm_failed`` until ``reconnect`` gives it a
+fresh communicator under a new prefix (every stage of the pipeline reconnects; then the
+abandoned step can be run again: with ``zero_grad`` it gives the same gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+from pydantic import BaseModel, ValidationError
+
+from comm.codec import describe_validation_error
+from comm.rpc.service import Call, RpcError, ServiceBase
+from services.compute.actions import ActionListError, validate_actions
+from services.compute.executor import StepExecutor, StepFailed
+from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
+from services.link import PipelineLink
+from services.params.grad_path import build_path
+from services.protocol import (
+    Assignment,
+    CommitReply,
+    CommitStep,
+    ComputeOptions,
+    Empty,
+    OptimizerSpec,
+    OptimizerStepReply,
+    OptimizerStepRequest,
+    PhaseTiming,
+    Reconnect,
+    RunStep,
+    TensorsReply,
+    ZeroGradRequest,
+)
+
+__all__ = ["CellComputeService"]
+
+log = logging.getLogger(__name__)
+
+# The host answers `timeout` this long after a step's own deadline, if the step thread has
+# not answered by then (it normally does: every wait inside a step is bounded by the deadline).
+_REPLY_GRACE = timedelta(seconds=5)
+OPTIMIZER_STEP_TIMEOUT = timedelta(seconds=600)
+
+
+class CellComputeService(ServiceBase):
+    """Serves one pipeline stage. Build it with :meth:`from_assignment`.
+
+    Args:
+        stage: The built stage.
+        options: Its plan fields (backend, registry, prefix, timeouts).
+
+    Timeouts: ``options.comm_timeout_ms`` bounds the communicator's rendezvous and is the
+    default of its transfers; ``RunStep.timeout_ms`` bounds a whole step, waiting for the
+    communicator included; :data:`OPTIMIZER_STEP_TIMEOUT` bounds an optimizer step.
+    """
+
+    def __init__(self, stage: Stage, options: ComputeOptions) -> None:
+        self._stage = stage
+        self._tag = f"[stage {stage.index}/{stage.num_stages}]"
+        self._lock = threading.Lock()  # guards the fields below
+        self._busy: str | None = None
+        self._closed = False
+        self._poisoned: str | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-stage{stage.index}")
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_spec: OptimizerSpec | None = None
+        self._optimizer_steps = 0
+        self._link = PipelineLink(backend=options.comm_backend, rank=stage.index, world_size=stage.num_stages,
+                                  registry_url=options.registry, prefix=options.comm_prefix,
+                                  timeout=timedelta(milliseconds=options.comm_timeout_ms))
+        self._path = build_path(stage.module, options)
+
+    @classmethod
+    def from_assignment(cls, assignment: Assignment) -> CellComputeService:
+        """Build the stage (synchronously, so factory errors answer the assignment) and start connecting.
+
+        Raises:
+            RpcError: ``bad_request`` naming the bad option or factory.
+        """
+        try:
+            options = ComputeOptions.model_validate(assignment.options)
+        except ValidationError as exc:
+            raise RpcError("bad_request", f"compute options: {describe_validation_error(exc)}") from None
+        try:
+            stage = build_stage(assignment, options)
+            service = cls(stage, options)
+        except ValueError as exc:  # a factory, the cell range or the registry URL
+            raise RpcError("bad_request", f"stage {options.stage}: {exc}") from None
+        log.info("[stage %d/%d] cells %s, %d parameters", options.stage, options.num_stages,
+                 [c.name for c in stage.cells], sum(p.numel() for _, p in stage.parameters()))
+        return service
+
+    # -- one thing at a time ------------------------------------------------------------
+
+    def _check_idle(self, what: str) -> None:
+        if self._closed:
+            raise RpcError("closed", f"stage {self._stage.index} is shutting down")
+        if self._busy is not None:
+            raise RpcError("busy", f"stage {self._stage.index} cannot {what} while it runs {self._busy}")
+
+    def _submit(self, call: Call, what: str, timeout: timedelta, work: Callable[[], BaseModel]) -> None:
+        """Run ``work`` on the step thread and answer ``call`` from there (bounded by ``timeout``)."""
+        with self._lock:
+            self._check_idle(what)
+            self._busy = what
+
+        def on_timeout() -> tuple[str, str]:
+            seconds = timeout.total_seconds()
+            return "timeout", f"stage {self._stage.index}: {what} did not finish within {seconds:.1f}s"
+
+        call.defer(timeout + _REPLY_GRACE, on_timeout)
+
+        def run() -> None:
+            reply: BaseModel | None = None
+            error: tuple[str, str] | None = None
+            try:
+                reply = work()
+            except StepFailed as exc:
+                log.error("%s %s failed: %s", self._tag, what, exc)
+                error = ("step_failed", str(exc))
+            except RpcError as exc:
+                error = (exc.code, exc.message)
+            except Exception as exc:
+                log.exception("%s %s failed", self._tag, what)
+                error = ("internal", f"stage {self._stage.index}: {what}: {type(exc).__name__}: {exc}")
+            finally:
+                with self._lock:
+                    self._busy = None  # before answering: the caller may send the next request at once
+            if error is not None:
+                call.fail(*error)
+            elif reply is not None:
+                call.reply(reply)
+
+        self._pool.submit(run)
+
+    # -- RPCs -----------------------------------------------------------------------------
+
+    def rpc_run_step(self, request: RunStep, call: Call) -> None:
+        stage = self._stage
+        with self._lock:
+            self._check_idle(f"step {request.step}")
+            if self._poisoned is not None:
+                raise RpcError("comm_failed", f"stage {stage.index}: {self._poisoned}; reconnect every stage "
+                                              "under a new comm_prefix before the next step")
+            optimizer = self._commit_optimizer(request.commit) if request.commit is not None else None
+        try:
+            with_backward = validate_actions(request.actions, stage=stage.index, num_stages=stage.num_stages,
+                                             num_microbatches=len(request.microbatches))
+            check_samples(stage, request.microbatches)
+        except (ActionListError, ValueError) as exc:
+            raise RpcError("bad_request", f"step {request.step}: {exc}") from None
+        timeout = timedelta(milliseconds=request.timeout_ms)
+
+        def run() -> BaseModel:
+            deadline = time.monotonic() + timeout.total_seconds()
+            phases: list[PhaseTiming] = []
+            if request.commit is not None:  # the previous step's update first: it was complete
+                phases = self._apply_commit(request.commit, optimizer, timeout)
+            try:
+                comm = self._link.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+                self._path.begin(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            except (TimeoutError, RuntimeError) as exc:
+                raise StepFailed(f"stage {stage.index}, step {request.step}: {exc}",
+                                 transfers_posted=False) from exc
+            start = time.monotonic()
+            try:
+                reply = StepExecutor(stage, comm, request, with_backward, deadline, self._path).run()
+            except StepFailed as exc:
+                self._path.abandon()
+                if exc.transfers_posted or self._path.launched:
+                    with self._lock:
+                        self._poisoned = f"step {request.step} failed after posting transfers"
+                raise
+            log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
+                      time.monotonic() - start)
+            return reply.model_copy(update={"phases": [*phases, *reply.phases]}) if phases else reply
+
+        self._submit(call, f"step {request.step}", timeout, run)
+
+    def rpc_parameters(self, request: Empty, call: Call) -> TensorsReply:
+        with self._lock:
+            self._check_idle("send its parameters")
+            # copies: the reply's frames are sent zero-copy after this returns
+            call.tensors_out = [(name, p.detach().clone()) for name, p in self._stage.parameters()]
+        return TensorsReply(names=[name for name, _ in call.tensors_out])
+
+    def rpc_gradients(self, request: Empty, call: Call) -> TensorsReply:
+        with self._lock:
+            self._check_idle("send its gradients")
+            params = self._stage.parameters()
+            call.tensors_out = [(n, p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                                for n, p in params]
+        return TensorsReply(names=[n for n, _ in params], missing=[n for n, p in params if p.grad is None])
+
+    def rpc_zero_grad(self, request: ZeroGradRequest, call: Call) -> Empty:
+        with self._lock:
+            self._check_idle("zero its gradients")
+            for _, p in self._stage.parameters():
+                if request.set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+        return Empty()
+
+    def rpc_optimizer_step(self, request: OptimizerStepRequest, call: Call) -> None:
+        with self._lock:
+            self._check_idle("apply an optimizer step")
+            optimizer = self._optimizer or self._build_optimizer(request.optimizer)
+        if request.optimizer != self._optimizer_spec:
+            raise RpcError("bad_request", f"stage {self._stage.index}: the optimizer is "
+                                          f"{self._optimizer_spec}; got {request.optimizer} (reassign "
+                                          "the stage to change it)")
+
+        def run() -> BaseModel:
+            optimizer.step()
+            self._optimizer_steps += 1
+            return OptimizerStepReply(steps=self._optimizer_steps)
+
+        self._submit(call, "an optimizer step", OPTIMIZER_STEP_TIMEOUT, run)
+
+    def _build_optimizer(self, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        try:
+            optimizer = make_optimizer(spec, [p for _, p in self._stage.parameters()])
+        except ValueError as exc:
+            raise RpcError("bad_request", str(exc)) from None
+        self._optimizer, self._optimizer_spec = optimizer, spec
+        return optimizer
+
+    def _commit_optimizer(self, commit: CommitStep) -> torch.optim.Optimizer | None:
+        """The local optimizer ``commit`` applies (built on first use; None on the parameter-server path).
+
+        Call with the lock held.
+
+        Raises:
+            RpcError: ``bad_request`` if ``commit`` names another optimizer than the stage's.
+        """
+        if not self._path.updates_locally:
+            return None
+        optimizer = self._optimizer or self._build_optimizer(commit.optimizer)
+        if commit.optimizer != self._optimizer_spec:
+            raise RpcError("bad_request", f"stage {self._stage.index}: the optimizer is "
+                                          f"{self._optimizer_spec}; got {commit.optimizer} (reassign "
+                                          "the stage to change it)")
+        return optimizer
+
+    def _apply_commit(self, commit: CommitStep, optimizer: torch.optim.Optimizer | None,
+                      timeout: timedelta) -> list[PhaseTiming]:
+        """Apply the update of the step ``commit`` names (on the step thread); its phases.
+
+        Raises:
+            StepFailed: The parameter-server exchange failed.
+        """
+        phases: list[PhaseTiming] = []
+        if optimizer is not None:
+            start = time.time()
+            optimizer.step()
+            phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
+        else:
+            try:
+                phase = self._path.exchange(commit.step, self._stage.parameters(), timeout)
+            except Exception as exc:
+                raise StepFailed(f"stage {self._stage.index}, commit of step {commit.step}: push/pull: "
+                                 f"{type(exc).__name__}: {exc}", transfers_posted=False) from exc
+            phases += [phase] if phase is not None else []
+        self._optimizer_steps += 1
+        return phases
+
+    def rpc_commit(self, request: CommitStep, call: Call) -> None:
+        with self._lock:
+            self._check_idle(f"commit step {request.step}")
+            optimizer = self._commit_optimizer(request)
+        timeout = timedelta(milliseconds=request.timeout_ms)
+
+        def run() -> BaseModel:
+            phases = self._apply_commit(request, optimizer, timeout)
+            return CommitReply(step=request.step, optimizer_steps=self._optimizer_steps, phases=phases)
+
+        self._submit(call, f"commit of step {request.step}", timeout, run)
+
+    def rpc_state(self, request: Empty, call: Call) -> TensorsReply:
+        with self._lock:
+            self._check_idle("send its state")
+            call.tensors_out = [(name, t.detach().clone()) for name, t in self._stage.state()]
+        return TensorsReply(names=[name for name, _ in call.tensors_out])
+
+    def rpc_reconnect(self, request: Reconnect, call: Call) -> Empty:
+        with self._lock:
+            self._check_idle("reconnect")
+            self._poisoned = None
+        if request.dp_prefix:
+            self._path.reconnect(request.dp_prefix)
+        self._link.connect(request.comm_prefix)
+        log.info("%s reconnecting under %s", self._tag, request.comm_prefix)
+        return Empty()
+
+    def on_close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+        # Closing a communicator waits for its in-flight operations (one to a dead peer waits
+        # out its timeout): never on the host thread, which serves every service of the worker.
+        def close_comms() -> None:
+            self._link.close()
+            self._path.close()
+
+        threading.Thread(target=close_comms, daemon=True, name=f"close-stage{self._stage.index}").start()

@@ -1,0 +1,218 @@
+"""One pipeline stage built from an assignment: its cells, and on the ends the samples and the loss.
+
+Factories are named, never shipped: ``"package.module:function"`` (``Assignment.factory``,
+``ComputeOptions.data`` and ``ComputeOptions.loss``), imported by the worker. Contracts:
+
+* model factory ``f(**factory_kwargs)`` returns the whole model as a sequence of modules
+  or cells (see :func:`services.compute.cell.as_cells`); the stage keeps cells
+  ``[start, stop)``. It runs under ``torch.manual_seed(seed)`` in a forked RNG, so
+  every stage (and a single-process reference seeded alike) gets the same parameters.
+  Every stage builds the whole model and drops what it does not run: simple and
+  deterministic, at the cost of building it (not keeping it) on each worker.
+* data factory ``f(**data_kwargs)`` (seeded the same way) returns either a pair
+  ``(inputs, targets)``, each a tensor, tuple, list or dict of tensors with the samples
+  along dim 0, or a callable ``load(indices: list[int]) -> (inputs, targets)``.
+* loss factory ``f(**loss_kwargs)`` returns ``loss(output, targets) -> scalar tensor``;
+  a loss module class works as is (``"torch.nn:MSELoss"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.compute.cell import Cell, as_cells, cell_parameters
+from services.protocol import Assignment, BoundarySpec, ComputeOptions, OptimizerSpec
+
+__all__ = [
+    "LossFn",
+    "SampleSource",
+    "Stage",
+    "build_stage",
+    "check_samples",
+    "import_object",
+    "make_optimizer",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+Loader = Callable[[list[int]], tuple[Any, Any]]
+
+
+def import_object(path: str, *, what: str) -> Any:
+    """The object named ``"package.module:attribute"`` (attributes may be dotted).
+
+    Raises:
+        ValueError: The name is malformed, the module does not import, or lacks the attribute.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {path!r}: expected 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"{what} {path!r}: cannot import {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} {path!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _seeded(seed: int, fn: Callable[[], Any]) -> Any:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return fn()
+
+
+def _take(value: Any, index: torch.Tensor, what: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, index)
+    if isinstance(value, tuple | list):
+        return type(value)(_take(v, index, what) for v in value)
+    if isinstance(value, dict):
+        return {k: _take(v, index, what) for k, v in value.items()}
+    raise ValueError(f"{what}: samples must be tensors, tuples, lists or dicts of tensors, got "
+                     f"{type(value).__name__}")
+
+
+def _length(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else 0
+    items = list(value.values()) if isinstance(value, dict) else list(value)
+    return min((_length(v) for v in items), default=0)
+
+
+class SampleSource:
+    """The samples of a job, by index: ``load(indices) -> (inputs, targets)``.
+
+    Attributes:
+        num_samples: How many samples there are, when the source knows (index checks).
+    """
+
+    def __init__(self, made: Any, *, what: str) -> None:
+        self._what = what
+        self._loader: Loader | None = None
+        self._pair: tuple[Any, Any] | None = None
+        self.num_samples: int | None = None
+        if callable(made):
+            self._loader = made
+        elif isinstance(made, tuple | list) and len(made) == 2:
+            self._pair = (made[0], made[1])
+            self.num_samples = min(_length(made[0]), _length(made[1]))
+        else:
+            raise ValueError(f"{what}: the data factory must return (inputs, targets) or a callable "
+                             f"load(indices) -> (inputs, targets), got {type(made).__name__}")
+
+    def load(self, indices: list[int]) -> tuple[Any, Any]:
+        if self._loader is not None:
+            return self._loader(indices)
+        assert self._pair is not None
+        index = torch.tensor(indices, dtype=torch.long)
+        return _take(self._pair[0], index, self._what), _take(self._pair[1], index, self._what)
+
+
+@dataclass
+class Stage:
+    """What one compute service runs: cells ``[start, stop)`` of stage ``index`` of ``num_stages``."""
+
+    index: int
+    num_stages: int
+    start: int
+    cells: list[Cell]
+    module: nn.Sequential
+    samples: SampleSource | None
+    loss_fn: LossFn | None
+    loss_reduction: str
+    incoming: BoundarySpec | None
+    outgoing: BoundarySpec | None
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The stage's parameters with cell-qualified names (``"{cell}.{param}"``)."""
+        return cell_parameters(self.cells)
+
+    def state(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters, then buffers (``"{cell}.{buffer}"``), each listed once: what a checkpoint holds."""
+        out: list[tuple[str, torch.Tensor]] = list(self.parameters())
+        seen = {id(t) for _, t in out}
+        for cell in self.cells:
+            for name, buf in cell.module.named_buffers():
+                if id(buf) not in seen:
+                    seen.add(id(buf))
+                    out.append((f"{cell.name}.{name}", buf))
+        return out
+
+
+def build_stage(assignment: Assignment, options: ComputeOptions) -> Stage:
+    """Import the factories and build the stage an assignment describes.
+
+    Raises:
+        ValueError: A factory does not import or returns the wrong kind of thing, or the
+            cell range does not fit the model.
+    """
+    factory = import_object(assignment.factory, what="model factory")
+    cells = as_cells(_seeded(assignment.seed, lambda: factory(**options.factory_kwargs)))
+    if len(assignment.cells) != 2 or not 0 <= assignment.cells[0] < assignment.cells[1] <= len(cells):
+        raise ValueError(f"cells {assignment.cells} is not a [start, stop) range within the model's "
+                         f"{len(cells)} cells {[c.name for c in cells]}")
+    start, stop = assignment.cells
+    mine = cells[start:stop]
+    first, last = options.stage == 0, options.stage == options.num_stages - 1
+    samples = None
+    if first or last:
+        data = import_object(options.data, what="data factory")
+        samples = SampleSource(_seeded(assignment.seed, lambda: data(**options.data_kwargs)),
+                               what=f"data factory {options.data!r}")
+    loss_fn: LossFn | None = None
+    if last:
+        made = import_object(options.loss, what="loss factory")(**options.loss_kwargs)
+        if not callable(made):
+            raise ValueError(f"loss factory {options.loss!r} returned a {type(made).__name__}, "
+                             "not a callable")
+        loss_fn = made
+    return Stage(index=options.stage, num_stages=options.num_stages, start=start, cells=mine,
+                 module=nn.Sequential(*mine), samples=samples, loss_fn=loss_fn,
+                 loss_reduction=options.loss_reduction, incoming=options.incoming, outgoing=options.outgoing)
+
+
+def check_samples(stage: Stage, microbatches: Sequence[Sequence[int]]) -> None:
+    """Raise ValueError if a sample index is beyond what the stage's data source holds."""
+    if stage.samples is None or stage.samples.num_samples is None:
+        return
+    n = stage.samples.num_samples
+    for m, indices in enumerate(microbatches):
+        bad = [i for i in indices if i >= n]
+        if bad:
+            raise ValueError(f"microbatch {m}: sample indices {bad[:5]} are beyond the {n} samples "
+                             "of the data")
+
+
+def make_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer ``spec`` names, over ``params`` (list kwargs become tuples: betas).
+
+    Raises:
+        ValueError: Not a ``torch.optim`` optimizer class, or it refuses the keyword arguments.
+    """
+    cls = getattr(torch.optim, spec.name, None)
+    base = torch.optim.Optimizer
+    if not (isinstance(cls, type) and issubclass(cls, base) and cls is not base):
+        raise ValueError(f"{spec.name!r} is not a torch.optim optimizer class")
+    kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.kwargs.items()}
+    make: Callable[..., torch.optim.Optimizer] = cls
+    try:
+        return make(list(params), **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optimizer {spec.name}({spec.kwargs}): {exc}") from None

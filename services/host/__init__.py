@@ -1,0 +1,1 @@
+"""The worker process: its service host, launcher variables, probes and metrics."""

@@ -1,0 +1,328 @@
+"""The worker process: registers with a lease, reports its resources, hosts assigned services.
+
+A worker is a :class:`~comm.rpc.service.ServiceHost` plus a ``worker`` control service. It
+publishes a :class:`~services.protocol.WorkerCard` under ``/cellmesh/{job}/workers/{name}``
+attached to a lease it renews by heartbeat; if the process dies, the lease lapses and the
+card vanishes (the coordinator's watch sees it go). Services arrive by message
+(:class:`~services.protocol.Assignment`), naming an importable factory, never code.
+
+SIGTERM (and SIGINT) drain the worker: it stops taking assignments, lets the request in
+hand finish, closes its services, deletes its card, revokes its lease and exits 0.
+
+In a pod the worker takes who it is from the environment as a torchrun worker would
+(``RANK``/``WORLD_SIZE``/``MASTER_*`` or the ``PET_*`` form: ``services/host/launch.py``),
+binds the pod's address (``CELLMESH_HOST``) on a fixed ``--port``, and serves its probes
+on ``--health-port`` (``services/host/health.py``): ``/readyz`` once its card is published,
+``/healthz`` until its lease is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from types import FrameType
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from comm.allocator import tune_malloc
+from comm.codec import pack
+from comm.registry import connect_registry
+from comm.registry.base import KeepAlive, Registry
+from comm.rpc.service import Call, RpcError, ServiceBase, ServiceHost
+from services.host.health import HealthServer
+from services.host.launch import LaunchEnv, LaunchEnvError, read_launch_env
+from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus
+
+__all__ = ["SERVICE_BUILDERS", "Worker", "main", "worker_key"]
+
+log = logging.getLogger(__name__)
+
+LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
+DEFAULT_LEASE_TTL = timedelta(seconds=5)
+DEREGISTER_TIMEOUT = timedelta(seconds=3)
+
+ServiceBuilder = Callable[[Assignment], ServiceBase]
+
+
+def _build_barrier(assignment: Assignment) -> ServiceBase:
+    from services.barrier import BarrierService
+
+    return BarrierService()
+
+
+def _build_param_server(assignment: Assignment) -> ServiceBase:
+    from services.params.server import ParamServerService
+
+    return ParamServerService.from_assignment(assignment)
+
+
+def _build_compute(assignment: Assignment) -> ServiceBase:
+    from services.compute.service import CellComputeService
+
+    return CellComputeService.from_assignment(assignment)
+
+
+SERVICE_BUILDERS: dict[str, ServiceBuilder] = {
+    "barrier": _build_barrier,
+    "param_server": _build_param_server,
+    "compute": _build_compute,
+}
+
+
+def worker_key(job: str, name: str) -> str:
+    return f"/cellmesh/{job}/workers/{name}"
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class _Control(ServiceBase):
+    """The ``worker`` service: assignments, releases and status."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def rpc_assign(self, request: Assignment, call: Call) -> AssignmentReply:
+        if self.worker.draining.is_set():
+            raise RpcError("draining", f"worker {self.worker.name} is shutting down")
+        builder = SERVICE_BUILDERS.get(request.kind)
+        if builder is None:
+            raise RpcError("bad_request", f"unknown service kind {request.kind!r}")
+        if request.service in self.worker.host.names():
+            raise RpcError("bad_request", f"service {request.service!r} is already hosted here")
+        service = builder(request)
+        self.worker.host.add(request.service, service)
+        self.worker.publish()
+        log.info("[worker %s] hosting %s (%s)", self.worker.name, request.service, request.kind)
+        return AssignmentReply(service=request.service, address=self.worker.host.address)
+
+    def rpc_release(self, request: Release, call: Call) -> Empty:
+        if request.service == "worker":
+            raise RpcError("bad_request", "the worker control service cannot be released")
+        if request.service in self.worker.host.names():
+            self.worker.host.remove(request.service)
+            self.worker.publish()
+            log.info("[worker %s] released %s", self.worker.name, request.service)
+        return Empty()
+
+    def rpc_status(self, request: Empty, call: Call) -> WorkerStatus:
+        services = [n for n in self.worker.host.names() if n != "worker"]
+        return WorkerStatus(name=self.worker.name, services=services, draining=self.worker.draining.is_set())
+
+
+class Worker:
+    """One worker process's host, card and lease.
+
+    Args:
+        registry: where the card goes.
+        job: the job's name (the registry prefix).
+        name: this worker's unique name within the job.
+        lease_ttl: the card vanishes this long after the process stops renewing it.
+        host: the interface services bind to (:func:`comm.sockets.default_host` by default).
+    port: the port services are served on (0: one the OS chooses).
+    launch: rank, world size and resource limits from the environment (``services/host/launch.py``).
+    """
+
+    def __init__(self, registry: Registry, job: str, name: str, *,
+                 lease_ttl: timedelta = DEFAULT_LEASE_TTL, host: str | None = None, port: int = 0,
+                 launch: LaunchEnv | None = None) -> None:
+        self.registry = registry
+        self.job = job
+        self.name = name
+        self.launch = launch or LaunchEnv()
+        self.host = ServiceHost(host, port)
+        self.published = threading.Event()
+        self.draining = threading.Event()
+        self.stopped = threading.Event()
+        self._lease = registry.lease(lease_ttl)
+        self._keepalive: KeepAlive | None = None
+        self.host.add("worker", _Control(self))
+
+    def card(self) -> WorkerCard:
+        launch = self.launch
+        return WorkerCard(
+            name=self.name, address=self.host.address, pid=os.getpid(),
+            cpus=launch.cpus or os.cpu_count() or 1, memory_bytes=launch.memory_bytes or _memory_bytes(),
+            gpus=_gpus(), services=[n for n in self.host.names() if n != "worker"],
+            rank=launch.rank, world_size=launch.world_size,
+        )
+
+    def publish(self) -> None:
+        self.registry.put(worker_key(self.job, self.name), pack(self.card()), lease=self._lease)
+        self.published.set()
+
+    def metrics(self) -> CollectorRegistry:
+        """``/metrics`` of the worker: the services it hosts, and 1 while it is ready."""
+        registry = CollectorRegistry()
+        Gauge("cellmesh_worker_services", "Services this worker hosts", registry=registry).set_function(
+            lambda: len(self.host.names()) - 1)
+        Gauge("cellmesh_worker_ready", "1 while the worker is registered and not draining",
+              registry=registry).set_function(lambda: float(self.readiness()[0]))
+        return registry
+
+    def liveness(self) -> tuple[bool, str]:
+        """``/healthz``: alive until the lease is lost (then the process is about to exit 1)."""
+        if self._keepalive is not None and self._keepalive.lost.is_set():
+            return False, f"worker {self.name}: lease lost (the registry is unreachable)"
+        return True, f"worker {self.name}: alive"
+
+    def readiness(self) -> tuple[bool, str]:
+        """``/readyz``: ready once the card is in the registry, until the worker drains."""
+        if self.draining.is_set():
+            return False, f"worker {self.name}: draining"
+        if not self.published.is_set():
+            return False, f"worker {self.name}: not registered yet"
+        return self.liveness()
+
+    def start(self) -> Worker:
+        self.host.start()
+        self.publish()
+        self._keepalive = KeepAlive(self._lease)
+        log.info("[worker %s] serving at %s", self.name, self.host.address)
+        return self
+
+    def drain(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Stop taking work, close services, deregister. Idempotent and bounded by ``timeout``.
+
+        Deregistering is best effort: when the registry is unreachable (the coordinator that
+        served it is gone), the worker gives up after a few seconds and its lease lapses.
+        """
+        if self.stopped.is_set():
+            return
+        self.draining.set()
+        self.host.shutdown(timeout)
+
+        def deregister() -> None:
+            try:
+                self.registry.delete(worker_key(self.job, self.name))
+            except Exception:  # the lease revocation below removes it too
+                log.debug("[worker %s] could not delete its card", self.name, exc_info=True)
+            if self._keepalive is not None:
+                self._keepalive.stop(revoke=True)
+
+        cleanup = threading.Thread(target=deregister, name="worker-deregister", daemon=True)
+        cleanup.start()
+        cleanup.join(min(timeout.total_seconds(), DEREGISTER_TIMEOUT.total_seconds()))
+        if cleanup.is_alive():
+            log.warning("[worker %s] the registry did not answer; leaving without deregistering", self.name)
+        self.stopped.set()
+        log.info("[worker %s] drained", self.name)
+
+    def serve_forever(self) -> bool:
+        """Block until SIGTERM/SIGINT (main thread only), :meth:`drain` from elsewhere, or the
+        registry is lost; returns False in that last case (the worker is orphaned and exits)."""
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        healthy = True
+        while not stop.wait(0.2):
+            if self.stopped.is_set():
+                return True
+            if self._keepalive is not None and self._keepalive.lost.is_set():
+                log.error("[worker %s] could not renew its lease in the registry for a whole lease "
+                          "time (the registry or its coordinator is gone); exiting", self.name)
+                healthy = False
+                break
+        self.drain()
+        return healthy
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cellmesh worker", description="run a cellmesh worker",
+        epilog="The environment of torchrun and Kubeflow Trainer is honoured: RANK, WORLD_SIZE, LOCAL_RANK, "
+               "MASTER_ADDR, MASTER_PORT and PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR, "
+               "PET_MASTER_PORT, PET_RDZV_BACKEND=etcd, PET_RDZV_ENDPOINT, PET_RDZV_ID; also "
+               "CELLMESH_REGISTRY, CELLMESH_JOB, CELLMESH_HOST, CELLMESH_CPUS, CELLMESH_MEMORY_BYTES "
+               "(see docs/kubernetes.md).")
+    parser.add_argument("--registry", default=None,
+                        help="memory://, tcp://host:port or etcd://host:port (default: $CELLMESH_REGISTRY, "
+                             "else the etcd of PET_RDZV_ENDPOINT)")
+    parser.add_argument("--job", default=None, help="the job's name (default: $CELLMESH_JOB, $PET_RDZV_ID, "
+                                                    "else 'default')")
+    parser.add_argument("--name", default=None,
+                        help="this worker's name (default: worker-RANK when a rank is given, "
+                             "else hostname-pid)")
+    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL.total_seconds(),
+                        help="seconds before a dead worker's card vanishes")
+    parser.add_argument("--host", default=None, help="interface to serve on (default: $CELLMESH_HOST, "
+                                                     "else 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="port to serve services on (default: any free one)")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve /healthz, /readyz and /metrics over HTTP on this port (0: any free one)")
+    parser.add_argument("--health-host", default=None,
+                        help="interface of the HTTP endpoint (default: as --host, where the kubelet probes)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of a worker process: configure, build, serve until signalled, drain."""
+    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        launch = read_launch_env()
+    except LaunchEnvError as exc:
+        parser.error(str(exc))
+    url = args.registry or launch.registry
+    if not url:
+        parser.error("no registry: give --registry, set CELLMESH_REGISTRY, or PET_RDZV_BACKEND=etcd with "
+                     "PET_RDZV_ENDPOINT")
+    launch.export()  # RANK, WORLD_SIZE, ... for torch.distributed code in the job's factories
+    tune_malloc()
+    name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"
+    job = args.job or launch.job or "default"
+    lease_ttl = timedelta(seconds=args.lease_ttl)
+    # a registry call may not outlast the lease, so an unreachable registry is noticed in time
+    registry = connect_registry(url, request_timeout=min(timedelta(seconds=10), lease_ttl))
+    health: HealthServer | None = None
+    try:
+        worker = Worker(registry, job, name, lease_ttl=lease_ttl, host=args.host, port=args.port,
+                        launch=launch)
+        if args.health_port is not None:
+            health = HealthServer(live=worker.liveness, ready=worker.readiness, metrics=worker.metrics(),
+                                  host=args.health_host or args.host, port=args.health_port).start()
+    except Exception as exc:
+        registry.close()
+        log.error("[worker %s] cannot start: %s", name, exc)
+        return 1
+    try:
+        worker.start()
+        where = f" (probes at {health.url})" if health is not None else ""
+        print(f"cellmesh worker {name} of job {job} serving at {worker.host.address}{where}", flush=True)
+        if not worker.serve_forever():
+            return 1
+    except Exception:
+        log.exception("[worker %s] failed", name)
+        worker.drain()
+        return 1
+    finally:
+        if health is not None:
+            health.close()
+        registry.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

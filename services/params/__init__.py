@@ -1,0 +1,1 @@
+"""The gradient path: all-reduce buckets, sharding, and the parameter server."""

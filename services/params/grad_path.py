@@ -1,0 +1,191 @@
+"""A stage's gradient path between its data-parallel replicas: none, collective all-reduce, or push/pull.
+
+Collective mode and parameter-server mode are the same service graph with a different
+gradient path (../shared/DESIGN.md). The compute service owns one path per stage and
+calls it at fixed points of a step::
+
+    run_step:  begin(timeout)          before the first action (waits for the group, bounded)
+               arm()                   just before the stage's last backward of the step
+               finish(timeout)         after the action list (collective: wait for the buckets)
+    commit:    exchange(step, ...)     parameter server only: push gradients, pull new values
+               (otherwise the service's local optimizer applies the update)
+
+[Note: microbatches and the all-reduce]
+A pipeline stage runs one backward per microbatch and its parameter gradients accumulate
+over them. The all-reduce must see the sum, so :class:`~services.params.grad_sync.GradSync`'s
+hooks are disarmed for every backward but the last: during the last one each hook fires
+once the gradient holds every microbatch's contribution, and its bucket goes out while
+backward continues with earlier layers (the overlap). A stage whose loss weights
+microbatches by ``n_m / N`` (``services/compute/executor.py``) then holds its replica's mean-loss
+gradient, and the all-reduce MEAN over ``d`` equal replicas gives the gradient of the
+mean over the global batch: what one process computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+from torch import nn
+
+from services.link import PipelineLink
+from services.params.client import PushPullClient, ShardRef
+from services.params.grad_sync import GradSync
+from services.protocol import ComputeOptions, PhaseTiming, ShardAddress
+
+__all__ = ["CollectivePath", "GradientPath", "ServerPath", "build_path"]
+
+log = logging.getLogger(__name__)
+
+
+class GradientPath:
+    """One replica: nothing to synchronise; the service's local optimizer applies the update.
+
+    Attributes:
+        updates_locally: True if the service's own optimizer applies the update at commit.
+        launched: True once a step armed the path (a failure after that may leave collectives
+            in flight: the path must be reconnected before the next step).
+    """
+
+    updates_locally = True
+
+    def __init__(self) -> None:
+        self.launched = False
+
+    def begin(self, timeout: timedelta) -> None:
+        """Prepare for a step (collective: wait for the group to form, bounded by ``timeout``)."""
+
+    def arm(self) -> None:
+        """The stage's last backward of the step comes next."""
+
+    def finish(self, timeout: timedelta) -> PhaseTiming | None:
+        """After the action list: the gradients are final (averaged over replicas) on return."""
+        return None
+
+    def exchange(self, step: int, params: Sequence[tuple[str, nn.Parameter]],
+                 timeout: timedelta) -> PhaseTiming | None:
+        """Parameter server: push this step's gradients, pull the updated values into ``params``."""
+        return None
+
+    def abandon(self) -> None:
+        """Forget a step that failed midway."""
+
+    def reconnect(self, prefix: str) -> None:
+        """Join a new group under ``prefix`` (a new generation); a no-op without a group."""
+
+    def close(self) -> None:
+        """Release communicators and connections."""
+
+
+class CollectivePath(GradientPath):
+    """Bucketed, overlapped all-reduce MEAN among the replicas of one stage.
+
+    Args:
+        module: The stage's module (its parameters are synchronised).
+        options: The stage's options (backend, replica, num_replicas, dp_prefix, registry,
+            comm_timeout_ms bounding the rendezvous, bucket_bytes).
+
+    Raises:
+        ValueError: The registry URL is malformed.
+    """
+
+    def __init__(self, module: nn.Module, options: ComputeOptions) -> None:
+        super().__init__()
+        self._module = module
+        self._bucket_bytes = options.bucket_bytes
+        self._replica = options.replica
+        self._link = PipelineLink(backend=options.comm_backend, rank=options.replica,
+                                  world_size=options.num_replicas, registry_url=options.registry,
+                                  prefix=options.dp_prefix,
+                                  timeout=timedelta(milliseconds=options.comm_timeout_ms))
+        self._sync: GradSync | None = None
+
+    def begin(self, timeout: timedelta) -> None:
+        try:
+            comm = self._link.wait(timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"replica {self._replica}: the data-parallel group: {exc}") from None
+        assert comm is not None  # num_replicas > 1
+        if self._sync is None:
+            self._sync = GradSync(self._module, comm, bucket_bytes=self._bucket_bytes, timeout=timeout)
+        self._sync.timeout = timeout
+        self._sync.armed = False
+        self.launched = False
+
+    def arm(self) -> None:
+        assert self._sync is not None, "begin() first"
+        self._sync.armed = True
+        self.launched = True
+
+    def finish(self, timeout: timedelta) -> PhaseTiming | None:
+        assert self._sync is not None, "begin() first"
+        start = time.time()
+        self._sync.timeout = timeout
+        self._sync.finish()
+        self._sync.armed = False
+        return PhaseTiming(name="all_reduce", start=start, end=time.time())
+
+    def abandon(self) -> None:
+        if self._sync is not None:
+            self._sync.reset()
+            self._sync.armed = False
+
+    def reconnect(self, prefix: str) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+        self.launched = False
+        self._link.connect(prefix)
+
+    def close(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+        self._link.close()
+
+
+class ServerPath(GradientPath):
+    """Push gradients to the stage's parameter shards and pull the updated values (synchronous mode).
+
+    The shards' step is the number of updates they applied, so ``exchange`` must be called
+    with steps 0, 1, 2, ... in order (the coordinator's commit count). The client is built
+    on the first exchange: the coordinator sets the shards up after assigning the stage.
+
+    Args:
+        shards: This stage's shards (empty: the stage has no parameters; exchange does nothing).
+        replica: This replica's index.
+    """
+
+    updates_locally = False
+
+    def __init__(self, shards: Sequence[ShardAddress], replica: int) -> None:
+        super().__init__()
+        self._shards = [ShardRef(s.address, s.service) for s in shards]
+        self._replica = replica
+        self._client: PushPullClient | None = None
+
+    def exchange(self, step: int, params: Sequence[tuple[str, nn.Parameter]],
+                 timeout: timedelta) -> PhaseTiming | None:
+        if not self._shards:
+            return None
+        start = time.time()
+        if self._client is None:
+            self._client = PushPullClient(self._shards, self._replica, timeout=timeout, retries=0)
+        grads = {name: p.grad for name, p in params}
+        into = {name: p.detach() for name, p in params}
+        self._client.push_pull(grads, step, into, min_version=step + 1, timeout=timeout)
+        return PhaseTiming(name="push_pull", start=start, end=time.time())
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def build_path(module: nn.Module, options: ComputeOptions) -> GradientPath:
+    """The gradient path ``options`` describe for a stage running ``module``."""
+    if options.grad_path == "parameter_server":
+        return ServerPath(options.shards, options.replica)
+    if options.num_replicas == 1:
+        return GradientPath()
+    return CollectivePath(module, options)

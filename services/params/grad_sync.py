@@ -1,0 +1,253 @@
+"""The communication service: gradient synchronisation for data-parallel replicas.
+
+Gradients are gathered into buckets (``bucket_bytes``, 25 MiB by default, as torch DDP)
+in the reverse order of the parameters, which is roughly the order backward produces
+them. In all_reduce mode every ``param.grad`` becomes a view into its bucket's flat buffer
+(DDP's ``gradient_as_bucket_view``): a hook on every parameter fires once autograd has
+accumulated its gradient; if ``param.grad`` is already the view (autograd accumulates into
+an existing ``.grad`` in place) the hook only marks it ready, otherwise (the first backward
+after ``param.grad`` was set to None or replaced) it copies the gradient into the view once
+and re-points ``param.grad`` at it. When a bucket is full it is all-reduced asynchronously,
+in place, while backward goes on with earlier layers, so communication overlaps compute.
+:meth:`GradSync.finish` waits for the buckets; ``param.grad`` then holds the average with
+no copy back. Zeroing gradients in place (``zero_grad(set_to_none=False)``) keeps the views
+and costs no copy at all; setting them to None costs one copy per parameter and step.
+
+Buckets are launched strictly in bucket order (bucket i waits until buckets < i were
+launched), so every replica issues the same collectives in the same order even if its
+hooks fire in a slightly different order. A parameter that got no gradient in a step
+contributes zeros (as DDP with ``find_unused_parameters``).
+
+The reduce-scatter path (``mode="reduce_scatter"``) is the one a sharded optimizer
+(ZeRO) uses: gradients are copied into the buckets (``param.grad`` stays a tensor of its
+own), :meth:`GradSync.finish` then leaves each replica with the averaged gradient of its
+own contiguous shard of every bucket, returned as :class:`Shard` views, and the full
+gradients are not written back.
+
+Pipeline stages run one backward per microbatch and gradients accumulate over them;
+only the last backward of a step may launch buckets. :attr:`GradSync.armed` says whether
+hooks launch (True by default): a stage sets it False at the start of a step and True just
+before its last backward (see ``services/params/grad_path.py``). A disarmed hook still re-points
+``param.grad`` at its view (all_reduce mode), so later microbatches accumulate in place.
+A parameter whose hook did not fire while armed contributes its accumulated ``.grad``
+(zeros if it has none).
+
+Works on any :class:`~comm.base.Communicator` backend. Not thread-safe: one backward
+at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+import torch
+from torch import nn
+
+from comm.base import Communicator, ReduceOp, Work
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "GradSync", "Shard", "assign_buckets"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients travel together, and their flat buffer."""
+
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]  # element offset of each parameter in the buffer
+    buffer: torch.Tensor
+    ready: set[int] = field(default_factory=set)  # positions in params whose grad is in
+    work: Work | None = None
+    shard: torch.Tensor | None = None  # reduce_scatter mode: this rank's part
+
+
+@dataclass(frozen=True)
+class Shard:
+    """reduce_scatter mode: this replica's slice ``[start, stop)`` of a bucket's flat gradient."""
+
+    bucket: int
+    start: int
+    stop: int
+    grad: torch.Tensor
+
+
+def assign_buckets(sizes: list[tuple[str, int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets of at most ``bucket_bytes`` (one dtype each).
+
+    ``sizes`` lists (name, bytes, dtype) in registration order; buckets are filled in reverse
+    order. A parameter larger than ``bucket_bytes`` gets a bucket of its own.
+    """
+    buckets: list[list[int]] = []
+    open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
+    for i in reversed(range(len(sizes))):
+        _, nbytes, dtype = sizes[i]
+        current, used = open_by_dtype.get(dtype, ([], 0))
+        if current and used + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        open_by_dtype[dtype] = (current, used + nbytes)
+    buckets.extend(indices for indices, _ in open_by_dtype.values() if indices)
+    return buckets
+
+
+class GradSync:
+    """Averages gradients across the ranks of ``comm`` with bucketed, overlapped collectives.
+
+    Args:
+        module: the replica's model; its parameters that require grad are synchronised.
+        comm: the data-parallel group.
+        bucket_bytes: bucket capacity (25 MiB default).
+        mode: ``"all_reduce"`` (every replica gets the full averaged gradient; ``param.grad``
+            becomes a view into the bucket buffer) or ``"reduce_scatter"`` (each gets its
+            shard; for sharded optimizers).
+        timeout: bound on waiting for each bucket's collective.
+
+    Usage::
+
+        sync = GradSync(model, comm)
+        loss.backward()        # buckets go out while backward runs
+        sync.finish()          # param.grad now holds the average over replicas
+
+    In all_reduce mode ``param.grad`` is a view into a bucket buffer after the hooks or
+    :meth:`finish` ran: zero it in place or set it to None, but do not keep references to
+    it across steps (the next step's all-reduce overwrites it).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        mode: Literal["all_reduce", "reduce_scatter"] = "all_reduce",
+        timeout: timedelta | None = None,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.comm = comm
+        self.mode = mode
+        self.timeout = timeout
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        sizes = [(n, p.numel() * p.element_size(), p.dtype) for n, p in named]
+        self.buckets: list[Bucket] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
+        world = comm.world_size
+        for b, indices in enumerate(assign_buckets(sizes, bucket_bytes)):
+            params = [named[i][1] for i in indices]
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += p.numel()
+            padded = -(-total // world) * world if mode == "reduce_scatter" else total
+            buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+            self.buckets.append(Bucket(b, params, [named[i][0] for i in indices], offsets, buffer))
+            for pos, p in enumerate(params):
+                self._where[id(p)] = (b, pos)
+        self._next_launch = 0
+        self.armed = True
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]  # torch stub
+            for _, p in named
+        ]
+
+    # -- during backward ----------------------------------------------------------------
+
+    def _view(self, bucket: Bucket, pos: int) -> torch.Tensor:
+        """Parameter ``pos`` of ``bucket``'s slice of the buffer, shaped as the parameter."""
+        p = bucket.params[pos]
+        return bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + p.numel()].view_as(p)
+
+    def _gather(self, bucket: Bucket, pos: int) -> None:
+        """Bring parameter ``pos``'s gradient into the bucket (all_reduce: make ``.grad`` the view)."""
+        p = bucket.params[pos]
+        view = self._view(bucket, pos)
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.dtype == view.dtype:
+            return  # already the view: autograd accumulated in place
+        else:
+            view.copy_(grad)
+        if self.mode == "all_reduce":
+            p.grad = view
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        b, pos = self._where[id(param)]
+        bucket = self.buckets[b]
+        if not self.armed:
+            if self.mode == "all_reduce" and param.grad is not None:
+                self._gather(bucket, pos)  # later microbatches accumulate into the view
+            return
+        self._gather(bucket, pos)
+        bucket.ready.add(pos)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.mode == "all_reduce":
+            bucket.work = self.comm.all_reduce(bucket.buffer, ReduceOp.MEAN, timeout=self.timeout,
+                                               async_op=True)
+        else:
+            n = bucket.buffer.numel() // self.comm.world_size
+            bucket.shard = torch.empty(n, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+            bucket.work = self.comm.reduce_scatter_tensor(bucket.shard, bucket.buffer, ReduceOp.MEAN,
+                                                          timeout=self.timeout, async_op=True)
+
+    # -- after backward -----------------------------------------------------------------
+
+    def finish(self) -> list[Shard]:
+        """Wait for every bucket and publish the averaged gradients; reset for the next step.
+
+        Parameters whose hook did not fire contribute their ``.grad`` as it is (zeros if
+        None); in all_reduce mode each ``param.grad`` is then the averaged view. Returns the
+        shards in reduce_scatter mode (an empty list in all_reduce mode).
+        """
+        for bucket in self.buckets:  # parameters whose hook did not fire (no gradient, or not armed)
+            for pos in range(len(bucket.params)):
+                if pos not in bucket.ready:
+                    self._gather(bucket, pos)
+                    bucket.ready.add(pos)
+        self._launch_ready()
+        shards: list[Shard] = []
+        for bucket in self.buckets:
+            assert bucket.work is not None
+            bucket.work.wait(self.timeout)
+            if self.mode == "reduce_scatter":  # all_reduce: param.grad is the view, averaged in place
+                assert bucket.shard is not None
+                n = bucket.shard.numel()
+                start = self.comm.rank * n
+                shards.append(Shard(bucket.index, start, start + n, bucket.shard))
+            bucket.ready.clear()
+            bucket.work = None
+        self._next_launch = 0
+        return shards
+
+    def reset(self) -> None:
+        """Forget a step abandoned midway (buckets gathered but not finished)."""
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.work = None
+            bucket.shard = None
+        self._next_launch = 0
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
