@@ -1,14 +1,10 @@
 """Every control message of cellmesh's services, in one module.
 
 Each message is a strict pydantic model (``comm.codec.Message``: no coercion, no extra
-fields, frozen), encoded with msgpack by ``comm.codec``; the protocol version travels in
-every envelope. Tensors never travel inside these bodies: a message lists
-:class:`TensorSpec` entries and the tensors follow as raw ZeroMQ frames.
-
-Envelopes (frame 0 of every RPC message):
-
-* :class:`RequestEnvelope` — ``{v, id, service, method, body, tensors}``
-* :class:`ReplyEnvelope` — ``{v, id, ok, body | error, tensors}``
+fields, frozen), encoded with msgpack by ``comm.codec``. They are the bodies of the one RPC
+envelope (:mod:`comm.rpc.envelope`), which carries the protocol version, the request id
+and any error. Tensors never travel inside these bodies: the envelope lists a spec per
+tensor and the tensors follow as raw ZeroMQ frames.
 
 Bodies, by service: worker control (``Assignment``, ``WorkerStatus``...), push/pull
 (``PullRequest``, ``PushRequest``...), barrier (``BarrierArrive``...), cell compute
@@ -24,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from comm.codec import Message
-from comm.rpc.envelope import Empty, ErrorBody, Name, ReplyEnvelope, RequestEnvelope, TensorSpec
+from comm.rpc.envelope import Empty, Name
 from comm.wire import DTYPES, MAX_NDIM, MAX_TENSOR_BYTES
 
 __all__ = [
@@ -40,7 +36,6 @@ __all__ = [
     "CommitStep",
     "ComputeOptions",
     "Empty",
-    "ErrorBody",
     "OptimizerSpec",
     "OptimizerStepReply",
     "OptimizerStepRequest",
@@ -52,14 +47,11 @@ __all__ = [
     "PushRequest",
     "Reconnect",
     "Release",
-    "ReplyEnvelope",
-    "RequestEnvelope",
     "RunStep",
     "ShardAddress",
     "ShardInfo",
     "ShardSetup",
     "StepReply",
-    "TensorSpec",
     "TensorsReply",
     "WorkerCard",
     "WorkerStatus",

@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from pydantic import Field, ValidationError
 
 from comm.codec import Message
-from comm.rpc.service import Call, ServiceBase, ServiceHost
+from comm.rpc import Call, ServiceBase, ServiceHost
 from coordinator.commands.jobspec import load_job
 from coordinator.commands.run import (
     DEFAULT_OUTPUT_DIR,

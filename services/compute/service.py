@@ -59,7 +59,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from comm.codec import describe_validation_error
-from comm.rpc.service import Call, RpcError, ServiceBase
+from comm.rpc import Call, RpcError, ServiceBase
 from services.compute.actions import validate_stage
 from services.compute.executor import StepExecutor, StepFailed
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer

@@ -1,6 +1,6 @@
 """The worker process: registers with a lease, reports its resources, hosts assigned services.
 
-A worker is a :class:`~comm.rpc.service.ServiceHost` plus a ``worker`` control service. It
+A worker is a :class:`~comm.rpc.host.ServiceHost` plus a ``worker`` control service. It
 publishes a :class:`~services.protocol.WorkerCard` under ``/cellmesh/{job}/workers/{name}``
 attached to a lease it renews by heartbeat; if the process dies, the lease lapses and the
 card vanishes (the coordinator's watch sees it go). Services arrive by message
@@ -33,7 +33,7 @@ from comm.allocator import tune_malloc
 from comm.codec import pack
 from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
-from comm.rpc.service import Call, RpcError, ServiceBase, ServiceHost
+from comm.rpc import Call, RpcError, ServiceBase, ServiceHost
 from services.host.health import HealthServer
 from services.host.launch import LaunchEnv, LaunchEnvError, read_launch_env
 from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus

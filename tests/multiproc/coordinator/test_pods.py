@@ -20,7 +20,7 @@ import torch
 
 from comm.codec import unpack
 from comm.registry import connect_registry
-from comm.rpc.service import RpcClient
+from comm.rpc import RpcClient
 from coordinator.commands.jobspec import load_job
 from coordinator.commands.k8s.render import RenderOptions, render
 from coordinator.commands.server import CoordinatorStatus

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comm.rpc.service import RpcClient, RpcError
+from comm.rpc import RpcClient, RpcError
 from comm.wire import dtype_name
 from services.compute.cell import as_cells, cell_parameters
 from services.protocol import (

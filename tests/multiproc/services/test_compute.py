@@ -18,7 +18,7 @@ import torch
 
 from comm.codec import PROTOCOL_VERSION
 from comm.registry import RegistryServer
-from comm.rpc.service import RpcClient, RpcError
+from comm.rpc import RpcClient, RpcError
 from services.protocol import (
     Action,
     Assignment,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from comm.rpc.service import RpcClient, RpcError, ServiceHost
+from comm.rpc import RpcClient, RpcError, ServiceHost
 from services.compute.actions import validate_stage
 from services.compute.boundary import BoundaryError, empty_buffers, flatten, shapes_at, unflatten
 from services.compute.cell import Cell, as_cells, cell_parameters
