@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from comm.codec import describe_validation_error, pack, unpack_raw
 from comm.errors import ProtocolError
+from comm.logs import log_context
 from comm.rpc.envelope import ErrorBody, ReplyEnvelope, RequestEnvelope, TensorSpec
 from comm.sockets import CHUNK_BYTES, bind_port, make_socket
 from comm.wire import DTYPES, dtype_name, tensor_bytes
@@ -373,7 +374,8 @@ class ServiceHost:
             return
         call = Call(self, identity, envelope, tensors)
         try:
-            result = fn(request, call)
+            with log_context(service=envelope.service, step=getattr(request, "step", None)):
+                result = fn(request, call)
         except RpcError as exc:
             call.fail(exc.code, exc.message)
             return

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from comm.allocator import tune_malloc
 from comm.codec import pack
+from comm.logs import configure_logging, set_process_context
 from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
 from comm.rpc.service import Call, RpcError, ServiceBase, ServiceHost
@@ -42,7 +43,6 @@ __all__ = ["SERVICE_BUILDERS", "Worker", "main", "worker_key"]
 
 log = logging.getLogger(__name__)
 
-LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
 DEREGISTER_TIMEOUT = timedelta(seconds=3)
 
@@ -277,10 +277,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of a worker process: configure, build, serve until signalled, drain."""
-    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        configure_logging()  # CELLMESH_LOG_LEVEL (default INFO) and CELLMESH_LOG_FORMAT, to stderr
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         launch = read_launch_env()
     except LaunchEnvError as exc:
@@ -293,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_malloc()
     name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"
     job = args.job or launch.job or "default"
+    set_process_context(worker=name, rank=launch.rank)
     lease_ttl = timedelta(seconds=args.lease_ttl)
     # a registry call may not outlast the lease, so an unreachable registry is noticed in time
     registry = connect_registry(url, request_timeout=min(timedelta(seconds=10), lease_ttl))
