@@ -190,6 +190,7 @@ def configure_logging(*, fmt: LogFormat | None = None, level: int | None = None,
     handler.setFormatter(_formatter(fmt))
     root.addHandler(handler)
     root.setLevel(handler.level)
+    logging.captureWarnings(True)  # a warning is a record too (a JSON line in a JSON log)
 
 
 @contextlib.contextmanager

@@ -193,7 +193,6 @@ class Worker:
         self.host.start()
         self.publish()
         self._keepalive = KeepAlive(self._lease)
-        log.info("[worker %s] serving at %s", self.name, self.host.address)
         return self
 
     def drain(self, timeout: timedelta = timedelta(seconds=10)) -> None:
@@ -313,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         worker.start()
         where = f" (probes at {health.url})" if health is not None else ""
-        print(f"cellmesh worker {name} of job {job} serving at {worker.host.address}{where}", flush=True)
+        log.info("cellmesh worker %s of job %s serving at %s%s", name, job, worker.host.address, where)
         if not worker.serve_forever():
             return 1
     except Exception:
