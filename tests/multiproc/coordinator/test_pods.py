@@ -208,5 +208,6 @@ def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_t
 
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     loaded = load_job(tmp_path / "podjob-coordinator-pod_etc_cellmesh" / "job.yaml")
-    state = torch.load(tmp_path / "podjob-coordinator-pod_var_lib_cellmesh" / "podjob.pt", weights_only=True)
+    run_dir = tmp_path / "podjob-coordinator-pod_var_lib_cellmesh" / "podjob"  # the manifests' --run-dir
+    state = torch.load(run_dir / "model.pt", weights_only=True)
     assert max_abs_diff(state, train_reference(loaded.job, steps).state_dict) < FLOAT32_TOLERANCE
