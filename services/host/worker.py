@@ -14,6 +14,11 @@ In a pod the worker takes who it is from the environment as a torchrun worker wo
 binds the pod's address (``CELLMESH_HOST``) on a fixed ``--port``, and serves its probes
 on ``--health-port`` (``services/host/health.py``): ``/readyz`` once its card is published,
 ``/healthz`` until its lease is lost.
+
+It logs to stderr through ``comm/logs.py``: ``CELLMESH_LOG_LEVEL`` (default INFO) and
+``CELLMESH_LOG_FORMAT`` (``human`` or ``json``), every record carrying the worker's name and
+rank, and the service and step of the request being served. A local run's harness sends
+that stream to the run directory's ``workers/NAME.log``.
 """
 
 from __future__ import annotations
