@@ -38,6 +38,7 @@ from pydantic import BaseModel, ValidationError
 
 from comm.codec import describe_validation_error, unpack_raw
 from comm.errors import ProtocolError
+from comm.logs import log_context
 from comm.rpc.envelope import RequestEnvelope
 from comm.rpc.framing import NamedTensors, RpcError, decode_tensors, error_frames, reply_frames
 from comm.rpc.mailbox import Mailbox
@@ -352,7 +353,8 @@ class ServiceHost:
             return
         call = Call(self, peer, envelope, tensors)
         try:
-            result = fn(request, call)
+            with log_context(service=envelope.service, step=getattr(request, "step", None)):
+                result = fn(request, call)
         except RpcError as exc:
             call.fail(exc.code, exc.message)
             return

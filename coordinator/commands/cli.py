@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +13,6 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
 DEMO_WORKERS = 2
 
 
@@ -35,7 +32,9 @@ def _positive(text: str) -> int:
     return value
 
 
-def _add_training_options(parser: argparse.ArgumentParser, *, workers: int | None) -> None:
+def _add_training_options(parser: argparse.ArgumentParser, *, workers: int | None,
+                          metrics_port: bool = True) -> None:
+    from coordinator.commands.output import add_output_arguments
     from coordinator.planning.plan import Mode
     from coordinator.planning.planner import Strategy
     from coordinator.planning.schedules import SCHEDULES
@@ -52,11 +51,12 @@ def _add_training_options(parser: argparse.ArgumentParser, *, workers: int | Non
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="fix the pipeline schedule")
     parser.add_argument("--mode", choices=get_args(Mode), help="fix the gradient path")
     parser.add_argument("--output", "-o", type=Path, metavar="PATH",
-                        help="where to write the final state_dict (default out/<job name>.pt)")
+                        help="also write the final state_dict here (the run directory's model.pt has it too)")
     parser.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
                         help="a progress bar, log lines, or a bar only on a terminal (default)")
     parser.add_argument("--log-every", type=_positive, metavar="S", help="steps between log lines")
     parser.add_argument("--traceback", action="store_true", help="print the traceback of an error too")
+    add_output_arguments(parser, metrics_port=metrics_port)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,7 +89,7 @@ def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Wait until the job's workers registered in the registry, plan, train, write the final "
                     "state_dict, then serve until stopped; see docs/kubernetes.md.")
     coord.add_argument("job", metavar="JOB", help="a job spec (.yaml/.yml/.json) or job module (.py)")
-    _add_training_options(coord, workers=None)
+    _add_training_options(coord, workers=None, metrics_port=False)  # it has its own, with the probes
     coord.add_argument("--registry", required=True, help="where the workers register: etcd://host:port "
                                                          "(or tcp://host:port for a served registry)")
     coord.add_argument("--host", default=None,
@@ -131,13 +131,15 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 def _run_options(args: argparse.Namespace, job: str) -> RunOptions:
     from coordinator.commands.jobspec import Overrides
+    from coordinator.commands.output import output_options
     from coordinator.commands.run import RunOptions
 
     overrides = Overrides(workers=args.workers, steps=args.steps, strategy=args.strategy,
                           data_parallel=args.data_parallel, num_stages=args.stages, mode=args.mode,
                           schedule=args.schedule, num_microbatches=args.microbatches)
     bar = {"auto": None, "bar": True, "lines": False}[args.progress]
-    return RunOptions(job=job, overrides=overrides, output=args.output, bar=bar, log_every=args.log_every)
+    return RunOptions(job=job, overrides=overrides, output=args.output, bar=bar, log_every=args.log_every,
+                      outputs=output_options(args))
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -160,11 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.host.worker import main as worker_main
 
         return worker_main(argv[1:])
-    logging.basicConfig(
-        level=os.environ.get(LOG_LEVEL_ENV, "WARNING").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    args = _parser().parse_args(argv)
+    from comm.logs import configure_logging, terminal_level
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:  # the terminal shows warnings and progress unless CELLMESH_LOG_LEVEL asks for more
+        configure_logging(fmt=getattr(args, "log_format", None), level=terminal_level())
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command == "demo" and args.comm:
         from coordinator.commands.demo import run_demo
 

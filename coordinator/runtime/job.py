@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -139,6 +140,8 @@ class Job:
         comm_backend: ``"zmq"`` or ``"gloo"``.
         step_timeout: Bounds each round of a step (run, commit).
         lease_ttl: A dead worker is noticed at most this long after it stopped.
+        log_dir: Where the local workers' output goes (``{worker}.log``); None: a temporary
+            directory, kept only when a worker failed (``coordinator/runtime/harness.py``).
 
     Raises:
         ValueError: A factory cannot be imported by name, or the optimizer is unknown.
@@ -155,7 +158,7 @@ class Job:
                  loss_kwargs: FactoryKwargs | None = None, seed: int = 0, shuffle: bool = True,
                  num_samples: int | None = None, name: str | None = None, comm_backend: str = "zmq",
                  step_timeout: timedelta = timedelta(seconds=300),
-                 lease_ttl: timedelta = DEFAULT_LEASE_TTL) -> None:
+                 lease_ttl: timedelta = DEFAULT_LEASE_TTL, log_dir: Path | None = None) -> None:
         self.model = factory_path(model, what="model factory")
         self.loss = factory_path(loss, what="loss factory")
         self.data = factory_path(data, what="data factory")
@@ -174,6 +177,7 @@ class Job:
         self.comm_backend = comm_backend
         self.step_timeout = step_timeout
         self.lease_ttl = lease_ttl
+        self.log_dir = log_dir
         self._plan = plan
         self._num_samples = num_samples
         self._session: _Session | None = None
@@ -285,7 +289,8 @@ class _Session:
         self.local: LocalHarness | None = None  # the harness this session starts and stops itself
         if pool is None:
             threads = max(1, min(w.cpus for w in job.resources.workers))
-            pool = self.local = LocalHarness(names, job=job.name, lease_ttl=job.lease_ttl, threads=threads)
+            pool = self.local = LocalHarness(names, job=job.name, lease_ttl=job.lease_ttl, threads=threads,
+                                             log_dir=job.log_dir)
         self.harness: WorkerPool = pool
         missing = sorted({w for r in self.plan.placement for w in r}
                          - set(self.harness.names))

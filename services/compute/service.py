@@ -48,6 +48,7 @@ abandoned step can be run again: with ``zero_grad`` it gives the same gradients)
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -180,7 +181,7 @@ class CellComputeService(ServiceBase):
             elif reply is not None:
                 call.reply(reply)
 
-        self._pool.submit(run)
+        self._pool.submit(contextvars.copy_context().run, run)  # the step thread logs the request's context
 
     # -- RPCs -----------------------------------------------------------------------------
 
