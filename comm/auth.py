@@ -1,0 +1,307 @@
+"""Who may talk to a job's sockets: the job's CURVE keys, the roles they carry, and one ZAP handler.
+
+Every job has its own keys (:class:`JobKeys`): one CURVE key pair for the coordinator and
+one shared by the job's workers. A socket that serves (a worker's service host, the
+embedded registry, a data channel) is a CURVE server with its role's key pair; a socket
+that connects presents its own role's key pair and names the server's public key. ZeroMQ
+encrypts and authenticates the connection; *who* may connect is decided by the one
+:class:`ZapHandler` of the process's context, which answers ZeroMQ's authentication
+requests (ZAP, ZeroMQ RFC 27):
+
+* a client key the job knows is admitted, and its role (``"coordinator"`` or
+  ``"worker"``) becomes the connection's ``User-Id`` — every message received on it
+  carries the role (``frame.get("User-Id")``), so a server checks the role against the
+  method called, per message, without trusting anything the peer says;
+* any other key, or a mechanism other than CURVE, is refused during the handshake: the
+  peer is never served and never gets a reply. Each refusal is counted per peer address
+  and reason (:attr:`ZapHandler.rejections`) and logged once per peer and reason per
+  :data:`WARN_INTERVAL`, so garbage never floods a terminal.
+
+Why a handler of our own rather than pyzmq's ``zmq.auth`` authenticators: a CURVE server
+without any ZAP handler admits *every* client key, so the handler must be running on the
+context before the first server socket binds (:func:`ensure_zap_handler` does that once
+per context); and the two things this layer needs — the role of a key as the connection's
+user id, and refusals counted and rate-limited per peer — are the handler's whole job
+(pyzmq's base authenticator logs every denial at debug level and does not pass the peer's
+address to a key callback). The ZAP wire protocol it speaks is small and stable.
+
+Keys on disk: :meth:`JobKeys.save` writes one file per role in a directory made
+``0700`` with files ``0600`` (the coordinator's secret is absent from a worker's copy,
+:meth:`JobKeys.for_workers`). In a cluster the same files come from a Kubernetes
+Secret mounted read-only; they never go into a ConfigMap or a repository.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import zmq
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from zmq.utils import z85
+
+__all__ = [
+    "KEYS_DIR_ENV",
+    "ROLES",
+    "WARN_INTERVAL",
+    "ZAP_DOMAIN",
+    "JobKeys",
+    "KeyPair",
+    "Role",
+    "ZapHandler",
+    "ensure_zap_handler",
+    "secure_client",
+    "secure_server",
+]
+
+log = logging.getLogger(__name__)
+
+Role = Literal["coordinator", "worker"]
+ROLES: tuple[Role, ...] = ("coordinator", "worker")
+KEYS_DIR_ENV = "CELLMESH_KEYS_DIR"
+"""Where a process finds the job's key files (a local run's run directory, a pod's Secret mount)."""
+ZAP_DOMAIN = "cellmesh"
+WARN_INTERVAL = 60.0
+"""Seconds between two warnings for the same peer and reason; the refusals in between are counted."""
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ: where libzmq sends a context's ZAP requests
+_ZAP_VERSION = b"1.0"
+_POLL_MS = 200  # how often the handler thread checks whether it was asked to stop
+
+
+def _z85_key(value: str) -> str:
+    if len(value) != 40:
+        raise ValueError(f"a CURVE key is 40 Z85 characters, got {len(value)}")
+    try:
+        z85.decode(value.encode())
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"not a Z85 key: {exc}") from None
+    return value
+
+
+class KeyPair(BaseModel):
+    """One CURVE key pair in Z85 text; ``secret`` is None where only the public half is known."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    public: str = Field(repr=False)
+    secret: str | None = Field(default=None, repr=False)
+
+    @field_validator("public")
+    @classmethod
+    def _check_public(cls, v: str) -> str:
+        return _z85_key(v)
+
+    @field_validator("secret")
+    @classmethod
+    def _check_secret(cls, v: str | None) -> str | None:
+        return None if v is None else _z85_key(v)
+
+    @classmethod
+    def generate(cls) -> KeyPair:
+        public, secret = zmq.curve_keypair()
+        return cls(public=public.decode(), secret=secret.decode())
+
+    def require_secret(self, role: str) -> bytes:
+        if self.secret is None:
+            raise PermissionError(f"this process holds no secret key for the {role} role; "
+                                  "it cannot act as one")
+        return self.secret.encode()
+
+
+class JobKeys(BaseModel):
+    """The keys of one job: a key pair per role (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    coordinator: KeyPair
+    worker: KeyPair
+
+    @classmethod
+    def generate(cls) -> JobKeys:
+        return cls(coordinator=KeyPair.generate(), worker=KeyPair.generate())
+
+    def pair(self, role: Role) -> KeyPair:
+        return self.coordinator if role == "coordinator" else self.worker
+
+    def role_of(self, public_key: bytes) -> Role | None:
+        """The role whose public key is ``public_key`` (32 raw bytes or 40 Z85 characters)."""
+        text = z85.encode(public_key).decode() if len(public_key) == 32 else public_key.decode()
+        for role in ROLES:
+            if self.pair(role).public == text:
+                return role
+        return None
+
+    def for_workers(self) -> JobKeys:
+        """What a worker holds: the coordinator's public key only, and the workers' pair."""
+        return JobKeys(coordinator=KeyPair(public=self.coordinator.public), worker=self.worker)
+
+    def save(self, directory: Path) -> Path:
+        """Write the keys as ``directory/keys.json`` (directory 0700, file 0600); return the file."""
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o700)
+        path = directory / "keys.json"
+        tmp = directory / "keys.json.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.model_dump_json())
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, directory: Path) -> JobKeys:
+        """Read ``directory/keys.json``; refuse a file that others may read."""
+        path = directory / "keys.json"
+        try:
+            mode = path.stat().st_mode
+            text = path.read_text()
+        except OSError as exc:
+            raise FileNotFoundError(f"the job's keys: cannot read {path} ({exc.strerror}); a local run "
+                                    "writes them in its run directory, a pod mounts them from the job's "
+                                    "Secret") from None
+        if mode & 0o077:
+            raise PermissionError(f"the job's keys {path} are readable by others (mode {mode & 0o777:o}); "
+                                  f"chmod 600 it")
+        return cls.model_validate_json(text)
+
+
+@dataclass
+class ZapHandler:
+    """Answers the ZAP requests of one ZeroMQ context with the job's keys (see module docstring).
+
+    ``keys`` may be replaced at any time (:meth:`set_keys`): a revoked key is refused from
+    the next handshake on. Start it before any server socket of the context binds.
+    """
+
+    context: zmq.Context[zmq.Socket[bytes]]
+    keys: JobKeys | None = None
+    rejections: Counter[tuple[str, str]] = field(default_factory=Counter)
+    admitted: Counter[str] = field(default_factory=Counter)
+    _warned: dict[tuple[str, str], float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 5.0) -> None:
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._serve, args=(ready, failure), name="cellmesh-zap",
+                                        daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout):
+            raise TimeoutError(f"the ZAP handler did not bind {_ZAP_ENDPOINT} within {timeout} s")
+        if failure:
+            raise RuntimeError(f"the ZAP handler could not start: {failure[0]}") from failure[0]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def set_keys(self, keys: JobKeys | None) -> None:
+        with self._lock:
+            self.keys = keys
+
+    def rejected(self) -> int:
+        with self._lock:
+            return sum(self.rejections.values())
+
+    def _serve(self, ready: threading.Event, failure: list[BaseException]) -> None:
+        try:
+            sock = self.context.socket(zmq.REP)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(_ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            failure.append(exc)
+            ready.set()
+            return
+        ready.set()
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(_POLL_MS):
+                    continue
+                request = sock.recv_multipart()
+                sock.send_multipart(self._answer(request))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(0)
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        """The reply to one ZAP request: ``[version, id, status, text, user id, metadata]``."""
+        if len(request) < 6:
+            return [_ZAP_VERSION, b"", b"500", b"malformed ZAP request", b"", b""]
+        version, request_id, _domain, address, _identity, mechanism = request[:6]
+        peer = address.decode("utf-8", "replace") or "?"
+        if version != _ZAP_VERSION:
+            return [_ZAP_VERSION, request_id, b"500", b"unsupported ZAP version", b"", b""]
+        with self._lock:
+            keys = self.keys
+        role: Role | None = None
+        if mechanism != b"CURVE":
+            reason = f"mechanism {mechanism.decode('ascii', 'replace')} (the job speaks CURVE only)"
+        elif len(request) < 7 or len(request[6]) != 32:
+            reason = "malformed CURVE credentials"
+        elif keys is None:
+            reason = "no job keys loaded yet"
+        else:
+            role = keys.role_of(request[6])
+            reason = "a key that is not the job's"
+        if role is None:
+            self._refuse(peer, reason)
+            return [_ZAP_VERSION, request_id, b"400", b"not admitted", b"", b""]
+        with self._lock:
+            self.admitted[role] += 1
+        return [_ZAP_VERSION, request_id, b"200", b"OK", role.encode(), b""]
+
+    def _refuse(self, peer: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.rejections[(peer, reason)] += 1
+            last = self._warned.get((peer, reason))
+            if last is not None and now - last < WARN_INTERVAL:
+                return
+            self._warned[(peer, reason)] = now
+            count = self.rejections[(peer, reason)]
+        log.warning("refused a connection from %s: %s (%d so far; next warning for it in %.0f s at the "
+                    "earliest)", peer, reason, count, WARN_INTERVAL)
+
+
+_handlers: dict[int, ZapHandler] = {}
+_handlers_lock = threading.Lock()
+
+
+def ensure_zap_handler(context: zmq.Context[zmq.Socket[bytes]], keys: JobKeys) -> ZapHandler:
+    """The context's ZAP handler, started on first use, holding ``keys``."""
+    with _handlers_lock:
+        handler = _handlers.get(id(context))
+        if handler is None or handler.context is not context or handler.context.closed:
+            handler = ZapHandler(context, keys)
+            handler.start()
+            _handlers[id(context)] = handler
+        else:
+            handler.set_keys(keys)
+        return handler
+
+
+def secure_server(sock: zmq.Socket[bytes], keys: JobKeys, role: Role) -> None:
+    """Make ``sock`` (not yet bound) a CURVE server of ``role`` whose clients the ZAP handler admits."""
+    ensure_zap_handler(sock.context, keys)  # before bind: without a handler CURVE admits anyone
+    pair = keys.pair(role)
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, pair.require_secret(role))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public.encode())
+
+
+def secure_client(sock: zmq.Socket[bytes], keys: JobKeys, role: Role, server: Role) -> None:
+    """Make ``sock`` (not yet connected) a CURVE client of ``role`` talking to a ``server``-role socket."""
+    pair = keys.pair(role)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, pair.require_secret(role))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public.encode())
+    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.pair(server).public.encode())
