@@ -1,10 +1,10 @@
 """Who may talk to a job's sockets: the job's CURVE keys, the roles they carry, and one ZAP handler.
 
-Every job has its own keys (:class:`JobKeys`): one CURVE key pair for the coordinator and
-one shared by the job's workers. A socket that serves (a worker's service host, the
-embedded registry, a data channel) is a CURVE server with its role's key pair; a socket
-that connects presents its own role's key pair and names the server's public key. ZeroMQ
-encrypts and authenticates the connection; *who* may connect is decided by the one
+Every job has its own keys (:class:`JobKeys`): a server key pair that every serving socket
+of the job presents (a worker's service host, the embedded registry, a data channel), and
+a client key pair per role — one for the coordinator, one shared by the job's workers. A
+socket that connects presents its role's key pair and names the server's public key.
+ZeroMQ encrypts and authenticates the connection; *who* may connect is decided by the one
 :class:`ZapHandler` of the process's context, which answers ZeroMQ's authentication
 requests (ZAP, ZeroMQ RFC 27):
 
@@ -25,8 +25,12 @@ user id, and refusals counted and rate-limited per peer — are the handler's wh
 (pyzmq's base authenticator logs every denial at debug level and does not pass the peer's
 address to a key callback). The ZAP wire protocol it speaks is small and stable.
 
-Keys on disk: :meth:`JobKeys.save` writes one file per role in a directory made
-``0700`` with files ``0600`` (the coordinator's secret is absent from a worker's copy,
+A process is one role of one job: it installs its :class:`Credentials` once at start
+(:func:`install`), and :func:`comm.sockets.make_socket` makes every server or client socket
+speak CURVE from then on.
+
+Keys on disk: :meth:`JobKeys.save` writes ``keys.json`` in a directory made ``0700``, the
+file ``0600`` (the coordinator's secret is absent from a worker's copy,
 :meth:`JobKeys.for_workers`). In a cluster the same files come from a Kubernetes
 Secret mounted read-only; they never go into a ConfigMap or a repository.
 """
@@ -48,14 +52,20 @@ from zmq.utils import z85
 
 __all__ = [
     "KEYS_DIR_ENV",
+    "KEYS_FILE",
     "ROLES",
     "WARN_INTERVAL",
     "ZAP_DOMAIN",
+    "Credentials",
     "JobKeys",
     "KeyPair",
     "Role",
     "ZapHandler",
     "ensure_zap_handler",
+    "install",
+    "installed",
+    "is_curve_server",
+    "load_credentials",
     "secure_client",
     "secure_server",
 ]
@@ -64,6 +74,7 @@ log = logging.getLogger(__name__)
 
 Role = Literal["coordinator", "worker"]
 ROLES: tuple[Role, ...] = ("coordinator", "worker")
+KEYS_FILE = "keys.json"
 KEYS_DIR_ENV = "CELLMESH_KEYS_DIR"
 """Where a process finds the job's key files (a local run's run directory, a pod's Secret mount)."""
 ZAP_DOMAIN = "cellmesh"
@@ -115,16 +126,23 @@ class KeyPair(BaseModel):
 
 
 class JobKeys(BaseModel):
-    """The keys of one job: a key pair per role (see the module docstring)."""
+    """The keys of one job (see the module docstring).
+
+    ``server`` is the key pair every serving socket of the job presents (its public half
+    is what a client must know to connect; knowing it admits nobody); ``coordinator`` and
+    ``worker`` are the client key pairs whose public halves the ZAP handler admits, each
+    as its role.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
+    server: KeyPair
     coordinator: KeyPair
     worker: KeyPair
 
     @classmethod
     def generate(cls) -> JobKeys:
-        return cls(coordinator=KeyPair.generate(), worker=KeyPair.generate())
+        return cls(server=KeyPair.generate(), coordinator=KeyPair.generate(), worker=KeyPair.generate())
 
     def pair(self, role: Role) -> KeyPair:
         return self.coordinator if role == "coordinator" else self.worker
@@ -138,15 +156,16 @@ class JobKeys(BaseModel):
         return None
 
     def for_workers(self) -> JobKeys:
-        """What a worker holds: the coordinator's public key only, and the workers' pair."""
-        return JobKeys(coordinator=KeyPair(public=self.coordinator.public), worker=self.worker)
+        """What a worker holds: the server pair, the workers' pair, the coordinator's public key."""
+        return JobKeys(server=self.server, coordinator=KeyPair(public=self.coordinator.public),
+                       worker=self.worker)
 
     def save(self, directory: Path) -> Path:
         """Write the keys as ``directory/keys.json`` (directory 0700, file 0600); return the file."""
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o700)
-        path = directory / "keys.json"
-        tmp = directory / "keys.json.tmp"
+        path = directory / KEYS_FILE
+        tmp = directory / f"{KEYS_FILE}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.model_dump_json())
@@ -156,7 +175,7 @@ class JobKeys(BaseModel):
     @classmethod
     def load(cls, directory: Path) -> JobKeys:
         """Read ``directory/keys.json``; refuse a file that others may read."""
-        path = directory / "keys.json"
+        path = directory / KEYS_FILE
         try:
             mode = path.stat().st_mode
             text = path.read_text()
@@ -168,6 +187,41 @@ class JobKeys(BaseModel):
             raise PermissionError(f"the job's keys {path} are readable by others (mode {mode & 0o777:o}); "
                                   f"chmod 600 it")
         return cls.model_validate_json(text)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What this process holds and acts as: the job's keys (as far as it knows them) and its role."""
+
+    keys: JobKeys
+    role: Role
+
+    def __post_init__(self) -> None:
+        self.keys.pair(self.role).require_secret(self.role)
+        self.keys.server.require_secret("server")
+
+
+_installed: Credentials | None = None
+
+
+def install(credentials: Credentials | None) -> None:
+    """Make every socket this process creates from now on speak CURVE as ``credentials`` say.
+
+    A process is one role of one job, so this is set once, at start, before any socket is
+    made (:mod:`comm.sockets` reads it); None turns security off (tests of single parts).
+    """
+    global _installed
+    _installed = credentials
+
+
+def installed() -> Credentials | None:
+    """The credentials this process speaks with, or None when its sockets do not authenticate."""
+    return _installed
+
+
+def load_credentials(directory: Path, role: Role) -> Credentials:
+    """The credentials in ``directory`` (see :meth:`JobKeys.load`) for ``role``."""
+    return Credentials(JobKeys.load(directory), role)
 
 
 @dataclass
@@ -289,19 +343,22 @@ def ensure_zap_handler(context: zmq.Context[zmq.Socket[bytes]], keys: JobKeys) -
         return handler
 
 
-def secure_server(sock: zmq.Socket[bytes], keys: JobKeys, role: Role) -> None:
-    """Make ``sock`` (not yet bound) a CURVE server of ``role`` whose clients the ZAP handler admits."""
-    ensure_zap_handler(sock.context, keys)  # before bind: without a handler CURVE admits anyone
-    pair = keys.pair(role)
+def secure_server(sock: zmq.Socket[bytes], credentials: Credentials) -> None:
+    """Make ``sock`` (not yet bound) a CURVE server of the job whose clients the ZAP handler admits."""
+    ensure_zap_handler(sock.context, credentials.keys)  # before bind: without a handler CURVE admits anyone
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
     sock.setsockopt(zmq.CURVE_SERVER, 1)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, pair.require_secret(role))
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public.encode())
+    sock.setsockopt(zmq.CURVE_SECRETKEY, credentials.keys.server.require_secret("server"))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, credentials.keys.server.public.encode())
 
 
-def secure_client(sock: zmq.Socket[bytes], keys: JobKeys, role: Role, server: Role) -> None:
-    """Make ``sock`` (not yet connected) a CURVE client of ``role`` talking to a ``server``-role socket."""
-    pair = keys.pair(role)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, pair.require_secret(role))
+def secure_client(sock: zmq.Socket[bytes], credentials: Credentials) -> None:
+    """Make ``sock`` (not yet connected) a CURVE client presenting ``credentials.role``'s key pair."""
+    pair = credentials.keys.pair(credentials.role)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, pair.require_secret(credentials.role))
     sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public.encode())
-    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.pair(server).public.encode())
+    sock.setsockopt(zmq.CURVE_SERVERKEY, credentials.keys.server.public.encode())
+
+
+def is_curve_server(sock: zmq.Socket[bytes]) -> bool:
+    return bool(sock.getsockopt(zmq.CURVE_SERVER))

@@ -2,7 +2,7 @@
 
 The coordinator process (``coordinator/commands/cli.py``) and the worker processes
 (``services/host/worker.py``) both call :func:`configure_logging`; it lives in ``comm``,
-the lowest layer, because the service host (``comm/rpc/service.py``) is where a request's
+the lowest layer, because the service host (``comm/rpc/host.py``) is where a request's
 service and step become known (:func:`log_context`).
 
 Settings:
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Literal, TextIO, get_args
 
 __all__ = ["CONTEXT_FIELDS", "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "ContextFilter", "HumanFormatter",
-           "JsonFormatter", "LogFormat", "configure_logging", "current_format", "file_level", "log_context",
-           "log_to_file", "set_process_context", "terminal_level"]
+           "JsonFormatter", "LogFormat", "LogThrottle", "configure_logging", "current_format", "file_level",
+           "log_context", "log_to_file", "set_process_context", "terminal_level"]
 
 LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
 LOG_FORMAT_ENV = "CELLMESH_LOG_FORMAT"
@@ -214,3 +214,27 @@ def log_to_file(path: Path, *, fmt: LogFormat | None = None) -> Iterator[None]:
         root.removeHandler(handler)
         handler.close()
         root.setLevel(previous)
+
+
+class LogThrottle:
+    """Lets one log record a key through per ``window`` seconds and counts the rest.
+
+    For faults a peer can repeat at will (garbage frames, refused calls): the first of each
+    kind is logged, the next ones only counted until the window has passed. Keys are kept
+    for the process's life, so use bounded ones (a peer and a reason, not a message).
+    """
+
+    def __init__(self, window: float = 60.0) -> None:
+        self.window = window
+        self._last: dict[object, float] = {}
+        self._suppressed: dict[object, int] = {}
+
+    def admit(self, key: object) -> int | None:
+        """None to stay quiet; else log now, and the int is how many were held back since the last one."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.window:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._suppressed.pop(key, 0)

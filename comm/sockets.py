@@ -9,7 +9,12 @@ Every socket made here has:
 * high-water marks (see below);
 * ZMTP heartbeats on connection-oriented sockets, so a silent TCP connection is
   noticed and dropped (a frozen peer is still only *reported* by the caller's timeout
-  or the liveness lease).
+  or the liveness lease);
+* the job's authentication, once the process installed its credentials
+  (:func:`comm.auth.install`): a socket made with ``curve="server"`` is a CURVE server whose
+  clients the one ZAP handler admits, one made with ``curve="client"`` presents the
+  process's role key. :func:`bind_port` refuses to bind a TCP socket that is not a CURVE
+  server while credentials are installed, so no socket serves outsiders by omission.
 
 High-water-mark policy (messages, per peer connection):
 
@@ -25,8 +30,11 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import zmq
+
+from comm import auth
 
 __all__ = [
     "CHUNK_BYTES",
@@ -34,6 +42,7 @@ __all__ = [
     "CONTROL_MAX_MESSAGE",
     "DATA_HWM",
     "DATA_MAX_MESSAGE",
+    "Curve",
     "SocketLimits",
     "bind_port",
     "default_host",
@@ -53,6 +62,9 @@ DATA_MAX_MESSAGE = 4 * CHUNK_BYTES
 CONTROL_MAX_MESSAGE = 4 * CHUNK_BYTES
 DATA_HWM = 256  # <= 1 GiB of chunks in flight per connection
 CONTROL_HWM = 10_000
+
+Curve = Literal["server", "client"]
+"""The side a socket takes in the job's CURVE authentication (see :func:`make_socket`)."""
 
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
 
@@ -88,8 +100,15 @@ def make_socket(
     *,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
     identity: bytes | None = None,
+    curve: Curve | None = None,
 ) -> zmq.Socket[bytes]:
-    """Create a ZeroMQ socket of ``kind`` (``zmq.PUSH``, ``zmq.ROUTER``, ...) with cellmesh's limits."""
+    """Create a ZeroMQ socket of ``kind`` (``zmq.PUSH``, ``zmq.ROUTER``, ...) with cellmesh's limits.
+
+    ``curve`` names the socket's side when it talks over TCP or IPC to other processes:
+    ``"server"`` for one that binds and serves, ``"client"`` for one that connects. With
+    credentials installed (:func:`comm.auth.installed`) it then speaks the job's CURVE;
+    without, it is a plain socket. In-process sockets (``inproc://``) leave it None.
+    """
     limits = limits or SocketLimits.control()
     sock = (context or shared_context()).socket(kind)
     sock.setsockopt(zmq.LINGER, int(limits.linger.total_seconds() * 1000))
@@ -101,6 +120,11 @@ def make_socket(
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(limits.heartbeat_timeout.total_seconds() * 1000))
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    credentials = auth.installed()
+    if credentials is not None and curve == "server":
+        auth.secure_server(sock, credentials)
+    elif credentials is not None and curve == "client":
+        auth.secure_client(sock, credentials)
     return sock
 
 
@@ -119,6 +143,10 @@ def bind_port(sock: zmq.Socket[bytes], host: str | None = None, port: int = 0) -
     """Bind ``sock`` to ``port`` on ``host`` (0: a free one; ``host`` defaults to
     :func:`default_host`); return the ``tcp://host:port`` address peers connect to."""
     host = host or default_host()
+    if auth.installed() is not None and not auth.is_curve_server(sock):
+        raise RuntimeError(f"refusing to bind tcp://{host}:{port or '*'} without authentication: the "
+                           "socket was not made with make_socket(..., curve='server') while the job's "
+                           "credentials are installed")
     sock.bind(f"tcp://{host}:{port or '*'}")  # '*' lets the OS pick a free port, as port 0 does
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(endpoint, bytes)

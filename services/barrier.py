@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from comm.rpc import Call, RpcError, ServiceBase
+from comm.rpc import Call, RpcError, ServiceBase, callable_by
 from services.protocol import BarrierArrive, BarrierReleased
 
 __all__ = ["BarrierService"]
@@ -39,6 +39,7 @@ class BarrierService(ServiceBase):
     def __init__(self) -> None:
         self._barriers: dict[str, _Barrier] = {}
 
+    @callable_by("worker", "coordinator")
     def rpc_arrive(self, request: BarrierArrive, call: Call) -> BarrierReleased | None:
         members = tuple(request.members)
         if request.member not in members:

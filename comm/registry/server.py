@@ -48,7 +48,7 @@ from comm.registry.protocol import (
     RevisionReply,
     WatchPollRequest,
 )
-from comm.rpc import Call, Empty, ServiceBase, ServiceHost
+from comm.rpc import Call, Empty, ServiceBase, ServiceHost, callable_by
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT", "MAX_PARKED_POLLS", "RegistryServer", "RegistryService"]
 
@@ -84,40 +84,50 @@ class RegistryService(ServiceBase):
         """Watch polls waiting now."""
         return len(self._parked)
 
+    @callable_by("coordinator", "worker")
     def rpc_put(self, request: PutRequest, call: Call) -> RevisionReply:
         lease = None if request.lease is None else self._registry.lease_handle(request.lease)
         return RevisionReply(revision=self._registry.put(request.key, request.value, lease=lease))
 
+    @callable_by("coordinator", "worker")
     def rpc_get(self, request: GetRequest, call: Call) -> GetReply:
         kv = self._registry.get(request.key)
         return GetReply(kv=None if kv is None else KeyValueMsg.of(kv))
 
+    @callable_by("coordinator", "worker")
     def rpc_delete(self, request: DeleteRequest, call: Call) -> BoolReply:
         return BoolReply(value=self._registry.delete(request.key))
 
+    @callable_by("coordinator", "worker")
     def rpc_list(self, request: ListRequest, call: Call) -> ListReply:
         return ListReply(items=[KeyValueMsg.of(kv) for kv in self._registry.list(request.prefix)])
 
+    @callable_by("coordinator", "worker")
     def rpc_cas(self, request: CasRequest, call: Call) -> BoolReply:
         lease = None if request.lease is None else self._registry.lease_handle(request.lease)
         written = self._registry.compare_and_set(request.key, request.expected, request.value, lease=lease)
         return BoolReply(value=written)
 
+    @callable_by("coordinator", "worker")
     def rpc_lease_grant(self, request: LeaseGrantRequest, call: Call) -> LeaseReply:
         granted = self._registry.lease(timedelta(milliseconds=request.ttl_ms))
         return LeaseReply(lease=granted.id, ttl_ms=round(granted.ttl.total_seconds() * 1000))
 
+    @callable_by("coordinator", "worker")
     def rpc_lease_refresh(self, request: LeaseRequest, call: Call) -> Empty:
         self._registry.refresh_lease(request.lease)
         return Empty()
 
+    @callable_by("coordinator", "worker")
     def rpc_lease_revoke(self, request: LeaseRequest, call: Call) -> Empty:
         self._registry.revoke_lease(request.lease)
         return Empty()
 
+    @callable_by("coordinator", "worker")
     def rpc_revision(self, request: Empty, call: Call) -> RevisionReply:
         return RevisionReply(revision=self._registry.revision())
 
+    @callable_by("coordinator", "worker")
     def rpc_watch_poll(self, request: WatchPollRequest, call: Call) -> EventsReply | None:
         """Answer now if there is something to say (or nothing to wait for), else park the poll.
 

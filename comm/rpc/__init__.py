@@ -13,17 +13,31 @@ from comm.rpc.framing import (
     reply_frames,
     request_frames,
 )
-from comm.rpc.host import Authorizer, Call, Handler, OnTimeout, Peer, ServiceBase, ServiceHost, allow_all
+from comm.rpc.host import (
+    CONTROL,
+    Authorizer,
+    Call,
+    Handler,
+    Method,
+    OnTimeout,
+    Peer,
+    ServiceBase,
+    ServiceHost,
+    allow_all,
+    callable_by,
+)
 from comm.rpc.mailbox import Mailbox
 from comm.rpc.pipeline import PipelinedCall, PipelinedConnection, run_calls
 
 __all__ = [
+    "CONTROL",
     "Authorizer",
     "Call",
     "Empty",
     "ErrorBody",
     "Handler",
     "Mailbox",
+    "Method",
     "Name",
     "NamedTensors",
     "OnTimeout",
@@ -38,6 +52,7 @@ __all__ = [
     "ServiceHost",
     "TensorSpec",
     "allow_all",
+    "callable_by",
     "decode_tensors",
     "encode_tensors",
     "error_frames",

@@ -40,7 +40,7 @@ class RpcClient:
     def __init__(self, address: str, *, timeout: timedelta = timedelta(seconds=60)) -> None:
         self.address = address
         self.timeout = timeout
-        self._sock: zmq.Socket[bytes] | None = make_socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] | None = make_socket(zmq.DEALER, curve="client")
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()

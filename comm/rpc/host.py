@@ -30,21 +30,23 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import zmq
 from pydantic import BaseModel, ValidationError
 
+from comm import auth
 from comm.codec import describe_validation_error, unpack_raw
 from comm.errors import ProtocolError
-from comm.logs import log_context
+from comm.logs import LogThrottle, log_context
 from comm.rpc.envelope import RequestEnvelope
 from comm.rpc.framing import NamedTensors, RpcError, decode_tensors, error_frames, reply_frames
 from comm.rpc.mailbox import Mailbox
 from comm.sockets import bind_port, make_socket
 
-__all__ = ["Authorizer", "Call", "Handler", "OnTimeout", "Peer", "ServiceBase", "ServiceHost", "allow_all"]
+__all__ = ["CONTROL", "Authorizer", "Call", "Handler", "Method", "OnTimeout", "Peer", "ServiceBase",
+           "ServiceHost", "allow_all", "callable_by"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,39 @@ OnTimeout = Callable[[], tuple[str, str] | BaseModel]
 _BATCH = 64  # requests handled per wake-up before posted work and deadlines get a turn
 _IDLE_WAIT_MS = 1000  # the longest sleep with nothing due (shutdown wakes the thread itself)
 _STALE_COMPACT = 256  # answered calls left in the deadline heap before it is rebuilt
+_ROLES_ATTR = "__cellmesh_rpc_roles__"
+
+CONTROL: frozenset[str] = frozenset({"coordinator"})
+"""Who may call a method that says nothing (:func:`callable_by`): the coordinator alone."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def callable_by(*roles: auth.Role) -> Callable[[_F], _F]:
+    """Declare which roles may call an ``rpc_*`` method (default :data:`CONTROL`, the coordinator).
+
+    Checked by the host against the role the job's keys authenticated the sender as (the
+    connection's ``User-Id``), per request, before the body is read. Data methods that a
+    worker's peers call (push/pull, barriers, the registry) name ``"worker"``.
+    """
+    if not roles or any(r not in auth.ROLES for r in roles):
+        raise ValueError(f"callable_by needs one or more of {auth.ROLES}, got {roles}")
+
+    def mark(fn: _F) -> _F:
+        setattr(fn, _ROLES_ATTR, frozenset(roles))
+        return fn
+
+    return mark
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One ``rpc_*`` method of a hosted service: its handler, request type and the roles that may call it."""
+
+    handler: Handler
+    request_type: type[BaseModel]
+    roles: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +166,8 @@ class ServiceBase:
 
     error_codes: ClassVar[tuple[tuple[type[Exception], str], ...]] = ()
 
-    def rpc_methods(self) -> dict[str, tuple[Handler, type[BaseModel]]]:
-        methods: dict[str, tuple[Handler, type[BaseModel]]] = {}
+    def rpc_methods(self) -> dict[str, Method]:
+        methods: dict[str, Method] = {}
         for name, fn in inspect.getmembers(self, predicate=inspect.ismethod):
             if not name.startswith("rpc_") or name == "rpc_methods":
                 continue
@@ -144,7 +179,7 @@ class ServiceBase:
                     f"{type(self).__name__}.{name} must be annotated "
                     "`def rpc_x(self, request: SomeMessage, call: Call) -> Reply | None`"
                 )
-            methods[name[4:]] = (fn, request_type)
+            methods[name[4:]] = Method(fn, request_type, getattr(fn, _ROLES_ATTR, CONTROL))
         return methods
 
     def on_close(self) -> None:
@@ -174,9 +209,10 @@ class ServiceHost:
     """
 
     def __init__(self, host: str | None = None, port: int = 0, *, authorize: Authorizer = allow_all) -> None:
-        self._services: dict[str, tuple[ServiceBase, dict[str, tuple[Handler, type[BaseModel]]]]] = {}
+        self._services: dict[str, tuple[ServiceBase, dict[str, Method]]] = {}
         self._authorize = authorize
-        self._sock = make_socket(zmq.ROUTER)
+        self._sock = make_socket(zmq.ROUTER, curve="server")
+        self._secure = auth.is_curve_server(self._sock)  # then every request carries its sender's role
         self.address = bind_port(self._sock, host, port)
         self._mailbox: Mailbox[Callable[[], None]] = Mailbox("service-host")
         self._deferred: list[_Deferred] = []
@@ -189,6 +225,7 @@ class ServiceHost:
         self._closed = False
         self.bad_requests = 0
         self.refused = 0
+        self._throttle = LogThrottle()
 
     def add(self, name: str, service: ServiceBase) -> None:
         """Serve ``service`` under ``name`` (its ``rpc_*`` methods are checked now)."""
@@ -313,7 +350,7 @@ class ServiceHost:
             self._stale = 0
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
-        peer = Peer(frames[0].bytes)
+        peer = Peer(frames[0].bytes, self._role_of(frames))
         request_id = 0
         try:
             if len(frames) < 2:
@@ -340,7 +377,12 @@ class ServiceHost:
                                               f"{envelope.service} has no method {envelope.method!r}; "
                                               f"it has {sorted(methods)}"))
                 return
-            fn, request_type = methods[envelope.method]
+            method = methods[envelope.method]
+            if self._secure and peer.user not in method.roles:
+                self._forbid(envelope, peer, f"callable by {' and '.join(sorted(method.roles))} only, "
+                                             f"not by a {peer.user}")
+                return
+            fn, request_type = method.handler, method.request_type
             try:
                 request = request_type.model_validate(envelope.body)
             except ValidationError as exc:
@@ -348,7 +390,7 @@ class ServiceHost:
             tensors = decode_tensors(envelope.tensors, frames[2:])
         except ProtocolError as exc:
             self.bad_requests += 1
-            log.error("rejected a bad request on %s: %s", self.address, exc)
+            self._warn(peer, "bad request", "rejected a bad request on %s: %s", self.address, exc)
             self._send(peer, error_frames(request_id, "bad_request", str(exc)))
             return
         call = Call(self, peer, envelope, tensors)
@@ -360,9 +402,10 @@ class ServiceHost:
             return
         except Exception as exc:
             code = next((c for kind, c in service.error_codes if isinstance(exc, kind)), None)
-            if code is None:
+            if code is None:  # a bug: the traceback goes to the log, never to the peer
                 log.exception("%s.%s failed", envelope.service, envelope.method)
-                call.fail("internal", f"{type(exc).__name__}: {exc}")
+                call.fail("internal", f"{envelope.service}.{envelope.method} failed on the server; its log "
+                                      "has the details")
             else:
                 call.fail(code, str(exc))
             return
@@ -381,12 +424,32 @@ class ServiceHost:
             refusal = f"the authorization check failed ({type(exc).__name__}: {exc})"
         if refusal is None:
             return True
-        self.refused += 1
-        log.warning("refused %s.%s from %r on %s: %s", envelope.service, envelope.method, peer.identity,
-                    self.address, refusal)
-        self._send(peer, error_frames(envelope.id, "forbidden",
-                                      f"{envelope.service}.{envelope.method}: {refusal}"))
+        self._forbid(envelope, peer, refusal)
         return False
+
+    def _forbid(self, envelope: RequestEnvelope, peer: Peer, reason: str) -> None:
+        """Answer ``forbidden`` with the reason, count it, and warn (once per peer and reason a minute)."""
+        self.refused += 1
+        self._warn(peer, f"forbidden {envelope.service}.{envelope.method}", "refused %s.%s from %s on %s: %s",
+                   envelope.service, envelope.method, peer.user or repr(peer.identity), self.address, reason)
+        self._send(peer, error_frames(envelope.id, "forbidden",
+                                      f"{envelope.service}.{envelope.method}: {reason}"))
+
+    def _warn(self, peer: Peer, reason: str, msg: str, *args: object) -> None:
+        """Log a peer's fault once per peer and reason per window; count the rest."""
+        suppressed = self._throttle.admit((peer.identity, reason))
+        if suppressed is not None:
+            log.warning(msg + (f" ({suppressed} more like it since the last warning)" if suppressed else ""),
+                        *args)
+
+    def _role_of(self, frames: list[zmq.Frame]) -> str | None:
+        """The role the job's keys authenticated the sender as (None on a socket without CURVE)."""
+        if not self._secure or len(frames) < 2:
+            return None
+        try:
+            return str(frames[1].get("User-Id"))
+        except zmq.ZMQError:  # no ZAP user id: not an authenticated connection
+            return None
 
     def _defer(self, call: Call, timeout: timedelta, on_timeout: OnTimeout) -> None:
         call.in_heap = True

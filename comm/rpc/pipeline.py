@@ -49,7 +49,7 @@ class PipelinedConnection:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._sock = make_socket(zmq.DEALER)
+        self._sock = make_socket(zmq.DEALER, curve="client")
         self._sock.connect(address)
         self._ids = itertools.count(1)
 

@@ -175,7 +175,7 @@ class EventLoop:
         """Open (once) the connection to ``worker``'s service host at ``address``."""
         if worker in self._socks:
             return
-        sock = make_socket(zmq.DEALER)
+        sock = make_socket(zmq.DEALER, curve="client")
         sock.connect(address)
         self._socks[worker] = sock
         self._worker_of[sock] = worker

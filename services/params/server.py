@@ -62,7 +62,7 @@ from datetime import timedelta
 
 import torch
 
-from comm.rpc import Call, RpcError, ServiceBase
+from comm.rpc import Call, RpcError, ServiceBase, callable_by
 from services.params.store import NotOwnedError, ParamStore
 from services.protocol import (
     Assignment,
@@ -133,6 +133,7 @@ class ParamServerService(ServiceBase):
 
     # -- RPCs ------------------------------------------------------------------------
 
+    @callable_by("worker")
     def rpc_setup(self, request: ShardSetup, call: Call) -> ShardInfo:
         if self._shard is not None:
             raise RpcError("already_setup", f"shard {self.name!r} is already set up (version "
@@ -149,9 +150,11 @@ class ParamServerService(ServiceBase):
                  request.mode, request.replicas, request.optimizer.name)
         return self._info()
 
+    @callable_by("worker")
     def rpc_info(self, request: Empty, call: Call) -> ShardInfo:
         return self._info()
 
+    @callable_by("worker")
     def rpc_pull(self, request: PullRequest, call: Call) -> PullReply | None:
         shard = self._ready()
         self._check_replica(shard, request.replica)
@@ -170,6 +173,7 @@ class ParamServerService(ServiceBase):
         call.defer(timedelta(milliseconds=request.timeout_ms), on_timeout)
         return None
 
+    @callable_by("worker")
     def rpc_push(self, request: PushRequest, call: Call) -> PushReply:
         shard = self._ready()
         r, key = request.replica, (request.step, request.seq)

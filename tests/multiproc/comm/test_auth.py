@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import zmq
 
-from comm.auth import JobKeys, KeyPair, ZapHandler, ensure_zap_handler, secure_client, secure_server
+from comm.auth import (
+    Credentials,
+    JobKeys,
+    KeyPair,
+    ZapHandler,
+    ensure_zap_handler,
+    secure_client,
+    secure_server,
+)
 from comm.sockets import bind_port
 
 WAIT_MS = 3000
@@ -31,7 +39,7 @@ def server(keys: JobKeys) -> Iterator[tuple[zmq.Socket[bytes], str, ZapHandler]]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    secure_server(sock, keys, "worker")
+    secure_server(sock, Credentials(keys, "worker"))
     address = bind_port(sock, "127.0.0.1")
     handler = ensure_zap_handler(ctx, keys)
     yield sock, address, handler
@@ -58,6 +66,12 @@ def _close(ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes]) -> None
     ctx.term()
 
 
+def _outsider(keys: JobKeys) -> Credentials:
+    """An outsider who learnt the server's public key (it is no secret) and made a key pair."""
+    return Credentials(JobKeys(server=KeyPair(public=keys.server.public, secret=KeyPair.generate().secret),
+                               coordinator=KeyPair.generate(), worker=KeyPair.generate()), "coordinator")
+
+
 def _echo_once(server: zmq.Socket[bytes], timeout_ms: int) -> str | None:
     """Serve one request if one arrives: reply with the role ZeroMQ attached to it."""
     if not server.poll(timeout_ms):
@@ -72,7 +86,7 @@ def _echo_once(server: zmq.Socket[bytes], timeout_ms: int) -> str | None:
 def test_a_job_key_is_served_and_its_role_rides_on_each_message(
         server: tuple[zmq.Socket[bytes], str, ZapHandler], keys: JobKeys, role: str) -> None:
     sock, address, handler = server
-    ctx, client = _client(address, lambda s: secure_client(s, keys, role, "worker"))  # type: ignore[arg-type]
+    ctx, client = _client(address, lambda s: secure_client(s, Credentials(keys, role)))  # type: ignore[arg-type]
     try:
         client.send(b"hello")
         assert _echo_once(sock, WAIT_MS) == role
@@ -86,8 +100,8 @@ def test_an_outsider_key_is_never_served_and_is_counted(
         server: tuple[zmq.Socket[bytes], str, ZapHandler], keys: JobKeys) -> None:
     sock, address, handler = server
     # a well-formed key pair that is not the job's, by an outsider who learnt the server's public key
-    stranger = JobKeys(coordinator=KeyPair.generate(), worker=keys.worker.model_copy(update={"secret": None}))
-    ctx, client = _client(address, lambda s: secure_client(s, stranger, "coordinator", "worker"))
+    stranger = _outsider(keys)
+    ctx, client = _client(address, lambda s: secure_client(s, stranger))
     try:
         client.send(b"assign os:system")
         assert _echo_once(sock, REFUSED_MS) is None
@@ -96,7 +110,7 @@ def test_an_outsider_key_is_never_served_and_is_counted(
     finally:
         _close(ctx, client)
     # and the server keeps serving the job
-    ctx, good = _client(address, lambda s: secure_client(s, keys, "coordinator", "worker"))
+    ctx, good = _client(address, lambda s: secure_client(s, Credentials(keys, "coordinator")))
     try:
         good.send(b"hello")
         assert _echo_once(sock, WAIT_MS) == "coordinator"
@@ -108,8 +122,8 @@ def test_a_client_without_the_server_key_fails_the_handshake(
         server: tuple[zmq.Socket[bytes], str, ZapHandler]) -> None:
     """A client that encrypts to another server key is refused by the cryptography, before ZAP."""
     sock, address, _ = server
-    stranger = JobKeys.generate()
-    ctx, client = _client(address, lambda s: secure_client(s, stranger, "worker", "worker"))
+    stranger = Credentials(JobKeys.generate(), "worker")
+    ctx, client = _client(address, lambda s: secure_client(s, stranger))
     try:
         client.send(b"release")
         assert _echo_once(sock, REFUSED_MS) is None
@@ -126,7 +140,7 @@ def test_a_client_that_knows_the_server_key_but_not_a_job_key_is_refused(
         public, secret = zmq.curve_keypair()
         s.setsockopt(zmq.CURVE_SECRETKEY, secret)
         s.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        s.setsockopt(zmq.CURVE_SERVERKEY, keys.worker.public.encode())
+        s.setsockopt(zmq.CURVE_SERVERKEY, keys.server.public.encode())
 
     ctx, client = _client(address, configure)
     try:
@@ -155,8 +169,8 @@ def test_refusals_log_once_per_peer_and_reason(server: tuple[zmq.Socket[bytes], 
     before = handler.rejected()
     with caplog.at_level(logging.WARNING, logger="comm.auth"):
         for _ in range(8):
-            stranger = JobKeys(coordinator=KeyPair.generate(), worker=keys.worker)
-            ctx, client = _client(address, lambda s, k=stranger: secure_client(s, k, "coordinator", "worker"))
+            stranger = _outsider(keys)
+            ctx, client = _client(address, lambda s, k=stranger: secure_client(s, k))
             client.send(b"x")
             _echo_once(sock, 150)
             _close(ctx, client)
@@ -174,7 +188,7 @@ def test_revoked_keys_are_refused_from_the_next_handshake(
         server: tuple[zmq.Socket[bytes], str, ZapHandler], keys: JobKeys) -> None:
     sock, address, handler = server
     handler.set_keys(JobKeys.generate())  # a new generation of keys: the old ones no longer admit
-    ctx, client = _client(address, lambda s: secure_client(s, keys, "coordinator", "worker"))
+    ctx, client = _client(address, lambda s: secure_client(s, Credentials(keys, "coordinator")))
     try:
         client.send(b"hello")
         assert _echo_once(sock, REFUSED_MS) is None
@@ -205,15 +219,10 @@ def test_missing_keys_say_where_they_come_from(tmp_path: Path) -> None:
 def test_a_worker_copy_cannot_act_as_the_coordinator(keys: JobKeys) -> None:
     mine = keys.for_workers()
     assert mine.coordinator.secret is None and mine.coordinator.public == keys.coordinator.public
-    assert mine.worker == keys.worker
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        with pytest.raises(PermissionError, match="coordinator role"):
-            secure_client(sock, mine, "coordinator", "worker")
-    finally:
-        sock.close(0)
-        ctx.term()
+    assert mine.worker == keys.worker and mine.server == keys.server
+    with pytest.raises(PermissionError, match="coordinator role"):
+        Credentials(mine, "coordinator")
+    Credentials(mine, "worker")  # what a worker is
 
 
 def test_keys_are_validated() -> None:
