@@ -27,17 +27,17 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import nn
 
-from coordinator.commands.jobspec import JobSpecError, LoadedJob, Overrides, load_job
+from coordinator.commands.jobspec import JobSpecError, LoadedJob, load_job
 from coordinator.commands.progress import make_progress
 from coordinator.planning.planner import PlanningError
 from coordinator.planning.profile import format_bytes
@@ -76,14 +76,14 @@ class RunOptions:
 
     Attributes:
         job: A job module (``.py``) or a job spec (``.yaml``/``.yml``/``.json``).
-        overrides: Workers, steps and plan fields over the job's own.
+        settings: Config fields over the job's own, by dotted key (``{"plan.num_stages": 2}``).
         output: Where to write the state_dict; ``out/{job name}.pt`` by default.
         bar: A progress bar (True), log lines (False), or a bar only on a terminal (None).
         log_every: Steps between log lines (about 20 lines per run by default).
     """
 
     job: str
-    overrides: Overrides = field(default_factory=Overrides)
+    settings: Mapping[str, Any] = field(default_factory=dict)
     output: Path | None = None
     bar: bool | None = None
     log_every: int | None = None
@@ -111,7 +111,7 @@ def run_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
         JobFailed: A worker failed or vanished during training (names worker, service, step).
         TimeoutError: The workers did not start in time.
     """
-    return train(load_job(options.job, options.overrides), options, out)
+    return train(load_job(options.job, options.settings), options, out)
 
 
 def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
@@ -125,19 +125,19 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
             starts, or by the final commit), after the progress display.
     """
     out = out or sys.stdout
-    job = loaded.job
+    job, config = loaded.job, loaded.job.config
     make_optimizer(job.optimizer, [nn.Parameter(torch.zeros(1))])  # refuses bad arguments now, not in a step
     output = options.output or DEFAULT_OUTPUT_DIR / f"{loaded.name}.pt"
     check_writable(output)
     sampler = job.sampler()
     say = functools.partial(print, file=out, flush=True)
     say(f"cellmesh run: {loaded.source}")
-    say(f"  model {job.model}, data {job.data} ({sampler.num_samples} samples, "
-        f"{sampler.steps_per_epoch} steps per epoch), loss {job.loss}")
+    say(f"  model {config.model.factory}, data {config.data.factory} ({sampler.num_samples} samples, "
+        f"{sampler.steps_per_epoch} steps per epoch), loss {config.loss.factory}")
     kwargs = ", ".join(f"{k}={v}" for k, v in job.optimizer.kwargs.items())
     where = "local workers" if pool is None else f"workers of {pool.registry_url}"
-    say(f"  optimizer {job.optimizer.name}({kwargs}), global batch {job.global_batch}, {loaded.steps} steps, "
-        f"{job.resources.num_workers} {where}")
+    say(f"  optimizer {job.optimizer.name}({kwargs}), global batch {config.data.global_batch}, "
+        f"{loaded.steps} steps, {job.resources.num_workers} {where}")
     started = time.monotonic()
     plan = job.plan()
     say(f"planned in {time.monotonic() - started:.1f}s (profiled on a sample microbatch):\n")

@@ -5,7 +5,7 @@ What it writes (``DIR/manifests/*.yaml`` and ``DIR/kustomization.yaml``, so
 named ``J`` (the spec's ``name``, made a DNS label):
 
 - ``J-job`` ConfigMap: the job spec (``job.yaml``), the same file ``cellmesh run`` reads,
-  with ``name: J`` and ``workers: N``;
+  with ``name: J`` and ``runtime.workers: N``;
 - etcd: ``J-etcd`` headless Service and StatefulSet (1 replica, or ``--etcd-replicas 3``)
   with a PersistentVolumeClaim per member;
 - the coordinator: ``J-coordinator`` Deployment of 1 (``cellmesh coordinator``, strategy
@@ -41,7 +41,8 @@ from typing import Any
 
 import yaml
 
-from coordinator.commands.jobspec import SPEC_SUFFIXES, JobSpec, JobSpecError, read_spec
+from coordinator.commands.jobspec import SPEC_SUFFIXES, JobSpecError, read_spec
+from coordinator.planning.config import JobConfig
 
 __all__ = [
     "IMAGE",
@@ -138,7 +139,7 @@ class RenderOptions:
         return self.image or (GPU_IMAGE if self.gpus_per_worker else IMAGE)
 
 
-def job_name(spec: JobSpec, file: Path) -> str:
+def job_name(spec: JobConfig, file: Path) -> str:
     """The job's name as a DNS label: the spec's ``name`` (else the file's stem), lower case."""
     raw = (spec.name or file.stem).lower()
     name = re.sub(r"[^a-z0-9-]+", "-", raw).strip("-")[:MAX_NAME].strip("-")
@@ -295,9 +296,8 @@ class _Names:
         return f"{self.worker}-0.{self.workers_svc}"
 
 
-def _spec_text(spec: JobSpec, job: str, workers: int, source: Path) -> str:
-    data = spec.model_dump(exclude_none=True)
-    data.update(name=job, workers=workers)
+def _spec_text(spec: JobConfig, job: str, workers: int, source: Path) -> str:
+    data = spec.updated({"name": job, "runtime.workers": workers}).model_dump(exclude_none=True)
     header = (
         f"# The job spec of {job}, rendered by `cellmesh k8s render` from {source.name}: the same spec\n"
         f"# `cellmesh run` reads. Factories are imported from PYTHONPATH in the image.\n"

@@ -34,17 +34,13 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240)]  # `make test` install
 REPO = Path(__file__).resolve().parents[3]
 SPEC = """\
 name: podjob
-model: charlm:model
-model_kwargs: {width: 32, heads: 2, blocks: 1}
-data: charlm:data
-loss: charlm:loss
-optimizer: SGD
-optimizer_kwargs: {lr: 0.05}
-global_batch: 8
 steps: 4
-workers: 2
-strategy: auto
-seed: 3
+model: {factory: charlm:model, kwargs: {width: 32, heads: 2, blocks: 1}}
+data: {factory: charlm:data, global_batch: 8, seed: 3}
+loss: {factory: charlm:loss}
+optimizer: {name: SGD, kwargs: {lr: 0.05}}
+plan: {strategy: auto}
+runtime: {workers: 2}
 """
 FLOAT32_TOLERANCE = 1e-5  # float32 sums in another order than one process's
 
