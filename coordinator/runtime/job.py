@@ -101,10 +101,9 @@ def _named(fields: dict[str, Any]) -> dict[str, Any]:
         ValueError: A function is not importable by name, or a class is not ``torch.optim``'s.
     """
     named = dict(fields)
-    code_dir = fields.get("code_dir")
     for key in ("model", "data", "loss"):
         if callable(named.get(key)):
-            named[key] = factory_path(named[key], what=f"{key} factory", code_dir=code_dir)
+            named[key] = factory_path(named[key], what=f"{key} factory")
     if isinstance(named.get("optimizer"), type):
         named["optimizer"] = optimizer_spec(named["optimizer"], {}).name
     return named
