@@ -99,7 +99,7 @@ def main() -> None:
     tune_malloc()
 
     from bench.comm import raw_ceiling
-    from comm.rpc.service import RpcClient
+    from comm.rpc import RpcClient
     from services.params.client import ShardRef, setup_shards
     from services.protocol import Assignment, AssignmentReply, Empty, OptimizerSpec, ShardInfo
     from tests.harness.workers import registry_server, start_worker

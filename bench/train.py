@@ -332,8 +332,8 @@ def _stage_compute(b: Breakdown, stage: int) -> float:
 
 def breakdown(record: Any, num_stages: int) -> Breakdown:
     ev = record.events
-    compute = [sum(e.end - e.start for e in ev if e.replica == 0 and e.stage == s and e.name[0] in "FB"
-                   and e.name[1:].isdigit()) for s in range(num_stages)]
+    compute = [sum(e.end - e.start for e in ev if e.replica == 0 and e.stage == s and e.action is not None
+                   and e.action.kind in ("F", "B")) for s in range(num_stages)]
     runs = [e for e in ev if e.name not in ("optimizer", "push_pull")]
     opts = [e for e in ev if e.name in ("optimizer", "push_pull")]
     first, run_end = min(e.start for e in runs), max(e.end for e in runs)
@@ -375,7 +375,7 @@ def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, A
     wall = recs[-1].end - recs[0].start
     stages = job.plan().num_stages
     durations = {kind: [[e.end - e.start for r in recs for e in r.events if e.replica == 0 and e.stage == s
-                         and e.name[0] == kind and e.name[1:].isdigit()] for s in range(stages)]
+                         and e.action is not None and e.action.kind == kind] for s in range(stages)]
                  for kind in "FB"}
     return {"step_s": wall / steps, "loss": recs[-1].loss,
             "coordinator_s": sum(r.coordinator_s for r in recs) / steps,

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from coordinator.planning.plan import Plan
     from coordinator.planning.planner import PlanningError
     from coordinator.planning.resources import Link, Resources, Worker
-    from coordinator.planning.schedules import ScheduleError
     from coordinator.runtime.driver import JobFailed
     from coordinator.runtime.job import FitResult, Job
+    from services.compute.actions import ScheduleError
     from services.compute.cell import Cell, as_cells
 
 # name -> the module that defines it; imported on first access (PEP 562).
@@ -48,7 +48,7 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "coordinator.planning.config",
     "PlanningError": "coordinator.planning.planner",
     "CutError": "coordinator.planning.cutting",
-    "ScheduleError": "coordinator.planning.schedules",
+    "ScheduleError": "services.compute.actions",
     "CommError": "comm.errors",
     "CommTimeoutError": "comm.errors",
     "PeerLostError": "comm.errors",

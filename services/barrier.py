@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from comm.rpc.service import Call, RpcError, ServiceBase
+from comm.rpc import Call, RpcError, ServiceBase
 from services.protocol import BarrierArrive, BarrierReleased
 
 __all__ = ["BarrierService"]

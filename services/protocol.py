@@ -1,32 +1,31 @@
 """Every control message of cellmesh's services, in one module.
 
 Each message is a strict pydantic model (``comm.codec.Message``: no coercion, no extra
-fields, frozen), encoded with msgpack by ``comm.codec``; the protocol version travels in
-every envelope. Tensors never travel inside these bodies: a message lists
-:class:`TensorSpec` entries and the tensors follow as raw ZeroMQ frames.
-
-Envelopes (frame 0 of every RPC message):
-
-* :class:`RequestEnvelope` — ``{v, id, service, method, body, tensors}``
-* :class:`ReplyEnvelope` — ``{v, id, ok, body | error, tensors}``
+fields, frozen), encoded with msgpack by ``comm.codec``. They are the bodies of the one RPC
+envelope (:mod:`comm.rpc.envelope`), which carries the protocol version, the request id
+and any error. Tensors never travel inside these bodies: the envelope lists a spec per
+tensor and the tensors follow as raw ZeroMQ frames.
 
 Bodies, by service: worker control (``Assignment``, ``WorkerStatus``...), push/pull
 (``PullRequest``, ``PushRequest``...), barrier (``BarrierArrive``...), cell compute
-(``RunStep``, ``StageAction``...). Extra message types are added here, never invented elsewhere.
+(``RunStep``, ``Action``...). Extra message types are added here, never invented elsewhere.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from comm.codec import Message
-from comm.rpc.envelope import Empty, ErrorBody, Name, ReplyEnvelope, RequestEnvelope, TensorSpec
+from comm.rpc.envelope import Empty, Name
 from comm.wire import DTYPES, MAX_NDIM, MAX_TENSOR_BYTES
 
 __all__ = [
+    "Action",
+    "ActionKind",
     "Assignment",
     "AssignmentReply",
     "BarrierArrive",
@@ -37,7 +36,6 @@ __all__ = [
     "CommitStep",
     "ComputeOptions",
     "Empty",
-    "ErrorBody",
     "OptimizerSpec",
     "OptimizerStepReply",
     "OptimizerStepRequest",
@@ -49,15 +47,11 @@ __all__ = [
     "PushRequest",
     "Reconnect",
     "Release",
-    "ReplyEnvelope",
-    "RequestEnvelope",
     "RunStep",
     "ShardAddress",
     "ShardInfo",
     "ShardSetup",
-    "StageAction",
     "StepReply",
-    "TensorSpec",
     "TensorsReply",
     "WorkerCard",
     "WorkerStatus",
@@ -222,9 +216,11 @@ class BarrierReleased(Message):
 
 
 # -- cell compute -----------------------------------------------------------------------
-# The stage action IR and the boundary metadata; see services/compute/service.py for the contract.
+# The pipeline action and the boundary metadata; see services/compute/service.py for the contract.
 
-StageActionKind = Literal["forward", "backward", "send_act", "recv_act", "send_grad", "recv_grad"]
+ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+_PEER_STEP: dict[str, int] = {"F": 0, "B": 0, "SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
+_ACTION_TEXT = re.compile(r"(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
 MAX_BOUNDARY_TENSORS = 256  # tensors per cut; also the stride of transfer tags (services/compute/boundary.py)
 
@@ -356,22 +352,55 @@ class ComputeOptions(Message):
         return self
 
 
-class StageAction(Message):
-    """One action of one stage: printed ``F3``, ``B3``, ``SA3->1``, ``RA3<-0``, ``SG3->0``, ``RG3<-1``.
+class Action(Message):
+    """One step of one pipeline stage: what it computes or moves, for which microbatch.
 
-    ``peer`` is the neighbouring stage a transfer goes to or comes from (activations flow
-    up, gradients down); compute actions have none.
+    Printed as torch.distributed.pipelining prints its ``_Action``: stage, kind,
+    microbatch, e.g. ``1F0``, ``0SEND_F3``, ``1RECV_B2`` (:meth:`parse` reads it back):
+
+    ==========  ===================================================================
+    kind        stage ``s`` ...
+    ==========  ===================================================================
+    ``F``       runs the forward of the microbatch
+    ``B``       runs its backward
+    ``SEND_F``  sends its forward's outputs (activations) to stage ``s + 1``
+    ``RECV_F``  receives its inputs (activations) from stage ``s - 1``
+    ``SEND_B``  sends its input gradients to stage ``s - 1``
+    ``RECV_B``  receives its output gradients from stage ``s + 1``
+    ==========  ===================================================================
+
+    A pipeline is a chain, so the kind fixes the peer (:attr:`peer`): a transfer to a
+    stage that is not a neighbour cannot be written. Which tensors travel is the cut's
+    business (``BoundarySpec``), not the action's. The ordering rules of an action list
+    are ``services/compute/actions.py``'s.
     """
 
-    kind: StageActionKind
+    stage: int = Field(ge=0)
+    kind: ActionKind
     microbatch: int = Field(ge=0)
-    peer: int | None = Field(default=None, ge=0)
 
     def __str__(self) -> str:
-        short = {"forward": "F", "backward": "B", "send_act": "SA", "recv_act": "RA",
-                 "send_grad": "SG", "recv_grad": "RG"}[self.kind]
-        arrow = "" if self.peer is None else ("->" if self.kind.startswith("send") else "<-") + str(self.peer)
-        return f"{short}{self.microbatch}{arrow}"
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @property
+    def peer(self) -> int | None:
+        """The stage a transfer goes to or comes from; None for ``F`` and ``B``."""
+        step = _PEER_STEP[self.kind]
+        return self.stage + step if step else None
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Reads the printed form back (``"0F3"``, ``"1B2"``, ``"0SEND_F3"``, ``"1RECV_B2"``...).
+
+        Raises:
+            ValueError: ``text`` is not one action.
+        """
+        match = _ACTION_TEXT.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(f"cannot parse action {text!r}: expected <stage><kind><microbatch> with kind "
+                             f"one of {', '.join(_PEER_STEP)}, e.g. 0F3, 1B2, 0SEND_F3, 1RECV_B2")
+        stage, kind, microbatch = match.groups()
+        return cls.model_validate({"stage": int(stage), "kind": kind, "microbatch": int(microbatch)})
 
 
 class CommitStep(Message):
@@ -395,8 +424,10 @@ class RunStep(Message):
     """Run one step's action list on a stage; every stage of the pipeline gets the same samples.
 
     ``microbatches[i]`` lists the sample indices of microbatch ``i`` (the data factory's
-    indices); ``actions`` is this stage's ordered list. ``zero_grad`` clears gradients first
-    (so a replayed step gives the same gradients); ``timeout_ms`` bounds the whole step.
+    indices); ``actions`` is this stage's ordered list, every action naming this stage (the
+    stage checks it with ``services.compute.actions.validate_stage`` before it runs any).
+    ``zero_grad`` clears gradients first (so a replayed step gives the same gradients);
+    ``timeout_ms`` bounds the whole step.
 
     ``commit`` carries the commit of the previous step (sent only once every stage of every
     replica finished it): the stage applies that update first, then runs this step, so a
@@ -409,7 +440,7 @@ class RunStep(Message):
     step: int = Field(ge=0)
     microbatches: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = Field(
         min_length=1, max_length=1 << 16)
-    actions: list[StageAction] = Field(min_length=1, max_length=1 << 20)
+    actions: list[Action] = Field(min_length=1, max_length=1 << 20)
     zero_grad: bool = True
     timeout_ms: int = Field(default=300_000, ge=1)
     commit: CommitStep | None = None

@@ -294,8 +294,8 @@ class MemoryRegistry(Registry):
         """Call ``listener(revision)`` after every change; returns the unsubscribe function.
 
         The listener runs on the writer's thread under the registry's lock: it must be
-        quick and must not call back into the registry (the server uses it to write one
-        byte to a wake-up pipe).
+        quick and must not call back into the registry (the served registry uses it to
+        queue one re-check of its parked watch polls).
         """
         with self._lock:
             token = next(self._listener_ids)

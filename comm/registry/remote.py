@@ -1,11 +1,12 @@
-"""The client of a :class:`comm.registry.server.RegistryServer`: a :class:`Registry` over ZeroMQ.
+"""The client of a :class:`comm.registry.server.RegistryServer`: a :class:`Registry` over the one RPC layer.
 
-Every call is one request and one reply on a DEALER socket (see
-:mod:`comm.registry.protocol`), bounded by ``request_timeout``. Requests carry an id;
-a reply to a request that already timed out arrives later with the old id and is
-dropped, so it can never be mistaken for the answer to the next request.
+Every call is one request to the host's ``registry`` service through a
+:class:`~comm.rpc.client.RpcClient` (bodies in :mod:`comm.registry.protocol`), bounded by
+``request_timeout``. The envelope carries a request id; a reply to a request that already
+timed out arrives later with the old id and is dropped, so it can never be mistaken for
+the answer to the next request.
 
-A watch is a sequence of long polls on its own socket: "the events under the prefix
+A watch is a sequence of long polls on its own client: "the events under the prefix
 from revision R on, waiting up to T". Each reply says up to which revision it looked,
 so the next poll resumes right after it: nothing is lost or repeated between polls,
 and a poll that failed (server busy, reply lost) is simply asked again.
@@ -17,148 +18,70 @@ every key with it (clients then get :class:`RegistryTimeoutError`).
 
 from __future__ import annotations
 
-import itertools
-import logging
-import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
-import zmq
+from pydantic import BaseModel
 
-from comm.codec import pack
 from comm.errors import ProtocolError, RegistryError, RegistryTimeoutError
 from comm.registry.base import KeyValue, Lease, Registry, Watch, WatchEvent
 from comm.registry.protocol import (
-    BadMessage,
+    SERVICE,
     BoolReply,
     CasRequest,
     DeleteRequest,
-    ErrorReply,
     EventsReply,
     GetReply,
     GetRequest,
     LeaseGrantRequest,
-    LeaseRefreshRequest,
     LeaseReply,
-    LeaseRevokeRequest,
+    LeaseRequest,
     ListReply,
     ListRequest,
-    OkReply,
     PutRequest,
-    Reply,
-    Request,
     RevisionReply,
-    RevisionRequest,
     WatchPollRequest,
-    decode_reply,
 )
-from comm.sockets import make_socket
+from comm.rpc import Empty, RpcClient, RpcError
 
 __all__ = ["DEFAULT_POLL_WAIT", "DEFAULT_REQUEST_TIMEOUT", "RemoteLease", "RemoteRegistry", "RemoteWatch"]
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_TIMEOUT = timedelta(seconds=10)
 DEFAULT_POLL_WAIT = timedelta(seconds=5)
 """The longest single watch poll; a longer ``get`` is several polls, so a dead server shows."""
 
-R = TypeVar("R", bound=Reply)
-
-_POLL_SLICE_MS = 100
+R = TypeVar("R", bound=BaseModel)
 
 
-class _Channel:
-    """One DEALER socket with request ids; thread-safe (one request in flight at a time)."""
+def _call(client: RpcClient, what: str, method: str, request: BaseModel, reply_type: type[R],
+          timeout: timedelta) -> R:
+    """``registry.method(request)`` through ``client``, its errors as the registry's own.
 
-    def __init__(self, address: str, request_timeout: timedelta) -> None:
-        self.address = address
-        self.request_timeout = request_timeout
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._closing = False
-        self._sock: zmq.Socket[bytes] | None = make_socket(zmq.DEALER)
-        self._sock.connect(address)
-
-    def call(
-        self,
-        what: str,
-        make: Callable[[int], Request],
-        expect: type[R],
-        *,
-        extra_wait: timedelta = timedelta(0),
-    ) -> R:
-        """Send ``make(id)`` and wait ``request_timeout + extra_wait`` for its reply.
-
-        Raises:
-            RegistryTimeoutError: no reply in time (naming the server and the request).
-            RegistryError: the server answered with an error (``ProtocolError`` for a
-                rejected request, ``ValueError`` for a bad argument).
-            ProtocolError: the reply was malformed or of the wrong type.
-        """
-        waited = self.request_timeout + extra_wait
-        with self._lock:
-            sock = self._sock
-            if sock is None:
-                raise RegistryError(f"registry client for {self.address} is closed")
-            request_id = next(self._ids)
-            try:
-                sock.send(pack(make(request_id)), zmq.NOBLOCK)
-            except zmq.Again:
-                raise RegistryTimeoutError(
-                    f"registry server at {self.address}: cannot queue {what}: the send queue is full"
-                ) from None
-            deadline = time.monotonic() + waited.total_seconds()
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RegistryTimeoutError(
-                        f"registry server at {self.address} did not answer {what} within "
-                        f"{waited.total_seconds():.1f}s"
-                    )
-                if self._closing:
-                    raise RegistryError(f"registry client for {self.address} was closed during {what}")
-                # Poll in short slices so that close() from another thread is seen promptly.
-                if not sock.poll(min(_POLL_SLICE_MS, max(1, int(left * 1000))), zmq.POLLIN):
-                    continue
-                frames = sock.recv_multipart()
-                if len(frames) != 1:
-                    raise ProtocolError(f"registry reply to {what}: expected 1 frame, got {len(frames)}")
-                try:
-                    reply = decode_reply(frames[0])
-                except BadMessage as exc:
-                    if exc.request_id not in (None, request_id):
-                        continue  # a late, malformed answer to an older request
-                    raise
-                if reply.id != request_id:
-                    logger.debug("dropping a late reply (id %s) while waiting for %d", reply.id, request_id)
-                    continue
-                if isinstance(reply, ErrorReply):
-                    raise _error_from(reply, what, self.address)
-                if not isinstance(reply, expect):
-                    raise ProtocolError(
-                        f"registry reply to {what}: expected {expect.__name__}, got {type(reply).__name__}"
-                    )
-                return reply
-
-    def close(self) -> None:
-        self._closing = True  # a call in flight on another thread gives up within a poll slice
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-
-
-def _error_from(reply: ErrorReply, what: str, address: str) -> Exception:
-    message = f"registry server at {address} refused {what}: {reply.message}"
-    if reply.kind == "protocol":
-        return ProtocolError(message)
-    if reply.kind == "value":
-        return ValueError(message)
-    return RegistryError(message)
+    Raises:
+        RegistryTimeoutError: no reply within ``timeout`` (naming the server and ``what``).
+        ProtocolError: the server rejected the request as malformed, or its reply was.
+        ValueError: the server rejected an argument.
+        RegistryError: any other refusal (an expired lease, a compacted revision, a closed
+            client, an address that serves no registry).
+    """
+    try:
+        body, _ = client.call(SERVICE, method, request, reply_type, timeout=timeout)
+    except TimeoutError as exc:
+        raise RegistryTimeoutError(f"registry server at {client.address} did not answer {what} within "
+                                   f"{timeout.total_seconds():.1f}s") from exc
+    except RpcError as exc:
+        if exc.code == "closed":
+            raise RegistryError(f"registry client for {client.address}: {exc.message}") from None
+        message = f"registry server at {client.address} refused {what}: [{exc.code}] {exc.message}"
+        if exc.code == "bad_request":
+            raise ProtocolError(message) from None
+        if exc.code == "value":
+            raise ValueError(message) from None
+        raise RegistryError(message) from None
+    return body
 
 
 class RemoteLease(Lease):
@@ -169,14 +92,12 @@ class RemoteLease(Lease):
         self._registry = registry
 
     def refresh(self) -> None:
-        self._registry._call(
-            f"refresh of lease {self._id}", lambda i: LeaseRefreshRequest(id=i, lease=self._id), OkReply
-        )
+        self._registry._call(f"refresh of lease {self._id}", "lease_refresh", LeaseRequest(lease=self._id),
+                             Empty)
 
     def revoke(self) -> None:
-        self._registry._call(
-            f"revoke of lease {self._id}", lambda i: LeaseRevokeRequest(id=i, lease=self._id), OkReply
-        )
+        self._registry._call(f"revoke of lease {self._id}", "lease_revoke", LeaseRequest(lease=self._id),
+                             Empty)
 
     def __repr__(self) -> str:
         return f"RemoteLease(id={self._id}, ttl={self._ttl.total_seconds()}s)"
@@ -195,8 +116,8 @@ class RemoteRegistry(Registry):
 
     Connecting never blocks (ZeroMQ connects in the background); the first request
     to an absent server raises :class:`RegistryTimeoutError` after ``request_timeout``.
-    Thread-safe: requests from several threads are serialized on one socket; each
-    watch has a socket of its own.
+    Thread-safe: requests from several threads are serialized on one client; each
+    watch has a client of its own.
     """
 
     def __init__(
@@ -211,43 +132,34 @@ class RemoteRegistry(Registry):
         self.address = address
         self.request_timeout = request_timeout
         self.poll_wait = poll_wait
-        self._channel = _Channel(address, request_timeout)
+        self._client = RpcClient(address, timeout=request_timeout)
         self._watches: weakref.WeakSet[RemoteWatch] = weakref.WeakSet()
         self._closed = False
 
-    def _call(self, what: str, make: Callable[[int], Request], expect: type[R]) -> R:
-        return self._channel.call(what, make, expect)
+    def _call(self, what: str, method: str, request: BaseModel, reply_type: type[R]) -> R:
+        return _call(self._client, what, method, request, reply_type, self.request_timeout)
 
     def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
-        lease_id = None if lease is None else lease.id
-        reply = self._call(
-            f"put of {key!r}",
-            lambda i: PutRequest(id=i, key=key, value=value, lease=lease_id),
-            RevisionReply,
-        )
-        return reply.revision
+        request = PutRequest(key=key, value=value, lease=None if lease is None else lease.id)
+        return self._call(f"put of {key!r}", "put", request, RevisionReply).revision
 
     def get(self, key: str) -> KeyValue | None:
-        reply = self._call(f"get of {key!r}", lambda i: GetRequest(id=i, key=key), GetReply)
+        reply = self._call(f"get of {key!r}", "get", GetRequest(key=key), GetReply)
         return None if reply.kv is None else reply.kv.to_key_value()
 
     def delete(self, key: str) -> bool:
-        return self._call(f"delete of {key!r}", lambda i: DeleteRequest(id=i, key=key), BoolReply).value
+        return self._call(f"delete of {key!r}", "delete", DeleteRequest(key=key), BoolReply).value
 
     def list(self, prefix: str) -> list[KeyValue]:
-        reply = self._call(f"list of {prefix!r}", lambda i: ListRequest(id=i, prefix=prefix), ListReply)
+        reply = self._call(f"list of {prefix!r}", "list", ListRequest(prefix=prefix), ListReply)
         return [kv.to_key_value() for kv in reply.items]
 
     def compare_and_set(
         self, key: str, expected: bytes | None, value: bytes, *, lease: Lease | None = None
     ) -> bool:
         lease_id = None if lease is None else lease.id
-        reply = self._call(
-            f"compare-and-set of {key!r}",
-            lambda i: CasRequest(id=i, key=key, expected=expected, value=value, lease=lease_id),
-            BoolReply,
-        )
-        return reply.value
+        request = CasRequest(key=key, expected=expected, value=value, lease=lease_id)
+        return self._call(f"compare-and-set of {key!r}", "cas", request, BoolReply).value
 
     def lease(self, ttl: timedelta) -> RemoteLease:
         """Grant a lease of ``ttl`` (rounded up to whole milliseconds) on the server.
@@ -258,7 +170,7 @@ class RemoteRegistry(Registry):
         ttl_ms = -(-ttl // timedelta(milliseconds=1))  # ceil
         if ttl_ms <= 0:
             raise ValueError(f"a lease needs a positive ttl, got {ttl.total_seconds()}s")
-        reply = self._call("lease grant", lambda i: LeaseGrantRequest(id=i, ttl_ms=ttl_ms), LeaseReply)
+        reply = self._call("lease grant", "lease_grant", LeaseGrantRequest(ttl_ms=ttl_ms), LeaseReply)
         return RemoteLease(self, reply.lease, timedelta(milliseconds=reply.ttl_ms))
 
     def watch(self, prefix: str, *, start_revision: int | None = None) -> RemoteWatch:
@@ -284,7 +196,7 @@ class RemoteRegistry(Registry):
         return watch
 
     def revision(self) -> int:
-        return self._call("revision", lambda i: RevisionRequest(id=i), RevisionReply).revision
+        return self._call("revision", "revision", Empty(), RevisionReply).revision
 
     def close(self) -> None:
         if self._closed:
@@ -292,17 +204,18 @@ class RemoteRegistry(Registry):
         self._closed = True
         for watch in list(self._watches):
             watch.cancel()
-        self._channel.close()
+        self._client.close()
 
 
 class RemoteWatch(Watch):
-    """A watch served by long polls on a socket of its own (see the module docstring)."""
+    """A watch served by long polls on a client of its own (see the module docstring)."""
 
     def __init__(self, registry: RemoteRegistry, prefix: str, start_revision: int) -> None:
         self._prefix = prefix
         self._next = start_revision
         self._poll_wait = registry.poll_wait
-        self._channel = _Channel(registry.address, registry.request_timeout)
+        self._request_timeout = registry.request_timeout
+        self._client = RpcClient(registry.address, timeout=registry.request_timeout)
         self._buffer: deque[WatchEvent] = deque()
         self._cancelled = False
 
@@ -329,12 +242,10 @@ class RemoteWatch(Watch):
 
     def _poll(self, wait: timedelta) -> None:
         wait_ms = int(wait.total_seconds() * 1000)
-        reply = self._channel.call(
-            f"watch poll of {self._prefix!r} from revision {self._next}",
-            lambda i: WatchPollRequest(id=i, prefix=self._prefix, from_revision=self._next, wait_ms=wait_ms),
-            EventsReply,
-            extra_wait=timedelta(milliseconds=wait_ms),
-        )
+        request = WatchPollRequest(prefix=self._prefix, from_revision=self._next, wait_ms=wait_ms)
+        what = f"watch poll of {self._prefix!r} from revision {self._next}"
+        reply = _call(self._client, what, "watch_poll", request, EventsReply,
+                      self._request_timeout + timedelta(milliseconds=wait_ms))
         self._buffer.extend(e.to_event() for e in reply.events)
         self._next = max(self._next, reply.revision + 1)
 
@@ -343,4 +254,4 @@ class RemoteWatch(Watch):
             return
         self._cancelled = True
         self._buffer.clear()
-        self._channel.close()
+        self._client.close()

@@ -1,1 +1,49 @@
-"""The one request/reply layer: envelopes, tensor framing, a service host and its clients."""
+"""The one request/reply layer: envelopes, tensor framing, a service host, its clients and a mailbox."""
+
+from comm.rpc.client import RpcClient
+from comm.rpc.envelope import Empty, ErrorBody, Name, ReplyEnvelope, RequestEnvelope, TensorSpec
+from comm.rpc.framing import (
+    NamedTensors,
+    RpcError,
+    decode_tensors,
+    encode_tensors,
+    error_frames,
+    open_reply,
+    read_reply,
+    reply_frames,
+    request_frames,
+)
+from comm.rpc.host import Authorizer, Call, Handler, OnTimeout, Peer, ServiceBase, ServiceHost, allow_all
+from comm.rpc.mailbox import Mailbox
+from comm.rpc.pipeline import PipelinedCall, PipelinedConnection, run_calls
+
+__all__ = [
+    "Authorizer",
+    "Call",
+    "Empty",
+    "ErrorBody",
+    "Handler",
+    "Mailbox",
+    "Name",
+    "NamedTensors",
+    "OnTimeout",
+    "Peer",
+    "PipelinedCall",
+    "PipelinedConnection",
+    "ReplyEnvelope",
+    "RequestEnvelope",
+    "RpcClient",
+    "RpcError",
+    "ServiceBase",
+    "ServiceHost",
+    "TensorSpec",
+    "allow_all",
+    "decode_tensors",
+    "encode_tensors",
+    "error_frames",
+    "open_reply",
+    "read_reply",
+    "reply_frames",
+    "request_frames",
+    "run_calls",
+]

@@ -49,6 +49,12 @@ class TensorSpec(Message):
 
 
 class RequestEnvelope(Message):
+    """Frame 0 of a request: which method of which service, its body, and the tensors that follow.
+
+    ``id`` is the sender's (from 1 up); the reply echoes it, so a late reply to a request
+    the sender gave up on is never taken for the answer to the next one.
+    """
+
     id: int = Field(ge=0)
     service: Name
     method: Name
@@ -57,11 +63,19 @@ class RequestEnvelope(Message):
 
 
 class ErrorBody(Message):
+    """Why a request failed: ``code`` for programs (see :class:`~comm.rpc.framing.RpcError`),
+    ``message`` for people (it names what was wrong and, where there is one, the fix)."""
+
     code: str
     message: str
 
 
 class ReplyEnvelope(Message):
+    """Frame 0 of a reply: ``body`` when ``ok``, else ``error``.
+
+    ``id`` echoes the request's; it is 0 when the request was too malformed to read one.
+    """
+
     id: int = Field(ge=0)
     ok: bool
     body: dict[str, Any] | None = None

@@ -1,11 +1,11 @@
 """Pipelined RPC: many requests in flight to many service hosts, replies handled as they arrive.
 
-:class:`~comm.rpc.service.RpcClient` has one call in flight at a time. A parameter-service
+:class:`~comm.rpc.client.RpcClient` has one call in flight at a time. A parameter-service
 client wants the opposite: send every part of a push or pull to every shard first, then
 take the replies in whatever order they come, copying each one's tensors while ZeroMQ's
 I/O threads are still moving the next ones. :func:`run_calls` does that with one DEALER
 socket per host (:class:`PipelinedConnection`) and one poller, on the calling thread. It
-speaks exactly the envelopes of :mod:`comm.rpc.service` (same host, same validation).
+speaks the one framing of :mod:`comm.rpc.framing` (same host, same validation).
 
 Retries: when the deadline passes with calls unanswered, those are sent again (same
 bodies, new request ids; a late reply under an old id still counts) up to ``retries``
@@ -31,7 +31,7 @@ import torch
 import zmq
 from pydantic import BaseModel
 
-from comm.rpc.service import decode_tensors, read_reply, reply_error, request_frames
+from comm.rpc.framing import open_reply, read_reply, request_frames
 from comm.sockets import make_socket
 
 __all__ = ["PipelinedCall", "PipelinedConnection", "run_calls"]
@@ -42,7 +42,7 @@ OnReply = Callable[[int, Any, dict[str, torch.Tensor]], None]
 
 
 class PipelinedConnection:
-    """One DEALER connection to one :class:`~comm.rpc.service.ServiceHost`; many requests in flight.
+    """One DEALER connection to one :class:`~comm.rpc.host.ServiceHost`; many requests in flight.
 
     Use from one thread at a time.
     """
@@ -161,11 +161,9 @@ def _handle(frames: list[zmq.Frame], conn: PipelinedConnection, pending: dict[tu
         return None  # a late duplicate of a call already answered
     call = calls[index]
     call.done = True
-    if not reply.ok:
-        return reply_error(reply, call.service, call.method)
     try:
-        body = call.reply_type.model_validate(reply.body or {})
-        on_reply(index, body, decode_tensors(reply.tensors, frames[1:]))
+        body, tensors = open_reply(reply, frames[1:], call.reply_type, call.service, call.method)
+        on_reply(index, body, tensors)
     except Exception as exc:
         return exc
     return None

@@ -16,8 +16,6 @@ Building the parser imports no torch (the config module is pydantic only), so ``
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 import types
 from collections.abc import Sequence
@@ -29,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ALIASES", "main"]
 
-LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
 SETTING = "setting:"  # the argparse dest prefix of a generated config flag
 # short flag -> the config key it sets (the flags of the command line before the config had sections)
 ALIASES: dict[str, str] = {
@@ -89,14 +86,17 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                         help="set any config key, also inside a mapping: --set model.kwargs.width=64")
 
 
-def _add_training_options(parser: argparse.ArgumentParser) -> None:
+def _add_training_options(parser: argparse.ArgumentParser, *, metrics_port: bool = True) -> None:
+    from coordinator.commands.output import add_output_arguments
+
     _add_config_flags(parser)
     parser.add_argument("--output", "-o", type=Path, metavar="PATH",
-                        help="where to write the final state_dict (default out/<job name>.pt)")
+                        help="also write the final state_dict here (the run directory's model.pt has it too)")
     parser.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
                         help="a progress bar, log lines, or a bar only on a terminal (default)")
     parser.add_argument("--log-every", type=_positive, metavar="S", help="steps between log lines")
     parser.add_argument("--traceback", action="store_true", help="print the traceback of an error too")
+    add_output_arguments(parser, metrics_port=metrics_port)
 
 
 def _version() -> str:
@@ -139,7 +139,7 @@ def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Wait until the job's workers registered in the registry, plan, train, write the final "
                     "state_dict, then serve until stopped; see docs/kubernetes.md.")
     coord.add_argument("job", metavar="JOB", help="a job spec (.yaml/.yml/.json) or job module (.py)")
-    _add_training_options(coord)
+    _add_training_options(coord, metrics_port=False)  # it has its own, with the probes
     coord.add_argument("--registry", required=True, help="where the workers register: etcd://host:port "
                                                          "(or tcp://host:port for a served registry)")
     coord.add_argument("--host", default=None,
@@ -198,10 +198,12 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_options(args: argparse.Namespace, job: str, settings: dict[str, Any]) -> RunOptions:
+    from coordinator.commands.output import output_options
     from coordinator.commands.run import RunOptions
 
     bar = {"auto": None, "bar": True, "lines": False}[args.progress]
-    return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every)
+    return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every,
+                      outputs=output_options(args))
 
 
 def _train(args: argparse.Namespace, settings: dict[str, Any]) -> int:
@@ -224,12 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.host.worker import main as worker_main
 
         return worker_main(argv[1:])
-    logging.basicConfig(
-        level=os.environ.get(LOG_LEVEL_ENV, "WARNING").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from comm.logs import configure_logging, terminal_level
+
     parser = _parser()
     args = parser.parse_args(argv)
+    try:  # the terminal shows warnings and progress unless CELLMESH_LOG_LEVEL asks for more
+        configure_logging(fmt=getattr(args, "log_format", None), level=terminal_level())
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command == "demo" and args.comm:
         from coordinator.commands.demo import run_demo
 

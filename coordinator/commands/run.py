@@ -4,14 +4,18 @@
 and is what ``cellmesh demo`` calls too:
 
 1. load the job (``coordinator/commands/jobspec.py``: a spec file or a job module), check its
-   optimizer builds and the output path is writable;
-2. plan it (profile on a sample microbatch, ask the planner) and print the plan's table;
+   optimizer builds and the output path is writable, create the run directory
+   (``coordinator/commands/rundir.py``) and print where it is;
+2. plan it (profile on a sample microbatch, ask the planner), print the plan's table and
+   write it to ``plan.json``/``plan.txt``;
 3. start the local harness (``Resources.local``: an embedded registry and one worker
-   process per resource worker) and place the plan's services;
-4. train, showing each finished step (``coordinator/commands/progress.py``);
-5. write the final parameters with ``torch.save`` as a plain ``{name: tensor}`` dict that
-   loads into the job's model with ``strict=True`` (``torch.load(path, weights_only=True)``),
-   and print the loss at the start and the end, the throughput and the output path.
+   process per resource worker, each logging to ``workers/NAME.log``) and place the plan's services;
+4. train, showing each finished step (``coordinator/commands/progress.py``) and recording it
+   (``coordinator/commands/recorder.py``: run record, metrics, trace, TensorBoard);
+5. write the final parameters with ``torch.save`` as a plain ``{name: tensor}`` dict to
+   ``model.pt`` (and a copy to ``--output``) that loads into the job's model with ``strict=True``
+   (``torch.load(path, weights_only=True)``), and print the loss at the start and the end, the
+   throughput and where the run directory is.
 
 Errors a user can fix (:data:`USER_ERRORS`: a bad job file, a factory that does not
 import, a plan that does not fit, a worker that failed) are raised to the caller, whose
@@ -21,6 +25,7 @@ traceback and exits non-zero (:func:`exit_code`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -38,7 +43,10 @@ import torch
 from torch import nn
 
 from coordinator.commands.jobspec import JobSpecError, LoadedJob, load_job
+from coordinator.commands.output import OutputOptions
 from coordinator.commands.progress import make_progress
+from coordinator.commands.recorder import RunRecorder
+from coordinator.commands.rundir import RunDir
 from coordinator.planning.planner import PlanningError
 from coordinator.planning.profile import format_bytes
 from coordinator.runtime.cluster import WorkerPool
@@ -46,11 +54,10 @@ from coordinator.runtime.driver import JobFailed, StepRecord
 from coordinator.runtime.job import FitResult, StepCallback
 from services.compute.stage import make_optimizer
 
-__all__ = ["DEFAULT_OUTPUT_DIR", "REPORTED", "USER_ERRORS", "RunOptions", "RunResult", "Terminated",
+__all__ = ["REPORTED", "USER_ERRORS", "RunOptions", "RunResult", "Terminated",
            "check_writable", "demo_job_path", "describe_error", "exit_code", "report", "run_demo_job",
            "run_job", "save_state_dict", "summary", "train", "use_termination_as_exception"]
 
-DEFAULT_OUTPUT_DIR = Path("out")
 USER_ERRORS: tuple[type[BaseException], ...] = (JobSpecError, PlanningError, JobFailed, ValueError,
                                                 TimeoutError)
 
@@ -77,9 +84,10 @@ class RunOptions:
     Attributes:
         job: A job module (``.py``) or a job spec (``.yaml``/``.yml``/``.json``).
         settings: Config fields over the job's own, by dotted key (``{"plan.num_stages": 2}``).
-        output: Where to write the state_dict; ``out/{job name}.pt`` by default.
+        output: Where to write a copy of the state_dict (the run directory's ``model.pt`` is always written).
         bar: A progress bar (True), log lines (False), or a bar only on a terminal (None).
         log_every: Steps between log lines (about 20 lines per run by default).
+        outputs: The run directory, log format, metrics port and TensorBoard directory.
     """
 
     job: str
@@ -87,15 +95,17 @@ class RunOptions:
     output: Path | None = None
     bar: bool | None = None
     log_every: int | None = None
+    outputs: OutputOptions = field(default_factory=OutputOptions)
 
 
 @dataclass
 class RunResult:
-    """What a run did: the job, the fit, where the state_dict went, and how fast it trained."""
+    """What a run did: the job, the fit, its run directory, the state_dict's copy, and how fast it trained."""
 
     loaded: LoadedJob
     fit: FitResult
-    output: Path
+    run_dir: RunDir
+    output: Path | None  # the copy --output asked for
     seconds: float  # from the first step's start to the last one's end
     samples_per_s: float  # after the first step, which warms up
     overall_samples_per_s: float  # including the first step
@@ -115,7 +125,8 @@ def run_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
 
 
 def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
-          pool: WorkerPool | None = None, on_step: StepCallback | None = None) -> RunResult:
+          pool: WorkerPool | None = None, on_step: StepCallback | None = None,
+          recorder: RunRecorder | None = None) -> RunResult:
     """:func:`run_job` after loading: plan, train on ``pool`` (default: local workers), save.
 
     Args:
@@ -123,17 +134,38 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
             None starts ``Resources.local`` worker processes and stops them at the end.
         on_step: Called with each finished step's record (its update is applied when the next step
             starts, or by the final commit), after the progress display.
+        recorder: The run's recorder, entered by the caller (the cluster coordinator's); None:
+            one on a new run directory (``options.outputs``), for the length of this call.
     """
     out = out or sys.stdout
-    job, config = loaded.job, loaded.job.config
+    job = loaded.job
     make_optimizer(job.optimizer, [nn.Parameter(torch.zeros(1))])  # refuses bad arguments now, not in a step
-    output = options.output or DEFAULT_OUTPUT_DIR / f"{loaded.name}.pt"
-    check_writable(output)
+    if options.output is not None:
+        check_writable(options.output)
     sampler = job.sampler()
     say = functools.partial(print, file=out, flush=True)
-    say(f"cellmesh run: {loaded.source}")
-    say(f"  model {config.model.factory}, data {config.data.factory} ({sampler.num_samples} samples, "
-        f"{sampler.steps_per_epoch} steps per epoch), loss {config.loss.factory}")
+    with contextlib.ExitStack() as stack:
+        if recorder is None:
+            run_dir = RunDir.create(loaded.name, options.outputs.run_dir)
+            recorder = stack.enter_context(RunRecorder(run_dir, options.outputs, job=loaded.name,
+                                                       steps=loaded.steps))
+        say(f"cellmesh run: {loaded.source}\n  run directory {recorder.run_dir.path}")
+        if recorder.metrics_url is not None:
+            say(f"  metrics at {recorder.metrics_url}/metrics")
+        result = _train(loaded, options, say, out, pool, on_step, recorder, sampler.num_samples,
+                        sampler.steps_per_epoch)
+        recorder.update(phase="done")
+    say(summary(result))
+    return result
+
+
+def _train(loaded: LoadedJob, options: RunOptions, say: functools.partial[None], out: TextIO,
+           pool: WorkerPool | None, on_step: StepCallback | None, recorder: RunRecorder,
+           num_samples: int, steps_per_epoch: int) -> RunResult:
+    """:func:`train` inside its recorder: describe, plan, train, save."""
+    job, config = loaded.job, loaded.job.config
+    say(f"  model {config.model.factory}, data {config.data.factory} ({num_samples} samples, "
+        f"{steps_per_epoch} steps per epoch), loss {config.loss.factory}")
     kwargs = ", ".join(f"{k}={v}" for k, v in job.optimizer.kwargs.items())
     where = "local workers" if pool is None else f"workers of {pool.registry_url}"
     say(f"  optimizer {job.optimizer.name}({kwargs}), global batch {config.data.global_batch}, "
@@ -142,16 +174,21 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
     plan = job.plan()
     say(f"planned in {time.monotonic() - started:.1f}s (profiled on a sample microbatch):\n")
     say(str(plan) + "\n")
+    recorder.write_plan(plan)
     say(f"starting {job.resources.num_workers} worker processes..." if pool is None
         else f"placing services on {', '.join(pool.names)}...")
     started = time.monotonic()
+    if pool is None:
+        job.log_dir = recorder.run_dir.workers
     with job if pool is None else job.attach(pool):
         say(f"workers up and services placed in {time.monotonic() - started:.1f}s; training "
             f"{loaded.steps} steps")
+        recorder.update(phase="training", workers=[w.name for w in job.resources.workers])
         progress = make_progress(loaded.steps, out, bar=options.bar, every=options.log_every)
 
         def step_done(record: StepRecord) -> None:
             progress.update(record)
+            recorder.on_step(record)
             if on_step is not None:
                 on_step(record)
 
@@ -159,15 +196,16 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
             fit = job.fit(loaded.steps, callback=step_done)
         finally:
             progress.close()
-    save_state_dict(fit.state_dict, output)
+    save_state_dict(fit.state_dict, recorder.run_dir.model)
+    if options.output is not None:
+        save_state_dict(fit.state_dict, options.output)
     speed = progress.throughput
-    result = RunResult(loaded, fit, output, speed.elapsed, speed.steady, speed.overall)
-    say(summary(result))
-    return result
+    return RunResult(loaded, fit, recorder.run_dir, options.output, speed.elapsed, speed.steady,
+                     speed.overall)
 
 
 def summary(result: RunResult) -> str:
-    """The closing lines: loss at the start and the end, throughput, where the state_dict is."""
+    """The closing lines: loss at the start and the end, throughput, where the run's files are."""
     losses, state = result.fit.losses, result.fit.state_dict
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     lines = []
@@ -179,8 +217,12 @@ def summary(result: RunResult) -> str:
                      f"(mean of the last {len(tail)}: {sum(tail) / len(tail):.4f})")
     else:
         lines.append("done: 0 steps; the state_dict holds the initial parameters")
-    lines.append(f"state_dict ({len(state)} tensors, {format_bytes(nbytes)}) written to {result.output}")
+    copy = f" and {result.output}" if result.output is not None else ""
+    lines.append(f"state_dict ({len(state)} tensors, {format_bytes(nbytes)}) written to "
+                 f"{result.run_dir.model}{copy}")
     lines.append("  (load it with model.load_state_dict(torch.load(path, weights_only=True)))")
+    lines.append(f"run directory {result.run_dir.path}: plan, logs (coordinator.log, workers/), trace.json, "
+                 "run.json")
     return "\n".join(lines)
 
 

@@ -23,8 +23,9 @@ keys to change. :func:`parse_config` turns a pydantic error into one line per ba
 flags (``--plan.num-stages``), the ``--set key=value`` keys, ``Job``'s keyword fields
 (:data:`FLAT_KEYS`) and the planner's request are all derived from these models.
 
-This module imports pydantic and the standard library only (and ``schedules``, which
-imports neither torch nor numpy), so the command line builds its parser without torch.
+This module imports pydantic, PyYAML and the standard library only, so the command line
+builds its parser without torch. (The schedule names are ``schedules.SCHEDULES``, whose
+action types import torch: the validator looks them up when a schedule is given.)
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
-
-from coordinator.planning.schedules import SCHEDULES
 
 __all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "FactoryKwargs",
            "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig", "OptimizerConfig", "PlanConfig",
@@ -113,8 +112,7 @@ class PlanConfig(_Section):
     mode: Mode | None = Field(default=None, description="fix the gradient path between replicas")
     num_microbatches: Positive | None = Field(default=None,
                                               description="fix the microbatches per replica per step")
-    schedule: str | None = Field(default=None,
-                                 description=f"fix the pipeline schedule ({', '.join(SCHEDULES)})")
+    schedule: str | None = Field(default=None, description="fix the pipeline schedule, by its name")
     balance: list[Positive] | None = Field(default=None, min_length=1,
                                            description="fix the cells per stage, e.g. [2, 3]")
     cutter: str = Field(default="minmax", description="the registered cutter that places stage boundaries")
@@ -124,6 +122,8 @@ class PlanConfig(_Section):
     @field_validator("schedule")
     @classmethod
     def _known_schedule(cls, value: str | None) -> str | None:
+        from coordinator.planning.schedules import SCHEDULES  # torch, through the action types
+
         if value is not None and value not in SCHEDULES:
             raise ValueError(f"unknown schedule {value!r}; use one of {tuple(SCHEDULES)}")
         return value
@@ -163,7 +163,12 @@ class CheckpointConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    """Logs, metrics and tensorboard: fields only, validated; what they do is built elsewhere (not yet)."""
+    """Logs, metrics and tensorboard: fields only, validated; not acted on yet.
+
+    Today ``CELLMESH_LOG_LEVEL`` and the run's own flags (``coordinator/commands/output.py``:
+    ``--log-format``, ``--run-dir``, ``--metrics-port``, ``--tensorboard``) set these things;
+    the fields are meant to replace them (one declaration).
+    """
 
     level: LogLevel = Field(default="WARNING", description="the coordinator's log level")
     format: Literal["human", "json"] = Field(default="human",

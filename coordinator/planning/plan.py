@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from coordinator.planning.config import Mode
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.profile import format_bytes
-from coordinator.planning.schedules import Action, Schedule, build_schedule
+from coordinator.planning.schedules import Schedule, build_schedule
 
 __all__ = ["Plan", "StagePlan"]
 
@@ -136,12 +136,8 @@ class Plan(BaseModel):
         raise KeyError(f"worker {worker!r} has no role in this plan")
 
     def schedule(self) -> Schedule:
-        """Every stage's action list (the same for every replica)."""
+        """Every stage's action list (the same for every replica), validated; what ``RunStep`` carries."""
         return build_schedule(self.schedule_name, self.num_stages, self.num_microbatches)
-
-    def actions(self, stage: int) -> tuple[Action, ...]:
-        """Stage ``stage``'s ordered action list."""
-        return self.schedule().actions[stage]
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=1)

@@ -8,11 +8,14 @@ The model (the same one the cutter optimises, see [Note: transfer cost] in
 - FORWARD and BACKWARD take the stage's per-microbatch compute time;
 - a SEND keeps the sender busy for the transfer time of what crosses the cut; the
   tensors are available to the receiver when the send ends (eager sends, see
-  [Note: send semantics] in ``coordinator/planning/schedules.py``);
+  [Note: send semantics] in ``services/compute/actions.py``);
 - a RECV waits (idle) until the matching send has ended, then keeps the receiver busy for
   the same transfer time;
 - a microbatch's activations are held from the start of its forward to the end of its
   backward.
+
+A :class:`~coordinator.planning.schedules.Schedule` is valid by construction, deadlock
+freedom included, so every action gets played.
 
 Everything a stage spends waiting is idle; the bubble fraction is total idle time over
 ``num_stages * step_time``. For equal stages and free transfers it is ``(p-1)/(m+p-1)``
@@ -24,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.planning.schedules import Action, ActionKind, Schedule, ScheduleError
+from coordinator.planning.schedules import Schedule
+from services.protocol import Action, ActionKind
 
 __all__ = ["SimResult", "StageCosts", "TimedAction", "draw_timeline", "simulate"]
 
@@ -125,20 +129,21 @@ class SimResult:
 
 
 def _duration(a: Action, costs: StageCosts) -> float:
-    if a.kind is ActionKind.FORWARD:
+    if a.kind == "F":
         return costs.forward_s[a.stage]
-    if a.kind is ActionKind.BACKWARD:
+    if a.kind == "B":
         return costs.backward_s[a.stage]
     assert a.peer is not None
     cut = min(a.stage, a.peer)
-    return costs.gradient_transfer_s[cut] if a.carries_gradient else costs.activation_transfer_s[cut]
+    gradient = a.kind in ("SEND_B", "RECV_B")
+    return costs.gradient_transfer_s[cut] if gradient else costs.activation_transfer_s[cut]
 
 
 def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     """Plays ``schedule`` against ``costs`` (see the module docstring for the model).
 
     Args:
-        schedule: A valid schedule (see :func:`coordinator.planning.schedules.validate_schedule`).
+        schedule: The schedule (valid, so free of deadlocks).
         costs: Times of as many stages as the schedule has.
 
     Returns:
@@ -146,7 +151,6 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
 
     Raises:
         ValueError: If the stage counts differ.
-        ScheduleError: If the action lists deadlock.
     """
     p = schedule.num_stages
     if costs.num_stages != p:
@@ -164,29 +168,26 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
             while pos[s] < len(acts):
                 a = acts[pos[s]]
                 start = clock[s]
-                if a.kind is ActionKind.RECV:
+                if a.kind in ("RECV_F", "RECV_B"):
                     assert a.peer is not None
                     key = (a.peer, s, a.microbatch)
                     if key not in arrival:
                         break
                     start = max(start, arrival[key])
                 end = start + _duration(a, costs)
-                if a.kind is ActionKind.SEND:
+                if a.kind in ("SEND_F", "SEND_B"):
                     assert a.peer is not None
                     arrival[(s, a.peer, a.microbatch)] = end
-                elif a.kind is ActionKind.FORWARD:
+                elif a.kind == "F":
                     held[s].append((start, held[s][-1][1] + 1))
-                elif a.kind is ActionKind.BACKWARD:
+                elif a.kind == "B":
                     held[s].append((end, held[s][-1][1] - 1))
                 played[s].append(TimedAction(a, start, end))
                 busy[s] += end - start
                 clock[s] = end
                 pos[s] += 1
                 progress = True
-    stuck = [f"stage {s} waits at {acts[pos[s]]}"
-             for s, acts in enumerate(schedule.actions) if pos[s] < len(acts)]
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(stuck))
+    assert pos == [len(acts) for acts in schedule.actions], "a Schedule is free of deadlocks by construction"
     step = max(clock)
     idle = tuple(step - b for b in busy)
     peaks = tuple(max(n for _, n in h) for h in held)
@@ -204,8 +205,8 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     )
 
 
-_COLOURS = {ActionKind.FORWARD: "#4e79a7", ActionKind.BACKWARD: "#59a14f",
-            ActionKind.SEND: "#bab0ac", ActionKind.RECV: "#d7d2cb"}
+_COLOURS: dict[ActionKind, str] = {"F": "#4e79a7", "B": "#59a14f", "SEND_F": "#bab0ac", "SEND_B": "#bab0ac",
+                                   "RECV_F": "#d7d2cb", "RECV_B": "#d7d2cb"}
 
 
 def _escape(text: str) -> str:
@@ -243,7 +244,7 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str = "", width
         out.append(f'<line x1="{left}" y1="{y + row_h}" x2="{width - 20}" y2="{y + row_h}" stroke="#ddd"/>')
         for t in played:
             x, w = left + t.start * scale, max((t.end - t.start) * scale, 0.5)
-            compute = t.action.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)
+            compute = t.action.kind in ("F", "B")
             h, dy = (row_h, 0) if compute else (row_h / 3, row_h * 2 / 3)
             out.append(f'<rect x="{x:.2f}" y="{y + dy:.2f}" width="{w:.2f}" height="{h:.2f}" '
                        f'fill="{_COLOURS[t.action.kind]}" stroke="white" stroke-width="0.5">'
@@ -251,7 +252,7 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str = "", width
                        '</title></rect>')
             if compute and w > 14:
                 out.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + 4}" text-anchor="middle" '
-                           f'fill="white">{t.action.kind.value}{t.action.microbatch}</text>')
+                           f'fill="white">{t.action.kind}{t.action.microbatch}</text>')
     axis_y = top + rows * (row_h + gap) + 15
     out.append(f'<text x="{left}" y="{axis_y}">0 ms</text>')
     out.append(f'<text x="{width - 20}" y="{axis_y}" text-anchor="end">'

@@ -26,7 +26,7 @@ from comm.codec import unpack
 from comm.errors import ProtocolError
 from comm.registry import connect_registry
 from comm.registry.base import Registry
-from comm.rpc.service import RpcClient
+from comm.rpc import RpcClient
 from coordinator.planning.resources import CLUSTER_BANDWIDTH_BPS, CLUSTER_LATENCY_S, Resources, Worker
 from services.protocol import Empty, Release, WorkerCard
 

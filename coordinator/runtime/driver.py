@@ -40,6 +40,7 @@ from coordinator.planning.plan import Plan
 from coordinator.runtime.loop import EventLoop, Reply, WorkerLost
 from services.params.client import ShardRef, setup_shards
 from services.protocol import (
+    Action,
     Assignment,
     AssignmentReply,
     BoundarySpec,
@@ -53,7 +54,6 @@ from services.protocol import (
     Release,
     RunStep,
     ShardAddress,
-    StageAction,
     StepReply,
     TensorsReply,
     WorkerStatus,
@@ -97,7 +97,10 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class ActionEvent:
-    """One timed action or phase of one stage: ``F3``, ``SA3->1``, ``all_reduce``, ``optimizer``..."""
+    """One timed action or phase of one stage: ``0F3``, ``0SEND_F3``, ``all_reduce``, ``optimizer``...
+
+    ``action`` is the action itself (None for a phase); ``name`` its printed form or the phase's name.
+    """
 
     worker: str
     replica: int
@@ -105,6 +108,7 @@ class ActionEvent:
     name: str
     start: float
     end: float
+    action: Action | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class StepRecord:
     end: float
     coordinator_s: float  # time the coordinator itself spent (not waiting for replies)
     replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
-    labels: list[list[str]] = field(default_factory=list, repr=False)  # labels[stage][k]: action k's name
+    actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k
     _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -144,9 +148,9 @@ class StepRecord:
         if self._events is None:
             events: list[ActionEvent] = []
             for sv, body in self.replies:
-                events += [ActionEvent(sv.worker, sv.replica, sv.stage, label, start, end)
-                           for label, start, end in zip(self.labels[sv.stage], body.starts, body.ends,
-                                                        strict=True)]
+                events += [ActionEvent(sv.worker, sv.replica, sv.stage, str(a), start, end, a)
+                           for a, start, end in zip(self.actions[sv.stage], body.starts, body.ends,
+                                                    strict=True)]
                 events += [ActionEvent(sv.worker, sv.replica, sv.stage, p.name, p.start, p.end)
                            for p in body.phases]
             self._events = events
@@ -197,10 +201,7 @@ class Runtime:
         self._uncommitted = False  # the last step run awaits its commit
         self._first_request = True
         self._shards: list[_Service] = []
-        schedule = plan.schedule()
-        self._actions = [[StageAction(kind=a.stage_kind, microbatch=a.microbatch, peer=a.peer)  # type: ignore[arg-type]
-                          for a in acts] for acts in schedule.actions]
-        self._labels = [[str(a) for a in acts] for acts in self._actions]
+        self._actions = plan.schedule().actions  # per stage, validated, as RunStep carries them
         # each stage's action list as RunStep dumps it, built once: a step's request reuses it
         self._dumped_actions = [[a.model_dump(mode="python") for a in acts] for acts in self._actions]
         self.services = [_Service(plan.placement[r][s], f"{spec.run}/compute-r{r}-s{s}", r, s)
@@ -287,7 +288,7 @@ class Runtime:
         commit = (CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
                   if self._uncommitted else None)
         if self._first_request:  # the request's shape, checked once by building one
-            RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], actions=self._actions[0],
+            RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], actions=list(self._actions[0]),
                     timeout_ms=timeout_ms, commit=commit)
             self._first_request = False
         commit_body = commit.model_dump(mode="python") if commit is not None else None
@@ -313,7 +314,7 @@ class Runtime:
         end = time.time()
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
-                          replies=bodies, labels=self._labels)
+                          replies=bodies, actions=self._actions)
 
     def commit(self) -> None:
         """Commit the last step run, if its commit has not gone out with a later step.

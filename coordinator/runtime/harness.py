@@ -5,6 +5,14 @@
 once per resource worker (named as the resources name them, so a plan's placement names
 the processes), and waits, bounded, until every worker's card is in the registry.
 
+Each worker's stdout and stderr go to ``{log_dir}/{name}.log`` (appended; the harness opens
+the file and hands it to the child), never to the user's terminal. The workers log at
+``CELLMESH_LOG_LEVEL`` (default INFO) in the format this process's logging was configured
+with (``comm/logs.py``). Without a ``log_dir`` the files go to a temporary directory that
+:meth:`LocalHarness.close` removes when every worker exited cleanly and keeps (and names
+in a warning) when one did not; a worker that exits before registering is reported with
+the end of its log.
+
 Teardown (:meth:`LocalHarness.close`, also on errors inside ``with``, at interpreter exit
 and from a test's fixture) asks every worker to drain (SIGTERM), waits ``grace``, then
 kills what is left (SIGKILL) and reaps it, then stops the registry: every process the
@@ -17,16 +25,20 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from types import TracebackType
 
 from comm.codec import unpack
+from comm.logs import LOG_FORMAT_ENV, current_format
 from comm.registry import RegistryServer
 from comm.registry.base import Registry
 from services.host.worker import worker_key
@@ -38,7 +50,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
 DEFAULT_START_TIMEOUT = timedelta(seconds=90)
-WORKER_LOG_LEVEL_ENV = "CELLMESH_WORKER_LOG_LEVEL"  # the workers' log level (default WARNING)
+LOG_TAIL_LINES = 20  # of a worker's log, in the error when it exits before registering
 
 _live: weakref.WeakSet[LocalHarness] = weakref.WeakSet()
 
@@ -57,12 +69,14 @@ class LocalHarness:
         env: Extra environment variables for the workers.
         start_timeout: Bounds starting every worker until its card is registered.
         grace: How long :meth:`close` waits for workers to drain before killing them.
+        log_dir: Where each worker's output goes (``{name}.log``); None: a temporary directory,
+            removed by :meth:`close` unless a worker exited uncleanly.
     """
 
     def __init__(self, names: Sequence[str], *, job: str, lease_ttl: timedelta = DEFAULT_LEASE_TTL,
                  threads: int = 1, python_path: Iterable[str] = (), env: Mapping[str, str] | None = None,
                  start_timeout: timedelta = DEFAULT_START_TIMEOUT,
-                 grace: timedelta = timedelta(seconds=5)) -> None:
+                 grace: timedelta = timedelta(seconds=5), log_dir: Path | None = None) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"worker names must be non-empty and unique, got {list(names)}")
         self.names = list(names)
@@ -73,6 +87,8 @@ class LocalHarness:
         self.env = dict(env or {})
         self.start_timeout = start_timeout
         self.grace = grace
+        self.log_dir = log_dir
+        self._temporary_logs = log_dir is None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.cards: dict[str, WorkerCard] = {}
         self._server: RegistryServer | None = None
@@ -91,30 +107,42 @@ class LocalHarness:
         assert self._server is not None, "start() first"
         return self._server.registry
 
+    def log_path(self, name: str) -> Path:
+        """Worker ``name``'s log file (its stdout and stderr)."""
+        assert self.log_dir is not None, "start() first"
+        return self.log_dir / f"{name}.log"
+
     def start(self) -> LocalHarness:
-        """Serve the registry, start the workers, wait until each registered.
+        """Serve the registry, start the workers (output to their log files), wait until each registered.
 
         Raises:
-            RuntimeError: A worker exited before registering (its exit code is named).
+            RuntimeError: A worker exited before registering (its exit code and the end of its log).
             TimeoutError: Naming the workers not registered within ``start_timeout``.
         """
         _live.add(self)
         try:
             self._server = RegistryServer().start()
-            env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), **self.env)
-            env.setdefault("CELLMESH_LOG_LEVEL", os.environ.get(WORKER_LOG_LEVEL_ENV, "WARNING"))
+            if self.log_dir is None:
+                self.log_dir = Path(tempfile.mkdtemp(prefix=f"cellmesh-{self.job}-"))
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), LOG_FORMAT_ENV: current_format(),
+                   **self.env}
             paths = [*self.python_path, os.getcwd(), env.get("PYTHONPATH", "")]
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
             for name in self.names:
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
-                     "--job", self.job, "--name", name, "--lease-ttl", str(self.lease_ttl.total_seconds())],
-                    env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+                with open(self.log_path(name), "ab") as output:  # the child keeps its own descriptor
+                    self.procs[name] = subprocess.Popen(
+                        [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
+                         "--job", self.job, "--name", name,
+                         "--lease-ttl", str(self.lease_ttl.total_seconds())],
+                        env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                        start_new_session=True)
             self._wait_registered()
         except BaseException:
             self.close()
             raise
-        log.info("[harness %s] %d workers up: %s", self.job, len(self.names), ", ".join(self.names))
+        log.info("[harness %s] %d workers up: %s (logs in %s)", self.job, len(self.names),
+                 ", ".join(self.names), self.log_dir)
         return self
 
     def _wait_registered(self) -> None:
@@ -132,13 +160,20 @@ class LocalHarness:
                 for name in missing:
                     code = self.procs[name].poll()
                     if code is not None:
-                        raise RuntimeError(f"worker {name} exited with code {code} before registering "
-                                           f"(set {WORKER_LOG_LEVEL_ENV}=INFO to see its log)")
+                        raise RuntimeError(f"worker {name} exited with code {code} before registering; "
+                                           f"the end of its log {self.log_path(name)}:\n{self._tail(name)}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"workers {missing} did not register under {prefix} within "
                                        f"{self.start_timeout.total_seconds():.0f}s")
                 watch.get(timedelta(seconds=min(left, 0.5)))
+
+    def _tail(self, name: str) -> str:
+        try:
+            lines = self.log_path(name).read_text(errors="replace").splitlines()
+        except OSError as exc:
+            return f"  (unreadable: {exc.strerror})"
+        return "\n".join("  " + line for line in lines[-LOG_TAIL_LINES:]) or "  (empty)"
 
     def address(self, name: str) -> str:
         """Worker ``name``'s service-host address."""
@@ -178,6 +213,13 @@ class LocalHarness:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._server.shutdown(timeout=timedelta(seconds=5))
+        if self._temporary_logs and self.log_dir is not None:
+            unclean = sorted(n for n, p in self.procs.items() if p.returncode != 0)
+            if unclean:
+                log.warning("[harness %s] workers %s did not exit cleanly; their logs are in %s", self.job,
+                            unclean, self.log_dir)
+            else:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
         _live.discard(self)
 
     def __enter__(self) -> LocalHarness:

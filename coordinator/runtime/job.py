@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -146,6 +147,8 @@ class Job:
         resources: The workers; default ``Resources.local(config.runtime.workers)``. Given, they
             replace the local workers the config describes (a cluster's, a custom description).
         plan: A complete plan to use as is (the config's plan section is then not consulted).
+        log_dir: Where the local workers' output goes (``{worker}.log``); None: a temporary
+            directory, kept only when a worker failed (``coordinator/runtime/harness.py``).
         **fields: The config's fields by their flat names (see the module docstring): ``model``,
             ``data``, ``loss`` as ``"package.module:function"`` or a module-level function,
             ``optimizer`` as a ``torch.optim`` class or its name, ``global_batch``,
@@ -158,7 +161,7 @@ class Job:
     """
 
     def __init__(self, config: JobConfig | None = None, /, *, resources: Resources | None = None,
-                 plan: Plan | None = None, **fields: Any) -> None:
+                 plan: Plan | None = None, log_dir: Path | None = None, **fields: Any) -> None:
         if config is None:
             config = from_flat(_named(fields))
         elif fields:
@@ -170,6 +173,7 @@ class Job:
         self.resources = resources or Resources.local(workers=config.runtime.workers)
         self.name = config.name or f"job-{uuid.uuid4().hex[:8]}"
         self.fixed_plan = plan
+        self.log_dir = log_dir
         self._plan = plan
         self._session: _Session | None = None
         self.steps_done = 0
@@ -292,7 +296,7 @@ class _Session:
             code_dir = [runtime.code_dir] if runtime.code_dir is not None else []
             lease_ttl = timedelta(seconds=runtime.lease_ttl_s)
             pool = self.local = LocalHarness(names, job=job.name, lease_ttl=lease_ttl, threads=threads,
-                                             python_path=code_dir)
+                                             python_path=code_dir, log_dir=job.log_dir)
         self.harness: WorkerPool = pool
         missing = sorted({w for r in self.plan.placement for w in r}
                          - set(self.harness.names))

@@ -8,8 +8,11 @@ Two kinds of source feed one stream of :data:`Event` s:
 * the registry: a watch on ``/cellmesh/{job}/workers/`` turns a new card into
   :class:`WorkerJoined` and a vanished one (drained, or its lease lapsed because the
   process died) into :class:`WorkerLost`. The watch runs on a thread that posts events
-  to the poller through an inproc socket, so the loop sleeps in exactly one place:
-  ``zmq.Poller.poll`` bounded by the caller's deadline.
+  to the poller through a :class:`~comm.rpc.mailbox.Mailbox`, so the loop sleeps in
+  exactly one place: ``zmq.Poller.poll`` bounded by the caller's deadline.
+
+Requests and replies are framed by :mod:`comm.rpc.framing`, exactly as every other client
+of a service host frames them.
 
 :meth:`EventLoop.next_event` is the only way to wait; the runtime decides what an event
 means (``coordinator/runtime/driver.py``). Use from one thread (the watch thread only posts).
@@ -17,7 +20,6 @@ means (``coordinator/runtime/driver.py``). Use from one thread (the watch thread
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -28,17 +30,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import msgpack
 import torch
 import zmq
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from comm.codec import PROTOCOL_VERSION, pack, unpack, unpack_raw
+from comm.codec import unpack
 from comm.errors import ProtocolError
 from comm.registry.base import EventType, Registry
-from comm.rpc.service import decode_tensors, encode_tensors
+from comm.rpc import Mailbox, RpcError, open_reply, read_reply, request_frames
 from comm.sockets import make_socket
-from services.protocol import ReplyEnvelope, RequestEnvelope, WorkerCard
+from services.protocol import WorkerCard
 
 __all__ = ["Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
 
@@ -117,15 +118,9 @@ class EventLoop:
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
         self._poller = zmq.Poller()
-        self._posted: deque[Event] = deque()
+        self._posted: Mailbox[Event] = Mailbox("coordinator-loop")
         self._ready: deque[Event] = deque()
-        wake = f"inproc://coordinator-loop-{id(self)}"
-        self._wake_in = make_socket(zmq.PAIR)
-        self._wake_in.bind(wake)
-        self._wake_out = make_socket(zmq.PAIR)
-        self._wake_out.connect(wake)
-        self._wake_lock = threading.Lock()
-        self._poller.register(self._wake_in, zmq.POLLIN)
+        self._poller.register(self._posted.socket, zmq.POLLIN)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -147,9 +142,10 @@ class EventLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2 * _WATCH_POLL.total_seconds() + 1)
-        for sock in [*self._socks.values(), self._wake_in, self._wake_out]:
+        for sock in self._socks.values():
             sock.close()
         self._socks.clear()
+        self._posted.close()
 
     def __enter__(self) -> EventLoop:
         return self.start()
@@ -166,17 +162,12 @@ class EventLoop:
                         continue
                     name = event.key.removeprefix(self.prefix)
                     if event.type is EventType.DELETE:
-                        self._post(WorkerLost(name))
+                        self._posted.put(WorkerLost(name))
                     else:
-                        self._post(WorkerJoined(name, unpack(event.value, WorkerCard)))
+                        self._posted.put(WorkerJoined(name, unpack(event.value, WorkerCard)))
         except Exception:
             if not self._stop.is_set():
                 log.exception("[coordinator %s] the registry watch failed", self.job)
-
-    def _post(self, event: Event) -> None:
-        self._posted.append(event)
-        with self._wake_lock, contextlib.suppress(zmq.Again, zmq.ZMQError):
-            self._wake_out.send(b"", zmq.NOBLOCK)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -206,15 +197,8 @@ class EventLoop:
         """
         sock = self._socks[worker]
         request_id = next(self._ids)
-        body = request.model_dump(mode="python") if isinstance(request, BaseModel) else dict(request)
-        if tensors:
-            specs, frames = encode_tensors(tensors)
-            envelope = RequestEnvelope(id=request_id, service=service, method=method, body=body,
-                                       tensors=specs)
-            sock.send_multipart([pack(envelope), *frames], copy=True)
-        else:  # the envelope's fields as RequestEnvelope dumps them, without building one
-            sock.send(msgpack.packb({"id": request_id, "service": service, "method": method, "body": body,
-                                     "tensors": [], "v": PROTOCOL_VERSION}, use_bin_type=True), copy=True)
+        # copied into ZeroMQ's buffers: the caller may change its tensors as soon as this returns
+        sock.send_multipart(request_frames(request_id, service, method, request, tensors), copy=True)
         self._requests[request_id] = _Request(worker, service, method, reply_type, time.time())
         return request_id
 
@@ -228,8 +212,8 @@ class EventLoop:
         """The next event, or None if none came within ``timeout``."""
         deadline = time.monotonic() + timeout.total_seconds()
         while not self._ready:
-            while self._posted:
-                self._ready.append(self._track(self._posted.popleft()))
+            for event in self._posted.take():
+                self._ready.append(self._track(event))
             if self._ready:
                 break
             left = deadline - time.monotonic()
@@ -239,12 +223,10 @@ class EventLoop:
             ready = self._poller.poll(int(left * 1000) + 1)
             self.poll_seconds += time.monotonic() - polled
             for sock, _ in ready:
-                if sock is self._wake_in:
-                    with contextlib.suppress(zmq.Again):
-                        while True:
-                            self._wake_in.recv(zmq.NOBLOCK)
-                    continue
-                self._drain(sock)
+                if sock is self._posted.socket:
+                    self._posted.clear_wakeups()
+                else:
+                    self._drain(sock)
         return self._ready.popleft()
 
     def _track(self, event: Event) -> Event:
@@ -263,32 +245,23 @@ class EventLoop:
                 self._ready.append(reply)
 
     def _decode(self, worker: str, parts: list[zmq.Frame]) -> Reply | None:
-        try:
-            raw = unpack_raw(parts[0].bytes, what="reply envelope")
-        except ProtocolError as exc:
-            log.error("[coordinator %s] dropped a malformed reply from worker %s: %s", self.job, worker, exc)
-            return None
-        try:
-            envelope = ReplyEnvelope.model_validate(raw)
-        except ValidationError as exc:
-            log.error("[coordinator %s] dropped a malformed reply from worker %s: %s", self.job, worker, exc)
+        envelope = read_reply(parts[0].bytes, f"worker {worker} (coordinator of {self.job})")
+        if envelope is None:
             return None
         request = self._requests.pop(envelope.id, None)
         if request is None:
             return None  # a late reply to a forgotten request
+
         def failed(code: str, message: str) -> Reply:
             return Reply(id=envelope.id, worker=worker, service=request.service, method=request.method,
                          ok=False, code=code, message=message, sent=request.sent)
 
-        if not envelope.ok:
-            error = envelope.error
-            if error is None:
-                return failed("internal", "error reply without error")
-            return failed(error.code, error.message)
         try:
-            body = request.reply_type.model_validate(envelope.body or {})
-            tensors = decode_tensors(envelope.tensors, parts[1:])
-        except (ValidationError, ProtocolError) as exc:
-            return failed("bad_reply", f"{type(exc).__name__}: {exc}")
+            body, tensors = open_reply(envelope, parts[1:], request.reply_type, request.service,
+                                       request.method)
+        except RpcError as exc:
+            return failed(exc.code, exc.message)
+        except ProtocolError as exc:
+            return failed("bad_reply", str(exc))
         return Reply(id=envelope.id, worker=worker, service=request.service, method=request.method, ok=True,
                      body=body, tensors=tensors, sent=request.sent)

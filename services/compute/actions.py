@@ -1,86 +1,239 @@
-"""Validation of one stage's action list before anything runs: order, peers, and coverage per microbatch.
+"""The rules of a pipeline schedule, written once: per stage (each worker checks its list) and across stages.
 
-The compute service executes the list it is given and never reorders it; this module
-only refuses lists it could not execute. Checks are local to one stage (a mismatch
-between two stages' lists, say a send nobody receives, shows up as a receive timeout
-naming the peer). For every microbatch ``m`` of the step, a valid list has::
+A schedule is, for every stage of a chain pipeline, the ordered list of its
+:class:`~services.protocol.Action` s (the six kinds and the printed form are there). A stage
+executes its list as given, one action after the other, and never reorders it.
 
-    recv_act(m)  <  forward(m)  <  send_act(m)            (forward: exactly once)
-    recv_grad(m) <  backward(m) <  send_grad(m)           (backward: at most once, after forward(m))
+Per stage (:func:`validate_stage`; a worker runs it on every ``RunStep`` before anything
+runs, and :func:`validate_schedule` on every list). For stage ``s`` of ``p`` and every
+microbatch ``i`` of the step's ``m``, with ``<`` the position in the list::
 
-where ``recv_act``/``send_grad`` exist exactly on stages with a previous stage and
-``send_act``/``recv_grad`` exactly on stages with a next stage, the gradient transfers
-only when ``backward(m)`` is in the list (a list without backwards is an evaluation
-step), and every transfer names the neighbouring stage as its peer. ``<`` is the
-position in the list; ``recv_grad(m)`` may come before ``forward(m)`` (its buffers are
-known from the plan), which lets a schedule post gradient receives early.
+    RECV_F(i) < F(i) < SEND_F(i)          F: exactly once
+    F(i) < B(i)                           B: for every microbatch or for none
+    RECV_B(i) < B(i) < SEND_B(i)
+
+Every action names stage ``s`` and a microbatch below ``m``, and none repeats.
+``RECV_F``/``SEND_B`` exist exactly on stages with a previous stage, ``SEND_F``/``RECV_B``
+exactly on stages with a next stage, and the gradient transfers only in a list with
+backwards (a list without any is an evaluation step). ``RECV_B(i)`` may come before
+``F(i)`` (its buffers are known from the plan), so a list can post gradient receives early.
+
+Across stages (:func:`validate_schedule`; the coordinator's schedules go through it): one
+list per stage, each valid on its own; every send has its matching receive on the peer
+and every receive its send; and played with eager sends (see [Note: send semantics]) no
+stage waits forever.
+
+[Note: send semantics]
+A send is *eager*: it never waits for its receiver to be ready; it hands its tensors to
+the transport (an ``isend``) and the stage goes on. A receive blocks until the matching
+send has been posted. Deadlock freedom is checked under exactly these semantics. Under
+rendezvous sends (a send that waits for its receive to be posted) 1F1B's steady state
+would deadlock: stage s sends activations up while stage s+1 sends gradients down.
+
+A schedule is data: :func:`format_schedule` prints it as a step-by-stage table (every
+action one step long, a receive at the earliest one step after its send). A
+:class:`ScheduleError` names the broken rule and the offending actions (also as
+:attr:`ScheduleError.actions`); :func:`validate_schedule` appends the table with them marked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from services.protocol import StageAction
+from services.protocol import Action, ActionKind
 
-__all__ = ["ActionListError", "validate_actions"]
+__all__ = ["ScheduleError", "format_schedule", "play", "validate_schedule", "validate_stage"]
 
-# (earlier, later): a microbatch's `later` action needs its `earlier` action before it
-_ORDER = (("recv_act", "forward"), ("forward", "send_act"), ("forward", "backward"),
-          ("recv_grad", "backward"), ("backward", "send_grad"))
+# the kinds in the order their absence is reported
+_KINDS: tuple[ActionKind, ...] = ("F", "RECV_F", "SEND_F", "B", "RECV_B", "SEND_B")
+# kind -> the kinds of the same microbatch that must come earlier in the list (those the stage has)
+_NEEDS: dict[ActionKind, tuple[ActionKind, ...]] = {
+    "F": ("RECV_F",), "SEND_F": ("F",), "B": ("F", "RECV_B"), "SEND_B": ("B",), "RECV_F": (), "RECV_B": ()}
+# a transfer's kind -> the kind of its other end (on the peer)
+_PARTNER: dict[ActionKind, ActionKind] = {
+    "SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}
+_MARK = "*"  # around an offending action in format_schedule's table
+_MAX_ROWS = 40  # a longer table shows only the rows near marked actions...
+_CONTEXT_ROWS = 4  # ... this many on either side (or the first _MAX_ROWS if none is marked)
 
 
-class ActionListError(ValueError):
-    """An action list this stage cannot execute; the message names the stage and the action."""
+class ScheduleError(ValueError):
+    """An action list or a schedule breaks a rule; the message names the rule and the offending actions.
+
+    Attributes:
+        actions: The offending actions (empty if the error is about the shape, e.g. a
+            missing stage).
+    """
+
+    def __init__(self, message: str, actions: Iterable[Action] = ()) -> None:
+        super().__init__(message)
+        self.actions = tuple(actions)
 
 
-def validate_actions(actions: Sequence[StageAction], *, stage: int, num_stages: int,
-                     num_microbatches: int) -> frozenset[int]:
-    """Check ``actions`` for stage ``stage`` of ``num_stages``; return the microbatches that run backward.
+def validate_stage(actions: Sequence[Action], *, stage: int, num_stages: int, num_microbatches: int) -> bool:
+    """Check stage ``stage``'s list against the per-stage rules (see the module docstring).
+
+    Returns:
+        True if the list trains (runs every microbatch's backward), False if it only
+        evaluates (runs none).
 
     Raises:
-        ActionListError: A microbatch out of range, a wrong or missing peer, an action
-            repeated or missing, or two actions of one microbatch in the wrong order.
+        ScheduleError: Naming the stage, the first offending action (and its position) and the rule.
     """
-    first, last = stage == 0, stage == num_stages - 1
-    expected_peer = {"recv_act": stage - 1, "send_grad": stage - 1, "send_act": stage + 1,
-                     "recv_grad": stage + 1, "forward": None, "backward": None}
-    position: dict[tuple[str, int], int] = {}
-    for k, action in enumerate(actions):
-        where = f"stage {stage}, action #{k} ({action})"
-        if action.microbatch >= num_microbatches:
-            raise ActionListError(f"{where}: microbatch {action.microbatch} is not one of the step's "
-                                  f"{num_microbatches} microbatches")
-        if action.kind in ("recv_act", "send_grad") and first:
-            raise ActionListError(f"{where}: stage {stage} is the first stage; it has no previous stage")
-        if action.kind in ("send_act", "recv_grad") and last:
-            raise ActionListError(f"{where}: stage {stage} is the last of {num_stages}; it has no next stage")
-        peer = expected_peer[action.kind]
-        if action.peer != peer:
-            raise ActionListError(f"{where}: {action.kind} needs peer {peer}, got {action.peer}")
-        key = (action.kind, action.microbatch)
-        if key in position:
-            raise ActionListError(f"{where}: repeats action #{position[key]} ({action.kind} of microbatch "
-                                  f"{action.microbatch} runs at most once per step)")
-        position[key] = k
-    with_backward = frozenset(m for kind, m in position if kind == "backward")
-    for m in range(num_microbatches):
-        required = {"forward"}
-        if not first:
-            required |= {"recv_act"} | ({"send_grad"} if m in with_backward else set())
-        if not last:
-            required |= {"send_act"} | ({"recv_grad"} if m in with_backward else set())
-        for kind in ("forward", "backward", "recv_act", "send_act", "recv_grad", "send_grad"):
-            present = (kind, m) in position
-            if kind in required and not present:
-                raise ActionListError(f"stage {stage}: microbatch {m} has no {kind} action" + (
-                    "" if kind in ("forward", "recv_act", "send_act") else " (it runs backward)"))
-            if kind in ("recv_grad", "send_grad") and present and m not in with_backward:
-                raise ActionListError(f"stage {stage}: microbatch {m} has {kind} but no backward")
-        for earlier, later in _ORDER:
-            a, b = position.get((earlier, m)), position.get((later, m))
-            if a is not None and b is not None and a > b:
-                raise ActionListError(
-                    f"stage {stage}, action #{b} ({actions[b]}): {later} of microbatch {m} comes before "
-                    f"its {earlier} (action #{a}, {actions[a]})"
-                )
-    return with_backward
+    s, m = stage, num_microbatches
+    if not 0 <= s < num_stages:
+        raise ScheduleError(f"stage {s} is not one of the pipeline's {num_stages} stages")
+    has: set[ActionKind] = {"F", "B"}
+    if s > 0:
+        has |= {"RECV_F", "SEND_B"}
+    if s < num_stages - 1:
+        has |= {"SEND_F", "RECV_B"}
+    seen: dict[tuple[ActionKind, int], int] = {}  # (kind, microbatch) -> position
+    for k, a in enumerate(actions):
+        kind, i = a.kind, a.microbatch
+        if a.stage != s or i >= m or kind not in has or (kind, i) in seen:
+            raise _misplaced(k, a, s, num_stages, m, seen)
+        for need in _NEEDS[kind]:
+            if need in has and (need, i) not in seen:
+                before = Action(stage=s, kind=need, microbatch=i)
+                raise ScheduleError(f"stage {s}, action #{k} ({a}): {before} must come before it",
+                                    [a, before])
+        seen[(kind, i)] = k
+    trains = any(kind == "B" for kind, _ in seen)
+    for kind in _KINDS:
+        if kind not in has:
+            continue
+        if trains or kind not in ("B", "RECV_B", "SEND_B"):
+            missing = [Action(stage=s, kind=kind, microbatch=i) for i in range(m) if (kind, i) not in seen]
+            if missing:
+                why = " (a step runs the backward of every microbatch or of none)" if trains else ""
+                raise ScheduleError(f"stage {s}: the list has no {', '.join(map(str, missing))}{why}",
+                                    missing)
+        elif kind == "RECV_B" and (stray := sorted(k for (kd, _), k in seen.items() if kd == kind)):
+            a = actions[stray[0]]
+            raise ScheduleError(f"stage {s}, action #{stray[0]} ({a}): a list without backwards is an "
+                                "evaluation step; it receives no gradients", [a])
+    return trains
+
+
+def _misplaced(k: int, a: Action, s: int, p: int, m: int, seen: dict[tuple[ActionKind, int], int]
+               ) -> ScheduleError:
+    """The error of an action that has no place in stage ``s``'s list at all."""
+    where = f"stage {s}, action #{k} ({a})"
+    if a.stage != s:
+        return ScheduleError(f"{where}: names stage {a.stage}; stage {s}'s list holds only its own "
+                             "actions", [a])
+    if a.microbatch >= m:
+        return ScheduleError(f"{where}: microbatch {a.microbatch} is not one of the step's {m} "
+                             "microbatches", [a])
+    if (a.kind, a.microbatch) in seen:
+        return ScheduleError(f"{where}: repeats action #{seen[(a.kind, a.microbatch)]} (each action runs at "
+                             "most once per step)", [a])
+    side = (f"stage {s} is the first stage; it has no previous stage" if a.peer is not None and a.peer < s
+            else f"stage {s} is the last of {p}; it has no next stage")
+    return ScheduleError(f"{where}: {side}", [a])
+
+
+def validate_schedule(actions: Sequence[Sequence[Action]], num_microbatches: int) -> None:
+    """Check a whole schedule: every stage's list (:func:`validate_stage`), then the rules across stages.
+
+    Args:
+        actions: ``actions[s]`` is stage ``s``'s ordered list.
+        num_microbatches: The step's microbatches.
+
+    Raises:
+        ScheduleError: Naming the first broken rule and its actions, followed by the
+            schedule's table (:func:`format_schedule`) with those actions marked.
+    """
+    p = len(actions)
+    if p < 1:
+        raise ScheduleError("a schedule needs at least one stage's list")
+    try:
+        for s, acts in enumerate(actions):
+            validate_stage(acts, stage=s, num_stages=p, num_microbatches=num_microbatches)
+        transfers = {a for acts in actions for a in acts if a.peer is not None}
+        for acts in actions:
+            for a in acts:
+                if a.peer is not None and (other := _other_end(a)) not in transfers:
+                    raise ScheduleError(f"{a} has no other end: stage {a.peer}'s list has no {other}", [a])
+        ticks = play(actions)
+        stuck = [acts[t.index(None)] for acts, t in zip(actions, ticks, strict=True) if None in t]
+        if stuck:
+            waits = "; ".join(f"stage {a.stage} waits at {a}" for a in stuck)
+            raise ScheduleError(f"deadlock: {waits}", stuck)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{exc}\n{format_schedule(actions, mark=exc.actions)}", exc.actions) from None
+
+
+def _other_end(a: Action) -> Action:
+    """The peer's action that matches transfer ``a`` (a valid stage's transfer has a peer in range)."""
+    assert a.peer is not None
+    return Action(stage=a.peer, kind=_PARTNER[a.kind], microbatch=a.microbatch)
+
+
+def play(actions: Sequence[Sequence[Action]]) -> list[list[int | None]]:
+    """The step at which each action runs when every action takes one step and sends are eager.
+
+    At each step every stage runs its next action, unless it is a receive whose send has
+    not run at an earlier step; then the stage waits. Returns ``ticks[s][k]``, the step of
+    stage ``s``'s action ``k``, or None for the actions a deadlock never reaches.
+    """
+    ticks: list[list[int | None]] = [[None] * len(acts) for acts in actions]
+    sent: dict[tuple[int, str, int], int] = {}  # (sender, kind, microbatch) of a send -> its step
+    pos, step = [0] * len(actions), 0
+    while True:
+        ran = False
+        for s, acts in enumerate(actions):
+            if pos[s] == len(acts):
+                continue
+            a = acts[pos[s]]
+            if a.kind in ("RECV_F", "RECV_B"):
+                assert a.peer is not None
+                if sent.get((a.peer, _PARTNER[a.kind], a.microbatch), step) >= step:
+                    continue
+            elif a.kind in ("SEND_F", "SEND_B"):
+                sent[(a.stage, a.kind, a.microbatch)] = step
+            ticks[s][pos[s]] = step
+            pos[s] += 1
+            ran = True
+        if not ran:
+            return ticks
+        step += 1
+
+
+def format_schedule(actions: Sequence[Sequence[Action]], *, mark: Iterable[Action] = ()) -> str:
+    """The schedule as a step-by-stage table (see :func:`play`); ``mark``'s actions are starred.
+
+    Actions a deadlock never reaches follow the table under a ``never runs`` line. A table
+    of more than 40 rows shows only the rows near the marked actions (the first 40 if none is).
+    """
+    marked = set(mark)
+    ticks = play(actions)
+    label = [[f"{_MARK}{a}{_MARK}" if a in marked else str(a) for a in acts] for acts in actions]
+    width = max([len(f"stage {len(actions) - 1}"), *(len(x) for row in label for x in row)])
+    steps = 1 + max((t for row in ticks for t in row if t is not None), default=-1)
+    grid = [[""] * len(actions) for _ in range(steps)]
+    stuck: list[list[str]] = [[] for _ in actions]
+    for s, row in enumerate(ticks):
+        for k, t in enumerate(row):
+            if t is None:
+                stuck[s].append(label[s][k])
+            else:
+                grid[t][s] = label[s][k]
+    rows = [(f"{t:>5}", cells) for t, cells in enumerate(grid)]
+    if any(stuck):
+        rows.append(("never runs:", []))
+        rows += [("", [col[k] if k < len(col) else "" for col in stuck]) for k in range(max(map(len, stuck)))]
+    near = [i for i, (_, cells) in enumerate(rows) if any(_MARK in c for c in cells)]
+    keep = set(range(min(len(rows), _MAX_ROWS)))
+    if len(rows) > _MAX_ROWS and near:
+        keep = {j for i in near for j in range(i - _CONTEXT_ROWS, i + _CONTEXT_ROWS + 1)}
+    lines = [("step  " + "  ".join(f"{f'stage {s}':<{width}}" for s in range(len(actions)))).rstrip()]
+    for i, (head, cells) in enumerate(rows):
+        if i not in keep:
+            if lines[-1] != "  ...":
+                lines.append("  ...")
+            continue
+        lines.append((f"{head:<5} " + "  ".join(f"{c:<{width}}" for c in cells)).rstrip())
+    return "\n".join(lines)
+

@@ -3,21 +3,22 @@
 The list is executed as given, one action after the other, on the calling thread.
 Transfers never block the action that issues them:
 
-* ``send_act`` / ``send_grad`` post an ``isend`` per tensor and move on; sends are
+* ``SEND_F`` / ``SEND_B`` post an ``isend`` per tensor and move on; sends are
   awaited only at the end of the step (their tensors stay referenced until then).
-* ``recv_act`` / ``recv_grad`` post an ``irecv`` per tensor into fresh buffers; the
-  ``forward`` / ``backward`` of that microbatch waits for them, so a receive posted early
-  overlaps whatever the list runs in between::
+* ``RECV_F`` / ``RECV_B`` post an ``irecv`` per tensor into fresh buffers; the ``F`` /
+  ``B`` of that microbatch waits for them, so a receive posted early overlaps whatever
+  the list runs in between::
 
-      stage 1:  RA0 RA1 | F0 (waits RA0) | F1 (waits RA1) | ...
-                 posted    data arrives meanwhile, into libzmq/gloo buffers
+      stage 1:  1RECV_F0 1RECV_F1 | 1F0 (waits 1RECV_F0) | 1F1 (waits 1RECV_F1) | ...
+                posted              data arrives meanwhile, into libzmq/gloo buffers
 
 Gradients. A received input that carries a gradient (``requires_grad`` in the incoming
 spec) becomes a leaf with ``requires_grad``; on ``backward`` the stage runs
 ``torch.autograd.backward(outputs, received output gradients)`` (on the last stage:
-``loss * weight``), and ``send_grad`` sends each such input's ``.grad`` (zeros if the
+``loss * weight``), and ``SEND_B`` sends each such input's ``.grad`` (zeros if the
 input did not reach the outputs). Tensors without gradients cross the cut too; nothing
-comes back for them. Parameter gradients accumulate over the step's microbatches.
+comes back for them. Parameter gradients accumulate over the step's microbatches. A
+list without backwards (an evaluation step) runs its forwards without autograd.
 
 Loss weighting. With ``loss_reduction="mean"`` microbatch ``m`` of ``n_m`` samples
 contributes ``loss_m * n_m / N`` (``N`` samples in the step), so the gradients equal
@@ -51,7 +52,7 @@ from comm.base import Communicator, Work
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
 from services.compute.stage import Stage
 from services.params.grad_path import GradientPath
-from services.protocol import PhaseTiming, RunStep, StageAction, StepReply
+from services.protocol import Action, ActionKind, PhaseTiming, RunStep, StepReply
 
 __all__ = ["StepExecutor", "StepFailed"]
 
@@ -77,7 +78,7 @@ class _Microbatch:
 
     samples: list[int]
     # kind -> (action index, works, (tensor index, buffer)) of receives posted, not yet waited for
-    recv_works: dict[str, tuple[int, list[Work], _Buffers]] = field(default_factory=dict)
+    recv_works: dict[ActionKind, tuple[int, list[Work], _Buffers]] = field(default_factory=dict)
     inputs: list[torch.Tensor] = field(default_factory=list)
     targets: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
@@ -91,23 +92,23 @@ class StepExecutor:
     Args:
         stage: The stage's cells, samples and loss.
         comm: The pipeline communicator (rank = stage index); None for a one-stage pipeline.
-        request: The step; its action list must have passed ``validate_actions``.
-        with_backward: The microbatches whose backward is in the list (forwards of the
-            others run without autograd).
+        request: The step; its action list must have passed ``validate_stage``.
+        trains: True if the list runs backwards (``validate_stage``'s answer); False: an
+            evaluation step, whose forwards run without autograd.
         deadline: ``time.monotonic()`` by which the step must end.
         grad_path: The stage's gradient path (already begun), if its gradients meet other replicas'.
     """
 
     def __init__(self, stage: Stage, comm: Communicator | None, request: RunStep,
-                 with_backward: frozenset[int], deadline: float,
+                 trains: bool, deadline: float,
                  grad_path: GradientPath | None = None) -> None:
         self._stage = stage
         self._grad_path = grad_path
-        backwards = [k for k, a in enumerate(request.actions) if a.kind == "backward"]
+        backwards = [k for k, a in enumerate(request.actions) if a.kind == "B"]
         self._last_backward = backwards[-1] if backwards else None
         self._comm = comm
         self._request = request
-        self._with_backward = with_backward
+        self._trains = trains
         self._deadline = deadline
         self._mbs = [_Microbatch(list(s)) for s in request.microbatches]
         total = sum(len(s) for s in request.microbatches)
@@ -129,9 +130,9 @@ class StepExecutor:
         if self._request.zero_grad:
             for _, p in self._stage.parameters():
                 p.grad = None
-        handlers = {"forward": self._forward, "backward": self._backward, "send_act": self._send_act,
-                    "recv_act": self._recv_act, "send_grad": self._send_grad, "recv_grad": self._recv_grad}
-        action: StageAction | None = None
+        handlers = {"F": self._forward, "B": self._backward, "SEND_F": self._send_act,
+                    "RECV_F": self._recv_act, "SEND_B": self._send_grad, "RECV_B": self._recv_grad}
+        action: Action | None = None
         phases: list[PhaseTiming] = []
         try:
             for k, action in enumerate(self._request.actions):
@@ -140,7 +141,7 @@ class StepExecutor:
                     self._grad_path.arm()
                 self._starts[k] = time.time()
                 handlers[action.kind](self._mbs[action.microbatch], action)
-                if action.kind in ("forward", "backward"):
+                if action.kind in ("F", "B"):
                     self._ends[k] = time.time()
                 self._poll_sends()
             action = None
@@ -184,7 +185,7 @@ class StepExecutor:
                 self._ends[k] = now
         self._sends = [s for s in self._sends if pending[s[0]]]
 
-    def _post_recvs(self, mb: _Microbatch, action: StageAction, buffers: _Buffers) -> None:
+    def _post_recvs(self, mb: _Microbatch, action: Action, buffers: _Buffers) -> None:
         assert self._comm is not None and action.peer is not None
         m = action.microbatch
         works = [self._comm.irecv(buf, action.peer, tag=transfer_tag(m, i)) for i, buf in buffers]
@@ -193,7 +194,7 @@ class StepExecutor:
         if not works:
             self._ends[self._k] = time.time()
 
-    def _wait_recvs(self, mb: _Microbatch, kind: str, what: str) -> _Buffers:
+    def _wait_recvs(self, mb: _Microbatch, kind: ActionKind, what: str) -> _Buffers:
         k, works, buffers = mb.recv_works.pop(kind)
         for work in works:
             try:
@@ -208,7 +209,7 @@ class StepExecutor:
         self._starts[self._k] = time.time()  # compute starts once its inputs are in hand
         return buffers
 
-    def _post_sends(self, action: StageAction, tensors: list[tuple[int, torch.Tensor]]) -> None:
+    def _post_sends(self, action: Action, tensors: list[tuple[int, torch.Tensor]]) -> None:
         assert self._comm is not None and action.peer is not None
         for i, t in tensors:
             t = t.detach().contiguous()
@@ -218,25 +219,24 @@ class StepExecutor:
         if not tensors:
             self._ends[self._k] = time.time()
 
-    # -- the six actions --------------------------------------------------------------
+    # -- the six kinds of action ------------------------------------------------------
 
-    def _recv_act(self, mb: _Microbatch, action: StageAction) -> None:
+    def _recv_act(self, mb: _Microbatch, action: Action) -> None:
         assert self._stage.incoming is not None
         self._post_recvs(mb, action, empty_buffers(self._stage.incoming, len(mb.samples)))
 
-    def _recv_grad(self, mb: _Microbatch, action: StageAction) -> None:
+    def _recv_grad(self, mb: _Microbatch, action: Action) -> None:
         assert self._stage.outgoing is not None
         self._post_recvs(mb, action, empty_buffers(self._stage.outgoing, len(mb.samples), grad_only=True))
 
-    def _forward(self, mb: _Microbatch, action: StageAction) -> None:
-        stage, m = self._stage, action.microbatch
-        grad = m in self._with_backward
+    def _forward(self, mb: _Microbatch, action: Action) -> None:
+        stage, m, grad = self._stage, action.microbatch, self._trains
         if stage.first or stage.last:
             assert stage.samples is not None
             inputs, mb.targets = stage.samples.load(mb.samples)
         if not stage.first:
             assert stage.incoming is not None
-            buffers = self._wait_recvs(mb, "recv_act",
+            buffers = self._wait_recvs(mb, "RECV_F",
                                        f"microbatch {m}'s activations from stage {stage.index - 1}")
             for (_, buf), spec in zip(buffers, stage.incoming.tensors, strict=True):
                 buf.requires_grad_(grad and spec.requires_grad)
@@ -258,18 +258,18 @@ class StepExecutor:
                                      where=f"stage {stage.index} microbatch {m} output")
         mb.targets = None
 
-    def _send_act(self, mb: _Microbatch, action: StageAction) -> None:
+    def _send_act(self, mb: _Microbatch, action: Action) -> None:
         self._post_sends(action, list(enumerate(mb.outputs)))
-        if action.microbatch not in self._with_backward:
+        if not self._trains:
             mb.outputs = []
 
-    def _backward(self, mb: _Microbatch, action: StageAction) -> None:
+    def _backward(self, mb: _Microbatch, action: Action) -> None:
         stage, m = self._stage, action.microbatch
         if stage.last:
             assert mb.loss is not None
             torch.autograd.backward([(mb.loss * self._weights[m]).reshape(())])
         else:
-            grads = self._wait_recvs(mb, "recv_grad",
+            grads = self._wait_recvs(mb, "RECV_B",
                                      f"microbatch {m}'s gradients from stage {stage.index + 1}")
             pairs = [(mb.outputs[i], g) for i, g in grads if mb.outputs[i].requires_grad]
             if pairs:
@@ -283,6 +283,6 @@ class StepExecutor:
             ]
         mb.inputs, mb.outputs, mb.loss = [], [], None
 
-    def _send_grad(self, mb: _Microbatch, action: StageAction) -> None:
+    def _send_grad(self, mb: _Microbatch, action: Action) -> None:
         self._post_sends(action, mb.input_grads)
         mb.input_grads = []

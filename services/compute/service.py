@@ -48,6 +48,7 @@ abandoned step can be run again: with ``zero_grad`` it gives the same gradients)
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -59,8 +60,8 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from comm.codec import describe_validation_error
-from comm.rpc.service import Call, RpcError, ServiceBase
-from services.compute.actions import ActionListError, validate_actions
+from comm.rpc import Call, RpcError, ServiceBase
+from services.compute.actions import validate_stage
 from services.compute.executor import StepExecutor, StepFailed
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
 from services.link import PipelineLink
@@ -180,7 +181,7 @@ class CellComputeService(ServiceBase):
             elif reply is not None:
                 call.reply(reply)
 
-        self._pool.submit(run)
+        self._pool.submit(contextvars.copy_context().run, run)  # the step thread logs the request's context
 
     # -- RPCs -----------------------------------------------------------------------------
 
@@ -193,10 +194,10 @@ class CellComputeService(ServiceBase):
                                               "under a new comm_prefix before the next step")
             optimizer = self._commit_optimizer(request.commit) if request.commit is not None else None
         try:
-            with_backward = validate_actions(request.actions, stage=stage.index, num_stages=stage.num_stages,
-                                             num_microbatches=len(request.microbatches))
+            trains = validate_stage(request.actions, stage=stage.index, num_stages=stage.num_stages,
+                                    num_microbatches=len(request.microbatches))
             check_samples(stage, request.microbatches)
-        except (ActionListError, ValueError) as exc:
+        except ValueError as exc:  # a ScheduleError or a sample out of range
             raise RpcError("bad_request", f"step {request.step}: {exc}") from None
         timeout = timedelta(milliseconds=request.timeout_ms)
 
@@ -213,7 +214,7 @@ class CellComputeService(ServiceBase):
                                  transfers_posted=False) from exc
             start = time.monotonic()
             try:
-                reply = StepExecutor(stage, comm, request, with_backward, deadline, self._path).run()
+                reply = StepExecutor(stage, comm, request, trains, deadline, self._path).run()
             except StepFailed as exc:
                 self._path.abandon()
                 if exc.transfers_posted or self._path.launched:

@@ -1,6 +1,6 @@
 """The worker process: registers with a lease, reports its resources, hosts assigned services.
 
-A worker is a :class:`~comm.rpc.service.ServiceHost` plus a ``worker`` control service. It
+A worker is a :class:`~comm.rpc.host.ServiceHost` plus a ``worker`` control service. It
 publishes a :class:`~services.protocol.WorkerCard` under ``/cellmesh/{job}/workers/{name}``
 attached to a lease it renews by heartbeat; if the process dies, the lease lapses and the
 card vanishes (the coordinator's watch sees it go). Services arrive by message
@@ -14,6 +14,11 @@ In a pod the worker takes who it is from the environment as a torchrun worker wo
 binds the pod's address (``CELLMESH_HOST``) on a fixed ``--port``, and serves its probes
 on ``--health-port`` (``services/host/health.py``): ``/readyz`` once its card is published,
 ``/healthz`` until its lease is lost.
+
+It logs to stderr through ``comm/logs.py``: ``CELLMESH_LOG_LEVEL`` (default INFO) and
+``CELLMESH_LOG_FORMAT`` (``human`` or ``json``), every record carrying the worker's name and
+rank, and the service and step of the request being served. A local run's harness sends
+that stream to the run directory's ``workers/NAME.log``.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from comm.allocator import tune_malloc
 from comm.codec import pack
+from comm.logs import configure_logging, set_process_context
 from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
-from comm.rpc.service import Call, RpcError, ServiceBase, ServiceHost
+from comm.rpc import Call, RpcError, ServiceBase, ServiceHost
 from services.host.health import HealthServer
 from services.host.launch import LaunchEnv, LaunchEnvError, read_launch_env
 from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus
@@ -42,7 +48,6 @@ __all__ = ["SERVICE_BUILDERS", "Worker", "main", "worker_key"]
 
 log = logging.getLogger(__name__)
 
-LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
 DEREGISTER_TIMEOUT = timedelta(seconds=3)
 
@@ -193,7 +198,6 @@ class Worker:
         self.host.start()
         self.publish()
         self._keepalive = KeepAlive(self._lease)
-        log.info("[worker %s] serving at %s", self.name, self.host.address)
         return self
 
     def drain(self, timeout: timedelta = timedelta(seconds=10)) -> None:
@@ -277,10 +281,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of a worker process: configure, build, serve until signalled, drain."""
-    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        configure_logging()  # CELLMESH_LOG_LEVEL (default INFO) and CELLMESH_LOG_FORMAT, to stderr
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         launch = read_launch_env()
     except LaunchEnvError as exc:
@@ -293,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_malloc()
     name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"
     job = args.job or launch.job or "default"
+    set_process_context(worker=name, rank=launch.rank)
     lease_ttl = timedelta(seconds=args.lease_ttl)
     # a registry call may not outlast the lease, so an unreachable registry is noticed in time
     registry = connect_registry(url, request_timeout=min(timedelta(seconds=10), lease_ttl))
@@ -310,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         worker.start()
         where = f" (probes at {health.url})" if health is not None else ""
-        print(f"cellmesh worker {name} of job {job} serving at {worker.host.address}{where}", flush=True)
+        log.info("cellmesh worker %s of job %s serving at %s%s", name, job, worker.host.address, where)
         if not worker.serve_forever():
             return 1
     except Exception:

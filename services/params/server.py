@@ -47,7 +47,7 @@ matching one of them is answered ``duplicate=True`` without touching anything, e
 its step closed. A second, different push (another ``seq``) for a step while the
 replica's push is open is refused (``bad_request``).
 
-Errors (:class:`~comm.rpc.service.RpcError` codes): ``not_ready``, ``already_setup``,
+Errors (:class:`~comm.rpc.framing.RpcError` codes): ``not_ready``, ``already_setup``,
 ``bad_request`` (malformed pieces, replica out of range, setup that does not fit),
 ``not_owner`` (names the parameter and this shard), ``step_closed``, ``step_ahead``,
 ``timeout`` (a pull's wait ran out; names what it waited for).
@@ -62,7 +62,7 @@ from datetime import timedelta
 
 import torch
 
-from comm.rpc.service import Call, RpcError, ServiceBase
+from comm.rpc import Call, RpcError, ServiceBase
 from services.params.store import NotOwnedError, ParamStore
 from services.protocol import (
     Assignment,

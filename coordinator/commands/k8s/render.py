@@ -391,8 +391,8 @@ def _coordinator(o: RenderOptions, n: _Names) -> list[Manifest]:
             str(PORTS["control"]),
             "--metrics-port",
             str(PORTS["metrics"]),
-            "--output",
-            f"{CHECKPOINT_DIR}/{job}.pt",
+            "--run-dir",  # stable, on the volume: a restarted coordinator finds its finished run there
+            f"{CHECKPOINT_DIR}/{job}",
             "--progress",
             "lines",
         ],

@@ -12,8 +12,9 @@ Lease tests use each backend's smallest TTL (0.5 s, etcd's 2 s) and let leases l
 rather than revoking them. etcd deletes a lapsed lease's keys up to ~1.5 s after the
 TTL (measured), so its slack is larger. Every key lives under a per-test prefix, so
 the module-scoped servers are shared safely. After the contract come backend-specific
-tests: the memory history, the server's handling of malformed input, the client's
-timeouts and late replies, and an etcd watch across an etcd crash and restart.
+tests: the memory history, the served registry's handling of malformed input and
+unknown methods, its bound on parked polls, the client's timeouts and late replies, and
+an etcd watch across an etcd crash and restart.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import msgpack
 import pytest
 import zmq
 
-from comm.codec import pack
+from comm.codec import unpack_raw
 from comm.errors import ProtocolError, RegistryError, RegistryTimeoutError
 from comm.registry import (
     EventType,
@@ -47,17 +48,19 @@ from comm.registry import (
     connect_registry,
 )
 from comm.registry.etcd import EtcdRegistry, WatchRetry
-from comm.registry.protocol import (
-    ErrorReply,
-    EventsReply,
-    GetReply,
-    GetRequest,
-    RevisionReply,
-    WatchPollRequest,
-    decode_reply,
-    decode_request,
-)
+from comm.registry.protocol import EventsReply, RevisionReply, WatchPollRequest
 from comm.registry.remote import RemoteLease
+from comm.registry.server import RegistryService
+from comm.rpc import (
+    Call,
+    Empty,
+    ReplyEnvelope,
+    RequestEnvelope,
+    RpcClient,
+    ServiceBase,
+    ServiceHost,
+    reply_frames,
+)
 from comm.sockets import bind_port, make_socket
 from tests.harness.etcd import EtcdServer, etcd_available
 
@@ -504,27 +507,48 @@ def _packb(body: object) -> bytes:
     return data
 
 
-# case: (frames, what the error reply must say, the id it must echo)
-MALFORMED: dict[str, tuple[list[bytes], str, int | None]] = {
-    "not msgpack": ([b"\xc1\xc1\xc1"], "not msgpack", None),
-    "empty frame": ([b""], "not msgpack", None),
-    "not a map": ([_packb([1, 2])], "map", None),
-    "wrong version": ([_packb({"v": 99, "type": "get", "id": 1, "key": "k"})], "protocol version 99", None),
-    "no version": ([_packb({"type": "get", "id": 1, "key": "k"})], "protocol version None", None),
-    "unknown type": ([_packb({"v": 1, "type": "frobnicate", "id": 2})], "field 'type'", 2),
-    "no type": ([_packb({"v": 1, "id": 2})], "field 'type'", 2),
-    "int for str": ([_packb({"v": 1, "type": "put", "id": 3, "key": 5, "value": b"x"})], "'key'", 3),
-    "str for bytes": ([_packb({"v": 1, "type": "put", "id": 4, "key": "k", "value": "x"})], "'value'", 4),
-    "extra field": ([_packb({"v": 1, "type": "get", "id": 5, "key": "k", "bogus": 1})], "'bogus'", 5),
-    "missing field": ([_packb({"v": 1, "type": "get", "id": 6})], "'key'", 6),
-    "str for int": ([_packb({"v": 1, "type": "lease_grant", "id": 7, "ttl_ms": "500"})], "'ttl_ms'", 7),
-    "bad id": ([_packb({"v": 1, "type": "get", "id": "x", "key": "k"})], "'id'", None),
-    "out of range": (
-        [_packb({"v": 1, "type": "watch_poll", "id": 8, "prefix": "", "from_revision": 0, "wait_ms": 5})],
-        "'from_revision'",
-        8,
+def _request(request_id: object, method: str, body: object, /, **envelope: object) -> bytes:
+    """A request envelope to the registry service, with ``envelope``'s fields replaced or added."""
+    fields: dict[str, object] = {"v": 1, "id": request_id, "service": "registry", "method": method,
+                                 "body": body, "tensors": []}
+    fields.update(envelope)
+    return _packb({k: v for k, v in fields.items() if v is not _DROP})
+
+
+_DROP = object()  # a field _request leaves out
+
+
+def _reply(sock: zmq.Socket[bytes], what: str) -> ReplyEnvelope:
+    assert sock.poll(5000), f"no reply to {what} within 5s"
+    frames = sock.recv_multipart()
+    assert len(frames) == 1, frames
+    return ReplyEnvelope.model_validate(unpack_raw(frames[0]))
+
+
+# case: (frames, what the bad_request reply must say, the id it must echo: 0 when unreadable)
+MALFORMED: dict[str, tuple[list[bytes], str, int]] = {
+    "not msgpack": ([b"\xc1\xc1\xc1"], "not msgpack", 0),
+    "empty frame": ([b""], "not msgpack", 0),
+    "not a map": ([_packb([1, 2])], "map", 0),
+    "wrong version": ([_request(1, "get", {"key": "k"}, v=99)], "protocol version 99", 0),
+    "no version": ([_request(1, "get", {"key": "k"}, v=_DROP)], "protocol version None", 0),
+    "no method": ([_request(2, "get", {"key": "k"}, method=_DROP)], "method", 2),
+    "body not a map": ([_request(2, "get", [1])], "body", 2),
+    "int for str": ([_request(3, "put", {"key": 5, "value": b"x"})], "key", 3),
+    "str for bytes": ([_request(4, "put", {"key": "k", "value": "x"})], "value", 4),
+    "extra field": ([_request(5, "get", {"key": "k", "bogus": 1})], "bogus", 5),
+    "missing field": ([_request(6, "get", {})], "key", 6),
+    "str for int": ([_request(7, "lease_grant", {"ttl_ms": "500"})], "ttl_ms", 7),
+    "bad id": ([_request("x", "get", {"key": "k"})], "id", 0),
+    "out of range": ([_request(8, "watch_poll", {"prefix": "", "from_revision": 0, "wait_ms": 5})],
+                     "from_revision", 8),
+    "two frames": ([_request(9, "get", {"key": "k"}), b"extra"], "frames", 9),
+    "a tensor announced, none sent": (
+        [_request(10, "get", {"key": "k"},
+                  tensors=[{"name": "t", "dtype": "float32", "shape": [1], "frames": 1}])],
+        "frames",
+        10,
     ),
-    "two frames": ([pack(GetRequest(id=9, key="k")), b"extra"], "expected exactly 1 frame", None),
 }
 
 
@@ -536,19 +560,93 @@ def test_server_answers_malformed_requests_and_keeps_serving(
     sock = make_socket(zmq.DEALER)
     sock.connect(served.address)
     try:
-        with caplog.at_level("ERROR", logger="comm.registry.server"):
+        with caplog.at_level("ERROR", logger="comm.rpc.host"):
             sock.send_multipart(frames)
-            assert sock.poll(5000), "no reply to a malformed request within 5s"
-            reply = decode_reply(sock.recv())
-        assert isinstance(reply, ErrorReply), reply
-        assert (reply.kind, reply.id) == ("protocol", expected_id)
-        assert expected in reply.message, reply.message
-        assert any(r.name == "comm.registry.server" and r.levelname == "ERROR" for r in caplog.records)
-        sock.send(pack(GetRequest(id=100, key="/nothing")))
-        assert sock.poll(5000), "the server stopped answering after a malformed request"
-        assert decode_reply(sock.recv()) == GetReply(id=100, kv=None)
+            reply = _reply(sock, "a malformed request")
+        assert not reply.ok and reply.error is not None, reply
+        assert (reply.error.code, reply.id) == ("bad_request", expected_id)
+        assert expected in reply.error.message, reply.error.message
+        assert any(r.name == "comm.rpc.host" and r.levelname == "ERROR" for r in caplog.records)
+        sock.send(_request(100, "get", {"key": "/nothing"}))
+        assert _reply(sock, "a valid get after it") == ReplyEnvelope(id=100, ok=True, body={"kv": None})
     finally:
         sock.close(linger=0)
+
+
+@pytest.mark.parametrize(("service", "method", "code", "says"), [
+    ("registry", "frobnicate", "unknown_method", "registry has no method 'frobnicate'"),
+    ("registri", "get", "unknown_service", "no service 'registri' here; hosted: ['registry']"),
+])
+def test_server_names_an_unknown_method_or_service(
+    served: RegistryServer, service: str, method: str, code: str, says: str
+) -> None:
+    sock = make_socket(zmq.DEALER)
+    sock.connect(served.address)
+    try:
+        sock.send(_request(3, method, {"key": "k"}, service=service))
+        reply = _reply(sock, f"{service}.{method}")
+        assert not reply.ok and reply.error is not None and reply.id == 3, reply
+        assert reply.error.code == code and says in reply.error.message, reply.error
+        if code == "unknown_method":
+            assert "watch_poll" in reply.error.message  # and it lists what there is
+    finally:
+        sock.close(linger=0)
+
+
+def test_parked_polls_are_bounded_and_answered_by_a_change(ns: str) -> None:
+    with MemoryRegistry() as registry:
+        host = ServiceHost("127.0.0.1")
+        host.add("registry", RegistryService(registry, host, max_parked=2))
+        host.start()
+        sock = make_socket(zmq.DEALER)
+        sock.connect(host.address)
+        try:
+            start = registry.revision() + 1
+            poll = {"prefix": ns, "from_revision": start, "wait_ms": 20_000}
+            for request_id in (1, 2, 3):  # two park, the third finds no room
+                sock.send(_request(request_id, "watch_poll", poll))
+            first = _reply(sock, "the poll beyond the bound")
+            assert (first.id, first.ok, first.body) == (3, True, {"events": [], "revision": start - 1})
+            assert not sock.poll(200), "a parked poll was answered with nothing to say"
+            revision = registry.put(ns + "a", b"1")  # in process: the listener wakes the host
+            replies = [_reply(sock, "a parked poll"), _reply(sock, "a parked poll")]
+            assert sorted(r.id for r in replies) == [1, 2]
+            event = {"kind": "put", "key": ns + "a", "value": b"1", "revision": revision}
+            assert all(r.body == {"events": [event], "revision": revision} for r in replies), replies
+            sock.send(_request(4, "watch_poll", {**poll, "from_revision": revision + 1, "wait_ms": 300}))
+            waited = time.monotonic()
+            timed_out = _reply(sock, "a poll that times out")
+            assert 0.25 <= time.monotonic() - waited < 3
+            assert (timed_out.id, timed_out.ok) == (4, True)
+            assert timed_out.body == {"events": [], "revision": revision}
+        finally:
+            sock.close(linger=0)
+            host.shutdown()
+
+
+def test_a_host_serves_the_registry_next_to_other_services() -> None:
+    with MemoryRegistry() as registry:
+        host = ServiceHost("127.0.0.1")
+        host.add("other", _Other())
+        host.start()
+        client = RemoteRegistry(host.address)
+        try:
+            with pytest.raises(RegistryError, match=r"unknown_service.*no service 'registry'"):
+                client.revision()
+            host.add("registry", RegistryService(registry, host))
+            assert client.put("/k", b"v") == registry.revision()
+            kv = registry.get("/k")
+            assert kv is not None and kv.value == b"v"
+            with RpcClient(host.address) as other:
+                assert other.call("other", "ping", Empty(), Empty)[0] == Empty()
+        finally:
+            client.close()
+            host.shutdown()
+
+
+class _Other(ServiceBase):
+    def rpc_ping(self, request: Empty, call: Call) -> Empty:
+        return Empty()
 
 
 def test_server_lifecycle_and_remote_compaction() -> None:
@@ -592,16 +690,17 @@ def test_remote_drops_a_late_reply() -> None:
             client.revision()  # the fake server holds this request
         assert router.poll(5000)
         identity, frame = router.recv_multipart()
-        first = decode_request(frame)
+        first = RequestEnvelope.model_validate(unpack_raw(frame))
+        assert (first.service, first.method) == ("registry", "revision")
         result: list[int] = []
         second_call = threading.Thread(target=lambda: result.append(client.revision()))
         second_call.start()
         assert router.poll(5000)
         identity2, frame2 = router.recv_multipart()
-        second = decode_request(frame2)
+        second = RequestEnvelope.model_validate(unpack_raw(frame2))
         assert second.id != first.id
-        router.send_multipart([identity, pack(RevisionReply(id=first.id, revision=111))])  # late
-        router.send_multipart([identity2, pack(RevisionReply(id=second.id, revision=222))])
+        router.send_multipart([identity, *reply_frames(first.id, RevisionReply(revision=111))])  # late
+        router.send_multipart([identity2, *reply_frames(second.id, RevisionReply(revision=222))])
         second_call.join(timeout=5)
         assert result == [222]
     finally:
@@ -616,10 +715,11 @@ def test_remote_error_replies_raise(served: RegistryServer) -> None:
             client.watch("/x/", start_revision=0)
         with pytest.raises(RegistryError, match="lease 987654 not found"):
             RemoteLease(client, 987654, timedelta(seconds=1)).refresh()
-        with pytest.raises(ProtocolError, match="'from_revision'"):  # a client bug, reported by the server
+        with pytest.raises(ProtocolError, match="from_revision"):  # a client bug, reported by the server
             client._call(
                 "a bad poll",
-                lambda i: WatchPollRequest.model_construct(id=i, prefix="/x/", from_revision=0, wait_ms=0),
+                "watch_poll",
+                WatchPollRequest.model_construct(prefix="/x/", from_revision=0, wait_ms=0),
                 EventsReply,
             )
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,11 +114,15 @@ def test_the_coordinator_names_the_missing_workers_and_exits_2(
         "1",
         "--output",
         str(tmp_path / "out.pt"),
+        "--run-dir",
+        str(tmp_path / "run"),
         env={"PYTHONPATH": str(ROOT / "examples")},
     )
     assert done.returncode == 2, done.stderr
     assert "0 of 2 workers registered under /cellmesh/lonely/workers/" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "out.pt").exists()
+    record = json.loads((tmp_path / "run" / "run.json").read_text())  # the failure is recorded
+    assert record["phase"] == "failed" and "0 of 2 workers registered" in record["error"]
 
 
 @pytest.mark.parametrize(

@@ -20,10 +20,10 @@ import torch
 
 from comm.codec import unpack
 from comm.registry import connect_registry
-from comm.rpc.service import RpcClient
+from comm.rpc import RpcClient
 from coordinator.commands.jobspec import load_job
 from coordinator.commands.k8s.render import RenderOptions, render
-from coordinator.commands.server import CoordinatorStatus
+from coordinator.commands.rundir import RunRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from services.protocol import Empty, WorkerCard
 from tests.harness.http import http_get as _http
@@ -124,7 +124,7 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
         )
         client = RpcClient(f"tcp://127.0.0.1:{coordinator.port('control')}", timeout=timedelta(seconds=10))
         try:
-            status, _ = client.call("coordinator", "status", Empty(), CoordinatorStatus)
+            status, _ = client.call("coordinator", "status", Empty(), RunRecord)
         finally:
             client.close()
         assert (status.phase, status.step, status.steps) == ("done", 4, 4)
@@ -132,7 +132,7 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
         assert _http(metrics + "/readyz")[0] == 200 and "cellmesh_step 4.0" in _http(metrics + "/metrics")[1]
         checkpoint = Path(status.output)
         assert checkpoint.is_file() and checkpoint.is_relative_to(tmp_path)
-        record = json.loads(checkpoint.with_name(checkpoint.name + ".json").read_text())
+        record = json.loads(checkpoint.with_name("run.json").read_text())  # the run directory's
         assert record["phase"] == "done" and record["step"] == 4
 
         # SIGTERM, as a deletion does: the coordinator (done) and the workers (drained) exit 0
@@ -204,5 +204,6 @@ def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_t
 
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     loaded = load_job(tmp_path / "podjob-coordinator-pod_etc_cellmesh" / "job.yaml")
-    state = torch.load(tmp_path / "podjob-coordinator-pod_var_lib_cellmesh" / "podjob.pt", weights_only=True)
+    run_dir = tmp_path / "podjob-coordinator-pod_var_lib_cellmesh" / "podjob"  # the manifests' --run-dir
+    state = torch.load(run_dir / "model.pt", weights_only=True)
     assert max_abs_diff(state, train_reference(loaded.job, steps).state_dict) < FLOAT32_TOLERANCE

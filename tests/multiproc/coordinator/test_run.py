@@ -46,14 +46,19 @@ def cellmesh(*args: str | Path, timeout: float = RUN_TIMEOUT) -> Proc:
 
 
 def assert_trained(proc: Proc, output: Path, steps: int) -> dict[str, torch.Tensor]:
+    """A run that exited 0 with its progress, wrote ``output`` and the same state_dict to its run directory
+    (``output``'s sibling ``run``, as the tests pass ``--run-dir``)."""
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "plan: " in out and "stage  nodes" in out and "workers (data-parallel group)" in out, out
     for k in range(1, steps + 1):
         assert f"step {k}/{steps}  loss " in out and "samples/s" in out, out
-    assert "done: " in out and str(output) in out, out
+    run_dir = output.parent / "run"
+    assert "done: " in out and str(output) in out and f"run directory {run_dir}" in out, out
     state: dict[str, torch.Tensor] = torch.load(output, weights_only=True)
     assert all(isinstance(v, torch.Tensor) for v in state.values())
+    in_run_dir = torch.load(run_dir / "model.pt", weights_only=True)
+    assert state.keys() == in_run_dir.keys() and all(torch.equal(state[k], in_run_dir[k]) for k in state)
     return state
 
 
@@ -69,7 +74,8 @@ def test_json_spec_trains_and_writes_a_loadable_state_dict(tmp_path: Path) -> No
     spec = tmp_path / "tiny.json"
     spec.write_text(json.dumps(SPEC))
     output = tmp_path / "out" / "tiny.pt"
-    proc = cellmesh("run", spec, "--workers", "2", "--strategy", "data_parallel", "--output", output)
+    proc = cellmesh("run", spec, "--workers", "2", "--strategy", "data_parallel", "--output", output,
+                    "--run-dir", output.parent / "run")
     state = assert_trained(proc, output, 3)
     assert "2 replica(s) x 1 stage(s)" in proc.stdout
     load_into_mlp(state, seed=1)
@@ -88,7 +94,7 @@ def test_yaml_spec_with_a_pipeline_and_settings_from_the_command_line(tmp_path: 
         """))
     output = tmp_path / "tiny.pt"
     proc = cellmesh("run", spec, "--workers", "2", "--steps", "2", "--plan.num-microbatches", "2",
-                    "--set", "data.seed=2", "-o", output)
+                    "--set", "data.seed=2", "-o", output, "--run-dir", tmp_path / "run")
     state = assert_trained(proc, output, 2)
     assert "1 replica(s) x 2 stage(s)" in proc.stdout and "crossing tensors per microbatch" in proc.stdout
     load_into_mlp(state, seed=2)
@@ -121,7 +127,7 @@ def test_job_module_with_its_own_factories(tmp_path: Path) -> None:
                        optimizer_kwargs={"lr": 0.1}, global_batch=8, seed=3, steps=3)
         """))
     output = tmp_path / "tinyjob.pt"
-    proc = cellmesh("run", module, "--workers", "2", "-o", output)
+    proc = cellmesh("run", module, "--workers", "2", "-o", output, "--run-dir", tmp_path / "run")
     state = assert_trained(proc, output, 3)
     assert "job module tinyjob_cli" in proc.stdout and "tinyparts_cli:model" in proc.stdout
     assert "tinyjob_cli:data" in proc.stdout
@@ -157,7 +163,8 @@ def test_a_factory_that_does_not_import_is_named(tmp_path: Path) -> None:
 def test_a_plan_that_does_not_fit_and_a_broken_module(tmp_path: Path) -> None:
     spec = tmp_path / "tiny.json"
     spec.write_text(json.dumps(SPEC))
-    assert_user_error(cellmesh("run", spec, "--workers", "2", "--stages", "3", timeout=30),
+    assert_user_error(cellmesh("run", spec, "--workers", "2", "--stages", "3", "--run-dir", tmp_path / "run",
+                               timeout=30),
                       "no plan", "num_stages=3")
     module = tmp_path / "broken_job_cli.py"
     module.write_text("def job():\n    return 42\n")
@@ -177,7 +184,7 @@ def test_a_worker_failure_is_one_paragraph_and_exits_1() -> None:
 
 def test_demo_trains_the_example_language_model(tmp_path: Path) -> None:
     output = tmp_path / "charlm.pt"
-    proc = cellmesh("demo", "--steps", "2", "-o", output)
+    proc = cellmesh("demo", "--steps", "2", "-o", output, "--run-dir", tmp_path / "run")
     state = assert_trained(proc, output, 2)
     assert "job module charlm" in proc.stdout and "the trained model continues 'The '" in proc.stdout
     nn.Sequential(*charlm.model()).load_state_dict(state, strict=True)

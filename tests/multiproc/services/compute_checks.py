@@ -1,13 +1,12 @@
 """Test-side plumbing for compute-service pipelines: specs, assignment, hand-written lists, the reference.
 
-The schedules here are written out by hand in the compact printed form (``F0``,
-``SA0->1``, ``RG0<-1``...), not generated, so a test fails on the runtime, never on a
+The schedules here are written out by hand in the printed form of an action (``0F0``,
+``0SEND_F0``, ``0RECV_B0``...), not generated, so a test fails on the runtime, never on a
 generator bug.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -16,10 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from comm.rpc.service import RpcClient, RpcError
+from comm.rpc import RpcClient, RpcError
 from comm.wire import dtype_name
 from services.compute.cell import as_cells, cell_parameters
 from services.protocol import (
+    Action,
     Assignment,
     AssignmentReply,
     BoundarySpec,
@@ -27,7 +27,6 @@ from services.protocol import (
     ComputeOptions,
     Empty,
     RunStep,
-    StageAction,
     StepReply,
     TensorsReply,
 )
@@ -39,30 +38,23 @@ CALL_TIMEOUT = timedelta(seconds=30)
 
 # 2 stages x 4 microbatches. GPipe: all forwards, then all backwards (receives posted early).
 GPIPE = {
-    0: "F0 SA0->1 F1 SA1->1 F2 SA2->1 F3 SA3->1 RG0<-1 RG1<-1 RG2<-1 RG3<-1 B0 B1 B2 B3",
-    1: "RA0<-0 RA1<-0 RA2<-0 RA3<-0 F0 F1 F2 F3 B0 SG0->0 B1 SG1->0 B2 SG2->0 B3 SG3->0",
+    0: ("0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 "
+        "0RECV_B0 0RECV_B1 0RECV_B2 0RECV_B3 0B0 0B1 0B2 0B3"),
+    1: ("1RECV_F0 1RECV_F1 1RECV_F2 1RECV_F3 1F0 1F1 1F2 1F3 "
+        "1B0 1SEND_B0 1B1 1SEND_B1 1B2 1SEND_B2 1B3 1SEND_B3"),
 }
 # 1F1B: stage 0 warms up with one forward, then alternates; stage 1 alternates from the start.
 ONE_F_ONE_B = {
-    0: "F0 SA0->1 RG0<-1 F1 SA1->1 RG1<-1 B0 F2 SA2->1 RG2<-1 B1 F3 SA3->1 RG3<-1 B2 B3",
-    1: "RA0<-0 RA1<-0 F0 B0 SG0->0 RA2<-0 F1 B1 SG1->0 RA3<-0 F2 B2 SG2->0 F3 B3 SG3->0",
+    0: ("0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0F2 "
+        "0SEND_F2 0RECV_B2 0B1 0F3 0SEND_F3 0RECV_B3 0B2 0B3"),
+    1: ("1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1RECV_F2 1F1 1B1 "
+        "1SEND_B1 1RECV_F3 1F2 1B2 1SEND_B2 1F3 1B3 1SEND_B3"),
 }
 MICROBATCHES = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 
-_KINDS = {"F": "forward", "B": "backward", "SA": "send_act", "RA": "recv_act", "SG": "send_grad",
-          "RG": "recv_grad"}
-_ACTION = re.compile(r"^(F|B|SA|RA|SG|RG)(\d+)(?:(?:->|<-)(\d+))?$")
 
-
-def parse_actions(text: str) -> list[StageAction]:
-    out = []
-    for word in text.split():
-        match = _ACTION.match(word)
-        assert match, word
-        kind, mb, peer = match.groups()
-        out.append(StageAction(kind=_KINDS[kind], microbatch=int(mb),  # type: ignore[arg-type]
-                               peer=None if peer is None else int(peer)))
-    return out
+def parse_actions(text: str) -> list[Action]:
+    return [Action.parse(word) for word in text.split()]
 
 
 def spec_of(value: Any, batch_size: int) -> BoundarySpec:

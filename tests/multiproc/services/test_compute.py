@@ -18,8 +18,9 @@ import torch
 
 from comm.codec import PROTOCOL_VERSION
 from comm.registry import RegistryServer
-from comm.rpc.service import RpcClient, RpcError
+from comm.rpc import RpcClient, RpcError
 from services.protocol import (
+    Action,
     Assignment,
     AssignmentReply,
     CommitReply,
@@ -118,7 +119,7 @@ def test_gpipe_matches_single_process(stages: list[str], server: RegistryServer,
         assert reply.stage == stage and len(reply.starts) == len(reply.ends) == len(actions)
         assert all(s <= e for s, e in zip(reply.starts, reply.ends, strict=True))
         forwards = [(s, e) for a, s, e in zip(actions, reply.starts, reply.ends, strict=True)
-                    if a.startswith("F")]
+                    if Action.parse(a).kind == "F"]
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(forwards)), "forwards overlap"
 
 
@@ -197,23 +198,23 @@ def test_bad_input_then_valid(stages: list[str], server: RegistryServer) -> None
         "not msgpack": (b"\x93\xc1 junk", "bad_request", "msgpack"),
         "wrong version": (envelope(v=PROTOCOL_VERSION + 1), "bad_request", "version"),
         "unknown method": (envelope(method="teleport"), "unknown_method", "teleport"),
-        "field of wrong type": (envelope(body=dict(step="0", microbatches=[[0]], actions=[{"kind": "forward",
-                                                   "microbatch": 0}])), "bad_request", "step"),
-        "unknown action kind": (envelope(body=dict(step=0, microbatches=[[0]], actions=[{"kind": "dance",
-                                                   "microbatch": 0}])), "bad_request", "kind"),
+        "field of wrong type": (envelope(body=dict(step="0", microbatches=[[0]], actions=[
+            {"stage": 0, "kind": "F", "microbatch": 0}])), "bad_request", "step"),
+        "unknown action kind": (envelope(body=dict(step=0, microbatches=[[0]], actions=[
+            {"stage": 0, "kind": "dance", "microbatch": 0}])), "bad_request", "actions.0.kind"),
     }
     with RpcClient(stages[0]) as c:
         for what, (frame, code, mentions) in raw_cases.items():
             reply = msgpack.unpackb(c.send_raw([frame])[0])
             assert reply["ok"] is False and reply["error"]["code"] == code, (what, reply)
             assert mentions in reply["error"]["message"], (what, reply)
-    invalid_lists = {  # stage 0's list, and what the error must say
-        "B0 F0 SA0->1 RG0<-1": "backward of microbatch 0 comes before its forward",
-        "F0 SA0->1 RG0<-1 B0 F4 SA4->1": "microbatch 4 is not one of the step's 4 microbatches",
-        "F0 SA0->2": "send_act needs peer 1, got 2",
-        "RA0<-1 F0": "it has no previous stage",
-        "F0 F0 SA0->1": "repeats action #0",
-        GPIPE[0].replace(" RG2<-1", ""): "microbatch 2 has no recv_grad",
+    invalid_lists = {  # stage 0's list, and what the error must say: the action and the rule
+        "0B0 0F0 0SEND_F0 0RECV_B0": "action #0 (0B0): 0F0 must come before it",
+        "0F0 0SEND_F0 0RECV_B0 0B0 0F4 0SEND_F4": "action #4 (0F4): microbatch 4 is not one of the step's 4",
+        GPIPE[1]: "action #0 (1RECV_F0): names stage 1",
+        "0RECV_F0 0F0": "(0RECV_F0): stage 0 is the first stage; it has no previous stage",
+        "0F0 0F0 0SEND_F0": "action #1 (0F0): repeats action #0",
+        GPIPE[0].replace(" 0RECV_B2", ""): "action #13 (0B2): 0RECV_B2 must come before it",
     }
     with RpcClient(stages[0]) as c:
         for text, says in invalid_lists.items():

@@ -23,7 +23,7 @@ from torch import nn
 
 from comm.codec import PROTOCOL_VERSION
 from comm.registry import RegistryServer
-from comm.rpc.service import RpcClient, RpcError
+from comm.rpc import RpcClient, RpcError
 from comm.sockets import CHUNK_BYTES
 from services.params.client import PushPullClient, ShardRef, setup_shards
 from services.params.sharding import join_pieces, piece_slices, plan_shards, split_pieces

@@ -12,7 +12,7 @@ import pytest
 
 from comm.codec import pack
 from comm.registry import RegistryServer, RemoteRegistry
-from comm.rpc.service import RpcClient, RpcError
+from comm.rpc import RpcClient, RpcError
 from services.host.worker import worker_key
 from services.protocol import Assignment, AssignmentReply, BarrierArrive, BarrierReleased, Empty, WorkerStatus
 from tests.harness.workers import WorkerProcess, registry_server, start_worker

@@ -23,7 +23,7 @@ from coordinator.planning.planner import (
 )
 from coordinator.planning.profile import Profile, profile_graph
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import validate_schedule
+from services.compute.actions import validate_schedule
 from services.compute.cell import Cell
 
 MiB = 2**20
@@ -50,7 +50,7 @@ def test_model_too_big_for_one_worker_gets_a_pipeline_that_fits() -> None:
     assert all(st.peak_memory_bytes <= 150 * MiB for st in plan.stages)
     assert plan.peak_memory_bytes <= 150 * MiB
     assert [n for st in plan.stages for n in st.nodes] == [f"n{i}" for i in range(8)]
-    validate_schedule(plan.schedule())
+    validate_schedule(plan.schedule().actions, plan.num_microbatches)
     print("\n" + str(plan))
 
 

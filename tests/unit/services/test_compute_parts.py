@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from comm.rpc.service import RpcClient, RpcError, ServiceHost
-from services.compute.actions import ActionListError, validate_actions
+from comm.rpc import RpcClient, RpcError, ServiceHost
+from services.compute.actions import validate_stage
 from services.compute.boundary import BoundaryError, empty_buffers, flatten, shapes_at, unflatten
 from services.compute.cell import Cell, as_cells, cell_parameters
 from services.compute.service import CellComputeService
@@ -26,30 +26,14 @@ from services.protocol import (
 from tests.multiproc.services import models
 from tests.multiproc.services.compute_checks import GPIPE, MODELS, ONE_F_ONE_B, parse_actions, reference
 
+MICROBATCHES_4 = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
 
 @pytest.mark.parametrize("stage", [0, 1])
 @pytest.mark.parametrize("lists", [GPIPE, ONE_F_ONE_B], ids=["gpipe", "1f1b"])
 def test_hand_written_lists_are_valid(lists: dict[int, str], stage: int) -> None:
-    assert validate_actions(parse_actions(lists[stage]), stage=stage, num_stages=2,
-                            num_microbatches=4) == frozenset(range(4))
-
-
-def test_forward_only_list_is_an_evaluation_step() -> None:
-    assert validate_actions(parse_actions("RA0<-0 F0 SA0->2"), stage=1, num_stages=3,
-                            num_microbatches=1) == frozenset()
-
-
-@pytest.mark.parametrize(("stage", "text", "says"), [
-    (1, "F0 RA0<-0 B0 SG0->0", "forward of microbatch 0 comes before its recv_act"),
-    (1, "RA0<-0 F0 B0", "microbatch 0 has no send_grad"),
-    (0, "F0 SA0->1 RG0<-1", "microbatch 0 has recv_grad but no backward"),
-    (1, "RA0<-0 F0 B0 SG0->1", "send_grad needs peer 0, got 1"),
-    (1, "RA0<-0 F0 SG0->0 B0", "send_grad of microbatch 0 comes before its backward"),
-    (0, "F0 SA0", "send_act needs peer 1, got None"),
-])
-def test_invalid_lists_are_named(stage: int, text: str, says: str) -> None:
-    with pytest.raises(ActionListError, match=says):
-        validate_actions(parse_actions(text), stage=stage, num_stages=2, num_microbatches=1)
+    # the rules themselves are tests/unit/services/test_actions.py's
+    assert validate_stage(parse_actions(lists[stage]), stage=stage, num_stages=2, num_microbatches=4) is True
 
 
 def _spec(structure: str, *names: str, dtype: str = "float64", grad: bool = True) -> BoundarySpec:
@@ -119,8 +103,8 @@ def one_stage() -> Iterator[RpcClient]:
 
 
 def test_one_stage_pipeline_matches_reference(one_stage: RpcClient) -> None:
-    request = RunStep(step=0, microbatches=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
-                      actions=parse_actions("F0 F1 F2 F3 B3 B2 B1 B0"))
+    request = RunStep(step=0, microbatches=MICROBATCHES_4,
+                      actions=parse_actions("0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0"))
     reply, _ = one_stage.call("c", "run_step", request, StepReply)
     reply_grads, grads = one_stage.call("c", "gradients", Empty(), TensorsReply)
     assert reply_grads.missing == []
@@ -130,7 +114,20 @@ def test_one_stage_pipeline_matches_reference(one_stage: RpcClient) -> None:
     assert models.NUM_SAMPLES == 32
 
 
-def test_one_stage_rejects_transfers(one_stage: RpcClient) -> None:
-    with pytest.raises(RpcError, match="it has no next stage"):
-        request = RunStep(step=0, microbatches=[[0]], actions=parse_actions("F0 SA0->1"))
+@pytest.mark.parametrize(("text", "says"), [
+    ("0F0 0SEND_F0", r"step 0: stage 0, action #1 \(0SEND_F0\): stage 0 is the last of 1; it has no next"),
+    ("0B0 0F0", r"step 0: stage 0, action #0 \(0B0\): 0F0 must come before it"),
+    ("0F0 0B0 0F1", r"step 0: stage 0: the list has no 0B1 \(a step runs the backward of every"),
+    ("1F0 1B0", r"step 0: stage 0, action #0 \(1F0\): names stage 1"),
+])
+def test_refuses_a_list_that_breaks_a_rule_and_keeps_serving(one_stage: RpcClient, text: str, says: str
+                                                              ) -> None:
+    with pytest.raises(RpcError, match=says) as err:
+        request = RunStep(step=0, microbatches=[[0], [1]], actions=parse_actions(text))
         one_stage.call("c", "run_step", request, StepReply)
+    assert err.value.code == "bad_request"
+    valid = RunStep(step=1, microbatches=MICROBATCHES_4,
+                    actions=parse_actions("0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0"))
+    reply, _ = one_stage.call("c", "run_step", valid, StepReply)
+    _, _, losses_ref = reference("skip_model")
+    assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10

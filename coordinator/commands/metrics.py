@@ -1,0 +1,59 @@
+"""The coordinator's Prometheus metrics, defined once (``cellmesh coordinator`` and ``cellmesh run``).
+
+``cellmesh coordinator --metrics-port P`` (pod mode, ``coordinator/commands/server.py``) and
+``cellmesh run --metrics-port P`` (a local run, ``coordinator/commands/output.py``) both
+serve a :class:`RunMetrics` registry through :class:`~services.host.health.HealthServer`'s
+``/metrics``; each finished step updates it through :meth:`RunMetrics.observe`.
+
+============================== =====================================================
+``cellmesh_step``              steps finished
+``cellmesh_steps``             steps the job trains
+``cellmesh_loss``              loss of the last finished step
+``cellmesh_samples_per_second`` samples per second of the last step
+``cellmesh_step_seconds``      histogram of the steps' wall time
+``cellmesh_coordinator_seconds`` the coordinator's own time in the last step
+``cellmesh_workers``           workers the job trains on
+``cellmesh_done``              1 once the final state_dict is written
+============================== =====================================================
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from coordinator.runtime.driver import StepRecord
+
+__all__ = ["STEP_SECONDS_BUCKETS", "RunMetrics", "samples_per_second"]
+
+STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def samples_per_second(record: StepRecord) -> float:
+    """The step's own throughput: its samples over its wall time."""
+    return record.num_samples / max(record.seconds, 1e-9)
+
+
+class RunMetrics:
+    """The metrics of one training run, in a registry of their own (:attr:`registry`)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.step = Gauge("cellmesh_step", "Steps finished", registry=r)
+        self.steps = Gauge("cellmesh_steps", "Steps the job trains", registry=r)
+        self.loss = Gauge("cellmesh_loss", "Loss of the last finished step", registry=r)
+        self.samples_per_s = Gauge("cellmesh_samples_per_second", "Samples per second of the last step",
+                                   registry=r)
+        self.workers = Gauge("cellmesh_workers", "Workers the job trains on", registry=r)
+        self.done = Gauge("cellmesh_done", "1 once the final state_dict is written", registry=r)
+        self.step_seconds = Histogram("cellmesh_step_seconds", "Wall time of a step", registry=r,
+                                      buckets=STEP_SECONDS_BUCKETS)
+        self.coordinator_seconds = Gauge("cellmesh_coordinator_seconds",
+                                         "Coordinator's own time in the last step", registry=r)
+
+    def observe(self, record: StepRecord) -> None:
+        """Count a finished step: step, loss, throughput, step time, the coordinator's share."""
+        self.step.inc()
+        self.loss.set(record.loss)
+        self.samples_per_s.set(samples_per_second(record))
+        self.step_seconds.observe(record.seconds)
+        self.coordinator_seconds.set(record.coordinator_s)

@@ -1,0 +1,168 @@
+"""What a run leaves behind while it trains: its record, log, trace, metrics and TensorBoard scalars.
+
+A :class:`RunRecorder` belongs to one run directory (``coordinator/commands/rundir.py``).
+``cellmesh run`` (``coordinator/commands/run.py``'s ``train``) makes one per run; the
+coordinator of a cluster job (``coordinator/commands/server.py``) makes one too and
+reads its :meth:`~RunRecorder.status` for the ``status`` RPC. Inside ``with recorder:``
+
+* the coordinator process's log records also go to ``coordinator.log`` (``comm/logs.py``);
+* every finished step (:meth:`~RunRecorder.on_step`) updates the record (step, loss,
+  samples/s), the Prometheus metrics (``coordinator/commands/metrics.py``), the trace
+  (``coordinator/runtime/trace.py``) and, with ``--tensorboard DIR``, the scalars ``loss``
+  and ``samples_per_s`` at global step ``record.step + 1`` (the step's number as the progress
+  lines count it);
+* with ``--metrics-port P`` it serves ``/metrics`` (and ``/healthz``, ``/readyz``) on
+  127.0.0.1:P;
+* ``run.json`` is rewritten at each change of phase; at the end, ``trace.json`` is written
+  and a run that did not reach ``done`` is recorded as ``failed`` with its error.
+
+The step callback's cost is a few gauge updates and a reference kept: no I/O but
+TensorBoard's buffered writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from types import TracebackType
+from typing import Any
+
+from comm.logs import log_to_file
+from coordinator.commands.metrics import RunMetrics, samples_per_second
+from coordinator.commands.output import OutputOptions
+from coordinator.commands.rundir import RunDir, RunRecord, write_atomic
+from coordinator.planning.plan import Plan
+from coordinator.runtime.driver import StepRecord
+from coordinator.runtime.trace import TraceRecorder
+from services.host.health import HealthServer
+
+__all__ = ["METRICS_HOST", "RunRecorder", "open_tensorboard"]
+
+METRICS_HOST = "127.0.0.1"  # a local run's metrics stay on loopback
+
+
+def open_tensorboard(directory: str) -> Any:
+    """A ``torch.utils.tensorboard.SummaryWriter`` on ``directory``.
+
+    Raises:
+        ValueError: The ``tensorboard`` package is not installed (names the extra that brings it).
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ValueError("--tensorboard needs the tensorboard package: pip install 'cellmesh[tensorboard]' "
+                         f"({exc})") from exc
+    return SummaryWriter(log_dir=directory, flush_secs=10)
+
+
+class RunRecorder:
+    """The record, log file, metrics, trace and TensorBoard writer of one run (see the module docstring).
+
+    Args:
+        run_dir: The run's directory (created).
+        options: ``--metrics-port`` and ``--tensorboard`` (the run directory is ``run_dir``).
+        job: The job's name.
+        steps: Steps the run trains.
+        spec_sha256: The job file's digest, kept in the record.
+        metrics: The metrics to update (a new :class:`RunMetrics` by default; the cluster
+            coordinator passes the ones its probe endpoint serves).
+    """
+
+    def __init__(self, run_dir: RunDir, options: OutputOptions, *, job: str, steps: int,
+                 spec_sha256: str = "", metrics: RunMetrics | None = None) -> None:
+        self.run_dir = run_dir
+        self.options = options
+        self.metrics = metrics or RunMetrics()
+        self.metrics.steps.set(steps)
+        self.trace = TraceRecorder()
+        self._lock = threading.Lock()
+        self._record = RunRecord(job=job, phase="starting", run_dir=str(run_dir.path), steps=steps,
+                                 output=str(run_dir.model), spec_sha256=spec_sha256)
+        self._tensorboard: Any = None
+        self._server: HealthServer | None = None
+        self._stack = contextlib.ExitStack()
+
+    # -- the record -----------------------------------------------------------------------
+
+    def status(self) -> RunRecord:
+        with self._lock:
+            return self._record
+
+    def update(self, **changes: object) -> None:
+        """Change the record's fields and rewrite ``run.json``; phase ``done`` also sets ``cellmesh_done``."""
+        with self._lock:
+            self._record = self._record.model_copy(update=changes)
+            record = self._record
+        if record.phase == "done":
+            self.metrics.done.set(1)
+        self.run_dir.write_record(record)
+
+    def write_plan(self, plan: Plan) -> None:
+        """``plan.json`` (it reads back with ``Plan.from_json``) and ``plan.txt`` (as printed)."""
+        write_atomic(self.run_dir.plan_json, plan.to_json())
+        write_atomic(self.run_dir.plan_txt, str(plan) + "\n")
+
+    def on_step(self, record: StepRecord) -> None:
+        """Count a finished step in the record, the metrics, the trace and TensorBoard."""
+        speed = samples_per_second(record)
+        with self._lock:
+            self._record = self._record.model_copy(
+                update={"step": self._record.step + 1, "loss": record.loss, "samples_per_s": speed})
+        self.metrics.observe(record)
+        self.trace.add(record)
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar("loss", record.loss, record.step + 1)
+            self._tensorboard.add_scalar("samples_per_s", speed, record.step + 1)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where ``/metrics`` is served (None without ``--metrics-port``)."""
+        return self._server.url if self._server is not None else None
+
+    def _live(self) -> tuple[bool, str]:
+        record = self.status()
+        return record.phase != "failed", f"run of {record.job}: {record.phase}"
+
+    def _ready(self) -> tuple[bool, str]:
+        record = self.status()
+        return record.phase != "starting", f"run of {record.job}: {record.phase}"
+
+    def __enter__(self) -> RunRecorder:
+        """Open the log file, the TensorBoard writer and the metrics endpoint; write ``run.json``.
+
+        Raises:
+            ValueError: TensorBoard is not installed, or the metrics port cannot be bound.
+        """
+        try:
+            if self.options.tensorboard is not None:
+                self._tensorboard = open_tensorboard(str(self.options.tensorboard))
+                self._stack.callback(self._tensorboard.close)
+            if self.options.metrics_port is not None:
+                try:
+                    self._server = HealthServer(live=self._live, ready=self._ready,
+                                                metrics=self.metrics.registry, host=METRICS_HOST,
+                                                port=self.options.metrics_port).start()
+                except OSError as exc:
+                    raise ValueError(f"cannot serve metrics on {METRICS_HOST}:{self.options.metrics_port}: "
+                                     f"{exc.strerror or exc}; choose another --metrics-port") from exc
+                self._stack.callback(self._server.close)
+            self._stack.enter_context(log_to_file(self.run_dir.coordinator_log))
+            self.run_dir.write_record(self.status())
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Write ``trace.json`` and the final record (``failed`` with the error unless done); close."""
+        try:
+            write_atomic(self.run_dir.trace, json.dumps(self.trace.trace()))
+            if self.status().phase != "done":
+                error = " ".join(str(exc).split()) if exc is not None else "stopped before the end"
+                self.update(phase="failed", error=error or type(exc).__name__)
+        finally:
+            self._stack.close()
