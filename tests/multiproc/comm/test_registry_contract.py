@@ -46,7 +46,8 @@ from comm.registry import (
     WatchEvent,
     connect_registry,
 )
-from comm.registry.etcd import EtcdRegistry, WatchRetry
+from comm.registry.etcd import EtcdRegistry
+from comm.registry.etcd_watch import WatchRetry
 from comm.registry.protocol import (
     ErrorReply,
     EventsReply,
