@@ -71,7 +71,7 @@ def init_communicator(
         liveness_ttl=liveness_ttl,
     )
     if name == "zmq":
-        from comm.zmq.backend import ZmqCommunicator
+        from comm.zmq.communicator import ZmqCommunicator
 
         return ZmqCommunicator.create(**common, **options)
     if name == "gloo":

@@ -118,7 +118,7 @@ def test_imports_go_downward_only() -> None:
 
 
 @pytest.mark.parametrize(("source", "target", "allowed"), [
-    ("comm.zmq.backend", "services.protocol", False),
+    ("comm.zmq.communicator", "services.protocol", False),
     ("coordinator.planning.planner", "coordinator.runtime.job", False),
     ("coordinator.commands.cli", "coordinator.runtime.job", True),
     ("comm.zmq.backend", "comm.torch.backend", False),
