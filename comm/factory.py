@@ -75,9 +75,9 @@ def init_communicator(
 
         return ZmqCommunicator.create(**common, **options)
     if name == "gloo":
-        from comm.torch.backend import GlooCommunicator
+        from comm.torch.gloo import GlooCommunicator
 
         return GlooCommunicator.create(**common, **options)
-    from comm.torch.backend import NcclCommunicator
+    from comm.torch.nccl import NcclCommunicator
 
     return NcclCommunicator.create(**common, **options)
