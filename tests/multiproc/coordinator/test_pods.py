@@ -22,7 +22,8 @@ from comm.codec import unpack
 from comm.registry import connect_registry
 from comm.rpc import RpcClient
 from coordinator.commands.jobspec import load_job
-from coordinator.commands.k8s.render import RenderOptions, render
+from coordinator.commands.k8s.options import RenderOptions
+from coordinator.commands.k8s.render import render
 from coordinator.commands.rundir import RunRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from services.protocol import Empty, WorkerCard

@@ -16,7 +16,9 @@ import yaml
 from coordinator.commands.cli import main
 from coordinator.commands.jobspec import JobSpecError, load_job, read_spec
 from coordinator.commands.k8s.lint import Expect, lint
-from coordinator.commands.k8s.render import RenderOptions, render, write
+from coordinator.commands.k8s.options import RenderOptions
+from coordinator.commands.k8s.render import render
+from coordinator.commands.k8s.writer import write
 
 REPO = Path(__file__).resolve().parents[3]
 CHARLM = REPO / "examples" / "charlm.yaml"
