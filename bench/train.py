@@ -275,6 +275,7 @@ def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, floa
     second prediction plays the same plan against a careful profile: on the plan's own
     microbatch size (no scaling), at least ``careful_repeats`` runs.
     """
+    from coordinator.planning.config import PlanConfig
     from coordinator.planning.planner import choose_plan
     from coordinator.planning.resources import Resources
     from coordinator.runtime.job import Job
@@ -294,15 +295,17 @@ def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, floa
     profiles = {(model, sample, 3): _profile(model, sample, 3) for model in (MODEL, UNEVEN)}
     jobs, careful = {}, {}
     for key, (model, fields) in shapes.items():
-        plan = choose_plan(profiles[(model, sample, 3)], resources, global_batch=GLOBAL_BATCH, **fields)
+        plan = choose_plan(profiles[(model, sample, 3)], resources, PlanConfig(**fields),
+                           global_batch=GLOBAL_BATCH)
         jobs[key] = Job(model=model, loss=LOSS, data=DATA, optimizer="SGD", optimizer_kwargs={"lr": LR},
                         resources=resources, global_batch=GLOBAL_BATCH, seed=SEED, plan=plan,
-                        step_timeout=timedelta(seconds=120))
+                        step_timeout_s=120)
         index = (model, plan.microbatch_size, careful_repeats)
         if index not in profiles:
             profiles[index] = _profile(*index)
         fixed = {**fields, "balance": [st.stop - st.start for st in plan.stages]}
-        careful[key] = choose_plan(profiles[index], resources, global_batch=GLOBAL_BATCH, **fixed).step_time_s
+        careful[key] = choose_plan(profiles[index], resources, PlanConfig(**fixed),
+                                   global_batch=GLOBAL_BATCH).step_time_s
     return jobs, careful
 
 

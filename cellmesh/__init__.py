@@ -9,6 +9,9 @@ cellmesh`` (and the ``cellmesh`` command's ``--help``) costs no torch import::
     job = cellmesh.Job(model="mypackage.model:build", loss="mypackage.model:loss",
                        data="mypackage.data:samples", resources=cellmesh.Resources.local(workers=2))
     result = job.fit(steps=100)
+
+``cellmesh.Job(config)`` takes a whole :class:`JobConfig` instead (what a job spec file holds);
+its keyword fields are that config's, by name (docs/running.md).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from comm.errors import CommError, CommTimeoutError, PeerLostError, RegistryError
+    from coordinator.planning.config import ConfigError, JobConfig
     from coordinator.planning.cutting import CutError
     from coordinator.planning.plan import Plan
     from coordinator.planning.planner import PlanningError
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 # name -> the module that defines it; imported on first access (PEP 562).
 _EXPORTS: dict[str, str] = {
     "Job": "coordinator.runtime.job",
+    "JobConfig": "coordinator.planning.config",
     "FitResult": "coordinator.runtime.job",
     "Resources": "coordinator.planning.resources",
     "Worker": "coordinator.planning.resources",
@@ -40,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "as_cells": "services.compute.cell",
     # errors
     "JobFailed": "coordinator.runtime.driver",
+    "ConfigError": "coordinator.planning.config",
     "PlanningError": "coordinator.planning.planner",
     "CutError": "coordinator.planning.cutting",
     "ScheduleError": "services.compute.actions",
@@ -58,9 +64,11 @@ __all__ = [
     "Cell",
     "CommError",
     "CommTimeoutError",
+    "ConfigError",
     "CutError",
     "FitResult",
     "Job",
+    "JobConfig",
     "JobFailed",
     "Link",
     "PeerLostError",

@@ -22,12 +22,17 @@ from datetime import timedelta
 
 import torch
 
+from comm.errors import CommTimeoutError
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Communicator",
     "CompletedWork",
     "ReduceOp",
     "Work",
+    "bound",
+    "check_sizes",
+    "timeout_error",
 ]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -65,21 +70,28 @@ class CompletedWork(Work):
 class Communicator(abc.ABC):
     """A group of ``world_size`` ranks that exchange tensors.
 
-    Backends: ``comm.zmq.backend.ZmqCommunicator``, ``comm.torch.backend.GlooCommunicator``
-    and ``NcclCommunicator``; build one with :func:`comm.init_communicator`.
+    Backends: ``comm.zmq.communicator.ZmqCommunicator``, ``comm.torch.gloo.GlooCommunicator``
+    and ``comm.torch.nccl.NcclCommunicator``; build one with :func:`comm.init_communicator`.
+
+    A backend sets ``_members`` (the global ranks of the group, indexed by group rank) and
+    ``_rank`` (this process's group rank); the checks below are the ones every backend
+    makes on the calling rank before anything is sent, so bad arguments raise the same
+    ``ValueError`` everywhere.
     """
 
     backend: str
     timeout: timedelta
+    _members: tuple[int, ...]
+    _rank: int
 
     @property
-    @abc.abstractmethod
     def rank(self) -> int:
         """This process's rank in the communicator (0-based)."""
+        return self._rank
 
     @property
-    @abc.abstractmethod
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        return len(self._members)
 
     # -- point to point -------------------------------------------------------------
 
@@ -214,6 +226,70 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+    # -- argument checks shared by the backends ------------------------------------------
+
+    def _peer(self, group_rank: int, op: str) -> int:
+        """The global rank of point-to-point peer ``group_rank`` (ValueError: outside, or this rank)."""
+        if not 0 <= group_rank < self.world_size:
+            raise ValueError(f"{op}: rank {group_rank} is outside 0..{self.world_size - 1}")
+        if group_rank == self._rank:
+            raise ValueError(f"{op}: rank {group_rank} is this rank; sending to oneself is not supported")
+        return self._members[group_rank]
+
+    def _check_root(self, src: int, op: str) -> None:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"{op}: src {src} is outside 0..{self.world_size - 1}")
+
+    def _subgroup(self, ranks: Sequence[int]) -> list[int]:
+        """``new_group``'s ranks, checked: distinct, non-empty, each a rank of this communicator."""
+        chosen = [int(r) for r in ranks]
+        if not chosen or len(set(chosen)) != len(chosen):
+            raise ValueError(f"new_group: ranks {chosen} must be distinct and non-empty")
+        for r in chosen:
+            if not 0 <= r < self.world_size:
+                raise ValueError(f"new_group: rank {r} is outside 0..{self.world_size - 1}")
+        return chosen
+
+
+def bound(timeout: timedelta | None, default: timedelta) -> timedelta:
+    """A call's time limit: ``timeout``, or ``default`` when it is None (zero means zero)."""
+    return default if timeout is None else timeout
+
+
+def timeout_error(
+    call: str, rank: int | None, waited: float, whom: str, *, peer: int | None, detail: str = ""
+) -> CommTimeoutError:
+    """The error of a call that ran out of time, worded alike by every backend.
+
+    Args:
+        call: the call, with its arguments when known (``"recv(src=0, tag=3)"``); the bare
+            name before ``(`` becomes the error's ``op``.
+        rank: the global rank that gave up (None: not known here).
+        waited: seconds waited.
+        whom: what it waited for (``"peer rank 2"``, ``"a send to complete"``).
+        peer: the global rank waited for, when there is one.
+        detail: the backend's own words, appended.
+    """
+    where = "" if rank is None else f" on rank {rank}"
+    said = f"; {detail}" if detail else ""
+    return CommTimeoutError(
+        f"{call}{where} timed out after {waited:.2f}s waiting for {whom}{said}",
+        op=call.split("(", 1)[0], peer=peer, waited=waited,
+    )
+
+
+def check_sizes(
+    op: str, big_name: str, big: torch.Tensor, small_name: str, small: torch.Tensor, world_size: int
+) -> None:
+    """ValueError unless ``big`` holds ``world_size`` times ``small``'s elements, of its dtype."""
+    if big.dtype != small.dtype:
+        raise ValueError(f"{op}: {big_name} is {big.dtype} but {small_name} is {small.dtype}")
+    if big.numel() != world_size * small.numel():
+        raise ValueError(
+            f"{op}: {big_name} has {big.numel()} elements, expected world_size * {small_name}.numel() "
+            f"= {world_size} * {small.numel()} = {world_size * small.numel()}"
+        )
 
 
 def _check_list(

@@ -71,13 +71,13 @@ def init_communicator(
         liveness_ttl=liveness_ttl,
     )
     if name == "zmq":
-        from comm.zmq.backend import ZmqCommunicator
+        from comm.zmq.communicator import ZmqCommunicator
 
         return ZmqCommunicator.create(**common, **options)
     if name == "gloo":
-        from comm.torch.backend import GlooCommunicator
+        from comm.torch.gloo import GlooCommunicator
 
         return GlooCommunicator.create(**common, **options)
-    from comm.torch.backend import NcclCommunicator
+    from comm.torch.nccl import NcclCommunicator
 
     return NcclCommunicator.create(**common, **options)

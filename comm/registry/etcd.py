@@ -11,106 +11,33 @@ What a cluster uses (the embedded registry is for local runs). Mapping:
   election timeout) and TTLs are whole seconds: a requested TTL is rounded *up* to
   ``max(2 s, ceil(ttl))``; :attr:`Lease.ttl` is what etcd granted. A lapsed lease's
   keys vanish up to ~1.5 s after the TTL (etcd checks expiry periodically).
-* watches: see [Note: resuming etcd watches].
+* watches: :class:`~comm.registry.etcd_watch.EtcdWatch`, see [Note: resuming etcd watches]
+  in ``comm/registry/etcd_watch.py``.
 
-[Note: etcd3 0.12 workarounds]
-The package's high-level calls are awkward in three ways, so this module uses the
-client only for its gRPC channel and stubs (``client.kvstub``, ``client.leasestub``)
-and its protobuf messages (``etcd3.etcdrpc``):
-
-1. its methods pass only a deadline, so a call made while the channel is reconnecting
-   (just after an etcd restart) fails at once with UNAVAILABLE; we call the stubs with
-   ``wait_for_ready=True``, which waits for the channel, bounded by the same deadline;
-2. its ``Watcher`` re-opens the stream in a tight loop while etcd is down, drops the
-   callbacks of every watch on an error and never resumes them, and cancels by
-   queueing a request onto a stream that may be gone; we drive the bidirectional
-   ``Watch`` RPC ourselves, one stream per watch, and cancel it with the gRPC call's
-   own ``cancel()``;
-3. gRPC errors other than four codes escape untranslated; we translate every
-   ``grpc.RpcError`` into :class:`RegistryError` / :class:`RegistryTimeoutError`.
-
-[Note: resuming etcd watches]
-An :class:`EtcdWatch` runs its stream in a daemon thread and remembers the revision of
-the last event it delivered. On any error or end of the stream (etcd restarted, the
-connection dropped) it reconnects, with exponential backoff bounded by
-:class:`WatchRetry`, and re-creates the watch at ``last revision + 1``. etcd sends
-whole revisions in one response (we never ask for fragmented responses), so resuming
-after the last delivered revision loses and repeats nothing. If etcd stays unreachable
-longer than ``give_up_after``, or the revision to resume from was compacted, the
-watch fails: :meth:`EtcdWatch.get` raises :class:`RegistryError`.
+How the package's client is used: [Note: etcd3 0.12 workarounds] in ``comm/registry/etcd_grpc.py``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import queue
-import threading
-import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import grpc
 
 from comm.errors import RegistryError, RegistryTimeoutError
-from comm.registry.base import EventType, KeyValue, Lease, Registry, Watch, WatchEvent
+from comm.registry.base import KeyValue, Lease, Registry
+from comm.registry.etcd_grpc import GRPC_OPTIONS, etcd3, etcdrpc, prefix_end, status_name
+from comm.registry.etcd_watch import EtcdWatch, WatchRetry
 
-with warnings.catch_warnings():
-    # etcd3 0.12's generated protobuf modules use descriptor calls that protobuf 3.20
-    # deprecates; the warning is about etcd3's code, not ours.
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import etcd3
-    import etcd3.etcdrpc as etcdrpc
-
-__all__ = ["DEFAULT_REQUEST_TIMEOUT", "MIN_TTL", "EtcdLease", "EtcdRegistry", "EtcdWatch", "WatchRetry"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["DEFAULT_REQUEST_TIMEOUT", "MIN_TTL", "EtcdLease", "EtcdRegistry"]
 
 DEFAULT_REQUEST_TIMEOUT = timedelta(seconds=10)
 MIN_TTL = timedelta(seconds=2)
 """etcd's smallest lease TTL with its default election timeout (1 s): 1.5 x 1 s, rounded up."""
 
-_WATCH_QUEUE = 10_000  # events buffered per watch before the stream is back-pressured
-
-# Reconnect quickly after an etcd restart (gRPC's own default backoff starts at 1 s and
-# grows to 2 min); ping a silent connection every 10 s (etcd's default minimum is 5 s).
-_GRPC_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
-
-
-@dataclass(frozen=True, slots=True)
-class WatchRetry:
-    """How a broken watch stream is re-established.
-
-    Attributes:
-        initial: the wait before the first reconnect attempt; doubled after each failure.
-        maximum: the longest wait between attempts.
-        give_up_after: how long etcd may stay unreachable before the watch fails.
-    """
-
-    initial: timedelta = timedelta(milliseconds=50)
-    maximum: timedelta = timedelta(seconds=1)
-    give_up_after: timedelta = timedelta(seconds=60)
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The end of etcd's range for ``prefix``: the prefix with its last byte incremented.
-
-    An empty prefix (every key) is the range ``[b"\\0", b"\\0")`` in etcd's convention.
-    """
-    stripped = prefix.rstrip(b"\xff")
-    if not stripped:
-        return b"\0"
-    return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
 class EtcdLease(Lease):
@@ -167,7 +94,7 @@ class EtcdRegistry(Registry):
         self.watch_retry = watch_retry or WatchRetry()
         self._timeout = request_timeout.total_seconds()
         self._client: Any = etcd3.client(
-            host=host, port=port, timeout=self._timeout, grpc_options=_GRPC_OPTIONS
+            host=host, port=port, timeout=self._timeout, grpc_options=GRPC_OPTIONS
         )
         self._kv: Any = self._client.kvstub
         self._leases: Any = self._client.leasestub
@@ -190,13 +117,12 @@ class EtcdRegistry(Registry):
             raise self._translate(what, exc) from None
 
     def _translate(self, what: str, exc: grpc.RpcError) -> RegistryError:
-        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        code, name = status_name(exc)
         details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RegistryTimeoutError(
                 f"etcd at {self.endpoint}: {what} did not complete within {self._timeout:.1f}s ({details})"
             )
-        name = code.name if code is not None else type(exc).__name__
         return RegistryError(f"etcd at {self.endpoint}: {what} failed: {name}: {details}")
 
     # -- key-value ---------------------------------------------------------------------
@@ -222,7 +148,7 @@ class EtcdRegistry(Registry):
         raw = prefix.encode()
         request = etcdrpc.RangeRequest(
             key=raw or b"\0",
-            range_end=_prefix_end(raw),
+            range_end=prefix_end(raw),
             sort_order=etcdrpc.RangeRequest.ASCEND,
             sort_target=etcdrpc.RangeRequest.KEY,
         )
@@ -315,9 +241,13 @@ class EtcdRegistry(Registry):
             raise ValueError(f"start_revision must be >= 1, got {start_revision}")
         if start_revision is None:
             start_revision = self.revision() + 1
-        watch = EtcdWatch(self, prefix, start_revision)
+        watch = EtcdWatch(self._open_watch_stream, self.endpoint, prefix, start_revision, self.watch_retry)
         self._watches.add(watch)
         return watch
+
+    def _open_watch_stream(self, requests: Iterator[Any]) -> Any:
+        """One ``Watch`` RPC; see :class:`EtcdWatch` for why it has no deadline."""
+        return self._watch_stub.Watch(requests, **self._call_kwargs())
 
     def close(self) -> None:
         if self._closed:
@@ -327,180 +257,3 @@ class EtcdRegistry(Registry):
             watch.cancel()
         self._client.close()
 
-
-class _WatchFailed(Exception):
-    """The watch cannot continue (compacted revision): deliver the error and stop."""
-
-    def __init__(self, error: RegistryError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class EtcdWatch(Watch):
-    """An etcd watch that survives etcd restarts (see [Note: resuming etcd watches]).
-
-    Attributes:
-        reconnects: how many times the stream was re-established after a failure.
-    """
-
-    def __init__(self, registry: EtcdRegistry, prefix: str, start_revision: int) -> None:
-        self._registry = registry
-        self._prefix = prefix
-        self._key = prefix.encode() or b"\0"
-        self._range_end = _prefix_end(prefix.encode())
-        self._next = start_revision  # the revision to (re)start the stream at
-        self._retry = registry.watch_retry
-        self._queue: queue.Queue[WatchEvent | RegistryError] = queue.Queue(maxsize=_WATCH_QUEUE)
-        self._error: RegistryError | None = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._call: Any = None
-        self._stream_done: threading.Event | None = None
-        self._established_once = False
-        self._failing_since: float | None = None
-        self.reconnects = 0
-        self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{prefix}", daemon=True)
-        self._thread.start()
-
-    def get(self, timeout: timedelta) -> WatchEvent | None:
-        """The next event, or None if none arrived within ``timeout``.
-
-        Raises:
-            RegistryError: the watch was cancelled, its revision was compacted, or etcd
-                stayed unreachable longer than ``WatchRetry.give_up_after``.
-        """
-        if self._error is not None:
-            raise self._error
-        if self._stop.is_set():
-            raise RegistryError(f"the watch on {self._prefix!r} was cancelled")
-        try:
-            item = self._queue.get(timeout=max(0.0, timeout.total_seconds()))
-        except queue.Empty:
-            return None
-        if isinstance(item, RegistryError):
-            self._error = item
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        """Stop the stream and its thread (bounded: 5 s). Idempotent."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        with self._lock:
-            call, done = self._call, self._stream_done
-        if done is not None:
-            done.set()
-        if call is not None:
-            call.cancel()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-
-    # -- the watch thread --------------------------------------------------------------
-
-    def _run(self) -> None:
-        backoff = self._retry.initial.total_seconds()
-        while not self._stop.is_set():
-            try:
-                self._stream_once()
-                reason = "the stream ended"
-            except _WatchFailed as exc:
-                self._deliver(exc.error)
-                return
-            except grpc.RpcError as exc:
-                code = exc.code() if callable(getattr(exc, "code", None)) else None
-                reason = f"{getattr(code, 'name', type(exc).__name__)}"
-            except Exception as exc:  # anything else from gRPC: reconnect all the same
-                reason = f"{type(exc).__name__}: {exc}"
-            if self._stop.is_set():
-                return
-            now = time.monotonic()
-            if self._failing_since is None:
-                self._failing_since = now
-                backoff = self._retry.initial.total_seconds()
-                logger.warning(
-                    "etcd watch on %r at %s lost (%s); resuming from revision %d",
-                    self._prefix,
-                    self._registry.endpoint,
-                    reason,
-                    self._next,
-                )
-            elif now - self._failing_since > self._retry.give_up_after.total_seconds():
-                self._deliver(
-                    RegistryError(
-                        f"etcd watch on {self._prefix!r}: etcd at {self._registry.endpoint} unreachable "
-                        f"for {self._retry.give_up_after.total_seconds():.0f}s (last: {reason}); "
-                        f"the watch stopped before revision {self._next}"
-                    )
-                )
-                return
-            if self._stop.wait(backoff):
-                return
-            backoff = min(backoff * 2, self._retry.maximum.total_seconds())
-
-    def _stream_once(self) -> None:
-        done = threading.Event()
-        create = etcdrpc.WatchCreateRequest(
-            key=self._key, range_end=self._range_end, start_revision=self._next
-        )
-
-        def requests() -> Iterator[Any]:
-            yield etcdrpc.WatchRequest(create_request=create)
-            done.wait()  # keep our side open until this stream attempt ends
-
-        call = self._watch_stub_call(requests())
-        with self._lock:
-            self._call, self._stream_done = call, done
-        try:
-            if self._stop.is_set():
-                return
-            for response in call:
-                self._on_response(response)
-        finally:
-            done.set()
-            call.cancel()
-            with self._lock:
-                self._call = self._stream_done = None
-
-    def _watch_stub_call(self, requests: Iterator[Any]) -> Any:
-        # No deadline: the stream lives until cancel() or an error; no wait_for_ready, so
-        # an unreachable etcd fails the attempt at once and the backoff loop paces retries.
-        return self._registry._watch_stub.Watch(requests, **self._registry._call_kwargs())
-
-    def _on_response(self, response: Any) -> None:
-        if response.compact_revision:
-            raise _WatchFailed(
-                RegistryError(
-                    f"etcd watch on {self._prefix!r}: revision {self._next} is compacted "
-                    f"(etcd keeps revisions from {response.compact_revision}); re-read with list() "
-                    "and watch from revision() + 1"
-                )
-            )
-        if response.created:
-            if self._established_once:
-                self.reconnects += 1
-                logger.info("etcd watch on %r re-established at revision %d", self._prefix, self._next)
-            self._established_once = True
-            self._failing_since = None
-        if response.canceled:
-            raise RuntimeError(f"etcd cancelled the watch: {response.cancel_reason or 'no reason given'}")
-        for event in response.events:
-            kv = event.kv
-            deleted = event.type == etcdrpc.kv_pb2.Event.DELETE
-            self._deliver(
-                WatchEvent(
-                    EventType.DELETE if deleted else EventType.PUT,
-                    kv.key.decode(),
-                    b"" if deleted else bytes(kv.value),
-                    int(kv.mod_revision),
-                )
-            )
-            self._next = int(kv.mod_revision) + 1
-
-    def _deliver(self, item: WatchEvent | RegistryError) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:  # the consumer is behind: hold the stream (gRPC flow control)
-                continue

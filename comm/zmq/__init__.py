@@ -1,1 +1,3 @@
-"""cellmesh's own ZeroMQ transport: point to point, collectives, shared-memory bodies."""
+"""cellmesh's own ZeroMQ backend: communicator, collectives, group framing, work handles, transport, shm."""
+
+__all__: list[str] = []

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import zmq
 
+from comm.base import timeout_error
 from comm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
 from comm.rendezvous import Rendezvous
 from comm.sockets import SocketLimits, bind_port, default_host, make_socket
@@ -63,19 +64,22 @@ ZERO_COPY_MIN_BYTES = 64 << 10  # smaller bodies are copied into the message: ch
 class Deadline:
     """A point in time by which an operation must finish, with the operation's name for errors."""
 
-    __slots__ = ("at", "name", "op", "timeout")
+    __slots__ = ("at", "op", "timeout")
 
     def __init__(self, timeout: timedelta, op: str) -> None:
         self.timeout = timeout.total_seconds()
         self.at = time.monotonic() + self.timeout
         self.op = op  # the call with its arguments, for messages: "recv(src=0, tag=3)"
-        self.name = op.split("(", 1)[0]  # the bare operation, for the error's `op` attribute
 
     def left_ms(self) -> int:
         return max(0, int((self.at - time.monotonic()) * 1000))
 
     def expired(self) -> bool:
         return time.monotonic() >= self.at
+
+    def timed_out(self, rank: int | None, whom: str, *, peer: int | None) -> CommTimeoutError:
+        """The error of this deadline's operation, which gave up waiting for ``whom``."""
+        return timeout_error(self.op, rank, self.timeout, whom, peer=peer)
 
 
 def host_key() -> str:
@@ -221,7 +225,7 @@ class Transport:
                     tracker = ch.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
                     return tracker if isinstance(tracker, zmq.MessageTracker) else None
                 except zmq.Again:
-                    self._check_progress(peer, deadline, members, "send to")
+                    self._check_progress(peer, deadline, members, "to take the message")
                     ch.push.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1), zmq.POLLOUT)
 
     # -- receiving --------------------------------------------------------------------
@@ -256,7 +260,7 @@ class Transport:
                     continue
             # nothing arrived within a slice: is the peer still there, is time up?
             try:
-                self._check_progress(peer, deadline, members, "receive from")
+                self._check_progress(peer, deadline, members, "to send")
             except PeerLostError:
                 # a peer that closed cleanly may still have this message in flight
                 if self.rendezvous.lost().get(peer) != "closed":
@@ -311,13 +315,7 @@ class Transport:
     def _check_progress(self, peer: int, deadline: Deadline, members: tuple[int, ...], what: str) -> None:
         self.rendezvous.check(members, deadline.op)
         if deadline.expired():
-            raise CommTimeoutError(
-                f"{deadline.op} on rank {self.rank}: timed out after {deadline.timeout:.1f}s waiting "
-                f"to {what} rank {peer}",
-                op=deadline.name,
-                peer=peer,
-                waited=deadline.timeout,
-            )
+            raise deadline.timed_out(self.rank, f"rank {peer} {what}", peer=peer)
 
     def close(self) -> None:
         if self._closed:
@@ -356,10 +354,6 @@ def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline,
             if rendezvous is not None:
                 rendezvous.check(members, deadline.op)
             if deadline.expired():
-                raise CommTimeoutError(
-                    f"{deadline.op}: timed out after {deadline.timeout:.1f}s waiting for a send to complete",
-                    op=deadline.name,
-                    peer=None,
-                    waited=deadline.timeout,
-                )
+                rank = None if rendezvous is None else rendezvous.rank
+                raise deadline.timed_out(rank, "a send to complete", peer=None)
     trackers.clear()

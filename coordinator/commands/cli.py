@@ -1,27 +1,43 @@
-"""The `cellmesh` command line: ``run``, ``demo``, ``worker``, ``coordinator`` and ``k8s render``."""
+"""The `cellmesh` command line: ``run``, ``demo``, ``worker``, ``coordinator`` and ``k8s render``.
+
+[Note: config flags] Every field of the job config (``coordinator/planning/config.py``) is a
+flag of ``run``, ``demo`` and ``coordinator``, generated from the config's models and never
+declared here: ``--steps``, ``--name`` and ``--<section>.<field>`` (``--plan.num-stages 2``,
+``--data.global-batch 64``, ``--model.kwargs '{width: 64}'``), values read as YAML
+(:func:`~coordinator.planning.config.setting_value`). ``--set KEY=VALUE`` sets any dotted
+key, also one inside a mapping (``--set model.kwargs.width=64``). The short flags users rely
+on are aliases from one table, :data:`ALIASES`. The settings apply over the job file's
+config and are validated with it: an error names the key.
+
+Building the parser imports no torch (the config module is pydantic only), so ``cellmesh
+--help`` and ``--version`` return at once; a command imports what it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 if TYPE_CHECKING:
     from coordinator.commands.run import RunOptions
 
-__all__ = ["main"]
+__all__ = ["ALIASES", "main"]
 
-DEMO_WORKERS = 2
-
-
-def _count(text: str) -> int:
-    """argparse type: an int >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+SETTING = "setting:"  # the argparse dest prefix of a generated config flag
+# short flag -> the config key it sets (the flags of the command line before the config had sections)
+ALIASES: dict[str, str] = {
+    "workers": "runtime.workers",
+    "strategy": "plan.strategy",
+    "data-parallel": "plan.data_parallel",
+    "stages": "plan.num_stages",
+    "microbatches": "plan.num_microbatches",
+    "schedule": "plan.schedule",
+    "mode": "plan.mode",
+}
 
 
 def _positive(text: str) -> int:
@@ -32,24 +48,48 @@ def _positive(text: str) -> int:
     return value
 
 
-def _add_training_options(parser: argparse.ArgumentParser, *, workers: int | None,
-                          metrics_port: bool = True) -> None:
-    from coordinator.commands.output import add_output_arguments
-    from coordinator.planning.plan import Mode
-    from coordinator.planning.planner import Strategy
-    from coordinator.planning.schedules import SCHEDULES
+def _metavar(annotation: Any) -> str:
+    """How a flag's value looks: its choices, or its kind (N, X, BOOL, TEXT, LIST, MAP)."""
+    if get_origin(annotation) is Annotated:
+        return _metavar(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return _metavar(args[0]) if len(args) == 1 else "VALUE"
+    if get_origin(annotation) is Literal:
+        return "{" + ",".join(map(str, get_args(annotation))) + "}"
+    kinds = {int: "N", float: "X", bool: "BOOL", str: "TEXT", list: "LIST", dict: "MAP"}
+    return kinds.get(get_origin(annotation) or annotation, "VALUE")
 
-    parser.add_argument("--workers", type=_positive, default=workers, metavar="N",
-                        help="local worker processes" + (f" (default {workers})" if workers else
-                                                         " (default: the job's, else 2)"))
-    parser.add_argument("--steps", type=_count, metavar="K", help="steps to train (default: the job's)")
-    parser.add_argument("--strategy", choices=get_args(Strategy), help="what the planner may choose from")
-    parser.add_argument("--data-parallel", type=_positive, metavar="D", help="fix the number of replicas")
-    parser.add_argument("--stages", type=_positive, metavar="P", help="fix the number of pipeline stages")
-    parser.add_argument("--microbatches", type=_positive, metavar="M",
-                        help="fix microbatches per replica per step")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="fix the pipeline schedule")
-    parser.add_argument("--mode", choices=get_args(Mode), help="fix the gradient path")
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field (see [Note: config flags]), grouped by section, with its aliases."""
+    from coordinator.planning.config import JobConfig, settable_fields
+
+    aliases: dict[str, list[str]] = {}
+    for short, key in ALIASES.items():
+        aliases.setdefault(key, []).append(f"--{short}")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for key, info in settable_fields():
+        section, _, field = key.rpartition(".")
+        if section not in groups:
+            doc = (JobConfig.model_fields[section].annotation.__doc__ or "") if section else (
+                "Every field of the job config (docs/running.md); a flag given changes the job file's value.")
+            title = f"job config: {section}" if section else "job config"
+            groups[section] = parser.add_argument_group(title, doc.split("\n")[0].replace("``", ""))
+        default = info.get_default(call_default_factory=True)
+        shown = (" (required unless the job file gives it)" if info.is_required()
+                 else "" if default is None else f" (default {default})")
+        flags = [f"--{(section + '.') if section else ''}{field.replace('_', '-')}", *aliases.get(key, [])]
+        groups[section].add_argument(*flags, dest=SETTING + key, default=argparse.SUPPRESS,
+                                     metavar=_metavar(info.annotation), help=f"{info.description}{shown}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="set any config key, also inside a mapping: --set model.kwargs.width=64")
+
+
+def _add_training_options(parser: argparse.ArgumentParser, *, metrics_port: bool = True) -> None:
+    from coordinator.commands.output import add_output_arguments
+
+    _add_config_flags(parser)
     parser.add_argument("--output", "-o", type=Path, metavar="PATH",
                         help="also write the final state_dict here (the run directory's model.pt has it too)")
     parser.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
@@ -59,9 +99,19 @@ def _add_training_options(parser: argparse.ArgumentParser, *, workers: int | Non
     add_output_arguments(parser, metrics_port=metrics_port)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cellmesh")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cellmesh",
                                      description="cellmesh: distributed training for PyTorch")
+    parser.add_argument("--version", action="version", version=f"cellmesh {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("worker", help="run a worker process (see `cellmesh worker --help`)", add_help=False)
     run = sub.add_parser("run", help="train a job on local worker processes",
@@ -69,10 +119,10 @@ def _parser() -> argparse.ArgumentParser:
                                      "final state_dict. JOB is a job module (.py exposing job()) or a "
                                      "job spec (.yaml, .yml, .json); see docs/running.md.")
     run.add_argument("job", metavar="JOB", help="a job module (.py) or a job spec (.yaml/.yml/.json)")
-    _add_training_options(run, workers=None)
+    _add_training_options(run)
     demo = sub.add_parser("demo", help="train the example character-level language model on 2 workers "
                                        "(--comm: exercise the communication front end instead)")
-    _add_training_options(demo, workers=DEMO_WORKERS)
+    _add_training_options(demo)
     _add_coordinator(sub)
     _add_k8s(sub)
     comm = demo.add_argument_group("the communication demo (--comm)")
@@ -89,7 +139,7 @@ def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Wait until the job's workers registered in the registry, plan, train, write the final "
                     "state_dict, then serve until stopped; see docs/kubernetes.md.")
     coord.add_argument("job", metavar="JOB", help="a job spec (.yaml/.yml/.json) or job module (.py)")
-    _add_training_options(coord, workers=None, metrics_port=False)  # it has its own, with the probes
+    _add_training_options(coord, metrics_port=False)  # it has its own, with the probes
     coord.add_argument("--registry", required=True, help="where the workers register: etcd://host:port "
                                                          "(or tcp://host:port for a served registry)")
     coord.add_argument("--host", default=None,
@@ -117,40 +167,54 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_render_arguments(render)
 
 
-def _coordinator(args: argparse.Namespace) -> int:
+def _coordinator(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     from datetime import timedelta
 
     from coordinator.commands.server import CoordinatorOptions, serve_job
 
     options = CoordinatorOptions(
-        run=_run_options(args, args.job), registry=args.registry, workers=args.workers, host=args.host,
+        run=_run_options(args, args.job, settings), registry=args.registry, host=args.host,
         port=args.port, metrics_port=args.metrics_port, health_host=args.health_host,
         wait_timeout=timedelta(seconds=args.wait_timeout), exit_when_done=args.exit_when_done)
     return serve_job(options, show_traceback=args.traceback)
 
 
-def _run_options(args: argparse.Namespace, job: str) -> RunOptions:
-    from coordinator.commands.jobspec import Overrides
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The config settings the command line gives: generated flags, then ``--set`` (later wins).
+
+    Raises:
+        ConfigError: A value is not YAML, or a ``--set`` is not ``KEY=VALUE``.
+    """
+    from coordinator.planning.config import ConfigError, setting_value
+
+    given = [(dest.removeprefix(SETTING), text) for dest, text in vars(args).items()
+             if dest.startswith(SETTING)]
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set plan.num_stages=2")
+        given.append((key.strip(), text))
+    return {key: setting_value(key, text) for key, text in given}
+
+
+def _run_options(args: argparse.Namespace, job: str, settings: dict[str, Any]) -> RunOptions:
     from coordinator.commands.output import output_options
     from coordinator.commands.run import RunOptions
 
-    overrides = Overrides(workers=args.workers, steps=args.steps, strategy=args.strategy,
-                          data_parallel=args.data_parallel, num_stages=args.stages, mode=args.mode,
-                          schedule=args.schedule, num_microbatches=args.microbatches)
     bar = {"auto": None, "bar": True, "lines": False}[args.progress]
-    return RunOptions(job=job, overrides=overrides, output=args.output, bar=bar, log_every=args.log_every,
+    return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every,
                       outputs=output_options(args))
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     from coordinator.commands import run
 
     try:
         with run.use_termination_as_exception():
             if args.command == "demo":
-                run.run_demo_job(_run_options(args, str(run.demo_job_path())))
+                run.run_demo_job(_run_options(args, str(run.demo_job_path()), settings))
             else:
-                run.run_job(_run_options(args, args.job))
+                run.run_job(_run_options(args, args.job, settings))
     except run.REPORTED as exc:
         return run.report(exc, show_traceback=args.traceback)
     return 0
@@ -174,10 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.commands.demo import run_demo
 
         return run_demo(args.backend, args.world_size, args.timeout)
-    if args.command in ("run", "demo"):
-        return _train(args)
-    if args.command == "coordinator":
-        return _coordinator(args)
+    if args.command in ("run", "demo", "coordinator"):
+        from coordinator.planning.config import ConfigError
+
+        try:
+            settings = _settings(args)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        return _train(args, settings) if args.command != "coordinator" else _coordinator(args, settings)
     if args.command == "k8s":
         from coordinator.commands.k8s.render import render_command
 

@@ -1,39 +1,31 @@
-"""What ``cellmesh run JOB`` accepts: a YAML or JSON job spec, or a Python module exposing ``job()``.
+"""What ``cellmesh run JOB`` accepts: a job spec file (YAML or JSON) or a job module exposing ``job()``.
 
-A **job spec** (:class:`JobSpec`) is a strict pydantic model (``extra="forbid"``: a
-misspelt field is an error, not a silent default) naming the factories, the optimizer,
-the global batch, the steps and any plan fields to fix::
+A **job spec** is a job config (:class:`~coordinator.planning.config.JobConfig`) written as
+YAML or JSON: sections of fields, strict (a misspelt key is an error naming it)::
 
     # tiny.yaml
-    model: mypkg.models:mlp          # "package.module:function", imported by every worker
-    data: mypkg.models:regression
-    loss: torch.nn:MSELoss
-    optimizer: SGD                   # a torch.optim class name
-    optimizer_kwargs: {lr: 0.1}
-    global_batch: 16
+    version: 2
+    model: {factory: mypkg.models:mlp, kwargs: {hidden: 64}}
+    data: {factory: mypkg.models:regression, global_batch: 16}
+    loss: {factory: torch.nn:MSELoss}
+    optimizer: {name: SGD, kwargs: {lr: 0.1}}
     steps: 100
-    workers: 2
-    strategy: auto                   # or data_parallel / pipeline; fix fields below if wanted
-    num_stages: 2
+    plan: {num_stages: 2}            # fix any plan field; the planner chooses the rest
+    runtime: {workers: 2}
 
-A **job module** (``examples/charlm.py``) exposes ``job()`` returning a
-:class:`~coordinator.runtime.job.Job` or a :class:`JobSpec`, and optionally ``STEPS`` (the default
-step count when ``job()`` returns a ``Job``). Its factories may be its own module-level
+A **job module** (``examples/charlm.py``) exposes ``job()`` returning a ``JobConfig``, or a
+:class:`~coordinator.runtime.job.Job` made from one (its config is what runs: a ``Job`` given
+its own ``resources=`` or ``plan=`` is refused). Its factories may be its own module-level
 functions.
 
-[Note: where factories are imported from]
-The coordinator and every worker resolve factory names against the same path: the
-current directory, then the job's *root*. For a spec file the root is the file's
-directory. For a module file it is the first ancestor directory without an
-``__init__.py``, and the module is imported under its dotted name from there
-(``examples/charlm.py`` -> ``charlm``; ``pkg/jobs/a.py`` with ``pkg/__init__.py`` and
-``pkg/jobs/__init__.py`` -> ``pkg.jobs.a``), so a worker importing ``charlm:model`` gets
-the same function. The root, then the current directory, are prepended to this process's
-``sys.path`` and to ``PYTHONPATH``, which the local harness hands its workers.
+The command line's settings (dotted keys: ``{"plan.num_stages": 2}``) apply over the file's
+config and are validated with it. Where the job's own modules are found is one rule, the
+job file's directory: see :func:`load_job` and [Note: where a job's modules are found] in
+``coordinator/runtime/factories.py``. Every failure to load is a :class:`JobSpecError`
+whose message is one paragraph.
 
-Command-line overrides (:class:`Overrides`) replace the spec's fields; on a ``Job`` from a
-module they replace its resources (``Resources.local(workers)``) and plan fields.
-Every failure to load is a :class:`JobSpecError` whose message is one paragraph.
+This module imports no torch at import time (``cellmesh k8s render`` and the command line's
+parser read specs through it); :func:`load_job` imports the ``Job`` when it makes one.
 """
 
 from __future__ import annotations
@@ -41,170 +33,86 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 import traceback
-from dataclasses import dataclass, fields
-from datetime import timedelta
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from coordinator.planning.plan import Mode
-from coordinator.planning.planner import Strategy
+from coordinator.planning.config import ConfigError, JobConfig, parse_config
 from coordinator.planning.resources import Resources
-from coordinator.runtime.job import Job
-from services.protocol import FactoryKwargs
 
-__all__ = ["DEFAULT_STEPS", "JobSpec", "JobSpecError", "LoadedJob", "Overrides", "load_job"]
+if TYPE_CHECKING:
+    from coordinator.runtime.job import Job
 
-DEFAULT_STEPS = 100
-FactoryName = str
-OptimizerKwargs = dict[str, float | int | bool | list[float]]
+__all__ = ["SPEC_SUFFIXES", "JobSpecError", "LoadedJob", "load_job", "read_spec"]
+
 SPEC_SUFFIXES = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
-
-
-def _default_lr() -> OptimizerKwargs:
-    return {"lr": 0.01}
+CODE_DIR = "runtime.code_dir"
 
 
 class JobSpecError(ValueError):
     """The job cannot be loaded: the message says which file, what is wrong and how to fix it."""
 
 
-class JobSpec(BaseModel):
-    """A job for the command line: factories by name, optimizer, batch, steps, plan fields.
-
-    Attributes:
-        version: The spec format (1).
-        name: The job's name (registry prefix, output file name); the file's stem by default.
-        model, data, loss: Factories as ``"package.module:function"``.
-        model_kwargs, data_kwargs, loss_kwargs: Their keyword arguments (plain values).
-        optimizer: A ``torch.optim`` class name; ``optimizer_kwargs`` its arguments.
-        global_batch: Samples per step over all replicas.
-        steps: Steps to train.
-        workers: Local worker processes.
-        strategy, data_parallel, num_stages, mode, schedule, num_microbatches, balance:
-            Plan fields to fix (see :func:`coordinator.planning.planner.choose_plan`).
-        seed, shuffle, num_samples, comm_backend: As :class:`~coordinator.runtime.job.Job` takes them.
-        step_timeout_s: Bounds each round of a step, in seconds.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    version: Literal[1] = 1
-    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
-    model: FactoryName = Field(pattern=r"^[\w.]+:[\w.]+$")
-    data: FactoryName = Field(pattern=r"^[\w.]+:[\w.]+$")
-    loss: FactoryName = Field(pattern=r"^[\w.]+:[\w.]+$")
-    model_kwargs: FactoryKwargs = Field(default_factory=dict)
-    data_kwargs: FactoryKwargs = Field(default_factory=dict)
-    loss_kwargs: FactoryKwargs = Field(default_factory=dict)
-    optimizer: str = "SGD"
-    optimizer_kwargs: OptimizerKwargs = Field(default_factory=lambda: _default_lr())
-    global_batch: int = Field(default=32, ge=1)
-    steps: int = Field(default=DEFAULT_STEPS, ge=0)
-    workers: int = Field(default=2, ge=1)
-    strategy: Strategy = "auto"
-    data_parallel: int | None = Field(default=None, ge=1)
-    num_stages: int | None = Field(default=None, ge=1)
-    mode: Mode | None = None
-    schedule: str | None = None
-    num_microbatches: int | None = Field(default=None, ge=1)
-    balance: list[int] | None = None
-    seed: int = 0
-    shuffle: bool = True
-    num_samples: int | None = Field(default=None, ge=1)
-    comm_backend: Literal["zmq", "gloo"] = "zmq"
-    step_timeout_s: float = Field(default=300.0, gt=0)
-
-    def to_job(self) -> Job:
-        """The :class:`Job` this spec describes.
-
-        Raises:
-            ValueError: A factory does not import, or the optimizer is not a ``torch.optim`` class.
-        """
-        return Job(model=self.model, data=self.data, loss=self.loss, optimizer=self.optimizer,
-                   optimizer_kwargs=dict(self.optimizer_kwargs), resources=Resources.local(self.workers),
-                   global_batch=self.global_batch, strategy=self.strategy, data_parallel=self.data_parallel,
-                   num_stages=self.num_stages, mode=self.mode, schedule=self.schedule,
-                   num_microbatches=self.num_microbatches, balance=self.balance,
-                   model_kwargs=dict(self.model_kwargs), data_kwargs=dict(self.data_kwargs),
-                   loss_kwargs=dict(self.loss_kwargs), seed=self.seed, shuffle=self.shuffle,
-                   num_samples=self.num_samples, name=self.name, comm_backend=self.comm_backend,
-                   step_timeout=timedelta(seconds=self.step_timeout_s))
-
-
-@dataclass(frozen=True)
-class Overrides:
-    """Fields the command line sets over the job's own (None leaves the job's value)."""
-
-    workers: int | None = None
-    steps: int | None = None
-    strategy: Strategy | None = None
-    data_parallel: int | None = None
-    num_stages: int | None = None
-    mode: Mode | None = None
-    schedule: str | None = None
-    num_microbatches: int | None = None
-
-    def given(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
-
 @dataclass
 class LoadedJob:
-    """A job ready to plan and fit, with its step count and where it came from.
+    """A job ready to plan and fit, and where it came from.
 
     Attributes:
-        job: The job (overrides applied).
-        steps: How many steps to train.
-        name: A short name for output files (the spec's name or the file's stem).
+        job: The job (the command line's settings applied).
+        name: A short name for output files (the config's name or the file's stem).
         source: ``"job spec tiny.yaml"`` or ``"job module charlm (examples/charlm.py)"``.
         module: The imported job module (None for a spec file).
     """
 
     job: Job
-    steps: int
     name: str
     source: str
     module: ModuleType | None = None
 
+    @property
+    def steps(self) -> int:
+        """How many steps to train: the config's ``steps``."""
+        return self.job.config.steps
 
-def load_job(path: str | os.PathLike[str], overrides: Overrides | None = None) -> LoadedJob:
-    """Load a job spec (``.yaml``/``.yml``/``.json``) or a job module (``.py``); apply ``overrides``.
+
+def load_job(path: str | os.PathLike[str], settings: Mapping[str, Any] | None = None) -> LoadedJob:
+    """Load a job spec (``.yaml``/``.yml``/``.json``) or a job module (``.py``); apply ``settings``.
+
+    The job file's directory is where the job's own modules are found: it becomes the config's
+    ``runtime.code_dir`` (a ``code_dir`` the file gives is relative to that directory, one
+    the settings give to the current directory). A job module is imported by its file's stem
+    from there (``examples/charlm.py`` is ``charlm``), as the workers import ``charlm:model``.
 
     Raises:
-        JobSpecError: The file is missing, malformed, invalid, names a factory that does not
-            import, or (a module) fails to import or has no usable ``job()``.
+        JobSpecError: The file is missing, malformed, invalid (with or without the settings),
+            names a factory that does not import, or (a module) fails to import or has no
+            usable ``job()``.
     """
     file = Path(path)
-    overrides = overrides or Overrides()
+    settings = dict(settings or {})
     if not file.is_file():
         raise JobSpecError(f"job file {str(path)!r} does not exist (give a job module .py or a job spec "
                            f"{'/'.join(SPEC_SUFFIXES)} file)")
     if file.suffix == ".py":
-        root, name = module_name(file)
-        _use_path(root)
-        _use_path(Path.cwd())
-        return _load_module(file, name, overrides)
+        return _load_module(file, settings)
     if file.suffix in SPEC_SUFFIXES:
-        _use_path(file.resolve().parent)
-        _use_path(Path.cwd())
-        spec = _apply(read_spec(file), overrides, where=f"job spec {file}")
-        return LoadedJob(_job_of(spec, f"job spec {file}"), spec.steps, spec.name or file.stem,
-                         f"job spec {file}")
+        where = f"job spec {file}"
+        config = _settled(read_spec(file), file, settings, where)
+        return LoadedJob(_job_of(config, where), config.name or file.stem, where)
     raise JobSpecError(f"job file {str(file)!r}: unknown kind {file.suffix!r}; give a job module (.py) or a "
                        f"job spec ({', '.join(SPEC_SUFFIXES)})")
 
 
-def read_spec(file: Path) -> JobSpec:
-    """Parse and validate a YAML or JSON job spec.
+def read_spec(file: Path) -> JobConfig:
+    """Parse and validate a YAML or JSON job spec, as the file says it (no settings, no ``code_dir`` rule).
 
     Raises:
-        JobSpecError: The file does not parse, or is not a valid :class:`JobSpec`.
+        JobSpecError: The file does not parse, or is not a valid job config.
     """
     kind = SPEC_SUFFIXES[file.suffix]
     try:
@@ -213,141 +121,76 @@ def read_spec(file: Path) -> JobSpec:
     except (OSError, UnicodeDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
         raise JobSpecError(f"job spec {file} is not valid {kind}: {_one_line(str(exc))}") from exc
     if not isinstance(raw, dict):
-        raise JobSpecError(f"job spec {file} must hold a mapping of fields (model, data, loss, ...), "
+        raise JobSpecError(f"job spec {file} must hold a mapping of sections (model, data, loss, ...), "
                            f"not a {type(raw).__name__}")
     try:
-        return JobSpec.model_validate(raw)
-    except ValidationError as exc:
-        raise JobSpecError(f"job spec {file} is invalid: {describe_validation(exc, raw)}") from exc
+        return parse_config(raw)
+    except ConfigError as exc:
+        raise JobSpecError(f"job spec {file} is invalid: {exc}") from exc
 
 
-def describe_validation(exc: ValidationError, raw: Any) -> str:
-    """A pydantic error about ``raw`` as one ``field 'x': what is wrong`` per field, joined by ``"; "``.
+def _settled(config: JobConfig, file: Path, settings: dict[str, Any], where: str) -> JobConfig:
+    """``config`` with the command line's ``settings`` and the ``code_dir`` rule (see :func:`load_job`).
 
-    A value matching no member of a union (``lr: fast``) gives one entry naming the members.
+    Raises:
+        JobSpecError: The settings make the config invalid (naming the key).
     """
-    problems: dict[str, list[tuple[str, str, str, Any]]] = {}  # field -> (type, message, union tag, input)
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        path, tags = _walk(raw, loc) if err["type"] not in ("missing", "extra_forbidden") else (loc, ())
-        where = ".".join(str(p) for p in path) or "the spec"
-        tag = ".".join(str(t) for t in tags)
-        problems.setdefault(where, []).append((err["type"], err["msg"], tag, err.get("input")))
-    parts = []
-    for where, errs in problems.items():
-        kind, msg, _, value = errs[0]
-        if kind == "extra_forbidden":
-            parts.append(f"field {where!r}: unknown field (misspelt?)")
-        elif kind == "missing":
-            parts.append(f"field {where!r}: missing (required)")
-        elif len(errs) > 1:
-            members = ", ".join(tag for _, _, tag, _ in errs if tag)
-            parts.append(f"field {where!r}: {_short(value)} is none of the accepted types ({members})")
-        else:
-            parts.append(f"field {where!r}: {msg} (got {_short(value)})")
-    return "; ".join(parts)
-
-
-def _walk(raw: Any, loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """Split an error location into the path present in ``raw`` and the union tags after it."""
-    node = raw
-    for i, part in enumerate(loc):
-        present = (part in node if isinstance(node, dict)
-                   else isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
-        if present:
-            node = node[part]
-        else:
-            return loc[:i], loc[i:]
-    return loc, ()
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _apply(spec: JobSpec, overrides: Overrides, *, where: str) -> JobSpec:
-    raw = {**spec.model_dump(), **overrides.given()}
+    own = file.resolve().parent / (config.runtime.code_dir or ".")
+    given = settings.get(CODE_DIR)
+    code_dir = Path(str(given)).resolve() if given is not None else own.resolve()
     try:
-        return JobSpec.model_validate(raw)
-    except ValidationError as exc:
-        raise JobSpecError(f"{where} with the command line's options is invalid: "
-                           f"{describe_validation(exc, raw)}") from exc
+        return config.updated({**settings, CODE_DIR: str(code_dir)})
+    except ConfigError as exc:
+        raise JobSpecError(f"{where} with the command line's settings is invalid: {exc}") from exc
 
 
-def _job_of(spec: JobSpec, where: str) -> Job:
+def _job_of(config: JobConfig, where: str) -> Job:
+    from coordinator.runtime.job import Job  # torch: only once a job is made (see the module docstring)
+
     try:
-        return spec.to_job()
+        return Job(config)
     except ValueError as exc:
-        raise JobSpecError(f"{where}: {exc}") from exc
+        raise JobSpecError(f"{where}: {_one_line(str(exc))}") from exc
 
 
-def _use_path(directory: Path) -> None:
-    """Put ``directory`` first on this process's ``sys.path`` and the workers' ``PYTHONPATH``.
+def _load_module(file: Path, settings: dict[str, Any]) -> LoadedJob:
+    from coordinator.runtime.factories import job_imports
+    from coordinator.runtime.job import Job
 
-    A directory already on ``sys.path`` stays where it is.
-    """
-    entry = str(directory)
-    if entry not in sys.path:
-        sys.path.insert(0, entry)
-    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if entry not in current:
-        os.environ["PYTHONPATH"] = os.pathsep.join([entry, *current])
-
-
-def module_name(file: Path) -> tuple[Path, str]:
-    """``(root, dotted name)`` of a module file (see [Note: where factories are imported from])."""
-    file = file.resolve()
-    parts = [file.stem]
-    root = file.parent
-    while (root / "__init__.py").is_file() and root.parent != root:
-        parts.insert(0, root.name)
-        root = root.parent
-    return root, ".".join(parts)
-
-
-def _load_module(file: Path, name: str, overrides: Overrides) -> LoadedJob:
+    name = file.stem
     where = f"job module {name} ({file})"
-    if not all(part.isidentifier() for part in name.split(".")):
+    if not name.isidentifier():
         raise JobSpecError(f"{where}: {name!r} is not an importable module name; rename the file to a "
                            "Python identifier (letters, digits, underscores)")
-    try:
-        module = importlib.import_module(name)
-    except Exception as exc:
-        raise JobSpecError(f"{where} failed to import: {_located(exc)}") from exc
-    origin = getattr(module, "__file__", None)
-    if origin is None or Path(origin).resolve() != file.resolve():
-        raise JobSpecError(f"{where}: the name {name!r} is taken by another module ({origin or 'built in'}); "
-                           "rename the job file so the workers import the same module")
-    make = getattr(module, "job", None)
-    if not callable(make):
-        raise JobSpecError(f"{where} has no job() function; a job module defines job() returning a "
-                           "coordinator.runtime.job.Job or a coordinator.commands.jobspec.JobSpec")
-    try:
-        made = make()
-    except Exception as exc:
-        raise JobSpecError(f"{where}: job() raised {_located(exc)}") from exc
-    if isinstance(made, JobSpec):
-        spec = _apply(made, overrides, where=where)
-        return LoadedJob(_job_of(spec, where), spec.steps, spec.name or file.stem, where, module)
-    if not isinstance(made, Job):
-        raise JobSpecError(f"{where}: job() returned {_short(made)} ({type(made).__name__}), not a "
-                           "coordinator.runtime.job.Job or a coordinator.commands.jobspec.JobSpec")
-    steps = getattr(module, "STEPS", DEFAULT_STEPS)
-    if not isinstance(steps, int) or steps < 0:
-        raise JobSpecError(f"{where}: STEPS must be a non-negative int, got {steps!r}")
-    override(made, overrides)
-    if overrides.steps is not None:
-        steps = overrides.steps
-    return LoadedJob(made, steps, file.stem, where, module)
-
-
-def override(job: Job, overrides: Overrides) -> None:
-    """Apply ``overrides`` to a job that has not planned yet: local workers and plan fields."""
-    if overrides.workers is not None:
-        job.resources = Resources.local(overrides.workers)
-    plan_fields = {k: v for k, v in overrides.given().items() if k not in ("workers", "steps")}
-    job.plan_fields.update(plan_fields)
+    with job_imports(file.parent):
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:
+            raise JobSpecError(f"{where} failed to import: {_located(exc)}") from exc
+        origin = getattr(module, "__file__", None)
+        if origin is None or Path(origin).resolve() != file.resolve():
+            raise JobSpecError(f"{where}: the name {name!r} is taken by another module "
+                               f"({origin or 'built in'}); rename the job file so the workers import "
+                               "the same module")
+        make = getattr(module, "job", None)
+        if not callable(make):
+            raise JobSpecError(f"{where} has no job() function; a job module defines job() returning a "
+                               "JobConfig (coordinator.planning.config) or a Job (coordinator.runtime.job)")
+        try:
+            made = make()
+        except Exception as exc:
+            raise JobSpecError(f"{where}: job() raised {_located(exc)}") from exc
+    if isinstance(made, Job):
+        if made.fixed_plan is not None or made.resources != Resources.local(made.config.runtime.workers):
+            raise JobSpecError(f"{where}: job() returned a Job with its own resources= or plan=, which a job "
+                               "file does not carry; return the Job without them (runtime.workers sets the "
+                               "local workers)")
+        made = made.config
+    if not isinstance(made, JobConfig):
+        raise JobSpecError(f"{where}: job() returned {_short(made)} ({type(made).__name__}), not a JobConfig "
+                           "(coordinator.planning.config) or a Job (coordinator.runtime.job)")
+    config = _settled(made, file, settings, where)
+    return LoadedJob(_job_of(config, where), config.name or name, where, module)
 
 
 def _located(exc: BaseException) -> str:
@@ -357,6 +200,11 @@ def _located(exc: BaseException) -> str:
     if isinstance(exc, SyntaxError) and exc.filename:
         where = f" (at {exc.filename}:{exc.lineno})"
     return f"{type(exc).__name__}: {_one_line(str(exc))}{where}"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _one_line(text: str) -> str:

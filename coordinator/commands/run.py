@@ -32,17 +32,17 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import nn
 
-from coordinator.commands.jobspec import JobSpecError, LoadedJob, Overrides, load_job
+from coordinator.commands.jobspec import JobSpecError, LoadedJob, load_job
 from coordinator.commands.output import OutputOptions
 from coordinator.commands.progress import make_progress
 from coordinator.commands.recorder import RunRecorder
@@ -83,7 +83,7 @@ class RunOptions:
 
     Attributes:
         job: A job module (``.py``) or a job spec (``.yaml``/``.yml``/``.json``).
-        overrides: Workers, steps and plan fields over the job's own.
+        settings: Config fields over the job's own, by dotted key (``{"plan.num_stages": 2}``).
         output: Where to write a copy of the state_dict (the run directory's ``model.pt`` is always written).
         bar: A progress bar (True), log lines (False), or a bar only on a terminal (None).
         log_every: Steps between log lines (about 20 lines per run by default).
@@ -91,7 +91,7 @@ class RunOptions:
     """
 
     job: str
-    overrides: Overrides = field(default_factory=Overrides)
+    settings: Mapping[str, Any] = field(default_factory=dict)
     output: Path | None = None
     bar: bool | None = None
     log_every: int | None = None
@@ -121,7 +121,7 @@ def run_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
         JobFailed: A worker failed or vanished during training (names worker, service, step).
         TimeoutError: The workers did not start in time.
     """
-    return train(load_job(options.job, options.overrides), options, out)
+    return train(load_job(options.job, options.settings), options, out)
 
 
 def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
@@ -163,13 +163,13 @@ def _train(loaded: LoadedJob, options: RunOptions, say: functools.partial[None],
            pool: WorkerPool | None, on_step: StepCallback | None, recorder: RunRecorder,
            num_samples: int, steps_per_epoch: int) -> RunResult:
     """:func:`train` inside its recorder: describe, plan, train, save."""
-    job = loaded.job
-    say(f"  model {job.model}, data {job.data} ({num_samples} samples, "
-        f"{steps_per_epoch} steps per epoch), loss {job.loss}")
+    job, config = loaded.job, loaded.job.config
+    say(f"  model {config.model.factory}, data {config.data.factory} ({num_samples} samples, "
+        f"{steps_per_epoch} steps per epoch), loss {config.loss.factory}")
     kwargs = ", ".join(f"{k}={v}" for k, v in job.optimizer.kwargs.items())
     where = "local workers" if pool is None else f"workers of {pool.registry_url}"
-    say(f"  optimizer {job.optimizer.name}({kwargs}), global batch {job.global_batch}, {loaded.steps} steps, "
-        f"{job.resources.num_workers} {where}")
+    say(f"  optimizer {job.optimizer.name}({kwargs}), global batch {config.data.global_batch}, "
+        f"{loaded.steps} steps, {job.resources.num_workers} {where}")
     started = time.monotonic()
     plan = job.plan()
     say(f"planned in {time.monotonic() - started:.1f}s (profiled on a sample microbatch):\n")

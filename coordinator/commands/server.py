@@ -66,9 +66,9 @@ class CoordinatorOptions:
     """``cellmesh coordinator``'s options.
 
     Attributes:
-        run: The job, overrides, output and progress options, as for ``cellmesh run``.
+        run: The job, settings, output and progress options, as for ``cellmesh run``; the config's
+            ``runtime.workers`` is how many workers to wait for.
         registry: Where the workers registered (``etcd://host:port``).
-        workers: How many workers to wait for (None: the spec's ``workers``).
         host: The address the control port binds (``$CELLMESH_HOST``, else loopback).
         port: The control port (0: any free one).
         metrics_port: The HTTP port of ``/healthz``, ``/readyz`` and ``/metrics`` (None: none).
@@ -79,7 +79,6 @@ class CoordinatorOptions:
 
     run: RunOptions
     registry: str
-    workers: int | None = None
     host: str | None = None
     port: int = 0
     metrics_port: int | None = None
@@ -167,9 +166,9 @@ class CoordinatorServer:
             TimeoutError when the workers do not all register within ``wait_timeout``.
         """
         opts = self.options
-        loaded = load_job(opts.run.job, opts.run.overrides)
+        loaded = load_job(opts.run.job, opts.run.settings)
         job = loaded.job
-        workers = opts.workers or job.resources.num_workers
+        workers = job.config.runtime.workers
         digest = hashlib.sha256(Path(opts.run.job).read_bytes()).hexdigest()
         run_dir = RunDir.create(job.name, opts.run.outputs.run_dir)
         recorder = RunRecorder(run_dir, opts.run.outputs, job=job.name, steps=loaded.steps,

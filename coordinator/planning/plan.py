@@ -12,17 +12,14 @@ plain values, so it round-trips through JSON (:meth:`Plan.to_json`) and msgpack
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from coordinator.planning.config import Mode
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.schedules import Schedule, build_schedule
 
-__all__ = ["Mode", "Plan", "StagePlan"]
-
-Mode = Literal["collective", "parameter_server"]
+__all__ = ["Plan", "StagePlan"]
 
 
 class StagePlan(BaseModel):

@@ -45,8 +45,11 @@ and memory bandwidth.
 
 ``strategy="auto"`` searches every shape the resources allow; ``"data_parallel"`` fixes
 ``p = 1`` and uses at least 2 replicas, ``"pipeline"`` fixes ``d = 1`` and uses at least
-2 stages (where the workers, the batch and the model allow); any field may also be fixed
-by keyword.
+2 stages (where the workers, the batch and the model allow). The request is the job
+config's plan section (:class:`~coordinator.planning.config.PlanConfig`, validated there:
+contradictions between its own fields never reach the planner); its other fields fix parts of
+the plan. Planning first resolves the request against the model and the workers (which
+fixed counts are possible), then enumerates the shapes it allows, then evaluates each.
 A request that nothing satisfies raises :class:`PlanningError` saying why and what fits.
 """
 
@@ -57,23 +60,24 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
+from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import CutError, CutProblem, Cutter, get_cutter
 from coordinator.planning.graph import TensorMeta
-from coordinator.planning.plan import Mode, Plan, StagePlan
+from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import Profile, format_bytes
 from coordinator.planning.resources import Resources
 from coordinator.planning.schedules import SCHEDULES, build_schedule, peak_in_flight
 from coordinator.planning.simulator import StageCosts, simulate
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
 
-__all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "MAX_MICROBATCHES", "OPTIMIZER_BANDWIDTH_BPS",
-           "OPTIMIZER_TRAFFIC", "SHARED_HOST_SLOWDOWN", "Candidate", "PlanningError", "Strategy",
+__all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "OPTIMIZER_BANDWIDTH_BPS",
+           "OPTIMIZER_TRAFFIC", "SHARED_HOST_SLOWDOWN", "Candidate", "PlanningError",
            "balance_bounds", "candidate_plans", "choose_plan", "cut_problem", "format_candidates"]
 
-Strategy = Literal["auto", "data_parallel", "pipeline"]
-MAX_MICROBATCHES = 64
+_SEARCH_ALL = PlanConfig()  # nothing fixed
+_SEARCH_FIELDS = {"cutter", "max_microbatches"}  # how the search runs, not what it is asked to fix
 
 
 class PlanningError(ValueError):
@@ -292,96 +296,129 @@ def _divisors(x: int, cap: int) -> list[int]:
     return [k for k in range(1, min(x, cap) + 1) if x % k == 0]
 
 
-def candidate_plans(profile: Profile, resources: Resources, *, global_batch: int, strategy: Strategy = "auto",
-                    data_parallel: int | None = None, num_stages: int | None = None, mode: Mode | None = None,
-                    num_microbatches: int | None = None, schedule: str | None = None,
-                    cutter: str | Cutter = "minmax", balance: Sequence[int] | None = None,
-                    max_microbatches: int = MAX_MICROBATCHES) -> list[Candidate]:
+@dataclass(frozen=True)
+class _Request:
+    """A plan section resolved against the model and the workers: what is fixed, what is searched."""
+
+    data_parallel: int | None
+    num_stages: int | None
+    max_stages: int  # stages the model's cuttable positions allow
+    num_workers: int
+
+
+def _resolve(request: PlanConfig, profile: Profile, resources: Resources) -> _Request:
+    """The fixed replicas and stages the request implies (strategy, balance), checked against the model.
+
+    Raises:
+        PlanningError: The fixed stages or replicas do not fit the model or the workers.
+    """
+    n = profile.num_nodes
+    d = 1 if request.strategy == "pipeline" else request.data_parallel
+    p = 1 if request.strategy == "data_parallel" else request.num_stages
+    if request.balance is not None:
+        if sum(request.balance) != n:
+            raise PlanningError(f"balance {list(request.balance)} must be positive node counts summing to "
+                                f"the {n} nodes")
+        p = len(request.balance)
+    fixed = _Request(d, p, 1 + sum(c.cuttable for c in profile.cuts[1:-1]), resources.num_workers)
+    _check_counts(fixed, n)
+    return fixed
+
+
+def _check_counts(fixed: _Request, num_nodes: int) -> None:
+    """Refuse fixed stage and replica counts the model's cuts or the workers cannot hold.
+
+    Raises:
+        PlanningError: Naming the count, the limit and what would fit.
+    """
+    d, p, most, workers = fixed.data_parallel, fixed.num_stages, fixed.max_stages, fixed.num_workers
+    if p is not None and not 1 <= p <= most:
+        why = f"the model has {num_nodes} nodes"
+        if most < num_nodes:
+            why += f" and {most - 1} cuttable positions"
+        raise PlanningError(f"num_stages={p} is impossible: {why}; use 1..{most} stages")
+    if p is not None and p > workers:
+        raise PlanningError(f"num_stages={p} needs {p} workers, the resources have {workers}; use at "
+                            f"most {min(workers, most)} stages")
+    if d is not None and not 1 <= d <= workers:
+        raise PlanningError(f"data_parallel={d} needs 1..{workers} workers; the resources have {workers}")
+    if d is not None and p is not None and d * p > workers:
+        raise PlanningError(f"data_parallel={d} x num_stages={p} needs {d * p} workers, the resources have "
+                            f"{workers}; with data_parallel={d} at most {workers // d} stages fit")
+
+
+def _degrees(request: PlanConfig, fixed: _Request, global_batch: int) -> list[int]:
+    """The data-parallel degrees to search.
+
+    Raises:
+        PlanningError: The global batch does not split into the (first) degree's replicas.
+    """
+    if global_batch < 1:
+        raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
+    degrees = [fixed.data_parallel] if fixed.data_parallel is not None else _divisors(global_batch,
+                                                                                      fixed.num_workers)
+    if request.strategy == "data_parallel" and fixed.data_parallel is None and len(degrees) > 1:
+        degrees = degrees[1:]  # replicas, not one worker: the cost model may favour one on small models
+    if global_batch % degrees[0]:
+        raise PlanningError(f"global_batch={global_batch} does not split evenly into "
+                            f"data_parallel={degrees[0]} replicas; degrees that divide it: "
+                            f"{_divisors(global_batch, fixed.num_workers)}")
+    return degrees
+
+
+def _shapes(request: PlanConfig, fixed: _Request, global_batch: int) -> list[Shape]:
+    """Every shape the request allows, in enumeration order (degrees, stages, modes, schedules, counts).
+
+    Raises:
+        PlanningError: No shape exists (the fixed microbatch count divides no replica's share).
+    """
+    degrees = _degrees(request, fixed, global_batch)
+    shapes = [shape for d in degrees for shape in _shapes_of_degree(request, fixed, global_batch, d)]
+    if not shapes:
+        d_text = (f"data_parallel={fixed.data_parallel}" if fixed.data_parallel is not None
+                  else "any data-parallel degree")
+        raise PlanningError(f"num_microbatches={request.num_microbatches} does not divide "
+                            f"global_batch={global_batch} with {d_text}; per replica it must divide "
+                            "global_batch / data_parallel, e.g. "
+                            f"{_divisors(global_batch // degrees[0], request.max_microbatches)}")
+    return shapes
+
+
+def _shapes_of_degree(request: PlanConfig, fixed: _Request, global_batch: int, d: int) -> list[Shape]:
+    """The shapes of ``d`` replicas: stage counts, then modes, schedules and microbatch counts."""
+    per_replica = global_batch // d
+    counts = [request.num_microbatches] if request.num_microbatches is not None else _divisors(
+        per_replica, request.max_microbatches)
+    counts = [c for c in counts if per_replica % c == 0]
+    most = min(fixed.max_stages, fixed.num_workers // d)
+    stage_counts = range(1, most + 1) if fixed.num_stages is None else [fixed.num_stages]
+    if request.strategy == "pipeline" and fixed.num_stages is None and most > 1:
+        stage_counts = range(2, most + 1)  # stages, not one worker
+    modes: tuple[Mode, ...] = get_args(Mode) if d > 1 else ("collective",)
+    if request.mode is not None:
+        modes = (request.mode,)
+    schedules = list(SCHEDULES) if request.schedule is None else [request.schedule]
+    return [(d, p, mode, schedule, m) for p in stage_counts if d * p <= fixed.num_workers
+            for mode in modes for schedule in schedules for m in counts]
+
+
+def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
+                    global_batch: int) -> list[Candidate]:
     """Evaluates every plan shape the request allows (see :func:`choose_plan` for the arguments).
 
     Returns:
         One :class:`Candidate` per shape, fitting or not, in enumeration order.
 
     Raises:
-        PlanningError: If the fixed fields contradict each other, the model or the resources.
+        PlanningError: If the fixed fields contradict the model or the resources, or the cutter is unknown.
     """
-    n, num_workers = profile.num_nodes, resources.num_workers
-    if strategy not in get_args(Strategy):
-        raise PlanningError(f"unknown strategy {strategy!r}; use one of {get_args(Strategy)}")
-    if mode is not None and mode not in get_args(Mode):
-        raise PlanningError(f"unknown mode {mode!r}; use one of {get_args(Mode)}")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise PlanningError(f"unknown schedule {schedule!r}; use one of {tuple(SCHEDULES)}")
     try:
-        cut_fn = get_cutter(cutter)
+        cut_fn = get_cutter(request.cutter)
     except ValueError as exc:
         raise PlanningError(str(exc)) from None
-    cutter_name = cutter if isinstance(cutter, str) else getattr(cutter, "__name__", type(cutter).__name__)
-    if strategy == "data_parallel":
-        if num_stages not in (None, 1):
-            raise PlanningError(f"strategy='data_parallel' means num_stages=1, not {num_stages}")
-        num_stages = 1
-    if strategy == "pipeline":
-        if data_parallel not in (None, 1):
-            raise PlanningError(f"strategy='pipeline' means data_parallel=1, not {data_parallel}")
-        data_parallel = 1
-    if balance is not None:
-        if any(b < 1 for b in balance) or sum(balance) != n:
-            raise PlanningError(f"balance {list(balance)} must be positive node counts summing to "
-                                f"the {n} nodes")
-        if num_stages not in (None, len(balance)):
-            raise PlanningError(f"balance has {len(balance)} stages but num_stages={num_stages}")
-        num_stages = len(balance)
-    max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
-    if num_stages is not None and not 1 <= num_stages <= max_stages:
-        why = f"the model has {n} nodes"
-        if max_stages < n:
-            why += f" and {max_stages - 1} cuttable positions"
-        raise PlanningError(f"num_stages={num_stages} is impossible: {why}; use 1..{max_stages} stages")
-    if num_stages is not None and num_stages > num_workers:
-        raise PlanningError(f"num_stages={num_stages} needs {num_stages} workers, the resources have "
-                            f"{num_workers}; use at most {min(num_workers, max_stages)} stages")
-    if num_microbatches is not None and num_microbatches < 1:
-        raise PlanningError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if data_parallel is not None and not 1 <= data_parallel <= num_workers:
-        raise PlanningError(f"data_parallel={data_parallel} needs 1..{num_workers} workers; "
-                            f"the resources have {num_workers}")
-    if data_parallel is not None and num_stages is not None and data_parallel * num_stages > num_workers:
-        raise PlanningError(f"data_parallel={data_parallel} x num_stages={num_stages} needs "
-                            f"{data_parallel * num_stages} workers, the resources have {num_workers}; with "
-                            f"data_parallel={data_parallel} at most {num_workers // data_parallel} "
-                            "stages fit")
-    if global_batch < 1:
-        raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
-    degrees = [data_parallel] if data_parallel is not None else _divisors(global_batch, num_workers)
-    if strategy == "data_parallel" and data_parallel is None and len(degrees) > 1:
-        degrees = degrees[1:]  # replicas, not one worker: the cost model may favour one on small models
-    if global_batch % degrees[0]:
-        raise PlanningError(f"global_batch={global_batch} does not split evenly into "
-                            f"data_parallel={degrees[0]} replicas; degrees that divide it: "
-                            f"{_divisors(global_batch, num_workers)}")
-    shapes: list[Shape] = []
-    for d in degrees:
-        per_replica = global_batch // d
-        counts = _divisors(per_replica, max_microbatches) if num_microbatches is None else [num_microbatches]
-        counts = [c for c in counts if c >= 1 and per_replica % c == 0]
-        most = min(max_stages, num_workers // d)
-        stage_counts = range(1, most + 1) if num_stages is None else [num_stages]
-        if strategy == "pipeline" and num_stages is None and most > 1:
-            stage_counts = range(2, most + 1)  # stages, not one worker
-        modes: tuple[Mode, ...] = get_args(Mode) if d > 1 else ("collective",)
-        if mode is not None:
-            modes = (mode,)
-        scheds = list(SCHEDULES) if schedule is None else [schedule]
-        shapes += [(d, p, md, sc, m) for p in stage_counts if d * p <= num_workers
-                   for md in modes for sc in scheds for m in counts]
-    if not shapes:
-        d_text = f"data_parallel={data_parallel}" if data_parallel is not None else "any data-parallel degree"
-        raise PlanningError(f"num_microbatches={num_microbatches} does not divide "
-                            f"global_batch={global_batch} with {d_text}; per replica it must divide "
-                            "global_batch / data_parallel, e.g. "
-                            f"{_divisors(global_batch // degrees[0], max_microbatches)}")
-    return [_evaluate(profile, resources, sh, global_batch, cut_fn, cutter_name, balance) for sh in shapes]
+    shapes = _shapes(request, _resolve(request, profile, resources), global_batch)
+    return [_evaluate(profile, resources, sh, global_batch, cut_fn, request.cutter, request.balance)
+            for sh in shapes]
 
 
 def _rank(c: Candidate) -> tuple[float, int, int, float]:
@@ -391,50 +428,35 @@ def _rank(c: Candidate) -> tuple[float, int, int, float]:
     return step, c.plan.num_workers, c.mode != "collective", c.plan.peak_memory_bytes
 
 
-def choose_plan(profile: Profile, resources: Resources, *, global_batch: int, strategy: Strategy = "auto",
-                data_parallel: int | None = None, num_stages: int | None = None, mode: Mode | None = None,
-                num_microbatches: int | None = None, schedule: str | None = None,
-                cutter: str | Cutter = "minmax", balance: Sequence[int] | None = None,
-                max_microbatches: int = MAX_MICROBATCHES) -> Plan:
+def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
+                global_batch: int) -> Plan:
     """The fastest plan that fits every worker's memory, among those the request allows.
 
     Args:
         profile: The model's profile.
         resources: The workers the plan may use (it uses the first ``d * p``).
+        request: The job config's plan section: the fields it fixes (strategy, replicas, stages,
+            gradient mode, microbatches, schedule, balance) and how to search the rest (the cutter
+            by its registered name, the largest microbatch count); see
+            :class:`~coordinator.planning.config.PlanConfig`.
         global_batch: Samples per training step over all replicas.
-        strategy: ``"auto"`` (search all), ``"data_parallel"`` (``p = 1``, ``d >= 2``) or ``"pipeline"``
-            (``d = 1``, ``p >= 2``), where the resources allow.
-        data_parallel: Fixes the number of replicas.
-        num_stages: Fixes the number of pipeline stages.
-        mode: Fixes the gradient path, ``"collective"`` or ``"parameter_server"``.
-        num_microbatches: Fixes the microbatches per replica per step.
-        schedule: Fixes the schedule (a key of ``coordinator.planning.schedules.SCHEDULES``).
-        cutter: A registered cutter's name or a :class:`~coordinator.planning.cutting.Cutter`.
-        balance: Fixes the nodes per stage (as torchgpipe's ``balance``), bypassing the cutter.
-        max_microbatches: The largest microbatch count searched when not fixed.
 
     Raises:
         PlanningError: If the request is impossible or no plan fits in memory; the message
             says why and names a plan that would fit when one exists.
     """
-    cands = candidate_plans(profile, resources, global_batch=global_batch, strategy=strategy,
-                            data_parallel=data_parallel, num_stages=num_stages, mode=mode,
-                            num_microbatches=num_microbatches, schedule=schedule, cutter=cutter,
-                            balance=balance, max_microbatches=max_microbatches)
+    cands = candidate_plans(profile, resources, request, global_batch=global_batch)
     fitting = [c for c in cands if c.fits]
     if fitting:
         best = min(fitting, key=_rank)
         assert best.plan is not None
         return best.plan
-    request: dict[str, object] = dict(strategy=strategy, data_parallel=data_parallel, num_stages=num_stages,
-                                      mode=mode, num_microbatches=num_microbatches, schedule=schedule,
-                                      balance=balance)
-    raise PlanningError(_explain(profile, resources, global_batch, cands, request, cutter, max_microbatches))
+    raise PlanningError(_explain(profile, resources, global_batch, cands, request))
 
 
 def _explain(profile: Profile, resources: Resources, global_batch: int, cands: list[Candidate],
-             request: dict[str, object], cutter: str | Cutter, max_microbatches: int) -> str:
-    fixed = {k: v for k, v in request.items() if v is not None and not (k == "strategy" and v == "auto")}
+             request: PlanConfig) -> str:
+    fixed = request.model_dump(exclude_defaults=True, exclude=_SEARCH_FIELDS)
     asked = ", ".join(f"{k}={v!r}" for k, v in fixed.items()) or "no fixed fields"
     planned = [c for c in cands if c.plan is not None]
     if not planned:
@@ -446,8 +468,9 @@ def _explain(profile: Profile, resources: Resources, global_batch: int, cands: l
            f"needs is {format_bytes(least.plan.peak_memory_bytes)} per worker ({least.plan.summary()}: "
            f"{least.reason}); the largest worker has {format_bytes(budget)}.")
     if fixed:
-        free = [c for c in candidate_plans(profile, resources, global_batch=global_batch, cutter=cutter,
-                                           max_microbatches=max_microbatches) if c.fits]
+        search_only = PlanConfig(**request.model_dump(include=_SEARCH_FIELDS))
+        free = [c for c in candidate_plans(profile, resources, search_only, global_batch=global_batch)
+                if c.fits]
         if free:
             best = min(free, key=_rank)
             assert best.plan is not None

@@ -1,17 +1,33 @@
 """Importable factories: what a job names so that workers build the model, the data and the loss.
 
-Workers never receive code (../shared/DESIGN.md): a job names each factory as
-``"package.module:function"``. A user may pass the function object instead;
-:func:`factory_path` turns it into that name and checks it resolves to the same object
-(so a lambda, a nested function or a function defined in ``__main__`` is refused with the
-fix). The builders here run the factories in the coordinator's process exactly as a
-worker's stage does (``services/compute/stage.py``): seeded in a forked RNG, so the coordinator's
-copy of the model has the parameters every worker builds.
+Workers never receive code: a job names each factory as ``"package.module:function"``. A
+user may pass the function object instead; :func:`factory_path` turns it into that name
+and checks it resolves to the same object (so a lambda, a nested function or a function
+defined in ``__main__`` is refused with the fix). The builders here run the factories in
+the coordinator's process exactly as a worker's stage does (``services/compute/stage.py``):
+seeded in a forked RNG, so the coordinator's copy of the model has the parameters every
+worker builds.
+
+[Note: where a job's modules are found] A job's own modules live in its ``code_dir`` (the
+config's ``runtime.code_dir``; ``cellmesh run`` sets it to the job file's directory). The
+coordinator imports a job's factories once, when the ``Job`` is made, inside
+:func:`job_imports`: for that import only, the current directory then ``code_dir`` come
+first on ``sys.path``; afterwards ``sys.path`` is as it was and the imported modules stay in
+``sys.modules``, so later lookups of the same names (building the model, the reference)
+find them. A local worker gets ``code_dir`` on its ``PYTHONPATH`` from the harness; as
+``python -m services.host.worker`` it has the current directory first on its path: both
+processes resolve a name to the same file. Workers started elsewhere (pods) find the
+factories on their own ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,20 +36,46 @@ from torch import nn
 from services.compute.cell import Cell, as_cells
 from services.compute.stage import SampleSource, import_object
 
-__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "factory_path", "seeded", "unwrapped"]
+__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "factory_path", "job_imports", "seeded",
+           "unwrapped"]
 
 FactoryRef = str | Callable[..., Any]
 
 
-def factory_path(ref: FactoryRef, *, what: str) -> str:
+@contextmanager
+def job_imports(code_dir: str | os.PathLike[str] | None) -> Iterator[None]:
+    """Inside, the current directory then ``code_dir`` come first on ``sys.path`` (None: nothing changes).
+
+    See [Note: where a job's modules are found]. The two entries are removed on the way out;
+    what the imports added to ``sys.modules`` stays.
+    """
+    if code_dir is None:
+        yield
+        return
+    entries = [os.getcwd(), str(Path(code_dir).resolve())]
+    sys.path[:0] = entries
+    importlib.invalidate_caches()  # a module written since the last import is found
+    try:
+        yield
+    finally:
+        for entry in entries:
+            if entry in sys.path:
+                sys.path.remove(entry)
+
+
+def factory_path(ref: FactoryRef, *, what: str, code_dir: str | None = None) -> str:
     """The ``"package.module:function"`` name of ``ref`` (a name or a module-level function).
+
+    A name is imported now (looked for in ``code_dir`` too, see :func:`job_imports`), so a factory
+    that does not import fails in the caller's process with the reason.
 
     Raises:
         ValueError: ``ref`` is malformed, does not import, or is not importable by name
             (a lambda, a nested function, something defined in ``__main__``).
     """
     if isinstance(ref, str):
-        import_object(ref, what=what)  # fails early, in the caller's process, with the reason
+        with job_imports(code_dir):
+            import_object(ref, what=what)
         return ref
     module = getattr(ref, "__module__", None)
     qualname = getattr(ref, "__qualname__", None)

@@ -1,9 +1,15 @@
-"""The Python API: ``Job(model, loss, optimizer, data, resources, strategy=...)``, ``plan()``, ``fit()``.
+"""The Python API: ``Job(config)`` or ``Job(model=..., loss=..., data=...)``, ``plan()``, ``fit()``.
 
-A job names its model, data and loss by importable factories (``coordinator/runtime/factories.py``),
-so the workers build them themselves. ``plan()`` builds the model in this process, traces
-and profiles it on a sample microbatch and asks the planner (``coordinator/planning/planner.py``);
-every plan field may be fixed by keyword. ``fit(steps)`` runs the plan on the embedded
+A job is its config (:class:`~coordinator.planning.config.JobConfig`), given whole or as flat
+keyword fields: each keyword is a config field by its own name wherever it sits
+(``global_batch`` is ``data.global_batch``, ``num_stages`` is ``plan.num_stages``,
+``workers`` is ``runtime.workers``); a section's factory or name is the section's name
+(``model=``, ``optimizer=``) and its arguments ``<section>_kwargs``
+(:data:`~coordinator.planning.config.FLAT_KEYS` lists them all). A job names its model, data
+and loss by importable factories (``coordinator/runtime/factories.py``), so the workers build
+them themselves. ``plan()`` builds the model in this process, traces and profiles it on a
+sample microbatch and asks the planner (``coordinator/planning/planner.py``) with the config's
+plan section. ``fit(steps)`` runs the plan on the embedded
 local harness (``Resources`` describe local worker processes for now) and returns the loss
 history, the event log of every step and the final parameters as a plain ``state_dict``
 of the unwrapped model (:meth:`Job.build_model`; it loads with ``strict=True``).
@@ -39,19 +45,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from coordinator.planning.config import JobConfig, from_flat
 from coordinator.planning.data import BatchSampler, split_batch
 from coordinator.planning.graph import build_graph
-from coordinator.planning.plan import Mode, Plan
-from coordinator.planning.planner import Strategy, choose_plan
+from coordinator.planning.plan import Plan
+from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, profile_graph
 from coordinator.planning.resources import Resources
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import RunSpec, Runtime, StepRecord
-from coordinator.runtime.factories import FactoryRef, build_cells, build_data, factory_path
-from coordinator.runtime.harness import DEFAULT_LEASE_TTL, LocalHarness
+from coordinator.runtime.factories import build_cells, build_data, factory_path
+from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
 from services.compute.cell import Cell, cell_parameters
-from services.protocol import FactoryKwargs, OptimizerSpec
+from services.protocol import OptimizerSpec
 
 __all__ = ["FitResult", "Job", "StepCallback", "optimizer_spec", "state_dict_of"]
 
@@ -88,6 +95,21 @@ def optimizer_spec(optimizer: OptimizerRef, kwargs: dict[str, Any]) -> Optimizer
     return OptimizerSpec(name=name, kwargs=clean)
 
 
+def _named(fields: dict[str, Any]) -> dict[str, Any]:
+    """``Job``'s keyword fields with factory functions as their names and an optimizer class as its name.
+
+    Raises:
+        ValueError: A function is not importable by name, or a class is not ``torch.optim``'s.
+    """
+    named = dict(fields)
+    for key in ("model", "data", "loss"):
+        if callable(named.get(key)):
+            named[key] = factory_path(named[key], what=f"{key} factory")
+    if isinstance(named.get("optimizer"), type):
+        named["optimizer"] = optimizer_spec(named["optimizer"], {}).name
+    return named
+
+
 def state_dict_of(model: nn.Module, cells: list[Cell],
                   cell_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``cell_state`` (cell-qualified names) keyed as ``model.state_dict()`` (sharing ``cells``' tensors).
@@ -116,70 +138,43 @@ def _optimizer_kind(spec: OptimizerSpec) -> str:
 
 
 class Job:
-    """A training job: model, loss, optimizer, data, resources and the plan fields to fix.
+    """A training job: its config, the workers it runs on, and its training session.
 
     Args:
-        model: Factory of the model: a sequence of modules or Cells (cut between cells).
-        loss: Factory of ``loss(output, targets) -> scalar`` (a loss class works: ``torch.nn:MSELoss``).
-        data: Factory of the samples: ``(inputs, targets)`` along dim 0, or a ``load(indices)`` callable.
-        optimizer: A ``torch.optim`` class or its name.
-        optimizer_kwargs: Its arguments (``lr``...).
-        resources: Default ``Resources.local(workers=2)``.
-        global_batch: Samples per step over all replicas.
+        config: The job's config; or give its fields as keywords instead (not both).
 
     Keyword Args:
-        strategy: ``"auto"``, ``"data_parallel"`` or ``"pipeline"``.
-        data_parallel, num_stages, mode, schedule, num_microbatches, balance: Fix plan fields
-            (see ``coordinator.planning.planner.choose_plan``).
-        plan: A complete plan to use as is.
-        model_kwargs, data_kwargs, loss_kwargs: Keyword arguments of the factories.
-        seed: Seeds the model and data factories (every worker uses the same).
-        shuffle: Permute the samples each epoch.
-        num_samples: How many samples a ``load`` callable serves (needed only for such data).
-        name: The job's name (registry prefix); a unique one by default.
-        comm_backend: ``"zmq"`` or ``"gloo"``.
-        step_timeout: Bounds each round of a step (run, commit).
-        lease_ttl: A dead worker is noticed at most this long after it stopped.
+        resources: The workers; default ``Resources.local(config.runtime.workers)``. Given, they
+            replace the local workers the config describes (a cluster's, a custom description).
+        plan: A complete plan to use as is (the config's plan section is then not consulted).
         log_dir: Where the local workers' output goes (``{worker}.log``); None: a temporary
             directory, kept only when a worker failed (``coordinator/runtime/harness.py``).
+        **fields: The config's fields by their flat names (see the module docstring): ``model``,
+            ``data``, ``loss`` as ``"package.module:function"`` or a module-level function,
+            ``optimizer`` as a ``torch.optim`` class or its name, ``global_batch``,
+            ``num_stages``, ``workers``, ``step_timeout_s``...
 
     Raises:
-        ValueError: A factory cannot be imported by name, or the optimizer is unknown.
+        ValueError: The fields are invalid (a ``ConfigError`` naming each bad key), a factory
+            cannot be imported by name, or the optimizer is not a ``torch.optim`` class.
+        TypeError: Both a config and keyword fields were given.
     """
 
-    def __init__(self, *, model: FactoryRef, loss: FactoryRef, data: FactoryRef,
-                 optimizer: OptimizerRef = "SGD", optimizer_kwargs: dict[str, Any] | None = None,
-                 resources: Resources | None = None,
-                 global_batch: int = 32, strategy: Strategy = "auto", data_parallel: int | None = None,
-                 num_stages: int | None = None, mode: Mode | None = None, schedule: str | None = None,
-                 num_microbatches: int | None = None, balance: list[int] | None = None,
-                 plan: Plan | None = None,
-                 model_kwargs: FactoryKwargs | None = None, data_kwargs: FactoryKwargs | None = None,
-                 loss_kwargs: FactoryKwargs | None = None, seed: int = 0, shuffle: bool = True,
-                 num_samples: int | None = None, name: str | None = None, comm_backend: str = "zmq",
-                 step_timeout: timedelta = timedelta(seconds=300),
-                 lease_ttl: timedelta = DEFAULT_LEASE_TTL, log_dir: Path | None = None) -> None:
-        self.model = factory_path(model, what="model factory")
-        self.loss = factory_path(loss, what="loss factory")
-        self.data = factory_path(data, what="data factory")
-        self.optimizer = optimizer_spec(optimizer, dict(optimizer_kwargs or {"lr": 0.01}))
-        self.resources = resources or Resources.local(workers=2)
-        self.global_batch = global_batch
-        self.plan_fields: dict[str, Any] = dict(strategy=strategy, data_parallel=data_parallel,
-                                                num_stages=num_stages, mode=mode, schedule=schedule,
-                                                num_microbatches=num_microbatches, balance=balance)
-        self.model_kwargs = dict(model_kwargs or {})
-        self.data_kwargs = dict(data_kwargs or {})
-        self.loss_kwargs = dict(loss_kwargs or {})
-        self.seed = seed
-        self.shuffle = shuffle
-        self.name = name or f"job-{uuid.uuid4().hex[:8]}"
-        self.comm_backend = comm_backend
-        self.step_timeout = step_timeout
-        self.lease_ttl = lease_ttl
+    def __init__(self, config: JobConfig | None = None, /, *, resources: Resources | None = None,
+                 plan: Plan | None = None, log_dir: Path | None = None, **fields: Any) -> None:
+        if config is None:
+            config = from_flat(_named(fields))
+        elif fields:
+            raise TypeError(f"Job() takes a JobConfig or keyword fields, not both (got {sorted(fields)})")
+        for section, what in ((config.model, "model"), (config.data, "data"), (config.loss, "loss")):
+            factory_path(section.factory, what=f"{what} factory", code_dir=config.runtime.code_dir)
+        self.config = config
+        self.optimizer = optimizer_spec(config.optimizer.name, dict(config.optimizer.kwargs))
+        self.resources = resources or Resources.local(workers=config.runtime.workers)
+        self.name = config.name or f"job-{uuid.uuid4().hex[:8]}"
+        self.fixed_plan = plan
         self.log_dir = log_dir
         self._plan = plan
-        self._num_samples = num_samples
         self._session: _Session | None = None
         self.steps_done = 0
 
@@ -187,30 +182,34 @@ class Job:
 
     def build_model(self) -> nn.Module:
         """The unwrapped model with its initial parameters (the module ``fit``'s state_dict loads into)."""
-        return build_cells(self.model, self.model_kwargs, self.seed)[0]
+        model = self.config.model
+        return build_cells(model.factory, model.kwargs, self.config.data.seed)[0]
 
     def sampler(self) -> BatchSampler:
         """The global batches of every step (see ``coordinator/planning/data.py``).
 
         Raises:
-            ValueError: The data's size is unknown (pass ``num_samples``) or below the global batch.
+            ValueError: The data's size is unknown (give ``data.num_samples``) or below the global batch.
         """
-        n = self._num_samples or build_data(self.data, self.data_kwargs, self.seed).num_samples
+        data = self.config.data
+        n = data.num_samples or build_data(data.factory, data.kwargs, data.seed).num_samples
         if n is None:
-            raise ValueError(f"data factory {self.data!r} returns a loader: pass Job(num_samples=...)")
-        return BatchSampler(n, self.global_batch, shuffle=self.shuffle, seed=self.seed)
+            raise ValueError(f"data factory {data.factory!r} returns a loader: give data.num_samples "
+                             "(Job(num_samples=...))")
+        return BatchSampler(n, data.global_batch, shuffle=data.shuffle, seed=data.seed)
 
     def plan(self) -> Plan:
-        """The plan (computed once): fixed fields as given, the rest chosen by the planner.
+        """The plan (computed once): the plan section's fixed fields as given, the rest chosen by the planner.
 
         Raises:
             coordinator.planning.planner.PlanningError: No plan satisfies the fixed fields and the resources.
             ValueError: The model is not a sequence of cells the services can run.
         """
         if self._plan is None:
-            _, cells = build_cells(self.model, self.model_kwargs, self.seed)
-            source = build_data(self.data, self.data_kwargs, self.seed)
-            size = max(1, min(8, self.global_batch // max(1, self.resources.num_workers)))
+            config = self.config
+            _, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
+            source = build_data(config.data.factory, config.data.kwargs, config.data.seed)
+            size = max(1, min(8, config.data.global_batch // max(1, self.resources.num_workers)))
             inputs, _ = source.load(list(range(size)))
             sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
             graph = build_graph(cells, sample)
@@ -219,16 +218,18 @@ class Job:
                                  f"per cell {[c.name for c in cells]}: give the model as a sequence of cells")
             profile = profile_graph(graph, sample, repeats=3, optimizer=_optimizer_kind(self.optimizer),
                                     num_threads=1)
-            self._plan = choose_plan(profile, self.resources, global_batch=self.global_batch,
-                                     **self.plan_fields)
+            self._plan = choose_plan(profile, self.resources, config.plan,
+                                     global_batch=config.data.global_batch)
         return self._plan
 
     def run_spec(self, workers_job: str, run: str) -> RunSpec:
         """What the runtime builds services from; ``workers_job`` is the workers' registry prefix."""
-        return RunSpec(job=workers_job, run=run, model=self.model, data=self.data, loss=self.loss,
-                       optimizer=self.optimizer, model_kwargs=self.model_kwargs, data_kwargs=self.data_kwargs,
-                       loss_kwargs=self.loss_kwargs,
-                       seed=self.seed, comm_backend=self.comm_backend, step_timeout=self.step_timeout)
+        c = self.config
+        return RunSpec(job=workers_job, run=run, model=c.model.factory, data=c.data.factory,
+                       loss=c.loss.factory, optimizer=self.optimizer, model_kwargs=c.model.kwargs,
+                       data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
+                       comm_backend=c.runtime.comm_backend,
+                       step_timeout=timedelta(seconds=c.runtime.step_timeout_s))
 
     # -- training -------------------------------------------------------------------------
 
@@ -257,13 +258,15 @@ class Job:
         pool = self._session.harness if self._session is not None else None
         return pool if isinstance(pool, LocalHarness) else None
 
-    def fit(self, steps: int, *, callback: StepCallback | None = None) -> FitResult:
-        """Train ``steps`` steps; return the losses, the final state_dict and the step records.
+    def fit(self, steps: int | None = None, *, callback: StepCallback | None = None) -> FitResult:
+        """Train ``steps`` steps (default: the config's ``steps``); return the losses, the final
+        state_dict and the step records.
 
         Raises:
             coordinator.runtime.driver.JobFailed: A worker failed or vanished (names worker, service, step).
             coordinator.planning.planner.PlanningError: No plan fits.
         """
+        steps = self.config.steps if steps is None else steps
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if self._session is None:
@@ -289,8 +292,11 @@ class _Session:
         self.local: LocalHarness | None = None  # the harness this session starts and stops itself
         if pool is None:
             threads = max(1, min(w.cpus for w in job.resources.workers))
-            pool = self.local = LocalHarness(names, job=job.name, lease_ttl=job.lease_ttl, threads=threads,
-                                             log_dir=job.log_dir)
+            runtime = job.config.runtime
+            code_dir = [runtime.code_dir] if runtime.code_dir is not None else []
+            lease_ttl = timedelta(seconds=runtime.lease_ttl_s)
+            pool = self.local = LocalHarness(names, job=job.name, lease_ttl=lease_ttl, threads=threads,
+                                             python_path=code_dir, log_dir=job.log_dir)
         self.harness: WorkerPool = pool
         missing = sorted({w for r in self.plan.placement for w in r}
                          - set(self.harness.names))
@@ -308,7 +314,7 @@ class _Session:
             if self.local is not None:
                 self.local.start()
             self.loop = EventLoop(self.harness.registry, self.harness.job).start()
-            _, cells = build_cells(job.model, job.model_kwargs, job.seed)
+            _, cells = build_cells(job.config.model.factory, job.config.model.kwargs, job.config.data.seed)
             initial = {n: p.detach() for n, p in cell_parameters(cells)}
             addresses = {n: self.harness.address(n) for n in self.harness.names}
             # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
@@ -332,7 +338,8 @@ class _Session:
             records.append(record)
             if callback is not None:
                 callback(record)
-        model, cells = build_cells(self.job.model, self.job.model_kwargs, self.job.seed)
+        config = self.job.config
+        model, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
         state = state_dict_of(model, cells, self.runtime.state())
         return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=plan)
 

@@ -24,10 +24,11 @@ def train_reference(job: Job, steps: int) -> FitResult:
 
     The losses are each step's loss before its update, as ``Job.fit`` reports them.
     """
-    model, cells = build_cells(job.model, job.model_kwargs, job.seed)
+    config = job.config
+    model, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
     whole = nn.Sequential(*cells)
-    source = build_data(job.data, job.data_kwargs, job.seed)
-    loss_fn = build_loss(job.loss, job.loss_kwargs)
+    source = build_data(config.data.factory, config.data.kwargs, config.data.seed)
+    loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
     params = [p for _, p in cell_parameters(cells)]
     optimizer = make_optimizer(job.optimizer, params)
     sampler = job.sampler()

@@ -118,10 +118,10 @@ def test_imports_go_downward_only() -> None:
 
 
 @pytest.mark.parametrize(("source", "target", "allowed"), [
-    ("comm.zmq.backend", "services.protocol", False),
+    ("comm.zmq.communicator", "services.protocol", False),
     ("coordinator.planning.planner", "coordinator.runtime.job", False),
     ("coordinator.commands.cli", "coordinator.runtime.job", True),
-    ("comm.zmq.backend", "comm.torch.backend", False),
+    ("comm.zmq.communicator", "comm.torch.communicator", False),
     ("services.compute.executor", "services.params.grad_path", True),
     ("services.params.grad_path", "services.compute.executor", False),
 ])

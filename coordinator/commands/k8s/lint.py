@@ -10,7 +10,7 @@ render`` or of ``kubectl kustomize k8s/overlays/...``:
 - every port a probe or a Service names is a port the selected container declares;
 - the ConfigMap the coordinator mounts holds a job spec ``cellmesh run`` accepts;
 - the worker count agrees everywhere (StatefulSet replicas, ``WORLD_SIZE``,
-  ``PET_NNODES``, the coordinator's ``--workers``, the spec's ``workers``) and with what
+  ``PET_NNODES``, the coordinator's ``--workers``, the spec's ``runtime.workers``) and with what
   was asked, and so do the GPUs per worker;
 - the NetworkPolicies select every pod and admit exactly the job's own traffic
   (:data:`ALLOWED`: coordinator and workers to etcd's client port, etcd members to each
@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from coordinator.commands.jobspec import JobSpec
+from coordinator.planning.config import JobConfig
 
 __all__ = ["ALLOWED", "Expect", "lint"]
 
@@ -199,7 +199,7 @@ def _check_selectors(objects: list[Manifest], pods: list[_Pod], r: _Report) -> N
                         )
 
 
-def _spec_of(objects: list[Manifest], pods: list[_Pod], r: _Report) -> JobSpec | None:
+def _spec_of(objects: list[Manifest], pods: list[_Pod], r: _Report) -> JobConfig | None:
     coordinators = [p for p in pods if p.component == "coordinator"]
     if len(coordinators) != 1 or coordinators[0].replicas != 1:
         r.add("coordinator", f"expected one coordinator workload of 1 replica, found {len(coordinators)}")
@@ -216,7 +216,7 @@ def _spec_of(objects: list[Manifest], pods: list[_Pod], r: _Report) -> JobSpec |
         r.add(_name(config), "has no job.yaml")
         return None
     try:
-        return JobSpec.model_validate(yaml.safe_load(text))
+        return JobConfig.model_validate(yaml.safe_load(text))
     except (yaml.YAMLError, ValidationError) as exc:
         r.add(
             _name(config), f"job.yaml is not a job spec `cellmesh run` accepts: {' '.join(str(exc).split())}"
@@ -224,7 +224,7 @@ def _spec_of(objects: list[Manifest], pods: list[_Pod], r: _Report) -> JobSpec |
         return None
 
 
-def _check_counts(spec: JobSpec | None, pods: list[_Pod], expect: Expect, r: _Report) -> None:
+def _check_counts(spec: JobConfig | None, pods: list[_Pod], expect: Expect, r: _Report) -> None:
     workers = [p for p in pods if p.component == "worker"]
     coordinators = [p for p in pods if p.component == "coordinator"]
     if len(workers) != 1:
@@ -243,7 +243,7 @@ def _check_counts(spec: JobSpec | None, pods: list[_Pod], expect: Expect, r: _Re
             if value is not None:
                 counts[f"{coordinator.owner} --workers"] = int(value)
     if spec is not None:
-        counts["the job spec's workers"] = spec.workers
+        counts["the job spec's runtime.workers"] = spec.runtime.workers
     wrong = {k: v for k, v in counts.items() if v != expect.workers}
     if wrong:
         r.add("worker count", f"the job asks for {expect.workers} workers but {wrong}")

@@ -47,7 +47,8 @@ from comm.registry import (
     WatchEvent,
     connect_registry,
 )
-from comm.registry.etcd import EtcdRegistry, WatchRetry
+from comm.registry.etcd import EtcdRegistry
+from comm.registry.etcd_watch import WatchRetry
 from comm.registry.protocol import EventsReply, RevisionReply, WatchPollRequest
 from comm.registry.remote import RemoteLease
 from comm.registry.server import RegistryService

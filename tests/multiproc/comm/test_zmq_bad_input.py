@@ -19,7 +19,7 @@ import zmq
 
 from comm.codec import PROTOCOL_VERSION
 from comm.registry.memory import MemoryRegistry
-from comm.zmq.backend import ZmqCommunicator
+from comm.zmq.communicator import ZmqCommunicator
 
 TIMEOUT = timedelta(seconds=20)
 

@@ -103,7 +103,8 @@ def test_the_coordinator_names_the_missing_workers_and_exits_2(
     served: RegistryServer, tmp_path: Path
 ) -> None:
     spec = tmp_path / "lonely.yaml"
-    spec.write_text("name: lonely\nmodel: charlm:model\ndata: charlm:data\nloss: charlm:loss\nworkers: 2\n")
+    spec.write_text("name: lonely\nmodel: {factory: charlm:model}\ndata: {factory: charlm:data}\n"
+                    "loss: {factory: charlm:loss}\nruntime: {workers: 2}\n")
     done = _cellmesh(
         "coordinator",
         str(spec),

@@ -24,8 +24,8 @@ LEASE = timedelta(seconds=2)
                                   dict(data_parallel=2, num_stages=1, num_microbatches=1)])
 def test_worker_killed_mid_step_stops_the_job_naming_it(plan: dict[str, object]) -> None:
     job = Job(model=f"{M}:slow_mlp", model_kwargs={"seconds": 0.3}, loss=f"{M}:mse", data=f"{M}:regression",
-              global_batch=16, resources=Resources.local(2), step_timeout=timedelta(seconds=60),
-              lease_ttl=LEASE, **plan)  # type: ignore[arg-type]
+              global_batch=16, resources=Resources.local(2), step_timeout_s=60,
+              lease_ttl_s=LEASE.total_seconds(), **plan)  # type: ignore[arg-type]
     harness = LocalHarness(["local-0", "local-1"], job="t-faults", lease_ttl=LEASE)
     killed_at: list[float] = []
 

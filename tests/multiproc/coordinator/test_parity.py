@@ -52,7 +52,7 @@ def make_job(model: str, optimizer: str, *, dtype: str = "float64", **plan: Any)
     return Job(model=f"{M}:{model}", loss=f"{M}:{loss}", data=f"{M}:{data}", optimizer=name,
                optimizer_kwargs=kwargs, model_kwargs={"dtype": dtype},
                data_kwargs={"dtype": dtype} if data == "regression" else {}, global_batch=16, seed=5,
-               resources=Resources.local(workers=4), step_timeout=timedelta(seconds=30), **plan)
+               resources=Resources.local(workers=4), step_timeout_s=30, **plan)
 
 
 def fit_and_compare(harness: LocalHarness, job: Job, tol: float) -> FitResult:
@@ -138,7 +138,7 @@ def test_a_service_error_stops_the_job_naming_worker_service_and_step(harness: L
     job = Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:failing_data", num_samples=64, shuffle=False,
               global_batch=16, data_parallel=2, num_stages=1, num_microbatches=1,
               resources=Resources.local(2),
-              step_timeout=timedelta(seconds=20))
+              step_timeout_s=20)
     with pytest.raises(JobFailed) as failed, job.attach(harness):
         job.fit(5)
     # samples 40.. are corrupt: step 2 holds 32..47, its second replica 40..47 (worker local-1)

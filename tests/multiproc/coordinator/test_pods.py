@@ -22,7 +22,8 @@ from comm.codec import unpack
 from comm.registry import connect_registry
 from comm.rpc import RpcClient
 from coordinator.commands.jobspec import load_job
-from coordinator.commands.k8s.render import RenderOptions, render
+from coordinator.commands.k8s.options import RenderOptions
+from coordinator.commands.k8s.render import render
 from coordinator.commands.rundir import RunRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from services.protocol import Empty, WorkerCard
@@ -34,17 +35,13 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240)]  # `make test` install
 REPO = Path(__file__).resolve().parents[3]
 SPEC = """\
 name: podjob
-model: charlm:model
-model_kwargs: {width: 32, heads: 2, blocks: 1}
-data: charlm:data
-loss: charlm:loss
-optimizer: SGD
-optimizer_kwargs: {lr: 0.05}
-global_batch: 8
 steps: 4
-workers: 2
-strategy: auto
-seed: 3
+model: {factory: charlm:model, kwargs: {width: 32, heads: 2, blocks: 1}}
+data: {factory: charlm:data, global_batch: 8, seed: 3}
+loss: {factory: charlm:loss}
+optimizer: {name: SGD, kwargs: {lr: 0.05}}
+plan: {strategy: auto}
+runtime: {workers: 2}
 """
 FLOAT32_TOLERANCE = 1e-5  # float32 sums in another order than one process's
 

@@ -30,8 +30,9 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[3]
 M = "tests.multiproc.coordinator.models"
-SPEC = {"model": f"{M}:mlp", "data": f"{M}:regression", "loss": f"{M}:mse", "optimizer": "SGD",
-        "optimizer_kwargs": {"lr": 0.1}, "global_batch": 16, "steps": 3, "seed": 1}
+SPEC = {"version": 2, "steps": 3, "model": {"factory": f"{M}:mlp"},
+        "data": {"factory": f"{M}:regression", "global_batch": 16, "seed": 1},
+        "loss": {"factory": f"{M}:mse"}, "optimizer": {"name": "SGD", "kwargs": {"lr": 0.1}}}
 RUN_TIMEOUT = 50  # seconds a successful run may take (about 8 s here)
 Proc = subprocess.CompletedProcess[str]
 
@@ -80,42 +81,40 @@ def test_json_spec_trains_and_writes_a_loadable_state_dict(tmp_path: Path) -> No
     load_into_mlp(state, seed=1)
 
 
-def test_yaml_spec_with_a_pipeline_and_steps_from_the_command_line(tmp_path: Path) -> None:
+def test_yaml_spec_with_a_pipeline_and_settings_from_the_command_line(tmp_path: Path) -> None:
     spec = tmp_path / "tiny.yaml"
     spec.write_text(textwrap.dedent(f"""\
         # a two-stage pipeline of the MLP
-        model: {M}:mlp
-        data: {M}:regression
-        loss: {M}:mse
-        optimizer: Adam
-        optimizer_kwargs: {{lr: 0.01}}
-        global_batch: 16
+        model: {{factory: {M}:mlp}}
+        data: {{factory: {M}:regression, global_batch: 16, seed: 5}}
+        loss: {{factory: {M}:mse}}
+        optimizer: {{name: Adam, kwargs: {{lr: 0.01}}}}
         steps: 50
-        seed: 2
-        num_stages: 2
-        num_microbatches: 2
+        plan: {{num_stages: 2}}
         """))
     output = tmp_path / "tiny.pt"
-    proc = cellmesh("run", spec, "--workers", "2", "--steps", "2", "-o", output,
-                    "--run-dir", tmp_path / "run")
+    proc = cellmesh("run", spec, "--workers", "2", "--steps", "2", "--plan.num-microbatches", "2",
+                    "--set", "data.seed=2", "-o", output, "--run-dir", tmp_path / "run")
     state = assert_trained(proc, output, 2)
     assert "1 replica(s) x 2 stage(s)" in proc.stdout and "crossing tensors per microbatch" in proc.stdout
     load_into_mlp(state, seed=2)
 
 
 def test_job_module_with_its_own_factories(tmp_path: Path) -> None:
-    module = tmp_path / "tinyjob_cli.py"
-    module.write_text(textwrap.dedent("""\
-        import torch
+    # the model comes from a module beside the job file: the coordinator and the workers find it there
+    (tmp_path / "tinyparts_cli.py").write_text(textwrap.dedent("""\
         from torch import nn
-
-        from coordinator.runtime.job import Job
-
-        STEPS = 3
 
 
         def model():
             return [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)]
+        """))
+    module = tmp_path / "tinyjob_cli.py"
+    module.write_text(textwrap.dedent("""\
+        import torch
+        from tinyparts_cli import model
+
+        from coordinator.runtime.job import Job
 
 
         def data():
@@ -125,12 +124,13 @@ def test_job_module_with_its_own_factories(tmp_path: Path) -> None:
 
         def job():
             return Job(model=model, data=data, loss="torch.nn:MSELoss", optimizer="SGD",
-                       optimizer_kwargs={"lr": 0.1}, global_batch=8, seed=3)
+                       optimizer_kwargs={"lr": 0.1}, global_batch=8, seed=3, steps=3)
         """))
     output = tmp_path / "tinyjob.pt"
     proc = cellmesh("run", module, "--workers", "2", "-o", output, "--run-dir", tmp_path / "run")
     state = assert_trained(proc, output, 3)
-    assert "job module tinyjob_cli" in proc.stdout and "tinyjob_cli:model" in proc.stdout
+    assert "job module tinyjob_cli" in proc.stdout and "tinyparts_cli:model" in proc.stdout
+    assert "tinyjob_cli:data" in proc.stdout
     torch.manual_seed(3)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     net.load_state_dict(state, strict=True)
@@ -147,14 +147,15 @@ def assert_user_error(proc: Proc, *needles: str) -> None:
 
 def test_a_misspelt_field_is_named(tmp_path: Path) -> None:
     spec = tmp_path / "bad.yaml"
-    spec.write_text(f"model: {M}:mlp\ndata: {M}:regression\nloss: {M}:mse\nglobal_bach: 16\nmode: ps\n")
+    spec.write_text(f"model: {{factory: {M}:mlp}}\ndata: {{factory: {M}:regression, global_bach: 16}}\n"
+                    f"loss: {{factory: {M}:mse}}\nplan: {{mode: ps}}\n")
     assert_user_error(cellmesh("run", spec, "--workers", "2", timeout=30), "bad.yaml",
-                      "'global_bach': unknown field", "'mode'")
+                      "'data.global_bach': unknown field", "'plan.mode'")
 
 
 def test_a_factory_that_does_not_import_is_named(tmp_path: Path) -> None:
     spec = tmp_path / "missing.json"
-    spec.write_text(json.dumps({**SPEC, "model": "no_such_package.models:mlp"}))
+    spec.write_text(json.dumps({**SPEC, "model": {"factory": "no_such_package.models:mlp"}}))
     assert_user_error(cellmesh("run", spec, "--workers", "2", timeout=30), "missing.json",
                       "model factory 'no_such_package.models:mlp'", "No module named 'no_such_package'")
 

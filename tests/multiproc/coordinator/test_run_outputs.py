@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from comm.logs import LOG_LEVEL_ENV, configure_logging, current_format
-from coordinator.commands.jobspec import Overrides, load_job
+from coordinator.commands.jobspec import load_job
 from coordinator.commands.output import OutputOptions
 from coordinator.commands.run import RunOptions, train
 from coordinator.commands.rundir import RunRecord
@@ -33,7 +33,7 @@ from tests.multiproc.coordinator.test_run import SPEC, cellmesh
 
 pytestmark = pytest.mark.timeout(90)
 
-PIPELINE = {**SPEC, "num_stages": 2, "num_microbatches": 2}  # 2 stages on 2 workers: both log steps
+PIPELINE = {**SPEC, "plan": {"num_stages": 2, "num_microbatches": 2}}  # 2 stages on 2 workers: both log steps
 WORKERS = ("local-0", "local-1")
 
 
@@ -108,7 +108,7 @@ def test_metrics_tensorboard_trace_and_logs_match_what_the_run_reported(tmp_path
     spec = tmp_path / "tiny.json"
     spec.write_text(json.dumps({**PIPELINE, "steps": 4}))
     run_dir, tensorboard = tmp_path / "run", tmp_path / "tb"
-    options = RunOptions(job=str(spec), overrides=Overrides(workers=2),
+    options = RunOptions(job=str(spec), settings={"runtime.workers": 2},
                          outputs=OutputOptions(run_dir=run_dir, metrics_port=0, tensorboard=tensorboard))
     out = io.StringIO()
     served: list[tuple[int, float, float]] = []
@@ -121,7 +121,7 @@ def test_metrics_tensorboard_trace_and_logs_match_what_the_run_reported(tmp_path
         served.append((int(_sample(body, "cellmesh_step")), _sample(body, "cellmesh_loss"),
                        _sample(body, "cellmesh_step_seconds_count")))
 
-    result = train(load_job(str(spec), options.overrides), options, out, on_step=during_the_run)
+    result = train(load_job(str(spec), options.settings), options, out, on_step=during_the_run)
     losses = result.fit.losses
     assert len(losses) == 4
     assert served == [(k + 1, losses[k], k + 1) for k in range(4)]

@@ -14,9 +14,11 @@ import pytest
 import yaml
 
 from coordinator.commands.cli import main
-from coordinator.commands.jobspec import JobSpec, JobSpecError, load_job
+from coordinator.commands.jobspec import JobSpecError, load_job, read_spec
 from coordinator.commands.k8s.lint import Expect, lint
-from coordinator.commands.k8s.render import RenderOptions, render, write
+from coordinator.commands.k8s.options import RenderOptions
+from coordinator.commands.k8s.render import render
+from coordinator.commands.k8s.writer import write
 
 REPO = Path(__file__).resolve().parents[3]
 CHARLM = REPO / "examples" / "charlm.yaml"
@@ -87,8 +89,8 @@ def test_the_configmap_spec_is_one_cellmesh_run_accepts(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(REPO / "examples"))
     assert loaded.name == "charlm" and loaded.job.resources.num_workers == 3
-    original = JobSpec.model_validate(yaml.safe_load(CHARLM.read_text()))
-    assert loaded.steps == original.steps and loaded.job.model == "charlm:model"
+    original = read_spec(CHARLM)
+    assert loaded.steps == original.steps and loaded.job.config.model.factory == "charlm:model"
 
 
 def test_k8s_base_is_the_render_of_the_example(tmp_path: Path) -> None:
@@ -253,7 +255,7 @@ def test_worker_pods_carry_the_launcher_conventions() -> None:
 
 def test_job_names_become_dns_labels(tmp_path: Path) -> None:
     spec = tmp_path / "My_Job.v2.yaml"
-    spec.write_text("model: a:b\ndata: a:c\nloss: a:d\n")
+    spec.write_text("model: {factory: a:b}\ndata: {factory: a:c}\nloss: {factory: a:d}\n")
     files = render(RenderOptions(job=spec, workers=1))
     assert files["job"][0]["metadata"]["name"] == "my-job-v2-job"
     assert yaml.safe_load(files["job"][0]["data"]["job.yaml"])["name"] == "my-job-v2"
@@ -265,7 +267,7 @@ def test_render_refuses_what_it_cannot_render(tmp_path: Path) -> None:
     with pytest.raises(JobSpecError, match="does not exist"):
         render(RenderOptions(job=tmp_path / "missing.yaml", workers=1))
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: a:b\ndata: a:c\nloss: a:d\nwrokers: 2\n")
+    bad.write_text("model: {factory: a:b}\ndata: {factory: a:c}\nloss: {factory: a:d}\nwrokers: 2\n")
     with pytest.raises(JobSpecError, match="wrokers"):
         render(RenderOptions(job=bad, workers=1))
     with pytest.raises(ValueError, match="not a DNS label"):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 import torch
+from pydantic import ValidationError
 from torch import nn
 
-from coordinator.planning.cutting import CutProblem, cut_even, cut_min_max
+from coordinator.planning.config import PlanConfig
+from coordinator.planning.cutting import CUTTERS, CutProblem, cut_even, cut_min_max
 from coordinator.planning.graph import build_graph
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import (
@@ -41,7 +43,7 @@ def workers(num: int, memory: int) -> Resources:
 def test_model_too_big_for_one_worker_gets_a_pipeline_that_fits() -> None:
     prof, res = big_model(), workers(4, 150 * MiB)
     with pytest.raises(PlanningError, match="no plan fits in memory") as info:
-        choose_plan(prof, res, global_batch=32, num_stages=1, data_parallel=1)
+        choose_plan(prof, res, PlanConfig(num_stages=1, data_parallel=1), global_batch=32)
     assert "Without fixing data_parallel, num_stages, this plan fits" in str(info.value)
     plan = choose_plan(prof, res, global_batch=32)
     assert plan.num_stages >= 2
@@ -74,35 +76,38 @@ def test_auto_is_the_fastest_fitting_candidate() -> None:
 
 def test_parameter_server_mode_trades_time_for_memory() -> None:
     prof, res = big_model(), workers(4, 10_000 * MiB)
-    coll = choose_plan(prof, res, global_batch=32, data_parallel=4, mode="collective")
-    ps = choose_plan(prof, res, global_batch=32, data_parallel=4, mode="parameter_server")
+    coll = choose_plan(prof, res, PlanConfig(data_parallel=4, mode="collective"), global_batch=32)
+    ps = choose_plan(prof, res, PlanConfig(data_parallel=4, mode="parameter_server"), global_batch=32)
     assert ps.peak_memory_bytes < coll.peak_memory_bytes
     assert ps.step_time_s >= coll.step_time_s
     # the pull is never hidden: at least (d-1)/d of the gradients at the link bandwidth
     grads = sum(n.grad_bytes for n in big_model().nodes)
     assert ps.sync_time_s >= 3 / 4 * grads / res.bandwidth_bps
     # with 200 MiB a full replica (256 MiB with Adam) only fits when the optimizer state is sharded
-    squeezed = choose_plan(prof, workers(4, 200 * MiB), global_batch=32, data_parallel=4)
+    squeezed = choose_plan(prof, workers(4, 200 * MiB), PlanConfig(data_parallel=4), global_batch=32)
     assert squeezed.mode == "parameter_server"
 
 
-def test_fixed_fields_are_honoured() -> None:
+def test_fixed_fields_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     prof, res = big_model(), workers(4, 10_000 * MiB)
-    plan = choose_plan(prof, res, global_batch=32, data_parallel=2, num_stages=2, schedule="gpipe",
-                       num_microbatches=4, mode="collective", cutter="even")
+    fixed = PlanConfig(data_parallel=2, num_stages=2, schedule="gpipe", num_microbatches=4, mode="collective",
+                       cutter="even")
+    plan = choose_plan(prof, res, fixed, global_batch=32)
     shape = (plan.data_parallel, plan.num_stages, plan.schedule_name, plan.num_microbatches)
     assert shape == (2, 2, "gpipe", 4)
     assert plan.microbatch_size == 4 and plan.cutter == "even" and plan.bounds == (0, 4, 8)
     assert plan.dp_groups == (("w0", "w2"), ("w1", "w3"))
     assert plan.role("w3") == (1, 1)
-    assert choose_plan(prof, res, global_batch=32, balance=[2, 6]).bounds == (0, 2, 8)
-    assert choose_plan(prof, res, global_batch=32, strategy="data_parallel").num_stages == 1
-    assert choose_plan(prof, res, global_batch=32, strategy="pipeline").data_parallel == 1
+    assert choose_plan(prof, res, PlanConfig(balance=[2, 6]), global_batch=32).bounds == (0, 2, 8)
+    assert choose_plan(prof, res, PlanConfig(strategy="data_parallel"), global_batch=32).num_stages == 1
+    assert choose_plan(prof, res, PlanConfig(strategy="pipeline"), global_batch=32).data_parallel == 1
 
     def last_heavy(problem: CutProblem) -> tuple[int, ...]:
         return (0, *range(1, problem.num_stages), problem.num_nodes)
 
-    assert choose_plan(prof, res, global_batch=32, num_stages=3, cutter=last_heavy).bounds == (0, 1, 2, 8)
+    monkeypatch.setitem(CUTTERS, "last_heavy", last_heavy)  # a cutter is named by its registered name
+    last = choose_plan(prof, res, PlanConfig(num_stages=3, cutter="last_heavy"), global_batch=32)
+    assert last.bounds == (0, 1, 2, 8) and last.cutter == "last_heavy"
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -114,14 +119,29 @@ def test_fixed_fields_are_honoured() -> None:
     (dict(data_parallel=2, num_microbatches=5), r"num_microbatches=5 does not divide global_batch=32"),
     (dict(data_parallel=8), r"data_parallel=8 needs 1..4 workers"),
     (dict(num_stages=6), r"num_stages=6 needs 6 workers, the resources have 4; use at most 4 stages"),
-    (dict(strategy="pipeline", data_parallel=2), r"strategy='pipeline' means data_parallel=1"),
     (dict(balance=[4, 3]), r"balance \[4, 3\] must be positive node counts summing to the 8 nodes"),
-    (dict(schedule="zigzag"), r"unknown schedule"),
     (dict(cutter="magic"), r"unknown cutter 'magic'"),
 ])
 def test_impossible_requests_say_why(kwargs: dict[str, object], message: str) -> None:
+    request = PlanConfig.model_validate(kwargs)
     with pytest.raises(PlanningError, match=message):
-        choose_plan(big_model(), workers(4, 10_000 * MiB), global_batch=32, **kwargs)  # type: ignore[arg-type]
+        choose_plan(big_model(), workers(4, 10_000 * MiB), request, global_batch=32)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(strategy="pipeline", data_parallel=2), r"strategy='pipeline' means data_parallel=1, not 2: change "
+                                                 r"plan.strategy or plan.data_parallel"),
+    (dict(strategy="data_parallel", num_stages=2), r"strategy='data_parallel' means num_stages=1"),
+    (dict(balance=[2, 6], num_stages=3), r"balance has 2 stages but num_stages=3"),
+    (dict(balance=[2, 6], strategy="data_parallel"),
+     r"strategy='data_parallel' means one stage, but balance has 2"),
+    (dict(schedule="zigzag"), r"unknown schedule 'zigzag'; use one of \('gpipe', '1f1b'\)"),
+    (dict(num_microbatches=0), r"num_microbatches\n  Input should be greater than or equal to 1"),
+])
+def test_contradicting_plan_fields_are_refused_by_the_config(kwargs: dict[str, object], message: str) -> None:
+    """Rules between the plan's own fields are the config's: refused before planning, naming the fields."""
+    with pytest.raises(ValidationError, match=message):
+        PlanConfig.model_validate(kwargs)
 
 
 def test_plan_round_trips_and_prints() -> None:
@@ -145,8 +165,8 @@ def test_real_model_from_graph_to_plan() -> None:
              Cell("block2", nn.Sequential(nn.Linear(256, 256), nn.GELU())), Cell("head", nn.Linear(256, 8))]
     sample = torch.randn(8, 32)
     prof = profile_graph(build_graph(model, sample), sample, repeats=5, num_threads=1)
-    plan = choose_plan(prof, Resources.local(workers=2, memory_bytes=2**30), global_batch=32, num_stages=2,
-                       num_microbatches=4)
+    plan = choose_plan(prof, Resources.local(workers=2, memory_bytes=2**30),
+                       PlanConfig(num_stages=2, num_microbatches=4), global_batch=32)
     assert plan.microbatch_size == 8 and plan.stages[0].outgoing.tensors[0].shape[0] == 8
     assert plan.stages[1].incoming == plan.stages[0].outgoing
     assert plan.stages[0].incoming == prof.cuts[0]
@@ -175,10 +195,10 @@ def test_strategies_use_more_than_one_worker() -> None:
     # a tiny model: one worker would be fastest, but the strategy asks for replicas or stages
     prof = Profile.synthetic([1e-5] * 4, param_bytes=[1024] * 4, cut_bytes=[64] * 3, microbatch_size=4)
     res = workers(2, 10_000 * MiB)
-    assert choose_plan(prof, res, global_batch=8, strategy="data_parallel").data_parallel == 2
-    assert choose_plan(prof, res, global_batch=8, strategy="pipeline").num_stages == 2
+    assert choose_plan(prof, res, PlanConfig(strategy="data_parallel"), global_batch=8).data_parallel == 2
+    assert choose_plan(prof, res, PlanConfig(strategy="pipeline"), global_batch=8).num_stages == 2
     one = Resources(workers=(Worker(name="w0", memory_bytes=10_000 * MiB),))
-    assert choose_plan(prof, one, global_batch=8, strategy="data_parallel").data_parallel == 1
+    assert choose_plan(prof, one, PlanConfig(strategy="data_parallel"), global_batch=8).data_parallel == 1
 
 
 def test_step_pays_the_optimizer_and_the_messages() -> None:
@@ -193,7 +213,8 @@ def test_only_backward_after_the_first_bucket_hides_the_all_reduce() -> None:
     # 4 nodes of 16 MiB of gradients: the first 25 MiB bucket is ready once the last two
     # nodes' backwards ran, so only the first two nodes' backwards can hide the all-reduce
     prof = Profile.synthetic([1e-3] * 4, backward_s=[1.0] * 4, param_bytes=[16 * MiB] * 4, microbatch_size=4)
-    plan = choose_plan(prof, workers(2, 10_000 * MiB), global_batch=8, data_parallel=2, mode="collective")
+    plan = choose_plan(prof, workers(2, 10_000 * MiB), PlanConfig(data_parallel=2, mode="collective"),
+                       global_batch=8)
     res = workers(2, 10_000 * MiB)
     allreduce = 64 * MiB / (COLLECTIVE_EFFICIENCY * res.bandwidth_bps) + 2 * res.latency_s
     assert plan.sync_time_s == pytest.approx(max(0.0, allreduce - 2.0 * SHARED_HOST_SLOWDOWN))
@@ -205,8 +226,8 @@ def test_only_workers_sharing_a_host_slow_each_other_down() -> None:
     def step(hosts: tuple[str | None, str | None]) -> float:
         res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1000 * MiB, host=h)
                                       for i, h in enumerate(hosts)))
-        plan = choose_plan(prof, res, global_batch=8, num_stages=2, data_parallel=1, num_microbatches=2,
-                           schedule="gpipe")
+        fixed = PlanConfig(num_stages=2, data_parallel=1, num_microbatches=2, schedule="gpipe")
+        plan = choose_plan(prof, res, fixed, global_batch=8)
         return plan.pipeline_time_s
 
     apart, unknown, together = step(("a", "b")), step((None, None)), step(("a", "a"))

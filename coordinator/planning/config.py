@@ -1,0 +1,403 @@
+"""The job config: one typed, frozen description of a training job, validated once.
+
+A :class:`JobConfig` is what a job spec file holds (YAML or JSON, ``cellmesh run job.yaml``),
+what a job module's ``job()`` returns, what :class:`~coordinator.runtime.job.Job` is built
+from and what the command line's settings change. Its sections:
+
+- ``model``, ``data``, ``loss``: the factories the workers import by name
+  (``"package.module:function"``) and their keyword arguments; ``data`` also holds the
+  global batch, the sample count, the shuffle and the seed;
+- ``optimizer``: a ``torch.optim`` class name and its arguments;
+- ``plan``: the plan fields to fix (:class:`PlanConfig`; the planner chooses the rest);
+- ``checkpoint`` and ``logging``: fields only, validated but not acted on yet (their
+  features are being built elsewhere);
+- ``runtime``: local workers, communication backend, timeouts and where the job's own
+  modules are found.
+
+Every model is strict (``extra="forbid"``: a misspelt key is an error, never a silent
+default) and frozen. Rules between fields are model validators whose messages name the
+keys to change. :func:`parse_config` turns a pydantic error into one line per bad key
+(:func:`describe_validation`).
+
+[Note: one field list] The fields are declared here and nowhere else. The command line's
+flags (``--plan.num-stages``), the ``--set key=value`` keys, ``Job``'s keyword fields
+(:data:`FLAT_KEYS`) and the planner's request are all derived from these models.
+
+This module imports pydantic, PyYAML and the standard library only, so the command line
+builds its parser without torch. (The schedule names are ``schedules.SCHEDULES``, whose
+action types import torch: the validator looks them up when a schedule is given.)
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator, Mapping
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+__all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "FactoryKwargs",
+           "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig", "OptimizerConfig", "PlanConfig",
+           "RuntimeConfig", "Strategy", "apply_settings", "describe_validation", "from_flat", "parse_config",
+           "settable_fields", "setting_value"]
+
+Mode = Literal["collective", "parameter_server"]
+Strategy = Literal["auto", "data_parallel", "pipeline"]
+CommBackend = Literal["zmq", "gloo"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+# the same union as services.protocol.FactoryKwargs (a unit test keeps them equal; that module imports torch)
+FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
+OptimizerKwargs = dict[str, float | int | bool | list[float]]
+FactoryName = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$")]
+Positive = Annotated[int, Field(ge=1)]
+DEFAULT_STEPS = 100
+_DEFAULT_LR: OptimizerKwargs = {"lr": 0.01}
+
+
+class ConfigError(ValueError):
+    """A job config is invalid: the message names every bad key, its value and what is wrong."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """The model factory: a sequence of modules or cells, cut into stages between them."""
+
+    factory: FactoryName = Field(description="the model factory, 'package.module:function'")
+    kwargs: FactoryKwargs = Field(default_factory=dict, description="its keyword arguments (plain values)")
+
+
+class DataConfig(_Section):
+    """The data factory and how its samples make the global batches."""
+
+    factory: FactoryName = Field(description="the data factory: (inputs, targets), or a load(indices) "
+                                             "callable")
+    kwargs: FactoryKwargs = Field(default_factory=dict, description="its keyword arguments (plain values)")
+    global_batch: Positive = Field(default=32, description="samples per step over all replicas")
+    num_samples: Positive | None = Field(default=None, description="samples a load(indices) factory serves")
+    shuffle: bool = Field(default=True, description="a new permutation of the samples every epoch")
+    seed: int = Field(default=0, description="seeds the model and data factories and the sample order")
+
+
+class LossConfig(_Section):
+    """The loss factory: ``loss(output, targets) -> scalar`` (a loss class works: ``torch.nn:MSELoss``)."""
+
+    factory: FactoryName = Field(description="the loss factory, 'package.module:function'")
+    kwargs: FactoryKwargs = Field(default_factory=dict, description="its keyword arguments (plain values)")
+
+
+class OptimizerConfig(_Section):
+    """A ``torch.optim`` optimizer by class name (checked where torch is imported: ``Job``)."""
+
+    name: str = Field(default="SGD", pattern=r"^[A-Za-z_]\w*$", description="a torch.optim class name")
+    kwargs: OptimizerKwargs = Field(default_factory=lambda: _DEFAULT_LR.copy(),
+                                    description="its arguments (lists become tuples: betas: [0.9, 0.95])")
+
+
+class PlanConfig(_Section):
+    """The plan fields to fix; ``None`` (and ``strategy: auto``) leave the choice to the planner.
+
+    What the planner makes of them, and what it refuses given the model and the workers, is
+    :func:`coordinator.planning.planner.choose_plan`'s; the rules here need neither.
+    """
+
+    strategy: Strategy = Field(default="auto", description="auto searches every plan; data_parallel fixes "
+                                                          "one stage, pipeline one replica")
+    data_parallel: Positive | None = Field(default=None, description="fix the number of replicas")
+    num_stages: Positive | None = Field(default=None, description="fix the number of pipeline stages")
+    mode: Mode | None = Field(default=None, description="fix the gradient path between replicas")
+    num_microbatches: Positive | None = Field(default=None,
+                                              description="fix the microbatches per replica per step")
+    schedule: str | None = Field(default=None, description="fix the pipeline schedule, by its name")
+    balance: list[Positive] | None = Field(default=None, min_length=1,
+                                           description="fix the cells per stage, e.g. [2, 3]")
+    cutter: str = Field(default="minmax", description="the registered cutter that places stage boundaries")
+    max_microbatches: Positive = Field(default=64,
+                                       description="the most microbatches searched when not fixed")
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, value: str | None) -> str | None:
+        from coordinator.planning.schedules import SCHEDULES  # torch, through the action types
+
+        if value is not None and value not in SCHEDULES:
+            raise ValueError(f"unknown schedule {value!r}; use one of {tuple(SCHEDULES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlanConfig:
+        if self.strategy == "data_parallel" and self.num_stages not in (None, 1):
+            raise ValueError(f"strategy='data_parallel' means num_stages=1, not {self.num_stages}: "
+                             "change plan.strategy or plan.num_stages")
+        if self.strategy == "pipeline" and self.data_parallel not in (None, 1):
+            raise ValueError(f"strategy='pipeline' means data_parallel=1, not {self.data_parallel}: "
+                             "change plan.strategy or plan.data_parallel")
+        if self.strategy == "data_parallel" and self.balance is not None and len(self.balance) != 1:
+            raise ValueError(f"strategy='data_parallel' means one stage, but balance has "
+                             f"{len(self.balance)}: change plan.strategy or plan.balance")
+        if self.balance is not None and self.num_stages not in (None, len(self.balance)):
+            raise ValueError(f"balance has {len(self.balance)} stages but num_stages={self.num_stages}: "
+                             "change plan.balance or plan.num_stages")
+        return self
+
+
+class CheckpointConfig(_Section):
+    """Periodic checkpoints: fields only, validated; writing them is another issue (not acted on yet)."""
+
+    directory: str | None = Field(default=None, description="where checkpoints go (not acted on yet)")
+    every_steps: Positive | None = Field(default=None, description="a checkpoint every N steps")
+    every_seconds: float | None = Field(default=None, gt=0, description="a checkpoint every T seconds")
+    keep: Positive = Field(default=1, description="how many checkpoints to keep")
+
+    @model_validator(mode="after")
+    def _needs_directory(self) -> CheckpointConfig:
+        given = [k for k in ("every_steps", "every_seconds") if getattr(self, k) is not None]
+        if given and self.directory is None:
+            raise ValueError(f"checkpoint.{given[0]} is set but checkpoint.directory is not: set "
+                             "checkpoint.directory")
+        return self
+
+
+class LoggingConfig(_Section):
+    """Logs, metrics and tensorboard: fields only, validated; not acted on yet.
+
+    Today ``CELLMESH_LOG_LEVEL`` and the run's own flags (``coordinator/commands/output.py``:
+    ``--log-format``, ``--run-dir``, ``--metrics-port``, ``--tensorboard``) set these things;
+    the fields are meant to replace them (one declaration).
+    """
+
+    level: LogLevel = Field(default="WARNING", description="the coordinator's log level")
+    format: Literal["human", "json"] = Field(default="human",
+                                             description="log lines for people or for machines")
+    run_dir: str | None = Field(default=None, description="a directory for the run's logs and records")
+    metrics_port: int | None = Field(default=None, ge=1, le=65535, description="serve /metrics on this port")
+    tensorboard_dir: str | None = Field(default=None, description="write tensorboard events here")
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+class RuntimeConfig(_Section):
+    """How the job runs: local workers, communication, timeouts, where its own modules are."""
+
+    workers: Positive = Field(default=2,
+                              description="local worker processes (a cluster's: how many to wait for)")
+    comm_backend: CommBackend = Field(default="zmq", description="the workers' communication backend")
+    step_timeout_s: float = Field(default=300.0, gt=0, description="bounds each round of a step, in seconds")
+    lease_ttl_s: float = Field(default=5.0, gt=0,
+                               description="a dead worker is noticed within this, in seconds")
+    code_dir: str | None = Field(default=None, description="where the job's own modules are found "
+                                                           "(default: the job file's directory)")
+
+
+class JobConfig(_Section):
+    """A training job: what to train, on what, how to plan and run it.
+
+    Attributes:
+        version: The format (2: sections).
+        name: The job's name (registry prefix, output file name); the job file's stem by default.
+        steps: Steps to train (``Job.fit``'s default).
+    """
+
+    version: Literal[2] = 2
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$",
+                             description="the job's name (registry prefix, output file; default the job "
+                                         "file's stem)")
+    steps: int = Field(default=DEFAULT_STEPS, ge=0, description="steps to train")
+    model: ModelConfig
+    data: DataConfig
+    loss: LossConfig
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> JobConfig:
+        n, batch = self.data.num_samples, self.data.global_batch
+        if n is not None and n < batch:
+            raise ValueError(f"data.num_samples={n} is below data.global_batch={batch}: lower "
+                             "data.global_batch or give more samples")
+        return self
+
+    def updated(self, settings: Mapping[str, Any]) -> JobConfig:
+        """This config with ``settings`` (dotted keys, see :func:`apply_settings`) applied and validated.
+
+        Raises:
+            ConfigError: A key is unknown or a value invalid (the message names the key).
+        """
+        return parse_config(apply_settings(self.model_dump(), settings))
+
+
+def parse_config(raw: Any) -> JobConfig:
+    """Validate ``raw`` (a mapping, as read from a spec file) as a :class:`JobConfig`.
+
+    Raises:
+        ConfigError: ``raw`` is invalid; the message names every bad key (:func:`describe_validation`).
+    """
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation(exc, raw)) from None
+
+
+def apply_settings(raw: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``raw`` with each dotted key of ``settings`` set (``plan.num_stages``, ``model.kwargs.lr``).
+
+    Sections and mappings on the way are created when absent; validation is the caller's
+    (an unknown key is then an "unknown field" error naming it).
+
+    Raises:
+        ConfigError: A key runs through a value that is not a mapping (``steps.x``) or is empty.
+    """
+    out = _copy(raw)
+    for key, value in settings.items():
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"setting {key!r}: not a dotted key like plan.num_stages")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"setting {key!r}: {'.'.join(parts[:i + 1])!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _copy(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _copy(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+
+
+def settable_fields() -> Iterator[tuple[str, FieldInfo]]:
+    """Every field a setting may name, as ``(dotted key, field)``: top-level values, then each section's."""
+    for name, info in JobConfig.model_fields.items():
+        section = _section_of(info)
+        if section is None:
+            if name != "version":
+                yield name, info
+            continue
+        for field, sub in section.model_fields.items():
+            yield f"{name}.{field}", sub
+
+
+def _section_of(info: FieldInfo) -> type[_Section] | None:
+    kind = info.annotation
+    return kind if isinstance(kind, type) and issubclass(kind, _Section) else None
+
+
+def setting_value(key: str, text: str) -> Any:
+    """The value of ``key=text`` on the command line: YAML (``2``, ``[2, 3]``, ``{lr: 0.1}``, ``null``).
+
+    A text field (a name, a path, a choice) keeps the text as given (``--name 007`` is ``"007"``);
+    ``null`` unsets an optional field.
+
+    Raises:
+        ConfigError: ``text`` is not valid YAML.
+    """
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        why = " ".join(str(exc).split())
+        raise ConfigError(f"setting {key!r}: {text!r} is not a YAML value ({why})") from None
+    field = dict(settable_fields()).get(key)
+    if value is not None and field is not None and _textual(field.annotation):
+        return text
+    return value
+
+
+def _textual(annotation: Any) -> bool:
+    """Whether a field takes text only: ``str``, a ``Literal`` of strings, or either or None."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return len(args) == 1 and _textual(args[0])
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in get_args(annotation))
+    return annotation is str
+
+
+def _flat_keys() -> dict[str, str]:
+    """See :data:`FLAT_KEYS`."""
+    flat: dict[str, str] = {}
+    for key, _ in settable_fields():
+        section, _, field = key.rpartition(".")
+        name = section if field in ("factory", "name") and section else (
+            f"{section}_kwargs" if field == "kwargs" else field)
+        if name in flat:
+            raise AssertionError(f"flat keyword {name!r} names both {flat[name]} and {key}")
+        flat[name] = key
+    return flat
+
+
+# Job(**fields): a keyword names the field of that name, wherever it is (num_stages -> plan.num_stages);
+# a section's factory or name is the section's name (model=, optimizer=), its kwargs <section>_kwargs.
+FLAT_KEYS: dict[str, str] = _flat_keys()
+
+
+def from_flat(fields: Mapping[str, Any]) -> JobConfig:
+    """The config of ``Job(**fields)``'s keywords (see :data:`FLAT_KEYS`).
+
+    Raises:
+        ConfigError: A keyword is unknown, or the config is invalid (naming its dotted key).
+    """
+    unknown = sorted(set(fields) - set(FLAT_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown job field(s) {unknown}; the fields are {', '.join(FLAT_KEYS)}")
+    return parse_config(apply_settings({}, {FLAT_KEYS[k]: v for k, v in fields.items()}))
+
+
+def describe_validation(exc: ValidationError, raw: Any) -> str:
+    """A pydantic error about ``raw`` as one ``field 'x.y': what is wrong`` per key, joined by ``"; "``.
+
+    A value matching no member of a union (``lr: fast``) gives one entry naming the members.
+    """
+    problems: dict[str, list[tuple[str, str, str, Any]]] = {}  # key -> (type, message, union tag, input)
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path, tags = _walk(raw, loc) if err["type"] not in ("missing", "extra_forbidden") else (loc, ())
+        where = ".".join(str(p) for p in path) or "the config"
+        tag = ".".join(str(t) for t in tags)
+        problems.setdefault(where, []).append((err["type"], err["msg"], tag, err.get("input")))
+    parts = []
+    for where, errs in problems.items():
+        kind, msg, _, value = errs[0]
+        if kind == "extra_forbidden":
+            parts.append(f"field {where!r}: unknown field (misspelt?)")
+        elif kind == "missing":
+            parts.append(f"field {where!r}: missing (required)")
+        elif len(errs) > 1:
+            members = ", ".join(tag for _, _, tag, _ in errs if tag)
+            parts.append(f"field {where!r}: {_short(value)} is none of the accepted types ({members})")
+        elif kind == "model_type":  # a section given as one value (a format 1 spec: ``model: pkg:fn``)
+            parts.append(f"field {where!r}: a section, give its fields as a mapping (see docs/running.md; "
+                         f"got {_short(value)})")
+        elif kind == "value_error" and isinstance(value, dict):  # a rule between fields names them itself
+            parts.append(f"{where}: {msg.removeprefix('Value error, ')}")
+        else:
+            parts.append(f"field {where!r}: {msg.removeprefix('Value error, ')} (got {_short(value)})")
+    return "; ".join(parts)
+
+
+def _walk(raw: Any, loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Split an error location into the path present in ``raw`` and the union tags after it."""
+    node = raw
+    for i, part in enumerate(loc):
+        present = (part in node if isinstance(node, dict)
+                   else isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        if present:
+            node = node[part]
+        else:
+            return loc[:i], loc[i:]
+    return loc, ()
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,55 @@
+"""``Job(config)`` or ``Job(**fields)``: one config either way, checked when the job is made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.planning.config import ConfigError, parse_config
+from coordinator.planning.resources import Resources
+from coordinator.runtime.job import Job
+from tests.multiproc.coordinator import models
+
+M = "tests.multiproc.coordinator.models"
+
+
+def test_flat_fields_and_a_whole_config_make_the_same_job() -> None:
+    flat = Job(model=models.mlp, data=f"{M}:regression", loss=f"{M}:mse", optimizer=torch.optim.Adam,
+               optimizer_kwargs={"lr": 0.1, "betas": (0.9, 0.95)}, global_batch=16, num_stages=2, workers=3,
+               steps=4, step_timeout_s=30)
+    config = parse_config({
+        "model": {"factory": f"{M}:mlp"}, "data": {"factory": f"{M}:regression", "global_batch": 16},
+        "loss": {"factory": f"{M}:mse"},
+        "optimizer": {"name": "Adam", "kwargs": {"lr": 0.1, "betas": [0.9, 0.95]}},
+        "plan": {"num_stages": 2}, "runtime": {"workers": 3, "step_timeout_s": 30}, "steps": 4})
+    assert flat.config == config
+    whole = Job(config)
+    assert whole.config is config and whole.resources == flat.resources == Resources.local(3)
+    assert whole.optimizer == flat.optimizer and flat.optimizer.kwargs["betas"] == [0.9, 0.95]
+    spec = whole.run_spec("workers", "run-1")
+    assert (spec.model, spec.seed, spec.step_timeout.total_seconds()) == (f"{M}:mlp", 0, 30.0)
+
+
+def test_given_resources_replace_the_local_workers() -> None:
+    job = Job(model=f"{M}:mlp", data=f"{M}:regression", loss=f"{M}:mse", resources=Resources.local(4))
+    assert job.resources.num_workers == 4 and job.config.runtime.workers == 2
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    (dict(num_stagez=2), ConfigError, r"unknown job field\(s\) \['num_stagez'\]"),
+    (dict(num_stages=0), ConfigError, r"field 'plan.num_stages': Input should be greater than or equal to 1"),
+    (dict(optimizer="Adamm"), ValueError, r"optimizer 'Adamm' is not a torch.optim optimizer class"),
+    (dict(model=f"{M}:no_such_model"), ValueError, r"model factory '.*:no_such_model'.* has no attribute"),
+    (dict(model=lambda: []), ValueError, r"cannot be imported by name by the workers"),
+])
+def test_a_bad_field_is_refused_when_the_job_is_made(kwargs: dict[str, object], error: type[Exception],
+                                                     message: str) -> None:
+    fields: dict[str, object] = {"model": f"{M}:mlp", "data": f"{M}:regression", "loss": f"{M}:mse", **kwargs}
+    with pytest.raises(error, match=message):
+        Job(**fields)
+
+
+def test_a_config_and_fields_together_are_refused() -> None:
+    config = Job(model=f"{M}:mlp", data=f"{M}:regression", loss=f"{M}:mse").config
+    with pytest.raises(TypeError, match="not both"):
+        Job(config, num_stages=2)
