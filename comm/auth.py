@@ -61,6 +61,7 @@ __all__ = [
     "KeyPair",
     "Role",
     "ZapHandler",
+    "credentials_for",
     "ensure_zap_handler",
     "install",
     "installed",
@@ -222,6 +223,28 @@ def installed() -> Credentials | None:
 def load_credentials(directory: Path, role: Role) -> Credentials:
     """The credentials in ``directory`` (see :meth:`JobKeys.load`) for ``role``."""
     return Credentials(JobKeys.load(directory), role)
+
+
+def credentials_for(role: Role, directory: str | None, *, insecure: bool = False) -> Credentials | None:
+    """What an entry point (``cellmesh worker``, ``cellmesh coordinator``) speaks with.
+
+    ``directory`` (else ``$CELLMESH_KEYS_DIR``) holds the job's keys; with neither, a process
+    starts only when told ``insecure`` (then nothing it serves is authenticated).
+
+    Raises:
+        ValueError: no keys and not ``insecure``, naming both ways out.
+        FileNotFoundError, PermissionError: the keys cannot be read, or others may read them.
+    """
+    directory = directory or os.environ.get(KEYS_DIR_ENV) or None
+    if directory is not None:
+        return load_credentials(Path(directory), role)
+    if insecure:
+        log.warning("running as a %s WITHOUT authentication (--insecure): anyone who reaches this "
+                    "process's ports is served", role)
+        return None
+    raise ValueError(f"no job keys for this {role}: give --keys-dir DIR or set {KEYS_DIR_ENV} (a local run "
+                     "makes them, a cluster mounts them from the job's Secret), or pass --insecure to run "
+                     "without authentication on a trusted network")
 
 
 @dataclass

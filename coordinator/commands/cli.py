@@ -142,6 +142,11 @@ def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     _add_training_options(coord, metrics_port=False)  # it has its own, with the probes
     coord.add_argument("--registry", required=True, help="where the workers register: etcd://host:port "
                                                          "(or tcp://host:port for a served registry)")
+    coord.add_argument("--keys-dir", default=None,
+                       help="the job's keys (default: $CELLMESH_KEYS_DIR; `cellmesh keys DIR` makes them, a "
+                            "cluster mounts them from the job's Secret)")
+    coord.add_argument("--insecure", action="store_true",
+                       help="run without keys: serve anyone who reaches the ports (trusted networks only)")
     coord.add_argument("--host", default=None,
                        help="address the control port binds (default: $CELLMESH_HOST, else 127.0.0.1)")
     coord.add_argument("--port", type=int, default=0, help="the control port (default: any free one)")
@@ -165,13 +170,26 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                             "worker pods with etcd and a coordinator; apply them with "
                                             "`kubectl apply -k DIR`. See docs/kubernetes.md.")
     add_render_arguments(render)
+    keys = k8s_sub.add_parser("keys", help="make a job's keys; print the commands that store them as Secrets",
+                              description="Write the job's keys under DIR and print the two `kubectl create "
+                                          "secret` commands the rendered manifests expect. See "
+                                          "docs/kubernetes.md.")
+    from coordinator.commands.k8s.keys import add_keys_arguments
+
+    add_keys_arguments(keys)
 
 
 def _coordinator(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     from datetime import timedelta
 
+    from comm import auth
     from coordinator.commands.server import CoordinatorOptions, serve_job
 
+    try:  # before any socket: every one the coordinator makes speaks the job's keys
+        auth.install(auth.credentials_for("coordinator", args.keys_dir, insecure=args.insecure))
+    except (ValueError, OSError) as exc:
+        print(f"cellmesh coordinator: {exc}", file=sys.stderr)
+        return 2
     options = CoordinatorOptions(
         run=_run_options(args, args.job, settings), registry=args.registry, host=args.host,
         port=args.port, metrics_port=args.metrics_port, health_host=args.health_host,
@@ -246,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             parser.error(str(exc))
         return _train(args, settings) if args.command != "coordinator" else _coordinator(args, settings)
+    if args.command == "k8s" and args.k8s_command == "keys":
+        from coordinator.commands.k8s.keys import keys_command
+
+        return keys_command(args)
     if args.command == "k8s":
         from coordinator.commands.k8s.render import render_command
 

@@ -13,6 +13,13 @@ with (``comm/logs.py``). Without a ``log_dir`` the files go to a temporary direc
 in a warning) when one did not; a worker that exits before registering is reported with
 the end of its log.
 
+Trust: the harness makes the job's keys (:class:`comm.auth.JobKeys`) and installs the
+coordinator's credentials in this process before it serves anything, so every socket of the
+run speaks CURVE and only the job is served; the workers get their copy (no coordinator
+secret) in a private temporary directory (``CELLMESH_KEYS_DIR``), removed at close. The
+credentials this process held before are restored at close. ``secure=False`` runs without
+(tests of single parts).
+
 Teardown (:meth:`LocalHarness.close`, also on errors inside ``with``, at interpreter exit
 and from a test's fixture) asks every worker to drain (SIGTERM), waits ``grace``, then
 kills what is left (SIGKILL) and reaps it, then stops the registry: every process the
@@ -37,6 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
+from comm import auth
 from comm.codec import unpack
 from comm.logs import LOG_FORMAT_ENV, current_format
 from comm.registry import RegistryServer
@@ -76,7 +84,8 @@ class LocalHarness:
     def __init__(self, names: Sequence[str], *, job: str, lease_ttl: timedelta = DEFAULT_LEASE_TTL,
                  threads: int = 1, python_path: Iterable[str] = (), env: Mapping[str, str] | None = None,
                  start_timeout: timedelta = DEFAULT_START_TIMEOUT,
-                 grace: timedelta = timedelta(seconds=5), log_dir: Path | None = None) -> None:
+                 grace: timedelta = timedelta(seconds=5), log_dir: Path | None = None,
+                 secure: bool = True) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"worker names must be non-empty and unique, got {list(names)}")
         self.names = list(names)
@@ -93,6 +102,9 @@ class LocalHarness:
         self.cards: dict[str, WorkerCard] = {}
         self._server: RegistryServer | None = None
         self._closed = False
+        self.secure = secure
+        self._keys_dir: Path | None = None
+        self._previous_credentials: auth.Credentials | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -121,12 +133,13 @@ class LocalHarness:
         """
         _live.add(self)
         try:
+            extra_env = self._install_keys()
             self._server = RegistryServer().start()
             if self.log_dir is None:
                 self.log_dir = Path(tempfile.mkdtemp(prefix=f"cellmesh-{self.job}-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), LOG_FORMAT_ENV: current_format(),
-                   **self.env}
+                   **extra_env, **self.env}
             paths = [*self.python_path, os.getcwd(), env.get("PYTHONPATH", "")]
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
             for name in self.names:
@@ -144,6 +157,17 @@ class LocalHarness:
         log.info("[harness %s] %d workers up: %s (logs in %s)", self.job, len(self.names),
                  ", ".join(self.names), self.log_dir)
         return self
+
+    def _install_keys(self) -> dict[str, str]:
+        """Make the job's keys, speak them from now on, and hand the workers their copy (see module doc)."""
+        if not self.secure:
+            return {}
+        keys = auth.JobKeys.generate()
+        self._keys_dir = Path(tempfile.mkdtemp(prefix=f"cellmesh-{self.job}-keys-"))  # mode 0700
+        keys.for_workers().save(self._keys_dir)
+        self._previous_credentials = auth.installed()
+        auth.install(auth.Credentials(keys, "coordinator"))
+        return {auth.KEYS_DIR_ENV: str(self._keys_dir)}
 
     def _wait_registered(self) -> None:
         prefix = f"/cellmesh/{self.job}/workers/"
@@ -213,6 +237,10 @@ class LocalHarness:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._server.shutdown(timeout=timedelta(seconds=5))
+        if self._keys_dir is not None:
+            auth.install(self._previous_credentials)
+            shutil.rmtree(self._keys_dir, ignore_errors=True)
+            self._keys_dir = None
         if self._temporary_logs and self.log_dir is not None:
             unclean = sorted(n for n, p in self.procs.items() if p.returncode != 0)
             if unclean:

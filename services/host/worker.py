@@ -34,6 +34,7 @@ from types import FrameType
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from comm import auth
 from comm.allocator import tune_malloc
 from comm.codec import pack
 from comm.logs import configure_logging, set_process_context
@@ -272,6 +273,11 @@ def _parser() -> argparse.ArgumentParser:
                                                      "else 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0,
                         help="port to serve services on (default: any free one)")
+    parser.add_argument("--keys-dir", default=None,
+                        help=f"the job's keys (default: ${auth.KEYS_DIR_ENV}; a local run makes them, a pod "
+                             "mounts them from the job's Secret)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="run without keys: serve anyone who reaches the ports (trusted networks only)")
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /healthz, /readyz and /metrics over HTTP on this port (0: any free one)")
     parser.add_argument("--health-host", default=None,
@@ -295,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not url:
         parser.error("no registry: give --registry, set CELLMESH_REGISTRY, or PET_RDZV_BACKEND=etcd with "
                      "PET_RDZV_ENDPOINT")
+    try:  # before any socket: every one this worker makes speaks the job's keys
+        auth.install(auth.credentials_for("worker", args.keys_dir, insecure=args.insecure))
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     launch.export()  # RANK, WORLD_SIZE, ... for torch.distributed code in the job's factories
     tune_malloc()
     name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"

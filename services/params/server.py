@@ -133,7 +133,7 @@ class ParamServerService(ServiceBase):
 
     # -- RPCs ------------------------------------------------------------------------
 
-    @callable_by("worker")
+    @callable_by("worker", "coordinator")
     def rpc_setup(self, request: ShardSetup, call: Call) -> ShardInfo:
         if self._shard is not None:
             raise RpcError("already_setup", f"shard {self.name!r} is already set up (version "
@@ -150,11 +150,11 @@ class ParamServerService(ServiceBase):
                  request.mode, request.replicas, request.optimizer.name)
         return self._info()
 
-    @callable_by("worker")
+    @callable_by("worker", "coordinator")
     def rpc_info(self, request: Empty, call: Call) -> ShardInfo:
         return self._info()
 
-    @callable_by("worker")
+    @callable_by("worker", "coordinator")
     def rpc_pull(self, request: PullRequest, call: Call) -> PullReply | None:
         shard = self._ready()
         self._check_replica(shard, request.replica)
@@ -173,7 +173,7 @@ class ParamServerService(ServiceBase):
         call.defer(timedelta(milliseconds=request.timeout_ms), on_timeout)
         return None
 
-    @callable_by("worker")
+    @callable_by("worker", "coordinator")
     def rpc_push(self, request: PushRequest, call: Call) -> PushReply:
         shard = self._ready()
         r, key = request.replica, (request.step, request.seq)

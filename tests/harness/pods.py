@@ -13,7 +13,8 @@ cluster has rewritten to this machine:
   arguments (``--port 7000``) are rewritten to the pod's own port;
 - image paths (``/app``, the mount paths of volumes) become directories of the test;
 - the image's commands (``cellmesh``, ``etcd``) become this interpreter's
-  ``-m coordinator.commands.cli`` and the Debian etcd binary.
+  ``-m coordinator.commands.cli`` (with this repository on its ``PYTHONPATH``, as the image
+  has cellmesh installed) and the Debian etcd binary.
 
 Processes log to files in the work directory (``log(pod)``), run in sessions of their
 own, and are terminated, then killed, on :meth:`close` (also on errors in ``with``).
@@ -75,10 +76,14 @@ class LoopbackCluster:
         objects: The rendered objects.
         workdir: Where volumes, logs and rewritten paths live.
         paths: Image paths to directories of this machine (``/app`` -> the repository).
+        secrets: Secret name -> a directory whose files are its keys (Secrets are made by the
+            user, never rendered; a pod mounting one gets its files with the volume's mode).
     """
 
-    def __init__(self, objects: list[Manifest], workdir: Path, paths: dict[str, Path] | None = None) -> None:
+    def __init__(self, objects: list[Manifest], workdir: Path, paths: dict[str, Path] | None = None,
+                 secrets: dict[str, Path] | None = None) -> None:
         self.objects = objects
+        self.secrets = dict(secrets or {})
         self.workdir = workdir
         self.paths = {"/app": REPO, **(paths or {})}
         self.pods: dict[str, Pod] = {}
@@ -176,6 +181,8 @@ class LoopbackCluster:
             if arg.isdigit() and int(arg) in pod.ports:  # a bare port argument: the pod's own port
                 arg = str(pod.ports[int(arg)])
             argv.append(self._rewrite(arg, pod))
+        if pod.container.get("command", [""])[0] == "cellmesh":  # the image's installed cellmesh: this tree's
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
         program = {
             "cellmesh": [sys.executable, "-m", "coordinator.commands.cli"],
             "etcd": [shutil.which("etcd") or "/usr/bin/etcd"],
@@ -197,6 +204,14 @@ class LoopbackCluster:
             if "configMap" in volume:
                 for key, text in configs[volume["configMap"]["name"]].get("data", {}).items():
                     (local / key).write_text(text)
+            if "secret" in volume:
+                source = self.secrets[volume["secret"]["secretName"]]  # KeyError: no such Secret made
+                local.chmod(0o700)
+                for file in source.iterdir():
+                    target = local / file.name
+                    target.unlink(missing_ok=True)
+                    target.write_bytes(file.read_bytes())
+                    target.chmod(int(volume["secret"].get("defaultMode", 0o644)))
 
     # -- processes --------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from coordinator.commands.k8s.objects import (
     env,
     field,
     http_probe,
+    keys_volume,
     labels,
     limit,
     meta,
@@ -18,7 +19,15 @@ from coordinator.commands.k8s.objects import (
     service,
     tmp_volume,
 )
-from coordinator.commands.k8s.options import CHECKPOINT_DIR, IMAGE, PORTS, SPEC_DIR, USER_ID, RenderOptions
+from coordinator.commands.k8s.options import (
+    CHECKPOINT_DIR,
+    IMAGE,
+    KEYS_DIR,
+    PORTS,
+    SPEC_DIR,
+    USER_ID,
+    RenderOptions,
+)
 
 __all__ = ["coordinator_objects"]
 
@@ -60,6 +69,7 @@ def coordinator_objects(o: RenderOptions, n: Names) -> list[Manifest]:
                 ("PYTHONPATH", o.python_path),
                 ("OMP_NUM_THREADS", limit("coordinator", "limits.cpu")),
                 ("CELLMESH_LOG_LEVEL", "INFO"),
+                ("CELLMESH_KEYS_DIR", KEYS_DIR),
             ]
         ),
         "ports": [
@@ -75,6 +85,7 @@ def coordinator_objects(o: RenderOptions, n: Names) -> list[Manifest]:
             {"name": "job", "mountPath": SPEC_DIR, "readOnly": True},
             {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True},
         ],
     }
     deployment = {
@@ -95,6 +106,7 @@ def coordinator_objects(o: RenderOptions, n: Names) -> list[Manifest]:
                         {"name": "job", "configMap": {"name": n.config}},
                         {"name": "checkpoints", "persistentVolumeClaim": {"claimName": n.checkpoints}},
                         tmp_volume(),
+                        keys_volume(n.coordinator_keys),
                     ],
                 ),
             },

@@ -19,6 +19,7 @@ __all__ = [
     "env",
     "field",
     "http_probe",
+    "keys_volume",
     "labels",
     "limit",
     "meta",
@@ -43,6 +44,8 @@ class Names:
         self.workers_svc = f"{job}-workers"
         self.config = f"{job}-job"
         self.checkpoints = f"{job}-checkpoints"
+        self.coordinator_keys = f"{job}-coordinator-keys"  # Secrets: made by the user, never rendered
+        self.worker_keys = f"{job}-worker-keys"
 
     @property
     def registry(self) -> str:
@@ -172,6 +175,11 @@ def pod_spec(
     if volumes is not None:
         pod["volumes"] = volumes
     return pod
+
+
+def keys_volume(secret: str) -> dict[str, Any]:
+    """The job's keys (a Secret the user created from `cellmesh keys`), readable by the pod's user only."""
+    return {"name": "keys", "secret": {"secretName": secret, "defaultMode": 0o400}}
 
 
 def tmp_volume() -> dict[str, Any]:

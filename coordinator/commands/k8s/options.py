@@ -13,6 +13,7 @@ __all__ = [
     "ETCD_USER_ID",
     "GPU_IMAGE",
     "IMAGE",
+    "KEYS_DIR",
     "MAX_NAME",
     "PORTS",
     "SPEC_DIR",
@@ -38,6 +39,7 @@ ETCD_USER_ID = 65532  # distroless's nonroot
 APP_DIR = "/app"  # where the image installs the repository
 SPEC_DIR = "/etc/cellmesh"
 CHECKPOINT_DIR = "/var/lib/cellmesh"
+KEYS_DIR = "/etc/cellmesh-keys"  # the job's keys, from its Secret (`cellmesh keys`)
 MAX_NAME = 40  # J-worker-NNN and StatefulSet revision labels must stay within 63 characters
 
 

@@ -167,8 +167,9 @@ def render_command(args: argparse.Namespace) -> int:
     job = files["job"][0]["metadata"]["labels"]["app.kubernetes.io/instance"]
     print(
         f"wrote {len(paths)} files to {args.output} for job {job} ({options.workers} workers"
-        f"{f', {options.gpus_per_worker} GPUs each' if options.gpus_per_worker else ''}); start it with\n"
-        f"  kubectl apply -k {args.output}\nand follow it with\n"
+        f"{f', {options.gpus_per_worker} GPUs each' if options.gpus_per_worker else ''}); make its keys "
+        f"(once) with\n  cellmesh k8s keys {args.job} -o KEYS_DIR\nand run the two commands it prints, then "
+        f"start it with\n  kubectl apply -k {args.output}\nand follow it with\n"
         f"  kubectl logs -f deployment/{job}-coordinator"
         + (f" -n {options.namespace}" if options.namespace else "")
     )

@@ -13,6 +13,7 @@ from coordinator.commands.k8s.objects import (
     env,
     field,
     http_probe,
+    keys_volume,
     labels,
     limit,
     meta,
@@ -22,7 +23,7 @@ from coordinator.commands.k8s.objects import (
     service,
     tmp_volume,
 )
-from coordinator.commands.k8s.options import PORTS, USER_ID, RenderOptions
+from coordinator.commands.k8s.options import KEYS_DIR, PORTS, USER_ID, RenderOptions
 
 __all__ = ["worker_objects"]
 
@@ -58,6 +59,7 @@ def worker_objects(o: RenderOptions, n: Names) -> list[Manifest]:
             ("OMP_NUM_THREADS", limit("worker", "limits.cpu")),
             ("PYTHONPATH", o.python_path),
             ("CELLMESH_LOG_LEVEL", "INFO"),
+            ("CELLMESH_KEYS_DIR", KEYS_DIR),
         ]
     )
     container = {
@@ -90,9 +92,10 @@ def worker_objects(o: RenderOptions, n: Names) -> list[Manifest]:
         "livenessProbe": http_probe("/healthz", "health", period=10, failures=3),
         "startupProbe": http_probe("/healthz", "health", period=2, failures=60),
         "securityContext": sc,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True}],
     }
-    pod = pod_spec(n.worker, pod_sc, container, volumes=[tmp_volume()])
+    pod = pod_spec(n.worker, pod_sc, container, volumes=[tmp_volume(), keys_volume(n.worker_keys)])
     if o.gpus_per_worker:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     stateful = {

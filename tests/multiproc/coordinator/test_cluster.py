@@ -116,6 +116,7 @@ def test_the_coordinator_names_the_missing_workers_and_exits_2(
         str(tmp_path / "out.pt"),
         "--run-dir",
         str(tmp_path / "run"),
+        "--insecure",  # the served registry of this test has no keys
         env={"PYTHONPATH": str(ROOT / "examples")},
     )
     assert done.returncode == 2, done.stderr
@@ -144,3 +145,15 @@ def test_the_worker_refuses_a_bad_launch_environment(env: dict[str, str], messag
         env={**clean, **env},
     )
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", [["worker", "--registry", "tcp://127.0.0.1:9"],
+                                     ["coordinator", "job.yaml", "--registry", "tcp://127.0.0.1:9"]])
+def test_an_entry_point_without_the_jobs_keys_refuses_to_start(command: list[str], tmp_path: Path) -> None:
+    """Nothing is served unauthenticated by omission: no keys and no --insecure is an error, exit 2."""
+    clean = {k: v for k, v in os.environ.items() if k != "CELLMESH_KEYS_DIR"}
+    done = subprocess.run([sys.executable, "-m", "coordinator.commands.cli", *command], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=50, env=clean)
+    assert done.returncode == 2, done.stderr
+    assert "no job keys" in done.stderr and "--insecure" in done.stderr
+    assert "Traceback" not in done.stderr

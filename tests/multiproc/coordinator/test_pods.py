@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from comm import auth
 from comm.codec import unpack
 from comm.registry import connect_registry
 from comm.rpc import RpcClient
+from coordinator.commands.cli import main as cli_main
 from coordinator.commands.jobspec import load_job
 from coordinator.commands.k8s.options import RenderOptions
 from coordinator.commands.k8s.render import render
@@ -44,6 +46,12 @@ plan: {strategy: auto}
 runtime: {workers: 2}
 """
 FLOAT32_TOLERANCE = 1e-5  # float32 sums in another order than one process's
+
+
+def _secrets(spec: Path, directory: Path) -> dict[str, Path]:
+    """The job's keys, made as a user makes them (``cellmesh k8s keys``): the Secrets the pods mount."""
+    assert cli_main(["k8s", "keys", str(spec), "-o", str(directory)]) == 0
+    return {"podjob-coordinator-keys": directory / "coordinator", "podjob-worker-keys": directory / "worker"}
 
 
 def _done(metrics: str) -> bool:
@@ -93,7 +101,8 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
     spec.write_text(SPEC)
     files = render(RenderOptions(job=spec, workers=2, namespace="ml"))
     objects = [o for objs in files.values() for o in objs]
-    with LoopbackCluster(objects, tmp_path) as cluster:
+    secrets = _secrets(spec, tmp_path / "keys")
+    with LoopbackCluster(objects, tmp_path, secrets=secrets) as cluster:
         assert sorted(cluster.pods) == [
             "podjob-coordinator-pod",
             "podjob-etcd-0",
@@ -123,7 +132,12 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
             cluster,
             150,
         )
-        client = RpcClient(f"tcp://127.0.0.1:{coordinator.port('control')}", timeout=timedelta(seconds=10))
+        auth.install(auth.load_credentials(secrets["podjob-coordinator-keys"], "coordinator"))
+        try:  # the control port serves the job's coordinator key only
+            control = f"tcp://127.0.0.1:{coordinator.port('control')}"
+            client = RpcClient(control, timeout=timedelta(seconds=10))
+        finally:
+            auth.install(None)
         try:
             status, _ = client.call("coordinator", "status", Empty(), RunRecord)
         finally:
@@ -168,9 +182,11 @@ def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_t
     """SIGKILL the coordinator pod mid-training (an eviction): its successor trains the job from the start."""
     steps = 40
     spec = tmp_path / "podjob.yaml"
-    spec.write_text(SPEC.replace("steps: 4", f"steps: {steps}"))
+    # data parallel: both workers hold services (auto may pick one worker on a loaded machine)
+    spec.write_text(SPEC.replace("steps: 4", f"steps: {steps}")
+                    .replace("strategy: auto", "strategy: data_parallel"))
     objects = [o for objs in render(RenderOptions(job=spec, workers=2)).values() for o in objs]
-    with LoopbackCluster(objects, tmp_path) as cluster:
+    with LoopbackCluster(objects, tmp_path, secrets=_secrets(spec, tmp_path / "keys")) as cluster:
         _start_etcd_and_workers(cluster)
         coordinator = cluster.pods["podjob-coordinator-pod"]
         metrics = f"http://127.0.0.1:{coordinator.port('metrics')}"
