@@ -561,13 +561,14 @@ def test_server_answers_malformed_requests_and_keeps_serving(
     sock = make_socket(zmq.DEALER)
     sock.connect(served.address)
     try:
-        with caplog.at_level("ERROR", logger="comm.rpc.host"):
+        with caplog.at_level("WARNING", logger="comm.rpc.host"):
             sock.send_multipart(frames)
             reply = _reply(sock, "a malformed request")
         assert not reply.ok and reply.error is not None, reply
         assert (reply.error.code, reply.id) == ("bad_request", expected_id)
         assert expected in reply.error.message, reply.error.message
-        assert any(r.name == "comm.rpc.host" and r.levelname == "ERROR" for r in caplog.records)
+        # a peer's garbage is a warning (once per peer and reason a minute), not an error of the server's
+        assert any(r.name == "comm.rpc.host" and r.levelname == "WARNING" for r in caplog.records)
         sock.send(_request(100, "get", {"key": "/nothing"}))
         assert _reply(sock, "a valid get after it") == ReplyEnvelope(id=100, ok=True, body={"kv": None})
     finally:
