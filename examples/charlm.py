@@ -9,7 +9,7 @@ the corpus's 53 characters is 3.97), is below 2.3 by step 100 and near 1.6 at st
 about 25-35 s of training on two CPU workers (measured with ``cellmesh demo``).
 
 This file is also the example of a job module for ``cellmesh run``: it exposes ``job()``,
-returning a :class:`coordinator.runtime.job.Job` whose model, data and loss are module-level
+returning a :class:`cellmesh.Job` whose model, data and loss are module-level
 factories the workers import by name (``charlm:model``...). See ``docs/running.md``.
 """
 
@@ -22,8 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from coordinator.runtime.job import Job
-from services.compute.cell import Cell
+from cellmesh import Cell, Job
 
 CORPUS = Path(__file__).with_name("charlm.txt")
 SEQ = 64
