@@ -323,21 +323,35 @@ def _textual(annotation: Any) -> bool:
     return annotation is str
 
 
+# sections whose fields are vague alone (level, format, directory, keep): flat, they keep the section's name
+_PREFIXED_SECTIONS = ("checkpoint", "logging")
+
+
+def _flat_name(key: str) -> str:
+    """``Job``'s keyword for the dotted ``key`` (the rule of :data:`FLAT_KEYS`)."""
+    section, _, field = key.rpartition(".")
+    if not section:
+        return field
+    if field in ("factory", "name"):
+        return section
+    return f"{section}_{field}" if field == "kwargs" or section in _PREFIXED_SECTIONS else field
+
+
 def _flat_keys() -> dict[str, str]:
     """See :data:`FLAT_KEYS`."""
     flat: dict[str, str] = {}
     for key, _ in settable_fields():
-        section, _, field = key.rpartition(".")
-        name = section if field in ("factory", "name") and section else (
-            f"{section}_kwargs" if field == "kwargs" else field)
+        name = _flat_name(key)
         if name in flat:
             raise AssertionError(f"flat keyword {name!r} names both {flat[name]} and {key}")
         flat[name] = key
     return flat
 
 
-# Job(**fields): a keyword names the field of that name, wherever it is (num_stages -> plan.num_stages);
-# a section's factory or name is the section's name (model=, optimizer=), its kwargs <section>_kwargs.
+# Job(**fields), one keyword per field: a section's factory or name is the section's name (model=,
+# optimizer=); its kwargs, and every field of the checkpoint and logging sections, are <section>_<field>
+# (model_kwargs=, logging_level=, checkpoint_keep=); any other field is its own name, wherever it sits
+# (global_batch -> data.global_batch, num_stages -> plan.num_stages, workers -> runtime.workers).
 FLAT_KEYS: dict[str, str] = _flat_keys()
 
 

@@ -157,6 +157,18 @@ def test_flat_keywords_are_generated_one_per_field() -> None:
         from_flat({"model": "a:b", "data": "a:c", "loss": "a:d", "num_stagez": 2})
 
 
+def test_checkpoint_and_logging_fields_flatten_with_their_section_name() -> None:
+    prefixed = {key: name for name, key in FLAT_KEYS.items() if key.startswith(("checkpoint.", "logging."))}
+    assert prefixed == {f"{s}.{f}": f"{s}_{f}" for s, f in (k.split(".") for k in prefixed)}
+    assert set(prefixed) == {k for k, _ in settable_fields() if k.startswith(("checkpoint.", "logging."))}
+    assert not {"level", "format", "directory", "keep", "run_dir", "metrics_port"} & set(FLAT_KEYS)
+    config = from_flat({"model": "pkg.m:mlp", "data": "pkg.m:data", "loss": "torch.nn:MSELoss",
+                        "logging_format": "json", "logging_run_dir": "runs/x", "checkpoint_directory": "ck",
+                        "checkpoint_keep": 3})
+    assert config == parse_config(with_(logging={"format": "json", "run_dir": "runs/x"},
+                                        checkpoint={"directory": "ck", "keep": 3}))
+
+
 def test_factory_kwargs_are_what_the_protocol_carries() -> None:
     from services.protocol import FactoryKwargs as OnTheWire
 
