@@ -44,7 +44,9 @@ def test_defaults_and_sections() -> None:
     assert config.plan.cutter == "minmax"
     assert config.runtime.workers == 2 and config.runtime.comm_backend == "zmq"
     assert config.runtime.step_timeout_s == 300.0 and config.runtime.code_dir is None
-    assert config.checkpoint.directory is None and config.logging.level == "WARNING"
+    assert config.checkpoint.directory is None
+    assert config.logging.model_dump() == {  # unset: the environment, then the defaults
+        "level": None, "format": None, "run_dir": None, "metrics_port": None, "tensorboard_dir": None}
     with pytest.raises(ValueError, match="frozen"):
         config.steps = 3  # type: ignore[misc]
 
@@ -68,7 +70,9 @@ def test_defaults_and_sections() -> None:
     (with_(data={"factory": "a:b", "num_samples": 8, "global_batch": 16}),
      ["data.num_samples=8 is below data.global_batch=16"]),
     (with_(runtime={"comm_backend": "mpi"}), ["field 'runtime.comm_backend'", "(got 'mpi')"]),
-    (with_(logging={"metrics_port": 70000}), ["field 'logging.metrics_port'"]),
+    (with_(logging={"metrics_port": 70000}), ["field 'logging.metrics_port'", "(got 70000)"]),
+    (with_(logging={"format": "xml"}), ["field 'logging.format'", "'human' or 'json' (got 'xml')"]),
+    (with_(logging={"level": "loud"}), ["field 'logging.level'", "(got 'LOUD')"]),
     ({**BASE, "version": 1}, ["field 'version': Input should be 2 (got 1)"]),
     (with_(model="pkg.m:mlp"), ["field 'model': a section, give its fields as a mapping", "got 'pkg.m:mlp'"]),
 ])
@@ -89,9 +93,10 @@ def test_every_problem_is_reported_at_once() -> None:
 
 
 def test_logging_level_is_case_blind_and_checkpoint_fields_validate() -> None:
-    config = parse_config(with_(logging={"level": "info"},
+    config = parse_config(with_(logging={"level": "info", "metrics_port": 0},
                                 checkpoint={"directory": "ck", "every_seconds": 60}))
     assert config.logging.level == "INFO" and config.checkpoint.every_seconds == 60
+    assert config.logging.metrics_port == 0  # any free port
 
 
 def test_settings_set_dotted_keys_and_are_validated_with_the_config() -> None:
