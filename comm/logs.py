@@ -5,14 +5,19 @@ The coordinator process (``coordinator/commands/cli.py``) and the worker process
 the lowest layer, because the service host (``comm/rpc/host.py``) is where a request's
 service and step become known (:func:`log_context`).
 
-Settings:
+Settings, each from the first that gives it: what the process was told
+(:func:`configure_logging`'s ``fmt`` and ``level``: a job config's ``logging`` section, its
+flags or spec), then the environment, then the default:
 
 * the level: ``CELLMESH_LOG_LEVEL`` (:data:`LOG_LEVEL_ENV`; ``DEBUG``, ``INFO``, ``WARNING``,
   ``ERROR``), default ``INFO`` for a log file and a worker's output, ``WARNING`` on the
   terminal of ``cellmesh run`` (:func:`terminal_level`), so progress stays readable;
 * the format: ``human`` (one line: time, level, logger, message and the known context) or
-  ``json`` (one JSON object a line), from ``--log-format`` or ``CELLMESH_LOG_FORMAT``
-  (:data:`LOG_FORMAT_ENV`: how a coordinator passes its format to the workers it starts).
+  ``json`` (one JSON object a line), ``CELLMESH_LOG_FORMAT`` (:data:`LOG_FORMAT_ENV`).
+
+The two variables are also how a coordinator passes what it chose to the processes it
+starts (:func:`child_env`). An invalid variable is an error naming it, unless the process
+was told that setting (the variable is then not read).
 
 Context: every record carries ``worker``, ``service``, ``step`` and ``rank`` (None when not
 known). ``worker`` and ``rank`` are the process's (:func:`set_process_context`: a worker
@@ -35,8 +40,8 @@ from pathlib import Path
 from typing import Literal, TextIO, get_args
 
 __all__ = ["CONTEXT_FIELDS", "LOG_FORMAT_ENV", "LOG_LEVEL_ENV", "ContextFilter", "HumanFormatter",
-           "JsonFormatter", "LogFormat", "LogThrottle", "configure_logging", "current_format", "file_level",
-           "log_context", "log_to_file", "set_process_context", "terminal_level"]
+           "JsonFormatter", "LogFormat", "LogThrottle", "child_env", "configure_logging", "current_format",
+           "file_level", "log_context", "log_to_file", "set_process_context", "terminal_level"]
 
 LOG_LEVEL_ENV = "CELLMESH_LOG_LEVEL"
 LOG_FORMAT_ENV = "CELLMESH_LOG_FORMAT"
@@ -47,32 +52,43 @@ LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _process: dict[str, object] = {}  # worker and rank: the same in every thread
 _request: ContextVar[dict[str, object] | None] = ContextVar("cellmesh_log_context", default=None)
 _format: list[LogFormat] = ["human"]  # what configure_logging last applied
+_level: list[str | None] = [None]  # the level configure_logging was told (over CELLMESH_LOG_LEVEL)
 
 
-def _env_level() -> int | None:
-    """``CELLMESH_LOG_LEVEL`` as a logging level, None when unset.
+def _level_name(text: str, source: str) -> str:
+    """``text`` as a level name (any case).
 
     Raises:
-        ValueError: It is set to something that is not a level name.
+        ValueError: It is not one; the message names ``source`` (the variable or the argument).
     """
-    text = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
-    if not text:
-        return None
-    if text not in LEVELS:
-        raise ValueError(f"{LOG_LEVEL_ENV}={text!r} is not a log level: use one of {', '.join(LEVELS)}")
-    return int(logging.getLevelName(text))
+    name = text.strip().upper()
+    if name not in LEVELS:
+        raise ValueError(f"{source}={text!r} is not a log level: use one of {', '.join(LEVELS)}")
+    return name
+
+
+def _chosen_level() -> str | None:
+    """The level this process was told, else ``CELLMESH_LOG_LEVEL``'s, else None (each stream's default).
+
+    Raises:
+        ValueError: The variable is read and set to something that is not a level name.
+    """
+    if _level[0] is not None:
+        return _level[0]
+    text = os.environ.get(LOG_LEVEL_ENV, "").strip()
+    return _level_name(text, LOG_LEVEL_ENV) if text else None
 
 
 def file_level() -> int:
-    """The level of a log file or a worker's output: ``CELLMESH_LOG_LEVEL``, else INFO."""
-    level = _env_level()
-    return logging.INFO if level is None else level
+    """The level of a log file or a worker's output: the chosen one (see the module docstring), else INFO."""
+    name = _chosen_level()
+    return logging.INFO if name is None else int(logging.getLevelName(name))
 
 
 def terminal_level() -> int:
-    """The level of a terminal that also shows progress: ``CELLMESH_LOG_LEVEL`` when set, else WARNING."""
-    level = _env_level()
-    return logging.WARNING if level is None else level
+    """The level of a terminal that also shows progress: the chosen one, else WARNING."""
+    name = _chosen_level()
+    return logging.WARNING if name is None else int(logging.getLevelName(name))
 
 
 def _env_format() -> LogFormat:
@@ -83,8 +99,18 @@ def _env_format() -> LogFormat:
 
 
 def current_format() -> LogFormat:
-    """The format :func:`configure_logging` last applied in this process (what started workers use)."""
+    """The format :func:`configure_logging` last applied in this process."""
     return _format[0]
+
+
+def child_env() -> dict[str, str]:
+    """The variables a process this one starts needs to log as it does: its format, and its level if chosen.
+
+    Raises:
+        ValueError: ``CELLMESH_LOG_LEVEL`` is read and holds no level.
+    """
+    level = _chosen_level()
+    return {LOG_FORMAT_ENV: current_format(), **({LOG_LEVEL_ENV: level} if level is not None else {})}
 
 
 def set_process_context(**fields: object) -> None:
@@ -165,27 +191,37 @@ class _Handler(logging.StreamHandler[TextIO]):
     """A stream handler :func:`configure_logging` installed (and so may replace)."""
 
 
-def configure_logging(*, fmt: LogFormat | None = None, level: int | None = None,
+def configure_logging(*, fmt: LogFormat | None = None, level: str | None = None, terminal: bool = False,
                       stream: TextIO | None = None) -> None:
-    """Log this process's records to ``stream`` (stderr by default) at ``level`` in format ``fmt``.
+    """Log this process's records to ``stream`` (stderr by default) in format ``fmt``.
 
     Args:
         fmt: ``human`` or ``json``; None: ``CELLMESH_LOG_FORMAT``, else ``human``.
-        level: None: :func:`file_level` (``CELLMESH_LOG_LEVEL``, else INFO).
+        level: A level name that wins over ``CELLMESH_LOG_LEVEL`` here, in :func:`log_to_file`'s
+            files and in the processes started with :func:`child_env`; None: the variable's.
+        terminal: ``stream`` also shows progress (a command's stderr): without a chosen level it
+            shows WARNING and up (:func:`terminal_level`), not INFO (:func:`file_level`).
         stream: Where the records go.
 
-    Calling it again replaces what an earlier call installed (handlers of others stay).
+    Calling it again replaces what an earlier call installed and told (handlers of others stay).
 
     Raises:
-        ValueError: ``CELLMESH_LOG_LEVEL`` or ``CELLMESH_LOG_FORMAT`` holds no level or format.
+        ValueError: ``level`` is no level name, or a variable that is read holds no level or format.
     """
     fmt = fmt or _env_format()
+    told = _level[0]
+    _level[0] = None if level is None else _level_name(level, "level")
+    try:
+        threshold = terminal_level() if terminal else file_level()
+    except ValueError:
+        _level[0] = told
+        raise
     _format[0] = fmt
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(old)
     handler = _Handler(stream or sys.stderr)
-    handler.setLevel(file_level() if level is None else level)
+    handler.setLevel(threshold)
     handler.addFilter(ContextFilter())
     handler.setFormatter(_formatter(fmt))
     root.addHandler(handler)

@@ -6,8 +6,11 @@ declared here: ``--steps``, ``--name`` and ``--<section>.<field>`` (``--plan.num
 ``--data.global-batch 64``, ``--model.kwargs '{width: 64}'``), values read as YAML
 (:func:`~coordinator.planning.config.setting_value`). ``--set KEY=VALUE`` sets any dotted
 key, also one inside a mapping (``--set model.kwargs.width=64``). The short flags users rely
-on are aliases from one table, :data:`ALIASES`. The settings apply over the job file's
-config and are validated with it: an error names the key.
+on are aliases from one table, :data:`ALIASES`, also those of where the output goes
+(``--run-dir``, ``--log-level``, ``--log-format``, ``--metrics-port``, ``--tensorboard``: the
+``logging`` section, see [Note: one home for the output settings] in
+``coordinator/commands/output.py``); no flag is declared twice. The settings apply over the
+job file's config and are validated with it: an error names the key.
 
 Building the parser imports no torch (the config module is pydantic only), so ``cellmesh
 --help`` and ``--version`` return at once; a command imports what it runs.
@@ -37,6 +40,11 @@ ALIASES: dict[str, str] = {
     "microbatches": "plan.num_microbatches",
     "schedule": "plan.schedule",
     "mode": "plan.mode",
+    "run-dir": "logging.run_dir",
+    "log-level": "logging.level",
+    "log-format": "logging.format",
+    "metrics-port": "logging.metrics_port",
+    "tensorboard": "logging.tensorboard_dir",
 }
 
 
@@ -86,9 +94,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                         help="set any config key, also inside a mapping: --set model.kwargs.width=64")
 
 
-def _add_training_options(parser: argparse.ArgumentParser, *, metrics_port: bool = True) -> None:
-    from coordinator.commands.output import add_output_arguments
-
+def _add_training_options(parser: argparse.ArgumentParser) -> None:
     _add_config_flags(parser)
     parser.add_argument("--output", "-o", type=Path, metavar="PATH",
                         help="also write the final state_dict here (the run directory's model.pt has it too)")
@@ -96,7 +102,6 @@ def _add_training_options(parser: argparse.ArgumentParser, *, metrics_port: bool
                         help="a progress bar, log lines, or a bar only on a terminal (default)")
     parser.add_argument("--log-every", type=_positive, metavar="S", help="steps between log lines")
     parser.add_argument("--traceback", action="store_true", help="print the traceback of an error too")
-    add_output_arguments(parser, metrics_port=metrics_port)
 
 
 def _version() -> str:
@@ -139,7 +144,7 @@ def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Wait until the job's workers registered in the registry, plan, train, write the final "
                     "state_dict, then serve until stopped; see docs/kubernetes.md.")
     coord.add_argument("job", metavar="JOB", help="a job spec (.yaml/.yml/.json) or job module (.py)")
-    _add_training_options(coord, metrics_port=False)  # it has its own, with the probes
+    _add_training_options(coord)
     coord.add_argument("--registry", required=True, help="where the workers register: etcd://host:port "
                                                          "(or tcp://host:port for a served registry)")
     coord.add_argument("--keys-dir", default=None,
@@ -150,10 +155,9 @@ def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     coord.add_argument("--host", default=None,
                        help="address the control port binds (default: $CELLMESH_HOST, else 127.0.0.1)")
     coord.add_argument("--port", type=int, default=0, help="the control port (default: any free one)")
-    coord.add_argument("--metrics-port", type=int, default=None,
-                       help="serve /healthz, /readyz and /metrics over HTTP on this port")
     coord.add_argument("--health-host", default=None,
-                       help="interface of that HTTP endpoint (default: as --host)")
+                       help="interface of the /healthz, /readyz and /metrics endpoint at --metrics-port "
+                            "(logging.metrics_port) (default: as --host)")
     coord.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
                        help="seconds to wait for the workers to register (default 600)")
     coord.add_argument("--exit-when-done", action="store_true",
@@ -192,7 +196,7 @@ def _coordinator(args: argparse.Namespace, settings: dict[str, Any]) -> int:
         return 2
     options = CoordinatorOptions(
         run=_run_options(args, args.job, settings), registry=args.registry, host=args.host,
-        port=args.port, metrics_port=args.metrics_port, health_host=args.health_host,
+        port=args.port, health_host=args.health_host,
         wait_timeout=timedelta(seconds=args.wait_timeout), exit_when_done=args.exit_when_done)
     return serve_job(options, show_traceback=args.traceback)
 
@@ -216,12 +220,10 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_options(args: argparse.Namespace, job: str, settings: dict[str, Any]) -> RunOptions:
-    from coordinator.commands.output import output_options
     from coordinator.commands.run import RunOptions
 
     bar = {"auto": None, "bar": True, "lines": False}[args.progress]
-    return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every,
-                      outputs=output_options(args))
+    return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every)
 
 
 def _train(args: argparse.Namespace, settings: dict[str, Any]) -> int:
@@ -244,12 +246,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.host.worker import main as worker_main
 
         return worker_main(argv[1:])
-    from comm.logs import configure_logging, terminal_level
+    from comm.logs import configure_logging
 
     parser = _parser()
     args = parser.parse_args(argv)
-    try:  # the terminal shows warnings and progress unless CELLMESH_LOG_LEVEL asks for more
-        configure_logging(fmt=getattr(args, "log_format", None), level=terminal_level())
+    try:  # from the environment until the job's config is known (its logging section wins then)
+        configure_logging(terminal=True)
     except ValueError as exc:
         parser.error(str(exc))
     if args.command == "demo" and args.comm:

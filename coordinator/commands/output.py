@@ -1,76 +1,63 @@
-"""Where a run's output goes: the options of ``cellmesh run``/``demo``/``coordinator`` that say so.
+"""Where a run's output goes and how it logs: the job config's ``logging`` section, acted on.
 
-:func:`add_output_arguments` adds the flags to a command's parser and :func:`output_options`
-reads them back as an :class:`OutputOptions`; ``coordinator/commands/recorder.py`` does
-what they ask. The flags:
+[Note: one home for the output settings] The run directory, the log level and format, the
+metrics port and the TensorBoard directory are fields of the job config's ``logging``
+section (``coordinator/planning/config.py``: :class:`~coordinator.planning.config.LoggingConfig`)
+and nothing else declares them. A spec file or a job module sets them; on the command line
+they are generated flags (``--logging.run-dir``) with short aliases from the CLI's one alias
+table (``--run-dir``, ``--log-level``, ``--log-format``, ``--metrics-port``,
+``--tensorboard``: ``cli.ALIASES``) and ``--set`` keys. ``cellmesh run``, ``demo`` and
+``coordinator`` read them from the resolved config only, through this module:
 
-================== ==================================================================
-``--run-dir DIR``  the run directory (default ``out/<job>-<YYYYmmdd-HHMMSS>/``)
-``--log-format F`` ``human`` (default) or ``json`` lines, for the coordinator and workers
-``--metrics-port P`` serve Prometheus ``/metrics`` on 127.0.0.1:P while the run trains
-``--tensorboard DIR`` write the loss and samples/s of every step as TensorBoard scalars
-================== ==================================================================
-
-(``cellmesh coordinator`` has a ``--metrics-port`` of its own, served on the pod's address
-with its probes, so :func:`add_output_arguments` leaves that flag out there.)
+* :func:`apply_logging`: this process logs in the section's format at its level, over
+  ``CELLMESH_LOG_FORMAT`` and ``CELLMESH_LOG_LEVEL``, and passes both to the workers it starts
+  (``comm/logs.py``); unset, the variables decide, then the defaults. So: flag > spec > env >
+  default;
+* :func:`open_recorder`: the run directory (``logging.run_dir``, else a new
+  ``out/<job>-<timestamp>/``) and its recorder (``coordinator/commands/recorder.py``), which
+  writes the TensorBoard scalars and serves the metrics on loopback. ``cellmesh coordinator``
+  serves ``logging.metrics_port`` itself, on the pod's address together with its probes
+  (``coordinator/commands/server.py``), so its recorder serves nothing.
 """
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
 
-from comm.logs import LogFormat
+from comm.logs import configure_logging
+from coordinator.commands.metrics import RunMetrics
+from coordinator.commands.recorder import RunRecorder
+from coordinator.commands.rundir import RunDir
+from coordinator.planning.config import LoggingConfig
 
-__all__ = ["OutputOptions", "add_output_arguments", "output_options"]
-
-METRICS_DEST = "run_metrics_port"  # not "metrics_port": `cellmesh coordinator` has its own flag of that name
+__all__ = ["apply_logging", "open_recorder"]
 
 
-@dataclass(frozen=True)
-class OutputOptions:
-    """What a run writes besides its progress.
+def apply_logging(settings: LoggingConfig) -> None:
+    """Log this process's records to stderr (which shows progress too) as ``settings`` say.
 
-    Attributes:
-        run_dir: The run directory as given (None: a new ``out/<job>-<timestamp>/``).
-        log_format: ``human`` or ``json`` (the log files of the coordinator and the workers, and stderr).
-        metrics_port: Serve the run's Prometheus metrics on loopback at this port (None: do not; 0: any).
-        tensorboard: Write TensorBoard event files here (None: do not).
+    Raises:
+        ValueError: A variable the settings leave to the environment holds no level or format.
     """
-
-    run_dir: Path | None = None
-    log_format: LogFormat = "human"
-    metrics_port: int | None = None
-    tensorboard: Path | None = None
+    configure_logging(fmt=settings.format, level=settings.level, terminal=True)
 
 
-def _port(text: str) -> int:
-    """argparse type: a TCP port, 0 for any free one."""
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {value}")
-    return value
+def open_recorder(job: str, steps: int, settings: LoggingConfig, *, serve_metrics: bool = True,
+                  spec_sha256: str = "", metrics: RunMetrics | None = None) -> RunRecorder:
+    """A recorder on the run directory of ``settings`` (created), not yet entered.
 
+    Args:
+        job: The job's name (the new run directory's prefix).
+        steps: Steps the run trains.
+        settings: The config's logging section.
+        serve_metrics: Serve ``logging.metrics_port`` on loopback (False: the caller serves it).
+        spec_sha256: The job file's digest, kept in the record.
+        metrics: The metrics to update (default: new ones).
 
-def add_output_arguments(parser: argparse.ArgumentParser, *, metrics_port: bool = True) -> None:
-    """Add ``--run-dir``, ``--log-format``, ``--tensorboard`` (and ``--metrics-port`` if asked)."""
-    group = parser.add_argument_group("where the output goes (docs/running.md)")
-    group.add_argument("--run-dir", type=Path, metavar="DIR",
-                       help="the run directory: plan, logs, trace, run record, state_dict "
-                            "(default out/<job>-<YYYYmmdd-HHMMSS>)")
-    group.add_argument("--log-format", choices=get_args(LogFormat), default="human",
-                       help="log lines for people (human, default) or one JSON object a line (json)")
-    if metrics_port:
-        group.add_argument("--metrics-port", type=_port, metavar="P", dest=METRICS_DEST,
-                           help="serve Prometheus /metrics on 127.0.0.1:P while training (0: any free port)")
-    group.add_argument("--tensorboard", type=Path, metavar="DIR",
-                       help="write loss and samples/s per step as TensorBoard scalars to DIR "
-                            "(needs cellmesh[tensorboard])")
-
-
-def output_options(args: argparse.Namespace) -> OutputOptions:
-    """The :class:`OutputOptions` of parsed arguments (of a parser :func:`add_output_arguments` extended)."""
-    return OutputOptions(run_dir=args.run_dir, log_format=args.log_format,
-                         metrics_port=getattr(args, METRICS_DEST, None), tensorboard=args.tensorboard)
+    Raises:
+        ValueError: The run directory cannot be created or written (names it).
+    """
+    run_dir = RunDir.create(job, Path(settings.run_dir) if settings.run_dir is not None else None)
+    return RunRecorder(run_dir, job=job, steps=steps,
+                       metrics_port=settings.metrics_port if serve_metrics else None,
+                       tensorboard_dir=settings.tensorboard_dir, spec_sha256=spec_sha256, metrics=metrics)

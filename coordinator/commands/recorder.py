@@ -8,11 +8,11 @@ reads its :meth:`~RunRecorder.status` for the ``status`` RPC. Inside ``with reco
 * the coordinator process's log records also go to ``coordinator.log`` (``comm/logs.py``);
 * every finished step (:meth:`~RunRecorder.on_step`) updates the record (step, loss,
   samples/s), the Prometheus metrics (``coordinator/commands/metrics.py``), the trace
-  (``coordinator/runtime/trace.py``) and, with ``--tensorboard DIR``, the scalars ``loss``
-  and ``samples_per_s`` at global step ``record.step + 1`` (the step's number as the progress
-  lines count it);
-* with ``--metrics-port P`` it serves ``/metrics`` (and ``/healthz``, ``/readyz``) on
-  127.0.0.1:P;
+  (``coordinator/runtime/trace.py``) and, with a TensorBoard directory (the config's
+  ``logging.tensorboard_dir``), the scalars ``loss`` and ``samples_per_s`` at global step
+  ``record.step + 1`` (the step's number as the progress lines count it);
+* with a metrics port (``logging.metrics_port``) it serves ``/metrics`` (and ``/healthz``,
+  ``/readyz``) on 127.0.0.1 at that port;
 * ``run.json`` is rewritten at each change of phase; at the end, ``trace.json`` is written
   and a run that did not reach ``done`` is recorded as ``failed`` with its error.
 
@@ -30,7 +30,6 @@ from typing import Any
 
 from comm.logs import log_to_file
 from coordinator.commands.metrics import RunMetrics, samples_per_second
-from coordinator.commands.output import OutputOptions
 from coordinator.commands.rundir import RunDir, RunRecord, write_atomic
 from coordinator.planning.plan import Plan
 from coordinator.runtime.driver import StepRecord
@@ -51,8 +50,8 @@ def open_tensorboard(directory: str) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
-        raise ValueError("--tensorboard needs the tensorboard package: pip install 'cellmesh[tensorboard]' "
-                         f"({exc})") from exc
+        raise ValueError("logging.tensorboard_dir (--tensorboard) needs the tensorboard package: "
+                         f"pip install 'cellmesh[tensorboard]' ({exc})") from exc
     return SummaryWriter(log_dir=directory, flush_secs=10)
 
 
@@ -61,18 +60,21 @@ class RunRecorder:
 
     Args:
         run_dir: The run's directory (created).
-        options: ``--metrics-port`` and ``--tensorboard`` (the run directory is ``run_dir``).
         job: The job's name.
         steps: Steps the run trains.
+        metrics_port: Serve the metrics on 127.0.0.1 at this port (0: any free one; None: do not).
+        tensorboard_dir: Write TensorBoard scalars here (None: do not).
         spec_sha256: The job file's digest, kept in the record.
         metrics: The metrics to update (a new :class:`RunMetrics` by default; the cluster
             coordinator passes the ones its probe endpoint serves).
     """
 
-    def __init__(self, run_dir: RunDir, options: OutputOptions, *, job: str, steps: int,
-                 spec_sha256: str = "", metrics: RunMetrics | None = None) -> None:
+    def __init__(self, run_dir: RunDir, *, job: str, steps: int, metrics_port: int | None = None,
+                 tensorboard_dir: str | None = None, spec_sha256: str = "",
+                 metrics: RunMetrics | None = None) -> None:
         self.run_dir = run_dir
-        self.options = options
+        self.metrics_port = metrics_port
+        self.tensorboard_dir = tensorboard_dir
         self.metrics = metrics or RunMetrics()
         self.metrics.steps.set(steps)
         self.trace = TraceRecorder()
@@ -119,7 +121,7 @@ class RunRecorder:
 
     @property
     def metrics_url(self) -> str | None:
-        """Where ``/metrics`` is served (None without ``--metrics-port``)."""
+        """Where ``/metrics`` is served (None without a metrics port)."""
         return self._server.url if self._server is not None else None
 
     def _live(self) -> tuple[bool, str]:
@@ -137,17 +139,18 @@ class RunRecorder:
             ValueError: TensorBoard is not installed, or the metrics port cannot be bound.
         """
         try:
-            if self.options.tensorboard is not None:
-                self._tensorboard = open_tensorboard(str(self.options.tensorboard))
+            if self.tensorboard_dir is not None:
+                self._tensorboard = open_tensorboard(self.tensorboard_dir)
                 self._stack.callback(self._tensorboard.close)
-            if self.options.metrics_port is not None:
+            if self.metrics_port is not None:
                 try:
                     self._server = HealthServer(live=self._live, ready=self._ready,
                                                 metrics=self.metrics.registry, host=METRICS_HOST,
-                                                port=self.options.metrics_port).start()
+                                                port=self.metrics_port).start()
                 except OSError as exc:
-                    raise ValueError(f"cannot serve metrics on {METRICS_HOST}:{self.options.metrics_port}: "
-                                     f"{exc.strerror or exc}; choose another --metrics-port") from exc
+                    raise ValueError(f"cannot serve metrics on {METRICS_HOST}:{self.metrics_port}: "
+                                     f"{exc.strerror or exc}; choose another logging.metrics_port "
+                                     "(--metrics-port)") from exc
                 self._stack.callback(self._server.close)
             self._stack.enter_context(log_to_file(self.run_dir.coordinator_log))
             self.run_dir.write_record(self.status())

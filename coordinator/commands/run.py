@@ -3,9 +3,9 @@
 :func:`run_job` is the whole command without the argument parsing (``coordinator/commands/cli.py``)
 and is what ``cellmesh demo`` calls too:
 
-1. load the job (``coordinator/commands/jobspec.py``: a spec file or a job module), check its
-   optimizer builds and the output path is writable, create the run directory
-   (``coordinator/commands/rundir.py``) and print where it is;
+1. load the job (``coordinator/commands/jobspec.py``: a spec file or a job module), log as
+   its config's ``logging`` section says, check its optimizer builds and the output path is
+   writable, create the run directory (``coordinator/commands/output.py``) and print where it is;
 2. plan it (profile on a sample microbatch, ask the planner), print the plan's table and
    write it to ``plan.json``/``plan.txt``;
 3. start the local harness (``Resources.local``: an embedded registry and one worker
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from coordinator.commands.jobspec import JobSpecError, LoadedJob, load_job
-from coordinator.commands.output import OutputOptions
+from coordinator.commands.output import apply_logging, open_recorder
 from coordinator.commands.progress import make_progress
 from coordinator.commands.recorder import RunRecorder
 from coordinator.commands.rundir import RunDir
@@ -87,7 +87,9 @@ class RunOptions:
         output: Where to write a copy of the state_dict (the run directory's ``model.pt`` is always written).
         bar: A progress bar (True), log lines (False), or a bar only on a terminal (None).
         log_every: Steps between log lines (about 20 lines per run by default).
-        outputs: The run directory, log format, metrics port and TensorBoard directory.
+
+    Where the output goes and how the run logs are the config's ``logging`` section
+    (``coordinator/commands/output.py``).
     """
 
     job: str
@@ -95,7 +97,6 @@ class RunOptions:
     output: Path | None = None
     bar: bool | None = None
     log_every: int | None = None
-    outputs: OutputOptions = field(default_factory=OutputOptions)
 
 
 @dataclass
@@ -121,7 +122,9 @@ def run_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
         JobFailed: A worker failed or vanished during training (names worker, service, step).
         TimeoutError: The workers did not start in time.
     """
-    return train(load_job(options.job, options.settings), options, out)
+    loaded = load_job(options.job, options.settings)
+    apply_logging(loaded.job.config.logging)
+    return train(loaded, options, out)
 
 
 def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
@@ -135,7 +138,7 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
         on_step: Called with each finished step's record (its update is applied when the next step
             starts, or by the final commit), after the progress display.
         recorder: The run's recorder, entered by the caller (the cluster coordinator's); None:
-            one on a new run directory (``options.outputs``), for the length of this call.
+            one on the run directory of the config's ``logging`` section, for this call.
     """
     out = out or sys.stdout
     job = loaded.job
@@ -146,9 +149,7 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
     say = functools.partial(print, file=out, flush=True)
     with contextlib.ExitStack() as stack:
         if recorder is None:
-            run_dir = RunDir.create(loaded.name, options.outputs.run_dir)
-            recorder = stack.enter_context(RunRecorder(run_dir, options.outputs, job=loaded.name,
-                                                       steps=loaded.steps))
+            recorder = stack.enter_context(open_recorder(loaded.name, loaded.steps, job.config.logging))
         say(f"cellmesh run: {loaded.source}\n  run directory {recorder.run_dir.path}")
         if recorder.metrics_url is not None:
             say(f"  metrics at {recorder.metrics_url}/metrics")

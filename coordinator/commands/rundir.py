@@ -2,7 +2,7 @@
 
 ``cellmesh run`` and ``cellmesh coordinator`` create ``out/<job>-<YYYYmmdd-HHMMSS>/`` (with
 ``-2``, ``-3``... appended when that name is taken, so two runs in the same second get two
-directories) or use ``--run-dir DIR`` as given. It holds::
+directories) or use the job config's ``logging.run_dir`` (``--run-dir DIR``) as given. It holds::
 
     plan.json          the chosen plan (Plan.to_json; Plan.from_json reads it back)
     plan.txt           the plan as printed
@@ -92,9 +92,10 @@ class RunDir:
         except OSError as exc:
             where = path if path is not None else root
             raise ValueError(f"cannot create the run directory {where}: {exc.strerror or exc}; "
-                             "give a writable one with --run-dir") from exc
+                             "set a writable one with logging.run_dir (--run-dir)") from exc
         if not os.access(path, os.W_OK):
-            raise ValueError(f"the run directory {path} is not writable; give another with --run-dir")
+            raise ValueError(f"the run directory {path} is not writable; set another with logging.run_dir "
+                             "(--run-dir)")
         return run
 
     @property

@@ -3,21 +3,24 @@
 It does what ``cellmesh run`` does (``coordinator/commands/run.py``) on workers it did not start:
 
 1. load the job spec (the ConfigMap's ``job.yaml`` in Kubernetes: the same spec
-   ``cellmesh run`` reads);
+   ``cellmesh run`` reads) and log as its ``logging`` section says; a job that does not load
+   is reported before anything is served;
 2. wait, bounded by ``--wait-timeout``, until the job's workers registered in the registry
    (etcd in a cluster) and describe them as the planner's resources
    (:class:`~coordinator.runtime.cluster.ClusterWorkers`);
 3. plan, place, train (log lines), write the final state_dict to the run directory's
    ``model.pt`` and the record of the run to its ``run.json`` (``coordinator/commands/rundir.py``;
-   the manifests give ``--run-dir`` on the checkpoint volume);
+   the manifests give ``--run-dir``, the config's ``logging.run_dir``, on the checkpoint volume);
 4. keep serving until SIGTERM, so the checkpoint can be fetched (``--exit-when-done``
    exits instead). A coordinator that starts and finds the record of its finished job in
    its ``--run-dir`` does not train it again.
 
 While it runs it serves its state: the ``coordinator`` service's ``status`` method on
 the control port (``--port``; a :class:`~coordinator.commands.rundir.RunRecord`), and over
-HTTP (``--metrics-port``) ``/healthz``, ``/readyz`` and Prometheus ``/metrics``
-(``coordinator/commands/metrics.py``: step, loss, samples/s, step time, workers).
+HTTP ``/healthz``, ``/readyz`` and Prometheus ``/metrics`` (``coordinator/commands/metrics.py``:
+step, loss, samples/s, step time, workers) at the config's ``logging.metrics_port``
+(``--metrics-port``): the same setting as ``cellmesh run``'s, the same metrics and probes,
+served on ``--health-host`` (the pod's address, where the kubelet probes) rather than loopback.
 
 A failed job (a worker lost, a plan that does not fit, workers that never came) ends the
 process with the error on stderr and a non-zero code: Kubernetes restarts the pod, which
@@ -38,8 +41,9 @@ from typing import TextIO
 from pydantic import ValidationError
 
 from comm.rpc import Call, ServiceBase, ServiceHost
-from coordinator.commands.jobspec import load_job
+from coordinator.commands.jobspec import LoadedJob, load_job
 from coordinator.commands.metrics import RunMetrics
+from coordinator.commands.output import apply_logging, open_recorder
 from coordinator.commands.recorder import RunRecorder
 from coordinator.commands.run import (
     REPORTED,
@@ -71,8 +75,9 @@ class CoordinatorOptions:
         registry: Where the workers registered (``etcd://host:port``).
         host: The address the control port binds (``$CELLMESH_HOST``, else loopback).
         port: The control port (0: any free one).
-        metrics_port: The HTTP port of ``/healthz``, ``/readyz`` and ``/metrics`` (None: none).
-        health_host: The interface of that HTTP endpoint (None: as ``host``; the kubelet probes the pod IP).
+        health_host: The interface of the HTTP endpoint of ``/healthz``, ``/readyz`` and ``/metrics``
+            (None: as ``host``; the kubelet probes the pod IP); its port is the config's
+            ``logging.metrics_port`` (None: no endpoint).
         wait_timeout: Bounds the wait for the workers.
         exit_when_done: Exit after writing the checkpoint instead of serving until SIGTERM.
     """
@@ -81,7 +86,6 @@ class CoordinatorOptions:
     registry: str
     host: str | None = None
     port: int = 0
-    metrics_port: int | None = None
     health_host: str | None = None
     wait_timeout: timedelta = DEFAULT_WAIT_TIMEOUT
     exit_when_done: bool = False
@@ -96,13 +100,14 @@ class _StatusService(ServiceBase):
 
 
 class CoordinatorServer:
-    """One cluster job's coordinator: status service, probes, metrics, and the training run."""
+    """One cluster job's coordinator: status service, probes, metrics, and the training run of ``loaded``."""
 
-    def __init__(self, options: CoordinatorOptions, out: TextIO | None = None) -> None:
+    def __init__(self, options: CoordinatorOptions, loaded: LoadedJob, out: TextIO | None = None) -> None:
         self.options = options
+        self.loaded = loaded
         self.out = out or sys.stdout
         self.metrics = RunMetrics()
-        self.recorder: RunRecorder | None = None  # once the job is loaded
+        self.recorder: RunRecorder | None = None  # once run() made it
         self._finished: RunRecord | None = None  # the record of a run that finished before this process
         self._host: ServiceHost | None = None
         self._health: HealthServer | None = None
@@ -127,17 +132,18 @@ class CoordinatorServer:
     # -- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> CoordinatorServer:
-        """Serve the control port and the HTTP endpoint."""
+        """Serve the control port and the HTTP endpoint (if the config's ``logging.metrics_port`` is set)."""
         self._host = ServiceHost(self.options.host, self.options.port)
         self._host.add("coordinator", _StatusService(self))
         self._host.start()
-        if self.options.metrics_port is not None:
+        port = self.loaded.job.config.logging.metrics_port
+        if port is not None:
             self._health = HealthServer(
                 live=self._live,
                 ready=self._ready,
                 metrics=self.metrics.registry,
                 host=self.options.health_host or self.options.host,
-                port=self.options.metrics_port,
+                port=port,
             ).start()
         return self
 
@@ -159,20 +165,19 @@ class CoordinatorServer:
             self._host = None
 
     def run(self) -> None:
-        """Load, wait for the workers, train and save (or find the job already finished).
+        """Wait for the workers, train and save (or find the job already finished).
 
         Raises:
             The errors of ``cellmesh run`` (``coordinator.commands.run.USER_ERRORS``), and
             TimeoutError when the workers do not all register within ``wait_timeout``.
         """
-        opts = self.options
-        loaded = load_job(opts.run.job, opts.run.settings)
+        opts, loaded = self.options, self.loaded
         job = loaded.job
         workers = job.config.runtime.workers
         digest = hashlib.sha256(Path(opts.run.job).read_bytes()).hexdigest()
-        run_dir = RunDir.create(job.name, opts.run.outputs.run_dir)
-        recorder = RunRecorder(run_dir, opts.run.outputs, job=job.name, steps=loaded.steps,
-                               spec_sha256=digest, metrics=self.metrics)
+        recorder = open_recorder(job.name, loaded.steps, job.config.logging, serve_metrics=False,
+                                 spec_sha256=digest, metrics=self.metrics)  # start() serves them
+        run_dir = recorder.run_dir
         finished = _finished_record(run_dir, recorder.status())
         if finished is not None:
             self._finished = finished
@@ -219,13 +224,16 @@ def _finished_record(run_dir: RunDir, current: RunRecord) -> RunRecord | None:
 def serve_job(options: CoordinatorOptions, out: TextIO | None = None, *, show_traceback: bool = False) -> int:
     """The whole ``cellmesh coordinator`` command; returns the exit code."""
     out = out or sys.stdout
-    server = CoordinatorServer(options, out)
+    server: CoordinatorServer | None = None
     try:
         with use_termination_as_exception():
-            server.start()
-            where = f", probes and metrics at {server.health_url}" if server.health_url else ""
-            print(f"cellmesh coordinator: control at {server.address}{where}", file=out, flush=True)
             try:
+                loaded = load_job(options.run.job, options.run.settings)  # its settings say what to serve
+                apply_logging(loaded.job.config.logging)
+                server = CoordinatorServer(options, loaded, out)
+                server.start()  # closed by the finally below, also when this fails half-way
+                where = f", probes and metrics at {server.health_url}" if server.health_url else ""
+                print(f"cellmesh coordinator: control at {server.address}{where}", file=out, flush=True)
                 server.run()
             except REPORTED as exc:
                 if isinstance(exc, (Terminated, KeyboardInterrupt)):
@@ -236,9 +244,10 @@ def serve_job(options: CoordinatorOptions, out: TextIO | None = None, *, show_tr
             print("cellmesh coordinator: done; serving until stopped (SIGTERM)", file=out, flush=True)
             server.wait_for_stop()
     except (Terminated, KeyboardInterrupt) as exc:
-        if server.status().phase == "done":
+        if server is not None and server.status().phase == "done":
             return 0
         return report(exc)
     finally:
-        server.close()
+        if server is not None:
+            server.close()
     return 0

@@ -9,8 +9,9 @@ from and what the command line's settings change. Its sections:
   global batch, the sample count, the shuffle and the seed;
 - ``optimizer``: a ``torch.optim`` class name and its arguments;
 - ``plan``: the plan fields to fix (:class:`PlanConfig`; the planner chooses the rest);
-- ``checkpoint`` and ``logging``: fields only, validated but not acted on yet (their
-  features are being built elsewhere);
+- ``checkpoint``: fields only, validated but not acted on yet (being built elsewhere);
+- ``logging``: where the run's output goes and how it logs (run directory, log level and
+  format, metrics port, TensorBoard directory), acted on by the commands;
 - ``runtime``: local workers, communication backend, timeouts and where the job's own
   modules are found.
 
@@ -163,19 +164,35 @@ class CheckpointConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    """Logs, metrics and tensorboard: fields only, validated; not acted on yet.
+    """Where the run's output goes and how it logs: run directory, log level and format, metrics, TensorBoard.
 
-    Today ``CELLMESH_LOG_LEVEL`` and the run's own flags (``coordinator/commands/output.py``:
-    ``--log-format``, ``--run-dir``, ``--metrics-port``, ``--tensorboard``) set these things;
-    the fields are meant to replace them (one declaration).
+    The one declaration of these settings: ``cellmesh run``, ``demo`` and ``coordinator`` act
+    on them (``coordinator/commands/output.py``), and their short flags (``--run-dir``,
+    ``--log-level``, ``--log-format``, ``--metrics-port``, ``--tensorboard``) are aliases of
+    the generated ones. ``level`` and ``format`` left unset fall back to ``CELLMESH_LOG_LEVEL``
+    and ``CELLMESH_LOG_FORMAT``, then to the defaults (``comm/logs.py``): flag > spec > env > default.
+    Relative directories are relative to the directory ``cellmesh`` runs in, as ``out/`` is.
     """
 
-    level: LogLevel = Field(default="WARNING", description="the coordinator's log level")
-    format: Literal["human", "json"] = Field(default="human",
-                                             description="log lines for people or for machines")
-    run_dir: str | None = Field(default=None, description="a directory for the run's logs and records")
-    metrics_port: int | None = Field(default=None, ge=1, le=65535, description="serve /metrics on this port")
-    tensorboard_dir: str | None = Field(default=None, description="write tensorboard events here")
+    level: LogLevel | None = Field(
+        default=None,
+        description="the level of the run's log files and workers, and of the terminal when set (default "
+                    "$CELLMESH_LOG_LEVEL, else INFO in the files, WARNING on the terminal)")
+    format: Literal["human", "json"] | None = Field(
+        default=None,
+        description="log lines for people (human) or one JSON object a line (json), in the log files and "
+                    "on stderr (default $CELLMESH_LOG_FORMAT, else human)")
+    run_dir: str | None = Field(
+        default=None, description="the run directory: plan, logs, trace, run record, state_dict "
+                                  "(default out/<job>-<YYYYmmdd-HHMMSS>)")
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve Prometheus /metrics, /healthz and /readyz over HTTP on this port while the job "
+                    "runs (0: any free port): cellmesh run on 127.0.0.1, cellmesh coordinator on "
+                    "--health-host, where the kubelet probes them")
+    tensorboard_dir: str | None = Field(
+        default=None, description="write loss and samples/s per step as TensorBoard scalars here (needs "
+                                  "cellmesh[tensorboard])")
 
     @field_validator("level", mode="before")
     @classmethod
@@ -323,21 +340,35 @@ def _textual(annotation: Any) -> bool:
     return annotation is str
 
 
+# sections whose fields are vague alone (level, format, directory, keep): flat, they keep the section's name
+_PREFIXED_SECTIONS = ("checkpoint", "logging")
+
+
+def _flat_name(key: str) -> str:
+    """``Job``'s keyword for the dotted ``key`` (the rule of :data:`FLAT_KEYS`)."""
+    section, _, field = key.rpartition(".")
+    if not section:
+        return field
+    if field in ("factory", "name"):
+        return section
+    return f"{section}_{field}" if field == "kwargs" or section in _PREFIXED_SECTIONS else field
+
+
 def _flat_keys() -> dict[str, str]:
     """See :data:`FLAT_KEYS`."""
     flat: dict[str, str] = {}
     for key, _ in settable_fields():
-        section, _, field = key.rpartition(".")
-        name = section if field in ("factory", "name") and section else (
-            f"{section}_kwargs" if field == "kwargs" else field)
+        name = _flat_name(key)
         if name in flat:
             raise AssertionError(f"flat keyword {name!r} names both {flat[name]} and {key}")
         flat[name] = key
     return flat
 
 
-# Job(**fields): a keyword names the field of that name, wherever it is (num_stages -> plan.num_stages);
-# a section's factory or name is the section's name (model=, optimizer=), its kwargs <section>_kwargs.
+# Job(**fields), one keyword per field: a section's factory or name is the section's name (model=,
+# optimizer=); its kwargs, and every field of the checkpoint and logging sections, are <section>_<field>
+# (model_kwargs=, logging_level=, checkpoint_keep=); any other field is its own name, wherever it sits
+# (global_batch -> data.global_batch, num_stages -> plan.num_stages, workers -> runtime.workers).
 FLAT_KEYS: dict[str, str] = _flat_keys()
 
 

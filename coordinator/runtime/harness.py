@@ -6,12 +6,12 @@ once per resource worker (named as the resources name them, so a plan's placemen
 the processes), and waits, bounded, until every worker's card is in the registry.
 
 Each worker's stdout and stderr go to ``{log_dir}/{name}.log`` (appended; the harness opens
-the file and hands it to the child), never to the user's terminal. The workers log at
-``CELLMESH_LOG_LEVEL`` (default INFO) in the format this process's logging was configured
-with (``comm/logs.py``). Without a ``log_dir`` the files go to a temporary directory that
-:meth:`LocalHarness.close` removes when every worker exited cleanly and keeps (and names
-in a warning) when one did not; a worker that exits before registering is reported with
-the end of its log.
+the file and hands it to the child), never to the user's terminal. The workers log at the
+level and in the format this process's logging was configured with (``comm/logs.py``'s
+``child_env``: a job's ``logging`` section, else ``CELLMESH_LOG_LEVEL``, else INFO). Without
+a ``log_dir`` the files go to a temporary directory that :meth:`LocalHarness.close` removes
+when every worker exited cleanly and keeps (and names in a warning) when one did not; a
+worker that exits before registering is reported with the end of its log.
 
 Trust: the harness makes the job's keys (:class:`comm.auth.JobKeys`) and installs the
 coordinator's credentials in this process before it serves anything, so every socket of the
@@ -46,7 +46,7 @@ from types import TracebackType
 
 from comm import auth
 from comm.codec import unpack
-from comm.logs import LOG_FORMAT_ENV, current_format
+from comm.logs import child_env
 from comm.registry import RegistryServer
 from comm.registry.base import Registry
 from services.host.worker import worker_key
@@ -138,8 +138,7 @@ class LocalHarness:
             if self.log_dir is None:
                 self.log_dir = Path(tempfile.mkdtemp(prefix=f"cellmesh-{self.job}-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), LOG_FORMAT_ENV: current_format(),
-                   **extra_env, **self.env}
+            env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), **child_env(), **extra_env, **self.env}
             paths = [*self.python_path, os.getcwd(), env.get("PYTHONPATH", "")]
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
             for name in self.names:

@@ -1,11 +1,13 @@
 """The Python API: ``Job(config)`` or ``Job(model=..., loss=..., data=...)``, ``plan()``, ``fit()``.
 
 A job is its config (:class:`~coordinator.planning.config.JobConfig`), given whole or as flat
-keyword fields: each keyword is a config field by its own name wherever it sits
-(``global_batch`` is ``data.global_batch``, ``num_stages`` is ``plan.num_stages``,
-``workers`` is ``runtime.workers``); a section's factory or name is the section's name
-(``model=``, ``optimizer=``) and its arguments ``<section>_kwargs``
-(:data:`~coordinator.planning.config.FLAT_KEYS` lists them all). A job names its model, data
+keyword fields, one per config field: a section's factory or name is the section's name
+(``model=``, ``optimizer=``); its arguments, and every field of the ``checkpoint`` and
+``logging`` sections (whose names are vague alone), are ``<section>_<field>``
+(``model_kwargs=``, ``logging_level=``, ``logging_run_dir=``, ``checkpoint_keep=``); any
+other field is its own name wherever it sits (``global_batch`` is ``data.global_batch``,
+``num_stages`` is ``plan.num_stages``, ``workers`` is ``runtime.workers``).
+:data:`~coordinator.planning.config.FLAT_KEYS` lists them all. A job names its model, data
 and loss by importable factories (``coordinator/runtime/factories.py``), so the workers build
 them themselves. ``plan()`` builds the model in this process, traces and profiles it on a
 sample microbatch and asks the planner (``coordinator/planning/planner.py``) with the config's
@@ -152,7 +154,8 @@ class Job:
         **fields: The config's fields by their flat names (see the module docstring): ``model``,
             ``data``, ``loss`` as ``"package.module:function"`` or a module-level function,
             ``optimizer`` as a ``torch.optim`` class or its name, ``global_batch``,
-            ``num_stages``, ``workers``, ``step_timeout_s``...
+            ``num_stages``, ``workers``, ``step_timeout_s``, ``logging_format``,
+            ``checkpoint_directory``...
 
     Raises:
         ValueError: The fields are invalid (a ``ConfigError`` naming each bad key), a factory

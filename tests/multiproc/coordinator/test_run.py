@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from comm.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV
 from coordinator.commands.run import report
 from coordinator.runtime.driver import JobFailed
 from examples import charlm
@@ -37,12 +39,16 @@ RUN_TIMEOUT = 50  # seconds a successful run may take (about 8 s here)
 Proc = subprocess.CompletedProcess[str]
 
 
-def cellmesh(*args: str | Path, timeout: float = RUN_TIMEOUT) -> Proc:
-    """The installed ``cellmesh`` command (else ``python -m coordinator.commands.cli``), run in the repo."""
+def cellmesh(*args: str | Path, timeout: float = RUN_TIMEOUT, env: dict[str, str] | None = None) -> Proc:
+    """The installed ``cellmesh`` command (else ``python -m coordinator.commands.cli``), run in the repo.
+
+    ``env`` is set over this process's environment, whose cellmesh logging variables are left out.
+    """
     script = Path(sys.executable).with_name("cellmesh")
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "coordinator.commands.cli"]
+    base = {k: v for k, v in os.environ.items() if k not in (LOG_LEVEL_ENV, LOG_FORMAT_ENV)}
     return subprocess.run([*cmd, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+                          check=False, env={**base, **(env or {})})
 
 
 def assert_trained(proc: Proc, output: Path, steps: int) -> dict[str, torch.Tensor]:

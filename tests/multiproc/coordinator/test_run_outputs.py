@@ -1,10 +1,12 @@
 """Where a local run's output goes: the run directory, worker logs, JSON lines, trace, metrics, TensorBoard.
 
-One ``cellmesh run`` subprocess (as a user runs it) checks the run directory's files and
-that the terminal shows only the run's own lines; one run in this process checks what
-the run reported against what it wrote and served: the metrics endpoint during the run,
-the TensorBoard scalars and the trace against the losses and step records of the fit,
-and the workers' JSON records (at DEBUG, with the step they belong to).
+One ``cellmesh run`` subprocess (as a user runs it) on a spec whose ``logging`` section
+alone sets the run directory and JSON lines checks the run directory's files and that the
+terminal shows only the run's own lines; another checks the precedence of the settings
+(flag > spec > environment); one run in this process checks what the run reported against
+what it wrote and served: the metrics endpoint during the run, the TensorBoard scalars and
+the trace against the losses and step records of the fit, and the workers' JSON records
+(at DEBUG, with the step they belong to).
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from comm.logs import LOG_LEVEL_ENV, configure_logging, current_format
+from comm.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, configure_logging, current_format
 from coordinator.commands.jobspec import load_job
-from coordinator.commands.output import OutputOptions
 from coordinator.commands.run import RunOptions, train
 from coordinator.commands.rundir import RunRecord
 from coordinator.planning.plan import Plan
@@ -46,9 +47,9 @@ def _json_lines(path: Path) -> list[dict[str, Any]]:
 
 def test_a_local_run_fills_its_run_directory_and_keeps_the_terminal_quiet(tmp_path: Path) -> None:
     spec = tmp_path / "tiny.json"
-    spec.write_text(json.dumps(PIPELINE))
     run_dir = tmp_path / "run"
-    proc = cellmesh("run", spec, "--workers", "2", "--run-dir", run_dir, "--log-format", "json")
+    spec.write_text(json.dumps({**PIPELINE, "logging": {"run_dir": str(run_dir), "format": "json"}}))
+    proc = cellmesh("run", spec, "--workers", "2")  # the spec's logging section, no flag
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == ""  # no log record reaches the terminal
     assert not [line for line in proc.stdout.splitlines() if line.lstrip().startswith("{")], proc.stdout
@@ -82,6 +83,22 @@ def test_a_local_run_fills_its_run_directory_and_keeps_the_terminal_quiet(tmp_pa
     assert trace["otherData"] == {"steps_kept": [0, 1, 2], "steps_run": 3}
 
 
+def test_a_flag_wins_over_the_spec_which_wins_over_the_environment(tmp_path: Path) -> None:
+    spec = tmp_path / "tiny.json"
+    spec_dir, flag_dir = tmp_path / "spec-run", tmp_path / "flag-run"
+    spec.write_text(json.dumps({**PIPELINE, "steps": 1,
+                                "logging": {"run_dir": str(spec_dir), "format": "human", "level": "ERROR"}}))
+    proc = cellmesh("run", spec, "--workers", "2", "--run-dir", flag_dir, "--log-level", "INFO",
+                    env={LOG_FORMAT_ENV: "json", LOG_LEVEL_ENV: "WARNING"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not spec_dir.exists() and (flag_dir / "model.pt").is_file()  # --run-dir over the spec's
+    for log in (flag_dir / "coordinator.log", *(flag_dir / "workers" / f"{name}.log" for name in WORKERS)):
+        lines = log.read_text().splitlines()
+        assert lines and not [line for line in lines if line.startswith("{")], lines  # the spec's human
+        assert [line for line in lines if " INFO " in line], lines  # --log-level INFO, in the workers too
+    assert " INFO " in proc.stderr  # the terminal shows the level a flag chose
+
+
 @pytest.fixture
 def json_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """This process logs JSON at DEBUG (so the workers it starts do), as ``--log-format json`` would."""
@@ -108,8 +125,9 @@ def test_metrics_tensorboard_trace_and_logs_match_what_the_run_reported(tmp_path
     spec = tmp_path / "tiny.json"
     spec.write_text(json.dumps({**PIPELINE, "steps": 4}))
     run_dir, tensorboard = tmp_path / "run", tmp_path / "tb"
-    options = RunOptions(job=str(spec), settings={"runtime.workers": 2},
-                         outputs=OutputOptions(run_dir=run_dir, metrics_port=0, tensorboard=tensorboard))
+    options = RunOptions(job=str(spec), settings={"runtime.workers": 2, "logging.run_dir": str(run_dir),
+                                                  "logging.metrics_port": 0,
+                                                  "logging.tensorboard_dir": str(tensorboard)})
     out = io.StringIO()
     served: list[tuple[int, float, float]] = []
 

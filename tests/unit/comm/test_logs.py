@@ -14,6 +14,7 @@ import pytest
 from comm.logs import (
     LOG_FORMAT_ENV,
     LOG_LEVEL_ENV,
+    child_env,
     configure_logging,
     current_format,
     file_level,
@@ -44,6 +45,30 @@ def test_levels_come_from_the_one_variable(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(LOG_LEVEL_ENV, "LOUD")
     with pytest.raises(ValueError, match=f"{LOG_LEVEL_ENV}='LOUD' is not a log level"):
         file_level()
+
+
+def test_a_level_and_format_told_win_over_the_variables_which_win_over_the_defaults(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOG_LEVEL_ENV, "error")
+    monkeypatch.setenv(LOG_FORMAT_ENV, "json")
+    configure_logging(stream=io.StringIO())  # nothing told: the variables
+    assert (file_level(), terminal_level(), current_format()) == (logging.ERROR, logging.ERROR, "json")
+    assert child_env() == {LOG_FORMAT_ENV: "json", LOG_LEVEL_ENV: "ERROR"}
+    terminal = io.StringIO()
+    configure_logging(fmt="human", level="debug", terminal=True, stream=terminal)  # told: over the variables
+    assert (file_level(), terminal_level(), current_format()) == (logging.DEBUG, logging.DEBUG, "human")
+    assert child_env() == {LOG_FORMAT_ENV: "human", LOG_LEVEL_ENV: "DEBUG"}  # what started workers get
+    logging.getLogger("cellmesh.test").debug("shown")
+    assert terminal.getvalue().endswith("cellmesh.test: shown\n")
+    monkeypatch.setenv(LOG_LEVEL_ENV, "LOUD")  # a variable that is not read is not checked
+    assert file_level() == logging.DEBUG
+    monkeypatch.delenv(LOG_LEVEL_ENV)
+    monkeypatch.delenv(LOG_FORMAT_ENV)
+    configure_logging(stream=io.StringIO())  # neither: the defaults
+    assert (file_level(), terminal_level(), current_format()) == (logging.INFO, logging.WARNING, "human")
+    assert child_env() == {LOG_FORMAT_ENV: "human"}
+    with pytest.raises(ValueError, match="level='LOUD' is not a log level"):
+        configure_logging(level="LOUD", stream=io.StringIO())
 
 
 def test_json_lines_carry_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,7 +107,7 @@ def test_human_lines_name_the_known_context_and_the_file_gets_info(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
     terminal = io.StringIO()
-    configure_logging(fmt="human", level=terminal_level(), stream=terminal)
+    configure_logging(fmt="human", terminal=True, stream=terminal)
     log = logging.getLogger("cellmesh.test")
     path = tmp_path / "coordinator.log"
     with log_to_file(path), log_context(step=3):

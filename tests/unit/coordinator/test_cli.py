@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from coordinator.commands import cli
-from coordinator.planning.config import settable_fields
+from coordinator.commands.jobspec import load_job
+from coordinator.planning.config import LoggingConfig, settable_fields
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -63,6 +68,79 @@ def test_flags_aliases_and_set_become_settings() -> None:
                        "--plan.balance", "[1, 4]") == {"model.kwargs.width": 64, "plan.balance": [2, 3]}
     assert settings_of("--model.kwargs", "{width: 64}", "--plan.num-stages", "null") == {
         "model.kwargs": {"width": 64}, "plan.num_stages": None}
+
+
+def test_the_output_flags_are_aliases_of_the_logging_section() -> None:
+    assert settings_of("--run-dir", "r", "--log-format", "json", "--log-level", "debug",
+                       "--metrics-port", "0", "--tensorboard", "tb") == {
+        "logging.run_dir": "r", "logging.format": "json", "logging.level": "debug",
+        "logging.metrics_port": 0, "logging.tensorboard_dir": "tb"}
+    assert settings_of("--logging.run-dir", "a", "--run-dir", "b") == {"logging.run_dir": "b"}  # one setting
+    coordinator = cli._parser().parse_args(["coordinator", "job.yaml", "--registry", "etcd://e:2379",
+                                            "--metrics-port", "9090"])
+    assert cli._settings(coordinator) == {"logging.metrics_port": 9090}  # the coordinator's is the same one
+
+
+def help_entries(text: str) -> list[list[str]]:
+    """The flags of each option a help text lists: one entry per option, its flag then its aliases."""
+    entries = []
+    for line in text.splitlines():
+        match = re.match(r"^  (-\S.*?)(?:\s{2,}|$)", line)
+        if match:
+            entries.append([part.split()[0] for part in match.group(1).split(", ")])
+    return entries
+
+
+@pytest.mark.parametrize("command", [["run"], ["demo"], ["coordinator"]])
+def test_help_lists_each_setting_once(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([*command, "--help"])
+    assert info.value.code == 0
+    entries = help_entries(capsys.readouterr().out)
+    counts = Counter(flag for entry in entries for flag in entry)
+    assert [flag for flag, n in counts.items() if n > 1] == []  # no flag declared twice
+    by_flag = {entry[0]: entry for entry in entries}
+    aliases: dict[str, list[str]] = {}
+    for short, key in cli.ALIASES.items():
+        aliases.setdefault(key, []).append(f"--{short}")
+    for key, _ in settable_fields():  # each setting: one option, its generated flag and its aliases
+        section, _, field = key.rpartition(".")
+        flag = f"--{section + '.' if section else ''}{field.replace('_', '-')}"
+        assert by_flag[flag] == [flag, *aliases.get(key, [])], by_flag.get(flag)
+    assert by_flag["--logging.metrics-port"] == ["--logging.metrics-port", "--metrics-port"]
+    assert by_flag["--logging.run-dir"] == ["--logging.run-dir", "--run-dir"]
+    assert by_flag["--logging.format"] == ["--logging.format", "--log-format"]
+    assert by_flag["--logging.tensorboard-dir"] == ["--logging.tensorboard-dir", "--tensorboard"]
+
+
+M = "tests.multiproc.coordinator.models"
+SPEC = {"version": 2, "model": {"factory": f"{M}:mlp"}, "data": {"factory": f"{M}:regression"},
+        "loss": {"factory": f"{M}:mse"}}
+
+
+def test_the_spec_sets_the_output_and_a_flag_overrides_it(tmp_path: Path) -> None:
+    spec = tmp_path / "tiny.json"
+    spec.write_text(json.dumps({**SPEC, "logging": {"run_dir": "from-spec", "format": "json",
+                                                    "level": "error"}}))
+    assert load_job(spec, settings_of()).job.config.logging == LoggingConfig(
+        run_dir="from-spec", format="json", level="ERROR")
+    flagged = settings_of("--run-dir", "from-flag", "--log-format", "human",
+                          "--set", "logging.metrics_port=0")
+    assert load_job(spec, flagged).job.config.logging == LoggingConfig(
+        run_dir="from-flag", format="human", level="ERROR", metrics_port=0)
+
+
+def test_a_job_module_sets_the_output_by_flat_keywords(tmp_path: Path) -> None:
+    module = tmp_path / "flatlogjob.py"
+    module.write_text(textwrap.dedent(f"""
+        from coordinator.runtime.job import Job
+
+        def job():
+            return Job(model="{M}:mlp", data="{M}:regression", loss="{M}:mse", logging_format="json",
+                       logging_run_dir="runs/flat", logging_metrics_port=0)
+    """))
+    assert load_job(module, settings_of("--log-level", "DEBUG")).job.config.logging == LoggingConfig(
+        format="json", run_dir="runs/flat", metrics_port=0, level="DEBUG")
 
 
 def test_every_alias_names_a_config_field() -> None:

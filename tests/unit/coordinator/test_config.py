@@ -44,7 +44,9 @@ def test_defaults_and_sections() -> None:
     assert config.plan.cutter == "minmax"
     assert config.runtime.workers == 2 and config.runtime.comm_backend == "zmq"
     assert config.runtime.step_timeout_s == 300.0 and config.runtime.code_dir is None
-    assert config.checkpoint.directory is None and config.logging.level == "WARNING"
+    assert config.checkpoint.directory is None
+    assert config.logging.model_dump() == {  # unset: the environment, then the defaults
+        "level": None, "format": None, "run_dir": None, "metrics_port": None, "tensorboard_dir": None}
     with pytest.raises(ValueError, match="frozen"):
         config.steps = 3  # type: ignore[misc]
 
@@ -68,7 +70,9 @@ def test_defaults_and_sections() -> None:
     (with_(data={"factory": "a:b", "num_samples": 8, "global_batch": 16}),
      ["data.num_samples=8 is below data.global_batch=16"]),
     (with_(runtime={"comm_backend": "mpi"}), ["field 'runtime.comm_backend'", "(got 'mpi')"]),
-    (with_(logging={"metrics_port": 70000}), ["field 'logging.metrics_port'"]),
+    (with_(logging={"metrics_port": 70000}), ["field 'logging.metrics_port'", "(got 70000)"]),
+    (with_(logging={"format": "xml"}), ["field 'logging.format'", "'human' or 'json' (got 'xml')"]),
+    (with_(logging={"level": "loud"}), ["field 'logging.level'", "(got 'LOUD')"]),
     ({**BASE, "version": 1}, ["field 'version': Input should be 2 (got 1)"]),
     (with_(model="pkg.m:mlp"), ["field 'model': a section, give its fields as a mapping", "got 'pkg.m:mlp'"]),
 ])
@@ -89,9 +93,10 @@ def test_every_problem_is_reported_at_once() -> None:
 
 
 def test_logging_level_is_case_blind_and_checkpoint_fields_validate() -> None:
-    config = parse_config(with_(logging={"level": "info"},
+    config = parse_config(with_(logging={"level": "info", "metrics_port": 0},
                                 checkpoint={"directory": "ck", "every_seconds": 60}))
     assert config.logging.level == "INFO" and config.checkpoint.every_seconds == 60
+    assert config.logging.metrics_port == 0  # any free port
 
 
 def test_settings_set_dotted_keys_and_are_validated_with_the_config() -> None:
@@ -155,6 +160,18 @@ def test_flat_keywords_are_generated_one_per_field() -> None:
         "runtime": {"workers": 3}})
     with pytest.raises(ConfigError, match=r"unknown job field\(s\) \['num_stagez'\]"):
         from_flat({"model": "a:b", "data": "a:c", "loss": "a:d", "num_stagez": 2})
+
+
+def test_checkpoint_and_logging_fields_flatten_with_their_section_name() -> None:
+    prefixed = {key: name for name, key in FLAT_KEYS.items() if key.startswith(("checkpoint.", "logging."))}
+    assert prefixed == {f"{s}.{f}": f"{s}_{f}" for s, f in (k.split(".") for k in prefixed)}
+    assert set(prefixed) == {k for k, _ in settable_fields() if k.startswith(("checkpoint.", "logging."))}
+    assert not {"level", "format", "directory", "keep", "run_dir", "metrics_port"} & set(FLAT_KEYS)
+    config = from_flat({"model": "pkg.m:mlp", "data": "pkg.m:data", "loss": "torch.nn:MSELoss",
+                        "logging_format": "json", "logging_run_dir": "runs/x", "checkpoint_directory": "ck",
+                        "checkpoint_keep": 3})
+    assert config == parse_config(with_(logging={"format": "json", "run_dir": "runs/x"},
+                                        checkpoint={"directory": "ck", "keep": 3}))
 
 
 def test_factory_kwargs_are_what_the_protocol_carries() -> None:

@@ -6,20 +6,33 @@ files of a real local run are tests/multiproc/coordinator/test_run_outputs.py's.
 
 from __future__ import annotations
 
-import argparse
+import io
 import json
+import logging
 import sys
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from coordinator.commands.output import OutputOptions, add_output_arguments, output_options
+from comm.logs import (
+    LOG_FORMAT_ENV,
+    LOG_LEVEL_ENV,
+    child_env,
+    configure_logging,
+    current_format,
+    file_level,
+    terminal_level,
+)
+from coordinator.commands.output import apply_logging, open_recorder
 from coordinator.commands.recorder import open_tensorboard
 from coordinator.commands.rundir import RunDir, RunRecord
+from coordinator.planning.config import LoggingConfig
 from coordinator.runtime.driver import ActionEvent, StepRecord
 from coordinator.runtime.trace import TraceRecorder, chrome_trace
+from tests.harness.http import http_get
 
 NOW = datetime(2026, 3, 1, 12, 30, 5)
 
@@ -52,20 +65,49 @@ def test_the_record_round_trips(tmp_path: Path) -> None:
     assert not list(run.path.glob(".*.tmp"))
 
 
-def test_the_options_parse_and_the_coordinator_keeps_its_own_metrics_port() -> None:
-    parser = argparse.ArgumentParser()
-    add_output_arguments(parser)
-    args = parser.parse_args(["--run-dir", "r", "--log-format", "json", "--metrics-port", "0",
-                              "--tensorboard", "tb"])
-    assert output_options(args) == OutputOptions(run_dir=Path("r"), log_format="json", metrics_port=0,
-                                                 tensorboard=Path("tb"))
-    coordinator = argparse.ArgumentParser()
-    coordinator.add_argument("--metrics-port", type=int)
-    add_output_arguments(coordinator, metrics_port=False)
-    args = coordinator.parse_args(["--metrics-port", "9090"])
-    assert output_options(args) == OutputOptions()
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--metrics-port", "70000"])
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """The tests configure this process's logging; put back what pytest had."""
+    root = logging.getLogger()
+    handlers, level, fmt = list(root.handlers), root.level, current_format()
+    yield
+    configure_logging(fmt=fmt, stream=io.StringIO())
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_logging_section_wins_over_the_environment_which_wins_over_the_defaults(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOG_LEVEL_ENV, "ERROR")
+    monkeypatch.setenv(LOG_FORMAT_ENV, "json")
+    apply_logging(LoggingConfig())  # the section leaves both to the environment
+    assert (current_format(), file_level(), terminal_level()) == ("json", logging.ERROR, logging.ERROR)
+    apply_logging(LoggingConfig(format="human", level="DEBUG"))  # a spec's or a flag's
+    assert (current_format(), file_level(), terminal_level()) == ("human", logging.DEBUG, logging.DEBUG)
+    assert child_env() == {LOG_FORMAT_ENV: "human", LOG_LEVEL_ENV: "DEBUG"}  # the workers log so too
+    monkeypatch.delenv(LOG_LEVEL_ENV)
+    monkeypatch.delenv(LOG_FORMAT_ENV)
+    apply_logging(LoggingConfig())
+    assert (current_format(), file_level(), terminal_level()) == ("human", logging.INFO, logging.WARNING)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_recorder_uses_the_run_directory_and_metrics_port_of_the_settings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a relative run directory is relative to where cellmesh runs, as out/ is
+    recorder = open_recorder("tiny", 3, LoggingConfig(run_dir="runs/mine", metrics_port=0))
+    assert recorder.run_dir.path == Path("runs/mine") and (tmp_path / "runs" / "mine" / "workers").is_dir()
+    with recorder:
+        assert recorder.metrics_url is not None and recorder.metrics_url.startswith("http://127.0.0.1:")
+        status, body = http_get(recorder.metrics_url + "/metrics")
+        assert status == 200 and "cellmesh_steps 3.0" in body
+    assert RunRecord.model_validate_json(recorder.run_dir.record.read_text()).phase == "failed"  # not done
+    served_elsewhere = open_recorder("tiny", 3, LoggingConfig(metrics_port=0), serve_metrics=False)
+    assert served_elsewhere.run_dir.path.parent == Path("out")
+    assert served_elsewhere.run_dir.path.name.startswith("tiny-")
+    with served_elsewhere:
+        assert served_elsewhere.metrics_url is None
 
 
 def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
