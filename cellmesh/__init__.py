@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from coordinator.runtime.job import FitResult, Job
     from services.compute.actions import ScheduleError
     from services.compute.cell import Cell, as_cells
+    from services.compute.cells import MLP, LMHead, TokenEmbedding, TransformerBlock
 
 # name -> the module that defines it; imported on first access (PEP 562).
 _EXPORTS: dict[str, str] = {
@@ -43,6 +44,11 @@ _EXPORTS: dict[str, str] = {
     "Plan": "coordinator.planning.plan",
     "Cell": "services.compute.cell",
     "as_cells": "services.compute.cell",
+    # ready-made cells
+    "TokenEmbedding": "services.compute.cells",
+    "TransformerBlock": "services.compute.cells",
+    "LMHead": "services.compute.cells",
+    "MLP": "services.compute.cells",
     # errors
     "JobFailed": "coordinator.runtime.driver",
     "ConfigError": "coordinator.planning.config",
@@ -61,6 +67,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
+    "MLP",
     "Cell",
     "CommError",
     "CommTimeoutError",
@@ -70,6 +77,7 @@ __all__ = [
     "Job",
     "JobConfig",
     "JobFailed",
+    "LMHead",
     "Link",
     "PeerLostError",
     "Plan",
@@ -77,6 +85,8 @@ __all__ = [
     "RegistryError",
     "Resources",
     "ScheduleError",
+    "TokenEmbedding",
+    "TransformerBlock",
     "Worker",
     "__version__",
     "as_cells",

@@ -1,4 +1,4 @@
-"""A character-level transformer language model, as four cells: embedding, two blocks, head.
+"""A character-level transformer language model, as four ready-made cells: embedding, two blocks, head.
 
 Run it with ``cellmesh run examples/charlm.py --workers 2`` (``make demo`` does). It
 trains on ``charlm.txt`` beside this file, about 15 kB of plain English the repository
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cellmesh import Cell, Job
+from cellmesh import Cell, Job, LMHead, TokenEmbedding, TransformerBlock
 
 CORPUS = Path(__file__).with_name("charlm.txt")
 SEQ = 64
@@ -49,60 +49,12 @@ def decode(ids: torch.Tensor) -> str:
     return "".join(chars[int(i)] for i in ids)
 
 
-class Embed(nn.Module):
-    """Token ids ``(batch, seq)`` -> token plus position embeddings ``(batch, seq, width)``."""
-
-    def __init__(self, vocab: int, width: int, seq: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Parameter(torch.randn(seq, width) * 0.02)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        tokens: torch.Tensor = self.tok(ids)
-        return tokens + self.pos[: ids.shape[1]]
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block with causal self-attention (a position sees only its past)."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, w = x.shape
-        # (b, t, 3w) -> 3 x (b, heads, t, w / heads)
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, w))
-        out: torch.Tensor = x + self.mlp(self.norm2(x))
-        return out
-
-
-class Head(nn.Module):
-    """``(batch, seq, width)`` -> next-character logits ``(batch, seq, vocab)``."""
-
-    def __init__(self, width: int, vocab: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.out = nn.Linear(width, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.out(self.norm(x))
-        return logits
-
-
 def model(width: int = 128, heads: int = 4, blocks: int = 2, seq: int = SEQ) -> list[Cell]:
     """The model factory: embedding, ``blocks`` transformer blocks, head, each a cell."""
     vocab = len(vocabulary())
-    return [Cell("embed", Embed(vocab, width, seq)),
-            *(Cell(f"block{i}", Block(width, heads)) for i in range(blocks)),
-            Cell("head", Head(width, vocab))]
+    return [TokenEmbedding("embed", vocab, width, seq),
+            *(TransformerBlock(f"block{i}", width, heads) for i in range(blocks)),
+            LMHead("head", width, vocab)]
 
 
 def data(seq: int = SEQ, stride: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
