@@ -83,8 +83,12 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 
 MessageKey = tuple[str, int, int, int, int]  # (group, kind, seq, tag, part)
 
-WireReason = Literal["frames", "encoding", "version", "dtype", "shape", "size", "range", "length"]
-"""Which rule of the wire format a message broke (a fixed set: receivers count faults by it)."""
+WireReason = Literal["frames", "encoding", "version", "dtype", "shape", "size", "range", "length", "source",
+                     "slot"]
+"""Which rule of the wire format a message broke (a fixed set: receivers count faults by it).
+
+``source`` and ``slot`` are the receiver's own checks: the header names another sender
+than the channel's, or a shared-memory slot that is not there or not full."""
 
 
 class WireError(ProtocolError):
