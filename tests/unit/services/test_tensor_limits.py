@@ -99,3 +99,10 @@ def test_nbytes_is_the_tensors_size() -> None:
         assert TensorSpec(name="t", dtype=dtype, shape=[3, 5], frames=1).nbytes == 15 * size
     assert tensor_nbytes("float64", []) == 8  # a scalar
     assert tensor_nbytes("float64", [0, 7]) == 0
+
+
+def test_a_boundary_tensor_checks_its_dtype_before_its_gradient_rule() -> None:
+    """The shared check runs first: an unknown dtype is a validation error, not a KeyError in the next."""
+    with pytest.raises(ValidationError, match="unknown dtype 'quaternion'"):
+        BoundaryTensor.model_validate({"name": "h", "dtype": "quaternion", "shape": [4],
+                                       "requires_grad": True})
