@@ -50,6 +50,8 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from zmq.utils import z85
 
+from comm import refusals
+
 __all__ = [
     "KEYS_DIR_ENV",
     "KEYS_FILE",
@@ -337,6 +339,7 @@ class ZapHandler:
         return [_ZAP_VERSION, request_id, b"200", b"OK", role.encode(), b""]
 
     def _refuse(self, peer: str, reason: str) -> None:
+        refusals.REFUSALS.count("connection", reason)  # the process's count, for /metrics
         now = time.monotonic()
         with self._lock:
             self.rejections[(peer, reason)] += 1

@@ -17,16 +17,24 @@ the message's *key*: concurrent operations between the same pair never mix becau
 in-flight messages share a key.
 
 :func:`decode_header` checks everything before anything is acted on (and nothing is ever
-allocated from a header): known dtype, sane rank and element count, offset and length
-inside the tensor, and the body's real length. A bad message raises
-:class:`~comm.errors.ProtocolError`; receivers log it and drop it.
+allocated from a header): known dtype, sane rank and size, offset and length inside the
+tensor, and the body's real length. A bad message raises :class:`WireError`, whose
+``reason`` names the broken rule in one word; receivers count it by reason and drop it.
+
+The size limit. Every tensor a peer announces is checked by :func:`tensor_nbytes`: a data
+message's header here, an RPC tensor spec (``comm/rpc/envelope.py``), a parameter or
+boundary tensor of a control message (``services/protocol.py``). So the limit means one
+thing everywhere: at most :data:`MAX_NDIM` dims and :data:`MAX_TENSOR_BYTES` bytes, where a
+dim of 0 counts as 1 — an empty tensor may not carry a dim that no allocator could stride
+over (torch refuses ``[0, 2**33, 2**33]``: its strides overflow).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import numpy as np
@@ -44,9 +52,12 @@ __all__ = [
     "MAX_TENSOR_BYTES",
     "MessageKey",
     "TensorHeader",
+    "WireError",
+    "WireReason",
     "decode_header",
     "dtype_name",
     "tensor_bytes",
+    "tensor_nbytes",
 ]
 
 KIND_P2P = 0
@@ -54,6 +65,7 @@ KIND_COLLECTIVE = 1
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 36  # 64 GiB: larger is refused as corrupt, not allocated
 _MAX_GROUP_NAME = 256
+_MAX_HEADER = 4096  # bytes of a header frame
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -70,6 +82,49 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 MessageKey = tuple[str, int, int, int, int]  # (group, kind, seq, tag, part)
+
+WireReason = Literal["frames", "encoding", "version", "dtype", "shape", "size", "range", "length", "source",
+                     "slot"]
+"""Which rule of the wire format a message broke (a fixed set: receivers count faults by it).
+
+``source`` and ``slot`` are the receiver's own checks: the header names another sender
+than the channel's, or a shared-memory slot that is not there or not full."""
+
+
+class WireError(ProtocolError):
+    """A tensor header or spec that breaks the wire format.
+
+    Attributes:
+        reason: the rule it broke (:data:`WireReason`); the message says how, with the values.
+    """
+
+    def __init__(self, reason: WireReason, message: str) -> None:
+        super().__init__(message)
+        self.reason: WireReason = reason
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """The bytes of a ``dtype`` tensor of ``shape``, once the shape passed the one size limit.
+
+    The limit (see the module docstring): a known dtype, at most :data:`MAX_NDIM` dims, none
+    negative, and at most :data:`MAX_TENSOR_BYTES` bytes counting every 0 dim as 1.
+
+    Raises:
+        WireError: naming the dtype, the shape and the limit it breaks.
+    """
+    if dtype not in DTYPES:
+        raise WireError("dtype", f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    if len(shape) > MAX_NDIM:
+        raise WireError("shape", f"shape {list(shape)} has {len(shape)} dims, over the limit of {MAX_NDIM}")
+    if any(d < 0 for d in shape):
+        raise WireError("shape", f"shape {list(shape)} has a negative dim")
+    itemsize = DTYPES[dtype].itemsize
+    spanned = math.prod(max(d, 1) for d in shape) * itemsize
+    if spanned > MAX_TENSOR_BYTES:
+        zero = " (counting each 0 dim as 1)" if 0 in shape else ""
+        raise WireError("size", f"a {dtype} tensor of shape {list(shape)} spans {spanned} bytes{zero}, over "
+                                f"the {MAX_TENSOR_BYTES}-byte limit")
+    return math.prod(shape) * itemsize
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -129,11 +184,11 @@ class TensorHeader:
         return data
 
 
-def _int(value: Any, field: str, lo: int = 0, hi: int = 1 << 62) -> int:
+def _int(value: Any, field: str, lo: int = 0, hi: int = 1 << 62, reason: WireReason = "range") -> int:
     if type(value) is not int:
-        raise ProtocolError(f"tensor header: {field} must be an int, got {type(value).__name__}")
+        raise WireError("encoding", f"tensor header: {field} must be an int, got {type(value).__name__}")
     if not lo <= value <= hi:
-        raise ProtocolError(f"tensor header: {field}={value} is outside [{lo}, {hi}]")
+        raise WireError(reason, f"tensor header: {field}={value} is outside [{lo}, {hi}]")
     return value
 
 
@@ -141,47 +196,45 @@ def decode_header(frames_count: int, header: bytes, body_len: int) -> TensorHead
     """Validate and decode a data message's header (given the real body length).
 
     Raises:
-        ProtocolError: naming what is wrong; nothing has been allocated.
+        WireError: naming what is wrong (and, in ``reason``, which rule); nothing has been allocated.
     """
     if frames_count not in (1, 2):
-        raise ProtocolError(f"data message has {frames_count} frames, expected 2 (header, body) or 1 "
-                            "(a header whose body is in shared memory)")
-    if len(header) > 4096:
-        raise ProtocolError(f"tensor header of {len(header)} bytes is over the 4096-byte limit")
+        raise WireError("frames", f"data message has {frames_count} frames, expected 2 (header, body) or 1 "
+                                  "(a header whose body is in shared memory)")
+    if len(header) > _MAX_HEADER:
+        raise WireError("size", f"tensor header of {len(header)} bytes is over the {_MAX_HEADER}-byte limit")
     try:
         fields = msgpack.unpackb(header, raw=False, max_array_len=64, max_str_len=1024, max_bin_len=0)
     except Exception as exc:
-        raise ProtocolError(f"tensor header is not msgpack ({type(exc).__name__})") from None
+        raise WireError("encoding", f"tensor header is not msgpack ({type(exc).__name__})") from None
     if not isinstance(fields, list) or len(fields) != 12:
-        raise ProtocolError("tensor header must be a msgpack array of 12 fields")
+        raise WireError("encoding", "tensor header must be a msgpack array of 12 fields")
     version, group, src, kind, seq, tag, part, dtype, shape, offset, nbytes, slot = fields
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"tensor header: protocol version {version!r}, this process speaks {PROTOCOL_VERSION}"
-        )
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise WireError("version", f"tensor header: protocol version {version!r}, this process speaks "
+                                   f"{PROTOCOL_VERSION}")
     if not isinstance(group, str) or len(group) > _MAX_GROUP_NAME:
-        raise ProtocolError("tensor header: group must be a short string")
+        raise WireError("encoding", "tensor header: group must be a short string")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise ProtocolError(f"tensor header: unknown dtype {dtype!r}")
+        raise WireError("dtype", f"tensor header: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
-        raise ProtocolError(f"tensor header: shape must be a list of at most {MAX_NDIM} dims")
-    dims = tuple(_int(d, "shape dim", 0, MAX_TENSOR_BYTES) for d in shape)
-    total = math.prod(dims) * DTYPES[dtype].itemsize
-    if total > MAX_TENSOR_BYTES:
-        raise ProtocolError(
-            f"tensor header: shape {list(dims)} of {dtype} is {total} bytes, over the "
-            f"{MAX_TENSOR_BYTES}-byte limit"
-        )
-    n = _int(nbytes, "nbytes", 0, DATA_MAX_MESSAGE)
+        raise WireError("shape", f"tensor header: shape must be a list of at most {MAX_NDIM} dims")
+    dims = tuple(_int(d, "shape dim") for d in shape)
+    try:
+        total = tensor_nbytes(dtype, dims)
+    except WireError as exc:
+        raise WireError(exc.reason, f"tensor header: {exc}") from None
+    n = _int(nbytes, "nbytes", 0, DATA_MAX_MESSAGE, reason="size")
     off = _int(offset, "offset", 0, total)
     if off + n > total:
-        raise ProtocolError(f"tensor header: bytes [{off}, {off + n}) run past the tensor's {total} bytes")
+        raise WireError("range", f"tensor header: bytes [{off}, {off + n}) run past the tensor's {total} "
+                                 "bytes")
     in_shm = _int(slot, "slot", -1, 1 << 16) >= 0
     if in_shm != (frames_count == 1):
-        raise ProtocolError(f"tensor header: slot {slot} with {frames_count} frames (a body in shared memory "
-                            "comes without a body frame, any other with one)")
+        raise WireError("frames", f"tensor header: slot {slot} with {frames_count} frames (a body in shared "
+                                  "memory comes without a body frame, any other with one)")
     if not in_shm and body_len != n:
-        raise ProtocolError(f"tensor body is {body_len} bytes but its header says {n}")
+        raise WireError("length", f"tensor body is {body_len} bytes but its header says {n}")
     return TensorHeader(
         group=group,
         src=_int(src, "src", 0, 1 << 20),

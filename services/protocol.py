@@ -13,15 +13,14 @@ Bodies, by service: worker control (``Assignment``, ``WorkerStatus``...), push/p
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from comm.codec import Message
-from comm.rpc.envelope import Empty, Name
-from comm.wire import DTYPES, MAX_NDIM, MAX_TENSOR_BYTES
+from comm.rpc.envelope import Empty, Name, TensorMeta
+from comm.wire import DTYPES
 
 __all__ = [
     "Action",
@@ -115,24 +114,8 @@ class OptimizerSpec(Message):
     kwargs: dict[str, float | int | bool | list[float]] = Field(default_factory=dict)
 
 
-class ParamInfo(Message):
-    name: Name
-    dtype: str
-    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        if v not in DTYPES:
-            raise ValueError(f"unknown dtype {v!r}; known: {', '.join(DTYPES)}")
-        return v
-
-    @field_validator("shape")
-    @classmethod
-    def _sane_size(cls, v: list[int]) -> list[int]:
-        if math.prod(v) > MAX_TENSOR_BYTES:
-            raise ValueError(f"shape {v} has more than {MAX_TENSOR_BYTES} elements")
-        return v
+class ParamInfo(TensorMeta):
+    """A parameter of a shard: its name, dtype and shape (the size check is :class:`TensorMeta`'s)."""
 
 
 class ShardSetup(Message):
@@ -225,17 +208,16 @@ FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | l
 MAX_BOUNDARY_TENSORS = 256  # tensors per cut; also the stride of transfer tags (services/compute/boundary.py)
 
 
-class BoundaryTensor(Message):
+class BoundaryTensor(TensorMeta):
     """One tensor that crosses a cut per microbatch.
 
     ``shape`` is recorded at the owning :class:`BoundarySpec`'s ``batch_size`` samples;
     ``batch_dim`` (if set) is the dimension that scales with the microbatch's sample count.
-    Only floating-point tensors may carry gradients (``requires_grad``).
+    Only floating-point tensors may carry gradients (``requires_grad``). ``name`` names the
+    tensor in errors and logs (e.g. the coordinator's "mix.h"); dtype and size are checked
+    as every announced tensor's (:class:`TensorMeta`).
     """
 
-    name: Name  # names the tensor in errors and logs (e.g. the coordinator's "mix.h")
-    dtype: str
-    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
     requires_grad: bool
     batch_dim: int | None = Field(default=None, ge=0)
     key: str | None = None  # dict structure only: the tensor's key (default: ``name``)
@@ -244,21 +226,12 @@ class BoundaryTensor(Message):
     def dict_key(self) -> str:
         return self.name if self.key is None else self.key
 
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        if v not in DTYPES:
-            raise ValueError(f"unknown dtype {v!r}; known: {', '.join(DTYPES)}")
-        return v
-
     @model_validator(mode="after")
     def _consistent(self) -> BoundaryTensor:
         if self.batch_dim is not None and self.batch_dim >= len(self.shape):
             raise ValueError(f"tensor {self.name!r}: batch_dim {self.batch_dim} is not a dim of {self.shape}")
         if self.requires_grad and not DTYPES[self.dtype].is_floating_point:
             raise ValueError(f"tensor {self.name!r}: a {self.dtype} tensor cannot require grad")
-        if math.prod(self.shape) > MAX_TENSOR_BYTES:
-            raise ValueError(f"tensor {self.name!r}: shape {self.shape} is over the size limit")
         return self
 
 

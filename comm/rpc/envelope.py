@@ -8,44 +8,44 @@ inside a body: the envelope lists a :class:`TensorSpec` per tensor and the raw f
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
 from comm.codec import Message
-from comm.wire import DTYPES, MAX_NDIM, MAX_TENSOR_BYTES
+from comm.wire import MAX_NDIM, tensor_nbytes
 
-__all__ = ["Empty", "ErrorBody", "Name", "ReplyEnvelope", "RequestEnvelope", "TensorSpec"]
+__all__ = ["Empty", "ErrorBody", "Name", "ReplyEnvelope", "RequestEnvelope", "TensorMeta", "TensorSpec"]
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 
 
-class TensorSpec(Message):
-    """A tensor that follows the envelope as ``frames`` raw frames (split at 1 MiB)."""
+class TensorMeta(Message):
+    """A named tensor's dtype and shape, as a peer announces it: the base of every such message.
+
+    The one size check (:func:`comm.wire.tensor_nbytes`: a known dtype, at most ``MAX_NDIM``
+    dims, at most ``MAX_TENSOR_BYTES`` bytes) runs on every subclass: the RPC layer's
+    :class:`TensorSpec`, and the parameters and boundary tensors of ``services/protocol.py``.
+    """
 
     name: Name
     dtype: str
     shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
-    frames: int = Field(ge=1, le=1 << 20)
 
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        if v not in DTYPES:
-            raise ValueError(f"unknown dtype {v!r}; known: {', '.join(DTYPES)}")
-        return v
-
-    @field_validator("shape")
-    @classmethod
-    def _sane_size(cls, v: list[int]) -> list[int]:
-        if math.prod(v) > MAX_TENSOR_BYTES:
-            raise ValueError(f"shape {v} has more than {MAX_TENSOR_BYTES} elements")
-        return v
+    @model_validator(mode="after")
+    def _within_the_limit(self) -> TensorMeta:
+        tensor_nbytes(self.dtype, self.shape)  # a WireError is a ValueError: pydantic reports it
+        return self
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+class TensorSpec(TensorMeta):
+    """A tensor that follows the envelope as ``frames`` raw frames (split at ``CHUNK_BYTES``)."""
+
+    frames: int = Field(ge=1, le=1 << 20)
 
 
 class RequestEnvelope(Message):

@@ -40,6 +40,7 @@ from comm import auth
 from comm.codec import describe_validation_error, unpack_raw
 from comm.errors import ProtocolError
 from comm.logs import LogThrottle, log_context
+from comm.refusals import peer_address, refuse
 from comm.rpc.envelope import RequestEnvelope
 from comm.rpc.framing import NamedTensors, RpcError, decode_tensors, error_frames, reply_frames
 from comm.rpc.mailbox import Mailbox
@@ -100,10 +101,14 @@ class Peer:
         identity: the ROUTER identity of the sender's connection (one per client socket).
         user: who the connection authenticated as (the ZAP handler's ``User-Id``); None
             while the host's sockets do not authenticate.
+        address: the connection's peer address (an IP; "" when unknown). Unlike the
+            identity it stays the same when a client reconnects, so faults are warned
+            about per address.
     """
 
     identity: bytes
     user: str | None = None
+    address: str = ""
 
 
 Authorizer = Callable[[str, str, Peer], str | None]
@@ -350,7 +355,7 @@ class ServiceHost:
             self._stale = 0
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
-        peer = Peer(frames[0].bytes, self._role_of(frames))
+        peer = Peer(frames[0].bytes, self._role_of(frames), peer_address(frames[0]))
         request_id = 0
         try:
             if len(frames) < 2:
@@ -368,11 +373,13 @@ class ServiceHost:
                 entry = self._services.get(envelope.service)
             if entry is None:
                 hosted = self.names()
+                refuse("frame", "rpc/unknown_service", self.address)  # counted; the caller hears why
                 self._send(peer, error_frames(request_id, "unknown_service",
                                               f"no service {envelope.service!r} here; hosted: {hosted}"))
                 return
             service, methods = entry
             if envelope.method not in methods:
+                refuse("frame", "rpc/unknown_method", self.address)
                 self._send(peer, error_frames(request_id, "unknown_method",
                                               f"{envelope.service} has no method {envelope.method!r}; "
                                               f"it has {sorted(methods)}"))
@@ -390,8 +397,16 @@ class ServiceHost:
             tensors = decode_tensors(envelope.tensors, frames[2:])
         except ProtocolError as exc:
             self.bad_requests += 1
-            self._warn(peer, "bad request", "rejected a bad request on %s: %s", self.address, exc)
+            self._warn(peer, "bad_request", "rejected a bad request on %s from %s: %s", self.address,
+                       peer.address or repr(peer.identity), exc)
             self._send(peer, error_frames(request_id, "bad_request", str(exc)))
+            return
+        except Exception:  # a bug in reading one request: it must not end the host's thread
+            if refuse("frame", "rpc/internal", (self.address, peer.address or peer.identity)) is not None:
+                log.exception("reading a request on %s failed; answered internal (more from %s within a "
+                              "minute are counted only)", self.address, peer.address or "this peer")
+            self._send(peer, error_frames(request_id, "internal", "the server failed to read the request; "
+                                                                  "its log has the details"))
             return
         call = Call(self, peer, envelope, tensors)
         try:
@@ -430,14 +445,16 @@ class ServiceHost:
     def _forbid(self, envelope: RequestEnvelope, peer: Peer, reason: str) -> None:
         """Answer ``forbidden`` with the reason, count it, and warn (once per peer and reason a minute)."""
         self.refused += 1
-        self._warn(peer, f"forbidden {envelope.service}.{envelope.method}", "refused %s.%s from %s on %s: %s",
-                   envelope.service, envelope.method, peer.user or repr(peer.identity), self.address, reason)
+        self._warn(peer, "forbidden", "refused %s.%s from %s at %s on %s: %s", envelope.service,
+                   envelope.method, peer.user or "a peer without a role", peer.address or repr(peer.identity),
+                   self.address, reason)
         self._send(peer, error_frames(envelope.id, "forbidden",
                                       f"{envelope.service}.{envelope.method}: {reason}"))
 
     def _warn(self, peer: Peer, reason: str, msg: str, *args: object) -> None:
-        """Log a peer's fault once per peer and reason per window; count the rest."""
-        suppressed = self._throttle.admit((peer.identity, reason))
+        """Count a peer's fault in :data:`comm.refusals.REFUSALS`; warn once per peer address and reason a
+        minute (the identity is new on each reconnect, so it would not bound the warnings)."""
+        suppressed = refuse("frame", f"rpc/{reason}", (self.address, peer.address or peer.identity))
         if suppressed is not None:
             log.warning(msg + (f" ({suppressed} more like it since the last warning)" if suppressed else ""),
                         *args)
@@ -468,5 +485,8 @@ class ServiceHost:
     def _send(self, peer: Peer, frames: list[Any]) -> None:
         try:
             self._sock.send_multipart([peer.identity, *frames], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            log.warning("dropped a reply to %r on %s: its queue is full", peer.identity, self.address)
+        except zmq.Again:  # a peer that never reads its replies: warn once per address a minute
+            suppressed = self._throttle.admit((peer.address or peer.identity, "reply dropped"))
+            if suppressed is not None:
+                log.warning("dropped a reply to %s on %s: its queue is full (%d more since the last warning)",
+                            peer.address or repr(peer.identity), self.address, suppressed)

@@ -105,7 +105,7 @@ class ZmqCommunicator(Communicator):
 
     @property
     def bad_messages(self) -> int:
-        """How many malformed data messages this rank has dropped (each was logged)."""
+        """How many malformed data messages this rank has dropped (counted by reason in comm.refusals)."""
         return self._transport.bad_messages
 
     def _deadline(self, timeout: timedelta | None, op: str) -> Deadline:

@@ -46,9 +46,10 @@ import zmq
 
 from comm.base import timeout_error
 from comm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
+from comm.refusals import peer_address, refuse
 from comm.rendezvous import Rendezvous
 from comm.sockets import SocketLimits, bind_port, default_host, make_socket
-from comm.wire import MessageKey, TensorHeader, decode_header
+from comm.wire import MessageKey, TensorHeader, WireError, decode_header
 from comm.zmq import shm
 
 __all__ = ["Body", "Deadline", "Transport"]
@@ -279,17 +280,34 @@ class Transport:
             body_len = len(frames[1].buffer) if len(frames) == 2 else -1
             header = decode_header(len(frames), frames[0].bytes, body_len)
             if header.src != ch.peer:
-                raise ProtocolError(f"message claims src={header.src} on the channel from rank {ch.peer}")
+                raise WireError("source", f"message claims src={header.src} on the channel from rank "
+                                          f"{ch.peer}")
             if header.slot < 0:
                 return header, frames[1]
             if ch.inbox is None:
-                raise ProtocolError(f"a shared-memory body from rank {ch.peer}, which has no inbox here")
-            return header, ch.inbox.take(header.slot, header.nbytes)
-        except ProtocolError as exc:
-            self.bad_messages += 1
-            log.error("[rank %d] dropped a bad data message on the channel from rank %d: %s",
-                      self.rank, ch.peer, exc)
+                raise WireError("slot", f"a shared-memory body from rank {ch.peer}, which has no inbox here")
+            try:
+                return header, ch.inbox.take(header.slot, header.nbytes)
+            except ProtocolError as exc:
+                raise WireError("slot", str(exc)) from None
+        except WireError as exc:
+            self._dropped(ch, frames[0], exc)
             return None
+
+    def _dropped(self, ch: _Channel, first: zmq.Frame, exc: WireError) -> None:
+        """Count a bad data message (here and in :data:`comm.refusals.REFUSALS`); warn once a minute.
+
+        One warning per sender address and reason per minute: a peer that sends garbage at
+        will must not flood the log, and the counts show how much there was.
+        """
+        self.bad_messages += 1
+        sender = peer_address(first) or "?"
+        held_back = refuse("frame", f"data/{exc.reason}", (ch.peer, sender))
+        if held_back is not None:
+            more = (f"{held_back} more like it since the last warning" if held_back
+                    else "more like it are counted, and warned about once a minute")
+            log.warning("[rank %d] dropped a bad data message (%s) on the channel from rank %d, sent from "
+                        "%s: %s (%s)", self.rank, exc.reason, ch.peer, sender, exc, more)
 
     def release(self, peer: int, body: Body) -> None:
         """``body`` (from :meth:`recv`) has been read: a shared-memory slot goes back to ``peer``."""

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from comm.refusals import REFUSALS, Refusals
 from comm.sockets import default_host
 
-__all__ = ["Check", "HealthServer"]
+__all__ = ["Check", "HealthServer", "RefusalsCollector"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +111,29 @@ class HealthServer:
             self._thread.join(timeout.total_seconds())
             self._thread = None
         self._server.server_close()
+
+
+class RefusalsCollector(Collector):
+    """``/metrics`` of what the process refused from its peers (:mod:`comm.refusals`), read at scrape time.
+
+    * ``cellmesh_refused_frames_total{reason}``: messages dropped or answered with an error
+      before a handler saw them (``data/size``, ``data/version``..., ``rpc/bad_request``,
+      ``rpc/forbidden``, ``rpc/unknown_service``...);
+    * ``cellmesh_refused_connections_total{reason}``: handshakes the job's ZAP handler refused
+      (a key that is not the job's, a socket without CURVE...).
+
+    Register it on any process's registry (``registry.register(RefusalsCollector())``).
+    """
+
+    def __init__(self, refusals: Refusals = REFUSALS) -> None:
+        self.refusals = refusals
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        frames = CounterMetricFamily("cellmesh_refused_frames", "Messages from peers refused before any "
+                                     "handler saw them, by reason", labels=["reason"])
+        connections = CounterMetricFamily("cellmesh_refused_connections", "Connections the job's "
+                                          "authentication refused, by reason", labels=["reason"])
+        for (kind, reason), count in sorted(self.refusals.counts().items()):
+            (frames if kind == "frame" else connections).add_metric([reason], count)
+        yield frames
+        yield connections

@@ -41,7 +41,7 @@ from comm.logs import configure_logging, set_process_context
 from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
 from comm.rpc import Call, RpcError, ServiceBase, ServiceHost
-from services.host.health import HealthServer
+from services.host.health import HealthServer, RefusalsCollector
 from services.host.launch import LaunchEnv, LaunchEnvError, read_launch_env
 from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus
 
@@ -173,12 +173,14 @@ class Worker:
         self.published.set()
 
     def metrics(self) -> CollectorRegistry:
-        """``/metrics`` of the worker: the services it hosts, and 1 while it is ready."""
+        """``/metrics`` of the worker: the services it hosts, 1 while it is ready, and what it refused
+        from peers by reason (:class:`~services.host.health.RefusalsCollector`)."""
         registry = CollectorRegistry()
         Gauge("cellmesh_worker_services", "Services this worker hosts", registry=registry).set_function(
             lambda: len(self.host.names()) - 1)
         Gauge("cellmesh_worker_ready", "1 while the worker is registered and not draining",
               registry=registry).set_function(lambda: float(self.readiness()[0]))
+        registry.register(RefusalsCollector())
         return registry
 
     def liveness(self) -> tuple[bool, str]:

@@ -34,8 +34,10 @@ import msgpack
 import pytest
 import zmq
 
+from comm import refusals
 from comm.codec import unpack_raw
 from comm.errors import ProtocolError, RegistryError, RegistryTimeoutError
+from comm.refusals import Refusals
 from comm.registry import (
     EventType,
     KeepAlive,
@@ -555,9 +557,11 @@ MALFORMED: dict[str, tuple[list[bytes], str, int]] = {
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_server_answers_malformed_requests_and_keeps_serving(
-    served: RegistryServer, case: str, caplog: pytest.LogCaptureFixture
+    served: RegistryServer, case: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     frames, expected, expected_id = MALFORMED[case]
+    counted = Refusals()
+    monkeypatch.setattr(refusals, "REFUSALS", counted)  # this case's counts and warnings alone
     sock = make_socket(zmq.DEALER)
     sock.connect(served.address)
     try:
@@ -567,8 +571,10 @@ def test_server_answers_malformed_requests_and_keeps_serving(
         assert not reply.ok and reply.error is not None, reply
         assert (reply.error.code, reply.id) == ("bad_request", expected_id)
         assert expected in reply.error.message, reply.error.message
-        # a peer's garbage is a warning (once per peer and reason a minute), not an error of the server's
-        assert any(r.name == "comm.rpc.host" and r.levelname == "WARNING" for r in caplog.records)
+        # counted, and warned about once (a peer repeating it is counted, warned about once a minute)
+        assert counted.counts() == {("frame", "rpc/bad_request"): 1}
+        warned = [r for r in caplog.records if r.name == "comm.rpc.host" and r.levelname == "WARNING"]
+        assert len(warned) == 1 and expected in warned[0].getMessage(), [r.getMessage() for r in warned]
         sock.send(_request(100, "get", {"key": "/nothing"}))
         assert _reply(sock, "a valid get after it") == ReplyEnvelope(id=100, ok=True, body={"kv": None})
     finally:

@@ -1,4 +1,4 @@
-"""Garbage on a rank's data sockets is logged, counted and dropped; the rank keeps serving.
+"""Garbage on a rank's data sockets is dropped, counted by reason, warned about once; the rank keeps serving.
 
 The ranks run as threads of this process (each with its own sockets), and the garbage comes
 from a raw ZeroMQ socket connected to rank 1's data socket for rank 0, exactly where a
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -17,7 +18,9 @@ import pytest
 import torch
 import zmq
 
+from comm import refusals
 from comm.codec import PROTOCOL_VERSION
+from comm.refusals import Refusals
 from comm.registry.memory import MemoryRegistry
 from comm.zmq.communicator import ZmqCommunicator
 
@@ -75,24 +78,28 @@ def _good(**kw: object) -> list[object]:
     return list(fields.values())
 
 
-GARBAGE: dict[str, list[bytes]] = {
-    "truncated (header only)": [_pack(*_good())],
-    "three frames": [_pack(*_good()), b"\0" * 16, b"extra"],
-    "header not msgpack": [b"\xc1\xc1\xc1 not msgpack", b"\0" * 16],
-    "wrong protocol version": [_pack(*_good(v=PROTOCOL_VERSION + 41)), b"\0" * 16],
-    "unknown dtype": [_pack(*_good(dtype="quaternion")), b"\0" * 16],
-    "negative shape": [_pack(*_good(shape=[-4])), b"\0" * 16],
-    "enormous shape (2^40 elements)": [_pack(*_good(shape=[1 << 40])), b"\0" * 16],
-    "enormous shape (2^20 x 2^20)": [_pack(*_good(shape=[1 << 20, 1 << 20])), b"\0" * 16],
-    "body shorter than header": [_pack(*_good()), b"\0" * 15],
-    "body longer than header": [_pack(*_good()), b"\0" * 17],
-    "bytes past the tensor": [_pack(*_good(offset=8)), b"\0" * 16],
-    "claims another source": [_pack(*_good(src=1)), b"\0" * 16],
+# name: (frames, the reason it is counted under, what its warning says)
+GARBAGE: dict[str, tuple[list[bytes], str, str]] = {
+    "truncated (header only)": ([_pack(*_good())], "frames", "frames"),
+    "three frames": ([_pack(*_good()), b"\0" * 16, b"extra"], "frames", "frames"),
+    "header not msgpack": ([b"\xc1\xc1\xc1 not msgpack", b"\0" * 16], "encoding", "not msgpack"),
+    "wrong protocol version": ([_pack(*_good(v=PROTOCOL_VERSION + 41)), b"\0" * 16], "version",
+                               "protocol version"),
+    "unknown dtype": ([_pack(*_good(dtype="quaternion")), b"\0" * 16], "dtype", "unknown dtype"),
+    "negative shape": ([_pack(*_good(shape=[-4])), b"\0" * 16], "range", "outside"),
+    "enormous shape (2^40 elements)": ([_pack(*_good(shape=[1 << 40])), b"\0" * 16], "size", "over the"),
+    "enormous shape (2^20 x 2^20)": ([_pack(*_good(shape=[1 << 20, 1 << 20])), b"\0" * 16], "size",
+                                     "over the"),
+    "body shorter than header": ([_pack(*_good()), b"\0" * 15], "length", "header says"),
+    "body longer than header": ([_pack(*_good()), b"\0" * 17], "length", "header says"),
+    "bytes past the tensor": ([_pack(*_good(offset=8)), b"\0" * 16], "range", "run past"),
+    "claims another source": ([_pack(*_good(src=1)), b"\0" * 16], "source", "claims src"),
     # a header naming a shared-memory slot (same-host peers, comm/zmq/shm.py)
-    "slot that does not exist": [_pack(*_good(slot=99))],
-    "slot not marked full": [_pack(*_good(slot=0))],
-    "body larger than a slot": [_pack(*_good(shape=[2 << 20], nbytes=(4 << 20) + 4, slot=1))],
-    "slot with a body frame": [_pack(*_good(slot=2)), b"\0" * 16],
+    "slot that does not exist": ([_pack(*_good(slot=99))], "slot", "does not exist"),
+    "slot not marked full": ([_pack(*_good(slot=0))], "slot", "not marked full"),
+    "body larger than a slot": ([_pack(*_good(shape=[2 << 20], nbytes=(4 << 20) + 4, slot=1))], "slot",
+                                "-byte slot"),
+    "slot with a body frame": ([_pack(*_good(slot=2)), b"\0" * 16], "frames", "frames"),
 }
 
 
@@ -105,53 +112,78 @@ def _data_address(comm: ZmqCommunicator, peer: int) -> str:
     return endpoint.decode()
 
 
+def _all_reduce_and_p2p(c0: ZmqCommunicator, c1: ZmqCommunicator) -> None:
+    """A valid all_reduce and a point-to-point transfer between the two ranks, checked."""
+    results: dict[int, torch.Tensor] = {}
+
+    def rank(c: ZmqCommunicator) -> Callable[[], None]:
+        def run() -> None:
+            x = torch.arange(1000, dtype=torch.float64) * (c.rank + 1)
+            c.all_reduce(x)
+            results[c.rank] = x
+            if c.rank == 0:
+                c.send(torch.full((4,), 7.0), dst=1)
+            else:
+                got = torch.zeros(4)
+                c.recv(got, src=0)
+                assert torch.equal(got, torch.full((4,), 7.0))
+        return run
+
+    _run_ranks([rank(c0), rank(c1)])
+    expected = torch.arange(1000, dtype=torch.float64) * 3
+    assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
+
+
+def _serve_until_read(c0: ZmqCommunicator, c1: ZmqCommunicator, bad: int) -> None:
+    """Run valid operations until rank 1 has read ``bad`` bad messages.
+
+    The PULL socket fair-queues the attacker and the real peer, so a valid operation may
+    finish before every bad message was read: keep serving valid ones until all were met.
+    """
+    _all_reduce_and_p2p(c0, c1)
+    for _ in range(200):
+        if c1.bad_messages >= bad:
+            return
+        _all_reduce_and_p2p(c0, c1)
+
+
 def test_garbage_is_dropped_and_the_rank_keeps_serving(
-    pair: list[ZmqCommunicator], caplog: pytest.LogCaptureFixture
+    pair: list[ZmqCommunicator], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     c0, c1 = pair
+    counted = Refusals()
+    monkeypatch.setattr(refusals, "REFUSALS", counted)  # this test's counts and warnings alone
     ctx = zmq.Context.instance()
     attacker = ctx.socket(zmq.PUSH)
     attacker.setsockopt(zmq.LINGER, 0)
     attacker.connect(_data_address(c1, 0))
+    expected = Counter(f"data/{reason}" for _, reason, _ in GARBAGE.values())
     try:
-        for frames in GARBAGE.values():
-            attacker.send_multipart(frames)
-        # a valid operation after the garbage: rank 1 reads the channel from rank 0, meets every bad
-        # message first, drops each, and still completes the all_reduce and a point-to-point receive
-        with caplog.at_level(logging.ERROR, logger="comm.zmq.transport"):
-            results: dict[int, torch.Tensor] = {}
-
-            def rank(c: ZmqCommunicator) -> Callable[[], None]:
-                def run() -> None:
-                    x = torch.arange(1000, dtype=torch.float64) * (c.rank + 1)
-                    c.all_reduce(x)
-                    results[c.rank] = x
-                    if c.rank == 0:
-                        c.send(torch.full((4,), 7.0), dst=1)
-                    else:
-                        got = torch.zeros(4)
-                        c.recv(got, src=0)
-                        assert torch.equal(got, torch.full((4,), 7.0))
-                return run
-
-            _run_ranks([rank(c0), rank(c1)])
-            expected = torch.arange(1000, dtype=torch.float64) * 3
-            assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
-            # the PULL socket fair-queues the attacker and the real peer, so the valid operation may
-            # finish before every bad message was read: keep serving valid ones until all were met
-            for _ in range(200):
-                if c1.bad_messages >= len(GARBAGE):
-                    break
-                _run_ranks([rank(c0), rank(c1)])
-                assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
-        assert c1.bad_messages == len(GARBAGE)
-        dropped = [r for r in caplog.records if "dropped a bad data message" in r.getMessage()]
-        assert len(dropped) == len(GARBAGE)
-        reasons = " | ".join(r.getMessage() for r in dropped)
-        for needle in ("frames", "not msgpack", "protocol version", "unknown dtype", "outside",
-                       "over the", "header says", "run past", "claims src", "does not exist",
-                       "not marked full", "-byte slot"):
-            assert needle in reasons, f"no drop logged for {needle!r}: {reasons}"
+        with caplog.at_level(logging.WARNING, logger="comm.zmq.transport"):
+            for frames, _, _ in GARBAGE.values():
+                attacker.send_multipart(frames)
+            # a valid operation after the garbage: rank 1 reads the channel from rank 0, meets every bad
+            # message first, drops each, and still completes the all_reduce and a point-to-point receive
+            _serve_until_read(c0, c1, len(GARBAGE))
+            assert c1.bad_messages == len(GARBAGE)
+            assert {r: n for (k, r), n in counted.counts().items() if k == "frame"} == expected
+            # the same garbage again: counted again, and not one more warning within the minute
+            for frames, _, _ in GARBAGE.values():
+                attacker.send_multipart(frames)
+            _serve_until_read(c0, c1, 2 * len(GARBAGE))
+        assert c1.bad_messages == 2 * len(GARBAGE)
+        assert {r: n for (k, r), n in counted.counts().items() if k == "frame"} == {
+            r: 2 * n for r, n in expected.items()}
+        dropped = [r.getMessage() for r in caplog.records if "dropped a bad data message" in r.getMessage()]
+        assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "comm.zmq.transport")
+        # one warning per reason (one sender here), naming what the first message of that reason broke
+        first: dict[str, str] = {}
+        for _, reason, needle in GARBAGE.values():
+            first.setdefault(reason, needle)
+        assert len(dropped) == len(first), dropped
+        for reason, needle in first.items():
+            said = [m for m in dropped if f"({reason})" in m]
+            assert len(said) == 1 and needle in said[0], (reason, dropped)
     finally:
         attacker.close()
 

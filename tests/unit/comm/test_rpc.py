@@ -13,6 +13,7 @@ import pytest
 import torch
 import zmq
 
+from comm import refusals
 from comm.codec import Message, unpack_raw
 from comm.errors import ProtocolError
 from comm.rpc import (
@@ -34,6 +35,7 @@ from comm.rpc import (
     reply_frames,
     request_frames,
 )
+from comm.rpc import host as host_module
 from comm.sockets import CHUNK_BYTES
 
 TIMEOUT = timedelta(seconds=10)
@@ -293,3 +295,41 @@ def test_a_mailbox_wakes_the_poller_and_keeps_order() -> None:
         mailbox.close()
     mailbox.put(9)  # after close: dropped, no error
     mailbox.close()
+
+
+def test_faults_are_counted_by_reason_and_warned_about_once_per_address(
+    toy: tuple[ServiceHost, Toy, RpcClient], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that reconnects for every bad request (a new ROUTER identity each time) is one peer."""
+    host, _, _ = toy
+    counted = refusals.Refusals()
+    monkeypatch.setattr(refusals, "REFUSALS", counted)
+    with caplog.at_level("WARNING", logger="comm.rpc.host"):
+        for _ in range(5):
+            with RpcClient(host.address, timeout=TIMEOUT) as fresh:
+                reply = ReplyEnvelope.model_validate(unpack_raw(fresh.send_raw([b"\xc1 garbage"])[0]))
+                assert reply.error is not None and reply.error.code == "bad_request"
+                with pytest.raises(RpcError, match="unknown_method"):
+                    fresh.call("toy", "nope", Empty(), Empty)
+    assert counted.counts() == {("frame", "rpc/bad_request"): 5, ("frame", "rpc/unknown_method"): 5}
+    warned = [r.getMessage() for r in caplog.records if r.name == "comm.rpc.host"]
+    assert len(warned) == 1 and "127.0.0.1" in warned[0], warned
+
+
+def test_a_request_that_breaks_the_reading_is_answered_internal_and_the_host_lives_on(
+    toy: tuple[ServiceHost, Toy, RpcClient], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in reading one request (here: tensor decoding raising what it should not) stops nothing."""
+    _, _, client = toy
+    monkeypatch.setattr(refusals, "REFUSALS", refusals.Refusals())
+
+    def broken(*args: object) -> dict[str, torch.Tensor]:
+        raise RuntimeError("Stride calculation overflowed")
+
+    monkeypatch.setattr(host_module, "decode_tensors", broken)
+    with pytest.raises(RpcError, match=r"\[internal\] the server failed to read the request") as failed:
+        client.call("toy", "echo", Echo(text="x"), Echo)
+    assert "Stride" not in str(failed.value)  # internals stay home...
+    assert any(r.exc_info and "Stride" in str(r.exc_info[1]) for r in caplog.records)  # ...in the log
+    monkeypatch.undo()
+    assert client.call("toy", "echo", Echo(text="after"), Echo)[0] == Echo(text="after")

@@ -7,7 +7,8 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from services.host.health import HealthServer
+from comm.refusals import Refusals
+from services.host.health import HealthServer, RefusalsCollector
 from tests.harness.http import http_get as _get
 
 
@@ -62,3 +63,23 @@ def test_garbage_gets_an_error_and_the_server_keeps_serving(server: HealthServer
     with socket.create_connection(("127.0.0.1", server.port), timeout=5):
         pass  # a client that sends nothing is dropped by the read timeout, not waited for by others
     assert _get(server.url + "/healthz")[0] == 200
+
+
+def test_refusals_are_on_metrics_by_reason() -> None:
+    refusals = Refusals()
+    for _ in range(3):
+        refusals.refuse("frame", "data/size", "127.0.0.1")
+    refusals.refuse("frame", "rpc/forbidden", "127.0.0.1")
+    refusals.count("connection", "a key that is not the job's")
+    metrics = CollectorRegistry()
+    metrics.register(RefusalsCollector(refusals))
+    srv = HealthServer(live=lambda: (True, ""), ready=lambda: (True, ""), metrics=metrics,
+                       host="127.0.0.1").start()
+    try:
+        status, body = _get(srv.url + "/metrics")
+    finally:
+        srv.close()
+    assert status == 200
+    assert 'cellmesh_refused_frames_total{reason="data/size"} 3.0' in body
+    assert 'cellmesh_refused_frames_total{reason="rpc/forbidden"} 1.0' in body
+    assert 'cellmesh_refused_connections_total{reason="a key that is not the job\'s"} 1.0' in body
