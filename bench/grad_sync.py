@@ -1,6 +1,6 @@
 """Bucketed, overlapped gradient all-reduce (services.params.grad_sync) against one flat all-reduce.
 
-Two processes on loopback, one thread each; the model of FACTS.md (8 x Linear(1024,1024) +
+Two processes on loopback, one thread each; the project's baseline model (8 x Linear(1024,1024) +
 GELU, 8.4 M parameters, 34 MB of float32 gradients), local batch 32. Per step and per
 backend (zmq, gloo), the median over steps of:
 

@@ -30,7 +30,7 @@ def block(num_layers: int = 1, width: int = WIDTH) -> nn.Sequential:
 
 
 def mlp(num_cells: int = 8, width: int = WIDTH) -> list[Cell]:
-    """The model of ../shared/FACTS.md: 8 cells of Linear(1024, 1024) + GELU (8.4 M parameters)."""
+    """The benchmarks' baseline: 8 cells of Linear(1024, 1024) + GELU (8.4 M parameters)."""
     return [Cell(f"block{i}", block(1, width)) for i in range(num_cells)]
 
 

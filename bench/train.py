@@ -1,6 +1,6 @@
 """Training throughput of cellmesh's plans against torch's own, side by side on one machine.
 
-The model of ../shared/FACTS.md (``bench.models:mlp``: 8 x Linear(1024, 1024) + GELU,
+The baseline model (``bench.models:mlp``: 8 x Linear(1024, 1024) + GELU,
 8.4 M parameters), global batch 64, float32, SGD, one torch thread per process, every
 configuration on the same initial parameters and the same global batches:
 

@@ -1,7 +1,7 @@
 """A stage's gradient path between its data-parallel replicas: none, collective all-reduce, or push/pull.
 
 Collective mode and parameter-server mode are the same service graph with a different
-gradient path (../shared/DESIGN.md). The compute service owns one path per stage and
+gradient path. The compute service owns one path per stage and
 calls it at fixed points of a step::
 
     run_step:  begin(timeout)          before the first action (waits for the group, bounded)
