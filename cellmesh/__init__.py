@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from coordinator.planning.config import ConfigError, JobConfig
     from coordinator.planning.cutting import CutError
     from coordinator.planning.plan import Plan
-    from coordinator.planning.planner import PlanningError
+    from coordinator.planning.request import PlanningError
     from coordinator.planning.resources import Link, Resources, Worker
     from coordinator.runtime.driver import JobFailed
     from coordinator.runtime.job import FitResult, Job
@@ -46,7 +46,7 @@ _EXPORTS: dict[str, str] = {
     # errors
     "JobFailed": "coordinator.runtime.driver",
     "ConfigError": "coordinator.planning.config",
-    "PlanningError": "coordinator.planning.planner",
+    "PlanningError": "coordinator.planning.request",
     "CutError": "coordinator.planning.cutting",
     "ScheduleError": "services.compute.actions",
     "CommError": "comm.errors",
