@@ -24,6 +24,7 @@ from comm.rpc.envelope import Empty, Name
 from comm.wire import DTYPES, MAX_NDIM, MAX_TENSOR_BYTES
 
 __all__ = [
+    "MAX_NONFINITE_NAMED",
     "Action",
     "ActionKind",
     "Assignment",
@@ -57,6 +58,8 @@ __all__ = [
     "WorkerStatus",
     "ZeroGradRequest",
 ]
+
+MAX_NONFINITE_NAMED = 8  # parameters a StepReply names whose gradient is not finite
 
 # -- worker control --------------------------------------------------------------------
 
@@ -455,7 +458,10 @@ class PhaseTiming(Message):
 
 
 class StepReply(Message):
-    """A finished step: per-microbatch losses (last stage only) and one timing per action.
+    """A finished step: per-microbatch losses (last stage only), one timing per action, what is not finite.
+
+    A loss or a gradient that is NaN or Inf makes the coordinator stop the job or drop the step's
+    update (see [Note: a step that is not finite] in ``coordinator/runtime/driver.py``).
 
     Timings are wall-clock seconds (``time.time()``), kept as two flat lists (cheap to
     encode and validate): action ``k`` of the request ran from ``starts[k]`` to ``ends[k]``
@@ -468,6 +474,8 @@ class StepReply(Message):
     starts: list[float]
     ends: list[float]
     phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce, the commit
+    # parameters whose gradient holds a NaN or Inf after the step (the first MAX_NONFINITE_NAMED of them)
+    nonfinite_grads: list[Name] = Field(default_factory=list, max_length=MAX_NONFINITE_NAMED)
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:

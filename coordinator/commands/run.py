@@ -18,11 +18,13 @@ and is what ``cellmesh demo`` calls too:
    ``model.pt`` (and a copy to ``--output``) that loads into the job's model with ``strict=True``
    (``torch.load(path, weights_only=True)``), and print the loss at the start and the end, the
    throughput and where the run directory is. A place that cannot be written at the end does
-   not lose the model: :func:`save_outputs` names where it is instead.
+   not lose the model: :func:`save_outputs` names where it is instead. A step whose loss is not
+   finite stops the run before its update (``runtime.nonfinite: stop``, the default) and
+   nothing is written: an earlier output stays as it was.
 
 Errors a user can fix (:data:`USER_ERRORS`: a bad job file, a factory that does not
 import or raises, cells that do not fit the data, a plan that does not fit, an output that
-cannot be written, a worker that failed) are raised to the
+cannot be written, a loss that is not finite, a worker that failed) are raised to the
 caller, whose :func:`describe_error` turns them into one line; the CLI prints it without a
 traceback (unless ``--traceback``) and exits non-zero (:func:`exit_code`: 2 for the job as
 given, 1 for a worker that failed).

@@ -249,7 +249,7 @@ class Job:
         return RunSpec(job=workers_job, run=run, model=c.model.factory, data=c.data.factory,
                        loss=c.loss.factory, optimizer=self.optimizer, model_kwargs=c.model.kwargs,
                        data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
-                       comm_backend=c.runtime.comm_backend,
+                       comm_backend=c.runtime.comm_backend, nonfinite=c.runtime.nonfinite,
                        step_timeout=timedelta(seconds=c.runtime.step_timeout_s))
 
     # -- training -------------------------------------------------------------------------

@@ -67,13 +67,28 @@ def not_on_meta() -> list[nn.Module]:
     return [first, nn.Tanh(), nn.Linear(HIDDEN, OUT).double()]
 
 
-def nan_at(indices: list[int], value: float = float("nan")) -> tuple[torch.Tensor, torch.Tensor]:
-    """``regression()`` with ``value`` (NaN, Inf) in the inputs of the samples at ``indices``."""
+def nan_at(indices: list[int], value: str = "nan") -> tuple[torch.Tensor, torch.Tensor]:
+    """``regression()`` with ``float(value)`` (``"nan"``, ``"inf"``) in the inputs at ``indices``."""
     x, y = regression()
-    x[indices] = value
+    x[indices] = float(value)
     return x, y
 
 
 def mismatched_loss() -> object:
     """A loss that multiplies the output by the targets as matrices: their shapes do not allow it."""
     return torch.mm
+
+
+class SqrtAbs(nn.Module):
+    """``sqrt(|x|)``: finite at 0, its gradient there is not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs().sqrt()
+
+
+def infinite_gradient() -> list[nn.Module]:
+    """A finite loss whose gradients are NaN: a Linear of zeros feeds ``sqrt(|x|)`` at 0."""
+    first = nn.Linear(IN, HIDDEN).double()
+    nn.init.zeros_(first.weight)
+    nn.init.zeros_(first.bias)
+    return [first, SqrtAbs(), nn.Linear(HIDDEN, OUT).double()]

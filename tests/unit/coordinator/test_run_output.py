@@ -10,6 +10,7 @@ import torch
 
 from coordinator.commands.run import OutputError, check_writable, report, save_outputs
 from coordinator.commands.rundir import RunDir
+from coordinator.runtime.driver import NonFiniteStep
 from coordinator.runtime.errors import JobError
 
 STATE = {"w": torch.arange(4.0), "b": torch.zeros(2)}
@@ -60,6 +61,7 @@ def test_when_no_place_can_be_written_a_temporary_directory_holds_it(tmp_path: P
 @pytest.mark.parametrize("exc", [
     JobError("model factory 'a:b' raised RuntimeError: boom (at a.py:3); fix the factory or model.kwargs"),
     OutputError("cannot write the state_dict to /proc/x.pt: No such file or directory; give an output path"),
+    NonFiniteStep("step 3: the loss of microbatch 0 is nan on stage 1", step=2, stage=1, last_good_loss=0.5),
 ])
 def test_a_bad_job_is_one_line_and_exit_code_2(exc: Exception) -> None:
     err = io.StringIO()
