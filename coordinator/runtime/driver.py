@@ -234,7 +234,8 @@ class Runtime:
         loop: The started event loop.
         registry_url: What the services rendezvous through.
         addresses: Each placed worker's service-host address.
-        initial_params: Cell-qualified initial parameters (parameter-server setup).
+        initial_params: Cell-qualified initial parameters (parameter-server setup; dropped once the
+            shards hold them, empty in collective mode).
 
     Timeouts: ``spec.call_timeout`` bounds placement and state collection;
     ``spec.step_timeout`` bounds a step's round and the last step's commit round.
@@ -274,6 +275,7 @@ class Runtime:
         shards: list[list[ShardAddress]] = [[] for _ in range(plan.num_stages)]
         if plan.mode == "parameter_server":
             shards = self._place_shards()
+        self.initial_params = {}  # the shards hold them now: no copy of the model stays here
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         ids: dict[int, _Service] = {}
         for sv in self.services:

@@ -58,7 +58,7 @@ from coordinator.runtime.driver import RunSpec, Runtime, StepRecord
 from coordinator.runtime.factories import build_cells, build_data, factory_path
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
-from coordinator.runtime.preflight import Checked, check_job
+from coordinator.runtime.preflight import Checked, check_job, model_structure
 from services.compute.cell import Cell, cell_parameters
 from services.protocol import OptimizerSpec
 
@@ -114,7 +114,10 @@ def _named(fields: dict[str, Any]) -> dict[str, Any]:
 
 def state_dict_of(model: nn.Module, cells: list[Cell],
                   cell_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``cell_state`` (cell-qualified names) keyed as ``model.state_dict()`` (sharing ``cells``' tensors).
+    """``cell_state`` (cell-qualified names) keyed as ``model.state_dict()`` names ``cells``' tensors.
+
+    The values are ``cell_state``'s own tensors (not copies): a parameter tied under two keys
+    is one tensor under both, as in ``model.state_dict()``. ``model`` may be on the meta device.
 
     Raises:
         KeyError: An entry of the model's state has no cell-qualified counterpart.
@@ -128,7 +131,7 @@ def state_dict_of(model: nn.Module, cells: list[Cell],
         qualified = by_id.get(id(value))
         if qualified is None or qualified not in cell_state:
             raise KeyError(f"state entry {key!r} of the model was not returned by any stage")
-        out[key] = cell_state[qualified].detach().clone()
+        out[key] = cell_state[qualified].detach()
     return out
 
 
@@ -335,8 +338,11 @@ class _Session:
             if self.local is not None:
                 self.local.start()
             self.loop = EventLoop(self.harness.registry, self.harness.job).start()
-            _, cells = build_cells(job.config.model.factory, job.config.model.kwargs, job.config.data.seed)
-            initial = {n: p.detach() for n, p in cell_parameters(cells)}
+            initial: dict[str, torch.Tensor] = {}
+            if self.plan.mode == "parameter_server":  # the shards start from the coordinator's copy
+                model = job.config.model
+                _, cells = build_cells(model.factory, model.kwargs, job.config.data.seed)
+                initial = {n: p.detach() for n, p in cell_parameters(cells)}
             addresses = {n: self.harness.address(n) for n in self.harness.names}
             # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
             spec = job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}")
@@ -359,8 +365,7 @@ class _Session:
             records.append(record)
             if callback is not None:
                 callback(record)
-        config = self.job.config
-        model, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
+        model, cells = model_structure(self.job.config)  # names only: the values are the stages'
         state = state_dict_of(model, cells, self.runtime.state())
         return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=plan)
 

@@ -44,11 +44,11 @@ from coordinator.planning.planner import CellBytes, check_memory_floor
 from coordinator.planning.request import check_batch
 from coordinator.planning.resources import Resources
 from coordinator.runtime.errors import JobError, first_line, located
-from coordinator.runtime.factories import build_cells, build_data, build_loss, cells_of, seeded
+from coordinator.runtime.factories import build_cells, build_data, build_loss, cells_of, seeded, unwrapped
 from services.compute.cell import Cell
 from services.compute.stage import SampleError, import_object
 
-__all__ = ["Checked", "cell_bytes", "check_job", "describe_value", "sample_size"]
+__all__ = ["Checked", "cell_bytes", "check_job", "describe_value", "model_structure", "sample_size"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,22 @@ def _on_meta(path: str, kwargs: Mapping[str, Any], seed: int) -> Any | None:
         log.info("model factory %r does not build on the meta device (%s); measuring it built for real",
                  path, first_line(exc))
         return None
+
+
+def model_structure(config: JobConfig) -> tuple[nn.Module, list[Cell]]:
+    """The model and its cells without their values (on the meta device) where the factory allows, else real.
+
+    What maps the stages' tensors to the model's ``state_dict`` keys needs only this: the
+    coordinator does not hold a second copy of a large model's parameters to name them.
+
+    Raises:
+        JobError: The factory raises or returns something that is not a model.
+    """
+    model = config.model
+    made = _on_meta(model.factory, model.kwargs, config.data.seed)
+    if made is None:
+        return build_cells(model.factory, model.kwargs, config.data.seed)
+    return unwrapped(made), cells_of(model.factory, made)
 
 
 def _check_stages(config: JobConfig, made: Any, cells: Sequence[Cell]) -> None:
