@@ -475,7 +475,7 @@ class StepReply(Message):
     ends: list[float]
     phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce, the commit
     # parameters whose gradient holds a NaN or Inf after the step (the first MAX_NONFINITE_NAMED of them)
-    nonfinite_grads: list[Name] = Field(default_factory=list, max_length=MAX_NONFINITE_NAMED)
+    nonfinite_grads: list[str] = Field(default_factory=list, max_length=MAX_NONFINITE_NAMED)
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:

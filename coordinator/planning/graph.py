@@ -41,7 +41,7 @@ from torch import fx, nn
 
 from services.compute.cell import Cell
 
-__all__ = ["CutInfo", "Graph", "GraphNode", "TensorMeta", "build_graph", "use_snapshot"]
+__all__ = ["CutInfo", "Graph", "GraphNode", "TensorMeta", "build_graph", "describe_value", "use_snapshot"]
 
 LeafFn = Callable[[nn.Module, str], bool]
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -376,14 +376,15 @@ def _batch_dims(gm: fx.GraphModule, values: dict[fx.Node, Any],
     return dims
 
 
-def _shapes_of(value: Any) -> str:
+def describe_value(value: Any) -> str:
+    """A value by its shapes: ``[8, 12] float32``, ``([8, 6] float32, [8] int64)``, ``{h: [8] int64}``."""
     if isinstance(value, torch.Tensor):
         return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
     if isinstance(value, tuple | list):
-        return "(" + ", ".join(_shapes_of(v) for v in value) + ")"
+        return "(" + ", ".join(describe_value(v) for v in value) + ")"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_shapes_of(v)}" for k, v in value.items()) + "}"
-    return type(value).__name__
+        return "{" + ", ".join(f"{k}: {describe_value(v)}" for k, v in value.items()) + "}"
+    return f"a {type(value).__name__}"
 
 
 def _failure(rec: _Recorder, group: dict[fx.Node, int], names: list[str], exc: Exception) -> str:
@@ -392,7 +393,7 @@ def _failure(rec: _Recorder, group: dict[fx.Node, int], names: list[str], exc: E
     why = " ".join(str(exc).split("\n\n", 1)[0].split()) or type(exc).__name__
     if node is None:
         return f"the model fails on the sample: {type(exc).__name__}: {why}"
-    given = ", ".join(_shapes_of(rec.values[a]) for a in node.all_input_nodes if a in rec.values)
+    given = ", ".join(describe_value(rec.values[a]) for a in node.all_input_nodes if a in rec.values)
     where = names[group[node]] if node in group else node.name
     return f"node {where!r} ({node.target}) fails on {given or 'no inputs'}: {type(exc).__name__}: {why}"
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from coordinator.planning.config import JobConfig
-from coordinator.planning.graph import use_snapshot
+from coordinator.planning.graph import describe_value, use_snapshot
 from coordinator.planning.planner import CellBytes, check_memory_floor
 from coordinator.planning.request import check_batch
 from coordinator.planning.resources import Resources
@@ -48,7 +48,7 @@ from coordinator.runtime.factories import build_cells, build_data, build_loss, c
 from services.compute.cell import Cell
 from services.compute.stage import SampleError, import_object
 
-__all__ = ["Checked", "cell_bytes", "check_job", "describe_value", "model_structure", "sample_size"]
+__all__ = ["Checked", "cell_bytes", "check_job", "model_structure", "sample_size"]
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +61,11 @@ class Checked:
 
     cells: list[Cell]
     sample: torch.Tensor | tuple[Any, ...]  # the inputs of one microbatch, as build_graph takes them
-    sizes: tuple[CellBytes, ...]
 
 
 def sample_size(global_batch: int, num_workers: int) -> int:
     """Samples in the checked (and profiled) microbatch: a replica's share, at most :data:`SAMPLE_MAX`."""
     return max(1, min(SAMPLE_MAX, global_batch // max(1, num_workers)))
-
-
-def describe_value(value: Any) -> str:
-    """A value by its shapes: ``[8, 12] float32``, ``([8, 6] float32, [8] int64)``, ``{h: [8] int64}``."""
-    if isinstance(value, torch.Tensor):
-        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
-    if isinstance(value, tuple | list):
-        return "(" + ", ".join(describe_value(v) for v in value) + ")"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {describe_value(v)}" for k, v in value.items()) + "}"
-    return f"a {type(value).__name__}"
 
 
 def cell_bytes(cells: Sequence[Cell]) -> tuple[CellBytes, ...]:
@@ -155,13 +143,11 @@ def _check_stages(config: JobConfig, made: Any, cells: Sequence[Cell]) -> None:
 
 
 def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any,
-             cells: Sequence[Cell]) -> tuple[CellBytes, ...]:
+             cells: Sequence[Cell]) -> None:
     """Checks 1-3 on the model ``made`` (on the meta device or real): stages, memory floor, batch."""
     _check_stages(config, made, cells)
-    sizes = cell_bytes(cells)
-    check_memory_floor(sizes, resources, optimizer)
+    check_memory_floor(cell_bytes(cells), resources, optimizer)
     check_batch(config.plan, len(cells), resources.num_workers, config.data.global_batch)
-    return sizes
 
 
 def _run_cells(config: JobConfig, cells: Sequence[Cell], inputs: Any, targets: Any,
@@ -213,14 +199,14 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
         ValueError: A factory does not import.
     """
     model, data = config.model, config.data
-    made = _on_meta(model.factory, model.kwargs, data.seed)
-    sizes = None
-    if made is not None:
-        sizes = _measure(config, resources, optimizer, made, cells_of(model.factory, made))
-        del made  # nothing of the meta model is kept
-    unwrapped, cells = build_cells(model.factory, model.kwargs, data.seed)
-    if sizes is None:
-        sizes = _measure(config, resources, optimizer, unwrapped, cells)
+    on_meta = _on_meta(model.factory, model.kwargs, data.seed)
+    measured = on_meta is not None
+    if on_meta is not None:
+        _measure(config, resources, optimizer, on_meta, cells_of(model.factory, on_meta))
+    on_meta = None  # nothing of the meta model is kept
+    built, cells = build_cells(model.factory, model.kwargs, data.seed)
+    if not measured:  # measured built for real: still before any tracing or profiling
+        _measure(config, resources, optimizer, built, cells)
     source = build_data(data.factory, data.kwargs, data.seed)
     loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
     indices = list(range(min(sample_size(data.global_batch, resources.num_workers),
@@ -234,4 +220,4 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
                        "its load(indices)") from exc
     _run_cells(config, cells, inputs, targets, loss_fn)
     sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
-    return Checked(cells=cells, sample=sample, sizes=sizes)
+    return Checked(cells=cells, sample=sample)

@@ -18,6 +18,7 @@ from coordinator.planning.request import PlanningError, batch_note, check_batch
 from coordinator.planning.resources import Resources, Worker
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.job import Job
+from coordinator.runtime.preflight import cell_bytes
 from tests.multiproc.coordinator import bad_models
 
 M = "tests.multiproc.coordinator.models"
@@ -41,8 +42,9 @@ def test_a_good_job_passes_and_keeps_its_cells_and_sample() -> None:
     checked = job().check()
     assert [c.name for c in checked.cells] == [f"cell{i}" for i in range(6)]
     assert isinstance(checked.sample, torch.Tensor) and list(checked.sample.shape) == [8, 6]
-    params = sum(p.numel() for c in checked.cells for p in c.parameters())
-    assert sum(s.num_params for s in checked.sizes) == params
+    sizes = cell_bytes(checked.cells)
+    assert [s.num_params for s in sizes] == [6 * 12 + 12, 0, 12 * 12 + 12, 0, 12 * 12 + 12, 12 * 3 + 3]
+    assert [s.param_bytes for s in sizes] == [8 * s.num_params for s in sizes]  # float64
 
 
 def test_a_factory_that_raises_is_named_with_its_line() -> None:
