@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from coordinator.planning.plan import Plan
     from coordinator.planning.request import PlanningError
     from coordinator.planning.resources import Link, Resources, Worker
-    from coordinator.runtime.driver import JobFailed
+    from coordinator.runtime.driver import JobFailed, NonFiniteStep
+    from coordinator.runtime.errors import JobError
     from coordinator.runtime.job import FitResult, Job
     from services.compute.actions import ScheduleError
     from services.compute.cell import Cell, as_cells
@@ -45,6 +46,8 @@ _EXPORTS: dict[str, str] = {
     "as_cells": "services.compute.cell",
     # errors
     "JobFailed": "coordinator.runtime.driver",
+    "JobError": "coordinator.runtime.errors",
+    "NonFiniteStep": "coordinator.runtime.driver",
     "ConfigError": "coordinator.planning.config",
     "PlanningError": "coordinator.planning.request",
     "CutError": "coordinator.planning.cutting",
@@ -69,8 +72,10 @@ __all__ = [
     "FitResult",
     "Job",
     "JobConfig",
+    "JobError",
     "JobFailed",
     "Link",
+    "NonFiniteStep",
     "PeerLostError",
     "Plan",
     "PlanningError",
