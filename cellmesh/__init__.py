@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from coordinator.planning.config import ConfigError, JobConfig
     from coordinator.planning.cutting import CutError
     from coordinator.planning.plan import Plan
-    from coordinator.planning.planner import PlanningError
+    from coordinator.planning.request import PlanningError
     from coordinator.planning.resources import Link, Resources, Worker
-    from coordinator.runtime.driver import JobFailed
+    from coordinator.runtime.driver import JobFailed, NonFiniteStep
+    from coordinator.runtime.errors import JobError
     from coordinator.runtime.job import FitResult, Job
     from services.compute.actions import ScheduleError
     from services.compute.cell import Cell, as_cells
@@ -51,8 +52,10 @@ _EXPORTS: dict[str, str] = {
     "MLP": "services.compute.cells",
     # errors
     "JobFailed": "coordinator.runtime.driver",
+    "JobError": "coordinator.runtime.errors",
+    "NonFiniteStep": "coordinator.runtime.driver",
     "ConfigError": "coordinator.planning.config",
-    "PlanningError": "coordinator.planning.planner",
+    "PlanningError": "coordinator.planning.request",
     "CutError": "coordinator.planning.cutting",
     "ScheduleError": "services.compute.actions",
     "CommError": "comm.errors",
@@ -76,9 +79,11 @@ __all__ = [
     "FitResult",
     "Job",
     "JobConfig",
+    "JobError",
     "JobFailed",
     "LMHead",
     "Link",
+    "NonFiniteStep",
     "PeerLostError",
     "Plan",
     "PlanningError",

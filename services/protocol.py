@@ -23,6 +23,7 @@ from comm.rpc.envelope import Empty, Name, TensorMeta
 from comm.wire import DTYPES
 
 __all__ = [
+    "MAX_NONFINITE_NAMED",
     "Action",
     "ActionKind",
     "Assignment",
@@ -56,6 +57,8 @@ __all__ = [
     "WorkerStatus",
     "ZeroGradRequest",
 ]
+
+MAX_NONFINITE_NAMED = 8  # parameters a StepReply names whose gradient is not finite
 
 # -- worker control --------------------------------------------------------------------
 
@@ -428,7 +431,10 @@ class PhaseTiming(Message):
 
 
 class StepReply(Message):
-    """A finished step: per-microbatch losses (last stage only) and one timing per action.
+    """A finished step: per-microbatch losses (last stage only), one timing per action, what is not finite.
+
+    A loss or a gradient that is NaN or Inf makes the coordinator stop the job or drop the step's
+    update (see [Note: a step that is not finite] in ``coordinator/runtime/driver.py``).
 
     Timings are wall-clock seconds (``time.time()``), kept as two flat lists (cheap to
     encode and validate): action ``k`` of the request ran from ``starts[k]`` to ``ends[k]``
@@ -441,6 +447,8 @@ class StepReply(Message):
     starts: list[float]
     ends: list[float]
     phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce, the commit
+    # parameters whose gradient holds a NaN or Inf after the step (the first MAX_NONFINITE_NAMED of them)
+    nonfinite_grads: list[str] = Field(default_factory=list, max_length=MAX_NONFINITE_NAMED)
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:

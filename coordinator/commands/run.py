@@ -4,8 +4,11 @@
 and is what ``cellmesh demo`` calls too:
 
 1. load the job (``coordinator/commands/jobspec.py``: a spec file or a job module), log as
-   its config's ``logging`` section says, check its optimizer builds and the output path is
-   writable, create the run directory (``coordinator/commands/output.py``) and print where it is;
+   its config's ``logging`` section says, check its optimizer builds, the output path is
+   writable (its temporary file is created and removed) and the job passes its checks
+   (``Job.check``: ``coordinator/runtime/preflight.py``), then create the run directory
+   (``coordinator/commands/output.py``) and print where it is. A bad job ends before that:
+   nothing is written but its one-line error;
 2. plan it (profile on a sample microbatch, ask the planner), print the plan's table and
    write it to ``plan.json``/``plan.txt``;
 3. start the local harness (``Resources.local``: an embedded registry and one worker
@@ -15,12 +18,17 @@ and is what ``cellmesh demo`` calls too:
 5. write the final parameters with ``torch.save`` as a plain ``{name: tensor}`` dict to
    ``model.pt`` (and a copy to ``--output``) that loads into the job's model with ``strict=True``
    (``torch.load(path, weights_only=True)``), and print the loss at the start and the end, the
-   throughput and where the run directory is.
+   throughput and where the run directory is. A place that cannot be written at the end does
+   not lose the model: :func:`save_outputs` names where it is instead. A step whose loss is not
+   finite stops the run before its update (``runtime.nonfinite: stop``, the default) and
+   nothing is written: an earlier output stays as it was.
 
 Errors a user can fix (:data:`USER_ERRORS`: a bad job file, a factory that does not
-import, a plan that does not fit, a worker that failed) are raised to the caller, whose
-:func:`describe_error` turns them into one paragraph; the CLI prints it without a
-traceback and exits non-zero (:func:`exit_code`).
+import or raises, cells that do not fit the data, a plan that does not fit, an output that
+cannot be written, a loss that is not finite, a worker that failed) are raised to the
+caller, whose :func:`describe_error` turns them into one line; the CLI prints it without a
+traceback (unless ``--traceback``) and exits non-zero (:func:`exit_code`: 2 for the job as
+given, 1 for a worker that failed).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import functools
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -47,16 +56,17 @@ from coordinator.commands.output import apply_logging, open_recorder
 from coordinator.commands.progress import make_progress
 from coordinator.commands.recorder import RunRecorder
 from coordinator.commands.rundir import RunDir
-from coordinator.planning.planner import PlanningError
 from coordinator.planning.profile import format_bytes
+from coordinator.planning.request import PlanningError
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import JobFailed, StepRecord
+from coordinator.runtime.errors import JobError
 from coordinator.runtime.job import FitResult, StepCallback
 from services.compute.stage import make_optimizer
 
-__all__ = ["REPORTED", "USER_ERRORS", "RunOptions", "RunResult", "Terminated",
+__all__ = ["REPORTED", "USER_ERRORS", "OutputError", "RunOptions", "RunResult", "Terminated",
            "check_writable", "demo_job_path", "describe_error", "exit_code", "report", "run_demo_job",
-           "run_job", "save_state_dict", "summary", "train", "use_termination_as_exception"]
+           "run_job", "save_outputs", "save_state_dict", "summary", "train", "use_termination_as_exception"]
 
 USER_ERRORS: tuple[type[BaseException], ...] = (JobSpecError, PlanningError, JobFailed, ValueError,
                                                 TimeoutError)
@@ -146,6 +156,7 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
     if options.output is not None:
         check_writable(options.output)
     sampler = job.sampler()
+    job.check()  # a bad job is refused here: before a run directory, a plan or a worker
     say = functools.partial(print, file=out, flush=True)
     with contextlib.ExitStack() as stack:
         if recorder is None:
@@ -197,9 +208,7 @@ def _train(loaded: LoadedJob, options: RunOptions, say: functools.partial[None],
             fit = job.fit(loaded.steps, callback=step_done)
         finally:
             progress.close()
-    save_state_dict(fit.state_dict, recorder.run_dir.model)
-    if options.output is not None:
-        save_state_dict(fit.state_dict, options.output)
+    save_outputs(fit.state_dict, recorder.run_dir, options.output)
     speed = progress.throughput
     return RunResult(loaded, fit, recorder.run_dir, options.output, speed.elapsed, speed.steady,
                      speed.overall)
@@ -235,7 +244,7 @@ def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     plain = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open() applies the umask, as for any output
+    tmp = _temporary(path)  # open() applies the umask, as for any output
     try:
         with open(tmp, "wb") as f:
             torch.save(plain, f)
@@ -245,25 +254,74 @@ def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
         raise
 
 
+def _temporary(path: Path) -> Path:
+    """The temporary file :func:`save_state_dict` writes beside ``path`` before renaming it."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def save_outputs(state: dict[str, torch.Tensor], run_dir: RunDir, output: Path | None) -> None:
+    """Write ``state`` to the run directory's ``model.pt`` and to ``output``; never lose it.
+
+    A place that cannot be written (a full disk, a directory gone since :func:`check_writable`)
+    does not stop the others; when none could be written, the state_dict goes to a new
+    temporary directory.
+
+    Raises:
+        OutputError: A place could not be written; the message says why and where the state_dict is.
+        OSError: Not even the temporary directory could be written.
+    """
+    failed: list[str] = []
+    saved: list[Path] = []
+    for path in [run_dir.model, *([output] if output is not None else [])]:
+        try:
+            save_state_dict(state, path)
+            saved.append(path)
+        except OSError as exc:
+            failed.append(f"{path} ({exc.strerror or exc})")
+    if not failed:
+        return
+    if not saved:
+        saved.append(Path(tempfile.mkdtemp(prefix="cellmesh-model-")) / "model.pt")
+        save_state_dict(state, saved[-1])
+    raise OutputError(f"the trained state_dict could not be written to {', '.join(failed)}; it is saved in "
+                      f"{saved[0]}: copy it from there")
+
+
+class OutputError(ValueError):
+    """An output path cannot be written; the message names it, why, and what to do."""
+
+
 def check_writable(path: Path) -> None:
     """Fail before training, not after, if ``path`` cannot be written.
 
+    Creates (and removes) the temporary file :func:`save_state_dict` writes beside ``path``,
+    so a directory the permissions allow but the file system refuses (``/proc``, a read-only
+    mount) fails here too. ``path`` itself is not touched: an earlier output stays as it is.
+
     Raises:
-        ValueError: Its directory cannot be created or written, or it is a directory.
+        OutputError: Its directory cannot be created or written, or it is a directory.
     """
+    if path.is_dir():
+        raise OutputError(f"cannot write the state_dict to {path}: it is a directory; give a file path (-o)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"cannot create the output directory {path.parent}: {exc.strerror}") from exc
-    if path.is_dir() or not os.access(path.parent, os.W_OK):
-        raise ValueError(f"cannot write the state_dict to {path}: "
-                         + ("it is a directory" if path.is_dir() else f"{path.parent} is not writable"))
+        raise OutputError(f"cannot create the output directory {path.parent}: {exc.strerror or exc}; give an "
+                          "output path (-o) in a directory you can write") from None
+    probe = _temporary(path)
+    try:
+        with open(probe, "xb"):
+            pass
+    except OSError as exc:
+        raise OutputError(f"cannot write the state_dict to {path}: {exc.strerror or exc}; give an output "
+                          "path (-o) in a directory you can write") from None
+    probe.unlink(missing_ok=True)
 
 
 def describe_error(exc: BaseException) -> str:
     """One paragraph for a user error: what failed and, where the message has it, how to fix it."""
     message = " ".join(str(exc).split())
-    if isinstance(exc, JobSpecError):
+    if isinstance(exc, JobSpecError | JobError | OutputError):  # their messages name what failed
         return message
     if isinstance(exc, PlanningError):
         return f"no plan: {message}"

@@ -47,6 +47,7 @@ __all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataC
 Mode = Literal["collective", "parameter_server"]
 Strategy = Literal["auto", "data_parallel", "pipeline"]
 CommBackend = Literal["zmq", "gloo"]
+NonFinite = Literal["stop", "skip"]  # see coordinator/runtime/driver.py: [Note: a step that is not finite]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 # the same union as services.protocol.FactoryKwargs (a unit test keeps them equal; that module imports torch)
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
@@ -209,6 +210,8 @@ class RuntimeConfig(_Section):
     step_timeout_s: float = Field(default=300.0, gt=0, description="bounds each round of a step, in seconds")
     lease_ttl_s: float = Field(default=5.0, gt=0,
                                description="a dead worker is noticed within this, in seconds")
+    nonfinite: NonFinite = Field(default="stop", description="a step whose loss or gradients are NaN or Inf: "
+                                                             "stop the job there, or skip its update")
     code_dir: str | None = Field(default=None, description="where the job's own modules are found "
                                                            "(default: the job file's directory)")
 

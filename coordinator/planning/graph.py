@@ -41,7 +41,7 @@ from torch import fx, nn
 
 from services.compute.cell import Cell
 
-__all__ = ["CutInfo", "Graph", "GraphNode", "TensorMeta", "build_graph", "use_snapshot"]
+__all__ = ["CutInfo", "Graph", "GraphNode", "TensorMeta", "build_graph", "describe_value", "use_snapshot"]
 
 LeafFn = Callable[[nn.Module, str], bool]
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -144,8 +144,10 @@ class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
+        self.current: fx.Node | None = None  # the node running (the one that failed, after an error)
 
     def run_node(self, n: fx.Node) -> Any:
+        self.current = n
         out = super().run_node(n)
         self.values[n] = out
         return out
@@ -374,6 +376,28 @@ def _batch_dims(gm: fx.GraphModule, values: dict[fx.Node, Any],
     return dims
 
 
+def describe_value(value: Any) -> str:
+    """A value by its shapes: ``[8, 12] float32``, ``([8, 6] float32, [8] int64)``, ``{h: [8] int64}``."""
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(describe_value(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {describe_value(v)}" for k, v in value.items()) + "}"
+    return f"a {type(value).__name__}"
+
+
+def _failure(rec: _Recorder, group: dict[fx.Node, int], names: list[str], exc: Exception) -> str:
+    """Which node failed on the sample, on what, and why (the first paragraph of torch's message)."""
+    node = rec.current
+    why = " ".join(str(exc).split("\n\n", 1)[0].split()) or type(exc).__name__
+    if node is None:
+        return f"the model fails on the sample: {type(exc).__name__}: {why}"
+    given = ", ".join(describe_value(rec.values[a]) for a in node.all_input_nodes if a in rec.values)
+    where = names[group[node]] if node in group else node.name
+    return f"node {where!r} ({node.target}) fails on {given or 'no inputs'}: {type(exc).__name__}: {why}"
+
+
 def build_graph(model: nn.Module | Sequence[Cell], sample: torch.Tensor | tuple[Any, ...], *,
                 leaf: LeafFn | None = None) -> Graph:
     """Traces ``model`` into a chain of cuttable nodes and records every cut's tensors.
@@ -389,7 +413,8 @@ def build_graph(model: nn.Module | Sequence[Cell], sample: torch.Tensor | tuple[
 
     Raises:
         ValueError: If cell names repeat, fx cannot trace the model (the message says how
-            to make it traceable), or a parameter is used by several nodes.
+            to make it traceable), a parameter is used by several nodes, or the model fails
+            on the sample (the message names the node and the shapes it was given).
     """
     if not isinstance(model, nn.Module):
         cells = list(model)
@@ -417,7 +442,10 @@ def build_graph(model: nn.Module | Sequence[Cell], sample: torch.Tensor | tuple[
     group, names = _group_nodes(gm, name_of)
     rec = _Recorder(gm)
     with use_snapshot(gm):
-        rec.run(*inputs)
+        try:
+            rec.run(*inputs)
+        except Exception as exc:
+            raise ValueError(_failure(rec, group, names, exc)) from exc
         batch_dims = _batch_dims(gm, rec.values, inputs)
     first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     batch = int(first.shape[0]) if first is not None else 1

@@ -44,13 +44,23 @@ Where the plan runs more than one CPU worker on one host (``Worker.host``),
 and memory bandwidth.
 
 ``strategy="auto"`` searches every shape the resources allow; ``"data_parallel"`` fixes
-``p = 1`` and uses at least 2 replicas, ``"pipeline"`` fixes ``d = 1`` and uses at least
-2 stages (where the workers, the batch and the model allow). The request is the job
-config's plan section (:class:`~coordinator.planning.config.PlanConfig`, validated there:
-contradictions between its own fields never reach the planner); its other fields fix parts of
-the plan. Planning first resolves the request against the model and the workers (which
-fixed counts are possible), then enumerates the shapes it allows, then evaluates each.
+``p = 1`` and uses at least 2 replicas (a batch that splits into none is refused),
+``"pipeline"`` fixes ``d = 1`` and uses at least 2 stages (where the workers and the model
+allow). The request is the job config's plan section
+(:class:`~coordinator.planning.config.PlanConfig`, validated there: contradictions between its
+own fields never reach the planner); its other fields fix parts of the plan. Planning first
+resolves the request against the model, the workers and the batch (which fixed counts are
+possible, which shapes exist: ``coordinator/planning/request.py``), then evaluates each shape.
 A request that nothing satisfies raises :class:`PlanningError` saying why and what fits.
+
+[Note: the memory floor] Before a model is profiled (or even allocated), its cells' bytes
+(parameters, buffers, and the gradients and optimizer state of the trainable ones) tell
+the least static memory any plan puts on its fullest worker: :func:`memory_floor` takes,
+over every replica count ``d`` and the most stages ``p`` the workers and cells allow, the
+best contiguous split of the cells' static bytes as :func:`cut_problem` counts them
+(parameter-server mode shards ``1/d`` of the optimizer state and a master copy). Activations
+only add to it, so a model whose floor exceeds the largest worker fits no plan:
+:func:`check_memory_floor` refuses it in seconds instead of after profiling it.
 """
 
 from __future__ import annotations
@@ -63,25 +73,23 @@ from dataclasses import dataclass
 from typing import get_args
 
 from coordinator.planning.config import Mode, PlanConfig
-from coordinator.planning.cutting import CutError, CutProblem, Cutter, get_cutter
+from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
 from coordinator.planning.graph import TensorMeta
 from coordinator.planning.plan import Plan, StagePlan
-from coordinator.planning.profile import Profile, format_bytes
+from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
+from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources
-from coordinator.planning.schedules import SCHEDULES, build_schedule, peak_in_flight
+from coordinator.planning.schedules import build_schedule, peak_in_flight
 from coordinator.planning.simulator import StageCosts, simulate
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
 
 __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "OPTIMIZER_BANDWIDTH_BPS",
-           "OPTIMIZER_TRAFFIC", "SHARED_HOST_SLOWDOWN", "Candidate", "PlanningError",
-           "balance_bounds", "candidate_plans", "choose_plan", "cut_problem", "format_candidates"]
+           "OPTIMIZER_TRAFFIC", "SHARED_HOST_SLOWDOWN", "Candidate", "CellBytes",
+           "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "cut_problem",
+           "format_candidates", "memory_floor"]
 
 _SEARCH_ALL = PlanConfig()  # nothing fixed
 _SEARCH_FIELDS = {"cutter", "max_microbatches"}  # how the search runs, not what it is asked to fix
-
-
-class PlanningError(ValueError):
-    """No plan satisfies the request; the message says why and what would fit."""
 
 
 @dataclass(frozen=True)
@@ -204,9 +212,6 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
 # sample for a single stage (4-16x more actions for the same work).
 ACTION_OVERHEAD_S = 3e-4
 
-Shape = tuple[int, int, Mode, str, int]  # (data_parallel, num_stages, mode, schedule, num_microbatches)
-
-
 def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None) -> Candidate:
     d, p, mode, sched_name, m = shape
@@ -284,122 +289,92 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     return Candidate(d, p, mode, sched_name, m, plan, reason)
 
 
+@dataclass(frozen=True)
+class CellBytes:
+    """What one cell holds whatever the batch: the input of :func:`memory_floor`."""
+
+    name: str
+    num_params: int  # parameter elements
+    param_bytes: int
+    buffer_bytes: int
+    trainable_bytes: int  # of parameters that take a gradient (and optimizer state)
+
+
+def _min_max_split(sizes: Sequence[float], parts: int) -> float:
+    """The least possible largest part of ``sizes`` split into at most ``parts`` contiguous parts."""
+    def split(limit: float) -> tuple[int, float]:  # greedy parts under ``limit``: their count and largest
+        used, total, largest = 1, 0.0, 0.0
+        for size in sizes:
+            if total + size > limit:
+                used, total = used + 1, size
+            else:
+                total += size
+            largest = max(largest, total)
+        return used, largest
+
+    low, high = max(sizes, default=0.0), float(sum(sizes))
+    while high - low > 1.0:  # bisection to a byte, then the split's own largest part: exact
+        mid = (low + high) / 2
+        low, high = (low, mid) if split(mid)[0] <= parts else (mid, high)
+    return split(high)[1]
+
+
+def memory_floor(cells: Sequence[CellBytes], num_workers: int, optimizer: str) -> tuple[float, str]:
+    """The least static bytes any plan puts on one worker, and the shape that reaches it.
+
+    See [Note: the memory floor]; ``optimizer`` is a key of ``OPTIMIZER_STATE_FACTORS``.
+    """
+    factor = OPTIMIZER_STATE_FACTORS.get(optimizer, OPTIMIZER_STATE_FACTORS["adam"])
+    best, shape = math.inf, ""
+    for d in range(1, num_workers + 1):
+        p = max(1, min(num_workers // d, len(cells)))
+        for mode in get_args(Mode) if d > 1 else ("collective",):
+            share = 1.0 / d if mode == "parameter_server" else None
+            static = [c.param_bytes + c.buffer_bytes + c.trainable_bytes
+                      + (int(c.trainable_bytes * factor) if share is None
+                         else (int(c.trainable_bytes * factor) + c.param_bytes) * share) for c in cells]
+            need = _min_max_split(static, p)
+            if need < best:
+                best, shape = need, f"{d} replica(s) x {p} stage(s), {mode}"
+    return best, shape
+
+
+def _count(n: int) -> str:
+    """``805_306_368`` -> ``"805M"``: three significant digits and a K, M or B."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def check_memory_floor(cells: Sequence[CellBytes], resources: Resources, optimizer: str) -> None:
+    """Refuse a model no plan over ``resources`` holds (see [Note: the memory floor]).
+
+    Raises:
+        PlanningError: Naming the model's bytes, the least per worker, the largest worker and the fixes.
+    """
+    need, shape = memory_floor(cells, resources.num_workers, optimizer)
+    budget = max(w.memory_bytes for w in resources.workers)
+    if need <= budget + MEMORY_SLACK * max(1.0, budget):
+        return
+    count = sum(c.num_params for c in cells)
+    params, grads = sum(c.param_bytes for c in cells), sum(c.trainable_bytes for c in cells)
+    state = int(grads * OPTIMIZER_STATE_FACTORS.get(optimizer, OPTIMIZER_STATE_FACTORS["adam"]))
+    raise PlanningError(
+        f"the model is too big for these workers: its {_count(count)} parameters "
+        f"({format_bytes(params)}), their gradients ({format_bytes(grads)}) and {optimizer} optimizer state "
+        f"({format_bytes(state)}) need at least {format_bytes(need)} on one worker even spread over "
+        f"{resources.num_workers} workers ({shape}), and the largest worker has {format_bytes(budget)}; "
+        "give the workers more memory, add workers, or train a smaller model or with an optimizer that "
+        "keeps less state (SGD)")
+
+
 def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
     """Nodes per stage (torchgpipe's ``balance``) -> boundaries: ``[2, 3]`` -> ``(0, 2, 5)``."""
     bounds = [0]
     for size in balance:
         bounds.append(bounds[-1] + size)
     return tuple(bounds)
-
-
-def _divisors(x: int, cap: int) -> list[int]:
-    return [k for k in range(1, min(x, cap) + 1) if x % k == 0]
-
-
-@dataclass(frozen=True)
-class _Request:
-    """A plan section resolved against the model and the workers: what is fixed, what is searched."""
-
-    data_parallel: int | None
-    num_stages: int | None
-    max_stages: int  # stages the model's cuttable positions allow
-    num_workers: int
-
-
-def _resolve(request: PlanConfig, profile: Profile, resources: Resources) -> _Request:
-    """The fixed replicas and stages the request implies (strategy, balance), checked against the model.
-
-    Raises:
-        PlanningError: The fixed stages or replicas do not fit the model or the workers.
-    """
-    n = profile.num_nodes
-    d = 1 if request.strategy == "pipeline" else request.data_parallel
-    p = 1 if request.strategy == "data_parallel" else request.num_stages
-    if request.balance is not None:
-        if sum(request.balance) != n:
-            raise PlanningError(f"balance {list(request.balance)} must be positive node counts summing to "
-                                f"the {n} nodes")
-        p = len(request.balance)
-    fixed = _Request(d, p, 1 + sum(c.cuttable for c in profile.cuts[1:-1]), resources.num_workers)
-    _check_counts(fixed, n)
-    return fixed
-
-
-def _check_counts(fixed: _Request, num_nodes: int) -> None:
-    """Refuse fixed stage and replica counts the model's cuts or the workers cannot hold.
-
-    Raises:
-        PlanningError: Naming the count, the limit and what would fit.
-    """
-    d, p, most, workers = fixed.data_parallel, fixed.num_stages, fixed.max_stages, fixed.num_workers
-    if p is not None and not 1 <= p <= most:
-        why = f"the model has {num_nodes} nodes"
-        if most < num_nodes:
-            why += f" and {most - 1} cuttable positions"
-        raise PlanningError(f"num_stages={p} is impossible: {why}; use 1..{most} stages")
-    if p is not None and p > workers:
-        raise PlanningError(f"num_stages={p} needs {p} workers, the resources have {workers}; use at "
-                            f"most {min(workers, most)} stages")
-    if d is not None and not 1 <= d <= workers:
-        raise PlanningError(f"data_parallel={d} needs 1..{workers} workers; the resources have {workers}")
-    if d is not None and p is not None and d * p > workers:
-        raise PlanningError(f"data_parallel={d} x num_stages={p} needs {d * p} workers, the resources have "
-                            f"{workers}; with data_parallel={d} at most {workers // d} stages fit")
-
-
-def _degrees(request: PlanConfig, fixed: _Request, global_batch: int) -> list[int]:
-    """The data-parallel degrees to search.
-
-    Raises:
-        PlanningError: The global batch does not split into the (first) degree's replicas.
-    """
-    if global_batch < 1:
-        raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
-    degrees = [fixed.data_parallel] if fixed.data_parallel is not None else _divisors(global_batch,
-                                                                                      fixed.num_workers)
-    if request.strategy == "data_parallel" and fixed.data_parallel is None and len(degrees) > 1:
-        degrees = degrees[1:]  # replicas, not one worker: the cost model may favour one on small models
-    if global_batch % degrees[0]:
-        raise PlanningError(f"global_batch={global_batch} does not split evenly into "
-                            f"data_parallel={degrees[0]} replicas; degrees that divide it: "
-                            f"{_divisors(global_batch, fixed.num_workers)}")
-    return degrees
-
-
-def _shapes(request: PlanConfig, fixed: _Request, global_batch: int) -> list[Shape]:
-    """Every shape the request allows, in enumeration order (degrees, stages, modes, schedules, counts).
-
-    Raises:
-        PlanningError: No shape exists (the fixed microbatch count divides no replica's share).
-    """
-    degrees = _degrees(request, fixed, global_batch)
-    shapes = [shape for d in degrees for shape in _shapes_of_degree(request, fixed, global_batch, d)]
-    if not shapes:
-        d_text = (f"data_parallel={fixed.data_parallel}" if fixed.data_parallel is not None
-                  else "any data-parallel degree")
-        raise PlanningError(f"num_microbatches={request.num_microbatches} does not divide "
-                            f"global_batch={global_batch} with {d_text}; per replica it must divide "
-                            "global_batch / data_parallel, e.g. "
-                            f"{_divisors(global_batch // degrees[0], request.max_microbatches)}")
-    return shapes
-
-
-def _shapes_of_degree(request: PlanConfig, fixed: _Request, global_batch: int, d: int) -> list[Shape]:
-    """The shapes of ``d`` replicas: stage counts, then modes, schedules and microbatch counts."""
-    per_replica = global_batch // d
-    counts = [request.num_microbatches] if request.num_microbatches is not None else _divisors(
-        per_replica, request.max_microbatches)
-    counts = [c for c in counts if per_replica % c == 0]
-    most = min(fixed.max_stages, fixed.num_workers // d)
-    stage_counts = range(1, most + 1) if fixed.num_stages is None else [fixed.num_stages]
-    if request.strategy == "pipeline" and fixed.num_stages is None and most > 1:
-        stage_counts = range(2, most + 1)  # stages, not one worker
-    modes: tuple[Mode, ...] = get_args(Mode) if d > 1 else ("collective",)
-    if request.mode is not None:
-        modes = (request.mode,)
-    schedules = list(SCHEDULES) if request.schedule is None else [request.schedule]
-    return [(d, p, mode, schedule, m) for p in stage_counts if d * p <= fixed.num_workers
-            for mode in modes for schedule in schedules for m in counts]
 
 
 def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
@@ -416,7 +391,9 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
         cut_fn = get_cutter(request.cutter)
     except ValueError as exc:
         raise PlanningError(str(exc)) from None
-    shapes = _shapes(request, _resolve(request, profile, resources), global_batch)
+    max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
+    fixed = resolve(request, profile.num_nodes, max_stages, resources.num_workers)
+    shapes = plan_shapes(request, fixed, global_batch)
     return [_evaluate(profile, resources, sh, global_batch, cut_fn, request.cutter, request.balance)
             for sh in shapes]
 

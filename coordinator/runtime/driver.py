@@ -18,6 +18,20 @@ costs one round trip, and the last stage's optimizer overlaps the first stage's.
 step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
 :meth:`Runtime.state` calls first. A step that fails is never committed.
 
+[Note: a step that is not finite]
+A step whose loss (any microbatch's, from the last stage) or gradients (any parameter's, from
+any stage, after the gradient path) hold a NaN or an Inf would write NaN into the parameters
+when committed. The coordinator reads a step's replies before it commits the step, so it can
+drop it: nothing of its update is applied anywhere, as AMP's ``GradScaler`` skips the
+optimizer step. ``RunSpec.nonfinite`` (the config's ``runtime.nonfinite``) decides what then:
+
+* ``stop`` (the default): :class:`NonFiniteStep` names the step, the stage and the last good
+  loss; the parameters stay those of the last committed step, and ``cellmesh run`` writes
+  nothing (an earlier output stays as it was);
+* ``skip``: the step's record is marked ``skipped`` (its loss as reported), a warning names
+  it, and the next step trains on the next batch from the same parameters. What a forward
+  changes outside the update (batch-norm statistics) is not rolled back, as with ``GradScaler``.
+
 Failure semantics: an error reply, a worker whose registry lease lapses (its card
 vanishes), or a round that outlasts its bound stops the job with :class:`JobFailed`
 naming the worker, the service and the step. When a service reports an error, the
@@ -28,15 +42,18 @@ named as the cause, since a dead stage makes its neighbours fail too.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal
 
 import torch
 
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
+from coordinator.runtime.errors import JobError
 from coordinator.runtime.loop import EventLoop, Reply, WorkerLost
 from services.params.client import ShardRef, setup_shards
 from services.protocol import (
@@ -59,7 +76,7 @@ from services.protocol import (
     WorkerStatus,
 )
 
-__all__ = ["ActionEvent", "JobFailed", "RunSpec", "Runtime", "StepRecord", "boundary_spec"]
+__all__ = ["ActionEvent", "JobFailed", "NonFiniteStep", "RunSpec", "Runtime", "StepRecord", "boundary_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +91,24 @@ class JobFailed(RuntimeError):
         self.worker = worker
         self.service = service
         self.step = step
+
+
+class NonFiniteStep(JobError):
+    """A step's loss or gradients are NaN or Inf under ``nonfinite: stop``: the job stopped before its update.
+
+    See [Note: a step that is not finite]. The message counts steps from 1, as the progress does.
+
+    Attributes:
+        step: The step (from 0, as ``StepRecord.step``).
+        stage: The stage that reported the value.
+        last_good_loss: The loss of the last step that was finite (None: there was none).
+    """
+
+    def __init__(self, message: str, *, step: int, stage: int, last_good_loss: float | None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.stage = stage
+        self.last_good_loss = last_good_loss
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,7 @@ class RunSpec:
     comm_backend: str = "zmq"
     step_timeout: timedelta = timedelta(seconds=300)
     call_timeout: timedelta = timedelta(seconds=120)
+    nonfinite: Literal["stop", "skip"] = "stop"  # see [Note: a step that is not finite]
 
 
 @dataclass(frozen=True)
@@ -125,7 +161,8 @@ class StepRecord:
 
     The step's update is committed with the next step (or by ``Runtime.commit``), so the
     ``optimizer`` / ``push_pull`` phases in a step's events are the previous step's commit,
-    applied before the step's first action. The event log is built on first access.
+    applied before the step's first action. A ``skipped`` step's update is never applied (see
+    [Note: a step that is not finite]). The event log is built on first access.
     """
 
     step: int
@@ -134,6 +171,7 @@ class StepRecord:
     start: float
     end: float
     coordinator_s: float  # time the coordinator itself spent (not waiting for replies)
+    skipped: bool = False  # its loss or gradients were not finite: its update was dropped
     replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
     actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k
     _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
@@ -155,6 +193,19 @@ class StepRecord:
                            for p in body.phases]
             self._events = events
         return self._events
+
+
+def _nonfinite(bodies: Sequence[tuple[_Service, StepReply]]) -> tuple[_Service, str] | None:
+    """The first service whose reply holds a loss or gradient that is not finite, and what it is."""
+    for sv, body in bodies:
+        for m, value in enumerate(body.losses):
+            if not math.isfinite(value):
+                return sv, f"the loss of microbatch {m} is {value}"
+    for sv, body in bodies:
+        if body.nonfinite_grads:
+            names = ", ".join(body.nonfinite_grads)
+            return sv, f"the gradients of {names} are not finite (while the loss is)"
+    return None
 
 
 def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
@@ -183,7 +234,8 @@ class Runtime:
         loop: The started event loop.
         registry_url: What the services rendezvous through.
         addresses: Each placed worker's service-host address.
-        initial_params: Cell-qualified initial parameters (parameter-server setup).
+        initial_params: Cell-qualified initial parameters (parameter-server setup; dropped once the
+            shards hold them, empty in collective mode).
 
     Timeouts: ``spec.call_timeout`` bounds placement and state collection;
     ``spec.step_timeout`` bounds a step's round and the last step's commit round.
@@ -199,6 +251,7 @@ class Runtime:
         self.initial_params = initial_params
         self.commits = 0  # updates committed so far
         self._uncommitted = False  # the last step run awaits its commit
+        self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
         self._first_request = True
         self._shards: list[_Service] = []
         self._actions = plan.schedule().actions  # per stage, validated, as RunStep carries them
@@ -222,6 +275,7 @@ class Runtime:
         shards: list[list[ShardAddress]] = [[] for _ in range(plan.num_stages)]
         if plan.mode == "parameter_server":
             shards = self._place_shards()
+        self.initial_params = {}  # the shards hold them now: no copy of the model stays here
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         ids: dict[int, _Service] = {}
         for sv in self.services:
@@ -301,7 +355,6 @@ class Runtime:
         replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)
         if commit is not None:
             self.commits += 1
-        self._uncommitted = True
         total = sum(len(mb) for per in batches for mb in per)
         loss = 0.0
         bodies: list[tuple[_Service, StepReply]] = []
@@ -311,10 +364,35 @@ class Runtime:
             bodies.append((sv, body))
             for m, value in enumerate(body.losses):
                 loss += value * len(batches[sv.replica][m]) / total
+        bad = _nonfinite(bodies)
+        self._uncommitted = bad is None  # a step that is not finite is dropped: never committed
+        if bad is None:
+            self._last_good = (step, loss)
+        else:
+            self._refuse(step, *bad)
         end = time.time()
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
-                          replies=bodies, actions=self._actions)
+                          skipped=bad is not None, replies=bodies, actions=self._actions)
+
+    def _refuse(self, step: int, sv: _Service, what: str) -> None:
+        """Stop the job (:class:`NonFiniteStep`) or warn that ``step`` is skipped, per ``spec.nonfinite``.
+
+        Raises:
+            NonFiniteStep: ``spec.nonfinite`` is ``stop``.
+        """
+        where = f"stage {sv.stage} (worker {sv.worker}, replica {sv.replica})"
+        if self.spec.nonfinite == "skip":
+            log.warning("[coordinator %s] step %d: %s on %s; its update is dropped (runtime.nonfinite: skip)",
+                        self.spec.run, step + 1, what, where)
+            return
+        last = (f"the last good loss was {self._last_good[1]:.6g} at step {self._last_good[0] + 1}"
+                if self._last_good is not None else "no step before it had a finite loss")
+        raise NonFiniteStep(
+            f"step {step + 1}: {what} on {where}; the job stopped before applying it ({last}). Lower the "
+            "learning rate, look for NaN or Inf in the data, or set runtime.nonfinite: skip to drop such "
+            "steps' updates and go on", step=step, stage=sv.stage,
+            last_good_loss=self._last_good[1] if self._last_good is not None else None)
 
     def commit(self) -> None:
         """Commit the last step run, if its commit has not gone out with a later step.

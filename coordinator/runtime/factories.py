@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from coordinator.runtime.errors import JobError, located
 from services.compute.cell import Cell, as_cells
-from services.compute.stage import SampleSource, import_object
+from services.compute.stage import SampleError, SampleSource, import_object
 
-__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "factory_path", "job_imports", "seeded",
-           "unwrapped"]
+__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "cells_of", "factory_path", "job_imports",
+           "made_by", "seeded", "unwrapped"]
 
 FactoryRef = str | Callable[..., Any]
 
@@ -104,35 +105,72 @@ def unwrapped(made: Any) -> nn.Module:
     return made if isinstance(made, nn.Module) else nn.Sequential(*made)
 
 
+def made_by(path: str, what: str, make: Callable[[], Any]) -> Any:
+    """``make()`` (a call of the factory ``path``); what it raises becomes a :class:`JobError` naming it.
+
+    ``what`` is the config section (``"model"``, ``"data"``, ``"loss"``): the message points at
+    its factory and its ``kwargs``, and at the line of the user's code that raised.
+    """
+    try:
+        return make()
+    except Exception as exc:
+        raise JobError(f"{what} factory {path!r} raised {located(exc)}; fix the factory or "
+                       f"{what}.kwargs") from exc
+
+
 def build_cells(path: str, kwargs: Mapping[str, Any], seed: int) -> tuple[nn.Module, list[Cell]]:
     """The unwrapped model and its cells (sharing parameters), built as a worker builds them.
 
     Raises:
-        ValueError: The factory does not import or its result has no cells.
+        ValueError: The factory does not import.
+        JobError: The factory raised, or its result has no cells.
     """
     factory = import_object(path, what="model factory")
-    made = seeded(seed, lambda: factory(**kwargs))
-    return unwrapped(made), as_cells(made)
+    made = made_by(path, "model", lambda: seeded(seed, lambda: factory(**kwargs)))
+    cells = cells_of(path, made)
+    return unwrapped(made), cells
+
+
+def cells_of(path: str, made: Any) -> list[Cell]:
+    """The cells of what the model factory ``path`` returned.
+
+    Raises:
+        JobError: It is not a module or a sequence of modules, or its cell names repeat.
+    """
+    try:
+        return as_cells(made)
+    except (ValueError, TypeError) as exc:
+        raise JobError(f"model factory {path!r} returned {type(made).__name__}: {exc}; return a module or a "
+                       "list of modules or Cells") from None
 
 
 def build_data(path: str, kwargs: Mapping[str, Any], seed: int) -> SampleSource:
     """The job's samples, seeded as the workers' are.
 
     Raises:
-        ValueError: The factory does not import or returns neither a pair nor a loader.
+        ValueError: The factory does not import.
+        JobError: The factory raised, or returned neither a pair nor a loader, or inputs and
+            targets of different lengths.
     """
     data = import_object(path, what="data factory")
-    return SampleSource(seeded(seed, lambda: data(**kwargs)), what=f"data factory {path!r}")
+    made = made_by(path, "data", lambda: seeded(seed, lambda: data(**kwargs)))
+    try:
+        return SampleSource(made, what=f"data factory {path!r}")
+    except SampleError as exc:
+        raise JobError(str(exc)) from None
 
 
 def build_loss(path: str, kwargs: Mapping[str, Any]) -> Callable[[Any, Any], torch.Tensor]:
     """``loss(output, targets)`` from the loss factory.
 
     Raises:
-        ValueError: The factory does not import or returns something not callable.
+        ValueError: The factory does not import.
+        JobError: The factory raised or returned something not callable.
     """
-    made = import_object(path, what="loss factory")(**kwargs)
+    factory = import_object(path, what="loss factory")
+    made = made_by(path, "loss", lambda: factory(**kwargs))
     if not callable(made):
-        raise ValueError(f"loss factory {path!r} returned a {type(made).__name__}, not a callable")
+        raise JobError(f"loss factory {path!r} returned a {type(made).__name__}, not a callable "
+                       "loss(output, targets)")
     fn: Callable[[Any, Any], torch.Tensor] = made
     return fn

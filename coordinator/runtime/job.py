@@ -53,12 +53,14 @@ from coordinator.planning.graph import build_graph
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, profile_graph
+from coordinator.planning.request import batch_note
 from coordinator.planning.resources import Resources
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import RunSpec, Runtime, StepRecord
 from coordinator.runtime.factories import build_cells, build_data, factory_path
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
+from coordinator.runtime.preflight import Checked, check_job, model_structure
 from services.compute.cell import Cell, cell_parameters
 from services.protocol import OptimizerSpec
 
@@ -114,7 +116,10 @@ def _named(fields: dict[str, Any]) -> dict[str, Any]:
 
 def state_dict_of(model: nn.Module, cells: list[Cell],
                   cell_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``cell_state`` (cell-qualified names) keyed as ``model.state_dict()`` (sharing ``cells``' tensors).
+    """``cell_state`` (cell-qualified names) keyed as ``model.state_dict()`` names ``cells``' tensors.
+
+    The values are ``cell_state``'s own tensors (not copies): a parameter tied under two keys
+    is one tensor under both, as in ``model.state_dict()``. ``model`` may be on the meta device.
 
     Raises:
         KeyError: An entry of the model's state has no cell-qualified counterpart.
@@ -128,7 +133,7 @@ def state_dict_of(model: nn.Module, cells: list[Cell],
         qualified = by_id.get(id(value))
         if qualified is None or qualified not in cell_state:
             raise KeyError(f"state entry {key!r} of the model was not returned by any stage")
-        out[key] = cell_state[qualified].detach().clone()
+        out[key] = cell_state[qualified].detach()
     return out
 
 
@@ -178,6 +183,7 @@ class Job:
         self.fixed_plan = plan
         self.log_dir = log_dir
         self._plan = plan
+        self._checked: Checked | None = None
         self._session: _Session | None = None
         self.steps_done = 0
 
@@ -201,28 +207,46 @@ class Job:
                              "(Job(num_samples=...))")
         return BatchSampler(n, data.global_batch, shuffle=data.shuffle, seed=data.seed)
 
+    def check(self) -> Checked:
+        """Check the job before any worker starts (``coordinator/runtime/preflight.py``), for :meth:`plan`.
+
+        Raises:
+            coordinator.runtime.errors.JobError: A factory raises, the data is inconsistent, a cell
+                or the loss fails on a sample, or the plan asks for more stages than the model has cells.
+            coordinator.planning.request.PlanningError: No plan can hold the model, or the global
+                batch does not split into the fixed replicas or microbatches.
+        """
+        if self._checked is None:
+            self._checked = check_job(self.config, self.resources, _optimizer_kind(self.optimizer))
+        return self._checked
+
     def plan(self) -> Plan:
         """The plan (computed once): the plan section's fixed fields as given, the rest chosen by the planner.
 
+        The job is checked first (:meth:`check`). When the global batch keeps the planner from
+        using every worker, a warning says so and what batch would (``batch_note``).
+
         Raises:
-            coordinator.planning.planner.PlanningError: No plan satisfies the fixed fields and the resources.
+            coordinator.planning.request.PlanningError: No plan satisfies the fixed fields and the resources.
+            coordinator.runtime.errors.JobError: The job fails a check (see :meth:`check`).
             ValueError: The model is not a sequence of cells the services can run.
         """
         if self._plan is None:
-            config = self.config
-            _, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
-            source = build_data(config.data.factory, config.data.kwargs, config.data.seed)
-            size = max(1, min(8, config.data.global_batch // max(1, self.resources.num_workers)))
-            inputs, _ = source.load(list(range(size)))
-            sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
-            graph = build_graph(cells, sample)
-            if [nd.name for nd in graph.nodes] != [c.name for c in cells]:
+            config, checked = self.config, self.check()
+            graph = build_graph(checked.cells, checked.sample)
+            if [nd.name for nd in graph.nodes] != [c.name for c in checked.cells]:
                 raise ValueError(f"the model's graph has nodes {[nd.name for nd in graph.nodes]}, not one "
-                                 f"per cell {[c.name for c in cells]}: give the model as a sequence of cells")
-            profile = profile_graph(graph, sample, repeats=3, optimizer=_optimizer_kind(self.optimizer),
-                                    num_threads=1)
+                                 f"per cell {[c.name for c in checked.cells]}: give the model as a sequence "
+                                 "of cells")
+            profile = profile_graph(graph, checked.sample, repeats=3,
+                                    optimizer=_optimizer_kind(self.optimizer), num_threads=1)
             self._plan = choose_plan(profile, self.resources, config.plan,
                                      global_batch=config.data.global_batch)
+            self._checked = None  # the model built for the checks is not needed any more
+            note = batch_note(self._plan.data_parallel, self._plan.num_stages, config.plan,
+                              self.resources.num_workers, config.data.global_batch)
+            if note is not None:
+                log.warning("%s", note)
         return self._plan
 
     def run_spec(self, workers_job: str, run: str) -> RunSpec:
@@ -231,7 +255,7 @@ class Job:
         return RunSpec(job=workers_job, run=run, model=c.model.factory, data=c.data.factory,
                        loss=c.loss.factory, optimizer=self.optimizer, model_kwargs=c.model.kwargs,
                        data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
-                       comm_backend=c.runtime.comm_backend,
+                       comm_backend=c.runtime.comm_backend, nonfinite=c.runtime.nonfinite,
                        step_timeout=timedelta(seconds=c.runtime.step_timeout_s))
 
     # -- training -------------------------------------------------------------------------
@@ -267,7 +291,7 @@ class Job:
 
         Raises:
             coordinator.runtime.driver.JobFailed: A worker failed or vanished (names worker, service, step).
-            coordinator.planning.planner.PlanningError: No plan fits.
+            coordinator.planning.request.PlanningError: No plan fits.
         """
         steps = self.config.steps if steps is None else steps
         if steps < 0:
@@ -317,8 +341,11 @@ class _Session:
             if self.local is not None:
                 self.local.start()
             self.loop = EventLoop(self.harness.registry, self.harness.job).start()
-            _, cells = build_cells(job.config.model.factory, job.config.model.kwargs, job.config.data.seed)
-            initial = {n: p.detach() for n, p in cell_parameters(cells)}
+            initial: dict[str, torch.Tensor] = {}
+            if self.plan.mode == "parameter_server":  # the shards start from the coordinator's copy
+                model = job.config.model
+                _, cells = build_cells(model.factory, model.kwargs, job.config.data.seed)
+                initial = {n: p.detach() for n, p in cell_parameters(cells)}
             addresses = {n: self.harness.address(n) for n in self.harness.names}
             # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
             spec = job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}")
@@ -341,8 +368,7 @@ class _Session:
             records.append(record)
             if callback is not None:
                 callback(record)
-        config = self.job.config
-        model, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
+        model, cells = model_structure(self.job.config)  # names only: the values are the stages'
         state = state_dict_of(model, cells, self.runtime.state())
         return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=plan)
 

@@ -3,14 +3,19 @@
 See [Note: what the invariant compares] in ``coordinator/runtime/job.py``. The reference builds
 the model, data and loss from the job's factories exactly as the workers do, takes the
 sampler's global batch of each step in order, and runs one forward, one backward of the
-mean loss and one optimizer step per step.
+mean loss and one optimizer step per step. A step whose loss or gradients are not finite is
+treated as the job's ``runtime.nonfinite`` says (see [Note: a step that is not finite] in
+``coordinator/runtime/driver.py``): ``skip`` drops its optimizer step, ``stop`` raises.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from coordinator.runtime.driver import NonFiniteStep
 from coordinator.runtime.factories import build_cells, build_data, build_loss
 from coordinator.runtime.job import FitResult, Job
 from services.compute.cell import cell_parameters
@@ -23,6 +28,9 @@ def train_reference(job: Job, steps: int) -> FitResult:
     """Train ``job``'s model for ``steps`` steps in this process; return losses and the final state_dict.
 
     The losses are each step's loss before its update, as ``Job.fit`` reports them.
+
+    Raises:
+        NonFiniteStep: A step's loss or gradients are not finite and ``runtime.nonfinite`` is ``stop``.
     """
     config = job.config
     model, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
@@ -32,14 +40,22 @@ def train_reference(job: Job, steps: int) -> FitResult:
     params = [p for _, p in cell_parameters(cells)]
     optimizer = make_optimizer(job.optimizer, params)
     sampler = job.sampler()
-    losses = []
+    losses: list[float] = []
     for step in range(steps):
         inputs, targets = source.load(sampler.indices(step))
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(whole(inputs), targets)
         loss.backward()  # type: ignore[no-untyped-call]  # torch stub
-        optimizer.step()
-        losses.append(float(loss.detach()))
+        value = float(loss.detach())
+        finite = math.isfinite(value) and all(bool(torch.isfinite(p.grad).all()) for p in params
+                                              if p.grad is not None)
+        if finite:
+            optimizer.step()
+        elif config.runtime.nonfinite == "stop":
+            good = [x for x in losses if math.isfinite(x)]
+            raise NonFiniteStep(f"step {step + 1}: the loss ({value}) or the gradients are not finite",
+                                step=step, stage=0, last_good_loss=good[-1] if good else None)
+        losses.append(value)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return FitResult(losses=losses, state_dict=state)
 

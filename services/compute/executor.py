@@ -35,6 +35,11 @@ just before the list's last backward and finishes it after the sends (a collecti
 then holds the gradients averaged over the stage's replicas); its timing is a phase of
 the reply. See [Note: microbatches and the all-reduce] in ``services/params/grad_path.py``.
 
+Non-finite values. The reply names the parameters whose gradient (after the gradient path:
+averaged over the replicas in collective mode) holds a NaN or Inf, as AMP's ``GradScaler``
+checks; with the losses it reports, the coordinator decides whether the step's update is
+applied (see [Note: a step that is not finite] in ``coordinator/runtime/driver.py``).
+
 Every wait is bounded by the step's deadline; errors are raised as :class:`StepFailed`
 naming the stage, the step and the action.
 """
@@ -52,7 +57,7 @@ from comm.base import Communicator, Work
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
 from services.compute.stage import Stage
 from services.params.grad_path import GradientPath
-from services.protocol import Action, ActionKind, PhaseTiming, RunStep, StepReply
+from services.protocol import MAX_NONFINITE_NAMED, Action, ActionKind, PhaseTiming, RunStep, StepReply
 
 __all__ = ["StepExecutor", "StepFailed"]
 
@@ -151,6 +156,7 @@ class StepExecutor:
             if self._grad_path is not None and self._last_backward is not None:
                 phase = self._grad_path.finish(self._left("the gradient synchronisation"))
                 phases += [phase] if phase is not None else []
+            nonfinite = self._nonfinite_grads() if self._last_backward is not None else []
         except StepFailed:
             raise
         except Exception as exc:
@@ -160,9 +166,20 @@ class StepExecutor:
             raise StepFailed(f"{at}: {type(exc).__name__}: {exc}", transfers_posted=self._posted) from exc
         ends = [e if e is not None else s for s, e in zip(self._starts, self._ends, strict=True)]
         return StepReply(step=self._request.step, stage=self._stage.index, losses=self._losses,
-                         starts=self._starts, ends=ends, phases=phases)
+                         starts=self._starts, ends=ends, phases=phases, nonfinite_grads=nonfinite)
 
     # -- plumbing ---------------------------------------------------------------------
+
+    def _nonfinite_grads(self) -> list[str]:
+        """The parameters whose gradient holds a NaN or Inf (the first ``MAX_NONFINITE_NAMED``)."""
+        grads = [(name, p.grad) for name, p in self._stage.parameters() if p.grad is not None]
+        if not grads:
+            return []
+        finite = torch.stack([torch.isfinite(g).all() for _, g in grads])
+        if bool(finite.all()):
+            return []
+        bad = [name for (name, _), ok in zip(grads, finite.tolist(), strict=True) if not ok]
+        return bad[:MAX_NONFINITE_NAMED]
 
     def _where(self) -> str:
         return (f"stage {self._stage.index}, step {self._request.step}, action #{self._k} "

@@ -11,7 +11,9 @@ Factories are named, never shipped: ``"package.module:function"`` (``Assignment.
   deterministic, at the cost of building it (not keeping it) on each worker.
 * data factory ``f(**data_kwargs)`` (seeded the same way) returns either a pair
   ``(inputs, targets)``, each a tensor, tuple, list or dict of tensors with the samples
-  along dim 0, or a callable ``load(indices: list[int]) -> (inputs, targets)``.
+  along dim 0 (every tensor as many rows: a target per input, checked by
+  :func:`sample_count`), or a callable ``load(indices: list[int]) -> (inputs, targets)``
+  returning one row per index.
 * loss factory ``f(**loss_kwargs)`` returns ``loss(output, targets) -> scalar tensor``;
   a loss module class works as is (``"torch.nn:MSELoss"``).
 """
@@ -31,16 +33,22 @@ from services.protocol import Assignment, BoundarySpec, ComputeOptions, Optimize
 
 __all__ = [
     "LossFn",
+    "SampleError",
     "SampleSource",
     "Stage",
     "build_stage",
     "check_samples",
     "import_object",
     "make_optimizer",
+    "sample_count",
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Loader = Callable[[list[int]], tuple[Any, Any]]
+
+
+class SampleError(ValueError):
+    """The data factory's samples are inconsistent; the message names the factory and the lengths."""
 
 
 def import_object(path: str, *, what: str) -> Any:
@@ -81,11 +89,38 @@ def _take(value: Any, index: torch.Tensor, what: str) -> Any:
                      f"{type(value).__name__}")
 
 
-def _length(value: Any) -> int:
+def _lengths(value: Any, name: str) -> list[tuple[str, int | None]]:
+    """``(name, rows)`` of every tensor in ``value`` (None: a 0-dim tensor, which holds no samples)."""
     if isinstance(value, torch.Tensor):
-        return int(value.shape[0]) if value.dim() else 0
-    items = list(value.values()) if isinstance(value, dict) else list(value)
-    return min((_length(v) for v in items), default=0)
+        return [(name, int(value.shape[0]) if value.dim() else None)]
+    if isinstance(value, dict):
+        return [entry for key, v in value.items() for entry in _lengths(v, f"{name}.{key}")]
+    if isinstance(value, tuple | list):
+        return [entry for key, v in enumerate(value) for entry in _lengths(v, f"{name}.{key}")]
+    return []
+
+
+def sample_count(inputs: Any, targets: Any, *, what: str) -> int:
+    """How many samples ``inputs`` and ``targets`` hold: the rows (dim 0) every tensor of both has.
+
+    Raises:
+        SampleError: Their tensors differ in length (say 256 inputs but 200 targets: training would
+            silently drop or misalign samples), one is 0-dim, or there is no tensor at all.
+    """
+    rows = _lengths(inputs, "inputs") + _lengths(targets, "targets")
+    scalar = next((name for name, n in rows if n is None), None)
+    if scalar is not None:
+        raise SampleError(f"{what}: {scalar} is a 0-dim tensor; every tensor needs the samples along dim 0")
+    by_count: dict[int | None, list[str]] = {}
+    for name, n in rows:
+        by_count.setdefault(n, []).append(name)
+    if not by_count:
+        raise SampleError(f"{what}: the inputs and targets hold no tensor")
+    if len(by_count) > 1:
+        listed = " but ".join(f"{n} {'/'.join(names)}" for n, names in by_count.items())
+        raise SampleError(f"{what} returns {listed} (samples along dim 0): every input needs its target; "
+                          "give them the same length")
+    return next(iter(by_count)) or 0
 
 
 class SampleSource:
@@ -96,6 +131,7 @@ class SampleSource:
     """
 
     def __init__(self, made: Any, *, what: str) -> None:
+        """Raises SampleError: ``made`` is neither a pair nor a loader, or its lengths differ."""
         self._what = what
         self._loader: Loader | None = None
         self._pair: tuple[Any, Any] | None = None
@@ -104,14 +140,28 @@ class SampleSource:
             self._loader = made
         elif isinstance(made, tuple | list) and len(made) == 2:
             self._pair = (made[0], made[1])
-            self.num_samples = min(_length(made[0]), _length(made[1]))
+            self.num_samples = sample_count(made[0], made[1], what=what)
         else:
-            raise ValueError(f"{what}: the data factory must return (inputs, targets) or a callable "
-                             f"load(indices) -> (inputs, targets), got {type(made).__name__}")
+            raise SampleError(f"{what}: the data factory must return (inputs, targets) or a callable "
+                              f"load(indices) -> (inputs, targets), got {type(made).__name__}")
 
     def load(self, indices: list[int]) -> tuple[Any, Any]:
+        """The samples at ``indices`` as ``(inputs, targets)``, ``len(indices)`` rows each.
+
+        Raises:
+            SampleError: A loader returned another number of rows, or inputs and targets of
+                different lengths (the message names the data factory).
+        """
         if self._loader is not None:
-            return self._loader(indices)
+            loaded = self._loader(indices)
+            if not (isinstance(loaded, tuple | list) and len(loaded) == 2):
+                raise SampleError(f"{self._what}: load(indices) must return (inputs, targets), got "
+                                  f"{type(loaded).__name__}")
+            n = sample_count(loaded[0], loaded[1], what=f"{self._what}'s load({len(indices)} indices)")
+            if n != len(indices):
+                raise SampleError(f"{self._what}: load({len(indices)} indices) returned {n} samples; it "
+                                  "must return one per index")
+            return loaded[0], loaded[1]
         assert self._pair is not None
         index = torch.tensor(indices, dtype=torch.long)
         return _take(self._pair[0], index, self._what), _take(self._pair[1], index, self._what)

@@ -203,3 +203,11 @@ def test_a_parameter_shared_across_nodes_is_refused() -> None:
 
     with pytest.raises(ValueError, match="shared across nodes"):
         build_graph(Tied(), torch.randn(2, 4))
+
+
+def test_a_model_that_fails_on_the_sample_names_the_node_and_its_inputs() -> None:
+    cells = [Cell("embed", nn.Linear(4, 8)), Cell("head", nn.Linear(6, 2))]
+    with pytest.raises(ValueError) as info:
+        build_graph(cells, torch.randn(3, 4))
+    assert str(info.value) == ("node 'head' (head) fails on [3, 8] float32: RuntimeError: mat1 and mat2 "
+                               "shapes cannot be multiplied (3x8 and 6x2)")  # without torch.fx's notes

@@ -15,13 +15,13 @@ from coordinator.planning.plan import Plan
 from coordinator.planning.planner import (
     COLLECTIVE_EFFICIENCY,
     SHARED_HOST_SLOWDOWN,
-    PlanningError,
     candidate_plans,
     choose_plan,
     cut_problem,
     format_candidates,
 )
 from coordinator.planning.profile import Profile, profile_graph
+from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources, Worker
 from services.compute.actions import validate_schedule
 from services.compute.cell import Cell

@@ -1,0 +1,202 @@
+"""A plan request resolved against the model, the workers and the global batch: what is fixed, what searched.
+
+The job config's plan section (:class:`~coordinator.planning.config.PlanConfig`) fixes some
+counts (replicas, stages, microbatches) and leaves the rest to the planner. Before any
+shape is costed, this module decides which counts are possible and enumerates the shapes
+``(d, p, mode, schedule, m)`` to evaluate (``coordinator/planning/planner.py``).
+
+[Note: the global batch decides the shapes] A step's ``B`` samples split into ``d`` equal
+replica shares and each share into ``m`` equal microbatches, so only ``d`` dividing ``B``
+and ``m`` dividing ``B / d`` exist. A count the user fixed that does not divide is refused
+naming the numbers (:class:`PlanningError`), as is ``strategy: data_parallel`` when no
+count of 2 or more replicas divides ``B``. When the planner chose, the batch may have ruled
+out the shapes that use every worker (33 samples on 2 workers: one replica);
+:func:`batch_note` says so in one line, the plan it chose and the batch that would use them.
+
+Everything here needs only the model's node count, so :func:`check_batch` runs it before the
+model is profiled (``coordinator/runtime/preflight.py``), with the cells' count as an upper
+bound on the stages (the traced graph may forbid some cuts; the planner then checks again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import get_args
+
+from coordinator.planning.config import Mode, PlanConfig
+from coordinator.planning.schedules import SCHEDULES
+
+__all__ = ["FixedCounts", "PlanningError", "Shape", "batch_note", "check_batch", "divisors", "near_multiples",
+           "plan_shapes", "resolve"]
+
+Shape = tuple[int, int, Mode, str, int]  # (data_parallel, num_stages, mode, schedule, num_microbatches)
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the request; the message says why and what would fit."""
+
+
+def divisors(x: int, cap: int) -> list[int]:
+    """The divisors of ``x`` up to ``cap``, ascending."""
+    return [k for k in range(1, min(x, cap) + 1) if x % k == 0]
+
+
+def near_multiples(x: int, k: int) -> str:
+    """The multiples of ``k`` nearest ``x``: ``(33, 2)`` -> ``"32 or 34"``, ``(3, 4)`` -> ``"4"``."""
+    below = x // k * k
+    return f"{below} or {below + k}" if below >= k else str(k)
+
+
+@dataclass(frozen=True)
+class FixedCounts:
+    """A plan section resolved against the model and the workers: what is fixed, what is searched."""
+
+    data_parallel: int | None
+    num_stages: int | None
+    max_stages: int  # stages the model's cuttable positions allow
+    num_workers: int
+
+
+def resolve(request: PlanConfig, num_nodes: int, max_stages: int, num_workers: int) -> FixedCounts:
+    """The fixed replicas and stages the request implies (strategy, balance), checked against the model.
+
+    Args:
+        request: The plan section.
+        num_nodes: The model's nodes (its cells).
+        max_stages: The most stages its cuttable positions allow (at most ``num_nodes``).
+        num_workers: The workers of the resources.
+
+    Raises:
+        PlanningError: The fixed stages or replicas do not fit the model or the workers.
+    """
+    d = 1 if request.strategy == "pipeline" else request.data_parallel
+    p = 1 if request.strategy == "data_parallel" else request.num_stages
+    if request.balance is not None:
+        if sum(request.balance) != num_nodes:
+            raise PlanningError(f"balance {list(request.balance)} must be positive node counts summing to "
+                                f"the {num_nodes} nodes")
+        p = len(request.balance)
+    fixed = FixedCounts(d, p, max_stages, num_workers)
+    _check_counts(fixed, num_nodes)
+    return fixed
+
+
+def _check_counts(fixed: FixedCounts, num_nodes: int) -> None:
+    """Refuse fixed stage and replica counts the model's cuts or the workers cannot hold.
+
+    Raises:
+        PlanningError: Naming the count, the limit and what would fit.
+    """
+    d, p, most, workers = fixed.data_parallel, fixed.num_stages, fixed.max_stages, fixed.num_workers
+    if p is not None and not 1 <= p <= most:
+        why = f"the model has {num_nodes} nodes"
+        if most < num_nodes:
+            why += f" and {most - 1} cuttable positions"
+        raise PlanningError(f"num_stages={p} is impossible: {why}; use 1..{most} stages")
+    if p is not None and p > workers:
+        raise PlanningError(f"num_stages={p} needs {p} workers, the resources have {workers}; use at "
+                            f"most {min(workers, most)} stages")
+    if d is not None and not 1 <= d <= workers:
+        raise PlanningError(f"data_parallel={d} needs 1..{workers} workers; the resources have {workers}")
+    if d is not None and p is not None and d * p > workers:
+        raise PlanningError(f"data_parallel={d} x num_stages={p} needs {d * p} workers, the resources have "
+                            f"{workers}; with data_parallel={d} at most {workers // d} stages fit")
+
+
+def _degrees(request: PlanConfig, fixed: FixedCounts, global_batch: int) -> list[int]:
+    """The data-parallel degrees to search (see [Note: the global batch decides the shapes]).
+
+    Raises:
+        PlanningError: The global batch does not split into the fixed replicas, or (``strategy:
+            data_parallel``) into any count of 2 or more.
+    """
+    if global_batch < 1:
+        raise PlanningError(f"global_batch must be >= 1, got {global_batch}")
+    d, workers = fixed.data_parallel, fixed.num_workers
+    if d is not None:
+        if global_batch % d:
+            fits = divisors(global_batch, workers)
+            raise PlanningError(f"global_batch={global_batch} does not split evenly into data_parallel={d} "
+                                f"replicas; degrees that divide it: {fits}, or use a global batch that is "
+                                f"a multiple of {d} ({near_multiples(global_batch, d)})")
+        return [d]
+    degrees = divisors(global_batch, workers)
+    if request.strategy == "data_parallel" and workers > 1:
+        degrees = degrees[1:]  # replicas, not one worker: the cost model may favour one on small models
+        if not degrees:
+            raise PlanningError(f"strategy='data_parallel' on {workers} workers needs a global batch that "
+                                f"splits evenly into 2 or more replicas; global_batch={global_batch} splits "
+                                f"into none of 2..{workers}: use a multiple of {workers} "
+                                f"({near_multiples(global_batch, workers)}), or strategy 'auto'")
+    return degrees
+
+
+def plan_shapes(request: PlanConfig, fixed: FixedCounts, global_batch: int) -> list[Shape]:
+    """Every shape the request allows, in enumeration order (degrees, stages, modes, schedules, counts).
+
+    Raises:
+        PlanningError: No shape exists (the batch does not split into the fixed replicas, or the
+            fixed microbatch count divides no replica's share).
+    """
+    degrees = _degrees(request, fixed, global_batch)
+    shapes = [shape for d in degrees for shape in _shapes_of_degree(request, fixed, global_batch, d)]
+    if not shapes:
+        d_text = (f"data_parallel={fixed.data_parallel}" if fixed.data_parallel is not None
+                  else "any data-parallel degree")
+        raise PlanningError(f"num_microbatches={request.num_microbatches} does not divide "
+                            f"global_batch={global_batch} with {d_text}; per replica it must divide "
+                            "global_batch / data_parallel, e.g. "
+                            f"{divisors(global_batch // degrees[0], request.max_microbatches)}")
+    return shapes
+
+
+def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int, d: int) -> list[Shape]:
+    """The shapes of ``d`` replicas: stage counts, then modes, schedules and microbatch counts."""
+    per_replica = global_batch // d
+    counts = [request.num_microbatches] if request.num_microbatches is not None else divisors(
+        per_replica, request.max_microbatches)
+    counts = [c for c in counts if per_replica % c == 0]
+    most = min(fixed.max_stages, fixed.num_workers // d)
+    stage_counts = range(1, most + 1) if fixed.num_stages is None else [fixed.num_stages]
+    if request.strategy == "pipeline" and fixed.num_stages is None and most > 1:
+        stage_counts = range(2, most + 1)  # stages, not one worker
+    modes: tuple[Mode, ...] = get_args(Mode) if d > 1 else ("collective",)
+    if request.mode is not None:
+        modes = (request.mode,)
+    schedules = list(SCHEDULES) if request.schedule is None else [request.schedule]
+    return [(d, p, mode, schedule, m) for p in stage_counts if d * p <= fixed.num_workers
+            for mode in modes for schedule in schedules for m in counts]
+
+
+def check_batch(request: PlanConfig, num_nodes: int, num_workers: int, global_batch: int) -> None:
+    """Refuse, before profiling, what the planner would refuse about the counts and the global batch.
+
+    The model's ``num_nodes`` bound the stages (its cuts are not known yet), so what passes
+    here may still be refused by the planner; nothing refused here would pass there.
+
+    Raises:
+        PlanningError: A fixed count does not fit the model or the workers, or the batch does
+            not split into the fixed replicas or microbatches (naming the numbers).
+    """
+    plan_shapes(request, resolve(request, num_nodes, num_nodes, num_workers), global_batch)
+
+
+def batch_note(data_parallel: int, num_stages: int, request: PlanConfig, num_workers: int,
+               global_batch: int) -> str | None:
+    """Why a chosen plan of ``data_parallel x num_stages`` leaves workers idle, when the batch is why.
+
+    None when it uses every worker, when the user fixed the replicas (then a batch that does
+    not divide is an error), or when every replica count that would use more workers divides
+    the batch (the planner then chose fewer workers for speed).
+    """
+    used = data_parallel * num_stages
+    if used >= num_workers or request.data_parallel is not None or request.strategy == "pipeline":
+        return None
+    ruled_out = [d for d in range(data_parallel + 1, num_workers // num_stages + 1) if global_batch % d]
+    if not ruled_out:
+        return None
+    d = ruled_out[-1]
+    return (f"global_batch={global_batch} does not split evenly into {d} replicas, so the plan uses "
+            f"{used} of the {num_workers} workers ({data_parallel} replica(s) x {num_stages} stage(s)); a "
+            f"global batch that is a multiple of {d} ({near_multiples(global_batch, d)}) lets the planner "
+            f"use {d * num_stages}")

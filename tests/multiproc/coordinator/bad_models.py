@@ -1,0 +1,94 @@
+"""Factories of jobs a new user gets wrong: each must be refused with one clear line (see test_bad_jobs.py).
+
+The good parts are ``models.py``'s (the MLP, its regression data, the MSE loss); each factory
+here breaks one thing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.multiproc.coordinator.models import HIDDEN, IN, NUM_SAMPLES, OUT, regression
+
+HUGE_WIDTH = 200_000  # a Linear of 4e10 parameters: 160 GB, more than any test machine has
+
+
+def raising() -> list[nn.Module]:
+    """A model factory with a bug in it."""
+    raise RuntimeError("the width must be even")
+
+
+def misfit() -> list[nn.Module]:
+    """Cells whose sizes do not fit: the last Linear takes HIDDEN + 2 features, the Tanh gives HIDDEN."""
+    return [nn.Linear(IN, HIDDEN).double(), nn.Tanh(), nn.Linear(HIDDEN + 2, OUT).double()]
+
+
+def uneven() -> tuple[torch.Tensor, torch.Tensor]:
+    """256 inputs but 200 targets."""
+    return torch.randn(256, IN, dtype=torch.float64), torch.randn(200, OUT, dtype=torch.float64)
+
+
+class Plain(nn.Module):
+    """A model as a user writes it first: one module with its layers inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(IN, HIDDEN)
+        self.b = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def plain() -> nn.Module:
+    return Plain().double()
+
+
+def one_linear() -> nn.Module:
+    """One cell: a plan has one stage, so only the data-parallel degree can use more workers."""
+    return nn.Linear(IN, OUT).double()
+
+
+def huge() -> list[nn.Module]:
+    """Far too big for any worker (1.6e11 parameters); cheap to build on the meta device only."""
+    return [nn.Linear(HUGE_WIDTH, HUGE_WIDTH) for _ in range(4)]
+
+
+def huge_data() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(NUM_SAMPLES, 1), torch.zeros(NUM_SAMPLES, 1)
+
+
+def not_on_meta() -> list[nn.Module]:
+    """A model whose factory reads a parameter's value (``.item()``), which the meta device cannot give."""
+    first = nn.Linear(IN, HIDDEN).double()
+    if first.weight.abs().max().item() > 1e9:
+        raise AssertionError("unreachable")
+    return [first, nn.Tanh(), nn.Linear(HIDDEN, OUT).double()]
+
+
+def nan_at(indices: list[int], value: str = "nan") -> tuple[torch.Tensor, torch.Tensor]:
+    """``regression()`` with ``float(value)`` (``"nan"``, ``"inf"``) in the inputs at ``indices``."""
+    x, y = regression()
+    x[indices] = float(value)
+    return x, y
+
+
+def mismatched_loss() -> object:
+    """A loss that multiplies the output by the targets as matrices: their shapes do not allow it."""
+    return torch.mm
+
+
+class SqrtAbs(nn.Module):
+    """``sqrt(|x|)``: finite at 0, its gradient there is not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs().sqrt()
+
+
+def infinite_gradient() -> list[nn.Module]:
+    """A finite loss whose gradients are NaN: a Linear of zeros feeds ``sqrt(|x|)`` at 0."""
+    first = nn.Linear(IN, HIDDEN).double()
+    nn.init.zeros_(first.weight)
+    nn.init.zeros_(first.bias)
+    return [first, SqrtAbs(), nn.Linear(HIDDEN, OUT).double()]
