@@ -16,7 +16,7 @@ from coordinator.commands import cli
 from coordinator.commands.jobspec import load_job
 from coordinator.planning.config import LoggingConfig, settable_fields
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def imported_modules(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:

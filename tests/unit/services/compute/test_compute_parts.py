@@ -32,7 +32,7 @@ MICROBATCHES_4 = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 @pytest.mark.parametrize("stage", [0, 1])
 @pytest.mark.parametrize("lists", [GPIPE, ONE_F_ONE_B], ids=["gpipe", "1f1b"])
 def test_hand_written_lists_are_valid(lists: dict[int, str], stage: int) -> None:
-    # the rules themselves are tests/unit/services/test_actions.py's
+    # the rules themselves are tests/unit/services/compute/test_actions.py's
     assert validate_stage(parse_actions(lists[stage]), stage=stage, num_stages=2, num_microbatches=4) is True
 
 

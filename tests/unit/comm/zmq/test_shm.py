@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,7 +87,7 @@ def test_inboxes_of_dead_processes_are_swept() -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
+        cwd=str(Path(__file__).resolve().parents[4]),
     )
     leaked = done.stdout.strip()
     assert leaked and os.path.exists(leaked)  # a process that exited without closing (as kill -9 would)

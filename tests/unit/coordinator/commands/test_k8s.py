@@ -20,7 +20,7 @@ from coordinator.commands.k8s.options import RenderOptions
 from coordinator.commands.k8s.render import render
 from coordinator.commands.k8s.writer import write
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 CHARLM = REPO / "examples" / "charlm.yaml"
 KUBECTL = shutil.which("kubectl")
 VALIDATE = Path(sys.executable).with_name("kubernetes-validate")

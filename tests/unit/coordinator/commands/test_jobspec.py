@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.commands.jobspec import JobSpecError, load_job, read_spec
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 FACTORIES = """\
 import torch
 from torch import nn
