@@ -551,6 +551,7 @@ def main() -> None:
     from comm.allocator import tune_malloc
 
     tune_malloc()
+    from coordinator.runtime.factories import job_factories
     from coordinator.runtime.harness import LocalHarness
 
     configs = [c for c in CONFIGS if not args.only or c.key in args.only.split(",")]
@@ -561,8 +562,9 @@ def main() -> None:
               f"{careful[key] * 1e3:.1f} ms", file=sys.stderr)
     results = Results()
     pool = TorchPool() if any(c.system == "torch" for c in configs) else None
+    factories = sorted({name for job in jobs.values() for name in job_factories(job.config)})
     harness = LocalHarness([f"local-{i}" for i in range(WORLD)], job="bench-train", threads=1,
-                           python_path=[ROOT], lease_ttl=timedelta(seconds=5))
+                           python_path=[ROOT], lease_ttl=timedelta(seconds=5), factories=factories)
     try:
         if any(c.system == "cellmesh" for c in configs):
             harness.start()

@@ -29,6 +29,27 @@ A process is one role of one job: it installs its :class:`Credentials` once at s
 (:func:`install`), and :func:`comm.sockets.make_socket` makes every server or client socket
 speak CURVE from then on.
 
+[Note: the data plane's two modes]
+The tensor stream between workers (the zmq backend's data channels) follows
+``CELLMESH_DATA_PLANE`` (:func:`data_plane`, read when the credentials are made; every
+process of a job must say the same):
+
+* ``encrypted`` (the default): CURVE like every other socket — the peer is authenticated
+  by its key, and every byte is encrypted and authenticated (a change is detected);
+* ``authenticated``: ZeroMQ's PLAIN mechanism (ZeroMQ has no MAC-only one) with the job's
+  *data-plane token*, an HMAC of the workers' secret key (:func:`data_token`; every holder
+  of the job's worker keys can make it, nobody else). The ZAP handler admits a data
+  connection whose token is the job's, on the data channels' ZAP domain only (never a
+  control socket). What it authenticates: that the process which opened the TCP
+  connection knew the token at that moment. What it does not: the bytes are not
+  encrypted (an on-path observer reads the tensors), not integrity-protected (an on-path
+  attacker can alter or inject them inside an open connection), and the token itself
+  crosses the network in clear at every connection, so an on-path observer learns it
+  and can then open data connections to the job's workers (never its control plane:
+  that stays CURVE). For networks where the path between nodes is trusted and only
+  off-path reachability is the threat; it recovers the throughput CURVE costs between
+  hosts (docs/benchmarks.md). Same-host bodies go through shared memory either way.
+
 Keys on disk: :meth:`JobKeys.save` writes ``keys.json`` in a directory made ``0700``, the
 file ``0600`` (the coordinator's secret is absent from a worker's copy,
 :meth:`JobKeys.for_workers`). In a cluster the same files come from a Kubernetes
@@ -37,6 +58,8 @@ Secret mounted read-only; they never go into a ConfigMap or a repository.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import threading
@@ -53,23 +76,31 @@ from zmq.utils import z85
 from comm import refusals
 
 __all__ = [
+    "DATA_PLANE_ENV",
+    "DATA_ZAP_DOMAIN",
     "KEYS_DIR_ENV",
     "KEYS_FILE",
     "ROLES",
     "WARN_INTERVAL",
     "ZAP_DOMAIN",
     "Credentials",
+    "DataPlane",
     "JobKeys",
     "KeyPair",
     "Role",
     "ZapHandler",
+    "authenticates",
     "credentials_for",
+    "data_plane",
+    "data_token",
     "ensure_zap_handler",
     "install",
     "installed",
     "is_curve_server",
     "load_credentials",
     "secure_client",
+    "secure_data_client",
+    "secure_data_server",
     "secure_server",
 ]
 
@@ -81,6 +112,11 @@ KEYS_FILE = "keys.json"
 KEYS_DIR_ENV = "CELLMESH_KEYS_DIR"
 """Where a process finds the job's key files (a local run's run directory, a pod's Secret mount)."""
 ZAP_DOMAIN = "cellmesh"
+DATA_ZAP_DOMAIN = "cellmesh-data"
+"""The data channels' ZAP domain when the data plane is ``authenticated`` (PLAIN is admitted there only)."""
+DATA_PLANE_ENV = "CELLMESH_DATA_PLANE"
+DataPlane = Literal["encrypted", "authenticated"]
+DATA_PLANES: tuple[DataPlane, ...] = ("encrypted", "authenticated")
 WARN_INTERVAL = 60.0
 """Seconds between two warnings for the same peer and reason; the refusals in between are counted."""
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ: where libzmq sends a context's ZAP requests
@@ -192,12 +228,35 @@ class JobKeys(BaseModel):
         return cls.model_validate_json(text)
 
 
+def data_plane(environ: dict[str, str] | None = None) -> DataPlane:
+    """``CELLMESH_DATA_PLANE``: ``encrypted`` (default) or ``authenticated``.
+
+    See [Note: the data plane's two modes].
+
+    Raises:
+        ValueError: Another value (naming the accepted ones).
+    """
+    text = (os.environ if environ is None else environ).get(DATA_PLANE_ENV, "").strip() or "encrypted"
+    for mode in DATA_PLANES:
+        if text == mode:
+            return mode
+    raise ValueError(f"{DATA_PLANE_ENV}={text!r}: use {' or '.join(DATA_PLANES)} (see docs/security.md)")
+
+
+def data_token(keys: JobKeys) -> bytes:
+    """The job's data-plane token: an HMAC-SHA256 of the workers' secret key (hex, 64 bytes)."""
+    secret = z85.decode(keys.worker.require_secret("worker"))
+    return hmac.new(secret, b"cellmesh data plane v1", hashlib.sha256).hexdigest().encode()
+
+
 @dataclass(frozen=True)
 class Credentials:
-    """What this process holds and acts as: the job's keys (as far as it knows them) and its role."""
+    """What this process holds and acts as: the job's keys (as far as it knows them), its role, and
+    its data plane's mode (default: ``CELLMESH_DATA_PLANE``, :func:`data_plane`)."""
 
     keys: JobKeys
     role: Role
+    data_plane: DataPlane = field(default_factory=data_plane)
 
     def __post_init__(self) -> None:
         self.keys.pair(self.role).require_secret(self.role)
@@ -315,14 +374,16 @@ class ZapHandler:
         """The reply to one ZAP request: ``[version, id, status, text, user id, metadata]``."""
         if len(request) < 6:
             return [_ZAP_VERSION, b"", b"500", b"malformed ZAP request", b"", b""]
-        version, request_id, _domain, address, _identity, mechanism = request[:6]
+        version, request_id, domain, address, _identity, mechanism = request[:6]
         peer = address.decode("utf-8", "replace") or "?"
         if version != _ZAP_VERSION:
             return [_ZAP_VERSION, request_id, b"500", b"unsupported ZAP version", b"", b""]
         with self._lock:
             keys = self.keys
-        role: Role | None = None
-        if mechanism != b"CURVE":
+        role: Role | Literal["data"] | None = None
+        if mechanism == b"PLAIN" and domain == DATA_ZAP_DOMAIN.encode():
+            role, reason = self._data_member(keys, request)
+        elif mechanism != b"CURVE":
             reason = f"mechanism {mechanism.decode('ascii', 'replace')} (the job speaks CURVE only)"
         elif len(request) < 7 or len(request[6]) != 32:
             reason = "malformed CURVE credentials"
@@ -337,6 +398,17 @@ class ZapHandler:
         with self._lock:
             self.admitted[role] += 1
         return [_ZAP_VERSION, request_id, b"200", b"OK", role.encode(), b""]
+
+    @staticmethod
+    def _data_member(keys: JobKeys | None, request: list[bytes]) -> tuple[Literal["data"] | None, str]:
+        """A PLAIN data connection: admitted as ``data`` (a member of the job, role unknown) by the token."""
+        if keys is None:
+            return None, "no job keys loaded yet"
+        if len(request) < 8:
+            return None, "malformed PLAIN credentials"
+        if keys.worker.secret is None or not hmac.compare_digest(request[7], data_token(keys)):
+            return None, "a data-plane token that is not the job's"
+        return "data", ""
 
     def _refuse(self, peer: str, reason: str) -> None:
         refusals.REFUSALS.count("connection", reason)  # the process's count, for /metrics
@@ -386,5 +458,30 @@ def secure_client(sock: zmq.Socket[bytes], credentials: Credentials) -> None:
     sock.setsockopt(zmq.CURVE_SERVERKEY, credentials.keys.server.public.encode())
 
 
+def secure_data_server(sock: zmq.Socket[bytes], credentials: Credentials) -> None:
+    """A data channel's serving socket: CURVE, or PLAIN on :data:`DATA_ZAP_DOMAIN` ([Note: the data plane's
+    two modes])."""
+    if credentials.data_plane == "encrypted":
+        secure_server(sock, credentials)
+        return
+    ensure_zap_handler(sock.context, credentials.keys)
+    sock.setsockopt(zmq.ZAP_DOMAIN, DATA_ZAP_DOMAIN.encode())
+    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+
+
+def secure_data_client(sock: zmq.Socket[bytes], credentials: Credentials) -> None:
+    """A data channel's connecting socket, in the mode of the server's (the job's) data plane."""
+    if credentials.data_plane == "encrypted":
+        secure_client(sock, credentials)
+        return
+    sock.setsockopt(zmq.PLAIN_USERNAME, credentials.role.encode())
+    sock.setsockopt(zmq.PLAIN_PASSWORD, data_token(credentials.keys))
+
+
 def is_curve_server(sock: zmq.Socket[bytes]) -> bool:
     return bool(sock.getsockopt(zmq.CURVE_SERVER))
+
+
+def authenticates(sock: zmq.Socket[bytes]) -> bool:
+    """Whether ``sock`` admits only the job's peers (a CURVE server, or a PLAIN data server of the job)."""
+    return is_curve_server(sock) or bool(sock.getsockopt(zmq.PLAIN_SERVER))

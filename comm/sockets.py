@@ -13,8 +13,10 @@ Every socket made here has:
 * the job's authentication, once the process installed its credentials
   (:func:`comm.auth.install`): a socket made with ``curve="server"`` is a CURVE server whose
   clients the one ZAP handler admits, one made with ``curve="client"`` presents the
-  process's role key. :func:`bind_port` refuses to bind a TCP socket that is not a CURVE
-  server while credentials are installed, so no socket serves outsiders by omission.
+  process's role key. A data channel's socket (``plane="data"``) follows the job's data-plane
+  mode instead (CURVE, or PLAIN with the job's token: [Note: the data plane's two modes] in
+  ``comm/auth.py``). :func:`bind_port` refuses to bind a TCP socket that does not
+  authenticate while credentials are installed, so no socket serves outsiders by omission.
 
 High-water-mark policy (messages, per peer connection):
 
@@ -43,6 +45,7 @@ __all__ = [
     "DATA_HWM",
     "DATA_MAX_MESSAGE",
     "Curve",
+    "Plane",
     "SocketLimits",
     "bind_port",
     "default_host",
@@ -65,6 +68,8 @@ CONTROL_HWM = 10_000
 
 Curve = Literal["server", "client"]
 """The side a socket takes in the job's CURVE authentication (see :func:`make_socket`)."""
+Plane = Literal["control", "data"]
+"""What a socket carries: control messages (always CURVE) or tensors (the data-plane mode)."""
 
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
 
@@ -101,6 +106,7 @@ def make_socket(
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
     identity: bytes | None = None,
     curve: Curve | None = None,
+    plane: Plane = "control",
 ) -> zmq.Socket[bytes]:
     """Create a ZeroMQ socket of ``kind`` (``zmq.PUSH``, ``zmq.ROUTER``, ...) with cellmesh's limits.
 
@@ -108,6 +114,8 @@ def make_socket(
     ``"server"`` for one that binds and serves, ``"client"`` for one that connects. With
     credentials installed (:func:`comm.auth.installed`) it then speaks the job's CURVE;
     without, it is a plain socket. In-process sockets (``inproc://``) leave it None.
+    ``plane="data"`` marks a data channel's socket, which speaks the job's data-plane mode
+    (``CELLMESH_DATA_PLANE``: CURVE by default, or PLAIN with the job's token).
     """
     limits = limits or SocketLimits.control()
     sock = (context or shared_context()).socket(kind)
@@ -122,9 +130,9 @@ def make_socket(
         sock.setsockopt(zmq.IDENTITY, identity)
     credentials = auth.installed()
     if credentials is not None and curve == "server":
-        auth.secure_server(sock, credentials)
+        (auth.secure_data_server if plane == "data" else auth.secure_server)(sock, credentials)
     elif credentials is not None and curve == "client":
-        auth.secure_client(sock, credentials)
+        (auth.secure_data_client if plane == "data" else auth.secure_client)(sock, credentials)
     return sock
 
 
@@ -143,7 +151,7 @@ def bind_port(sock: zmq.Socket[bytes], host: str | None = None, port: int = 0) -
     """Bind ``sock`` to ``port`` on ``host`` (0: a free one; ``host`` defaults to
     :func:`default_host`); return the ``tcp://host:port`` address peers connect to."""
     host = host or default_host()
-    if auth.installed() is not None and not auth.is_curve_server(sock):
+    if auth.installed() is not None and not auth.authenticates(sock):
         raise RuntimeError(f"refusing to bind tcp://{host}:{port or '*'} without authentication: the "
                            "socket was not made with make_socket(..., curve='server') while the job's "
                            "credentials are installed")

@@ -11,6 +11,10 @@ address it was given::
     connect_registry("memory://")               # a new in-process MemoryRegistry
     connect_registry("tcp://127.0.0.1:5555")    # a RegistryServer's address
     connect_registry("etcd://10.0.0.7:2379")    # an etcd cluster member
+    connect_registry("etcd://etcd:2379?ca=/certs/ca.pem&cert=/certs/c.pem&key=/certs/c.key")  # over TLS
+
+An etcd URL's options (TLS files, a user whose password comes from the environment) are
+``comm/registry/etcd_options.py``'s.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from comm.registry.base import (
     Watch,
     WatchEvent,
 )
+from comm.registry.etcd_options import etcd_options
 from comm.registry.memory import MemoryRegistry
 from comm.registry.remote import DEFAULT_REQUEST_TIMEOUT, RemoteRegistry
 from comm.registry.server import RegistryServer
@@ -58,7 +63,8 @@ def connect_registry(url: str, *, request_timeout: timedelta = DEFAULT_REQUEST_T
 
     Args:
         url: ``memory://`` (a new, empty in-process registry), ``tcp://host:port`` (a
-            :class:`RegistryServer`) or ``etcd://host[:port]`` (port 2379 by default).
+            :class:`RegistryServer`) or ``etcd://host[:port][?ca=...&cert=...&key=...&user=...]``
+            (port 2379 by default; options: :mod:`comm.registry.etcd_options`).
 
     Keyword Args:
         request_timeout: the bound on each request of the remote backends (default 10 s).
@@ -67,7 +73,8 @@ def connect_registry(url: str, *, request_timeout: timedelta = DEFAULT_REQUEST_T
     server shows as :class:`comm.errors.RegistryTimeoutError` on the first call.
 
     Raises:
-        ValueError: for another scheme, or a ``tcp://`` URL without host and port.
+        ValueError: for another scheme, a ``tcp://`` URL without host and port, or an etcd URL
+            whose options are wrong or whose user has no password set (naming the fix).
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -88,11 +95,13 @@ def connect_registry(url: str, *, request_timeout: timedelta = DEFAULT_REQUEST_T
             port = None
         if not parts.hostname:
             raise ValueError(f"registry URL {url!r}: an etcd:// URL needs a host (etcd://host:port)")
+        options = etcd_options(url, parts)
         try:
             from comm.registry.etcd import EtcdRegistry
         except ImportError as exc:
             raise ImportError(f"registry URL {url!r}: the etcd backend needs the etcd3 package ({exc}); "
                               "install it with `pip install 'cellmesh[etcd]'`") from exc
-        return EtcdRegistry(parts.hostname, port or _ETCD_DEFAULT_PORT, request_timeout=request_timeout)
+        return EtcdRegistry(parts.hostname, port or _ETCD_DEFAULT_PORT, request_timeout=request_timeout,
+                            options=options)
     accepted = ", ".join(f"{s}://" for s in SCHEMES)
     raise ValueError(f"registry URL {url!r}: unknown scheme {parts.scheme!r}; accepted: {accepted}")

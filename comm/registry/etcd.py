@@ -14,7 +14,9 @@ What a cluster uses (the embedded registry is for local runs). Mapping:
 * watches: :class:`~comm.registry.etcd_watch.EtcdWatch`, see [Note: resuming etcd watches]
   in ``comm/registry/etcd_watch.py``.
 
-How the package's client is used: [Note: etcd3 0.12 workarounds] in ``comm/registry/etcd_grpc.py``.
+How the package's client is used: [Note: etcd3 0.12 workarounds] in ``comm/registry/etcd_grpc.py``;
+TLS, client certificates and users: [Note: etcd TLS and users] there and
+``comm/registry/etcd_options.py``.
 """
 
 from __future__ import annotations
@@ -29,12 +31,22 @@ import grpc
 
 from comm.errors import RegistryError, RegistryTimeoutError
 from comm.registry.base import KeyValue, Lease, Registry
-from comm.registry.etcd_grpc import GRPC_OPTIONS, etcd3, etcdrpc, prefix_end, status_name
+from comm.registry.etcd_grpc import (
+    EtcdLogin,
+    TokenCheckedStream,
+    etcdrpc,
+    open_client,
+    prefix_end,
+    status_name,
+)
+from comm.registry.etcd_options import EtcdOptions
 from comm.registry.etcd_watch import EtcdWatch, WatchRetry
 
-__all__ = ["DEFAULT_REQUEST_TIMEOUT", "MIN_TTL", "EtcdLease", "EtcdRegistry"]
+__all__ = ["DEFAULT_REQUEST_TIMEOUT", "MIN_TTL", "REVISION_RANGE", "EtcdLease", "EtcdRegistry"]
 
 DEFAULT_REQUEST_TIMEOUT = timedelta(seconds=10)
+REVISION_RANGE = b"/cellmesh/"
+"""The keys :meth:`EtcdRegistry.revision` counts: every cellmesh key is under them."""
 MIN_TTL = timedelta(seconds=2)
 """etcd's smallest lease TTL with its default election timeout (1 s): 1.5 x 1 s, rounded up."""
 
@@ -74,9 +86,14 @@ class EtcdRegistry(Registry):
         request_timeout: the bound on every call (default 10 s), including the wait for
             a reconnecting channel.
         watch_retry: how watches reconnect after etcd restarts (see :class:`WatchRetry`).
+        options: TLS files and the user to log in as (:class:`EtcdOptions`; default: plain, no login).
 
-    Creating the registry does not contact etcd (gRPC connects lazily); the first call
-    to an unreachable etcd raises :class:`RegistryTimeoutError` after ``request_timeout``.
+    Creating the registry does not contact etcd (gRPC connects lazily, and a user logs in
+    on the first call); the first call to an unreachable etcd raises
+    :class:`RegistryTimeoutError` after ``request_timeout``.
+
+    Raises:
+        ValueError: ``request_timeout`` is not positive, or a TLS file cannot be read.
     """
 
     def __init__(
@@ -86,6 +103,7 @@ class EtcdRegistry(Registry):
         *,
         request_timeout: timedelta = DEFAULT_REQUEST_TIMEOUT,
         watch_retry: WatchRetry | None = None,
+        options: EtcdOptions | None = None,
     ) -> None:
         if request_timeout <= timedelta(0):
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
@@ -93,9 +111,9 @@ class EtcdRegistry(Registry):
         self.request_timeout = request_timeout
         self.watch_retry = watch_retry or WatchRetry()
         self._timeout = request_timeout.total_seconds()
-        self._client: Any = etcd3.client(
-            host=host, port=port, timeout=self._timeout, grpc_options=GRPC_OPTIONS
-        )
+        self.options = options or EtcdOptions()
+        self._client: Any = open_client(host, port, self.options, self._timeout)
+        self._login = EtcdLogin(self._client.channel, self.endpoint, self.options, self._timeout)
         self._kv: Any = self._client.kvstub
         self._leases: Any = self._client.leasestub
         self._watch_stub: Any = etcdrpc.WatchStub(self._client.channel)
@@ -104,17 +122,27 @@ class EtcdRegistry(Registry):
 
     # -- calls -------------------------------------------------------------------------
 
-    def _call_kwargs(self) -> dict[str, Any]:
-        return {"metadata": self._client.metadata, "credentials": self._client.call_credentials}
+    def _logged_in(self, what: str, call: Callable[[Any], Any]) -> Any:
+        """``call(metadata)`` with the user's token; once more after a new login if etcd refused the token."""
+        if self._closed:
+            raise RegistryError(f"etcd registry for {self.endpoint} is closed")
+        metadata = self._login.metadata()
+        try:
+            return call(metadata)
+        except grpc.RpcError as exc:
+            if status_name(exc)[0] != grpc.StatusCode.UNAUTHENTICATED or not self._login.forget(metadata):
+                raise self._translate(what, exc) from None
+        try:  # etcd restarted or the token expired: log in again, once
+            return call(self._login.metadata())
+        except grpc.RpcError as exc:
+            raise self._translate(what, exc) from None
 
     def _rpc(self, what: str, method: Callable[..., Any], request: Any) -> Any:
         """One unary call, waiting for a reconnecting channel (bounded by the timeout)."""
-        if self._closed:
-            raise RegistryError(f"etcd registry for {self.endpoint} is closed")
-        try:
-            return method(request, timeout=self._timeout, wait_for_ready=True, **self._call_kwargs())
-        except grpc.RpcError as exc:
-            raise self._translate(what, exc) from None
+        timeout = self._timeout
+        return self._logged_in(
+            what, lambda metadata: method(request, timeout=timeout, wait_for_ready=True, metadata=metadata)
+        )
 
     def _translate(self, what: str, exc: grpc.RpcError) -> RegistryError:
         code, name = status_name(exc)
@@ -123,7 +151,11 @@ class EtcdRegistry(Registry):
             return RegistryTimeoutError(
                 f"etcd at {self.endpoint}: {what} did not complete within {self._timeout:.1f}s ({details})"
             )
-        return RegistryError(f"etcd at {self.endpoint}: {what} failed: {name}: {details}")
+        hint = ""
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            hint = (f" (connected with {self.options.describe()}: grant that etcd user a role with readwrite "
+                    "on the job's keys, /cellmesh/)")
+        return RegistryError(f"etcd at {self.endpoint}: {what} failed: {name}: {details}{hint}")
 
     # -- key-value ---------------------------------------------------------------------
 
@@ -173,7 +205,14 @@ class EtcdRegistry(Registry):
         return bool(response.succeeded)
 
     def revision(self) -> int:
-        request = etcdrpc.RangeRequest(key=b"\0", count_only=True)
+        """The store's revision (a linearizable read).
+
+        Any range's header carries it; this one counts ``/cellmesh/``, which a job's etcd user
+        may read (docs/security.md), where the range of every key needs etcd's root.
+        """
+        request = etcdrpc.RangeRequest(
+            key=REVISION_RANGE, range_end=prefix_end(REVISION_RANGE), count_only=True
+        )
         return int(self._rpc("revision", self._kv.Range, request).header.revision)
 
     # -- leases ------------------------------------------------------------------------
@@ -195,36 +234,38 @@ class EtcdRegistry(Registry):
 
     def _refresh_lease(self, lease_id: int) -> None:
         what = f"refresh of lease {lease_id:#x}"
-        if self._closed:
-            raise RegistryError(f"etcd registry for {self.endpoint} is closed")
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
-        # A keep-alive is a stream; one request, one response, then we hang up.
-        responses = self._leases.LeaseKeepAlive(
-            iter([request]), timeout=self._timeout, wait_for_ready=True, **self._call_kwargs()
-        )
-        try:
-            response = next(responses)
-        except StopIteration:
-            raise RegistryError(f"etcd at {self.endpoint}: {what}: no answer") from None
-        except grpc.RpcError as exc:
-            raise self._translate(what, exc) from None
-        finally:
-            responses.cancel()
+
+        def keep_alive(metadata: Any) -> Any:
+            # A keep-alive is a stream; one request, one response, then we hang up.
+            responses = self._leases.LeaseKeepAlive(
+                iter([request]), timeout=self._timeout, wait_for_ready=True, metadata=metadata
+            )
+            try:
+                return next(responses, None)
+            finally:
+                responses.cancel()
+
+        response = self._logged_in(what, keep_alive)
+        if response is None:
+            raise RegistryError(f"etcd at {self.endpoint}: {what}: no answer")
         if int(response.TTL) <= 0:  # etcd's answer for a lease it does not know
             raise RegistryError(f"etcd at {self.endpoint}: lease {lease_id:#x} expired; grant a new one")
 
     def _revoke_lease(self, lease_id: int) -> None:
         what = f"revoke of lease {lease_id:#x}"
-        if self._closed:
-            raise RegistryError(f"etcd registry for {self.endpoint} is closed")
         request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
-        try:
-            self._leases.LeaseRevoke(
-                request, timeout=self._timeout, wait_for_ready=True, **self._call_kwargs()
-            )
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: already revoked or expired
-                raise self._translate(what, exc) from None
+
+        def revoke(metadata: Any) -> None:
+            try:
+                self._leases.LeaseRevoke(
+                    request, timeout=self._timeout, wait_for_ready=True, metadata=metadata
+                )
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: already revoked or expired
+                    raise
+
+        self._logged_in(what, revoke)
 
     # -- watches -----------------------------------------------------------------------
 
@@ -246,8 +287,12 @@ class EtcdRegistry(Registry):
         return watch
 
     def _open_watch_stream(self, requests: Iterator[Any]) -> Any:
-        """One ``Watch`` RPC; see :class:`EtcdWatch` for why it has no deadline."""
-        return self._watch_stub.Watch(requests, **self._call_kwargs())
+        """One ``Watch`` RPC; see :class:`EtcdWatch` for why it has no deadline.
+
+        Logging in here may raise; the watch's reconnect loop then paces the next attempt.
+        """
+        metadata = self._login.metadata()
+        return TokenCheckedStream(self._watch_stub.Watch(requests, metadata=metadata), self._login, metadata)
 
     def close(self) -> None:
         if self._closed:

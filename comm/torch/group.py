@@ -6,6 +6,10 @@ communicators and any number of sub-groups.
 
 Setup: rank 0 starts a ``TCPStore`` on a free port and puts its address on its
 rendezvous card; the other ranks read it from :meth:`Rendezvous.gather` and connect. The
+store listens on the communicator's host only (:func:`comm.sockets.default_host`: loopback
+in a local run, the pod's address in a cluster): left to itself, torch's ``TCPStore``
+listens on every interface, so rank 0 binds the socket itself and hands it over
+(``master_listen_fd``). The
 process group meets over a ``PrefixStore`` named after the communicator, so sub-groups
 (made by ``TorchCommunicator.new_group``) reuse the same store under fresh names.
 
@@ -16,6 +20,9 @@ first).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -137,7 +144,7 @@ def join(
         master: TCPStore | None = None
         card: dict[str, Any] = {"backend": backend}
         if rank == 0:
-            master = _tcp_store(host, 0, world_size, is_master=True, timeout=timeout)
+            master = _serve_store(host, world_size, timeout)
             card["store"] = f"{host}:{master.port}"
         rendezvous.publish(card)
         cards = rendezvous.gather(timeout)
@@ -149,7 +156,7 @@ def join(
                 )
         if master is None:
             store_host, _, port = str(cards[0]["store"]).rpartition(":")
-            store: Store = _tcp_store(store_host, int(port), world_size, is_master=False, timeout=timeout)
+            store: Store = _join_store(store_host, int(port), world_size, timeout)
         else:
             store = master
         pg = build("create", make, store, WORLD, rank, world_size, timeout, host)
@@ -159,11 +166,44 @@ def join(
     return Joined(store=store, pg=pg, rendezvous=rendezvous, host=host)
 
 
-def _tcp_store(
-    host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta
-) -> TCPStore:
+def _listen(host: str) -> socket.socket:
+    """A TCP socket listening on ``host`` alone, on a free port.
+
+    Raises:
+        CommError: ``host`` does not resolve or cannot be bound.
+    """
     try:
-        return TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=False)
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise CommError(f"could not listen for the rendezvous TCPStore on {host}: {exc}") from exc
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise CommError(f"could not listen for the rendezvous TCPStore on {host}: {exc}") from exc
+    return sock
+
+
+def _join_store(host: str, port: int, world_size: int, timeout: timedelta) -> TCPStore:
+    """A client of rank 0's store at ``host:port``."""
+    try:
+        return TCPStore(host, port, world_size, False, timeout=timeout, wait_for_workers=False)
     except RuntimeError as exc:
-        role = "start" if is_master else f"reach rank 0's store at {host}:{port} for"
-        raise CommError(f"could not {role} the rendezvous TCPStore: {exc}") from exc
+        raise CommError(f"could not reach rank 0's store at {host}:{port} for the rendezvous TCPStore: "
+                        f"{exc}") from exc
+
+
+def _serve_store(host: str, world_size: int, timeout: timedelta) -> TCPStore:
+    """Rank 0's store, listening on a free port of ``host`` alone."""
+    listener = _listen(host)
+    bound = int(listener.getsockname()[1])
+    fd = listener.detach()  # the store owns the descriptor from here on and closes it with itself
+    try:
+        return TCPStore(host, bound, world_size, True, timeout=timeout, wait_for_workers=False,
+                        master_listen_fd=fd)
+    except RuntimeError as exc:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise CommError(f"could not start the rendezvous TCPStore on {host}:{bound}: {exc}") from exc

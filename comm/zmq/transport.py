@@ -156,7 +156,7 @@ class Transport:
             if peer == self.rank:
                 continue
             ch = _Channel(peer)
-            ch.pull = make_socket(zmq.PULL, SocketLimits.data(), curve="server")
+            ch.pull = make_socket(zmq.PULL, SocketLimits.data(), curve="server", plane="data")
             tcp[str(peer)] = bind_port(ch.pull, self.host)
             if self.transport != "tcp":
                 path = os.path.join(tempfile.gettempdir(), f"cm-{uuid.uuid4().hex[:16]}.sock")
@@ -181,7 +181,7 @@ class Transport:
             ipc = card.get("ipc", {}).get(str(self.rank))
             use_ipc = self.transport != "tcp" and ipc and card.get("host_key") == mine
             address = ipc if use_ipc else card["data"][str(self.rank)]
-            ch.push = make_socket(zmq.PUSH, SocketLimits.data(), curve="client")
+            ch.push = make_socket(zmq.PUSH, SocketLimits.data(), curve="client", plane="data")
             ch.push.connect(address)
             ch.address = address
             inbox = card.get("shm", {}).get(str(self.rank))

@@ -3,10 +3,13 @@
 Workers never receive code: a job names each factory as ``"package.module:function"``. A
 user may pass the function object instead; :func:`factory_path` turns it into that name
 and checks it resolves to the same object (so a lambda, a nested function or a function
-defined in ``__main__`` is refused with the fix). The builders here run the factories in
-the coordinator's process exactly as a worker's stage does (``services/compute/stage.py``):
-seeded in a forked RNG, so the coordinator's copy of the model has the parameters every
-worker builds.
+defined in ``__main__`` is refused with the fix). Names resolve through
+``services/factories.py``, as on the workers (the same rules: never the standard library,
+never through another module). The builders here run the factories in the coordinator's
+process exactly as a worker's stage does (``services/compute/stage.py``): seeded in a
+forked RNG, so the coordinator's copy of the model has the parameters every worker builds.
+A worker builds only the factories of its job: :func:`job_factories` is the list a local
+run's workers are started with.
 
 [Note: where a job's modules are found] A job's own modules live in its ``code_dir`` (the
 config's ``runtime.code_dir``; ``cellmesh run`` sets it to the job file's directory). The
@@ -33,12 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from coordinator.planning.config import JobConfig
 from coordinator.runtime.errors import JobError, located
 from services.compute.cell import Cell, as_cells
-from services.compute.stage import SampleError, SampleSource, import_object
+from services.compute.stage import SampleError, SampleSource
+from services.factories import factories_in_spec, resolve
 
-__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "cells_of", "factory_path", "job_imports",
-           "made_by", "seeded", "unwrapped"]
+__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "cells_of", "factory_path",
+           "job_factories", "job_imports", "made_by", "seeded", "unwrapped"]
 
 FactoryRef = str | Callable[..., Any]
 
@@ -76,7 +81,7 @@ def factory_path(ref: FactoryRef, *, what: str, code_dir: str | None = None) -> 
     """
     if isinstance(ref, str):
         with job_imports(code_dir):
-            import_object(ref, what=what)
+            resolve(ref, what=what)
         return ref
     module = getattr(ref, "__module__", None)
     qualname = getattr(ref, "__qualname__", None)
@@ -85,9 +90,14 @@ def factory_path(ref: FactoryRef, *, what: str, code_dir: str | None = None) -> 
                          "level in an importable module (not __main__, not a lambda or nested function) "
                          "or pass its 'package.module:function' name")
     path = f"{module}:{qualname}"
-    if import_object(path, what=what) is not ref:
+    if resolve(path, what=what) is not ref:
         raise ValueError(f"{what} {path!r} does not resolve to the object given; pass its name instead")
     return path
+
+
+def job_factories(config: JobConfig) -> list[str]:
+    """The factories ``config`` names (model, data, loss: every section's): all its workers may build."""
+    return factories_in_spec(config.model_dump())
 
 
 def seeded(seed: int, fn: Callable[[], Any]) -> Any:
@@ -125,7 +135,7 @@ def build_cells(path: str, kwargs: Mapping[str, Any], seed: int) -> tuple[nn.Mod
         ValueError: The factory does not import.
         JobError: The factory raised, or its result has no cells.
     """
-    factory = import_object(path, what="model factory")
+    factory = resolve(path, what="model factory")
     made = made_by(path, "model", lambda: seeded(seed, lambda: factory(**kwargs)))
     cells = cells_of(path, made)
     return unwrapped(made), cells
@@ -152,7 +162,7 @@ def build_data(path: str, kwargs: Mapping[str, Any], seed: int) -> SampleSource:
         JobError: The factory raised, or returned neither a pair nor a loader, or inputs and
             targets of different lengths.
     """
-    data = import_object(path, what="data factory")
+    data = resolve(path, what="data factory")
     made = made_by(path, "data", lambda: seeded(seed, lambda: data(**kwargs)))
     try:
         return SampleSource(made, what=f"data factory {path!r}")
@@ -167,7 +177,7 @@ def build_loss(path: str, kwargs: Mapping[str, Any]) -> Callable[[Any, Any], tor
         ValueError: The factory does not import.
         JobError: The factory raised or returned something not callable.
     """
-    factory = import_object(path, what="loss factory")
+    factory = resolve(path, what="loss factory")
     made = made_by(path, "loss", lambda: factory(**kwargs))
     if not callable(made):
         raise JobError(f"loss factory {path!r} returned a {type(made).__name__}, not a callable "

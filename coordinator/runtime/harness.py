@@ -13,7 +13,10 @@ a ``log_dir`` the files go to a temporary directory that :meth:`LocalHarness.clo
 when every worker exited cleanly and keeps (and names in a warning) when one did not; a
 worker that exits before registering is reported with the end of its log.
 
-Trust: the harness makes the job's keys (:class:`comm.auth.JobKeys`) and installs the
+Trust: a worker builds only the factories the harness names (``factories``: the job's,
+:func:`coordinator.runtime.factories.job_factories`; a harness shared by several jobs names
+all of theirs), passed as ``--factory`` at start; any other name in an assignment is refused
+(``services/factories.py``). The harness makes the job's keys (:class:`comm.auth.JobKeys`) and installs the
 coordinator's credentials in this process before it serves anything, so every socket of the
 run speaks CURVE and only the job is served; the workers get their copy (no coordinator
 secret) in a private temporary directory (``CELLMESH_KEYS_DIR``), removed at close. The
@@ -74,6 +77,8 @@ class LocalHarness:
         lease_ttl: A worker's card vanishes this long after its process stops renewing it.
         threads: ``OMP_NUM_THREADS`` of each worker (torch's intra-op threads).
         python_path: Directories the workers need on ``sys.path`` (where the job's factories live).
+        factories: The ``"package.module:function"`` names the workers may build (none: they build
+            barriers and parameter servers only).
         env: Extra environment variables for the workers.
         start_timeout: Bounds starting every worker until its card is registered.
         grace: How long :meth:`close` waits for workers to drain before killing them.
@@ -85,7 +90,7 @@ class LocalHarness:
                  threads: int = 1, python_path: Iterable[str] = (), env: Mapping[str, str] | None = None,
                  start_timeout: timedelta = DEFAULT_START_TIMEOUT,
                  grace: timedelta = timedelta(seconds=5), log_dir: Path | None = None,
-                 secure: bool = True) -> None:
+                 secure: bool = True, factories: Iterable[str] = ()) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"worker names must be non-empty and unique, got {list(names)}")
         self.names = list(names)
@@ -93,6 +98,7 @@ class LocalHarness:
         self.lease_ttl = lease_ttl
         self.threads = threads
         self.python_path = list(python_path)
+        self.factories = sorted(set(factories))
         self.env = dict(env or {})
         self.start_timeout = start_timeout
         self.grace = grace
@@ -141,12 +147,13 @@ class LocalHarness:
             env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), **child_env(), **extra_env, **self.env}
             paths = [*self.python_path, os.getcwd(), env.get("PYTHONPATH", "")]
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+            allowed = [arg for factory in self.factories for arg in ("--factory", factory)]
             for name in self.names:
                 with open(self.log_path(name), "ab") as output:  # the child keeps its own descriptor
                     self.procs[name] = subprocess.Popen(
                         [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
                          "--job", self.job, "--name", name,
-                         "--lease-ttl", str(self.lease_ttl.total_seconds())],
+                         "--lease-ttl", str(self.lease_ttl.total_seconds()), *allowed],
                         env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                         start_new_session=True)
             self._wait_registered()

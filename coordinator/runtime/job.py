@@ -57,7 +57,7 @@ from coordinator.planning.request import batch_note
 from coordinator.planning.resources import Resources
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import RunSpec, Runtime, StepRecord
-from coordinator.runtime.factories import build_cells, build_data, factory_path
+from coordinator.runtime.factories import build_cells, build_data, factory_path, job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import Checked, check_job, model_structure
@@ -323,7 +323,8 @@ class _Session:
             code_dir = [runtime.code_dir] if runtime.code_dir is not None else []
             lease_ttl = timedelta(seconds=runtime.lease_ttl_s)
             pool = self.local = LocalHarness(names, job=job.name, lease_ttl=lease_ttl, threads=threads,
-                                             python_path=code_dir, log_dir=job.log_dir)
+                                             python_path=code_dir, log_dir=job.log_dir,
+                                             factories=job_factories(job.config))
         self.harness: WorkerPool = pool
         missing = sorted({w for r in self.plan.placement for w in r}
                          - set(self.harness.names))

@@ -46,7 +46,8 @@ from coordinator.planning.resources import Resources
 from coordinator.runtime.errors import JobError, first_line, located
 from coordinator.runtime.factories import build_cells, build_data, build_loss, cells_of, seeded, unwrapped
 from services.compute.cell import Cell
-from services.compute.stage import SampleError, import_object
+from services.compute.stage import SampleError
+from services.factories import resolve
 
 __all__ = ["Checked", "cell_bytes", "check_job", "model_structure", "sample_size"]
 
@@ -86,7 +87,7 @@ def cell_bytes(cells: Sequence[Cell]) -> tuple[CellBytes, ...]:
 
 def _on_meta(path: str, kwargs: Mapping[str, Any], seed: int) -> Any | None:
     """The model factory's result built on the meta device (no memory), or None if it does not build there."""
-    factory = import_object(path, what="model factory")
+    factory = resolve(path, what="model factory")
     try:
         with torch.device("meta"):
             return seeded(seed, lambda: factory(**kwargs))

@@ -64,6 +64,7 @@ from comm.rpc import Call, RpcError, ServiceBase
 from services.compute.actions import validate_stage
 from services.compute.executor import StepExecutor, StepFailed
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
+from services.factories import FactoryAllowList
 from services.link import PipelineLink
 from services.params.grad_path import build_path
 from services.protocol import (
@@ -121,8 +122,10 @@ class CellComputeService(ServiceBase):
         self._path = build_path(stage.module, options)
 
     @classmethod
-    def from_assignment(cls, assignment: Assignment) -> CellComputeService:
+    def from_assignment(cls, assignment: Assignment, factories: FactoryAllowList) -> CellComputeService:
         """Build the stage (synchronously, so factory errors answer the assignment) and start connecting.
+
+        Only the factories ``factories`` allows are resolved (the worker's job's).
 
         Raises:
             RpcError: ``bad_request`` naming the bad option or factory.
@@ -132,7 +135,7 @@ class CellComputeService(ServiceBase):
         except ValidationError as exc:
             raise RpcError("bad_request", f"compute options: {describe_validation_error(exc)}") from None
         try:
-            stage = build_stage(assignment, options)
+            stage = build_stage(assignment, options, factories)
             service = cls(stage, options)
         except ValueError as exc:  # a factory, the cell range or the registry URL
             raise RpcError("bad_request", f"stage {options.stage}: {exc}") from None

@@ -1,7 +1,9 @@
 """One pipeline stage built from an assignment: its cells, and on the ends the samples and the loss.
 
 Factories are named, never shipped: ``"package.module:function"`` (``Assignment.factory``,
-``ComputeOptions.data`` and ``ComputeOptions.loss``), imported by the worker. Contracts:
+``ComputeOptions.data`` and ``ComputeOptions.loss``), resolved by the worker through its
+allow-list (``services/factories.py``): a name that is not one of its job's factories is
+refused before anything is imported. Contracts:
 
 * model factory ``f(**factory_kwargs)`` returns the whole model as a sequence of modules
   or cells (see :func:`services.compute.cell.as_cells`); the stage keeps cells
@@ -20,7 +22,6 @@ Factories are named, never shipped: ``"package.module:function"`` (``Assignment.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from services.compute.cell import Cell, as_cells, cell_parameters
+from services.factories import FactoryAllowList
 from services.protocol import Assignment, BoundarySpec, ComputeOptions, OptimizerSpec
 
 __all__ = [
@@ -38,7 +40,6 @@ __all__ = [
     "Stage",
     "build_stage",
     "check_samples",
-    "import_object",
     "make_optimizer",
     "sample_count",
 ]
@@ -49,27 +50,6 @@ Loader = Callable[[list[int]], tuple[Any, Any]]
 
 class SampleError(ValueError):
     """The data factory's samples are inconsistent; the message names the factory and the lengths."""
-
-
-def import_object(path: str, *, what: str) -> Any:
-    """The object named ``"package.module:attribute"`` (attributes may be dotted).
-
-    Raises:
-        ValueError: The name is malformed, the module does not import, or lacks the attribute.
-    """
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {path!r}: expected 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"{what} {path!r}: cannot import {module_name!r}: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{what} {path!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def _seeded(seed: int, fn: Callable[[], Any]) -> Any:
@@ -206,14 +186,18 @@ class Stage:
         return out
 
 
-def build_stage(assignment: Assignment, options: ComputeOptions) -> Stage:
-    """Import the factories and build the stage an assignment describes.
+def build_stage(assignment: Assignment, options: ComputeOptions, factories: FactoryAllowList) -> Stage:
+    """Resolve the factories (only those ``factories`` allows) and build the stage an assignment describes.
+
+    Every name is checked against ``factories`` before any is imported.
 
     Raises:
-        ValueError: A factory does not import or returns the wrong kind of thing, or the
-            cell range does not fit the model.
+        ValueError: A factory is not one of the job's (:class:`~services.factories.FactoryError`),
+            does not import or returns the wrong kind of thing, or the cell range does not fit the model.
     """
-    factory = import_object(assignment.factory, what="model factory")
+    factories.require({"model factory": assignment.factory, "data factory": options.data,
+                       "loss factory": options.loss})
+    factory = factories.resolve(assignment.factory, what="model factory")
     cells = as_cells(_seeded(assignment.seed, lambda: factory(**options.factory_kwargs)))
     if len(assignment.cells) != 2 or not 0 <= assignment.cells[0] < assignment.cells[1] <= len(cells):
         raise ValueError(f"cells {assignment.cells} is not a [start, stop) range within the model's "
@@ -223,12 +207,12 @@ def build_stage(assignment: Assignment, options: ComputeOptions) -> Stage:
     first, last = options.stage == 0, options.stage == options.num_stages - 1
     samples = None
     if first or last:
-        data = import_object(options.data, what="data factory")
+        data = factories.resolve(options.data, what="data factory")
         samples = SampleSource(_seeded(assignment.seed, lambda: data(**options.data_kwargs)),
                                what=f"data factory {options.data!r}")
     loss_fn: LossFn | None = None
     if last:
-        made = import_object(options.loss, what="loss factory")(**options.loss_kwargs)
+        made = factories.resolve(options.loss, what="loss factory")(**options.loss_kwargs)
         if not callable(made):
             raise ValueError(f"loss factory {options.loss!r} returned a {type(made).__name__}, "
                              "not a callable")

@@ -6,6 +6,13 @@ attached to a lease it renews by heartbeat; if the process dies, the lease lapse
 card vanishes (the coordinator's watch sees it go). Services arrive by message
 (:class:`~services.protocol.Assignment`), naming an importable factory, never code.
 
+A worker builds only its own job's factories: those of the job spec it was started with
+(``--job-spec``, the file a pod mounts from the job's ConfigMap) or named one by one
+(``--factory``, what a local run's harness passes). Any other name in an assignment is
+refused with an error reply naming it, before anything is imported, whoever sent it
+(``services/factories.py``). Started with neither, the worker builds no factory at all
+(barriers and parameter servers need none).
+
 SIGTERM (and SIGINT) drain the worker: it stops taking assignments, lets the request in
 hand finish, closes its services, deletes its card, revokes its lease and exits 0.
 
@@ -30,6 +37,7 @@ import signal
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from types import FrameType
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -41,36 +49,38 @@ from comm.logs import configure_logging, set_process_context
 from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
 from comm.rpc import Call, RpcError, ServiceBase, ServiceHost
+from services.factories import FactoryAllowList, FactoryError, spec_factories
 from services.host.health import HealthServer, RefusalsCollector
 from services.host.launch import LaunchEnv, LaunchEnvError, read_launch_env
 from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus
 
-__all__ = ["SERVICE_BUILDERS", "Worker", "main", "worker_key"]
+__all__ = ["SERVICE_BUILDERS", "Worker", "allowed_factories", "main", "worker_key"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
 DEREGISTER_TIMEOUT = timedelta(seconds=3)
 
-ServiceBuilder = Callable[[Assignment], ServiceBase]
+ServiceBuilder = Callable[[Assignment, FactoryAllowList], ServiceBase]
+"""``build(assignment, factories)``: the service an assignment asks for, resolving only ``factories``."""
 
 
-def _build_barrier(assignment: Assignment) -> ServiceBase:
+def _build_barrier(assignment: Assignment, factories: FactoryAllowList) -> ServiceBase:
     from services.barrier import BarrierService
 
     return BarrierService()
 
 
-def _build_param_server(assignment: Assignment) -> ServiceBase:
+def _build_param_server(assignment: Assignment, factories: FactoryAllowList) -> ServiceBase:
     from services.params.server import ParamServerService
 
     return ParamServerService.from_assignment(assignment)
 
 
-def _build_compute(assignment: Assignment) -> ServiceBase:
+def _build_compute(assignment: Assignment, factories: FactoryAllowList) -> ServiceBase:
     from services.compute.service import CellComputeService
 
-    return CellComputeService.from_assignment(assignment)
+    return CellComputeService.from_assignment(assignment, factories)
 
 
 SERVICE_BUILDERS: dict[str, ServiceBuilder] = {
@@ -111,7 +121,7 @@ class _Control(ServiceBase):
             raise RpcError("bad_request", f"unknown service kind {request.kind!r}")
         if request.service in self.worker.host.names():
             raise RpcError("bad_request", f"service {request.service!r} is already hosted here")
-        service = builder(request)
+        service = builder(request, self.worker.factories)
         self.worker.host.add(request.service, service)
         self.worker.publish()
         log.info("[worker %s] hosting %s (%s)", self.worker.name, request.service, request.kind)
@@ -140,17 +150,19 @@ class Worker:
         name: this worker's unique name within the job.
         lease_ttl: the card vanishes this long after the process stops renewing it.
         host: the interface services bind to (:func:`comm.sockets.default_host` by default).
-    port: the port services are served on (0: one the OS chooses).
-    launch: rank, world size and resource limits from the environment (``services/host/launch.py``).
+        port: the port services are served on (0: one the OS chooses).
+        launch: rank, world size and resource limits from the environment (``services/host/launch.py``).
+        factories: the factories assignments may name (:func:`allowed_factories`); default none.
     """
 
     def __init__(self, registry: Registry, job: str, name: str, *,
                  lease_ttl: timedelta = DEFAULT_LEASE_TTL, host: str | None = None, port: int = 0,
-                 launch: LaunchEnv | None = None) -> None:
+                 launch: LaunchEnv | None = None, factories: FactoryAllowList | None = None) -> None:
         self.registry = registry
         self.job = job
         self.name = name
         self.launch = launch or LaunchEnv()
+        self.factories = factories or FactoryAllowList(frozenset(), "no --job-spec or --factory")
         self.host = ServiceHost(host, port)
         self.published = threading.Event()
         self.draining = threading.Event()
@@ -253,6 +265,21 @@ class Worker:
         return healthy
 
 
+def allowed_factories(job_spec: str | None, names: Sequence[str]) -> FactoryAllowList:
+    """What a worker started with ``--job-spec job_spec`` and ``--factory names`` may build.
+
+    Raises:
+        FactoryError: The spec cannot be read or names no factory, or a name is malformed or
+            names the standard library.
+    """
+    listed = list(names)
+    sources = [f"--factory {', '.join(names)}"] if names else []
+    if job_spec is not None:
+        listed += spec_factories(Path(job_spec))
+        sources.insert(0, f"the job spec {job_spec}")
+    return FactoryAllowList.of(listed, " and ".join(sources) or "no --job-spec or --factory")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cellmesh worker", description="run a cellmesh worker",
@@ -275,6 +302,11 @@ def _parser() -> argparse.ArgumentParser:
                                                      "else 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0,
                         help="port to serve services on (default: any free one)")
+    parser.add_argument("--job-spec", default=None, metavar="PATH",
+                        help="the job's spec file (YAML/JSON): the worker builds only the factories it "
+                             "names (a pod mounts it from the job's ConfigMap)")
+    parser.add_argument("--factory", action="append", default=[], metavar="MODULE:FUNCTION",
+                        help="a factory the worker may build (repeatable; with --job-spec: added to its)")
     parser.add_argument("--keys-dir", default=None,
                         help=f"the job's keys (default: ${auth.KEYS_DIR_ENV}; a local run makes them, a pod "
                              "mounts them from the job's Secret)")
@@ -307,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         auth.install(auth.credentials_for("worker", args.keys_dir, insecure=args.insecure))
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    try:
+        factories = allowed_factories(args.job_spec, args.factory)
+    except FactoryError as exc:
+        parser.error(str(exc))
     launch.export()  # RANK, WORLD_SIZE, ... for torch.distributed code in the job's factories
     tune_malloc()
     name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"
@@ -318,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     health: HealthServer | None = None
     try:
         worker = Worker(registry, job, name, lease_ttl=lease_ttl, host=args.host, port=args.port,
-                        launch=launch)
+                        launch=launch, factories=factories)
         if args.health_port is not None:
             health = HealthServer(live=worker.liveness, ready=worker.readiness, metrics=worker.metrics(),
                                   host=args.health_host or args.host, port=args.health_port).start()
@@ -329,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         worker.start()
         where = f" (probes at {health.url})" if health is not None else ""
-        log.info("cellmesh worker %s of job %s serving at %s%s", name, job, worker.host.address, where)
+        log.info("cellmesh worker %s of job %s serving at %s%s; builds %s", name, job, worker.host.address,
+                 where, ", ".join(sorted(factories.names)) or "no factory")
         if not worker.serve_forever():
             return 1
     except Exception:

@@ -10,6 +10,11 @@ Usage::
 The server's output goes to ``etcd.log`` in the data dir's parent; a start that fails
 raises with its tail. ``stop()`` (also on exit) terminates the process and deletes
 the directory.
+
+With ``tls`` (certificates of ``tests/harness/certs.py``) the server speaks TLS only and
+requires a client certificate its CA signed (``--client-cert-auth``); :meth:`EtcdServer.enable_auth`
+then turns on etcd's users, as an operator would (``etcdctl user add``, ``role grant-permission``,
+``auth enable``), through the gRPC API with the ``root`` client certificate.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
@@ -26,7 +32,9 @@ from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
+from comm.registry.etcd_grpc import etcd3, etcdrpc, prefix_end
 from comm.sockets import free_port
+from tests.harness.certs import Certs
 
 __all__ = ["ETCD_BINARY", "EtcdServer", "etcd_available"]
 
@@ -44,10 +52,15 @@ class EtcdServer:
 
     Args:
         start_timeout: how long :meth:`start` / :meth:`restart` wait for etcd to answer.
+        tls: serve TLS only, to clients with a certificate these certs' CA signed.
+        flags: more of etcd's flags (``--auth-token-ttl=1``).
     """
 
-    def __init__(self, *, start_timeout: timedelta = DEFAULT_START_TIMEOUT) -> None:
+    def __init__(self, *, start_timeout: timedelta = DEFAULT_START_TIMEOUT, tls: Certs | None = None,
+                 flags: tuple[str, ...] = ()) -> None:
         self.start_timeout = start_timeout
+        self.tls = tls
+        self.flags = flags
         self._root = Path(tempfile.mkdtemp(prefix="cellmesh-etcd-"))
         self.data_dir = self._root / "data"
         self.log_path = self._root / "etcd.log"
@@ -59,7 +72,7 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     @property
     def url(self) -> str:
@@ -92,7 +105,11 @@ class EtcdServer:
             "--initial-cluster-state=new",
             "--logger=zap",
             "--log-level=warn",
+            *self.flags,
         ]
+        if self.tls is not None:
+            args += [f"--cert-file={self.tls.server.cert}", f"--key-file={self.tls.server.key}",
+                     f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -113,7 +130,8 @@ class EtcdServer:
             if code is not None:
                 raise RuntimeError(f"etcd exited with code {code} while starting:\n{self._log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.client_url}/health", timeout=1) as response:
+                with urllib.request.urlopen(f"{self.client_url}/health", timeout=1,
+                                            context=self._ssl_context()) as response:
                     body = json.loads(response.read() or b"{}")
                 if body.get("health") == "true":
                     return
@@ -125,6 +143,39 @@ class EtcdServer:
             f"etcd on {self.client_url} did not become healthy within "
             f"{self.start_timeout.total_seconds():.0f}s ({last}):\n{self._log_tail()}"
         )
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        root = self.tls.clients["root"]
+        context.load_cert_chain(str(root.cert), str(root.key))
+        return context
+
+    def enable_auth(self, root_password: str, users: dict[str, tuple[str, str]]) -> None:
+        """Turn on etcd's users: ``root``, and each of ``users`` (name -> (password, key prefix)) with
+        a role of its own that may read and write that prefix only. Needs ``tls`` (a ``root`` client)."""
+        assert self.tls is not None, "enable_auth needs a TLS server (the root client certificate)"
+        root = self.tls.clients["root"]
+        client = etcd3.client(host="127.0.0.1", port=self.client_port, ca_cert=str(self.tls.ca),
+                              cert_key=str(root.key), cert_cert=str(root.cert), timeout=10)
+        try:
+            stub = etcdrpc.AuthStub(client.channel)
+            stub.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=root_password), timeout=10)
+            stub.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), timeout=10)
+            stub.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=10)
+            for name, (password, prefix) in users.items():
+                stub.UserAdd(etcdrpc.AuthUserAddRequest(name=name, password=password), timeout=10)
+                stub.RoleAdd(etcdrpc.AuthRoleAddRequest(name=name), timeout=10)
+                key = prefix.encode()
+                permission = etcdrpc.auth_pb2.Permission(permType=etcdrpc.auth_pb2.Permission.READWRITE,
+                                                         key=key, range_end=prefix_end(key))
+                stub.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name=name, perm=permission),
+                                         timeout=10)
+                stub.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=name, role=name), timeout=10)
+            stub.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=10)
+        finally:
+            client.close()
 
     def _log_tail(self, lines: int = 20) -> str:
         try:

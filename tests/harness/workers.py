@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -45,13 +45,24 @@ class WorkerProcess:
 
 
 def start_worker(registry_address: str, job: str, name: str, *, lease_ttl: float = 2.0,
-                 timeout: float = 30.0) -> WorkerProcess:
-    """Start a worker process and wait (bounded) until its card is in the registry."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", CELLMESH_LOG_LEVEL="WARNING")
+                 timeout: float = 30.0, factories: Sequence[str] = (), job_spec: str | None = None,
+                 env: Mapping[str, str] | None = None, insecure: bool = True) -> WorkerProcess:
+    """Start a worker process and wait (bounded) until its card is in the registry.
+
+    ``factories`` (``--factory``) and ``job_spec`` (``--job-spec``) are what it may build; ``env``
+    adds to its environment. ``insecure``: without keys (these tests' parts); else the worker
+    reads them from ``CELLMESH_KEYS_DIR`` in ``env``.
+    """
+    allowed = [arg for factory in factories for arg in ("--factory", factory)]
+    if insecure:
+        allowed.append("--insecure")
+    if job_spec is not None:
+        allowed += ["--job-spec", job_spec]
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.host.worker", "--registry", registry_address, "--job", job,
-         "--name", name, "--lease-ttl", str(lease_ttl), "--insecure"],  # these tests' parts run without keys
-        env=env, stdout=subprocess.DEVNULL,
+         "--name", name, "--lease-ttl", str(lease_ttl), *allowed],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CELLMESH_LOG_LEVEL": "WARNING", **(env or {})},
+        stdout=subprocess.DEVNULL,
     )
     registry = RemoteRegistry(registry_address)
     try:

@@ -2,7 +2,9 @@
 
 Each pod gets torchrun's and Kubeflow Trainer's variables (``RANK`` from the pod index,
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` = worker 0, ``PET_*``) and probes on the
-worker's own ``/readyz`` and ``/healthz``.
+worker's own ``/readyz`` and ``/healthz``. It mounts the job's spec (the ConfigMap the
+coordinator reads) and is started with ``--job-spec``: a worker builds only the factories that
+spec names (``services/factories.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from coordinator.commands.k8s.objects import (
     service,
     tmp_volume,
 )
-from coordinator.commands.k8s.options import KEYS_DIR, PORTS, USER_ID, RenderOptions
+from coordinator.commands.k8s.options import KEYS_DIR, PORTS, SPEC_DIR, USER_ID, RenderOptions
 
 __all__ = ["worker_objects"]
 
@@ -80,6 +82,8 @@ def worker_objects(o: RenderOptions, n: Names) -> list[Manifest]:
             str(PORTS["health"]),
             "--lease-ttl",
             "10",
+            "--job-spec",  # the factories it may build: those of this job's spec
+            f"{SPEC_DIR}/job.yaml",
         ],
         "env": variables,
         "ports": [
@@ -92,10 +96,12 @@ def worker_objects(o: RenderOptions, n: Names) -> list[Manifest]:
         "livenessProbe": http_probe("/healthz", "health", period=10, failures=3),
         "startupProbe": http_probe("/healthz", "health", period=2, failures=60),
         "securityContext": sc,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+        "volumeMounts": [{"name": "job", "mountPath": SPEC_DIR, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True}],
     }
-    pod = pod_spec(n.worker, pod_sc, container, volumes=[tmp_volume(), keys_volume(n.worker_keys)])
+    volumes = [{"name": "job", "configMap": {"name": n.config}}, tmp_volume(), keys_volume(n.worker_keys)]
+    pod = pod_spec(n.worker, pod_sc, container, volumes=volumes)
     if o.gpus_per_worker:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     stateful = {

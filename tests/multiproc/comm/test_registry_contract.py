@@ -6,7 +6,10 @@ Backends (the ``backend`` fixture):
 * ``remote`` — :class:`RemoteRegistry` to a :class:`RegistryServer` in this process;
 * ``remote-child`` — :class:`RemoteRegistry` to a server in a child process (really
   cross-process);
-* ``etcd`` — :class:`EtcdRegistry` to a real etcd (skipped only if ``etcd`` is absent).
+* ``etcd`` — :class:`EtcdRegistry` to a real etcd (skipped only if ``etcd`` is absent);
+* ``etcd-tls`` — the same over TLS with client certificates, logged in as a user whose
+  role may read and write every key under ``/`` (tests/multiproc/comm/test_etcd_tls.py
+  checks what such an etcd refuses).
 
 Lease tests use each backend's smallest TTL (0.5 s, etcd's 2 s) and let leases lapse
 rather than revoking them. etcd deletes a lapsed lease's keys up to ~1.5 s after the
@@ -50,6 +53,7 @@ from comm.registry import (
     connect_registry,
 )
 from comm.registry.etcd import EtcdRegistry
+from comm.registry.etcd_options import PASSWORD_ENV, PASSWORD_FILE_ENV
 from comm.registry.etcd_watch import WatchRetry
 from comm.registry.protocol import EventsReply, RevisionReply, WatchPollRequest
 from comm.registry.remote import RemoteLease
@@ -65,6 +69,7 @@ from comm.rpc import (
     reply_frames,
 )
 from comm.sockets import bind_port, make_socket
+from tests.harness.certs import make_certs, openssl_available
 from tests.harness.etcd import EtcdServer, etcd_available
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -172,6 +177,25 @@ def etcd_server() -> Iterator[EtcdServer]:
 
 
 @pytest.fixture(scope="module")
+def etcd_tls_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A TLS etcd with users on, and the URL of its user ``contract`` (the password in this process's
+    environment, so child processes have it too)."""
+    if not (etcd_available() and openssl_available()):
+        pytest.fail("the etcd server or openssl binary is not installed (`make test` installs etcd)")
+    root = tmp_path_factory.mktemp("etcd-tls")
+    certs = make_certs(root / "certs", clients=("root", "contract"))
+    password = root / "password"
+    password.write_text(uuid.uuid4().hex)
+    with EtcdServer(tls=certs) as server, pytest.MonkeyPatch.context() as env:
+        server.enable_auth(uuid.uuid4().hex, {"contract": (password.read_text(), "/")})
+        env.setenv(PASSWORD_FILE_ENV, str(password))
+        env.delenv(PASSWORD_ENV, raising=False)
+        client = certs.clients["contract"]
+        yield (f"etcd://127.0.0.1:{server.client_port}?ca={certs.ca}&cert={client.cert}&key={client.key}"
+               "&user=contract")
+
+
+@pytest.fixture(scope="module")
 def served() -> Iterator[RegistryServer]:
     server = RegistryServer().start()
     yield server
@@ -191,7 +215,8 @@ def child_server() -> Iterator[str]:
 
 
 @pytest.fixture(
-    scope="module", params=["memory", "remote", "remote-child", pytest.param("etcd", marks=pytest.mark.etcd)]
+    scope="module", params=["memory", "remote", "remote-child", pytest.param("etcd", marks=pytest.mark.etcd),
+                            pytest.param("etcd-tls", marks=pytest.mark.etcd)]
 )
 def backend(request: pytest.FixtureRequest) -> Backend:
     half_second = timedelta(milliseconds=500)
@@ -203,6 +228,10 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     if request.param == "remote-child":
         address = request.getfixturevalue("child_server")
         return Backend("remote-child", lambda: RemoteRegistry(address), address, half_second, half_second)
+    if request.param == "etcd-tls":
+        url = request.getfixturevalue("etcd_tls_url")
+        two = timedelta(seconds=2)
+        return Backend("etcd-tls", lambda: connect_registry(url), url, two, timedelta(seconds=2.5))
     etcd: EtcdServer = request.getfixturevalue("etcd_server")
     port = etcd.client_port
     return Backend(
@@ -358,7 +387,8 @@ def test_lease_revoke_deletes_keys_and_is_idempotent(registry: Registry, backend
 
 # an in-process registry has no other process whose death it could notice (lapse: see the lease tests)
 @pytest.mark.parametrize(
-    "backend", ["remote", "remote-child", pytest.param("etcd", marks=pytest.mark.etcd)], indirect=True
+    "backend", ["remote", "remote-child", pytest.param("etcd", marks=pytest.mark.etcd),
+                pytest.param("etcd-tls", marks=pytest.mark.etcd)], indirect=True
 )
 def test_killed_owner_key_vanishes(registry: Registry, backend: Backend, ns: str) -> None:
     assert backend.url is not None

@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.planning.resources import Resources
 from coordinator.runtime.driver import JobFailed
+from coordinator.runtime.factories import job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import Job
 
@@ -26,7 +27,8 @@ def test_worker_killed_mid_step_stops_the_job_naming_it(plan: dict[str, object])
     job = Job(model=f"{M}:slow_mlp", model_kwargs={"seconds": 0.3}, loss=f"{M}:mse", data=f"{M}:regression",
               global_batch=16, resources=Resources.local(2), step_timeout_s=60,
               lease_ttl_s=LEASE.total_seconds(), **plan)  # type: ignore[arg-type]
-    harness = LocalHarness(["local-0", "local-1"], job="t-faults", lease_ttl=LEASE)
+    harness = LocalHarness(["local-0", "local-1"], job="t-faults", lease_ttl=LEASE,
+                           factories=job_factories(job.config))
     killed_at: list[float] = []
 
     def kill_mid_step(record: object) -> None:

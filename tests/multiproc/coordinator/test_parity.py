@@ -42,7 +42,10 @@ DATA = {"mlp": ("regression", "mse"), "skip_model": ("regression", "mse"),
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    with LocalHarness([f"local-{i}" for i in range(4)], job="t-parity", lease_ttl=timedelta(seconds=2)) as h:
+    factories = [f"{M}:{name}" for name in ("mlp", "skip_model", "transformer", "regression", "tokens", "mse",
+                                            "token_loss", "failing_data")]  # every job of this module's
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-parity", lease_ttl=timedelta(seconds=2),
+                      factories=factories) as h:
         yield h
 
 

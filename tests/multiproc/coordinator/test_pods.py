@@ -24,7 +24,7 @@ from comm.registry import connect_registry
 from comm.rpc import RpcClient
 from coordinator.commands.cli import main as cli_main
 from coordinator.commands.jobspec import load_job
-from coordinator.commands.k8s.options import RenderOptions
+from coordinator.commands.k8s.options import SPEC_DIR, RenderOptions
 from coordinator.commands.k8s.render import render
 from coordinator.commands.rundir import RunRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
@@ -168,7 +168,7 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
         assert "already finished" in cluster.tail(coordinator.name), cluster.logs()
 
     monkeypatch.syspath_prepend(str(REPO / "examples"))  # the image's PYTHONPATH, for the reference here
-    loaded = load_job(tmp_path / "podjob-coordinator-pod_etc_cellmesh" / "job.yaml")
+    loaded = load_job(cluster.paths[SPEC_DIR] / "job.yaml")  # the spec the pods mounted
     reference = train_reference(loaded.job, 4)
     state = torch.load(checkpoint, weights_only=True)
     model = loaded.job.build_model()
@@ -220,7 +220,7 @@ def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_t
         )
 
     monkeypatch.syspath_prepend(str(REPO / "examples"))
-    loaded = load_job(tmp_path / "podjob-coordinator-pod_etc_cellmesh" / "job.yaml")
+    loaded = load_job(cluster.paths[SPEC_DIR] / "job.yaml")  # the spec the pods mounted
     run_dir = tmp_path / "podjob-coordinator-pod_var_lib_cellmesh" / "podjob"  # the manifests' --run-dir
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert max_abs_diff(state, train_reference(loaded.job, steps).state_dict) < FLOAT32_TOLERANCE

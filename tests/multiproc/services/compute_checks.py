@@ -34,6 +34,8 @@ from tests.multiproc.services import models
 
 SEED = 7
 MODELS = "tests.multiproc.services.models"
+FACTORIES = [f"{MODELS}:{name}" for name in ("mlp", "skip_model", "regression", "mse")]
+"""What the workers of these tests may build (their job's factories)."""
 CALL_TIMEOUT = timedelta(seconds=30)
 
 # 2 stages x 4 microbatches. GPipe: all forwards, then all backwards (receives posted early).

@@ -36,6 +36,7 @@ from services.protocol import (
 from tests.harness.workers import WorkerProcess, registry_server, start_worker
 from tests.multiproc.services import models
 from tests.multiproc.services.compute_checks import (
+    FACTORIES,
     GPIPE,
     MICROBATCHES,
     MODELS,
@@ -70,7 +71,9 @@ def stages(server: RegistryServer) -> Iterator[list[str]]:
 
     def start(i: int) -> None:
         try:
-            started[i] = start_worker(server.address, JOB, f"stage{i}")
+            # the job names a factory its module lacks too ("nope"): the worker reports it when assigned
+            started[i] = start_worker(server.address, JOB, f"stage{i}",
+                                      factories=[*FACTORIES, f"{MODELS}:nope"])
         except BaseException as exc:
             started[i] = exc
 
@@ -234,6 +237,14 @@ def test_bad_input_then_valid(stages: list[str], server: RegistryServer) -> None
                                                   data=f"{MODELS}:regression", loss=f"{MODELS}:mse")),
                    AssignmentReply)
         assert bad_assign.value.code == "bad_request"
+        with pytest.raises(RpcError, match=r"model factory 'tests\.multiproc\.coordinator\.models:mlp' "
+                                           r"is not a factory of this worker's job") as foreign:
+            c.call("worker", "assign", Assignment(service="broken", kind="compute",
+                                                  factory="tests.multiproc.coordinator.models:mlp",
+                                                  cells=[0, 1], options=dict(stage=0, num_stages=1,
+                                                  data=f"{MODELS}:regression", loss=f"{MODELS}:mse")),
+                   AssignmentReply)
+        assert foreign.value.code == "bad_request"
         with pytest.raises(RpcError, match=r"missing or invalid.*incoming"):
             c.call("worker", "assign", Assignment(service="broken", kind="compute", factory=f"{MODELS}:mlp",
                                                   cells=[0, 1], options=dict(stage=1, num_stages=2,

@@ -19,6 +19,7 @@ from coordinator.commands.k8s.lint import Expect, lint
 from coordinator.commands.k8s.options import RenderOptions
 from coordinator.commands.k8s.render import render
 from coordinator.commands.k8s.writer import write
+from services.host.worker import allowed_factories
 
 REPO = Path(__file__).resolve().parents[4]
 CHARLM = REPO / "examples" / "charlm.yaml"
@@ -251,6 +252,23 @@ def test_worker_pods_carry_the_launcher_conventions() -> None:
     assert env["CELLMESH_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     names = [e["name"] for e in container["env"]]
     assert names.index("RANK") < names.index("PET_NODE_RANK")  # $(RANK) expands only from earlier variables
+
+
+def test_worker_pods_build_only_the_factories_of_the_mounted_spec(tmp_path: Path) -> None:
+    objects = _objects(render(RenderOptions(job=CHARLM, workers=2)))
+    container = _worker_container(objects)
+    args = container["args"]
+    spec_path = Path(args[args.index("--job-spec") + 1])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(spec_path.parent))
+    assert mount["readOnly"] is True
+    sets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "StatefulSet"}
+    pod = sets["charlm-worker"]["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    config = next(o for o in objects if o["kind"] == "ConfigMap")
+    assert volume == {"name": mount["name"], "configMap": {"name": config["metadata"]["name"]}}
+    mounted = tmp_path / spec_path.name  # what the pod finds at spec_path
+    mounted.write_text(config["data"][spec_path.name])
+    assert allowed_factories(str(mounted), []).names == {"charlm:model", "charlm:data", "charlm:loss"}
 
 
 def test_job_names_become_dns_labels(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from services.compute.actions import validate_stage
 from services.compute.boundary import BoundaryError, empty_buffers, flatten, shapes_at, unflatten
 from services.compute.cell import Cell, as_cells, cell_parameters
 from services.compute.service import CellComputeService
+from services.factories import FactoryAllowList
 from services.protocol import (
     Assignment,
     BoundarySpec,
@@ -90,9 +91,10 @@ def test_as_cells_names_and_checks() -> None:
 def one_stage() -> Iterator[RpcClient]:
     """A one-stage pipeline (the whole model, no communicator) in this process."""
     options = ComputeOptions(stage=0, num_stages=1, data=f"{MODELS}:regression", loss=f"{MODELS}:mse")
+    factories = FactoryAllowList.of([f"{MODELS}:{n}" for n in ("skip_model", "regression", "mse")], "a test")
     service = CellComputeService.from_assignment(Assignment(
         service="c", kind="compute", factory=f"{MODELS}:skip_model", cells=[0, 4], seed=7,
-        options=options.model_dump()))
+        options=options.model_dump()), factories)
     host = ServiceHost().start()
     host.add("c", service)
     try:
