@@ -23,7 +23,7 @@ tensor, and the body's real length. A bad message raises :class:`WireError`, who
 
 The size limit. Every tensor a peer announces is checked by :func:`tensor_nbytes`: a data
 message's header here, an RPC tensor spec (``comm/rpc/envelope.py``), a parameter or
-boundary tensor of a control message (``services/protocol.py``). So the limit means one
+boundary tensor of a control message (``services/protocol/``). So the limit means one
 thing everywhere: at most :data:`MAX_NDIM` dims and :data:`MAX_TENSOR_BYTES` bytes, where a
 dim of 0 counts as 1 — an empty tensor may not carry a dim that no allocator could stride
 over (torch refuses ``[0, 2**33, 2**33]``: its strides overflow).

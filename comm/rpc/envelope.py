@@ -25,7 +25,7 @@ class TensorMeta(Message):
 
     The one size check (:func:`comm.wire.tensor_nbytes`: a known dtype, at most ``MAX_NDIM``
     dims, at most ``MAX_TENSOR_BYTES`` bytes) runs on every subclass: the RPC layer's
-    :class:`TensorSpec`, and the parameters and boundary tensors of ``services/protocol.py``.
+    :class:`TensorSpec`, and the parameters and boundary tensors of ``services/protocol/``.
     """
 
     name: Name

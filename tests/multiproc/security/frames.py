@@ -5,7 +5,7 @@ Three kinds, one per kind of port:
 * control frames (:meth:`FrameMaker.control`), for a ROUTER of the RPC layer (a worker's
   service host, the embedded registry): random bytes, msgpack that is no envelope, and above
   all real request envelopes of every method a job serves, whose body is a real message of
-  ``services/protocol.py`` or ``comm/registry/protocol.py`` broken by one or more mutations
+  ``services/protocol/`` or ``comm/registry/protocol.py`` broken by one or more mutations
   (wrong fields, wrong types, wrong versions, huge sizes, truncated tensors);
 * data frames (:meth:`FrameMaker.data`), for a PULL socket of the zmq transport: tensor
   headers (``comm/wire.py``) broken the same way, with their bodies;
@@ -55,7 +55,7 @@ _EVENT = registry_protocol.EventMsg(kind="put", key="/cellmesh/j/workers/local-0
 _PHASE = protocol.PhaseTiming(name="optimizer", start=1.0, end=2.0)
 
 SEEDS: list[Message] = [
-    # services/protocol.py
+    # services/protocol/
     protocol.WorkerCard(name="local-0", address="tcp://127.0.0.1:5555", pid=1, cpus=1, memory_bytes=1 << 30,
                         gpus=0, services=["compute-r0-s0"], rank=0, world_size=2),
     protocol.Assignment(service="compute-r9-s0", kind="compute", factory="os:system", cells=[0, 1], seed=1,
@@ -115,7 +115,7 @@ SEEDS: list[Message] = [
 
 
 def message_types() -> list[type[Message]]:
-    """Every message class of ``services/protocol.py`` and ``comm/registry/protocol.py``."""
+    """Every message class of ``services/protocol/`` and ``comm/registry/protocol.py``."""
     found: list[type[Message]] = []
     for module in (protocol, registry_protocol):
         for name in module.__all__:

@@ -3,7 +3,7 @@
 ``outsider.py fuzz``, a process of its own, throws ``frames.py``'s stream at the worker
 hosts, the embedded registry and the zmq transport's data channels of a small job while
 it trains: random bytes, msgpack that is no envelope, envelopes of every message type of
-``services/protocol.py`` and ``comm/registry/protocol.py`` with wrong fields, wrong types,
+``services/protocol/`` and ``comm/registry/protocol.py`` with wrong fields, wrong types,
 wrong versions, huge sizes and truncated tensors, broken tensor headers, frames over the
 size limit, and raw TCP garbage — with the coordinator's and the workers' own keys (so the
 frames reach the validators), a stranger's key and no key at all. ``test_frames.py`` proves

@@ -1,0 +1,86 @@
+"""Every control message of cellmesh's services, in one package: one module per service.
+
+Each message is a strict pydantic model (``comm.codec.Message``: no coercion, no extra
+fields, frozen), encoded with msgpack by ``comm.codec``. They are the bodies of the one RPC
+envelope (:mod:`comm.rpc.envelope`), which carries the protocol version, the request id
+and any error. Tensors never travel inside these bodies: the envelope lists a spec per
+tensor and the tensors follow as raw ZeroMQ frames.
+
+Bodies, by service: worker control (``Assignment``, ``WorkerStatus``...), push/pull
+(``PullRequest``, ``PushRequest``...), barrier (``BarrierArrive``...), cell compute
+(``RunStep``, ``Action``...). Extra message types are added in these modules, never invented
+elsewhere; import them from ``services.protocol``.
+"""
+
+from comm.rpc.envelope import Empty
+from services.protocol.barrier import BarrierArrive, BarrierReleased
+from services.protocol.compute import (
+    MAX_BOUNDARY_TENSORS,
+    MAX_NONFINITE_NAMED,
+    Action,
+    ActionKind,
+    BoundarySpec,
+    BoundaryTensor,
+    CommitReply,
+    CommitStep,
+    ComputeOptions,
+    FactoryKwargs,
+    OptimizerStepReply,
+    OptimizerStepRequest,
+    PhaseTiming,
+    Reconnect,
+    RunStep,
+    ShardAddress,
+    StepReply,
+    TensorsReply,
+    ZeroGradRequest,
+)
+from services.protocol.params import (
+    OptimizerSpec,
+    ParamInfo,
+    PullReply,
+    PullRequest,
+    PushReply,
+    PushRequest,
+    ShardInfo,
+    ShardSetup,
+)
+from services.protocol.worker import Assignment, AssignmentReply, Release, WorkerCard, WorkerStatus
+
+__all__ = [
+    "MAX_BOUNDARY_TENSORS",
+    "MAX_NONFINITE_NAMED",
+    "Action",
+    "ActionKind",
+    "Assignment",
+    "AssignmentReply",
+    "BarrierArrive",
+    "BarrierReleased",
+    "BoundarySpec",
+    "BoundaryTensor",
+    "CommitReply",
+    "CommitStep",
+    "ComputeOptions",
+    "Empty",
+    "FactoryKwargs",
+    "OptimizerSpec",
+    "OptimizerStepReply",
+    "OptimizerStepRequest",
+    "ParamInfo",
+    "PhaseTiming",
+    "PullReply",
+    "PullRequest",
+    "PushReply",
+    "PushRequest",
+    "Reconnect",
+    "Release",
+    "RunStep",
+    "ShardAddress",
+    "ShardInfo",
+    "ShardSetup",
+    "StepReply",
+    "TensorsReply",
+    "WorkerCard",
+    "WorkerStatus",
+    "ZeroGradRequest",
+]

@@ -1,0 +1,90 @@
+"""Push/pull: the parameter server's shard set-up and its pull and push messages."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from comm.codec import Message
+from comm.rpc.envelope import Name, TensorMeta
+
+# -- push/pull (parameter server) -------------------------------------------------------
+# The contract (modes, versions, clocks, dedup) is services/params/server.py's docstring; the
+# tensors of setup, pull and push travel as pieces named "{param}#{k}" (services/params/sharding.py).
+
+
+class OptimizerSpec(Message):
+    """A ``torch.optim`` optimizer by class name, e.g. ``{"name": "Adam", "kwargs": {"lr": 1e-3}}``."""
+
+    name: Name
+    kwargs: dict[str, float | int | bool | list[float]] = Field(default_factory=dict)
+
+
+class ParamInfo(TensorMeta):
+    """A parameter of a shard: its name, dtype and shape (the size check is :class:`TensorMeta`'s)."""
+
+
+class ShardSetup(Message):
+    """Initialise a parameter shard: ``params`` describes each parameter, its values follow as pieces."""
+
+    mode: Literal["sync", "async"]
+    replicas: int = Field(ge=1, le=1 << 14)
+    optimizer: OptimizerSpec
+    staleness: int = Field(default=0, ge=0)  # async only: max clock lead over the slowest replica
+    params: list[ParamInfo] = Field(min_length=1, max_length=1 << 16)
+
+
+class ShardInfo(Message):
+    """What a parameter shard holds: its parameters, mode, version and per-replica clocks."""
+
+    service: str
+    ready: bool  # False until ``setup``; every other field is empty then
+    mode: str = ""
+    replicas: int = 0
+    staleness: int = 0
+    optimizer: str = ""
+    version: int = 0
+    clocks: list[int] = Field(default_factory=list)
+    params: list[ParamInfo] = Field(default_factory=list)
+    moved: int = 0  # parameters copied before an update because a pull reply still read them
+
+
+class PullRequest(Message):
+    """Current values once the shard reached ``min_version`` (and, async, the staleness bound holds)."""
+
+    replica: int = Field(ge=0)
+    min_version: int = Field(ge=0)  # wait until the shard reached this version (sync: the step)
+    timeout_ms: int = Field(default=60_000, ge=0)
+    params: list[Name] = Field(default_factory=list, max_length=1 << 16)  # empty: all of the shard's
+
+
+class PullReply(Message):
+    version: int
+    clocks: list[int]  # per replica: 1 + its last applied step (0: none yet)
+
+
+class PushRequest(Message):
+    """Part ``part`` of ``parts`` of replica ``replica``'s gradients for ``step``.
+
+    ``(replica, step, seq, part)`` makes a re-sent push idempotent; one push may travel as
+    several messages (disjoint sets of whole parameters) so a shard works on early parts
+    while later ones are on the wire.
+    """
+
+    replica: int = Field(ge=0)
+    step: int = Field(ge=0)
+    seq: int = Field(ge=0)
+    part: int = Field(default=0, ge=0)
+    parts: int = Field(default=1, ge=1, le=1 << 16)
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> PushRequest:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} is not below parts {self.parts}")
+        return self
+
+
+class PushReply(Message):
+    version: int  # the shard's version after this part was taken (sync: may not be applied yet)
+    duplicate: bool = False

@@ -1,0 +1,54 @@
+"""Worker control: the card a worker publishes, and what the coordinator assigns it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from comm.codec import Message
+from comm.rpc.envelope import Name
+
+# -- worker control --------------------------------------------------------------------
+
+
+class WorkerCard(Message):
+    """What a worker publishes in the registry under ``{job}/workers/{name}``."""
+
+    name: Name
+    address: str
+    pid: int
+    cpus: int = Field(ge=1)
+    memory_bytes: int = Field(ge=0)
+    gpus: int = Field(ge=0)
+    services: list[str] = Field(default_factory=list)
+    rank: int | None = Field(default=None, ge=0)  # from RANK / PET_NODE_RANK (services/host/launch.py)
+    world_size: int | None = Field(default=None, ge=1)  # from WORLD_SIZE / PET_NNODES
+
+
+class Assignment(Message):
+    """Host a service: built by an importable factory, never by shipped code."""
+
+    service: Name  # the name the service is addressed by on this worker
+    kind: Literal["param_server", "barrier", "compute"]
+    factory: str = ""  # "package.module:function" that builds the model's cells (compute, PS)
+    cells: list[int] = Field(default_factory=list)  # [start, stop) cell range for compute
+    seed: int = 0
+    options: dict[str, Any] = Field(default_factory=dict)  # plan fields the service needs
+
+
+class Release(Message):
+    """Stop hosting ``service`` (its ``on_close`` runs); releasing an unknown service is a no-op."""
+
+    service: Name
+
+
+class AssignmentReply(Message):
+    service: str
+    address: str
+
+
+class WorkerStatus(Message):
+    name: str
+    services: list[str]
+    draining: bool
