@@ -13,7 +13,10 @@ from comm.rpc.framing import (
     reply_frames,
     request_frames,
 )
-from comm.rpc.host import (
+from comm.rpc.host import ServiceHost
+from comm.rpc.mailbox import Mailbox
+from comm.rpc.pipeline import PipelinedCall, PipelinedConnection, run_calls
+from comm.rpc.service import (
     CONTROL,
     Authorizer,
     Call,
@@ -22,12 +25,9 @@ from comm.rpc.host import (
     OnTimeout,
     Peer,
     ServiceBase,
-    ServiceHost,
     allow_all,
     callable_by,
 )
-from comm.rpc.mailbox import Mailbox
-from comm.rpc.pipeline import PipelinedCall, PipelinedConnection, run_calls
 
 __all__ = [
     "CONTROL",

@@ -21,20 +21,18 @@ peer in each frame's ``User-Id``) and per-role method checks plug in here.
 from __future__ import annotations
 
 import heapq
-import inspect
 import itertools
 import logging
 import threading
 import time
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
-import torch
 import zmq
 from pydantic import BaseModel, ValidationError
+from zmq.utils.monitor import parse_monitor_message
 
 from comm import auth
 from comm.codec import describe_validation_error, unpack_raw
@@ -42,154 +40,29 @@ from comm.errors import ProtocolError
 from comm.logs import LogThrottle, log_context
 from comm.refusals import peer_address, refuse
 from comm.rpc.envelope import RequestEnvelope
-from comm.rpc.framing import NamedTensors, RpcError, decode_tensors, error_frames, reply_frames
+from comm.rpc.framing import RpcError, decode_tensors, error_frames, reply_frames
 from comm.rpc.mailbox import Mailbox
+from comm.rpc.service import Authorizer, Call, Method, OnTimeout, Peer, ServiceBase, allow_all
 from comm.sockets import bind_port, make_socket
 
-__all__ = ["CONTROL", "Authorizer", "Call", "Handler", "Method", "OnTimeout", "Peer", "ServiceBase",
-           "ServiceHost", "allow_all", "callable_by"]
+__all__ = ["ServiceHost"]
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Any, "Call"], BaseModel | None]
-OnTimeout = Callable[[], tuple[str, str] | BaseModel]
-"""What a deferred call answers when its time is up: an error ``(code, message)`` or a reply body."""
 
 _BATCH = 64  # requests handled per wake-up before posted work and deadlines get a turn
 _IDLE_WAIT_MS = 1000  # the longest sleep with nothing due (shutdown wakes the thread itself)
 _STALE_COMPACT = 256  # answered calls left in the deadline heap before it is rebuilt
-_ROLES_ATTR = "__cellmesh_rpc_roles__"
-
-CONTROL: frozenset[str] = frozenset({"coordinator"})
-"""Who may call a method that says nothing (:func:`callable_by`): the coordinator alone."""
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def callable_by(*roles: auth.Role) -> Callable[[_F], _F]:
-    """Declare which roles may call an ``rpc_*`` method (default :data:`CONTROL`, the coordinator).
-
-    Checked by the host against the role the job's keys authenticated the sender as (the
-    connection's ``User-Id``), per request, before the body is read. Data methods that a
-    worker's peers call (push/pull, barriers, the registry) name ``"worker"``.
-    """
-    if not roles or any(r not in auth.ROLES for r in roles):
-        raise ValueError(f"callable_by needs one or more of {auth.ROLES}, got {roles}")
-
-    def mark(fn: _F) -> _F:
-        setattr(fn, _ROLES_ATTR, frozenset(roles))
-        return fn
-
-    return mark
-
-
-@dataclass(frozen=True, slots=True)
-class Method:
-    """One ``rpc_*`` method of a hosted service: its handler, request type and the roles that may call it."""
-
-    handler: Handler
-    request_type: type[BaseModel]
-    roles: frozenset[str]
-
-
-@dataclass(frozen=True, slots=True)
-class Peer:
-    """Who sent a request.
-
-    Attributes:
-        identity: the ROUTER identity of the sender's connection (one per client socket).
-        user: who the connection authenticated as (the ZAP handler's ``User-Id``); None
-            while the host's sockets do not authenticate.
-        address: the connection's peer address (an IP; "" when unknown). Unlike the
-            identity it stays the same when a client reconnects, so faults are warned
-            about per address.
-    """
-
-    identity: bytes
-    user: str | None = None
-    address: str = ""
-
-
-Authorizer = Callable[[str, str, Peer], str | None]
-"""``authorize(service, method, peer)``: None to serve the request, else the reason it is refused.
-
-Called on the host thread for every request whose envelope is valid, before the service
-is looked up (so a refused peer learns nothing about what is hosted); the refusal is
-answered ``forbidden`` with the reason. It must be fast and must not block.
-"""
-
-
-def allow_all(service: str, method: str, peer: Peer) -> str | None:
-    """The default :data:`Authorizer`: every peer may call every method (no authentication yet)."""
-    return None
-
-
-class Call:
-    """One request in a handler's hands: its sender, its tensors, and the means to answer it."""
-
-    def __init__(self, host: ServiceHost, peer: Peer, envelope: RequestEnvelope,
-                 tensors: dict[str, torch.Tensor]) -> None:
-        self.host = host
-        self.peer = peer
-        self.envelope = envelope
-        self.tensors = tensors
-        self.tensors_out: list[tuple[str, torch.Tensor]] = []
-        self.answered = False  # read and written on the host thread only
-        self.deferred = False
-        self.in_heap = False  # its deadline is still in the host's heap
-
-    def defer(self, timeout: timedelta, on_timeout: OnTimeout) -> None:
-        """Answer later with :meth:`reply`/:meth:`fail`; unanswered after ``timeout``, the host
-        answers what ``on_timeout()`` returns (called on the host thread)."""
-        self.deferred = True
-        self.host._defer(self, timeout, on_timeout)
-
-    def reply(self, body: BaseModel, tensors: NamedTensors = ()) -> None:
-        """Answer the call; from any thread (the frames are built here, sent by the host thread).
-
-        The tensors are sent zero-copy: keep them unchanged until the reply is on its way.
-        """
-        frames = reply_frames(self.envelope.id, body, tensors)
-        self.host.post(lambda: self.host._answer(self, frames))
-
-    def fail(self, code: str, message: str) -> None:
-        """Answer the call with an error; from any thread."""
-        frames = error_frames(self.envelope.id, code, message)
-        self.host.post(lambda: self.host._answer(self, frames))
-
-
-class ServiceBase:
-    """Base of every service: ``rpc_*`` methods are found by reflection with their request types.
-
-    Attributes:
-        error_codes: exceptions a handler raises as an answer rather than as a bug, each with
-            the error code it is answered with (the first match wins; ``str(exc)`` is the
-            message). Any other exception is logged with its traceback and answered
-            ``internal``; :class:`RpcError` always answers its own code.
-    """
-
-    error_codes: ClassVar[tuple[tuple[type[Exception], str], ...]] = ()
-
-    def rpc_methods(self) -> dict[str, Method]:
-        methods: dict[str, Method] = {}
-        for name, fn in inspect.getmembers(self, predicate=inspect.ismethod):
-            if not name.startswith("rpc_") or name == "rpc_methods":
-                continue
-            hints = typing.get_type_hints(fn)
-            params = [p for p in inspect.signature(fn).parameters if p != "self"]
-            request_type = hints.get(params[0]) if params else None
-            if not (isinstance(request_type, type) and issubclass(request_type, BaseModel)):
-                raise ValueError(
-                    f"{type(self).__name__}.{name} must be annotated "
-                    "`def rpc_x(self, request: SomeMessage, call: Call) -> Reply | None`"
-                )
-            methods[name[4:]] = Method(fn, request_type, getattr(fn, _ROLES_ATTR, CONTROL))
-        return methods
-
-    def on_close(self) -> None:
-        """Called once when the service is removed or the host stops."""
-
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_HANDSHAKE_REASONS = {
+    int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH): "mechanism",
+    int(zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC): "server_key",
+}
+_HANDSHAKE_TEXT = {
+    "mechanism": "the peer does not speak CURVE (not one of the job's processes)",
+    "server_key": "the peer does not hold the job's server key",
+    "handshake": "the peer broke off the handshake (no CURVE, or not ZeroMQ at all)",
+}
 
 @dataclass(order=True)
 class _Deferred:
@@ -218,6 +91,8 @@ class ServiceHost:
         self._authorize = authorize
         self._sock = make_socket(zmq.ROUTER, curve="server")
         self._secure = auth.is_curve_server(self._sock)  # then every request carries its sender's role
+        # handshakes that fail before the ZAP handler is asked (no CURVE, or not the job's server key)
+        self._monitor = self._sock.get_monitor_socket(_HANDSHAKE_FAILED) if self._secure else None
         self.address = bind_port(self._sock, host, port)
         self._mailbox: Mailbox[Callable[[], None]] = Mailbox("service-host")
         self._deferred: list[_Deferred] = []
@@ -292,6 +167,9 @@ class ServiceHost:
         self._closed = True
         for name in self.names():
             self.remove(name)
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close()
         self._mailbox.close()
 
@@ -302,6 +180,8 @@ class ServiceHost:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._mailbox.socket, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             ready = dict(poller.poll(self._wait_ms()))
             if self._mailbox.socket in ready:
@@ -315,7 +195,28 @@ class ServiceHost:
                     except zmq.Again:
                         break
                     self._handle(frames)
+            if self._monitor is not None and self._monitor in ready:
+                self._count_failed_handshakes(self._monitor)
             self._expire()
+
+    def _count_failed_handshakes(self, monitor: zmq.Socket[bytes]) -> None:
+        """Count (and warn, throttled) connections refused before ZAP: they never reach a handler.
+
+        libzmq reports these on the listening socket only, without the peer's address; a
+        client retries its handshake every reconnect interval, so each attempt counts.
+        """
+        for _ in range(_BATCH):
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            reason = _HANDSHAKE_REASONS.get(int(event["value"]), "handshake")
+            if int(event["event"]) == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                reason = "handshake"
+            suppressed = refuse("connection", reason, self.address)
+            if suppressed is not None:
+                log.warning("refused a connection to %s: %s%s", self.address, _HANDSHAKE_TEXT[reason],
+                            f" ({suppressed} more since the last warning)" if suppressed else "")
 
     def _wait_ms(self) -> int:
         if self._mailbox:

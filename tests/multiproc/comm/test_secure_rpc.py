@@ -6,6 +6,7 @@ process of that role would at its start (:func:`comm.auth.install`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -15,6 +16,7 @@ import zmq
 from comm import auth
 from comm.auth import Credentials, JobKeys, KeyPair
 from comm.codec import Message
+from comm.refusals import REFUSALS
 from comm.rpc import Call, Empty, RpcClient, RpcError, ServiceBase, ServiceHost, callable_by
 from comm.sockets import bind_port, make_socket, shared_context
 
@@ -105,8 +107,9 @@ def test_an_outsider_gets_no_answer_at_all(host: tuple[ServiceHost, Toy], keys: 
     assert handler.rejected() > before
 
 
-def test_a_plain_client_gets_no_answer(host: tuple[ServiceHost, Toy]) -> None:
+def test_a_plain_client_gets_no_answer_and_is_counted(host: tuple[ServiceHost, Toy]) -> None:
     server, service = host
+    before = REFUSALS.counts().get(("connection", "handshake"), 0)
     client = _client(server.address, None, timeout=REFUSED)
     try:
         with pytest.raises(TimeoutError):
@@ -114,6 +117,24 @@ def test_a_plain_client_gets_no_answer(host: tuple[ServiceHost, Toy]) -> None:
     finally:
         client.close()
     assert service.controlled == 0
+    assert REFUSALS.counts().get(("connection", "handshake"), 0) > before
+
+
+def test_a_client_without_the_server_key_is_counted_and_warned_about_once(
+        host: tuple[ServiceHost, Toy], caplog: pytest.LogCaptureFixture) -> None:
+    server, service = host
+    before = REFUSALS.counts().get(("connection", "server_key"), 0)
+    with caplog.at_level(logging.WARNING, logger="comm.rpc.host"):
+        client = _client(server.address, Credentials(JobKeys.generate(), "coordinator"), timeout=REFUSED)
+        try:  # it retries its handshake every reconnect interval: several refusals, one warning
+            with pytest.raises(TimeoutError):
+                client.call("toy", "control", Empty(), Empty)
+        finally:
+            client.close()
+    assert service.controlled == 0
+    assert REFUSALS.counts().get(("connection", "server_key"), 0) > before
+    warned = [r for r in caplog.records if "server key" in r.getMessage()]
+    assert len(warned) <= 1
 
 
 def test_a_socket_that_forgot_to_authenticate_is_not_bound(keys: JobKeys) -> None:
