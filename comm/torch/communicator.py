@@ -46,6 +46,7 @@ from comm.torch.completion import Completion
 from comm.torch.group import ABORT_TAG, BACKEND_GRACE, WORLD, C10dWork, ProcessGroup, build, join
 from comm.torch.guard import GroupGuard
 from comm.torch.work import TorchWork, copier, finisher
+from comm.traffic import BACKENDS, SENT
 
 __all__ = ["TorchCommunicator"]
 
@@ -94,6 +95,7 @@ class TorchCommunicator(Communicator):
         self._host = host
         self._groups_made = 0
         self._children: list[TorchCommunicator] = []
+        self._traffic = BACKENDS.index(self.backend)  # where its bytes sent count: "gloo" or "nccl"
         self._guard = GroupGuard(
             pg, backend=self.backend, name=name, members=self._members, rank=rank,
             rendezvous=rendezvous, abort=self._abort,
@@ -179,13 +181,20 @@ class TorchCommunicator(Communicator):
         *,
         timeout: timedelta | None,
         async_op: bool,
+        sends: torch.Tensor | None,
         finish: Callable[[], None] | None = None,
     ) -> Work:
-        """Issue a collective over every member and either return its handle or wait for it."""
+        """Issue a collective over every member and either return its handle or wait for it.
+
+        ``sends``: what this rank contributes, counted as sent once issued (see [Note: what
+        "bytes sent" counts] in ``comm/traffic.py``); None for nothing.
+        """
         pg = self._guard.live(op)
         limit = bound(timeout, self.timeout)
         self._rdzv.check(self._members, op)
         work = self._guard.issue(op, lambda: start(pg), self._members, limit, None)
+        if sends is not None:
+            SENT.add(self._traffic, sends.numel() * sends.element_size())
         completion = self._collective_completion(
             work, limit + BACKEND_GRACE, f"{self.backend}-{op}-{self._members[self._rank]}"
         )
@@ -216,6 +225,7 @@ class TorchCommunicator(Communicator):
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         if op == "send":
             work = self._guard.issue(op, lambda: pg.send([buf], peer, tag), [target], limit, target)
+            SENT.add(self._traffic, buf.numel() * buf.element_size())
             finish = None
         else:
             work = self._guard.issue(op, lambda: pg.recv([buf], peer, tag), [target], limit, target)
@@ -271,7 +281,7 @@ class TorchCommunicator(Communicator):
         opts.reduceOp = native
         opts.timeout = self._backend_timeout(timeout)
         return self._run(
-            "all_reduce", lambda pg: pg.allreduce([buf], opts), timeout=timeout, async_op=async_op,
+            "all_reduce", lambda pg: pg.allreduce([buf], opts), timeout=timeout, async_op=async_op, sends=buf,
             finish=finisher(tensor, buf, self.world_size if divide else None),
         )
 
@@ -292,6 +302,7 @@ class TorchCommunicator(Communicator):
         opts.timeout = self._backend_timeout(timeout)
         return self._run(
             "broadcast", lambda pg: pg.broadcast([buf], opts), timeout=timeout, async_op=async_op,
+            sends=buf if self._rank == src else None,
             finish=finisher(tensor, buf, None),
         )
 
@@ -313,7 +324,7 @@ class TorchCommunicator(Communicator):
         opts.timeout = self._backend_timeout(timeout)
         return self._run(
             "all_gather_into_tensor", lambda pg: pg._allgather_base(out.view(-1), src, opts),
-            timeout=timeout, async_op=async_op, finish=finisher(output, out, None),
+            timeout=timeout, async_op=async_op, sends=src, finish=finisher(output, out, None),
         )
 
     def reduce_scatter_tensor(
@@ -337,14 +348,14 @@ class TorchCommunicator(Communicator):
         opts.timeout = self._backend_timeout(timeout)
         return self._run(
             "reduce_scatter_tensor", lambda pg: pg._reduce_scatter_base(out.view(-1), src, opts),
-            timeout=timeout, async_op=async_op,
+            timeout=timeout, async_op=async_op, sends=src,
             finish=finisher(output, out, self.world_size if divide else None),
         )
 
     def barrier(self, *, timeout: timedelta | None = None) -> None:
         opts = BarrierOptions()
         opts.timeout = self._backend_timeout(timeout)
-        self._run("barrier", lambda pg: pg.barrier(opts), timeout=timeout, async_op=False)
+        self._run("barrier", lambda pg: pg.barrier(opts), timeout=timeout, async_op=False, sends=None)
 
     # -- groups and lifecycle -----------------------------------------------------------------
 

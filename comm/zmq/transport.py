@@ -49,6 +49,7 @@ from comm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolErro
 from comm.refusals import peer_address, refuse
 from comm.rendezvous import Rendezvous
 from comm.sockets import SocketLimits, bind_port, default_host, make_socket
+from comm.traffic import SENT, ZMQ
 from comm.wire import MessageKey, TensorHeader, WireError, decode_header
 from comm.zmq import shm
 
@@ -204,7 +205,8 @@ class Transport:
     ) -> zmq.MessageTracker | None:
         """Queue one message to ``peer``; return the tracker of a zero-copy body (None if copied).
 
-        Blocks only while the channel is at its high-water mark, bounded by ``deadline``.
+        Blocks only while the channel is at its high-water mark, bounded by ``deadline``. The
+        body's bytes count as sent by ``zmq`` (:data:`comm.traffic.SENT`) once libzmq took it.
         """
         ch = self.channels[peer]
         assert ch.push is not None
@@ -220,14 +222,16 @@ class Transport:
         with ch.send_lock:
             while True:
                 try:
-                    if not zero_copy:
-                        ch.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
-                        return None
-                    tracker = ch.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
-                    return tracker if isinstance(tracker, zmq.MessageTracker) else None
+                    if zero_copy:
+                        tracker = ch.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+                    else:
+                        tracker = ch.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+                    break
                 except zmq.Again:
                     self._check_progress(peer, deadline, members, "to take the message")
                     ch.push.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1), zmq.POLLOUT)
+        SENT.add(ZMQ, size)  # the body, by socket or shared memory alike (see comm/traffic.py)
+        return tracker if isinstance(tracker, zmq.MessageTracker) else None
 
     # -- receiving --------------------------------------------------------------------
 

@@ -5,23 +5,34 @@
 serve a :class:`RunMetrics` registry through :class:`~services.host.health.HealthServer`'s
 ``/metrics``; each finished step updates it through :meth:`RunMetrics.observe`.
 
-============================== =====================================================
-``cellmesh_step``              steps finished
-``cellmesh_steps``             steps the job trains
-``cellmesh_loss``              loss of the last finished step
-``cellmesh_samples_per_second`` samples per second of the last step
-``cellmesh_step_seconds``      histogram of the steps' wall time
-``cellmesh_coordinator_seconds`` the coordinator's own time in the last step
-``cellmesh_workers``           workers the job trains on
-``cellmesh_done``              1 once the final state_dict is written
-============================== =====================================================
+====================================== ===============================================================
+``cellmesh_step``                      steps finished
+``cellmesh_steps``                     steps the job trains
+``cellmesh_loss``                      loss of the last finished step
+``cellmesh_samples_per_second``        samples per second of the last step
+``cellmesh_step_seconds``              histogram of the steps' wall time
+``cellmesh_coordinator_seconds``       the coordinator's own time in the last step
+``cellmesh_workers``                   workers the job trains on
+``cellmesh_done``                      1 once the final state_dict is written
+``cellmesh_bytes_sent_total``          tensor bytes sent, by ``backend`` (``zmq``, ``gloo``, ``nccl``)
+``cellmesh_refused_frames_total``      messages from peers refused, by ``reason``
+``cellmesh_refused_connections_total`` handshakes refused, by ``reason``
+====================================== ===============================================================
+
+The last three are the job's traffic: the sum of every worker's latest counters (each
+reports its process's with its step replies, kept on ``StepRecord.traffic``) and the
+coordinator process's own, read at scrape time. Their names and meaning are
+:class:`~services.host.health.TrafficCollector`'s, which a worker's own ``/metrics`` shows
+for its process alone.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
+from comm.traffic import TrafficCounts, snapshot, total
 from coordinator.runtime.driver import StepRecord
+from services.host.health import TrafficCollector
 
 __all__ = ["STEP_SECONDS_BUCKETS", "RunMetrics", "samples_per_second"]
 
@@ -49,11 +60,19 @@ class RunMetrics:
                                       buckets=STEP_SECONDS_BUCKETS)
         self.coordinator_seconds = Gauge("cellmesh_coordinator_seconds",
                                          "Coordinator's own time in the last step", registry=r)
+        self.workers_traffic: dict[str, TrafficCounts] = {}  # each worker's latest, replaced per step
+        r.register(TrafficCollector(self.traffic))
+
+    def traffic(self) -> TrafficCounts:
+        """The job's traffic: every worker's latest counters and this process's own, summed."""
+        return total([snapshot(), *self.workers_traffic.values()])
 
     def observe(self, record: StepRecord) -> None:
-        """Count a finished step: step, loss, throughput, step time, the coordinator's share."""
+        """Count a finished step: step, loss, throughput, step time, the coordinator's share, traffic."""
         self.step.inc()
         self.loss.set(record.loss)
         self.samples_per_s.set(samples_per_second(record))
         self.step_seconds.observe(record.seconds)
         self.coordinator_seconds.set(record.coordinator_s)
+        # a new dict, never one changed in place: a scrape reads it from another thread
+        self.workers_traffic = {**self.workers_traffic, **record.traffic}

@@ -7,7 +7,8 @@ reads its :meth:`~RunRecorder.status` for the ``status`` RPC. Inside ``with reco
 
 * the coordinator process's log records also go to ``coordinator.log`` (``comm/logs.py``);
 * every finished step (:meth:`~RunRecorder.on_step`) updates the record (step, loss,
-  samples/s), the Prometheus metrics (``coordinator/commands/metrics.py``), the trace
+  samples/s), the Prometheus metrics (``coordinator/commands/metrics.py``; the job's traffic
+  from the workers' counters on the step record among them), the trace
   (``coordinator/runtime/trace.py``) and, with a TensorBoard directory (the config's
   ``logging.tensorboard_dir``), the scalars ``loss`` and ``samples_per_s`` at global step
   ``record.step + 1`` (the step's number as the progress lines count it);

@@ -51,6 +51,7 @@ from typing import Literal
 
 import torch
 
+from comm.traffic import TrafficCounts, latest_by
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
 from coordinator.runtime.errors import JobError
@@ -163,6 +164,8 @@ class StepRecord:
     ``optimizer`` / ``push_pull`` phases in a step's events are the previous step's commit,
     applied before the step's first action. A ``skipped`` step's update is never applied (see
     [Note: a step that is not finite]). The event log is built on first access.
+
+    ``traffic``: each placed worker's latest counters (``comm/traffic.py``), from its step replies.
     """
 
     step: int
@@ -174,6 +177,7 @@ class StepRecord:
     skipped: bool = False  # its loss or gradients were not finite: its update was dropped
     replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
     actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k
+    traffic: dict[str, TrafficCounts] = field(default_factory=dict, repr=False)  # by worker
     _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -254,6 +258,7 @@ class Runtime:
         self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
         self._first_request = True
         self._shards: list[_Service] = []
+        self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
         self._actions = plan.schedule().actions  # per stage, validated, as RunStep carries them
         # each stage's action list as RunStep dumps it, built once: a step's request reuses it
         self._dumped_actions = [[a.model_dump(mode="python") for a in acts] for acts in self._actions]
@@ -364,6 +369,7 @@ class Runtime:
             bodies.append((sv, body))
             for m, value in enumerate(body.losses):
                 loss += value * len(batches[sv.replica][m]) / total
+        self.traffic.update(latest_by((sv.worker, body.traffic) for sv, body in bodies))
         bad = _nonfinite(bodies)
         self._uncommitted = bad is None  # a step that is not finite is dropped: never committed
         if bad is None:
@@ -373,7 +379,8 @@ class Runtime:
         end = time.time()
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
-                          skipped=bad is not None, replies=bodies, actions=self._actions)
+                          skipped=bad is not None, replies=bodies, actions=self._actions,
+                          traffic=dict(self.traffic))
 
     def _refuse(self, step: int, sv: _Service, what: str) -> None:
         """Stop the job (:class:`NonFiniteStep`) or warn that ``step`` is skipped, per ``spec.nonfinite``.

@@ -7,7 +7,8 @@ action list runs). RPC surface (service kind ``compute``):
 * ``run_step(RunStep) -> StepReply``: validate the action list (:mod:`services.compute.actions`;
   an invalid list is a ``bad_request`` and nothing runs), then run it on the service's
   step thread; the reply (per-microbatch losses on the last stage, per-action timings)
-  is sent from that thread when the step ends. ``step_failed`` if it fails.
+  is sent from that thread when the step ends, with the worker process's traffic counters
+  (``comm/traffic.py``) for the coordinator's metrics. ``step_failed`` if it fails.
 * ``parameters(Empty)`` / ``gradients(Empty) -> TensorsReply`` + tensors named
   ``"{cell}.{param}"`` (copies; ``gradients`` sends zeros for, and lists as ``missing``,
   parameters without a gradient).
@@ -59,6 +60,7 @@ from datetime import timedelta
 import torch
 from pydantic import BaseModel, ValidationError
 
+from comm import traffic
 from comm.codec import describe_validation_error
 from comm.rpc import Call, RpcError, ServiceBase
 from services.compute.actions import validate_stage
@@ -226,7 +228,8 @@ class CellComputeService(ServiceBase):
                 raise
             log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
                       time.monotonic() - start)
-            return reply.model_copy(update={"phases": [*phases, *reply.phases]}) if phases else reply
+            return reply.model_copy(update={"phases": [*phases, *reply.phases],
+                                            "traffic": traffic.snapshot()})
 
         self._submit(call, f"step {request.step}", timeout, run)
 

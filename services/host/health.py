@@ -26,10 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from comm.refusals import REFUSALS, Refusals
 from comm.sockets import default_host
+from comm.traffic import TrafficCounts, snapshot
 
-__all__ = ["Check", "HealthServer", "RefusalsCollector"]
+__all__ = ["Check", "HealthServer", "TrafficCollector"]
 
 log = logging.getLogger(__name__)
 
@@ -113,27 +113,37 @@ class HealthServer:
         self._server.server_close()
 
 
-class RefusalsCollector(Collector):
-    """``/metrics`` of what the process refused from its peers (:mod:`comm.refusals`), read at scrape time.
+class TrafficCollector(Collector):
+    """``/metrics`` of a process's traffic (:class:`comm.traffic.TrafficCounts`), read at scrape time.
 
+    * ``cellmesh_bytes_sent_total{backend}``: tensor bytes sent through the ``zmq``, ``gloo``
+      or ``nccl`` backend (what counts: [Note: what "bytes sent" counts] in ``comm/traffic.py``);
     * ``cellmesh_refused_frames_total{reason}``: messages dropped or answered with an error
       before a handler saw them (``data/size``, ``data/version``..., ``rpc/bad_request``,
       ``rpc/forbidden``, ``rpc/unknown_service``...);
     * ``cellmesh_refused_connections_total{reason}``: handshakes the job's ZAP handler refused
       (a key that is not the job's, a socket without CURVE...).
 
-    Register it on any process's registry (``registry.register(RefusalsCollector())``).
+    The one definition of these names: a worker registers it on its own counters
+    (:func:`comm.traffic.snapshot`, the default), the coordinator on the sum of its workers'
+    and its own (``coordinator/commands/metrics.py``).
+
+    Args:
+        read: The counters to show, called at each scrape.
     """
 
-    def __init__(self, refusals: Refusals = REFUSALS) -> None:
-        self.refusals = refusals
+    def __init__(self, read: Callable[[], TrafficCounts] = snapshot) -> None:
+        self.read = read
 
     def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self.read()
+        sent = CounterMetricFamily("cellmesh_bytes_sent", "Tensor bytes sent, by backend", labels=["backend"])
         frames = CounterMetricFamily("cellmesh_refused_frames", "Messages from peers refused before any "
                                      "handler saw them, by reason", labels=["reason"])
         connections = CounterMetricFamily("cellmesh_refused_connections", "Connections the job's "
                                           "authentication refused, by reason", labels=["reason"])
-        for (kind, reason), count in sorted(self.refusals.counts().items()):
-            (frames if kind == "frame" else connections).add_metric([reason], count)
-        yield frames
-        yield connections
+        for family, values in ((sent, counts.bytes_sent), (frames, counts.refused_frames),
+                               (connections, counts.refused_connections)):
+            for label, value in sorted(values.items()):
+                family.add_metric([label], value)
+            yield family

@@ -50,7 +50,7 @@ from comm.registry import connect_registry
 from comm.registry.base import KeepAlive, Registry
 from comm.rpc import Call, RpcError, ServiceBase, ServiceHost
 from services.factories import FactoryAllowList, FactoryError, spec_factories
-from services.host.health import HealthServer, RefusalsCollector
+from services.host.health import HealthServer, TrafficCollector
 from services.host.launch import LaunchEnv, LaunchEnvError, read_launch_env
 from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus
 
@@ -185,14 +185,14 @@ class Worker:
         self.published.set()
 
     def metrics(self) -> CollectorRegistry:
-        """``/metrics`` of the worker: the services it hosts, 1 while it is ready, and what it refused
-        from peers by reason (:class:`~services.host.health.RefusalsCollector`)."""
+        """``/metrics`` of the worker: the services it hosts, 1 while it is ready, the bytes it sent per
+        backend and what it refused from peers by reason (:class:`~services.host.health.TrafficCollector`)."""
         registry = CollectorRegistry()
         Gauge("cellmesh_worker_services", "Services this worker hosts", registry=registry).set_function(
             lambda: len(self.host.names()) - 1)
         Gauge("cellmesh_worker_ready", "1 while the worker is registered and not draining",
               registry=registry).set_function(lambda: float(self.readiness()[0]))
-        registry.register(RefusalsCollector())
+        registry.register(TrafficCollector())
         return registry
 
     def liveness(self) -> tuple[bool, str]:

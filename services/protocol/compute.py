@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from comm.codec import Message
 from comm.rpc.envelope import Name, TensorMeta
+from comm.traffic import TrafficCounts
 from comm.wire import DTYPES
 from services.protocol.params import OptimizerSpec
 
@@ -252,6 +253,10 @@ class StepReply(Message):
     Timings are wall-clock seconds (``time.time()``), kept as two flat lists (cheap to
     encode and validate): action ``k`` of the request ran from ``starts[k]`` to ``ends[k]``
     (see services/compute/executor.py).
+
+    ``traffic`` is the worker process's counters (``comm/traffic.py``) as the step ends: the
+    coordinator's metrics sum them over the workers. They ride on the reply every step sends
+    anyway, so they cost a few dozen bytes and no request of their own.
     """
 
     step: int
@@ -262,6 +267,9 @@ class StepReply(Message):
     phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce, the commit
     # parameters whose gradient holds a NaN or Inf after the step (the first MAX_NONFINITE_NAMED of them)
     nonfinite_grads: list[str] = Field(default_factory=list, max_length=MAX_NONFINITE_NAMED)
+    # the worker process's cumulative traffic after the step (bytes sent per backend, refusals per
+    # reason: comm/traffic.py), for the coordinator's metrics; a few bytes, bounded by the model
+    traffic: TrafficCounts | None = None
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:

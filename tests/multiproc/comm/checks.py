@@ -365,6 +365,55 @@ def check_argument_errors(comm: Communicator) -> list[str]:
     return failures
 
 
+def check_bytes_sent(comm: Communicator, *, numels: Sequence[int] = (96, 49152)) -> list[str]:
+    """Each call counts the bytes sent that [Note: what "bytes sent" counts] (comm/traffic.py) says.
+
+    The expectation is each algorithm's, as documented: for zmq, the direct all-reduce (up to
+    ``SMALL_BYTES``) sends the tensor to every other rank, the ring 2(n-1)/n of it, a small
+    broadcast goes from the root to every rank and a large one down a chain (every rank but the
+    last sends it once), all-gather and reduce-scatter walk n-1 ring steps of one shard; for gloo
+    and nccl a call counts what this rank contributes. ``numels`` are float32 sizes divisible by
+    12 (equal shards for 2, 3 and 4 ranks), one below and one above ``SMALL_BYTES``.
+    """
+    from comm.traffic import SENT
+    from comm.zmq.collectives import SMALL_BYTES
+
+    failures: list[str] = []
+    n, me, zmq = comm.world_size, comm.rank, comm.backend == "zmq"
+    src = n - 1  # the broadcast's root: its chain ends at rank n - 2
+
+    def expect(label: str, want: int, call: Callable[..., object], *args: Any) -> None:
+        before = SENT.totals().get(comm.backend, 0)
+        call(*args)
+        got = SENT.totals().get(comm.backend, 0) - before
+        if got != want:
+            failures.append(f"{label}: counted {got} bytes sent on rank {me}, expected {want}")
+
+    for numel in numels:
+        x = torch.ones(numel, device=_device(comm))
+        size, shard = numel * 4, numel // n * 4
+        large = size > SMALL_BYTES
+        expect(f"all_reduce of {size} bytes",
+               (2 * (n - 1) * size // n if large else (n - 1) * size) if zmq else size,
+               comm.all_reduce, x)
+        if zmq:
+            root = size if large and me != (src - 1) % n else (n - 1) * size if not large and me == src else 0
+        else:
+            root = size if me == src else 0
+        expect(f"broadcast of {size} bytes from rank {src}", root, comm.broadcast, x, src)
+        out = torch.empty(numel, device=x.device)
+        expect(f"all_gather_into_tensor of {shard}-byte shards", (n - 1) * shard if zmq else shard,
+               comm.all_gather_into_tensor, out, x[:numel // n])
+        expect(f"reduce_scatter_tensor of {size} bytes", (n - 1) * shard if zmq else size,
+               comm.reduce_scatter_tensor, out[:numel // n], x)
+        if me == 0:
+            expect(f"send of {size} bytes", size, comm.send, x, 1)
+        elif me == 1:
+            expect(f"recv of {size} bytes", 0, comm.recv, out, 0)
+    comm.barrier()
+    return failures
+
+
 # -- point to point ---------------------------------------------------------------------------
 
 

@@ -137,6 +137,12 @@ def test_recv_timeout(group: RankGroup) -> None:
     _expect_clean(group, "check_recv_timeout", timeout_s=0.5)
 
 
+@pytest.mark.parametrize("group", P2P_GROUPS, indirect=True)
+def test_bytes_sent(group: RankGroup) -> None:
+    """Every call counts the bytes sent its algorithm sends from the rank (comm/traffic.py's note)."""
+    _expect_clean(group, "check_bytes_sent")
+
+
 @pytest.mark.parametrize("group", _groups((2,)), indirect=True)
 def test_large(group: RankGroup) -> None:
     """64 MiB float32 all_reduce and broadcast (world 2)."""

@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from comm.refusals import Refusals
-from services.host.health import HealthServer, RefusalsCollector
+from comm.traffic import GLOO, ZMQ, SentBytes, snapshot
+from services.host.health import HealthServer, TrafficCollector
 from tests.harness.http import http_get as _get
 
 
@@ -65,14 +66,16 @@ def test_garbage_gets_an_error_and_the_server_keeps_serving(server: HealthServer
     assert _get(server.url + "/healthz")[0] == 200
 
 
-def test_refusals_are_on_metrics_by_reason() -> None:
-    refusals = Refusals()
+def test_traffic_is_on_metrics_by_backend_and_reason() -> None:
+    refusals, sent = Refusals(), SentBytes()
     for _ in range(3):
         refusals.refuse("frame", "data/size", "127.0.0.1")
     refusals.refuse("frame", "rpc/forbidden", "127.0.0.1")
     refusals.count("connection", "a key that is not the job's")
+    sent.add(ZMQ, 1000)
+    sent.add(GLOO, 24)
     metrics = CollectorRegistry()
-    metrics.register(RefusalsCollector(refusals))
+    metrics.register(TrafficCollector(lambda: snapshot(sent, refusals)))
     srv = HealthServer(live=lambda: (True, ""), ready=lambda: (True, ""), metrics=metrics,
                        host="127.0.0.1").start()
     try:
@@ -83,3 +86,6 @@ def test_refusals_are_on_metrics_by_reason() -> None:
     assert 'cellmesh_refused_frames_total{reason="data/size"} 3.0' in body
     assert 'cellmesh_refused_frames_total{reason="rpc/forbidden"} 1.0' in body
     assert 'cellmesh_refused_connections_total{reason="a key that is not the job\'s"} 1.0' in body
+    assert 'cellmesh_bytes_sent_total{backend="zmq"} 1000.0' in body
+    assert 'cellmesh_bytes_sent_total{backend="gloo"} 24.0' in body
+    assert 'backend="nccl"' not in body  # a backend that sent nothing is not listed
