@@ -31,7 +31,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from comm.traffic import TrafficCounts, snapshot, total
-from coordinator.runtime.driver import StepRecord
+from coordinator.runtime.records import StepRecord
 from services.host.health import TrafficCollector
 
 __all__ = ["STEP_SECONDS_BUCKETS", "RunMetrics", "samples_per_second"]

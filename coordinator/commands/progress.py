@@ -20,7 +20,7 @@ from typing import Protocol, TextIO
 
 from tqdm import tqdm
 
-from coordinator.runtime.driver import StepRecord
+from coordinator.runtime.records import StepRecord
 
 __all__ = ["BarProgress", "LineProgress", "Progress", "Throughput", "log_interval", "make_progress"]
 

@@ -33,7 +33,7 @@ from comm.logs import log_to_file
 from coordinator.commands.metrics import RunMetrics, samples_per_second
 from coordinator.commands.rundir import RunDir, RunRecord, write_atomic
 from coordinator.planning.plan import Plan
-from coordinator.runtime.driver import StepRecord
+from coordinator.runtime.records import StepRecord
 from coordinator.runtime.trace import TraceRecorder
 from services.host.health import HealthServer
 

@@ -59,9 +59,10 @@ from coordinator.commands.rundir import RunDir
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.request import PlanningError
 from coordinator.runtime.cluster import WorkerPool
-from coordinator.runtime.driver import JobFailed, StepRecord
+from coordinator.runtime.driver import JobFailed
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.job import FitResult, StepCallback
+from coordinator.runtime.records import StepRecord
 from services.compute.stage import make_optimizer
 
 __all__ = ["REPORTED", "USER_ERRORS", "OutputError", "RunOptions", "RunResult", "Terminated",

@@ -56,9 +56,9 @@ from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.loop import EventLoop, Reply, WorkerLost
+from coordinator.runtime.records import StepRecord, _Service
 from services.params.client import ShardRef, setup_shards
 from services.protocol import (
-    Action,
     Assignment,
     AssignmentReply,
     BoundarySpec,
@@ -71,13 +71,16 @@ from services.protocol import (
     OptimizerSpec,
     Release,
     RunStep,
+    SavedPart,
+    SavedParts,
+    SaveRequest,
     ShardAddress,
     StepReply,
     TensorsReply,
     WorkerStatus,
 )
 
-__all__ = ["ActionEvent", "JobFailed", "NonFiniteStep", "RunSpec", "Runtime", "StepRecord", "boundary_spec"]
+__all__ = ["JobFailed", "NonFiniteStep", "RunSpec", "Runtime", "boundary_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +90,13 @@ PROBE_TIMEOUT = timedelta(seconds=2)
 class JobFailed(RuntimeError):
     """The job stopped: a worker failed or vanished. The message names the worker, service and step."""
 
-    def __init__(self, message: str, *, worker: str = "", service: str = "", step: int | None = None) -> None:
+    def __init__(self, message: str, *, worker: str = "", service: str = "", step: int | None = None,
+                 lost: bool = False) -> None:
         super().__init__(message)
         self.worker = worker
         self.service = service
         self.step = step
+        self.lost = lost  # the worker died, froze or vanished (a replacement can take over); else it refused
 
 
 class NonFiniteStep(JobError):
@@ -130,73 +135,10 @@ class RunSpec:
     step_timeout: timedelta = timedelta(seconds=300)
     call_timeout: timedelta = timedelta(seconds=120)
     nonfinite: Literal["stop", "skip"] = "stop"  # see [Note: a step that is not finite]
-
-
-@dataclass(frozen=True)
-class ActionEvent:
-    """One timed action or phase of one stage: ``0F3``, ``0SEND_F3``, ``all_reduce``, ``optimizer``...
-
-    ``action`` is the action itself (None for a phase); ``name`` its printed form or the phase's name.
-    """
-
-    worker: str
-    replica: int
-    stage: int
-    name: str
-    start: float
-    end: float
-    action: Action | None = None
-
-
-@dataclass(frozen=True)
-class _Service:
-    worker: str
-    name: str
-    replica: int
-    stage: int
-
-
-@dataclass
-class StepRecord:
-    """A finished step: its loss, its samples, and the event log of every action.
-
-    The step's update is committed with the next step (or by ``Runtime.commit``), so the
-    ``optimizer`` / ``push_pull`` phases in a step's events are the previous step's commit,
-    applied before the step's first action. A ``skipped`` step's update is never applied (see
-    [Note: a step that is not finite]). The event log is built on first access.
-
-    ``traffic``: each placed worker's latest counters (``comm/traffic.py``), from its step replies.
-    """
-
-    step: int
-    loss: float
-    num_samples: int
-    start: float
-    end: float
-    coordinator_s: float  # time the coordinator itself spent (not waiting for replies)
-    skipped: bool = False  # its loss or gradients were not finite: its update was dropped
-    replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
-    actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k
-    traffic: dict[str, TrafficCounts] = field(default_factory=dict, repr=False)  # by worker
-    _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
-    @property
-    def events(self) -> list[ActionEvent]:
-        """Every action and phase of every stage of every replica, as timed by the stages."""
-        if self._events is None:
-            events: list[ActionEvent] = []
-            for sv, body in self.replies:
-                events += [ActionEvent(sv.worker, sv.replica, sv.stage, str(a), start, end, a)
-                           for a, start, end in zip(self.actions[sv.stage], body.starts, body.ends,
-                                                    strict=True)]
-                events += [ActionEvent(sv.worker, sv.replica, sv.stage, p.name, p.start, p.end)
-                           for p in body.phases]
-            self._events = events
-        return self._events
+    # checkpoints: each cell-qualified tensor's keys in the unwrapped model's state_dict, and the
+    # checkpoint the services start from ("": the factories' values)
+    state_keys: Mapping[str, list[str]] = field(default_factory=dict)
+    restore: str = ""
 
 
 def _nonfinite(bodies: Sequence[tuple[_Service, StepReply]]) -> tuple[_Service, str] | None:
@@ -296,7 +238,8 @@ class Runtime:
                           if sv.stage < plan.num_stages - 1 else None),
                 replica=sv.replica, num_replicas=plan.data_parallel, grad_path=plan.mode,
                 dp_prefix=f"{gen}/dp/s{sv.stage}",
-                shards=shards[sv.stage])
+                shards=shards[sv.stage], restore=spec.restore,
+                state_keys={k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes})
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
                                     cells=[st.start, st.stop], seed=spec.seed,
                                     options=options.model_dump(mode="json"))
@@ -333,8 +276,23 @@ class Runtime:
 
     # -- steps --------------------------------------------------------------------------
 
-    def run_step(self, step: int, batches: Sequence[Sequence[Sequence[int]]]) -> StepRecord:
+    @property
+    def parts(self) -> tuple[list[str], list[str]]:
+        """The checkpoint parts the services write: every service's, and those with model tensors."""
+        return ([f"r{sv.replica}-s{sv.stage}" for sv in self.services],
+                [f"r{sv.replica}-s{sv.stage}" for sv in self.services if sv.replica == 0])
+
+    @property
+    def can_save(self) -> bool:
+        """Whether the next :meth:`run_step` or :meth:`commit` carries a commit (a save rides on it)."""
+        return self._uncommitted
+
+    def run_step(self, step: int, batches: Sequence[Sequence[Sequence[int]]],
+                 save: SaveRequest | None = None) -> StepRecord:
         """Run one step, carrying the previous step's commit; ``batches[r][m]``: replica r, microbatch m.
+
+        ``save`` rides on that commit (see ``coordinator/runtime/checkpoints.py``); give it only
+        when :attr:`can_save`.
 
         The step's own update is committed by the next :meth:`run_step` (inside its
         requests) or by :meth:`commit`; :meth:`state` commits first.
@@ -344,8 +302,9 @@ class Runtime:
         """
         start, polled = time.time(), self.loop.poll_seconds
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
-        commit = (CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
-                  if self._uncommitted else None)
+        commit = (CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms,
+                             save=save) if self._uncommitted else None)
+        assert save is None or commit is not None, "a save rides on a commit: check can_save first"
         if self._first_request:  # the request's shape, checked once by building one
             RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], actions=list(self._actions[0]),
                     timeout_ms=timeout_ms, commit=commit)
@@ -380,6 +339,7 @@ class Runtime:
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
                           skipped=bad is not None, replies=bodies, actions=self._actions,
+                          saved=[part for _, body in bodies for part in body.saved],
                           traffic=dict(self.traffic))
 
     def _refuse(self, step: int, sv: _Service, what: str) -> None:
@@ -401,21 +361,35 @@ class Runtime:
             "steps' updates and go on", step=step, stage=sv.stage,
             last_good_loss=self._last_good[1] if self._last_good is not None else None)
 
-    def commit(self) -> None:
-        """Commit the last step run, if its commit has not gone out with a later step.
+    def commit(self, save: SaveRequest | None = None) -> list[SavedPart]:
+        """Commit the last step run, if its commit has not gone out with a later step (``save`` rides
+        on it); the checkpoint parts the replies report.
 
         Raises:
             JobFailed: A stage could not apply the update (names the worker and the service).
         """
         if not self._uncommitted:
-            return
+            return []
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
-        commit = CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms)
+        commit = CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms,
+                            save=save)
         ids = {self.loop.send(sv.worker, sv.name, "commit", commit, CommitReply): sv for sv in self.services}
         bound = self.spec.step_timeout + timedelta(seconds=10)
-        self._gather(ids, f"the commit of update {self.commits}", bound, None)
+        replies = self._gather(ids, f"the commit of update {self.commits}", bound, None)
         self.commits += 1
         self._uncommitted = False
+        return [part for r in replies.values() if isinstance(r.body, CommitReply) for part in r.body.saved]
+
+    def flush_saves(self) -> list[SavedPart]:
+        """Wait until every service wrote the checkpoint parts it was asked for; the parts not reported yet.
+
+        Raises:
+            JobFailed: A service did not finish within ``spec.step_timeout`` or vanished.
+        """
+        ids = {self.loop.send(sv.worker, sv.name, "flush_saves", Empty(), SavedParts): sv
+               for sv in self.services}
+        replies = self._gather(ids, "writing the checkpoint", self.spec.step_timeout, None)
+        return [part for r in replies.values() if isinstance(r.body, SavedParts) for part in r.body.parts]
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every stage's parameters and buffers (replica 0), cell-qualified, as copies.
@@ -461,7 +435,8 @@ class Runtime:
                     hosted = [sv.name for sv in self.services if sv.worker == event.name]
                     raise JobFailed(f"worker {event.name} (hosting {', '.join(hosted)}) lost its registry "
                                     f"lease during {what}: its process died or stopped",
-                                    worker=event.name, service=hosted[0] if hosted else "", step=step)
+                                    worker=event.name, service=hosted[0] if hosted else "", step=step,
+                                    lost=True)
                 if isinstance(event, Reply) and event.id in ids:
                     if not event.ok:
                         raise self._failure(event, ids[event.id], what, step)
@@ -479,7 +454,7 @@ class Runtime:
             hosted = [s.name for s in self.services if s.worker == silent[0]]
             return JobFailed(f"{what} failed: worker {silent[0]} (hosting {', '.join(hosted)}) does not "
                              f"answer; its process died or froze. Then {detail}", worker=silent[0],
-                             service=hosted[0] if hosted else "", step=step)
+                             service=hosted[0] if hosted else "", step=step, lost=True)
         return JobFailed(f"{what} failed: {detail}", worker=sv.worker, service=sv.name, step=step)
 
     def _unresponsive(self) -> list[str]:

@@ -56,11 +56,12 @@ from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, profile_graph
 from coordinator.planning.request import batch_note
 from coordinator.planning.resources import Resources
 from coordinator.runtime.cluster import WorkerPool
-from coordinator.runtime.driver import RunSpec, Runtime, StepRecord
+from coordinator.runtime.driver import RunSpec, Runtime
 from coordinator.runtime.factories import build_cells, build_data, factory_path, job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import Checked, check_job, model_structure
+from coordinator.runtime.records import StepRecord
 from services.compute.cell import Cell, cell_parameters
 from services.protocol import OptimizerSpec
 

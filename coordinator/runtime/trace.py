@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from coordinator.runtime.driver import StepRecord
+from coordinator.runtime.records import StepRecord
 
 __all__ = ["DEFAULT_FIRST", "DEFAULT_LAST", "TraceRecorder", "chrome_trace"]
 

@@ -54,12 +54,15 @@ from typing import Any
 import torch
 
 from comm.base import Communicator, Work
+from services import faults
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
 from services.compute.stage import Stage
 from services.params.grad_path import GradientPath
 from services.protocol import MAX_NONFINITE_NAMED, Action, ActionKind, PhaseTiming, RunStep, StepReply
 
 __all__ = ["StepExecutor", "StepFailed", "nonfinite"]
+
+_FAULT_PHASES: dict[str, faults.Phase] = {"F": "forward", "B": "backward"}
 
 _Buffers = list[tuple[int, torch.Tensor]]  # (index in the boundary spec, tensor)
 
@@ -144,6 +147,8 @@ class StepExecutor:
                 self._k = k
                 if k == self._last_backward and self._grad_path is not None:
                     self._grad_path.arm()
+                if action.microbatch == 0 and action.kind in _FAULT_PHASES:
+                    faults.at(self._request.step, _FAULT_PHASES[action.kind])
                 self._starts[k] = time.time()
                 handlers[action.kind](self._mbs[action.microbatch], action)
                 if action.kind in ("F", "B"):
@@ -154,6 +159,7 @@ class StepExecutor:
                 work.wait(self._left("the step's sends"))
                 self._ends[k] = time.time()
             if self._grad_path is not None and self._last_backward is not None:
+                faults.at(self._request.step, "sync")
                 phase = self._grad_path.finish(self._left("the gradient synchronisation"))
                 phases += [phase] if phase is not None else []
             nonfinite = self._nonfinite_grads() if self._last_backward is not None else []

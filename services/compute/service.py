@@ -25,6 +25,17 @@ action list runs). RPC surface (service kind ``compute``):
   the next ``run_step`` (``RunStep.commit``), applied before that step's first action;
   this call commits the last step of a run.
 * ``state(Empty) -> TensorsReply`` + parameters and buffers (copies), cell-qualified.
+* ``flush_saves(Empty) -> SavedParts``: wait (bounded) until every checkpoint part this stage
+  was asked for is written; the parts not reported yet.
+
+Checkpoints (``services/checkpoint/``). A commit may carry a ``save``: once the update is
+applied, on the step thread, the stage copies its training state to host memory (replica 0:
+parameters, buffers and optimizer state; every replica: its RNG state) and a background
+thread writes it as the stage's part of the checkpoint while the next step runs. Each reply
+lists the parts finished since the last (``saved``), which is how the coordinator learns
+that a checkpoint is complete. An assignment with ``restore`` loads the stage's tensors (by
+name: the checkpoint may come from any plan) before it answers, and the optimizer state
+when the optimizer is built, at the first commit.
 
 Data parallelism. Replicas of one stage synchronise gradients through the stage's
 gradient path (:mod:`services.params.grad_path`): ``run_step`` begins it (waiting for the
@@ -56,6 +67,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ValidationError
@@ -63,6 +75,10 @@ from pydantic import BaseModel, ValidationError
 from comm import traffic
 from comm.codec import describe_validation_error
 from comm.rpc import Call, RpcError, ServiceBase
+from services import faults
+from services.checkpoint.dcp import CheckpointFormatError
+from services.checkpoint.stage_state import Restored, Snapshot, apply_optimizer_state, load_stage, snapshot
+from services.checkpoint.writer import PartWriter
 from services.compute.actions import validate_stage
 from services.compute.executor import StepExecutor, StepFailed
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
@@ -81,6 +97,7 @@ from services.protocol import (
     PhaseTiming,
     Reconnect,
     RunStep,
+    SavedParts,
     TensorsReply,
     ZeroGradRequest,
 )
@@ -93,6 +110,11 @@ log = logging.getLogger(__name__)
 # not answered by then (it normally does: every wait inside a step is bounded by the deadline).
 _REPLY_GRACE = timedelta(seconds=5)
 OPTIMIZER_STEP_TIMEOUT = timedelta(seconds=600)
+FLUSH_TIMEOUT = timedelta(seconds=600)  # writing the last checkpoint parts at the end of a run
+
+
+def _before_write(snap: Snapshot) -> None:
+    faults.at(snap.step, "save")
 
 
 class CellComputeService(ServiceBase):
@@ -122,6 +144,11 @@ class CellComputeService(ServiceBase):
                                   registry_url=options.registry, prefix=options.comm_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
         self._path = build_path(stage.module, options)
+        self._state_keys = options.state_keys
+        self._part = f"r{options.replica}-s{stage.index}"
+        self._replica = options.replica
+        self._writer = PartWriter(before_write=_before_write)
+        self._restored = Restored()
 
     @classmethod
     def from_assignment(cls, assignment: Assignment, factories: FactoryAllowList) -> CellComputeService:
@@ -138,7 +165,14 @@ class CellComputeService(ServiceBase):
             raise RpcError("bad_request", f"compute options: {describe_validation_error(exc)}") from None
         try:
             stage = build_stage(assignment, options, factories)
+            restored = Restored()
+            if options.restore:
+                restored = load_stage(Path(options.restore), f"r{options.replica}-s{options.stage}",
+                                      stage.state(), stage.parameters(), options.state_keys)
             service = cls(stage, options)
+            service._restored = restored
+        except CheckpointFormatError as exc:
+            raise RpcError("bad_request", f"stage {options.stage}: restoring: {exc}") from None
         except ValueError as exc:  # a factory, the cell range or the registry URL
             raise RpcError("bad_request", f"stage {options.stage}: {exc}") from None
         log.info("[stage %d/%d] cells %s, %d parameters", options.stage, options.num_stages,
@@ -208,9 +242,10 @@ class CellComputeService(ServiceBase):
 
         def run() -> BaseModel:
             deadline = time.monotonic() + timeout.total_seconds()
+            faults.at(request.step, "step")
             phases: list[PhaseTiming] = []
             if request.commit is not None:  # the previous step's update first: it was complete
-                phases = self._apply_commit(request.commit, optimizer, timeout)
+                phases = self._apply_commit(request.commit, optimizer, timeout, request.step)
             try:
                 comm = self._link.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
                 self._path.begin(timedelta(seconds=max(0.0, deadline - time.monotonic())))
@@ -229,7 +264,7 @@ class CellComputeService(ServiceBase):
             log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
                       time.monotonic() - start)
             return reply.model_copy(update={"phases": [*phases, *reply.phases],
-                                            "traffic": traffic.snapshot()})
+                                            "traffic": traffic.snapshot(), "saved": self._writer.finished()})
 
         self._submit(call, f"step {request.step}", timeout, run)
 
@@ -279,6 +314,8 @@ class CellComputeService(ServiceBase):
             optimizer = make_optimizer(spec, [p for _, p in self._stage.parameters()])
         except ValueError as exc:
             raise RpcError("bad_request", str(exc)) from None
+        apply_optimizer_state(optimizer, self._stage.parameters(), self._restored)
+        self._restored = Restored()  # applied: the checkpoint's tensors are not kept
         self._optimizer, self._optimizer_spec = optimizer, spec
         return optimizer
 
@@ -300,18 +337,21 @@ class CellComputeService(ServiceBase):
         return optimizer
 
     def _apply_commit(self, commit: CommitStep, optimizer: torch.optim.Optimizer | None,
-                      timeout: timedelta) -> list[PhaseTiming]:
-        """Apply the update of the step ``commit`` names (on the step thread); its phases.
+                      timeout: timedelta, step: int) -> list[PhaseTiming]:
+        """Apply the update of the step ``commit`` names (on the step thread, serving ``step``); its
+        phases. Then snapshot the state for a checkpoint if the commit carries a ``save``.
 
         Raises:
             StepFailed: The parameter-server exchange failed.
         """
         phases: list[PhaseTiming] = []
         if optimizer is not None:
+            faults.at(step, "optimizer")
             start = time.time()
             optimizer.step()
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
         else:
+            faults.at(step, "push_pull")
             try:
                 phase = self._path.exchange(commit.step, self._stage.parameters(), timeout)
             except Exception as exc:
@@ -319,6 +359,12 @@ class CellComputeService(ServiceBase):
                                  f"{type(exc).__name__}: {exc}", transfers_posted=False) from exc
             phases += [phase] if phase is not None else []
         self._optimizer_steps += 1
+        if commit.save is not None:
+            start = time.time()
+            snap = snapshot(commit.save.step, self._part, self._stage.state(), self._stage.parameters(),
+                            optimizer, self._state_keys, with_model=self._replica == 0)
+            self._writer.submit(snap, Path(commit.save.directory))
+            phases.append(PhaseTiming(name="snapshot", start=start, end=time.time()))
         return phases
 
     def rpc_commit(self, request: CommitStep, call: Call) -> None:
@@ -328,8 +374,9 @@ class CellComputeService(ServiceBase):
         timeout = timedelta(milliseconds=request.timeout_ms)
 
         def run() -> BaseModel:
-            phases = self._apply_commit(request, optimizer, timeout)
-            return CommitReply(step=request.step, optimizer_steps=self._optimizer_steps, phases=phases)
+            phases = self._apply_commit(request, optimizer, timeout, -1)
+            return CommitReply(step=request.step, optimizer_steps=self._optimizer_steps, phases=phases,
+                               saved=self._writer.finished())
 
         self._submit(call, f"commit of step {request.step}", timeout, run)
 
@@ -338,6 +385,18 @@ class CellComputeService(ServiceBase):
             self._check_idle("send its state")
             call.tensors_out = [(name, t.detach().clone()) for name, t in self._stage.state()]
         return TensorsReply(names=[name for name, _ in call.tensors_out])
+
+    def rpc_flush_saves(self, request: Empty, call: Call) -> None:
+        call.defer(FLUSH_TIMEOUT + _REPLY_GRACE, lambda: ("timeout", f"stage {self._stage.index}: checkpoint "
+                                                                     "parts still being written"))
+
+        def wait() -> None:
+            try:
+                call.reply(SavedParts(parts=self._writer.flush(FLUSH_TIMEOUT)))
+            except TimeoutError as exc:
+                call.fail("timeout", f"stage {self._stage.index}: {exc}")
+
+        threading.Thread(target=wait, daemon=True, name=f"flush-stage{self._stage.index}").start()
 
     def rpc_reconnect(self, request: Reconnect, call: Call) -> Empty:
         with self._lock:
@@ -353,6 +412,7 @@ class CellComputeService(ServiceBase):
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._writer.close()
 
         # Closing a communicator waits for its in-flight operations (one to a dead peer waits
         # out its timeout): never on the host thread, which serves every service of the worker.

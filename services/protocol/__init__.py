@@ -14,6 +14,7 @@ elsewhere; import them from ``services.protocol``.
 
 from comm.rpc.envelope import Empty
 from services.protocol.barrier import BarrierArrive, BarrierReleased
+from services.protocol.checkpoint import SavedPart, SavedParts, SaveRequest
 from services.protocol.compute import (
     MAX_BOUNDARY_TENSORS,
     MAX_NONFINITE_NAMED,
@@ -75,6 +76,9 @@ __all__ = [
     "Reconnect",
     "Release",
     "RunStep",
+    "SaveRequest",
+    "SavedPart",
+    "SavedParts",
     "ShardAddress",
     "ShardInfo",
     "ShardSetup",

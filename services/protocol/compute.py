@@ -11,6 +11,7 @@ from comm.codec import Message
 from comm.rpc.envelope import Name, TensorMeta
 from comm.traffic import TrafficCounts
 from comm.wire import DTYPES
+from services.protocol.checkpoint import SavedPart, SaveRequest
 from services.protocol.params import OptimizerSpec
 
 MAX_NONFINITE_NAMED = 8  # parameters a StepReply names whose gradient is not finite
@@ -119,6 +120,10 @@ class ComputeOptions(Message):
     dp_prefix: str = ""  # needed for collective with num_replicas > 1
     bucket_bytes: int = Field(default=25 << 20, ge=1)
     shards: list[ShardAddress] = Field(default_factory=list, max_length=1 << 12)
+    # checkpoints (services/checkpoint/): each cell-qualified tensor's keys in the unwrapped model's
+    # state_dict (tied weights have several), and the checkpoint to start from ("": the factory's values)
+    state_keys: dict[str, list[str]] = Field(default_factory=dict, max_length=1 << 20)
+    restore: str = Field(default="", max_length=4096)
 
     @model_validator(mode="after")
     def _consistent(self) -> ComputeOptions:
@@ -202,12 +207,14 @@ class CommitStep(Message):
     step: int = Field(ge=0)
     optimizer: OptimizerSpec
     timeout_ms: int = Field(default=300_000, ge=1)
+    save: SaveRequest | None = None  # then snapshot the state it leaves (written in the background)
 
 
 class CommitReply(Message):
     step: int
     optimizer_steps: int  # updates applied so far by this stage
     phases: list[PhaseTiming]
+    saved: list[SavedPart] = Field(default_factory=list, max_length=1 << 10)  # parts written since last reply
 
 
 class RunStep(Message):
@@ -270,6 +277,7 @@ class StepReply(Message):
     # the worker process's cumulative traffic after the step (bytes sent per backend, refusals per
     # reason: comm/traffic.py), for the coordinator's metrics; a few bytes, bounded by the model
     traffic: TrafficCounts | None = None
+    saved: list[SavedPart] = Field(default_factory=list, max_length=1 << 10)  # parts written since last reply
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:

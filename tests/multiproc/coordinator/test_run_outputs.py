@@ -27,8 +27,8 @@ from coordinator.commands.jobspec import load_job
 from coordinator.commands.run import RunOptions, train
 from coordinator.commands.rundir import RunRecord
 from coordinator.planning.plan import Plan
-from coordinator.runtime.driver import StepRecord
 from coordinator.runtime.harness import LocalHarness
+from coordinator.runtime.records import StepRecord
 from tests.harness.http import http_get
 from tests.multiproc.coordinator.test_run import SPEC, cellmesh
 

@@ -31,7 +31,7 @@ from comm.sockets import SocketLimits, make_socket
 from comm.traffic import TrafficCounts, snapshot
 from coordinator.commands.jobspec import load_job
 from coordinator.commands.run import RunOptions, train
-from coordinator.runtime.driver import StepRecord
+from coordinator.runtime.records import StepRecord
 from tests.harness.http import http_get
 from tests.multiproc.coordinator import models
 from tests.multiproc.coordinator.test_run import SPEC

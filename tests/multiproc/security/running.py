@@ -24,9 +24,9 @@ from comm import auth
 from comm.codec import unpack
 from comm.logs import log_to_file
 from coordinator.planning.resources import Resources
-from coordinator.runtime.driver import StepRecord
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import FitResult, Job
+from coordinator.runtime.records import StepRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from services.protocol import WorkerCard
 from tests.multiproc.security.outsider import Port, Targets

@@ -8,7 +8,7 @@ from prometheus_client import generate_latest
 
 from comm.traffic import TrafficCounts, snapshot
 from coordinator.commands.metrics import RunMetrics
-from coordinator.runtime.driver import StepRecord
+from coordinator.runtime.records import StepRecord
 
 
 def _record(step: int, traffic: dict[str, TrafficCounts]) -> StepRecord:

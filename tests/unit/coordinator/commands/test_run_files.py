@@ -30,7 +30,7 @@ from coordinator.commands.output import apply_logging, open_recorder
 from coordinator.commands.recorder import open_tensorboard
 from coordinator.commands.rundir import RunDir, RunRecord
 from coordinator.planning.config import LoggingConfig
-from coordinator.runtime.driver import ActionEvent, StepRecord
+from coordinator.runtime.records import ActionEvent, StepRecord
 from coordinator.runtime.trace import TraceRecorder, chrome_trace
 from tests.harness.http import http_get
 

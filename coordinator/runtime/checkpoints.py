@@ -1,0 +1,221 @@
+"""The coordinator's side of checkpoints: when to save, publishing a complete one, finding the newest.
+
+A checkpoint of step ``k`` (``k`` steps done) is a directory ``{root}/step-{k:08d}``:
+
+* its root is a DCP checkpoint of the unwrapped model's ``state_dict`` (the keys
+  ``model.state_dict()`` has): ``dcp_to_torch_save`` turns it into a file that loads into the
+  model with ``strict=True``;
+* ``train/`` is a DCP checkpoint of the training state by name: the optimizer's per-parameter
+  state (``optim.{key}.{entry}``) and each stage's RNG state (``rng.r{replica}-s{stage}``);
+* ``trainer.json``: the step, the data position (epoch and offset, for people: the batch of a
+  step is a function of the step), the updates applied, the plan it was saved on;
+* ``parts/`` and ``train/parts/``: each service's files (see ``services/checkpoint/``).
+
+[Note: how a checkpoint is taken]
+The coordinator decides a checkpoint is due once step ``k - 1`` is done, creates a staging
+directory ``.staging-step-{k:08d}-{random}`` and sends a :class:`~services.protocol.SaveRequest`
+inside the commit of step ``k - 1`` (which travels with step ``k``'s request, or alone at the
+end of a run). Each stage applies the update, copies its state to host memory and writes it
+in the background while step ``k`` runs; each reply lists the parts finished since the last.
+When every service's part is in, the coordinator writes the two ``.metadata`` files and
+``trainer.json`` into the staging directory and renames it ``step-{k:08d}``: the rename is
+the commit of the checkpoint. Then the oldest beyond ``keep`` are removed. A part that fails
+to be written drops that checkpoint (a warning; the previous ones stay). A process killed
+at any moment leaves the published checkpoints as they were, and at most a staging
+directory, removed by the next checkpointer on that root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from services.checkpoint import dcp
+from services.checkpoint.stage_state import TRAIN
+from services.checkpoint.writer import part_dirs
+from services.protocol import SavedPart, SaveRequest
+
+__all__ = ["Checkpointer", "TrainerState", "describe", "model_state", "newest", "read_trainer"]
+
+log = logging.getLogger(__name__)
+
+TRAINER = "trainer.json"
+_PREFIX = "step-"
+_STAGING = ".staging-"
+
+
+class TrainerState(BaseModel):
+    """``trainer.json``: where training stood when the checkpoint was taken."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: int = 1
+    job: str
+    step: int  # steps done: the next step to run
+    updates: int  # updates applied (a step skipped as not finite applies none)
+    epoch: int  # the data position of the next step (for people; the sampler derives it from the step)
+    offset: int  # samples into that epoch
+    global_batch: int
+    num_samples: int
+    seed: int
+    shuffle: bool
+    plan: str  # the plan it was saved on (any plan loads it)
+    saved_at: float
+
+
+def _name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def _published(root: Path) -> list[tuple[int, Path]]:
+    out: list[tuple[int, Path]] = []
+    if root.is_dir():
+        for path in root.iterdir():
+            tail = path.name[len(_PREFIX):]
+            if path.name.startswith(_PREFIX) and tail.isdigit() and (path / TRAINER).is_file():
+                out.append((int(tail), path))
+    return sorted(out)
+
+
+def newest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (a ``step-*`` directory), or None."""
+    found = _published(root)
+    return found[-1][1] if found else None
+
+
+def read_trainer(checkpoint: Path) -> TrainerState:
+    """The checkpoint's ``trainer.json``.
+
+    Raises:
+        dcp.CheckpointFormatError: It is missing or not a cellmesh trainer state.
+    """
+    try:
+        return TrainerState.model_validate_json((checkpoint / TRAINER).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise dcp.CheckpointFormatError(f"{checkpoint} is not a cellmesh checkpoint: {TRAINER}: "
+                                        f"{exc}") from None
+
+
+def model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's model ``state_dict`` (the unwrapped model's keys), loaded into memory."""
+    return dcp.load(checkpoint, list(dcp.keys(checkpoint)))
+
+
+@dataclass
+class _Pending:
+    trainer: TrainerState
+    staging: Path
+    parts: set[str]
+    model_parts: set[str]
+    done: set[str] = field(default_factory=set)
+    started: float = field(default_factory=time.monotonic)
+
+
+class Checkpointer:
+    """Takes and publishes the checkpoints of one run (see [Note: how a checkpoint is taken]).
+
+    Args:
+        root: Where the checkpoints go (created).
+        every_steps: A checkpoint every N steps (None: not by steps).
+        every_seconds: A checkpoint when T seconds passed since the last began (None: not by time).
+        keep: How many published checkpoints to keep (the newest).
+    """
+
+    def __init__(self, root: Path, *, every_steps: int | None, every_seconds: float | None,
+                 keep: int) -> None:
+        self.root = root
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.keep = keep
+        self._last = time.monotonic()
+        self._pending: dict[int, _Pending] = {}
+        self.published: list[Path] = []
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{_STAGING}*"):  # a save cut short by a crash: never published
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def due(self, step: int) -> bool:
+        """Whether to checkpoint once ``step`` steps are done (never twice for one step)."""
+        if step == 0 or step in self._pending or any(k == step for k, _ in _published(self.root)[-1:]):
+            return False
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        return self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds
+
+    def begin(self, trainer: TrainerState, parts: Iterable[str], model_parts: Iterable[str]) -> SaveRequest:
+        """Stage checkpoint ``trainer.step``; the request for the commit that completes that step.
+
+        ``parts`` names every service that writes a part; ``model_parts`` those that write model tensors.
+        """
+        staging = self.root / f"{_STAGING}{_name(trainer.step)}-{secrets.token_hex(4)}"
+        staging.mkdir(parents=True)
+        self._pending[trainer.step] = _Pending(trainer, staging, set(parts), set(model_parts))
+        self._last = time.monotonic()
+        return SaveRequest(directory=str(staging.resolve()), step=trainer.step)
+
+    def cancel(self, step: int) -> None:
+        """Drop checkpoint ``step`` (its save request never went out)."""
+        pending = self._pending.pop(step, None)
+        if pending is not None:
+            shutil.rmtree(pending.staging, ignore_errors=True)
+
+    @property
+    def pending(self) -> list[int]:
+        """The steps whose checkpoint is staged but not published yet."""
+        return sorted(self._pending)
+
+    def record(self, saved: Sequence[SavedPart]) -> list[Path]:
+        """Take the parts the services report; publish each checkpoint that is complete. Its paths."""
+        published: list[Path] = []
+        for part in saved:
+            pending = self._pending.get(part.step)
+            if pending is None or part.part not in pending.parts:
+                continue
+            if part.error:
+                log.warning("checkpoint of step %d dropped: part %s could not be written: %s", part.step,
+                            part.part, part.error)
+                self.cancel(part.step)
+                continue
+            pending.done.add(part.part)
+            if pending.done == pending.parts:
+                published.append(self._publish(self._pending.pop(part.step)))
+        return published
+
+    def abandon(self) -> None:
+        """Drop every staged checkpoint (the run that was writing them failed)."""
+        for step in list(self._pending):
+            self.cancel(step)
+
+    def _publish(self, pending: _Pending) -> Path:
+        staging, step = pending.staging, pending.trainer.step
+        dcp.merge_parts(staging, [part_dirs(staging, p)[0] for p in sorted(pending.model_parts)])
+        dcp.merge_parts(staging / TRAIN, [part_dirs(staging, p)[1] for p in sorted(pending.parts)])
+        trainer = staging / TRAINER
+        with open(trainer, "w") as out:
+            out.write(pending.trainer.model_dump_json(indent=2))
+            out.flush()
+            os.fsync(out.fileno())
+        final = self.root / _name(step)
+        dcp.publish(staging, final)
+        log.info("checkpoint of step %d published in %s (%.2fs after it was taken)", step, final,
+                 time.monotonic() - pending.started)
+        self.published.append(final)
+        for _, old in _published(self.root)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
+def describe(checkpoint: Path) -> str:
+    """One line for people: which step, saved when, on which plan."""
+    trainer = read_trainer(checkpoint)
+    return (f"{checkpoint} (step {trainer.step}, epoch {trainer.epoch}, saved "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(trainer.saved_at))} on {trainer.plan})")

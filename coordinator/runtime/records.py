@@ -1,0 +1,79 @@
+"""What a step leaves behind: its record (loss, samples, timings, checkpoint parts) and its events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from comm.traffic import TrafficCounts
+from services.protocol import Action, SavedPart, StepReply
+
+__all__ = ["ActionEvent", "StepRecord"]
+
+
+@dataclass(frozen=True)
+class ActionEvent:
+    """One timed action or phase of one stage: ``0F3``, ``0SEND_F3``, ``all_reduce``, ``optimizer``...
+
+    ``action`` is the action itself (None for a phase); ``name`` its printed form or the phase's name.
+    """
+
+    worker: str
+    replica: int
+    stage: int
+    name: str
+    start: float
+    end: float
+    action: Action | None = None
+
+
+@dataclass(frozen=True)
+class _Service:
+    worker: str
+    name: str
+    replica: int
+    stage: int
+
+
+@dataclass
+class StepRecord:
+    """A finished step: its loss, its samples, and the event log of every action.
+
+    The step's update is committed with the next step (or by ``Runtime.commit``), so the
+    ``optimizer`` / ``push_pull`` phases in a step's events are the previous step's commit,
+    applied before the step's first action. A ``skipped`` step's update is never applied (see
+    [Note: a step that is not finite]). The event log is built on first access.
+
+    ``traffic``: each placed worker's latest counters (``comm/traffic.py``), from its step replies.
+    """
+
+    step: int
+    loss: float
+    num_samples: int
+    start: float
+    end: float
+    coordinator_s: float  # time the coordinator itself spent (not waiting for replies)
+    skipped: bool = False  # its loss or gradients were not finite: its update was dropped
+    saved: list[SavedPart] = field(default_factory=list, repr=False)  # checkpoint parts written since last
+    replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
+    actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k
+    traffic: dict[str, TrafficCounts] = field(default_factory=dict, repr=False)  # by worker
+    _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def events(self) -> list[ActionEvent]:
+        """Every action and phase of every stage of every replica, as timed by the stages."""
+        if self._events is None:
+            events: list[ActionEvent] = []
+            for sv, body in self.replies:
+                events += [ActionEvent(sv.worker, sv.replica, sv.stage, str(a), start, end, a)
+                           for a, start, end in zip(self.actions[sv.stage], body.starts, body.ends,
+                                                    strict=True)]
+                events += [ActionEvent(sv.worker, sv.replica, sv.stage, p.name, p.start, p.end)
+                           for p in body.phases]
+            self._events = events
+        return self._events

@@ -1,0 +1,132 @@
+"""What a stage's part of a checkpoint holds, and how a stage (of any plan) is restored from one.
+
+Every tensor is keyed by name, never by worker or stage, so a checkpoint saved on one plan
+restores on another (a stage loads the keys of its own cells, wherever they were before):
+
+* the model (the checkpoint's root): every parameter and buffer under its key(s) in the
+  unwrapped model's ``state_dict`` (``ComputeOptions.state_keys``; a tied weight under each
+  of its keys), so the root is a plain DCP checkpoint of the model;
+* the training state (``train/``): ``optim.{key}.{name}`` for each optimizer state entry of a
+  parameter (``exp_avg``, ``step``, ``momentum_buffer``...; ``key`` the parameter's first
+  model key) and ``rng.{part}`` the worker's torch RNG state as the part's service saw it.
+
+The snapshot is taken on the step thread right after a commit (so before the next update
+can change anything) as copies in host memory; the writing happens elsewhere
+(:mod:`services.checkpoint.writer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.checkpoint import dcp
+
+__all__ = ["OPTIM", "RNG", "TRAIN", "Restored", "Snapshot", "apply_optimizer_state", "load_stage", "snapshot"]
+
+TRAIN = "train"  # the training state's subdirectory of a checkpoint
+OPTIM = "optim."
+RNG = "rng."
+
+
+@dataclass
+class Snapshot:
+    """Host-memory copies of one part: ``model`` goes to the checkpoint's root, ``train`` to ``train/``."""
+
+    step: int
+    part: str
+    model: dict[str, torch.Tensor] = field(default_factory=dict)
+    train: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _keys(name: str, state_keys: Mapping[str, Sequence[str]]) -> Sequence[str]:
+    return state_keys.get(name) or [name]
+
+
+def snapshot(step: int, part: str, state: Sequence[tuple[str, torch.Tensor]],
+             params: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
+             state_keys: Mapping[str, Sequence[str]], *, with_model: bool) -> Snapshot:
+    """Copy a stage's training state: ``state`` (parameters and buffers, cell-qualified) when
+    ``with_model``, the optimizer's per-parameter state, and this process's RNG state."""
+    snap = Snapshot(step=step, part=part)
+    if with_model:
+        for name, tensor in state:
+            copy = tensor.detach().to("cpu", copy=True)
+            for key in _keys(name, state_keys):
+                snap.model[key] = copy
+        if optimizer is not None:
+            for name, param in params:
+                key = _keys(name, state_keys)[0]
+                for entry, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        snap.train[f"{OPTIM}{key}.{entry}"] = value.detach().to("cpu", copy=True)
+                    elif isinstance(value, int | float):
+                        snap.train[f"{OPTIM}{key}.{entry}"] = torch.tensor(value, dtype=torch.float64)
+    snap.train[f"{RNG}{part}"] = torch.get_rng_state()
+    return snap
+
+
+@dataclass
+class Restored:
+    """What a stage takes from a checkpoint: per parameter (cell-qualified) its optimizer state entries."""
+
+    optimizer_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def load_stage(directory: Path, part: str, state: Sequence[tuple[str, torch.Tensor]],
+               params: Sequence[tuple[str, nn.Parameter]],
+               state_keys: Mapping[str, Sequence[str]]) -> Restored:
+    """Copy the checkpoint's values into ``state`` (in place), set the RNG state saved for ``part``
+    (if the checkpoint has one), and return the optimizer state of ``params`` for the optimizer.
+
+    Raises:
+        dcp.CheckpointFormatError: The checkpoint is incomplete or lacks one of the stage's tensors.
+    """
+    wanted = {name: _keys(name, state_keys)[0] for name, _ in state}
+    values = dcp.load(directory, list(wanted.values()))
+    with torch.no_grad():
+        for name, tensor in state:
+            source = values[wanted[name]]
+            if source.shape != tensor.shape:
+                raise dcp.CheckpointFormatError(
+                    f"checkpoint {directory}: {wanted[name]} has shape {tuple(source.shape)}, the model's "
+                    f"is {tuple(tensor.shape)}")
+            tensor.copy_(source)
+    restored = Restored()
+    train = directory / TRAIN
+    available = dcp.keys(train)
+    entries: dict[str, tuple[str, str]] = {}  # checkpoint key -> (parameter, entry)
+    for name, _ in params:
+        prefix = f"{OPTIM}{_keys(name, state_keys)[0]}."
+        for key in available:
+            if key.startswith(prefix) and "." not in key[len(prefix):]:
+                entries[key] = (name, key[len(prefix):])
+    rng_key = f"{RNG}{part}"
+    loaded = dcp.load(train, [*entries, *([rng_key] if rng_key in available else [])])
+    for key, (name, entry) in entries.items():
+        restored.optimizer_state.setdefault(name, {})[entry] = loaded[key]
+    if rng_key in loaded:
+        torch.set_rng_state(loaded[rng_key])
+    return restored
+
+
+def apply_optimizer_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple[str, nn.Parameter]],
+                          restored: Restored) -> None:
+    """Load ``restored``'s per-parameter state into ``optimizer`` (built over ``params``, in order)."""
+    if not restored.optimizer_state:
+        return
+    current = optimizer.state_dict()
+    ids = [i for group in current["param_groups"] for i in group["params"]]
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in zip(ids, ordered, strict=True)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, param in params:
+        entries = restored.optimizer_state.get(name)
+        if entries:
+            state[index[id(param)]] = dict(entries)
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
