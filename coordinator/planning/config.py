@@ -9,7 +9,8 @@ from and what the command line's settings change. Its sections:
   global batch, the sample count, the shuffle and the seed;
 - ``optimizer``: a ``torch.optim`` class name and its arguments;
 - ``plan``: the plan fields to fix (:class:`PlanConfig`; the planner chooses the rest);
-- ``checkpoint``: fields only, validated but not acted on yet (being built elsewhere);
+- ``checkpoint``: where checkpoints go, how often, how many are kept
+  (``coordinator/runtime/checkpoints.py``);
 - ``logging``: where the run's output goes and how it logs (run directory, log level and
   format, metrics port, TensorBoard directory), acted on by the commands;
 - ``runtime``: local workers, communication backend, timeouts and where the job's own
@@ -148,9 +149,11 @@ class PlanConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Periodic checkpoints: fields only, validated; writing them is another issue (not acted on yet)."""
+    """Checkpoints (``coordinator/runtime/checkpoints.py``): with a directory, one at the end of every
+    ``fit`` and every ``every_steps`` steps and/or ``every_seconds`` seconds; the newest ``keep`` stay."""
 
-    directory: str | None = Field(default=None, description="where checkpoints go (not acted on yet)")
+    directory: str | None = Field(default=None, description="where checkpoints go (cellmesh run: the run "
+                                                            "directory's checkpoints/ by default)")
     every_steps: Positive | None = Field(default=None, description="a checkpoint every N steps")
     every_seconds: float | None = Field(default=None, gt=0, description="a checkpoint every T seconds")
     keep: Positive = Field(default=1, description="how many checkpoints to keep")
@@ -210,6 +213,12 @@ class RuntimeConfig(_Section):
     step_timeout_s: float = Field(default=300.0, gt=0, description="bounds each round of a step, in seconds")
     lease_ttl_s: float = Field(default=5.0, gt=0,
                                description="a dead worker is noticed within this, in seconds")
+    max_restarts: int = Field(default=3, ge=0,
+                              description="lost workers a run survives (replaced or planned without); one "
+                                          "more ends it, naming each failure")
+    replace_timeout_s: float = Field(default=60.0, gt=0,
+                                     description="how long to wait for a lost worker's replacement before "
+                                                 "planning again on the workers left, in seconds")
     nonfinite: NonFinite = Field(default="stop", description="a step whose loss or gradients are NaN or Inf: "
                                                              "stop the job there, or skip its update")
     code_dir: str | None = Field(default=None, description="where the job's own modules are found "

@@ -8,7 +8,7 @@ A checkpoint of step ``k`` (``k`` steps done) is a directory ``{root}/step-{k:08
 * ``train/`` is a DCP checkpoint of the training state by name: the optimizer's per-parameter
   state (``optim.{key}.{entry}``) and each stage's RNG state (``rng.r{replica}-s{stage}``);
 * ``trainer.json``: the step, the data position (epoch and offset, for people: the batch of a
-  step is a function of the step), the updates applied, the plan it was saved on;
+  step is a function of the step), the data it was trained on, the plan it was saved on;
 * ``parts/`` and ``train/parts/``: each service's files (see ``services/checkpoint/``).
 
 [Note: how a checkpoint is taken]
@@ -61,7 +61,6 @@ class TrainerState(BaseModel):
     format: int = 1
     job: str
     step: int  # steps done: the next step to run
-    updates: int  # updates applied (a step skipped as not finite applies none)
     epoch: int  # the data position of the next step (for people; the sampler derives it from the step)
     offset: int  # samples into that epoch
     global_batch: int

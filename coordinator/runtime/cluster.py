@@ -61,6 +61,11 @@ class WorkerPool(Protocol):
         """Worker ``name``'s service-host address."""
         ...
 
+    def replace(self, name: str, timeout: timedelta) -> str | None:
+        """A new process for lost worker ``name`` (started by the pool, or awaited from whoever restarts
+        it); its address once registered, or None if none came within ``timeout``."""
+        ...
+
 
 class ClusterWorkers:
     """The job's registered workers, from a registry URL.
@@ -99,6 +104,27 @@ class ClusterWorkers:
 
     def address(self, name: str) -> str:
         return self.cards[name].address
+
+    def replace(self, name: str, timeout: timedelta) -> str | None:
+        """Wait (bounded) for worker ``name`` to register again as a new process: a pod the StatefulSet
+        restarted re-registers under its name with a new incarnation. Its address, or None."""
+        key, old = f"/cellmesh/{self.job}/workers/{name}", self.cards.get(name)
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self.registry.watch(key) as watch:
+            while True:
+                kv = self.registry.get(key)
+                if kv is not None:
+                    try:
+                        card = unpack(kv.value, WorkerCard)
+                    except ProtocolError:
+                        card = None
+                    if card is not None and (old is None or card.incarnation != old.incarnation):
+                        self.cards[name] = card
+                        return card.address
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                watch.get(timedelta(seconds=min(1.0, left)))
 
     def _read_cards(self, prefix: str) -> list[WorkerCard]:
         cards = []

@@ -51,6 +51,7 @@ from typing import Literal
 
 import torch
 
+from comm.codec import unpack
 from comm.traffic import TrafficCounts, latest_by
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
@@ -77,6 +78,7 @@ from services.protocol import (
     ShardAddress,
     StepReply,
     TensorsReply,
+    WorkerCard,
     WorkerStatus,
 )
 
@@ -209,6 +211,8 @@ class Runtime:
         self.workers = sorted({sv.worker for sv in self.services})
         for w in self.workers:
             loop.connect(w, self.addresses[w])
+        # the process each worker is (a loss reported for an earlier one, replaced since, is stale)
+        self._incarnations = {w: loop.members[w].incarnation for w in self.workers if w in loop.members}
 
     # -- placement ----------------------------------------------------------------------
 
@@ -431,7 +435,7 @@ class Runtime:
                     raise JobFailed(f"{what}: no reply within {timeout.total_seconds():.0f}s from "
                                     + ", ".join(f"worker {m.worker} (service {m.name})" for m in missing),
                                     worker=sv.worker, service=sv.name, step=step)
-                if isinstance(event, WorkerLost) and event.name in self.workers:
+                if isinstance(event, WorkerLost) and event.name in self.workers and self._gone(event.name):
                     hosted = [sv.name for sv in self.services if sv.worker == event.name]
                     raise JobFailed(f"worker {event.name} (hosting {', '.join(hosted)}) lost its registry "
                                     f"lease during {what}: its process died or stopped",
@@ -446,6 +450,14 @@ class Runtime:
                 if i not in replies:
                     self.loop.forget(i)
         return replies
+
+    def _gone(self, worker: str) -> bool:
+        """Whether the process this runtime placed on ``worker`` is gone (its card vanished or another
+        process registered under its name since): a loss event about an earlier process is not."""
+        kv = self.loop.registry.get(f"{self.loop.prefix}{worker}")
+        if kv is None:
+            return True
+        return unpack(kv.value, WorkerCard).incarnation != self._incarnations.get(worker, "")
 
     def _failure(self, reply: Reply, sv: _Service, what: str, step: int | None) -> JobFailed:
         detail = f"worker {sv.worker}, service {sv.name}: [{reply.code}] {reply.message}"

@@ -23,6 +23,14 @@ secret) in a private temporary directory (``CELLMESH_KEYS_DIR``), removed at clo
 credentials this process held before are restored at close. ``secure=False`` runs without
 (tests of single parts).
 
+Replacing a worker (:meth:`LocalHarness.replace`, what a session does when one died or froze):
+the old process is killed (SIGKILL: a frozen one cannot be trusted to stop sending), its card
+deleted, and a new process started under the same name, without the first one's
+``worker_env`` (so an injected fault does not fire again); it registers with a new
+incarnation and address. ``replacements=False`` makes the harness behave like a node gone
+for good: :meth:`replace` then only kills and returns None, and :meth:`restart` brings the
+worker back later (a node that returns).
+
 Teardown (:meth:`LocalHarness.close`, also on errors inside ``with``, at interpreter exit
 and from a test's fixture) asks every worker to drain (SIGTERM), waits ``grace``, then
 kills what is left (SIGKILL) and reaps it, then stops the registry: every process the
@@ -84,13 +92,18 @@ class LocalHarness:
         grace: How long :meth:`close` waits for workers to drain before killing them.
         log_dir: Where each worker's output goes (``{name}.log``); None: a temporary directory,
             removed by :meth:`close` unless a worker exited uncleanly.
+        worker_env: Extra environment of one worker's first process, by name (fault injection:
+            ``services/faults.py``); a replacement does not get it.
+        replacements: Whether :meth:`replace` starts a new process (False: a node gone for good).
     """
 
     def __init__(self, names: Sequence[str], *, job: str, lease_ttl: timedelta = DEFAULT_LEASE_TTL,
                  threads: int = 1, python_path: Iterable[str] = (), env: Mapping[str, str] | None = None,
                  start_timeout: timedelta = DEFAULT_START_TIMEOUT,
                  grace: timedelta = timedelta(seconds=5), log_dir: Path | None = None,
-                 secure: bool = True, factories: Iterable[str] = ()) -> None:
+                 secure: bool = True, factories: Iterable[str] = (),
+                 worker_env: Mapping[str, Mapping[str, str]] | None = None,
+                 replacements: bool = True) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"worker names must be non-empty and unique, got {list(names)}")
         self.names = list(names)
@@ -111,6 +124,10 @@ class LocalHarness:
         self.secure = secure
         self._keys_dir: Path | None = None
         self._previous_credentials: auth.Credentials | None = None
+        self.worker_env = {name: dict(env) for name, env in (worker_env or {}).items()}
+        self.replacements = replacements
+        self._env: dict[str, str] = {}
+        self._allowed: list[str] = []
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -147,16 +164,11 @@ class LocalHarness:
             env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), **child_env(), **extra_env, **self.env}
             paths = [*self.python_path, os.getcwd(), env.get("PYTHONPATH", "")]
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-            allowed = [arg for factory in self.factories for arg in ("--factory", factory)]
+            self._env = env
+            self._allowed = [arg for factory in self.factories for arg in ("--factory", factory)]
             for name in self.names:
-                with open(self.log_path(name), "ab") as output:  # the child keeps its own descriptor
-                    self.procs[name] = subprocess.Popen(
-                        [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
-                         "--job", self.job, "--name", name,
-                         "--lease-ttl", str(self.lease_ttl.total_seconds()), *allowed],
-                        env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                        start_new_session=True)
-            self._wait_registered()
+                self._spawn(name, self.worker_env.get(name, {}))
+            self._wait_registered(self.names)
         except BaseException:
             self.close()
             raise
@@ -175,16 +187,25 @@ class LocalHarness:
         auth.install(auth.Credentials(keys, "coordinator"))
         return {auth.KEYS_DIR_ENV: str(self._keys_dir)}
 
-    def _wait_registered(self) -> None:
+    def _spawn(self, name: str, extra_env: Mapping[str, str]) -> None:
+        with open(self.log_path(name), "ab") as output:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
+                 "--job", self.job, "--name", name,
+                 "--lease-ttl", str(self.lease_ttl.total_seconds()), *self._allowed],
+                env={**self._env, **extra_env}, stdin=subprocess.DEVNULL, stdout=output,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _wait_registered(self, names: Sequence[str]) -> None:
         prefix = f"/cellmesh/{self.job}/workers/"
         deadline = time.monotonic() + self.start_timeout.total_seconds()
         with self.registry.watch(prefix, start_revision=1) as watch:
             while True:
                 for kv in self.registry.list(prefix):
                     card = unpack(kv.value, WorkerCard)
-                    if card.name in self.procs:
+                    if card.name in names and card.pid == self.procs[card.name].pid:
                         self.cards[card.name] = card
-                missing = [n for n in self.names if n not in self.cards]
+                missing = [n for n in names if n not in self.cards]
                 if not missing:
                     return
                 for name in missing:
@@ -217,6 +238,50 @@ class LocalHarness:
         proc = self.procs[name]
         if proc.poll() is None:
             os.kill(proc.pid, sig)
+
+    def replace(self, name: str, timeout: timedelta) -> str | None:
+        """Kill worker ``name``'s process (whatever its state) and start a new one under the same name;
+        its address once registered, or None if ``replacements`` is off (see the module docstring).
+
+        Raises:
+            RuntimeError: The new process exited before registering (the end of its log).
+            TimeoutError: It did not register within ``timeout``.
+        """
+        self._stop_process(name)
+        if not self.replacements:
+            return None
+        return self.restart(name, timeout)
+
+    def restart(self, name: str, timeout: timedelta | None = None) -> str:
+        """Start worker ``name`` again (its previous process must be gone); its address once registered.
+
+        Raises:
+            RuntimeError: The process exited before registering (the end of its log).
+            TimeoutError: It did not register within ``timeout`` (default ``start_timeout``).
+        """
+        self._stop_process(name)
+        started = time.monotonic()
+        self._spawn(name, {})
+        bound, self.start_timeout = self.start_timeout, timeout or self.start_timeout
+        try:
+            self._wait_registered([name])
+        finally:
+            self.start_timeout = bound
+        log.info("[harness %s] worker %s restarted (pid %d) in %.1fs", self.job, name, self.procs[name].pid,
+                 time.monotonic() - started)
+        return self.cards[name].address
+
+    def _stop_process(self, name: str) -> None:
+        """Kill worker ``name``'s process if it runs, reap it and delete its card."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+        self.cards.pop(name, None)
+        with contextlib.suppress(Exception):
+            self.registry.delete(self.worker_key(name))
 
     def close(self) -> None:
         """Drain, then kill, every worker; stop the registry. Idempotent; never raises."""

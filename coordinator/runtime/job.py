@@ -32,11 +32,9 @@ float64 rounding.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -48,20 +46,20 @@ import torch
 from torch import nn
 
 from coordinator.planning.config import JobConfig, from_flat
-from coordinator.planning.data import BatchSampler, split_batch
+from coordinator.planning.data import BatchSampler
 from coordinator.planning.graph import build_graph
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import choose_plan
-from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, profile_graph
-from coordinator.planning.request import batch_note
+from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, profile_graph
+from coordinator.planning.request import PlanningError, batch_note
 from coordinator.planning.resources import Resources
 from coordinator.runtime.cluster import WorkerPool
-from coordinator.runtime.driver import RunSpec, Runtime
-from coordinator.runtime.factories import build_cells, build_data, factory_path, job_factories
+from coordinator.runtime.driver import RunSpec
+from coordinator.runtime.factories import build_cells, build_data, factory_path
 from coordinator.runtime.harness import LocalHarness
-from coordinator.runtime.loop import EventLoop
-from coordinator.runtime.preflight import Checked, check_job, model_structure
+from coordinator.runtime.preflight import Checked, check_job
 from coordinator.runtime.records import StepRecord
+from coordinator.runtime.session import Recovery, Session, resolve_resume
 from services.compute.cell import Cell, cell_parameters
 from services.protocol import OptimizerSpec
 
@@ -70,8 +68,6 @@ __all__ = ["FitResult", "Job", "StepCallback", "optimizer_spec", "state_dict_of"
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[StepRecord], None]
-_runs = itertools.count()
-_PROCESS_TAG = uuid.uuid4().hex[:4]
 OptimizerRef = str | type[torch.optim.Optimizer]
 
 
@@ -83,6 +79,7 @@ class FitResult:
     state_dict: dict[str, torch.Tensor]
     steps: list[StepRecord] = field(default_factory=list)
     plan: Plan | None = None
+    recoveries: list[Recovery] = field(default_factory=list)  # failures survived during this fit
 
 
 def optimizer_spec(optimizer: OptimizerRef, kwargs: dict[str, Any]) -> OptimizerSpec:
@@ -185,7 +182,8 @@ class Job:
         self.log_dir = log_dir
         self._plan = plan
         self._checked: Checked | None = None
-        self._session: _Session | None = None
+        self._session: Session | None = None
+        self._profile: Profile | None = None
         self.steps_done = 0
 
     # -- building and planning ------------------------------------------------------------
@@ -239,8 +237,8 @@ class Job:
                 raise ValueError(f"the model's graph has nodes {[nd.name for nd in graph.nodes]}, not one "
                                  f"per cell {[c.name for c in checked.cells]}: give the model as a sequence "
                                  "of cells")
-            profile = profile_graph(graph, checked.sample, repeats=3,
-                                    optimizer=_optimizer_kind(self.optimizer), num_threads=1)
+            profile = self._profile = profile_graph(graph, checked.sample, repeats=3,
+                                                    optimizer=_optimizer_kind(self.optimizer), num_threads=1)
             self._plan = choose_plan(profile, self.resources, config.plan,
                                      global_batch=config.data.global_batch)
             self._checked = None  # the model built for the checks is not needed any more
@@ -250,25 +248,62 @@ class Job:
                 log.warning("%s", note)
         return self._plan
 
-    def run_spec(self, workers_job: str, run: str) -> RunSpec:
-        """What the runtime builds services from; ``workers_job`` is the workers' registry prefix."""
+    def replan(self, resources: Resources) -> Plan:
+        """A plan for other resources (the workers left after a failure, or back), with the same global batch.
+
+        The plan section's fixed fields are kept where they fit; if they do not (2 replicas fixed
+        and 3 workers left), the shape fields are dropped and a warning names them.
+
+        Raises:
+            coordinator.planning.request.PlanningError: No plan fits ``resources`` at all.
+        """
+        self.plan()
+        assert self._profile is not None
+        config, batch = self.config, self.config.data.global_batch
+        try:
+            return choose_plan(self._profile, resources, config.plan, global_batch=batch)
+        except PlanningError as exc:
+            shape = {"data_parallel": None, "num_stages": None, "balance": None, "strategy": "auto"}
+            fixed = [k for k in shape if getattr(config.plan, k) not in (None, "auto")]
+            if not fixed:
+                raise
+            log.warning("the plan section's %s do not fit %d workers (%s); planning without them",
+                        ", ".join(f"plan.{k}" for k in fixed), resources.num_workers, exc)
+            return choose_plan(self._profile, resources, config.plan.model_copy(update=shape),
+                               global_batch=batch)
+
+    def run_spec(self, workers_job: str, run: str, *, state_keys: Mapping[str, list[str]] | None = None,
+                 restore: str = "") -> RunSpec:
+        """What the runtime builds services from; ``workers_job`` is the workers' registry prefix.
+
+        ``state_keys`` names each tensor in the model's ``state_dict`` (checkpoints); ``restore`` is the
+        checkpoint the services start from.
+        """
         c = self.config
         return RunSpec(job=workers_job, run=run, model=c.model.factory, data=c.data.factory,
                        loss=c.loss.factory, optimizer=self.optimizer, model_kwargs=c.model.kwargs,
                        data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
                        comm_backend=c.runtime.comm_backend, nonfinite=c.runtime.nonfinite,
-                       step_timeout=timedelta(seconds=c.runtime.step_timeout_s))
+                       step_timeout=timedelta(seconds=c.runtime.step_timeout_s),
+                       state_keys=dict(state_keys or {}), restore=restore)
 
     # -- training -------------------------------------------------------------------------
 
     def __enter__(self) -> Job:
-        self._session = _Session(self, None).start()
+        self._session = Session(self, None).start()
+        return self
+
+    def session(self, *, pool: WorkerPool | None = None, resume: Path | str | bool | None = None) -> Job:
+        """Open a session (use as ``with job.session(resume=True):``), on ``pool`` or the local harness,
+        starting from a checkpoint when ``resume`` is given (see :meth:`fit`)."""
+        checkpoint = resolve_resume(resume, self.config.checkpoint.directory) if resume else None
+        self._session = Session(self, pool, checkpoint).start()
         return self
 
     @contextmanager
-    def attach(self, pool: WorkerPool) -> Iterator[Job]:
+    def attach(self, pool: WorkerPool, *, resume: Path | str | bool | None = None) -> Iterator[Job]:
         """A session on ``pool``'s running workers (which must include the resources' workers)."""
-        self._session = _Session(self, pool).start()
+        self.session(pool=pool, resume=resume)
         try:
             yield self
         finally:
@@ -286,9 +321,16 @@ class Job:
         pool = self._session.harness if self._session is not None else None
         return pool if isinstance(pool, LocalHarness) else None
 
-    def fit(self, steps: int | None = None, *, callback: StepCallback | None = None) -> FitResult:
+    def fit(self, steps: int | None = None, *, callback: StepCallback | None = None,
+            resume: Path | str | bool | None = None) -> FitResult:
         """Train ``steps`` steps (default: the config's ``steps``); return the losses, the final
         state_dict and the step records.
+
+        ``resume`` (outside a session): start from a checkpoint (True: the newest under the job's
+        ``checkpoint.directory``, training from the beginning if there is none yet; a path: that
+        checkpoint, or the newest under it). ``steps`` then counts from the job's start, so the
+        run ends where an uninterrupted one would: a checkpoint of step 60 and ``steps=100``
+        trains 40 more. The checkpoint may come from any plan and worker count.
 
         Raises:
             coordinator.runtime.driver.JobFailed: A worker failed or vanished (names worker, service, step).
@@ -298,86 +340,18 @@ class Job:
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if self._session is None:
-            with self:
-                return self._fit(steps, callback)
+            with self.session(resume=resume):
+                return self._fit(max(0, steps - self.steps_done) if resume else steps, callback)
+        if resume:
+            raise ValueError("resume= opens a session: give it outside `with job:` (or to job.session())")
         return self._fit(steps, callback)
 
     def _fit(self, steps: int, callback: StepCallback | None) -> FitResult:
         session = self._session
         if session is None:
             raise RuntimeError("the job's session is closed")
-        return session.fit(steps, callback)
-
-
-class _Session:
-    """The harness, event loop and runtime of one ``with job:`` block."""
-
-    def __init__(self, job: Job, pool: WorkerPool | None) -> None:
-        self.job = job
-        self.plan = job.plan()
-        self.sampler = job.sampler()
-        names = [w.name for w in job.resources.workers]
-        self.local: LocalHarness | None = None  # the harness this session starts and stops itself
-        if pool is None:
-            threads = max(1, min(w.cpus for w in job.resources.workers))
-            runtime = job.config.runtime
-            code_dir = [runtime.code_dir] if runtime.code_dir is not None else []
-            lease_ttl = timedelta(seconds=runtime.lease_ttl_s)
-            pool = self.local = LocalHarness(names, job=job.name, lease_ttl=lease_ttl, threads=threads,
-                                             python_path=code_dir, log_dir=job.log_dir,
-                                             factories=job_factories(job.config))
-        self.harness: WorkerPool = pool
-        missing = sorted({w for r in self.plan.placement for w in r}
-                         - set(self.harness.names))
-        if missing:
-            raise ValueError(f"the plan places stages on workers {missing} the harness does not run "
-                             f"({self.harness.names})")
-        self.loop: EventLoop | None = None
-        self.runtime: Runtime | None = None
-
-    def start(self) -> _Session:
-        job = self.job
-        job.steps_done = 0  # a new session trains from the initial parameters and the first batch
-        try:
-            started = time.monotonic()
-            if self.local is not None:
-                self.local.start()
-            self.loop = EventLoop(self.harness.registry, self.harness.job).start()
-            initial: dict[str, torch.Tensor] = {}
-            if self.plan.mode == "parameter_server":  # the shards start from the coordinator's copy
-                model = job.config.model
-                _, cells = build_cells(model.factory, model.kwargs, job.config.data.seed)
-                initial = {n: p.detach() for n, p in cell_parameters(cells)}
-            addresses = {n: self.harness.address(n) for n in self.harness.names}
-            # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
-            spec = job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}")
-            self.runtime = Runtime(self.plan, spec, self.loop, self.harness.registry_url, addresses, initial)
-            self.runtime.place()
-            log.info("[coordinator %s] up in %.1fs", job.name, time.monotonic() - started)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def fit(self, steps: int, callback: StepCallback | None) -> FitResult:
-        assert self.runtime is not None
-        plan, records = self.plan, []
-        for _ in range(steps):
-            k = self.job.steps_done
-            batches = split_batch(self.sampler.indices(k), plan.data_parallel, plan.num_microbatches)
-            record = self.runtime.run_step(k, batches)
-            self.job.steps_done += 1
-            records.append(record)
-            if callback is not None:
-                callback(record)
-        model, cells = model_structure(self.job.config)  # names only: the values are the stages'
-        state = state_dict_of(model, cells, self.runtime.state())
-        return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=plan)
-
-    def close(self) -> None:
-        if self.runtime is not None and self.local is None:
-            self.runtime.close()
-        if self.loop is not None:
-            self.loop.close()
-        if self.local is not None:
-            self.local.close()
+        done = len(session.recoveries)
+        records, cell_state = session.fit(steps, callback)
+        state = state_dict_of(session.model, session.cells, cell_state)
+        return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=session.plan,
+                         recoveries=session.recoveries[done:])

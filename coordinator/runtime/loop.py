@@ -114,6 +114,7 @@ class EventLoop:
         self.members: dict[str, WorkerCard] = {}
         self.poll_seconds = 0.0  # time spent waiting in the poller (the rest is the coordinator's work)
         self._socks: dict[str, zmq.Socket[bytes]] = {}
+        self._addresses: dict[str, str] = {}
         self._worker_of: dict[zmq.Socket[bytes], str] = {}
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
@@ -172,12 +173,21 @@ class EventLoop:
     # -- requests -----------------------------------------------------------------------
 
     def connect(self, worker: str, address: str) -> None:
-        """Open (once) the connection to ``worker``'s service host at ``address``."""
-        if worker in self._socks:
-            return
+        """Open (once) the connection to ``worker``'s service host at ``address``; a worker that came back
+        at another address (a replacement) is reconnected, and the requests sent to the old one forgotten."""
+        old = self._socks.get(worker)
+        if old is not None:
+            if self._addresses[worker] == address:
+                return
+            self._poller.unregister(old)
+            del self._worker_of[old]
+            old.close(linger=0)
+            for request_id in [i for i, r in self._requests.items() if r.worker == worker]:
+                del self._requests[request_id]
         sock = make_socket(zmq.DEALER, curve="client")
         sock.connect(address)
         self._socks[worker] = sock
+        self._addresses[worker] = address
         self._worker_of[sock] = worker
         self._poller.register(sock, zmq.POLLIN)
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -167,6 +169,7 @@ class Worker:
         self.published = threading.Event()
         self.draining = threading.Event()
         self.stopped = threading.Event()
+        self.incarnation = secrets.token_hex(8)
         self._lease = registry.lease(lease_ttl)
         self._keepalive: KeepAlive | None = None
         self.host.add("worker", _Control(self))
@@ -177,7 +180,7 @@ class Worker:
             name=self.name, address=self.host.address, pid=os.getpid(),
             cpus=launch.cpus or os.cpu_count() or 1, memory_bytes=launch.memory_bytes or _memory_bytes(),
             gpus=_gpus(), services=[n for n in self.host.names() if n != "worker"],
-            rank=launch.rank, world_size=launch.world_size,
+            rank=launch.rank, world_size=launch.world_size, incarnation=self.incarnation,
         )
 
     def publish(self) -> None:
@@ -380,5 +383,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Leave now: a drained worker has nothing left to finish, but a step thread of a service it
+    released may still be blocked on a dead peer until its timeout, and the interpreter's exit
+    would wait for it (executor threads are joined at exit)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _exit(main())

@@ -1,4 +1,5 @@
-"""A worker killed with -9 mid-step ends the job within the lease time, naming the worker; nothing is left."""
+"""With no restarts left (``runtime.max_restarts=0``), a worker killed with -9 mid-step ends the job within the
+lease time, naming the worker; nothing is left. (Surviving it is ``test_recovery.py``.)"""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ LEASE = timedelta(seconds=2)
 def test_worker_killed_mid_step_stops_the_job_naming_it(plan: dict[str, object]) -> None:
     job = Job(model=f"{M}:slow_mlp", model_kwargs={"seconds": 0.3}, loss=f"{M}:mse", data=f"{M}:regression",
               global_batch=16, resources=Resources.local(2), step_timeout_s=60,
-              lease_ttl_s=LEASE.total_seconds(), **plan)  # type: ignore[arg-type]
+              lease_ttl_s=LEASE.total_seconds(), max_restarts=0, **plan)  # type: ignore[arg-type]
     harness = LocalHarness(["local-0", "local-1"], job="t-faults", lease_ttl=LEASE,
                            factories=job_factories(job.config))
     killed_at: list[float] = []

@@ -1,0 +1,445 @@
+"""A training session: the workers, event loop and runtime of one ``with job:`` block, kept going
+through failures by checkpoints, resume, replaced workers and new plans.
+
+One :class:`Session` per ``with job:`` block (or per ``Job.fit`` outside one). It starts (or
+attaches to) the workers, places the plan through a :class:`~coordinator.runtime.driver.Runtime`
+and runs steps, taking checkpoints as the job's ``checkpoint`` section says
+(``coordinator/runtime/checkpoints.py``). Resuming (``Job.fit(resume=...)``, ``cellmesh run
+--resume``) places every service restored from a checkpoint, whatever plan saved it: the
+tensors are keyed by name, each stage loads its own.
+
+[Note: surviving a lost worker]
+A worker whose process dies or freezes is noticed when its registry lease lapses (its card
+vanishes: within the lease TTL and the registry's expiry tick) or when a step fails and the
+worker does not answer a probe. The runtime raises ``JobFailed(lost=True)``; a refusal by a
+live worker (a bug in the job, a bad option) is not retried. Then, within
+``runtime.max_restarts`` (each failure named when the budget is spent):
+
+1. fence: the runtime is dropped and a new one made under a new run id (the epoch): new
+   service names, new communicator prefixes. Whatever an old service still sends is refused
+   (no such request, no such peer); its services on live workers are released;
+2. replace: the pool restarts the worker under the same name (the local harness kills
+   whatever is left of the old process first; on Kubernetes the StatefulSet restarts the pod)
+   and the new process registers with a new incarnation;
+3. roll back: every service of the new runtime is restored from the newest checkpoint (or
+   built from the factories when the job has none), and training goes on from that step.
+   Each step is a function of the parameters and the step's batch, so the steps run again
+   give exactly the results they gave before; the final parameters are those of a run
+   without the failure, and no sample is skipped or trained twice into the model.
+
+Rolling back through storage for every plan, rather than copying a live data-parallel
+replica's state, is a choice: it is the one path that works for every plan (a pipeline stage
+has no replica; a parameter-server shard's optimizer state is nowhere else), the live
+replicas may be mid-way through a step that half-applied, and on one host the checkpoint's
+files are in the page cache, so loading them costs less than the replacement's start.
+
+Elastic: when no replacement registers within ``runtime.replace_timeout_s`` (a node gone for
+good), the session plans again on the workers left (the plan section's shape fields dropped
+when they no longer fit: a warning says which) with the same global batch, restores from the
+newest checkpoint and goes on; when the worker comes back, the session checkpoints and plans
+again on the full resources at the next step. Each change is logged as a warning (the
+terminal of ``cellmesh run`` shows it) and kept in :attr:`Session.recoveries` (the run record).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from coordinator.planning.data import split_batch
+from coordinator.planning.plan import Plan
+from coordinator.planning.request import PlanningError
+from coordinator.planning.resources import Resources
+from coordinator.runtime.checkpoints import Checkpointer, TrainerState, model_state, newest, read_trainer
+from coordinator.runtime.cluster import WorkerPool
+from coordinator.runtime.driver import JobFailed, Runtime
+from coordinator.runtime.errors import JobError
+from coordinator.runtime.factories import build_cells, job_factories
+from coordinator.runtime.harness import LocalHarness
+from coordinator.runtime.loop import EventLoop
+from coordinator.runtime.preflight import model_structure
+from coordinator.runtime.records import StepRecord
+from services.compute.cell import Cell, cell_parameters
+
+if TYPE_CHECKING:
+    from coordinator.runtime.job import Job
+
+__all__ = ["Recovery", "Session", "resolve_resume", "state_keys"]
+
+log = logging.getLogger(__name__)
+
+_runs = itertools.count()
+_PROCESS_TAG = uuid.uuid4().hex[:4]
+RELEASE_TIMEOUT = timedelta(seconds=5)  # releasing the old runtime's services after a failure
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One failure the session survived, for the run record and the terminal."""
+
+    at: float  # when it was noticed (time.time())
+    step: int | None  # the step that was running
+    worker: str
+    reason: str
+    action: str  # "replaced" or "re-planned on N workers" / "re-planned on N workers (one came back)"
+    resumed_step: int  # the step training went on from (a checkpoint's, or 0)
+    plan: str  # the plan after it
+    seconds: float  # from noticing to the new runtime placed
+
+
+def state_keys(model: torch.nn.Module, cells: list[Cell]) -> dict[str, list[str]]:
+    """Each cell-qualified parameter and buffer name -> its keys in ``model.state_dict()`` (tied: several)."""
+    by_id: dict[int, str] = {id(p): n for n, p in cell_parameters(cells)}
+    for cell in cells:
+        for name, buf in cell.module.named_buffers():
+            by_id.setdefault(id(buf), f"{cell.name}.{name}")
+    out: dict[str, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        qualified = by_id.get(id(value))
+        if qualified is not None:
+            out.setdefault(qualified, []).append(key)
+    return out
+
+
+def resolve_resume(resume: Path | str | bool, root: str | None) -> Path | None:
+    """The checkpoint ``resume`` means: a ``step-*`` directory, the newest under a directory, or (True)
+    the newest under the job's ``checkpoint.directory``; None when that directory has none yet.
+
+    Raises:
+        JobError: ``resume`` is True but the job has no checkpoint directory, or a path holds no checkpoint.
+    """
+    if resume is True:
+        if root is None:
+            raise JobError("resume=True needs the job's checkpoint.directory (or give the checkpoint's "
+                           "path: --resume DIR)")
+        found = newest(Path(root))
+        if found is None:
+            log.warning("no checkpoint under %s yet: training starts from the beginning", root)
+        return found
+    path = Path(str(resume))
+    if (path / "trainer.json").is_file():
+        return path
+    found = newest(path)
+    if found is None:
+        raise JobError(f"--resume {path}: no complete checkpoint there (a step-* directory with "
+                       "trainer.json)")
+    return found
+
+
+class Session:
+    """The harness, event loop and runtime of one ``with job:`` block (see the module docstring).
+
+    Args:
+        job: The job.
+        pool: Running workers to use, or None to start the local harness ``job.resources`` describe.
+        resume: The checkpoint to start from (see :func:`resolve_resume`), or None.
+    """
+
+    def __init__(self, job: Job, pool: WorkerPool | None, resume: Path | None = None) -> None:
+        self.job = job
+        self.plan = job.plan()
+        self.sampler = job.sampler()
+        self.resume = resume
+        config = job.config
+        names = [w.name for w in job.resources.workers]
+        self.local: LocalHarness | None = None  # the harness this session starts and stops itself
+        if pool is None:
+            threads = max(1, min(w.cpus for w in job.resources.workers))
+            code_dir = [config.runtime.code_dir] if config.runtime.code_dir is not None else []
+            lease_ttl = timedelta(seconds=config.runtime.lease_ttl_s)
+            pool = self.local = LocalHarness(names, job=job.name, lease_ttl=lease_ttl, threads=threads,
+                                             python_path=code_dir, log_dir=job.log_dir,
+                                             factories=job_factories(config))
+        self.harness: WorkerPool = pool
+        missing = sorted({w for r in self.plan.placement for w in r} - set(self.harness.names))
+        if missing:
+            raise ValueError(f"the plan places stages on workers {missing} the harness does not run "
+                             f"({self.harness.names})")
+        section = config.checkpoint
+        self.checkpointer = (Checkpointer(Path(section.directory), every_steps=section.every_steps,
+                                          every_seconds=section.every_seconds, keep=section.keep)
+                             if section.directory is not None else None)
+        self.loop: EventLoop | None = None
+        self.runtime: Runtime | None = None
+        self.recoveries: list[Recovery] = []
+        self.failures: list[JobFailed] = []
+        self.gone: set[str] = set()  # workers lost for good (no replacement came)
+        model, cells = model_structure(config)  # names only: the values are the stages'
+        self.model, self.cells = model, cells
+        self._state_keys = state_keys(model, cells)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> Session:
+        """Start the workers (a local harness), the event loop, and place the plan (restored if resuming)."""
+        try:
+            started = time.monotonic()
+            if self.local is not None:
+                self.local.start()
+            self.loop = EventLoop(self.harness.registry, self.harness.job).start()
+            self._place(self.plan, self.resume)
+            log.info("[coordinator %s] up in %.1fs", self.job.name, time.monotonic() - started)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        if self.runtime is not None and self.local is None:
+            self.runtime.close()
+        if self.loop is not None:
+            self.loop.close()
+        if self.local is not None:
+            self.local.close()
+
+    def _place(self, plan: Plan, checkpoint: Path | None) -> None:
+        """A new runtime (a new run id: the epoch) for ``plan``, its services restored from ``checkpoint``."""
+        assert self.loop is not None
+        job = self.job
+        trainer = self._check_trainer(checkpoint) if checkpoint is not None else None
+        initial: dict[str, torch.Tensor] = {}
+        if plan.mode == "parameter_server":  # the shards start from the coordinator's copy
+            initial = self._initial_params(checkpoint)
+        addresses = {n: self.harness.address(n) for n in sorted({w for r in plan.placement for w in r})}
+        # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
+        spec = job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}",
+                            state_keys=self._state_keys,
+                            restore=str(checkpoint.resolve()) if checkpoint is not None else "")
+        self.runtime = Runtime(plan, spec, self.loop, self.harness.registry_url, addresses, initial)
+        self.plan = plan
+        job.steps_done = trainer.step if trainer is not None else 0
+        self.runtime.place()
+        if checkpoint is not None:
+            log.info("[coordinator %s] resumed from %s at step %d", job.name, checkpoint, job.steps_done)
+
+    def _check_trainer(self, checkpoint: Path) -> TrainerState:
+        """The checkpoint's trainer state, refused if the data it was trained on differs from this job's.
+
+        Raises:
+            JobError: Naming each data field that differs (resuming would train on other batches).
+        """
+        trainer, sampler = read_trainer(checkpoint), self.sampler
+        mine = {"global_batch": sampler.global_batch, "num_samples": sampler.num_samples,
+                "seed": sampler.seed, "shuffle": sampler.shuffle}
+        theirs = {k: getattr(trainer, k) for k in mine}
+        if mine != theirs:
+            diff = ", ".join(f"data.{k} is {mine[k]} here, {theirs[k]} in the checkpoint"
+                             for k in mine if mine[k] != theirs[k])
+            raise JobError(f"cannot resume from {checkpoint}: {diff}; the batches would differ from the run "
+                           "that saved it (use the job it was saved with)")
+        return trainer
+
+    def _initial_params(self, checkpoint: Path | None) -> dict[str, torch.Tensor]:
+        """The parameter shards' starting values, cell-qualified: the checkpoint's or the factory's."""
+        if checkpoint is None:
+            model = self.job.config.model
+            _, cells = build_cells(model.factory, model.kwargs, self.job.config.data.seed)
+            return {n: p.detach() for n, p in cell_parameters(cells)}
+        values = model_state(checkpoint)
+        return {name: values[keys[0]] for name, keys in self._state_keys.items()
+                if name in dict(cell_parameters(self.cells))}
+
+    # -- training ---------------------------------------------------------------------------
+
+    def trainer_state(self, step: int) -> TrainerState:
+        """What ``trainer.json`` records for a checkpoint of ``step`` steps done."""
+        sampler = self.sampler
+        epoch, k = divmod(step, sampler.steps_per_epoch)
+        return TrainerState(job=self.job.name, step=step, epoch=epoch,
+                            offset=k * sampler.global_batch, global_batch=sampler.global_batch,
+                            num_samples=sampler.num_samples, seed=sampler.seed, shuffle=sampler.shuffle,
+                            plan=self.plan.summary(), saved_at=time.time())
+
+    def fit(self, steps: int, callback: Callable[[StepRecord], None] | None,
+            ) -> tuple[list[StepRecord], dict[str, torch.Tensor]]:
+        """Train until ``steps`` more steps are done (through failures, see the module docstring).
+
+        Returns:
+            The record of each step of this call, in order, and the final cell-qualified state.
+
+        Raises:
+            JobFailed: A worker refused (a bug, a bad option), or failures outran the restart budget.
+        """
+        end = self.job.steps_done + steps
+        first = self.job.steps_done
+        records: dict[int, StepRecord] = {}
+        while True:
+            try:
+                self._train(end, records, callback)
+                return [records[k] for k in range(first, end)], self._finish(end)
+            except JobFailed as exc:
+                self._recover(exc)
+
+    def _train(self, end: int, records: dict[int, StepRecord], callback: Callable[[StepRecord], None] | None,
+               ) -> None:
+        ckpt = self.checkpointer
+        while self.job.steps_done < end:
+            runtime, plan = self.runtime, self.plan  # a worker that came back changes them
+            assert runtime is not None
+            k = self.job.steps_done
+            save = None
+            if ckpt is not None and runtime.can_save and ckpt.due(k):
+                save = ckpt.begin(self.trainer_state(k), *runtime.parts)
+            batches = split_batch(self.sampler.indices(k), plan.data_parallel, plan.num_microbatches)
+            record = runtime.run_step(k, batches, save)
+            if ckpt is not None:
+                ckpt.record(record.saved)
+            self.job.steps_done += 1
+            records[k] = record
+            if callback is not None:
+                callback(record)
+            self._use_returned()
+
+    def _finish(self, end: int) -> dict[str, torch.Tensor]:
+        """Commit the last step (with the final checkpoint, if the job takes any); collect the state."""
+        runtime, ckpt = self.runtime, self.checkpointer
+        assert runtime is not None
+        if ckpt is None:
+            runtime.commit()
+        else:
+            save = (ckpt.begin(self.trainer_state(end), *runtime.parts)
+                    if runtime.can_save and end not in ckpt.pending else None)
+            ckpt.record(runtime.commit(save))
+            ckpt.record(runtime.flush_saves())
+        return runtime.state()
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def _recover(self, failure: JobFailed) -> None:
+        """Replace the lost worker (or plan without it) and go on from the newest checkpoint.
+
+        Raises:
+            JobFailed: ``failure`` itself if a live worker refused (not a lost one), or a summary of
+                every failure once ``runtime.max_restarts`` is spent.
+        """
+        if not failure.lost:
+            raise failure
+        self.failures.append(failure)
+        budget = self.job.config.runtime.max_restarts
+        if len(self.failures) > budget:
+            lines = "\n".join(f"  {i + 1}. step {f.step}: {f}" for i, f in enumerate(self.failures))
+            raise JobFailed(f"the job lost workers {len(self.failures)} times, more than "
+                            f"runtime.max_restarts={budget}; it stopped. Each failure:\n{lines}",
+                            worker=failure.worker,
+                            service=failure.service, step=failure.step) from failure
+        noticed, started = time.time(), time.monotonic()
+        log.warning("[coordinator %s] %s; recovering (restart %d of %d)", self.job.name, failure,
+                    len(self.failures), budget)
+        self._drop_runtime()
+        address = None
+        try:
+            address = self.harness.replace(failure.worker, self._replace_timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("[coordinator %s] no replacement for worker %s: %s", self.job.name, failure.worker,
+                        exc)
+        if address is not None:
+            assert self.loop is not None
+            self.loop.connect(failure.worker, address)
+            plan, action = self.plan, f"replaced worker {failure.worker}"
+        else:
+            self.gone.add(failure.worker)
+            plan = self._replan()
+            action = f"re-planned on {len(self._workers_left())} workers without {failure.worker}"
+        checkpoint = self._rollback_point()
+        self._place(plan, checkpoint)
+        recovery = Recovery(at=noticed, step=failure.step, worker=failure.worker, reason=str(failure),
+                            action=action, resumed_step=self.job.steps_done, plan=plan.summary(),
+                            seconds=time.monotonic() - started)
+        self.recoveries.append(recovery)
+        log.warning("[coordinator %s] %s; training goes on from step %d (%s) on %s", self.job.name, action,
+                    self.job.steps_done + 1, f"checkpoint {checkpoint.name}" if checkpoint else "the start",
+                    recovery.plan)
+
+    @property
+    def _replace_timeout(self) -> timedelta:
+        return timedelta(seconds=self.job.config.runtime.replace_timeout_s)
+
+    def _drop_runtime(self) -> None:
+        """Release the failed runtime's services on the live workers; drop its unfinished checkpoints."""
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+        if self.runtime is not None:
+            self.runtime.close(RELEASE_TIMEOUT)
+            self.runtime = None
+
+    def _rollback_point(self) -> Path | None:
+        """The newest checkpoint (this job's, else the one the session resumed from); None: the start."""
+        if self.checkpointer is not None:
+            found = newest(self.checkpointer.root)
+            if found is not None:
+                return found
+        return self.resume
+
+    def _workers_left(self) -> list[str]:
+        return [w.name for w in self.job.resources.workers if w.name not in self.gone]
+
+    def _replan(self) -> Plan:
+        """A plan on the workers left (the plan section's shape dropped if it no longer fits).
+
+        Raises:
+            JobFailed: No plan fits the workers left.
+        """
+        left = set(self._workers_left())
+        resources = Resources(workers=tuple(w for w in self.job.resources.workers if w.name in left),
+                              bandwidth_bps=self.job.resources.bandwidth_bps,
+                              latency_s=self.job.resources.latency_s)
+        try:
+            return self.job.replan(resources)
+        except PlanningError as exc:
+            raise JobFailed(f"no plan fits the {len(left)} workers left ({', '.join(sorted(left))}): {exc}",
+                            step=self.job.steps_done) from exc
+
+    def _use_returned(self) -> None:
+        """If a worker lost for good registered again: checkpoint, plan on the workers now there, restore.
+
+        Without a checkpoint directory the session cannot carry the state over to a new plan, and
+        goes on with the plan it has (said once).
+        """
+        assert self.loop is not None and self.runtime is not None
+        back = sorted(name for name in self.gone if name in self.loop.members)
+        if not back:
+            return
+        if self.checkpointer is None:
+            log.warning("[coordinator %s] worker(s) %s came back, but the job has no checkpoint.directory to "
+                        "move its state to a new plan: it goes on with the plan it has", self.job.name,
+                        ", ".join(back))
+            self.gone.difference_update(back)
+            return
+        started = time.monotonic()
+        step = self.job.steps_done
+        checkpoint = self._checkpoint_now()
+        for name in back:
+            self.gone.discard(name)
+            self.loop.connect(name, self.loop.members[name].address)
+        self._drop_runtime()
+        plan = self._replan()
+        self._place(plan, checkpoint)
+        action = f"re-planned on {len(self._workers_left())} workers: {', '.join(back)} came back"
+        self.recoveries.append(Recovery(at=time.time(), step=step, worker=", ".join(back),
+                                        reason="worker registered again", action=action,
+                                        resumed_step=self.job.steps_done, plan=plan.summary(),
+                                        seconds=time.monotonic() - started))
+        log.warning("[coordinator %s] %s; training goes on from step %d on %s", self.job.name, action,
+                    self.job.steps_done + 1, plan.summary())
+
+    def _checkpoint_now(self) -> Path | None:
+        """Commit and checkpoint the current step and wait until it is published; its path."""
+        runtime, ckpt = self.runtime, self.checkpointer
+        assert runtime is not None
+        if ckpt is None:
+            return None
+        step = self.job.steps_done
+        save = ckpt.begin(self.trainer_state(step), *runtime.parts) if runtime.can_save else None
+        ckpt.record(runtime.commit(save))
+        ckpt.record(runtime.flush_saves())
+        return newest(ckpt.root)
+
