@@ -45,6 +45,9 @@ ALIASES: dict[str, str] = {
     "log-format": "logging.format",
     "metrics-port": "logging.metrics_port",
     "tensorboard": "logging.tensorboard_dir",
+    "checkpoint-dir": "checkpoint.directory",
+    "checkpoint-every": "checkpoint.every_steps",
+    "max-restarts": "runtime.max_restarts",
 }
 
 
@@ -102,6 +105,10 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
                         help="a progress bar, log lines, or a bar only on a terminal (default)")
     parser.add_argument("--log-every", type=_positive, metavar="S", help="steps between log lines")
     parser.add_argument("--traceback", action="store_true", help="print the traceback of an error too")
+    parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
+                        help="continue from a checkpoint: the newest of this job's (no DIR), or DIR (a "
+                             "step-* checkpoint, or the newest under DIR); the run ends at the step an "
+                             "uninterrupted one would")
 
 
 def _version() -> str:
@@ -223,7 +230,8 @@ def _run_options(args: argparse.Namespace, job: str, settings: dict[str, Any]) -
     from coordinator.commands.run import RunOptions
 
     bar = {"auto": None, "bar": True, "lines": False}[args.progress]
-    return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every)
+    return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every,
+                      resume=args.resume)
 
 
 def _train(args: argparse.Namespace, settings: dict[str, Any]) -> int:

@@ -111,7 +111,7 @@ class RunRecorder:
         speed = samples_per_second(record)
         with self._lock:
             self._record = self._record.model_copy(
-                update={"step": self._record.step + 1, "loss": record.loss, "samples_per_s": speed})
+                update={"step": record.step + 1, "loss": record.loss, "samples_per_s": speed})
         self.metrics.observe(record)
         self.trace.add(record)
         if self._tensorboard is not None:

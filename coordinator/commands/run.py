@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import signal
 import sys
@@ -55,19 +56,25 @@ from coordinator.commands.jobspec import JobSpecError, LoadedJob, load_job
 from coordinator.commands.output import apply_logging, open_recorder
 from coordinator.commands.progress import make_progress
 from coordinator.commands.recorder import RunRecorder
-from coordinator.commands.rundir import RunDir
+from coordinator.commands.rundir import RunDir, previous_checkpoint_roots
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.request import PlanningError
+from coordinator.runtime.checkpoints import newest
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import JobFailed
 from coordinator.runtime.errors import JobError
-from coordinator.runtime.job import FitResult, StepCallback
+from coordinator.runtime.job import FitResult, Job, StepCallback
 from coordinator.runtime.records import StepRecord
+from coordinator.runtime.session import Recovery, checkpoint_key, resolve_resume
 from services.compute.stage import make_optimizer
 
 __all__ = ["REPORTED", "USER_ERRORS", "OutputError", "RunOptions", "RunResult", "Terminated",
            "check_writable", "demo_job_path", "describe_error", "exit_code", "report", "run_demo_job",
            "run_job", "save_outputs", "save_state_dict", "summary", "train", "use_termination_as_exception"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHECKPOINT_SECONDS = 600.0  # cellmesh run: a checkpoint every 10 minutes unless the job says when
 
 USER_ERRORS: tuple[type[BaseException], ...] = (JobSpecError, PlanningError, JobFailed, ValueError,
                                                 TimeoutError)
@@ -98,6 +105,9 @@ class RunOptions:
         output: Where to write a copy of the state_dict (the run directory's ``model.pt`` is always written).
         bar: A progress bar (True), log lines (False), or a bar only on a terminal (None).
         log_every: Steps between log lines (about 20 lines per run by default).
+        resume: Start from a checkpoint: True for the newest of this job's (its ``checkpoint.directory``,
+            else the earlier run directories ``out/<job>-*``), or a checkpoint's path (see
+            :func:`find_resume`); the run then ends at the same step an uninterrupted one would.
 
     Where the output goes and how the run logs are the config's ``logging`` section
     (``coordinator/commands/output.py``).
@@ -108,6 +118,7 @@ class RunOptions:
     output: Path | None = None
     bar: bool | None = None
     log_every: int | None = None
+    resume: str | bool | None = None
 
 
 @dataclass
@@ -193,11 +204,17 @@ def _train(loaded: LoadedJob, options: RunOptions, say: functools.partial[None],
     started = time.monotonic()
     if pool is None:
         job.log_dir = recorder.run_dir.workers
-    with job if pool is None else job.attach(pool):
+    resume = find_resume(loaded, options.resume, pool)
+    use_checkpoints(job, recorder.run_dir)
+    with job.session(pool=pool, resume=resume):
+        steps = max(0, loaded.steps - job.steps_done)
+        if resume is not None:
+            say(f"resumed from {resume} at step {job.steps_done}")
+            recorder.update(resumed_from=str(resume))
         say(f"workers up and services placed in {time.monotonic() - started:.1f}s; training "
-            f"{loaded.steps} steps")
+            f"{steps} steps")
         recorder.update(phase="training", workers=[w.name for w in job.resources.workers])
-        progress = make_progress(loaded.steps, out, bar=options.bar, every=options.log_every)
+        progress = make_progress(steps, out, bar=options.bar, every=options.log_every)
 
         def step_done(record: StepRecord) -> None:
             progress.update(record)
@@ -206,13 +223,68 @@ def _train(loaded: LoadedJob, options: RunOptions, say: functools.partial[None],
                 on_step(record)
 
         try:
-            fit = job.fit(loaded.steps, callback=step_done)
+            fit = job.fit(steps, callback=step_done)
         finally:
             progress.close()
+    for rec in fit.recoveries:
+        say(f"  survived: {describe_recovery(rec)}")
+    recorder.update(recoveries=[describe_recovery(r) for r in fit.recoveries],
+                    checkpoint=str(newest(Path(job.config.checkpoint.directory or "")) or ""))
     save_outputs(fit.state_dict, recorder.run_dir, options.output)
     speed = progress.throughput
     return RunResult(loaded, fit, recorder.run_dir, options.output, speed.elapsed, speed.steady,
                      speed.overall)
+
+
+def use_checkpoints(job: Job, run_dir: RunDir) -> None:
+    """Give ``job`` the run's checkpoint defaults: the run directory's ``checkpoints/`` when the job names no
+    directory, and one every :data:`DEFAULT_CHECKPOINT_SECONDS` when it sets no frequency (so a failure
+    never costs more than that, and the end of the run is saved)."""
+    section = job.config.checkpoint
+    changes: dict[str, Any] = {}
+    if section.directory is None:
+        changes["directory"] = str(run_dir.checkpoints)
+    if section.every_steps is None and section.every_seconds is None:
+        changes["every_seconds"] = DEFAULT_CHECKPOINT_SECONDS
+    if changes:
+        job.config = job.config.model_copy(update={"checkpoint": section.model_copy(update=changes)})
+
+
+def find_resume(loaded: LoadedJob, resume: str | bool | None, pool: WorkerPool | None = None) -> Path | None:
+    """The checkpoint ``--resume`` means: a path as given (a checkpoint, or the newest under a directory);
+    True: the newest under the job's ``checkpoint.directory``, else under its run directory's (or its
+    earlier default run directories', ``out/<job>-*/checkpoints``), else the one a coordinator named in
+    ``pool``'s registry; None if there is none yet (the run starts from the beginning).
+
+    Raises:
+        JobError: A path given holds no checkpoint.
+    """
+    if not resume:
+        return None
+    if resume is not True:
+        return resolve_resume(resume, None)
+    directory = loaded.job.config.checkpoint.directory
+    if directory is not None:
+        return resolve_resume(True, directory)
+    roots = previous_checkpoint_roots(loaded.name) if loaded.job.config.logging.run_dir is None else [
+        Path(loaded.job.config.logging.run_dir) / "checkpoints"]
+    for root in roots:
+        found = newest(root)
+        if found is not None:
+            return found
+    announced = pool.registry.get(checkpoint_key(pool.job)) if pool is not None else None
+    if announced is not None and (Path(announced.value.decode()) / "trainer.json").is_file():
+        return Path(announced.value.decode())
+    log.warning("--resume: no checkpoint of job %s yet: training starts from the beginning", loaded.name)
+    return None
+
+
+def describe_recovery(recovery: Recovery) -> str:
+    """One line: which step, which worker, what was done, where training went on from."""
+    when = time.strftime("%H:%M:%S", time.localtime(recovery.at))
+    step = f"step {recovery.step + 1}" if recovery.step is not None else "between steps"
+    return (f"{when} {step}: worker {recovery.worker} lost; {recovery.action}, went on from step "
+            f"{recovery.resumed_step + 1} in {recovery.seconds:.1f}s")
 
 
 def summary(result: RunResult) -> str:

@@ -10,7 +10,7 @@ directories) or use the job config's ``logging.run_dir`` (``--run-dir DIR``) as 
     coordinator.log    the coordinator process's log records
     workers/NAME.log   each local worker process's stdout and stderr
     trace.json         the measured steps as a Chrome trace (coordinator/runtime/trace.py)
-    checkpoints/       reserved for checkpoints during training
+    checkpoints/       the run's checkpoints (step-*/, coordinator/runtime/checkpoints.py)
     model.pt           the final state_dict
 
 Every file is written atomically (a temporary file, then a rename), so a reader never sees
@@ -29,7 +29,7 @@ from pydantic import Field
 
 from comm.codec import Message
 
-__all__ = ["DEFAULT_ROOT", "Phase", "RunDir", "RunRecord", "write_atomic"]
+__all__ = ["DEFAULT_ROOT", "Phase", "RunDir", "RunRecord", "previous_checkpoint_roots", "write_atomic"]
 
 DEFAULT_ROOT = Path("out")
 MAX_SUFFIX = 1000  # runs of one job started in the same second
@@ -44,13 +44,17 @@ class RunRecord(Message):
     phase: Phase
     run_dir: str = ""
     workers: list[str] = Field(default_factory=list)
-    step: int = Field(default=0, ge=0)  # steps finished (each applied before the next one runs)
+    step: int = Field(default=0, ge=0)  # steps finished, counted from the job's start (a resumed run too)
     steps: int = Field(default=0, ge=0)  # steps to train
     loss: float | None = None  # the last finished step's
     samples_per_s: float | None = None
     output: str = ""  # the final state_dict
     error: str = ""
     spec_sha256: str = ""  # of the job file: a record of another spec under the same name is not this job's
+    checkpoint: str = ""  # the newest checkpoint published
+    resumed_from: str = ""  # the checkpoint the run started from
+    # each failure the run survived, in one line: when, which worker, why, what was done, from which step
+    recoveries: list[str] = Field(default_factory=list, max_length=1 << 12)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -132,6 +136,14 @@ class RunDir:
 
     def write_record(self, record: RunRecord) -> None:
         write_atomic(self.record, record.model_dump_json(indent=2) + "\n")
+
+
+def previous_checkpoint_roots(job: str, root: Path = DEFAULT_ROOT) -> list[Path]:
+    """The ``checkpoints/`` of ``job``'s earlier default run directories (``root/<job>-*``), newest first."""
+    if not root.is_dir():
+        return []
+    runs = [p for p in root.glob(f"{job}-*") if p.is_dir() and (p / "checkpoints").is_dir()]
+    return [p / "checkpoints" for p in sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
 def _new_dir(root: Path, name: str) -> Path:

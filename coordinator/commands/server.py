@@ -22,13 +22,17 @@ step, loss, samples/s, step time, workers) at the config's ``logging.metrics_por
 (``--metrics-port``): the same setting as ``cellmesh run``'s, the same metrics and probes,
 served on ``--health-host`` (the pod's address, where the kubelet probes) rather than loopback.
 
-A failed job (a worker lost, a plan that does not fit, workers that never came) ends the
-process with the error on stderr and a non-zero code: Kubernetes restarts the pod, which
-trains the job again from the start on the workers then registered.
+A lost worker is replaced as in ``cellmesh run`` (the StatefulSet restarts its pod; see
+``coordinator/runtime/session.py``). A failed job (the restart budget spent, a plan that does not
+fit, workers that never came) ends the process with the error on stderr and a non-zero code:
+Kubernetes restarts the pod, and the new coordinator resumes from the newest checkpoint (in the
+run directory's ``checkpoints/``, else the one the last coordinator announced in the registry
+under ``/cellmesh/{job}/checkpoint``); it starts over only when there is none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import sys
@@ -195,7 +199,8 @@ class CoordinatorServer:
             with ClusterWorkers(opts.registry, job.name, workers, timeout=opts.wait_timeout) as pool:
                 job.resources = pool.resources()
                 self.metrics.workers.set(len(pool.names))
-                result = train(loaded, opts.run, self.out, pool=pool, recorder=recorder)
+                run = dataclasses.replace(opts.run, resume=opts.run.resume or True)  # never start over
+                result = train(loaded, run, self.out, pool=pool, recorder=recorder)
         log.info("[coordinator %s] done: %d steps, final loss %s", job.name, len(result.fit.losses),
                  f"{result.fit.losses[-1]:.4f}" if result.fit.losses else "-")
 

@@ -158,14 +158,6 @@ class CheckpointConfig(_Section):
     every_seconds: float | None = Field(default=None, gt=0, description="a checkpoint every T seconds")
     keep: Positive = Field(default=1, description="how many checkpoints to keep")
 
-    @model_validator(mode="after")
-    def _needs_directory(self) -> CheckpointConfig:
-        given = [k for k in ("every_steps", "every_seconds") if getattr(self, k) is not None]
-        if given and self.directory is None:
-            raise ValueError(f"checkpoint.{given[0]} is set but checkpoint.directory is not: set "
-                             "checkpoint.directory")
-        return self
-
 
 class LoggingConfig(_Section):
     """Where the run's output goes and how it logs: run directory, log level and format, metrics, TensorBoard.

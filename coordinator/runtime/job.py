@@ -293,21 +293,23 @@ class Job:
         self._session = Session(self, None).start()
         return self
 
-    def session(self, *, pool: WorkerPool | None = None, resume: Path | str | bool | None = None) -> Job:
-        """Open a session (use as ``with job.session(resume=True):``), on ``pool`` or the local harness,
+    @contextmanager
+    def session(self, *, pool: WorkerPool | None = None,
+                resume: Path | str | bool | None = None) -> Iterator[Job]:
+        """A session (``with job.session(resume=True):``) on ``pool``'s workers or the local harness,
         starting from a checkpoint when ``resume`` is given (see :meth:`fit`)."""
         checkpoint = resolve_resume(resume, self.config.checkpoint.directory) if resume else None
         self._session = Session(self, pool, checkpoint).start()
-        return self
-
-    @contextmanager
-    def attach(self, pool: WorkerPool, *, resume: Path | str | bool | None = None) -> Iterator[Job]:
-        """A session on ``pool``'s running workers (which must include the resources' workers)."""
-        self.session(pool=pool, resume=resume)
         try:
             yield self
         finally:
             self.__exit__(None, None, None)
+
+    @contextmanager
+    def attach(self, pool: WorkerPool, *, resume: Path | str | bool | None = None) -> Iterator[Job]:
+        """A session on ``pool``'s running workers (which must include the resources' workers)."""
+        with self.session(pool=pool, resume=resume):
+            yield self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

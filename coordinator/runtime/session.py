@@ -73,13 +73,18 @@ from services.compute.cell import Cell, cell_parameters
 if TYPE_CHECKING:
     from coordinator.runtime.job import Job
 
-__all__ = ["Recovery", "Session", "resolve_resume", "state_keys"]
+__all__ = ["Recovery", "Session", "checkpoint_key", "resolve_resume", "state_keys"]
 
 log = logging.getLogger(__name__)
 
 _runs = itertools.count()
 _PROCESS_TAG = uuid.uuid4().hex[:4]
 RELEASE_TIMEOUT = timedelta(seconds=5)  # releasing the old runtime's services after a failure
+
+
+def checkpoint_key(job: str) -> str:
+    """The registry key naming job ``job``'s newest checkpoint (a restarted coordinator reads it)."""
+    return f"/cellmesh/{job}/checkpoint"
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,9 @@ class Session:
             raise ValueError(f"the plan places stages on workers {missing} the harness does not run "
                              f"({self.harness.names})")
         section = config.checkpoint
+        if section.directory is None and (section.every_steps or section.every_seconds):
+            raise JobError("checkpoint.every_steps/every_seconds need checkpoint.directory (Job(..., "
+                           "checkpoint_directory=...); cellmesh run takes the run directory's checkpoints/)")
         self.checkpointer = (Checkpointer(Path(section.directory), every_steps=section.every_steps,
                                           every_seconds=section.every_seconds, keep=section.keep)
                              if section.directory is not None else None)
@@ -292,7 +300,7 @@ class Session:
             batches = split_batch(self.sampler.indices(k), plan.data_parallel, plan.num_microbatches)
             record = runtime.run_step(k, batches, save)
             if ckpt is not None:
-                ckpt.record(record.saved)
+                self._announce(ckpt.record(record.saved))
             self.job.steps_done += 1
             records[k] = record
             if callback is not None:
@@ -308,9 +316,20 @@ class Session:
         else:
             save = (ckpt.begin(self.trainer_state(end), *runtime.parts)
                     if runtime.can_save and end not in ckpt.pending else None)
-            ckpt.record(runtime.commit(save))
-            ckpt.record(runtime.flush_saves())
+            self._announce(ckpt.record(runtime.commit(save)))
+            self._announce(ckpt.record(runtime.flush_saves()))
         return runtime.state()
+
+    def _announce(self, published: list[Path]) -> None:
+        """Name the newest checkpoint in the registry (``/cellmesh/{job}/checkpoint``): a coordinator that
+        replaces this one finds it there (best effort: training never waits on it)."""
+        if published:
+            try:
+                self.harness.registry.put(checkpoint_key(self.harness.job),
+                                          str(published[-1].resolve()).encode())
+            except Exception as exc:  # the registry may be briefly away; the files are what matters
+                log.warning("[coordinator %s] could not name checkpoint %s in the registry: %s",
+                            self.job.name, published[-1], exc)
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -439,7 +458,7 @@ class Session:
             return None
         step = self.job.steps_done
         save = ckpt.begin(self.trainer_state(step), *runtime.parts) if runtime.can_save else None
-        ckpt.record(runtime.commit(save))
-        ckpt.record(runtime.flush_saves())
+        self._announce(ckpt.record(runtime.commit(save)))
+        self._announce(ckpt.record(runtime.flush_saves()))
         return newest(ckpt.root)
 
