@@ -1,0 +1,83 @@
+"""The coordinator's checkpoints: when due, published once every part is in, kept, found, refused."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.runtime.checkpoints import Checkpointer, TrainerState, model_state, newest, read_trainer
+from coordinator.runtime.errors import JobError
+from coordinator.runtime.session import resolve_resume
+from services.checkpoint import dcp
+from services.checkpoint.stage_state import Snapshot
+from services.checkpoint.writer import PartWriter
+from services.protocol import SavedPart
+
+
+def _trainer(step: int) -> TrainerState:
+    return TrainerState(job="j", step=step, epoch=0, offset=step * 4, global_batch=4, num_samples=64, seed=0,
+                        shuffle=True, plan="d=2", saved_at=time.time())
+
+
+def _write(directory: str, step: int, part: str, model: dict[str, torch.Tensor]) -> SavedPart:
+    writer = PartWriter()
+    writer.submit(Snapshot(step, part, model=model, train={f"rng.{part}": torch.get_rng_state()}),
+                  Path(directory))
+    [saved] = writer.flush(timedelta(seconds=30))
+    return saved
+
+
+def test_a_checkpoint_is_published_once_every_part_is_in_and_the_oldest_go(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, every_steps=2, every_seconds=None, keep=2)
+    assert [s for s in range(7) if ckpt.due(s)] == [2, 4, 6]
+    for step in (2, 4, 6):
+        request = ckpt.begin(_trainer(step), ["r0-s0", "r1-s0"], ["r0-s0"])
+        first = _write(request.directory, step, "r0-s0", {"w": torch.full((3,), float(step))})
+        assert ckpt.record([first]) == [] and newest(tmp_path) == (tmp_path / f"step-{step - 2:08d}"
+                                                                      if step > 2 else None)
+        assert not ckpt.due(step)  # staged: not twice
+        second = _write(request.directory, step, "r1-s0", {})
+        [published] = ckpt.record([second])
+        assert published == tmp_path / f"step-{step:08d}" == newest(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000006"]
+    assert read_trainer(newest(tmp_path)).step == 6  # type: ignore[arg-type]
+    assert torch.equal(model_state(tmp_path / "step-00000006")["w"], torch.full((3,), 6.0))
+    assert set(dcp.keys(tmp_path / "step-00000006" / "train")) == {"rng.r0-s0", "rng.r1-s0"}
+
+
+def test_a_failed_part_drops_its_checkpoint_and_staging_is_cleaned_at_start(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, every_steps=1, every_seconds=None, keep=3)
+    request = ckpt.begin(_trainer(1), ["a"], ["a"])
+    assert ckpt.record([SavedPart(step=1, part="a", error="disk full")]) == []
+    assert newest(tmp_path) is None and not Path(request.directory).exists() and ckpt.pending == []
+    left = ckpt.begin(_trainer(2), ["a"], ["a"])  # a coordinator killed mid-save leaves its staging behind
+    assert Path(left.directory).exists()
+    Checkpointer(tmp_path, every_steps=1, every_seconds=None, keep=3)
+    assert not Path(left.directory).exists()
+
+
+def test_due_by_time(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, every_steps=None, every_seconds=0.05, keep=1)
+    assert not ckpt.due(1)
+    time.sleep(0.06)
+    assert ckpt.due(1) and not ckpt.due(0)
+
+
+def test_resume_finds_the_newest_or_says_what_is_missing(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "c", every_steps=1, every_seconds=None, keep=5)
+    for step in (3, 5):
+        request = ckpt.begin(_trainer(step), ["a"], ["a"])
+        ckpt.record([_write(request.directory, step, "a", {"w": torch.ones(1)})])
+    assert resolve_resume(True, str(tmp_path / "c")) == tmp_path / "c" / "step-00000005"
+    assert resolve_resume(str(tmp_path / "c" / "step-00000003"), None) == tmp_path / "c" / "step-00000003"
+    assert resolve_resume(True, str(tmp_path / "empty")) is None  # nothing yet: a fresh start
+    with pytest.raises(JobError, match="no complete checkpoint"):
+        resolve_resume(str(tmp_path / "empty"), None)
+    with pytest.raises(JobError, match=r"checkpoint\.directory"):
+        resolve_resume(True, None)
+    with pytest.raises(dcp.CheckpointFormatError, match=r"trainer\.json"):
+        read_trainer(tmp_path)
