@@ -20,7 +20,9 @@ in the background while step ``k`` runs; each reply lists the parts finished sin
 When every service's part is in, the coordinator writes the two ``.metadata`` files and
 ``trainer.json`` into the staging directory and renames it ``step-{k:08d}``: the rename is
 the commit of the checkpoint. Then the oldest beyond ``keep`` are removed. A part that fails
-to be written drops that checkpoint (a warning; the previous ones stay). A process killed
+to be written drops that checkpoint (a warning; the previous ones stay). When the run fails,
+:meth:`Checkpointer.salvage` publishes a staged checkpoint whose parts are all on storage even
+if not all were reported yet. A process killed
 at any moment leaves the published checkpoints as they were, and at most a staging
 directory, removed by the next checkpointer on that root.
 """
@@ -189,10 +191,21 @@ class Checkpointer:
                 published.append(self._publish(self._pending.pop(part.step)))
         return published
 
-    def abandon(self) -> None:
-        """Drop every staged checkpoint (the run that was writing them failed)."""
-        for step in list(self._pending):
-            self.cancel(step)
+    def salvage(self) -> list[Path]:
+        """After a failure: publish each staged checkpoint whose parts are all on storage, though not
+        all reported (a part is complete once its ``.metadata`` is there: DCP renames it last); drop
+        the others. The published paths."""
+        published: list[Path] = []
+        for step in sorted(self._pending):
+            pending = self._pending[step]
+            written = all((part_dirs(pending.staging, p)[1] / dcp.METADATA).is_file() for p in pending.parts)
+            written = written and all((part_dirs(pending.staging, p)[0] / dcp.METADATA).is_file()
+                                      for p in pending.model_parts)
+            if written:
+                published.append(self._publish(self._pending.pop(step)))
+            else:
+                self.cancel(step)
+        return published
 
     def _publish(self, pending: _Pending) -> Path:
         staging, step = pending.staging, pending.trainer.step

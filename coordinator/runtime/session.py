@@ -383,9 +383,10 @@ class Session:
         return timedelta(seconds=self.job.config.runtime.replace_timeout_s)
 
     def _drop_runtime(self) -> None:
-        """Release the failed runtime's services on the live workers; drop its unfinished checkpoints."""
+        """Release the failed runtime's services on the live workers; publish the checkpoints it finished
+        writing (a part written but not reported yet counts), drop the others."""
         if self.checkpointer is not None:
-            self.checkpointer.abandon()
+            self._announce(self.checkpointer.salvage())
         if self.runtime is not None:
             self.runtime.close(RELEASE_TIMEOUT)
             self.runtime = None

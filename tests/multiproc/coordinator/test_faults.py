@@ -1,5 +1,5 @@
-"""With no restarts left (``runtime.max_restarts=0``), a worker killed with -9 mid-step ends the job within the
-lease time, naming the worker; nothing is left. (Surviving it is ``test_recovery.py``.)"""
+"""With no restarts left (``runtime.max_restarts=0``), a worker killed with -9 mid-step ends the job within
+the lease time, naming the worker; nothing is left. (Surviving it is ``test_recovery.py``.)"""
 
 from __future__ import annotations
 

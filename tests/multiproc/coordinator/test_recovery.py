@@ -1,0 +1,132 @@
+"""Surviving a lost worker: whatever is killed or frozen, wherever, the run ends failure-free.
+
+Each test trains ``STEPS`` steps of a float64 MLP with Adam (stateful: a rollback that lost the
+moments would show) with a checkpoint every ``EVERY`` steps, injects one failure (the worker's
+own fault hook, ``services/faults.py``, or a signal from outside), and compares the final
+parameters with one process training the same batches (``train_reference``), under 1e-9.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.planning.resources import Resources
+from coordinator.runtime.driver import JobFailed
+from coordinator.runtime.factories import job_factories
+from coordinator.runtime.harness import LocalHarness
+from coordinator.runtime.job import FitResult, Job
+from coordinator.runtime.reference import max_abs_diff, train_reference
+from services.faults import ENV
+
+pytestmark = pytest.mark.timeout(120)
+
+M = "tests.multiproc.coordinator.models"
+STEPS, EVERY = 10, 3
+LEASE = timedelta(seconds=2)
+TOL = 1e-9
+DP: dict[str, Any] = dict(data_parallel=2, num_stages=1, num_microbatches=2)
+GPIPE: dict[str, Any] = dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="gpipe")
+ONE_F_ONE_B: dict[str, Any] = dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="1f1b")
+
+
+def _job(tmp_path: Path, plan: dict[str, Any], **extra: Any) -> Job:
+    return Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:regression", optimizer="Adam",
+               optimizer_kwargs={"lr": 0.01}, global_batch=16, resources=Resources.local(2),
+               step_timeout_s=30,
+               lease_ttl_s=LEASE.total_seconds(), checkpoint_directory=str(tmp_path / "ckpt"),
+               checkpoint_every_steps=EVERY, **plan, **extra)
+
+
+def _harness(job: Job, tmp_path: Path, **kwargs: Any) -> LocalHarness:
+    return LocalHarness(["local-0", "local-1"], job=f"t-rec-{job.name}", lease_ttl=LEASE,
+                        factories=job_factories(job.config), log_dir=tmp_path / "logs", **kwargs)
+
+
+def _assert_failure_free(job: Job, result: FitResult) -> None:
+    assert len(result.losses) == STEPS and [r.step for r in result.steps] == list(range(STEPS))
+    ref = train_reference(job, STEPS)
+    diff = max_abs_diff(result.state_dict, ref.state_dict)
+    assert diff < TOL, f"the recovered run ends {diff:.3g} away from the failure-free parameters"
+    for mine, theirs in zip(result.losses, ref.losses, strict=True):  # every step's batch, once
+        assert abs(mine - theirs) < 1e-9
+
+
+@pytest.mark.parametrize(("plan", "fault"), [
+    pytest.param(DP, "5:backward", id="dp-replica-backward"),
+    pytest.param(DP, "4:sync", id="dp-replica-allreduce"),
+    pytest.param(GPIPE, "6:forward", id="gpipe-stage-forward"),
+    pytest.param(ONE_F_ONE_B, "5:backward", id="1f1b-stage-backward"),
+    pytest.param(ONE_F_ONE_B, "4:optimizer", id="1f1b-stage-optimizer"),
+    pytest.param(DP, "6:save", id="dp-replica-checkpoint-save"),
+])
+def test_a_worker_killed_inside_a_step_is_replaced_and_the_run_ends_failure_free(
+        tmp_path: Path, plan: dict[str, Any], fault: str) -> None:
+    job = _job(tmp_path, plan)
+    with _harness(job, tmp_path, worker_env={"local-1": {ENV: fault}}) as harness, job.attach(harness):
+        result = job.fit(STEPS)
+    [recovery] = result.recoveries
+    assert recovery.worker == "local-1" and recovery.action == "replaced worker local-1", recovery
+    step = int(fault.split(":")[0])
+    assert recovery.resumed_step == (step - 1) // EVERY * EVERY, recovery  # the newest complete checkpoint
+    _assert_failure_free(job, result)
+
+
+def test_a_frozen_worker_is_noticed_within_its_lease_fenced_and_replaced(tmp_path: Path) -> None:
+    job = _job(tmp_path, ONE_F_ONE_B)
+    stopped: list[float] = []
+    with _harness(job, tmp_path) as harness, job.attach(harness):
+        frozen_pid = harness.procs["local-0"].pid
+
+        def freeze(record: Any) -> None:
+            if record.step == 4 and not stopped:
+                stopped.append(time.time())
+                harness.kill("local-0", signal.SIGSTOP)
+
+        result = job.fit(STEPS, callback=freeze)
+        assert harness.procs["local-0"].pid != frozen_pid
+    [recovery] = result.recoveries
+    noticed = recovery.at - stopped[0]
+    assert noticed < LEASE.total_seconds() + 2.0, f"a frozen worker was noticed after {noticed:.1f}s"
+    _assert_failure_free(job, result)
+
+
+def test_a_job_that_keeps_losing_workers_stops_naming_each_failure(tmp_path: Path) -> None:
+    job = _job(tmp_path, DP, max_restarts=1)
+    kills: list[int] = []
+    with _harness(job, tmp_path) as harness, job.attach(harness):
+        def kill(record: Any) -> None:
+            if record.step in (2, 5) and record.step not in kills:
+                kills.append(record.step)
+                harness.kill("local-1")
+
+        with pytest.raises(JobFailed) as failed:
+            job.fit(STEPS, callback=kill)
+    message = str(failed.value)
+    assert "2 times, more than runtime.max_restarts=1" in message, message
+    assert message.count("worker local-1") >= 2 and "1. step" in message and "2. step" in message, message
+
+
+def test_without_a_replacement_the_job_goes_on_on_the_workers_left_and_back_on_all(tmp_path: Path) -> None:
+    """A node gone for good: plan on one worker (same global batch); when it returns, plan on two again."""
+    job = _job(tmp_path, DP, replace_timeout_s=1.0)
+    with _harness(job, tmp_path, replacements=False) as harness, job.attach(harness):
+        def lose_then_return(record: Any) -> None:
+            if record.step == 2 and not job._session.recoveries:  # type: ignore[union-attr]
+                harness.kill("local-1")
+            if record.step == 6 and len(job._session.recoveries) == 1:  # type: ignore[union-attr]
+                threading.Thread(target=harness.restart, args=("local-1",), daemon=True).start()
+                time.sleep(2.5)  # it registers while the next steps run
+
+        result = job.fit(STEPS, callback=lose_then_return)
+    actions = [r.action for r in result.recoveries]
+    assert actions[0] == "re-planned on 1 workers without local-1", actions
+    assert len(actions) == 2 and "local-1 came back" in actions[1], actions
+    assert result.plan is not None and result.plan.num_workers == 2
+    _assert_failure_free(job, result)
