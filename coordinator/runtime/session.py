@@ -154,6 +154,8 @@ class Session:
         self.plan = job.plan()
         self.sampler = job.sampler()
         self.resume = resume
+        if resume is not None:  # refused before any worker starts
+            self._check_trainer(resume)
         config = job.config
         names = [w.name for w in job.resources.workers]
         self.local: LocalHarness | None = None  # the harness this session starts and stops itself
