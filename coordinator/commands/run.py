@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import signal
 import sys
 import tempfile
@@ -59,7 +58,7 @@ from coordinator.commands.recorder import RunRecorder
 from coordinator.commands.rundir import RunDir, previous_checkpoint_roots
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.request import PlanningError
-from coordinator.runtime.checkpoints import newest
+from coordinator.runtime.checkpoints import newest, save_state_dict, temporary_path
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import JobFailed
 from coordinator.runtime.errors import JobError
@@ -309,29 +308,6 @@ def summary(result: RunResult) -> str:
     return "\n".join(lines)
 
 
-def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
-    """``torch.save`` plain, contiguous CPU tensors to ``path`` atomically (a temporary file, then rename).
-
-    Raises:
-        OSError: The directory cannot be created or written.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    plain = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
-    tmp = _temporary(path)  # open() applies the umask, as for any output
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(plain, f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _temporary(path: Path) -> Path:
-    """The temporary file :func:`save_state_dict` writes beside ``path`` before renaming it."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
 def save_outputs(state: dict[str, torch.Tensor], run_dir: RunDir, output: Path | None) -> None:
     """Write ``state`` to the run directory's ``model.pt`` and to ``output``; never lose it.
 
@@ -381,7 +357,7 @@ def check_writable(path: Path) -> None:
     except OSError as exc:
         raise OutputError(f"cannot create the output directory {path.parent}: {exc.strerror or exc}; give an "
                           "output path (-o) in a directory you can write") from None
-    probe = _temporary(path)
+    probe = temporary_path(path)
     try:
         with open(probe, "xb"):
             pass

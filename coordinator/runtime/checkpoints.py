@@ -11,6 +11,9 @@ A checkpoint of step ``k`` (``k`` steps done) is a directory ``{root}/step-{k:08
   step is a function of the step), the data it was trained on, the plan it was saved on;
 * ``parts/`` and ``train/parts/``: each service's files (see ``services/checkpoint/``).
 
+Beside them, ``{root}/model.pt`` is the final ``state_dict`` of the last ``fit`` as a plain
+file (``torch.load(path, weights_only=True)``).
+
 [Note: how a checkpoint is taken]
 The coordinator decides a checkpoint is due once step ``k - 1`` is done, creates a staging
 directory ``.staging-step-{k:08d}-{random}`` and sends a :class:`~services.protocol.SaveRequest`
@@ -46,11 +49,13 @@ from services.checkpoint.stage_state import TRAIN
 from services.checkpoint.writer import part_dirs
 from services.protocol import SavedPart, SaveRequest
 
-__all__ = ["Checkpointer", "TrainerState", "describe", "model_state", "newest", "read_trainer"]
+__all__ = ["FINAL_MODEL", "Checkpointer", "TrainerState", "describe", "model_state", "newest", "read_trainer",
+           "save_state_dict", "temporary_path"]
 
 log = logging.getLogger(__name__)
 
 TRAINER = "trainer.json"
+FINAL_MODEL = "model.pt"  # the last fit's final state_dict, beside the step-* checkpoints
 _PREFIX = "step-"
 _STAGING = ".staging-"
 
@@ -231,3 +236,27 @@ def describe(checkpoint: Path) -> str:
     trainer = read_trainer(checkpoint)
     return (f"{checkpoint} (step {trainer.step}, epoch {trainer.epoch}, saved "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(trainer.saved_at))} on {trainer.plan})")
+
+
+def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``torch.save`` plain, contiguous CPU tensors to ``path`` atomically (a temporary file, then rename):
+    the final model as a file ``torch.load(path, weights_only=True)`` reads.
+
+    Raises:
+        OSError: The directory cannot be created or written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+    tmp = temporary_path(path)  # open() applies the umask, as for any output
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(plain, f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def temporary_path(path: Path) -> Path:
+    """The temporary file :func:`save_state_dict` writes beside ``path`` before renaming it."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")

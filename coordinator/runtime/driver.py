@@ -411,10 +411,12 @@ class Runtime:
             out.update({k: v.clone() for k, v in reply.tensors.items()})
         return out
 
-    def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
-        """Release every service this runtime placed (best effort, bounded; never raises)."""
+    def close(self, timeout: timedelta = timedelta(seconds=10), *, skip: str = "") -> None:
+        """Release every service this runtime placed (best effort, bounded; never raises), but on ``skip``
+        (a worker known lost: a frozen one would only make this wait)."""
         ids = {self.loop.send(sv.worker, "worker", "release", Release(service=sv.name), Empty): sv
-               for sv in [*self.services, *self._shards] if sv.worker in self.loop.members}
+               for sv in [*self.services, *self._shards]
+               if sv.worker in self.loop.members and sv.worker != skip}
         try:
             self._gather(ids, "releasing the services", timeout, None)
         except JobFailed as exc:

@@ -53,6 +53,7 @@ from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, profile_graph
 from coordinator.planning.request import PlanningError, batch_note
 from coordinator.planning.resources import Resources
+from coordinator.runtime.checkpoints import FINAL_MODEL, save_state_dict
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import RunSpec
 from coordinator.runtime.factories import build_cells, build_data, factory_path
@@ -355,5 +356,7 @@ class Job:
         done = len(session.recoveries)
         records, cell_state = session.fit(steps, callback)
         state = state_dict_of(session.model, session.cells, cell_state)
+        if session.checkpointer is not None:  # beside the checkpoints: the final model as a plain file
+            save_state_dict(state, session.checkpointer.root / FINAL_MODEL)
         return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=session.plan,
                          recoveries=session.recoveries[done:])

@@ -287,7 +287,9 @@ class Session:
                 self._train(end, records, callback)
                 return [records[k] for k in range(first, end)], self._finish(end)
             except JobFailed as exc:
-                self._recover(exc)
+                failure: JobFailed | None = exc
+                while failure is not None:  # a worker lost while recovering is one more failure
+                    failure = self._recover(failure)
 
     def _train(self, end: int, records: dict[int, StepRecord], callback: Callable[[StepRecord], None] | None,
                ) -> None:
@@ -335,8 +337,11 @@ class Session:
 
     # -- failures ---------------------------------------------------------------------------
 
-    def _recover(self, failure: JobFailed) -> None:
+    def _recover(self, failure: JobFailed) -> JobFailed | None:
         """Replace the lost worker (or plan without it) and go on from the newest checkpoint.
+
+        Returns:
+            None, or the failure that lost a worker while recovering (to recover from in turn).
 
         Raises:
             JobFailed: ``failure`` itself if a live worker refused (not a lost one), or a summary of
@@ -355,7 +360,17 @@ class Session:
         noticed, started = time.time(), time.monotonic()
         log.warning("[coordinator %s] %s; recovering (restart %d of %d)", self.job.name, failure,
                     len(self.failures), budget)
-        self._drop_runtime()
+        self._drop_runtime(lost=failure.worker)
+        try:
+            self._replace(failure, noticed, started)
+        except JobFailed as again:
+            if not again.lost:
+                raise
+            return again
+        return None
+
+    def _replace(self, failure: JobFailed, noticed: float, started: float) -> None:
+        """Steps 2 and 3 of [Note: surviving a lost worker], or the elastic path."""
         address = None
         try:
             address = self.harness.replace(failure.worker, self._replace_timeout)
@@ -384,13 +399,13 @@ class Session:
     def _replace_timeout(self) -> timedelta:
         return timedelta(seconds=self.job.config.runtime.replace_timeout_s)
 
-    def _drop_runtime(self) -> None:
+    def _drop_runtime(self, lost: str = "") -> None:
         """Release the failed runtime's services on the live workers; publish the checkpoints it finished
         writing (a part written but not reported yet counts), drop the others."""
         if self.checkpointer is not None:
             self._announce(self.checkpointer.salvage())
         if self.runtime is not None:
-            self.runtime.close(RELEASE_TIMEOUT)
+            self.runtime.close(RELEASE_TIMEOUT, skip=lost)
             self.runtime = None
 
     def _rollback_point(self) -> Path | None:
