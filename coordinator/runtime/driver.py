@@ -438,7 +438,7 @@ class Runtime:
                 if isinstance(event, Reply) and self._shards.take(event):
                     continue
                 if isinstance(event, WorkerLost) and event.name in self.workers and self._gone(event.name):
-                    hosted = [sv.name for sv in self.services if sv.worker == event.name]
+                    hosted = self._hosted(event.name)
                     raise JobFailed(f"worker {event.name} (hosting {', '.join(hosted)}) lost its registry "
                                     f"lease during {what}: its process died or stopped",
                                     worker=event.name, service=hosted[0] if hosted else "", step=step,
@@ -453,6 +453,9 @@ class Runtime:
                     self.loop.forget(i)
         return replies
 
+    def _hosted(self, worker: str) -> list[str]:
+        return [sv.name for sv in [*self.services, *self._shards.services] if sv.worker == worker]
+
     def _gone(self, worker: str) -> bool:
         """Whether the process this runtime placed on ``worker`` is gone (its card vanished or another
         process registered under its name since): a loss event about an earlier process is not."""
@@ -465,7 +468,7 @@ class Runtime:
         detail = f"worker {sv.worker}, service {sv.name}: [{reply.code}] {reply.message}"
         silent = self._unresponsive()
         if silent:
-            hosted = [s.name for s in self.services if s.worker == silent[0]]
+            hosted = self._hosted(silent[0])
             return JobFailed(f"{what} failed: worker {silent[0]} (hosting {', '.join(hosted)}) does not "
                              f"answer; its process died or froze. Then {detail}", worker=silent[0],
                              service=hosted[0] if hosted else "", step=step, lost=True)

@@ -35,7 +35,8 @@ from services.protocol import (
     ShardSave,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 M = "tests.multiproc.coordinator.models"
 TOL64 = 1e-9
@@ -130,18 +131,19 @@ def test_resume_on_another_mode_or_plan(harness: LocalHarness, tmp_path: Path, s
 
 
 def test_a_shard_worker_killed_during_a_push_recovers_exactly(tmp_path: Path) -> None:
-    """local-1 hosts replica 1 and shard ps-s0-1; it is killed (-9) as step 5 starts pushing step 4's
-    gradients, while replica 0's push is in the shards. The run rolls back to the checkpoint of step 3
-    (a slow forward gives its parts time to be written) and ends where the run without the kill ends."""
+    """local-1 hosts replica 1 and shard ps-s0-1; it is killed (-9) as step 6 starts pushing step 5's
+    gradients, while replica 0's push is in the shards (and the save of checkpoint 6 is on its way). The
+    run rolls back to the checkpoint of step 3 (a slow forward gives its parts two steps to be written),
+    and ends where the run without the kill ends."""
     results = {}
-    for name, env in (("killed", {"local-1": {"CELLMESH_FAULT": "5:push_pull"}}), ("clean", {})):
+    for name, env in (("killed", {"local-1": {"CELLMESH_FAULT": "6:push_pull"}}), ("clean", {})):
         job = make_job(tmp_path / name, "ps2", model="slow_mlp", model_kwargs={"seconds": 0.1})
         assert job.plan().dp_groups == (("local-0", "local-1"),)
         with LocalHarness(["local-0", "local-1"], job=f"t-ps-{name}", lease_ttl=LEASE, factories=FACTORIES,
                           worker_env=env, log_dir=tmp_path / name / "logs") as h, job.attach(h):
             results[name] = job.fit(8)
     killed, clean = results["killed"], results["clean"]
-    assert [(r.worker, r.step, r.resumed_step) for r in killed.recoveries] == [("local-1", 5, 3)]
+    assert [(r.worker, r.step, r.resumed_step) for r in killed.recoveries] == [("local-1", 6, 3)]
     assert clean.recoveries == []
     assert max_abs_diff(killed.state_dict, clean.state_dict) < 1e-12
     assert max(abs(a - b) for a, b in zip(killed.losses, clean.losses, strict=True)) < 1e-12
