@@ -50,7 +50,8 @@ class ParamShards:
         plan: The plan (its data-parallel groups host the shards).
         run: The runtime's run id (the services' prefix).
         addresses: Each placed worker's service-host address.
-        initial_params: Cell-qualified starting values of every parameter.
+        initial_params: Cell-qualified starting values of every parameter (empty in collective mode:
+            then there are no shards, and every method has nothing to do).
     """
 
     def __init__(self, plan: Plan, run: str, addresses: Mapping[str, str],
