@@ -20,6 +20,8 @@ directory ``.staging-step-{k:08d}-{random}`` and sends a :class:`~services.proto
 inside the commit of step ``k - 1`` (which travels with step ``k``'s request, or alone at the
 end of a run). Each stage applies the update, copies its state to host memory and writes it
 in the background while step ``k`` runs; each reply lists the parts finished since the last.
+In parameter-server mode the shards save their optimizer state as parts of their own, at the
+same update ([Note: a shard's part of a checkpoint] in ``coordinator/runtime/shards.py``).
 When every service's part is in, the coordinator writes the two ``.metadata`` files and
 ``trainer.json`` into the staging directory and renames it ``step-{k:08d}``: the rename is
 the commit of the checkpoint. Then the oldest beyond ``keep`` are removed. A part that fails

@@ -7,7 +7,8 @@ specs derived from the plan's cuts, its pipeline communicator under
 ``/cellmesh/{job}/runs/{run}/pipe/r{r}`` and (collective mode) its data-parallel group
 under ``/cellmesh/{job}/runs/{run}/dp/s{s}``. In parameter-server mode the workers of
 each stage also host its parameter shards (``{run}/ps-s{s}-{i}``), set up from the
-coordinator's copy of the model before any step. :meth:`Runtime.close` releases them all.
+coordinator's copy of the model before any step and saved into checkpoints with the stages
+(``coordinator/runtime/shards.py``). :meth:`Runtime.close` releases them all.
 
 A step is a transaction: parameters and optimizer state change only when the coordinator
 commits it, and it commits a step only once every stage of every replica finished it.
@@ -58,7 +59,7 @@ from coordinator.planning.plan import Plan
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.loop import EventLoop, Reply, WorkerLost
 from coordinator.runtime.records import StepRecord, _Service
-from services.params.client import ShardRef, setup_shards
+from coordinator.runtime.shards import ParamShards
 from services.protocol import (
     Assignment,
     AssignmentReply,
@@ -201,7 +202,7 @@ class Runtime:
         self._uncommitted = False  # the last step run awaits its commit
         self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
         self._first_request = True
-        self._shards: list[_Service] = []
+        self._shards = ParamShards(plan, spec.run, addresses, initial_params)  # none in collective mode
         self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
         self._actions = plan.schedule().actions  # per stage, validated, as RunStep carries them
         # each stage's action list as RunStep dumps it, built once: a step's request reuses it
@@ -223,9 +224,7 @@ class Runtime:
             JobFailed: A worker refused an assignment (a factory error, a bad option) or vanished.
         """
         plan, spec = self.plan, self.spec
-        shards: list[list[ShardAddress]] = [[] for _ in range(plan.num_stages)]
-        if plan.mode == "parameter_server":
-            shards = self._place_shards()
+        shards = self._place_shards(self._shards)
         self.initial_params = {}  # the shards hold them now: no copy of the model stays here
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         ids: dict[int, _Service] = {}
@@ -252,38 +251,26 @@ class Runtime:
         log.info("[coordinator %s] placed %d stages on %s", spec.run, len(self.services),
                  ", ".join(self.workers))
 
-    def _place_shards(self) -> list[list[ShardAddress]]:
-        plan = self.plan
-        out: list[list[ShardAddress]] = []
-        placed: list[tuple[int, list[ShardRef], dict[str, torch.Tensor]]] = []
-        ids: dict[int, _Service] = {}
-        for s, st in enumerate(plan.stages):
-            names = set(st.nodes)
-            params = {n: t for n, t in self.initial_params.items() if n.split(".", 1)[0] in names}
-            group = plan.dp_groups[s][:len(params)]
-            refs = [ShardRef(self.addresses[w], f"{self.spec.run}/ps-s{s}-{i}") for i, w in enumerate(group)]
-            for i, w in enumerate(group):
-                assign = Assignment(service=refs[i].service, kind="param_server")
-                shard = _Service(w, refs[i].service, -1, s)
-                ids[self.loop.send(w, "worker", "assign", assign, AssignmentReply)] = shard
-                self._shards.append(shard)
-            out.append([ShardAddress(address=r.address, service=r.service) for r in refs])
-            placed.append((s, refs, params))
+    def _place_shards(self, shards: ParamShards) -> list[list[ShardAddress]]:
+        """Assign and set up the shards (restored from ``spec.restore``, if any); their addresses per stage.
+
+        Raises:
+            JobFailed: A worker refused an assignment or vanished.
+        """
+        ids = {self.loop.send(sv.worker, "worker", "assign", a, AssignmentReply): sv
+               for sv, a in shards.assignments()}
         self._gather(ids, "placing the parameter shards", self.spec.call_timeout, None)
-        for s, refs, params in placed:
-            if refs:
-                setup_shards(refs, params, mode="sync", replicas=plan.data_parallel,
-                             optimizer=self.spec.optimizer, timeout=self.spec.call_timeout)
-                log.info("[coordinator %s] stage %d: %d parameters on %d shards", self.spec.run, s,
-                         len(params), len(refs))
-        return out
+        for line in shards.set_up(self.spec.optimizer, self.spec.state_keys, self.spec.restore,
+                                  self.spec.call_timeout):
+            log.info("[coordinator %s] %s", self.spec.run, line)
+        return shards.addresses
 
     # -- steps --------------------------------------------------------------------------
 
     @property
     def parts(self) -> tuple[list[str], list[str]]:
         """The checkpoint parts the services write: every service's, and those with model tensors."""
-        return ([f"r{sv.replica}-s{sv.stage}" for sv in self.services],
+        return ([f"r{sv.replica}-s{sv.stage}" for sv in self.services] + self._shards.parts,
                 [f"r{sv.replica}-s{sv.stage}" for sv in self.services if sv.replica == 0])
 
     @property
@@ -295,8 +282,8 @@ class Runtime:
                  save: SaveRequest | None = None) -> StepRecord:
         """Run one step, carrying the previous step's commit; ``batches[r][m]``: replica r, microbatch m.
 
-        ``save`` rides on that commit (see ``coordinator/runtime/checkpoints.py``); give it only
-        when :attr:`can_save`.
+        ``save`` rides on that commit (see ``coordinator/runtime/checkpoints.py``; the shards get theirs
+        at once: [Note: a shard's part of a checkpoint]); give it only when :attr:`can_save`.
 
         The step's own update is committed by the next :meth:`run_step` (inside its
         requests) or by :meth:`commit`; :meth:`state` commits first.
@@ -320,6 +307,8 @@ class Runtime:
                     "actions": self._dumped_actions[sv.stage], "zero_grad": True, "timeout_ms": timeout_ms,
                     "commit": commit_body}
             ids[self.loop.send(sv.worker, sv.name, "run_step", body, StepReply)] = sv
+        if save is not None:
+            self._shards.send_saves(self.loop, save, self.commits + 1, self.spec.step_timeout)
         replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)
         if commit is not None:
             self.commits += 1
@@ -343,7 +332,7 @@ class Runtime:
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
                           skipped=bad is not None, replies=bodies, actions=self._actions,
-                          saved=[part for _, body in bodies for part in body.saved],
+                          saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))
 
     def _refuse(self, step: int, sv: _Service, what: str) -> None:
@@ -378,22 +367,27 @@ class Runtime:
         commit = CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms,
                             save=save)
         ids = {self.loop.send(sv.worker, sv.name, "commit", commit, CommitReply): sv for sv in self.services}
+        if save is not None:
+            self._shards.send_saves(self.loop, save, self.commits + 1, self.spec.step_timeout)
         bound = self.spec.step_timeout + timedelta(seconds=10)
         replies = self._gather(ids, f"the commit of update {self.commits}", bound, None)
         self.commits += 1
         self._uncommitted = False
-        return [part for r in replies.values() if isinstance(r.body, CommitReply) for part in r.body.saved]
+        return [*(part for r in replies.values() if isinstance(r.body, CommitReply) for part in r.body.saved),
+                *self._shards.saved()]
 
     def flush_saves(self) -> list[SavedPart]:
-        """Wait until every service wrote the checkpoint parts it was asked for; the parts not reported yet.
+        """Wait until every service (and shard) wrote the checkpoint parts it was asked for; the parts not
+        reported yet.
 
         Raises:
             JobFailed: A service did not finish within ``spec.step_timeout`` or vanished.
         """
         ids = {self.loop.send(sv.worker, sv.name, "flush_saves", Empty(), SavedParts): sv
                for sv in self.services}
-        replies = self._gather(ids, "writing the checkpoint", self.spec.step_timeout, None)
-        return [part for r in replies.values() if isinstance(r.body, SavedParts) for part in r.body.parts]
+        replies = self._gather(ids, "writing the checkpoint", self.spec.step_timeout, None, saves=True)
+        return [*(part for r in replies.values() if isinstance(r.body, SavedParts) for part in r.body.parts),
+                *self._shards.saved()]
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every stage's parameters and buffers (replica 0), cell-qualified, as copies.
@@ -414,8 +408,9 @@ class Runtime:
     def close(self, timeout: timedelta = timedelta(seconds=10), *, skip: str = "") -> None:
         """Release every service this runtime placed (best effort, bounded; never raises), but on ``skip``
         (a worker known lost: a frozen one would only make this wait)."""
+        self._shards.forget(self.loop)
         ids = {self.loop.send(sv.worker, "worker", "release", Release(service=sv.name), Empty): sv
-               for sv in [*self.services, *self._shards]
+               for sv in [*self.services, *self._shards.services]
                if sv.worker in self.loop.members and sv.worker != skip}
         try:
             self._gather(ids, "releasing the services", timeout, None)
@@ -425,20 +420,27 @@ class Runtime:
     # -- waiting ------------------------------------------------------------------------
 
     def _gather(self, ids: dict[int, _Service], what: str, timeout: timedelta,
-                step: int | None) -> dict[int, Reply]:
+                step: int | None, *, saves: bool = False) -> dict[int, Reply]:
+        """The replies to ``ids`` (and, with ``saves``, every shard save's answer), bounded by ``timeout``.
+
+        A shard save's answer is kept whenever it comes (:meth:`ParamShards.take`), never a failure.
+        """
         deadline = time.monotonic() + timeout.total_seconds()
         replies: dict[int, Reply] = {}
+        saving = self._shards.saving if saves else {}
         try:
-            while len(replies) < len(ids):
+            while len(replies) < len(ids) or saving:
                 event = self.loop.next_event(timedelta(seconds=max(0.0, deadline - time.monotonic())))
                 if event is None:
-                    missing = [ids[i] for i in ids if i not in replies]
+                    missing = [*(ids[i] for i in ids if i not in replies), *(sv for sv, _ in saving.values())]
                     sv = missing[0]
                     raise JobFailed(f"{what}: no reply within {timeout.total_seconds():.0f}s from "
                                     + ", ".join(f"worker {m.worker} (service {m.name})" for m in missing),
                                     worker=sv.worker, service=sv.name, step=step)
+                if isinstance(event, Reply) and self._shards.take(event):
+                    continue
                 if isinstance(event, WorkerLost) and event.name in self.workers and self._gone(event.name):
-                    hosted = [sv.name for sv in self.services if sv.worker == event.name]
+                    hosted = self._hosted(event.name)
                     raise JobFailed(f"worker {event.name} (hosting {', '.join(hosted)}) lost its registry "
                                     f"lease during {what}: its process died or stopped",
                                     worker=event.name, service=hosted[0] if hosted else "", step=step,
@@ -453,6 +455,9 @@ class Runtime:
                     self.loop.forget(i)
         return replies
 
+    def _hosted(self, worker: str) -> list[str]:
+        return [sv.name for sv in [*self.services, *self._shards.services] if sv.worker == worker]
+
     def _gone(self, worker: str) -> bool:
         """Whether the process this runtime placed on ``worker`` is gone (its card vanished or another
         process registered under its name since): a loss event about an earlier process is not."""
@@ -465,7 +470,7 @@ class Runtime:
         detail = f"worker {sv.worker}, service {sv.name}: [{reply.code}] {reply.message}"
         silent = self._unresponsive()
         if silent:
-            hosted = [s.name for s in self.services if s.worker == silent[0]]
+            hosted = self._hosted(silent[0])
             return JobFailed(f"{what} failed: worker {silent[0]} (hosting {', '.join(hosted)}) does not "
                              f"answer; its process died or froze. Then {detail}", worker=silent[0],
                              service=hosted[0] if hosted else "", step=step, lost=True)

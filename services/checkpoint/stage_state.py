@@ -9,6 +9,8 @@ restores on another (a stage loads the keys of its own cells, wherever they were
 * the training state (``train/``): ``optim.{key}.{name}`` for each optimizer state entry of a
   parameter (``exp_avg``, ``step``, ``momentum_buffer``...; ``key`` the parameter's first
   model key) and ``rng.{part}`` the worker's torch RNG state as the part's service saw it.
+  In parameter-server mode the shards, which run the optimizer, write the ``optim.`` entries
+  under the same keys (``services/params/shard_state.py``): either mode restores the other's.
 
 The snapshot is taken on the step thread right after a commit (so before the next update
 can change anything) as copies in host memory; the writing happens elsewhere
@@ -26,7 +28,8 @@ from torch import nn
 
 from services.checkpoint import dcp
 
-__all__ = ["OPTIM", "RNG", "TRAIN", "Restored", "Snapshot", "apply_optimizer_state", "load_stage", "snapshot"]
+__all__ = ["OPTIM", "RNG", "TRAIN", "Restored", "Snapshot", "apply_optimizer_state", "load_optimizer_state",
+           "load_stage", "optimizer_entries", "snapshot"]
 
 TRAIN = "train"  # the training state's subdirectory of a checkpoint
 OPTIM = "optim."
@@ -59,15 +62,24 @@ def snapshot(step: int, part: str, state: Sequence[tuple[str, torch.Tensor]],
             for key in _keys(name, state_keys):
                 snap.model[key] = copy
         if optimizer is not None:
-            for name, param in params:
-                key = _keys(name, state_keys)[0]
-                for entry, value in optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        snap.train[f"{OPTIM}{key}.{entry}"] = value.detach().to("cpu", copy=True)
-                    elif isinstance(value, int | float):
-                        snap.train[f"{OPTIM}{key}.{entry}"] = torch.tensor(value, dtype=torch.float64)
+            snap.train.update(optimizer_entries(params, optimizer, state_keys))
     snap.train[f"{RNG}{part}"] = torch.get_rng_state()
     return snap
+
+
+def optimizer_entries(params: Sequence[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+                      state_keys: Mapping[str, Sequence[str]]) -> dict[str, torch.Tensor]:
+    """Copies of ``optimizer``'s state of each of ``params`` (cell-qualified) as ``optim.{key}.{entry}``
+    (``key``: the parameter's first model key; a number entry as a float64 scalar)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in params:
+        key = _keys(name, state_keys)[0]
+        for entry, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{OPTIM}{key}.{entry}"] = value.detach().to("cpu", copy=True)
+            elif isinstance(value, int | float):
+                out[f"{OPTIM}{key}.{entry}"] = torch.tensor(value, dtype=torch.float64)
+    return out
 
 
 @dataclass
@@ -96,8 +108,22 @@ def load_stage(directory: Path, part: str, state: Sequence[tuple[str, torch.Tens
                     f"checkpoint {directory}: {wanted[name]} has shape {tuple(source.shape)}, the model's "
                     f"is {tuple(tensor.shape)}")
             tensor.copy_(source)
-    restored = Restored()
     train = directory / TRAIN
+    restored = load_optimizer_state(train, params, state_keys)
+    rng_key = f"{RNG}{part}"
+    if rng_key in dcp.keys(train):
+        torch.set_rng_state(dcp.load(train, [rng_key])[rng_key])
+    return restored
+
+
+def load_optimizer_state(train: Path, params: Sequence[tuple[str, torch.Tensor]],
+                         state_keys: Mapping[str, Sequence[str]]) -> Restored:
+    """The optimizer state of ``params`` (cell-qualified) the training state at ``train`` holds, by
+    name (``optim.{key}.{entry}``, whichever part wrote it); a parameter without any has none.
+
+    Raises:
+        dcp.CheckpointFormatError: ``train`` is not a complete checkpoint.
+    """
     available = dcp.keys(train)
     entries: dict[str, tuple[str, str]] = {}  # checkpoint key -> (parameter, entry)
     for name, _ in params:
@@ -105,16 +131,14 @@ def load_stage(directory: Path, part: str, state: Sequence[tuple[str, torch.Tens
         for key in available:
             if key.startswith(prefix) and "." not in key[len(prefix):]:
                 entries[key] = (name, key[len(prefix):])
-    rng_key = f"{RNG}{part}"
-    loaded = dcp.load(train, [*entries, *([rng_key] if rng_key in available else [])])
-    for key, (name, entry) in entries.items():
-        restored.optimizer_state.setdefault(name, {})[entry] = loaded[key]
-    if rng_key in loaded:
-        torch.set_rng_state(loaded[rng_key])
+    restored = Restored()
+    for key, value in dcp.load(train, list(entries)).items():
+        name, entry = entries[key]
+        restored.optimizer_state.setdefault(name, {})[entry] = value
     return restored
 
 
-def apply_optimizer_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple[str, nn.Parameter]],
+def apply_optimizer_state(optimizer: torch.optim.Optimizer, params: Sequence[tuple[str, torch.Tensor]],
                           restored: Restored) -> None:
     """Load ``restored``'s per-parameter state into ``optimizer`` (built over ``params``, in order)."""
     if not restored.optimizer_state:

@@ -43,8 +43,16 @@ class PartWriter:
         self._pending: list[Future[SavedPart]] = []
         self._before_write = before_write
 
-    def submit(self, snap: Snapshot, directory: Path) -> None:
-        """Write ``snap`` into the checkpoint staged at ``directory`` (returns at once)."""
+    def submit(self, snap: Snapshot, directory: Path,
+               then: Callable[[SavedPart], None] | None = None) -> None:
+        """Write ``snap`` into the checkpoint staged at ``directory`` (returns at once).
+
+        ``then`` (a service that answers each save by itself, e.g. a parameter shard) takes the
+        part's report on the writing thread, instead of :meth:`finished` and :meth:`flush`.
+        """
+        if then is not None:
+            self._pool.submit(lambda: then(self._write(snap, directory)))
+            return
         future = self._pool.submit(self._write, snap, directory)
         with self._lock:
             self._pending.append(future)

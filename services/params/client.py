@@ -71,6 +71,8 @@ def setup_shards(
     optimizer: OptimizerSpec,
     staleness: int = 0,
     timeout: timedelta = timedelta(seconds=60),
+    keys: Mapping[str, str] | None = None,
+    restore: str = "",
 ) -> ShardPlan:
     """Place ``params`` on ``shards`` (balanced by bytes) and set every shard up, concurrently.
 
@@ -82,13 +84,17 @@ def setup_shards(
         optimizer: the ``torch.optim`` optimizer each shard runs over its part.
         staleness: async only, the bound S (see :mod:`services.params.server`).
         timeout: for all shards together.
+        keys: each parameter's key in checkpoints (absent: its name; see
+            :mod:`services.params.shard_state`).
+        restore: a checkpoint whose optimizer state the shards start from ("": a fresh optimizer).
 
     Returns:
         The plan: which shard holds which parameter.
 
     Raises:
         ValueError: a shard would be left without parameters (use fewer shards).
-        RpcError: a shard refused its setup (already set up, a bad optimizer...).
+        RpcError: a shard refused its setup (already set up, a bad optimizer, a checkpoint it
+            cannot restore from...).
         TimeoutError: a shard did not answer within ``timeout``.
     """
     plan = plan_shards({n: t.numel() * t.element_size() for n, t in params.items()}, len(shards))
@@ -102,7 +108,8 @@ def setup_shards(
             infos = [ParamInfo(name=n, dtype=dtype_name(params[n].dtype), shape=list(params[n].shape))
                      for n in names]
             request = ShardSetup(mode=mode, replicas=replicas, optimizer=optimizer, staleness=staleness,
-                                 params=infos)
+                                 params=infos, restore=restore,
+                                 keys={n: keys[n] for n in names if keys is not None and n in keys})
             pieces = [p for n in names for p in split_pieces(n, params[n])]
             calls.append(PipelinedCall(conn, shard.service, "setup", request, ShardInfo, pieces))
         run_calls(calls, lambda index, body, tensors: None, timeout=timeout)

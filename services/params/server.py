@@ -47,10 +47,20 @@ matching one of them is answered ``duplicate=True`` without touching anything, e
 its step closed. A second, different push (another ``seq``) for a step while the
 replica's push is open is refused (``bad_request``).
 
+Checkpoints (sync mode; :mod:`services.params.shard_state` for what a part holds). A
+``save`` (:class:`~services.protocol.ShardSave`, the coordinator's only) names a version: the
+shard copies its optimizer state to host memory the moment it reaches that version (at once
+if it is there, between two updates), writes it in the background and answers with the
+:class:`~services.protocol.SavedPart` once it is written (its ``error`` if the write failed).
+A save for a version the shard already went past is refused (``step_closed``): its state is
+gone, and the coordinator drops that checkpoint. A ``setup`` with ``restore`` loads the
+parameters' optimizer state from that checkpoint before the shard answers.
+
 Errors (:class:`~comm.rpc.framing.RpcError` codes): ``not_ready``, ``already_setup``,
-``bad_request`` (malformed pieces, replica out of range, setup that does not fit),
+``bad_request`` (malformed pieces, replica out of range, setup that does not fit, a
+checkpoint to restore that lacks or misshapes a tensor, a save in async mode),
 ``not_owner`` (names the parameter and this shard), ``step_closed``, ``step_ahead``,
-``timeout`` (a pull's wait ran out; names what it waited for).
+``timeout`` (a pull's or a save's wait ran out; names what it waited for).
 """
 
 from __future__ import annotations
@@ -59,10 +69,16 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
 from comm.rpc import Call, RpcError, ServiceBase, callable_by
+from services import faults
+from services.checkpoint.dcp import CheckpointFormatError
+from services.checkpoint.stage_state import Snapshot
+from services.checkpoint.writer import PartWriter
+from services.params import shard_state
 from services.params.store import NotOwnedError, ParamStore
 from services.protocol import (
     Assignment,
@@ -72,6 +88,7 @@ from services.protocol import (
     PushReply,
     PushRequest,
     ShardInfo,
+    ShardSave,
     ShardSetup,
 )
 
@@ -106,6 +123,11 @@ class _Shard:
     # replica -> (step, seq) -> parts accepted, for the last REMEMBERED_PUSHES pushes
     accepted: dict[int, OrderedDict[tuple[int, int], set[int]]] = field(default_factory=dict)
     waiting: list[tuple[PullRequest, Call]] = field(default_factory=list)  # deferred pulls
+    saves: list[tuple[ShardSave, Call]] = field(default_factory=list)  # waiting for their version
+
+
+def _before_write(snap: Snapshot) -> None:
+    faults.at(snap.step, "save")
 
 
 class ParamServerService(ServiceBase):
@@ -118,6 +140,7 @@ class ParamServerService(ServiceBase):
     def __init__(self, name: str) -> None:
         self.name = name
         self._shard: _Shard | None = None
+        self._writer = PartWriter(before_write=_before_write)
 
     @classmethod
     def from_assignment(cls, assignment: Assignment) -> ParamServerService:
@@ -140,14 +163,23 @@ class ParamServerService(ServiceBase):
                                             f"{self._shard.version}); build a new service for a new job")
         if request.mode == "sync" and request.staleness:
             raise RpcError("bad_request", "staleness applies to async mode only")
+        unknown = sorted(set(request.keys) - {p.name for p in request.params})
+        if unknown:
+            raise RpcError("bad_request", f"setup of shard {self.name!r}: checkpoint keys for parameters "
+                                          f"it does not hold: {unknown[:8]}")
         try:
             store = ParamStore(list(request.params), call.tensors, request.optimizer)
+            restored = (shard_state.restore(store, Path(request.restore), request.keys)
+                        if request.restore else 0)
+        except CheckpointFormatError as exc:
+            raise RpcError("bad_request", f"setup of shard {self.name!r}: restoring: {exc}") from None
         except ValueError as exc:
             raise RpcError("bad_request", f"setup of shard {self.name!r}: {exc}") from None
         self._shard = _Shard(setup=request, store=store, clocks=[0] * request.replicas,
                              accepted={r: OrderedDict() for r in range(request.replicas)})
-        log.info("shard %s: %d parameters, %s mode, %d replicas, %s", self.name, len(store.names),
-                 request.mode, request.replicas, request.optimizer.name)
+        log.info("shard %s: %d parameters, %s mode, %d replicas, %s%s", self.name, len(store.names),
+                 request.mode, request.replicas, request.optimizer.name,
+                 f", optimizer state of {restored} restored from {request.restore}" if restored else "")
         return self._info()
 
     @callable_by("worker", "coordinator")
@@ -172,6 +204,29 @@ class ParamServerService(ServiceBase):
 
         call.defer(timedelta(milliseconds=request.timeout_ms), on_timeout)
         return None
+
+    def rpc_save(self, request: ShardSave, call: Call) -> None:
+        shard = self._ready()
+        if shard.setup.mode != "sync":
+            raise RpcError("bad_request", f"shard {self.name!r} runs async: its state at a version is no "
+                                          "step's state, so it cannot be checkpointed (use sync mode)")
+        if shard.version > request.version or (shard.version == request.version and shard.store.mid_round):
+            raise RpcError("step_closed", f"shard {self.name!r} is already past version {request.version} "
+                                          f"(at {shard.version}): the optimizer state of checkpoint step "
+                                          f"{request.save.step} is gone; the save must arrive before the "
+                                          "next update")
+
+        def on_timeout() -> tuple[str, str]:
+            waiting = any(c is call for _, c in shard.saves)
+            shard.saves[:] = [(r, c) for r, c in shard.saves if c is not call]
+            what = (f"for version {request.version} (at {shard.version})" if waiting
+                    else "for its part to be written")
+            return "timeout", (f"save of checkpoint step {request.save.step} at shard {self.name!r} waited "
+                               f"{request.timeout_ms / 1000:.1f}s {what}")
+
+        call.defer(timedelta(milliseconds=request.timeout_ms), on_timeout)
+        shard.saves.append((request, call))
+        self._save_due(shard)
 
     @callable_by("worker", "coordinator")
     def rpc_push(self, request: PushRequest, call: Call) -> PushReply:
@@ -213,6 +268,7 @@ class ParamServerService(ServiceBase):
                 shard.pushes.clear()
                 shard.version += 1
                 shard.clocks = [shard.version] * shard.setup.replicas
+                self._save_due(shard)
         else:
             shard.store.finish_round(divisor=1)  # this part was applied alone, above
             applied = push.complete
@@ -276,6 +332,17 @@ class ParamServerService(ServiceBase):
         if shard.setup.mode == "sync":
             return not shard.store.mid_round
         return shard.clocks[request.replica] - min(shard.clocks) <= shard.setup.staleness
+
+    def _save_due(self, shard: _Shard) -> None:
+        """Snapshot for every save waiting for the shard's current version; written in the background."""
+        due = [(r, c) for r, c in shard.saves if r.version == shard.version]
+        shard.saves[:] = [(r, c) for r, c in shard.saves if r.version != shard.version]
+        for request, call in due:
+            snap = shard_state.snapshot(shard.store, shard.setup.keys, request.save.step, request.part)
+            self._writer.submit(snap, Path(request.save.directory), then=call.reply)
+
+    def on_close(self) -> None:
+        self._writer.close()
 
     def _release(self, shard: _Shard) -> None:
         still: list[tuple[PullRequest, Call]] = []

@@ -155,6 +155,10 @@ class ParamStore:
     def infos(self) -> list[ParamInfo]:
         return [s.info for s in self._slots.values()]
 
+    def parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """Each parameter by name, the tensor the optimizer keys its state by (in order)."""
+        return [(name, slot.value) for name, slot in self._slots.items()]
+
     def parse(self, tensors: Mapping[str, torch.Tensor]) -> Grads:
         """Check received gradient pieces against the parameters; nothing changes yet.
 

@@ -44,6 +44,7 @@ from services.protocol.params import (
     PushReply,
     PushRequest,
     ShardInfo,
+    ShardSave,
     ShardSetup,
 )
 from services.protocol.worker import Assignment, AssignmentReply, Release, WorkerCard, WorkerStatus
@@ -81,6 +82,7 @@ __all__ = [
     "SavedParts",
     "ShardAddress",
     "ShardInfo",
+    "ShardSave",
     "ShardSetup",
     "StepReply",
     "TensorsReply",

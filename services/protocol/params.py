@@ -1,4 +1,4 @@
-"""Push/pull: the parameter server's shard set-up and its pull and push messages."""
+"""Push/pull: the parameter server's shard set-up, its pull and push messages, and its checkpoint save."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from comm.codec import Message
 from comm.rpc.envelope import Name, TensorMeta
+from services.protocol.checkpoint import MAX_PATH, SaveRequest
 
 # -- push/pull (parameter server) -------------------------------------------------------
 # The contract (modes, versions, clocks, dedup) is services/params/server.py's docstring; the
@@ -33,6 +34,27 @@ class ShardSetup(Message):
     optimizer: OptimizerSpec
     staleness: int = Field(default=0, ge=0)  # async only: max clock lead over the slowest replica
     params: list[ParamInfo] = Field(min_length=1, max_length=1 << 16)
+    # checkpoints: a parameter's key in them (its first key in the model's state_dict; a parameter
+    # not listed is keyed by its own name), and the checkpoint whose optimizer state the shard
+    # starts from ("": a fresh optimizer). See services/params/shard_state.py.
+    keys: dict[Name, Name] = Field(default_factory=dict, max_length=1 << 16)
+    restore: str = Field(default="", max_length=MAX_PATH)
+
+
+class ShardSave(Message):
+    """Save the shard's optimizer state as part ``part`` of the checkpoint ``save`` stages, taken once
+    the shard reached ``version`` (sync mode: that many updates applied) and before the next update.
+
+    ``version`` is the update count once the commit that carries ``save`` to the stages is
+    applied, so the part holds the state the stages snapshot after that commit. The reply, a
+    :class:`~services.protocol.SavedPart`, comes once the part is written (or failed to be),
+    within ``timeout_ms`` (reaching the version and writing).
+    """
+
+    save: SaveRequest
+    version: int = Field(ge=1)
+    part: Name
+    timeout_ms: int = Field(ge=0)
 
 
 class ShardInfo(Message):

@@ -1,0 +1,142 @@
+"""The parameter shards of one runtime (parameter-server mode): placed, set up, restored and saved.
+
+Stage ``s``'s parameters are spread over the workers of its data-parallel group
+(``plan.dp_groups[s]``, never more shards than parameters), served as ``{run}/ps-s{s}-{i}``
+and set up from the coordinator's copy of the model before any stage is placed: the
+factory's values, or a checkpoint's when the run is restored, and then the shards also load
+their parameters' optimizer state from that checkpoint's ``train/`` (by name:
+``services/params/shard_state.py``). The driver (``coordinator/runtime/driver.py``) sends
+the messages this module builds and routes their replies.
+
+[Note: a shard's part of a checkpoint]
+In this mode the optimizer runs in the shards, so a checkpoint must hold their state as of
+the update the stages snapshot after (see [Note: how a checkpoint is taken] in
+``coordinator/runtime/checkpoints.py``). The coordinator sends each shard a
+:class:`~services.protocol.ShardSave` for version ``c + 1`` together with the requests that
+carry commit ``c`` (and the stages' ``save``): a shard takes its snapshot the moment it has
+applied that update, or at once if it already has. It cannot have gone further: the next
+update needs every replica's next push, which only the next commit starts, and the
+coordinator sends that only once every stage answered this step, so at least one round trip
+after the save left. Should a save still arrive late (a message held up that long), the
+shard refuses it and the checkpoint is dropped with a warning, never published with another
+update's state. Each shard writes part ``ps-s{s}-{i}`` (``train/`` only: the stages' replica
+0 write the values, which they pulled from the shards at that version) and answers the save
+once the part is written; the driver hands that answer to the checkpointer with the next
+step's parts, and ``flush_saves`` waits for every answer still due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+
+from coordinator.planning.plan import Plan
+from coordinator.runtime.loop import EventLoop, Reply
+from coordinator.runtime.records import _Service
+from services.params.client import ShardRef, setup_shards
+from services.protocol import Assignment, OptimizerSpec, SavedPart, SaveRequest, ShardAddress, ShardSave
+
+__all__ = ["WRITE_TIMEOUT", "ParamShards"]
+
+WRITE_TIMEOUT = timedelta(seconds=600)  # a shard's part being written, past the step that reaches it
+
+
+class ParamShards:
+    """The shards of one runtime's plan (see the module docstring).
+
+    Args:
+        plan: The plan (its data-parallel groups host the shards).
+        run: The runtime's run id (the services' prefix).
+        addresses: Each placed worker's service-host address.
+        initial_params: Cell-qualified starting values of every parameter (empty in collective mode:
+            then there are no shards, and every method has nothing to do).
+    """
+
+    def __init__(self, plan: Plan, run: str, addresses: Mapping[str, str],
+                 initial_params: Mapping[str, torch.Tensor]) -> None:
+        self.plan = plan
+        self.services: list[_Service] = []
+        self.saving: dict[int, tuple[_Service, ShardSave]] = {}  # the saves not answered yet, by request id
+        self._saved: list[SavedPart] = []  # their answers, not reported yet
+        self._stages: list[tuple[list[ShardRef], dict[str, torch.Tensor]]] = []
+        for s, st in enumerate(plan.stages):
+            cells = set(st.nodes)
+            params = {n: t for n, t in initial_params.items() if n.split(".", 1)[0] in cells}
+            group = plan.dp_groups[s][:len(params)]
+            refs = [ShardRef(addresses[w], f"{run}/ps-s{s}-{i}") for i, w in enumerate(group)]
+            self.services += [_Service(w, ref.service, -1, s) for w, ref in zip(group, refs, strict=True)]
+            self._stages.append((refs, params))
+
+    def assignments(self) -> list[tuple[_Service, Assignment]]:
+        """What to assign each shard's worker (a ``param_server``, empty until :meth:`set_up`)."""
+        return [(sv, Assignment(service=sv.name, kind="param_server")) for sv in self.services]
+
+    def set_up(self, optimizer: OptimizerSpec, state_keys: Mapping[str, list[str]], restore: str,
+               timeout: timedelta) -> list[str]:
+        """Set every assigned shard up (stage by stage), restored from ``restore`` ("": fresh); one line
+        per stage for the log. The coordinator's copy of the values is dropped.
+
+        Raises:
+            RpcError: A shard refused (a checkpoint it cannot restore from names the tensor).
+            TimeoutError: A shard did not answer within ``timeout``.
+        """
+        lines = []
+        for s, (refs, params) in enumerate(self._stages):
+            if refs:
+                keys = {n: state_keys[n][0] for n in params if state_keys.get(n)}
+                setup_shards(refs, params, mode="sync", replicas=self.plan.data_parallel, optimizer=optimizer,
+                             timeout=timeout, keys=keys, restore=restore)
+                lines.append(f"stage {s}: {len(params)} parameters on {len(refs)} shards"
+                             + (" (optimizer state restored)" if restore else ""))
+        self._stages = [(refs, {}) for refs, _ in self._stages]
+        return lines
+
+    @property
+    def addresses(self) -> list[list[ShardAddress]]:
+        """Per stage, its shards as the stages' options name them."""
+        return [[ShardAddress(address=r.address, service=r.service) for r in refs]
+                for refs, _ in self._stages]
+
+    @staticmethod
+    def part(sv: _Service) -> str:
+        """The checkpoint part shard ``sv`` writes: ``ps-s{stage}-{i}``."""
+        return sv.name.rsplit("/", 1)[-1]
+
+    @property
+    def parts(self) -> list[str]:
+        """Every shard's checkpoint part (training state only: no model tensors)."""
+        return [self.part(sv) for sv in self.services]
+
+    def send_saves(self, loop: EventLoop, save: SaveRequest, version: int, step_timeout: timedelta) -> None:
+        """Send each shard its save of checkpoint ``save`` at ``version`` (the update the carrying commit
+        applies), bounded by ``step_timeout`` (reaching the version) plus :data:`WRITE_TIMEOUT`."""
+        timeout_ms = int((step_timeout + WRITE_TIMEOUT).total_seconds() * 1000)
+        for sv in self.services:
+            request = ShardSave(save=save, version=version, part=self.part(sv), timeout_ms=timeout_ms)
+            self.saving[loop.send(sv.worker, sv.name, "save", request, SavedPart)] = sv, request
+
+    def take(self, reply: Reply) -> bool:
+        """Whether ``reply`` answers a save; if so, keep what it means for the checkpoint (its part
+        written, or why not: a refusal drops the checkpoint, never the job)."""
+        if reply.id not in self.saving:
+            return False
+        _, request = self.saving.pop(reply.id)
+        if reply.ok and isinstance(reply.body, SavedPart):
+            self._saved.append(reply.body)
+        else:
+            self._saved.append(SavedPart(step=request.save.step, part=request.part, error=(
+                f"shard {reply.service} on {reply.worker}: [{reply.code}] {reply.message}"[:4000])))
+        return True
+
+    def saved(self) -> list[SavedPart]:
+        """The parts the shards answered for since the last call."""
+        taken, self._saved = self._saved, []
+        return taken
+
+    def forget(self, loop: EventLoop) -> None:
+        """Stop waiting for the saves not answered (the runtime is closing)."""
+        for i in self.saving:
+            loop.forget(i)
+        self.saving.clear()
