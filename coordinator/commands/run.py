@@ -204,7 +204,8 @@ def _train(loaded: LoadedJob, options: RunOptions, say: functools.partial[None],
     if pool is None:
         job.log_dir = recorder.run_dir.workers
     resume = find_resume(loaded, options.resume, pool)
-    use_checkpoints(job, recorder.run_dir)
+    if pool is None:  # a cluster's checkpoints need storage every pod mounts: only where the job says
+        use_checkpoints(job, recorder.run_dir)
     with job.session(pool=pool, resume=resume):
         steps = max(0, loaded.steps - job.steps_done)
         if resume is not None:
