@@ -213,7 +213,7 @@ class Runtime:
         for w in self.workers:
             loop.connect(w, self.addresses[w])
         # the process each worker is (a loss reported for an earlier one, replaced since, is stale)
-        self._incarnations = {w: loop.members[w].incarnation for w in self.workers if w in loop.members}
+        self._incarnations = {w: self._incarnation(w) for w in self.workers}
 
     # -- placement ----------------------------------------------------------------------
 
@@ -458,13 +458,16 @@ class Runtime:
     def _hosted(self, worker: str) -> list[str]:
         return [sv.name for sv in [*self.services, *self._shards.services] if sv.worker == worker]
 
+    def _incarnation(self, worker: str) -> str | None:
+        """The incarnation of the process registered as ``worker`` now (None: no card)."""
+        kv = self.loop.registry.get(f"{self.loop.prefix}{worker}")
+        return unpack(kv.value, WorkerCard).incarnation if kv is not None else None
+
     def _gone(self, worker: str) -> bool:
         """Whether the process this runtime placed on ``worker`` is gone (its card vanished or another
         process registered under its name since): a loss event about an earlier process is not."""
-        kv = self.loop.registry.get(f"{self.loop.prefix}{worker}")
-        if kv is None:
-            return True
-        return unpack(kv.value, WorkerCard).incarnation != self._incarnations.get(worker, "")
+        now = self._incarnation(worker)
+        return now is None or now != self._incarnations.get(worker)
 
     def _failure(self, reply: Reply, sv: _Service, what: str, step: int | None) -> JobFailed:
         detail = f"worker {sv.worker}, service {sv.name}: [{reply.code}] {reply.message}"
