@@ -255,8 +255,7 @@ class Session:
             _, cells = build_cells(model.factory, model.kwargs, self.job.config.data.seed)
             return {n: p.detach() for n, p in cell_parameters(cells)}
         values = model_state(checkpoint)
-        return {name: values[keys[0]] for name, keys in self._state_keys.items()
-                if name in dict(cell_parameters(self.cells))}
+        return {name: values[self._state_keys[name][0]] for name, _ in cell_parameters(self.cells)}
 
     # -- training ---------------------------------------------------------------------------
 
