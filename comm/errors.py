@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CommError",
     "CommTimeoutError",
+    "LeaseExpiredError",
     "PeerLostError",
     "ProtocolError",
     "RegistryError",
@@ -56,3 +57,8 @@ class RegistryError(RuntimeError):
 
 class RegistryTimeoutError(RegistryError, TimeoutError):
     """A registry call or a wait on the registry did not finish within its timeout."""
+
+
+class LeaseExpiredError(RegistryError):
+    """The registry answered that a lease no longer exists: it expired (its holder did not refresh it
+    in time, or the registry was unreachable past its TTL) or was revoked; grant a new one."""

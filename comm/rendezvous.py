@@ -9,6 +9,11 @@ tell "left" from "lost".
 
 The prefix must be fresh for every new communicator (a job generation, a group
 name): a rendezvous never reads keys of an older one.
+
+The data plane never needs the registry once the ranks met, so a registry outage must not
+end it: the lease is kept through the outage and the card published again if the outage
+cost it, and a peer's card that vanishes then is a loss only if it is not back within the
+outage grace ([Note: registry outages] in ``comm/registry/keepalive.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Any
 import msgpack
 
 from comm.errors import PeerLostError, RegistryError
-from comm.registry.base import EventType, KeepAlive, Registry
+from comm.registry.base import Lease, Registry
+from comm.registry.follow import Change, Follower
+from comm.registry.keepalive import KeepAlive
 
 __all__ = ["DEFAULT_LIVENESS_TTL", "Rendezvous"]
 
@@ -60,8 +67,10 @@ class Rendezvous:
         self.rank = rank
         self.world_size = world_size
         self._card: dict[str, Any] = {}
-        self._lease = registry.lease(liveness_ttl)
-        self._keepalive = KeepAlive(self._lease)
+        self._ttl = liveness_ttl
+        self._publishing = threading.Lock()  # publish() and the keepalive's renewal put the same card
+        self._keepalive = KeepAlive(registry.lease(liveness_ttl), renew=self._renew,
+                                    what=f"rank {rank}'s card under {self.prefix}")
         self._lost: dict[int, str] = {}  # rank -> "lost" | "closed"
         self._closed_cards: set[int] = set()
         self._lock = threading.Lock()
@@ -73,8 +82,17 @@ class Rendezvous:
 
     def publish(self, card: dict[str, Any]) -> None:
         """Put this rank's card (addresses etc.) under its liveness lease."""
-        self._card = dict(card, pid=os.getpid(), rank=self.rank)
-        self.registry.put(self._key(self.rank), _pack(self._card), lease=self._lease)
+        with self._publishing:
+            self._card = dict(card, pid=os.getpid(), rank=self.rank)
+            self.registry.put(self._key(self.rank), _pack(self._card), lease=self._keepalive.lease)
+
+    def _renew(self) -> Lease:
+        """A new lease, and the card put again with it (the registry lost the old one in an outage)."""
+        with self._publishing:
+            lease = self.registry.lease(self._ttl)
+            if self._card:
+                self.registry.put(self._key(self.rank), _pack(self._card), lease=lease)
+            return lease
 
     def gather(self, timeout: timedelta) -> list[dict[str, Any]]:
         """Wait until every rank published its card; return the cards in rank order.
@@ -99,49 +117,50 @@ class Rendezvous:
         for kv in items:
             card = _unpack(kv.value)
             cards[int(card["rank"])] = card
-        self._start_watch(min(start_revision, max(kv.revision for kv in items)))
+        known = {kv.key: kv.value for kv in items}
+        self._start_watch(known, min(start_revision, max(kv.revision for kv in items)))
         return [cards[r] for r in range(self.world_size)]
 
     # -- liveness -------------------------------------------------------------------
 
-    def _start_watch(self, start_revision: int) -> None:
+    def _start_watch(self, known: dict[str, bytes], start_revision: int) -> None:
         self._watcher = threading.Thread(
-            target=self._watch, args=(start_revision,), name=f"liveness-{self.rank}", daemon=True
+            target=self._watch, args=(known, start_revision), name=f"liveness-{self.rank}", daemon=True
         )
         self._watcher.start()
 
-    def _watch(self, start_revision: int) -> None:
+    def _watch(self, known: dict[str, bytes], start_revision: int) -> None:
         members = f"{self.prefix}/members/"
+        follower = Follower(self.registry, members, in_doubt=self._keepalive.in_doubt)
         try:
-            watch = self.registry.watch(members, start_revision=start_revision)
-        except Exception:
-            log.exception("[rank %d] liveness watch on %s could not start", self.rank, members)
-            return
-        with watch:
+            follower.begin(known, start_revision)
+        except Exception as exc:  # the registry went away just now: the follower lists again when it answers
+            log.debug("[rank %d] liveness watch on %s could not start yet: %s", self.rank, members, exc)
+        try:
             while not self._stop.is_set():
-                try:
-                    event = watch.get(timedelta(seconds=0.2))
-                except Exception:
-                    if self._stop.is_set():
-                        return
-                    log.warning("[rank %d] liveness watch error; retrying", self.rank, exc_info=True)
-                    time.sleep(0.2)
-                    continue
-                if event is None:
-                    continue
-                try:
-                    rank = int(event.key.rsplit("/", 1)[1])
-                except ValueError:
-                    continue
-                with self._lock:
-                    if event.type is EventType.PUT:
-                        if _unpack(event.value).get("closed"):
-                            self._closed_cards.add(rank)
-                    elif rank != self.rank and rank not in self._lost:
-                        how = "closed" if rank in self._closed_cards else "lost"
-                        self._lost[rank] = how
-                        if how == "lost":
-                            log.warning("[rank %d] peer rank %d lost its liveness lease", self.rank, rank)
+                for change in follower.poll(timedelta(seconds=0.2)):
+                    self._on_change(change)
+        finally:
+            follower.close()
+
+    def _on_change(self, change: Change) -> None:
+        try:
+            rank = int(change.key.rsplit("/", 1)[1])
+            card = None if change.value is None else _unpack(change.value)
+        except (ValueError, RegistryError):
+            return
+        with self._lock:
+            if card is not None:
+                if card.get("closed"):
+                    self._closed_cards.add(rank)
+                return
+            if rank == self.rank or rank in self._lost:
+                return
+            how = "closed" if rank in self._closed_cards else "lost"
+            self._lost[rank] = how
+        if how == "lost":
+            after = " (it vanished in a registry outage and did not come back)" if change.after_outage else ""
+            log.warning("[rank %d] peer rank %d lost its liveness lease%s", self.rank, rank, after)
 
     def lost(self) -> dict[int, str]:
         """Ranks that are gone: ``{rank: "lost" | "closed"}``."""
@@ -180,7 +199,7 @@ class Rendezvous:
 
     @property
     def liveness_ttl(self) -> timedelta:
-        return self._lease.ttl
+        return self._keepalive.lease.ttl
 
     def close(self) -> None:
         """Mark this rank's card closed, stop renewing and revoke the lease. Idempotent."""
@@ -188,9 +207,10 @@ class Rendezvous:
             return
         self._stop.set()
         try:
-            if self._card:
-                self._card["closed"] = True
-                self.registry.put(self._key(self.rank), _pack(self._card), lease=self._lease)
+            with self._publishing:
+                if self._card:
+                    self._card["closed"] = True
+                    self.registry.put(self._key(self.rank), _pack(self._card), lease=self._keepalive.lease)
         except Exception:  # the registry may be gone at shutdown; the lease lapses anyway
             log.debug("[rank %d] could not mark card closed", self.rank, exc_info=True)
         self._keepalive.stop(revoke=True)

@@ -5,6 +5,10 @@
   ZeroMQ to the other local processes, and its client.
 * :class:`EtcdRegistry` — etcd through the ``etcd3`` package (what a cluster uses).
 
+Holding and following keys through outages: :class:`KeepAlive` (``keepalive.py``, with
+[Note: registry outages]), :class:`Follower` (``follow.py``), and a process's presence,
+:class:`Presence` / :class:`PresenceMonitor` (``presence.py``).
+
 :func:`connect_registry` picks the backend from a URL, so a worker needs only the
 address it was given::
 
@@ -25,7 +29,6 @@ from urllib.parse import urlsplit
 from comm.registry.base import (
     DEFAULT_REGISTRY_TIMEOUT,
     EventType,
-    KeepAlive,
     KeyValue,
     Lease,
     Registry,
@@ -33,25 +36,34 @@ from comm.registry.base import (
     WatchEvent,
 )
 from comm.registry.etcd_options import etcd_options
+from comm.registry.follow import Change, Follower
+from comm.registry.keepalive import OUTAGE_GRACE, KeepAlive
 from comm.registry.memory import MemoryRegistry
+from comm.registry.presence import Presence, PresenceMonitor
 from comm.registry.remote import DEFAULT_REQUEST_TIMEOUT, RemoteRegistry
 from comm.registry.server import RegistryServer
 
 __all__ = [
     "DEFAULT_REGISTRY_TIMEOUT",
     "DEFAULT_REQUEST_TIMEOUT",
+    "OUTAGE_GRACE",
     "SCHEMES",
+    "Change",
     "EventType",
+    "Follower",
     "KeepAlive",
     "KeyValue",
     "Lease",
     "MemoryRegistry",
+    "Presence",
+    "PresenceMonitor",
     "Registry",
     "RegistryServer",
     "RemoteRegistry",
     "Watch",
     "WatchEvent",
     "connect_registry",
+    "follows_presence",
 ]
 
 SCHEMES = ("memory", "tcp", "etcd")
@@ -105,3 +117,10 @@ def connect_registry(url: str, *, request_timeout: timedelta = DEFAULT_REQUEST_T
                             options=options)
     accepted = ", ".join(f"{s}://" for s in SCHEMES)
     raise ValueError(f"registry URL {url!r}: unknown scheme {parts.scheme!r}; accepted: {accepted}")
+
+
+def follows_presence(url: str) -> bool:
+    """Whether a worker of the registry at ``url`` learns that its coordinator is gone from the
+    coordinator's presence key (etcd: the registry outlives the coordinator) rather than from
+    the registry itself going silent (``tcp://``: the coordinator serves it, they die together)."""
+    return urlsplit(url).scheme.lower() == "etcd"

@@ -10,6 +10,8 @@ Semantics (the same for every backend):
 * Every change bumps one store-wide, strictly increasing *revision* (as etcd's).
 * A key put with a lease vanishes when the lease expires (its owner stopped calling
   :meth:`Lease.refresh`) or is revoked; a watcher sees a ``DELETE`` event for it.
+  Holders keep leases with :class:`comm.registry.keepalive.KeepAlive`, also through registry
+  outages (see [Note: registry outages] there).
 * A watch on a prefix delivers every ``PUT``/``DELETE`` under that prefix in revision
   order, starting after ``start_revision`` when one is given (so a watcher that
   remembers the last revision it saw can resume without losing events).
@@ -19,9 +21,7 @@ from __future__ import annotations
 
 import abc
 import builtins
-import contextlib
 import enum
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,7 +32,6 @@ from comm.errors import RegistryTimeoutError
 __all__ = [
     "DEFAULT_REGISTRY_TIMEOUT",
     "EventType",
-    "KeepAlive",
     "KeyValue",
     "Lease",
     "Registry",
@@ -83,7 +82,12 @@ class Lease(abc.ABC):
 
     @abc.abstractmethod
     def refresh(self) -> None:
-        """Renew the lease for another ``ttl``. Raises RegistryError if it already expired."""
+        """Renew the lease for another ``ttl``.
+
+        Raises:
+            LeaseExpiredError: the registry answered that the lease is gone (expired or revoked).
+            RegistryError: the registry did not answer (RegistryTimeoutError) or failed otherwise.
+        """
 
     @abc.abstractmethod
     def revoke(self) -> None:
@@ -207,37 +211,3 @@ class Registry(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class KeepAlive:
-    """Refreshes a lease from a daemon thread every ``ttl / 3`` until stopped.
-
-    A failed refresh is retried at the next tick; once the lease is gone (expired on
-    the server), ``lost`` is set and the thread ends.
-    """
-
-    def __init__(self, lease: Lease, *, interval: timedelta | None = None) -> None:
-        self.lease = lease
-        self.interval = (interval or lease.ttl / 3).total_seconds()
-        self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"keepalive-{lease.id}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.lease.ttl.total_seconds()
-        while not self._stop.wait(self.interval):
-            try:
-                self.lease.refresh()
-                deadline = time.monotonic() + self.lease.ttl.total_seconds()
-            except Exception:  # the registry may be briefly unreachable; retry next tick
-                if time.monotonic() > deadline:
-                    self.lost.set()
-                    return
-
-    def stop(self, *, revoke: bool = False) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        if revoke:
-            with contextlib.suppress(Exception):  # best effort: the lease expires by itself anyway
-                self.lease.revoke()

@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from comm.errors import RegistryError, RegistryTimeoutError
+from comm.errors import LeaseExpiredError, RegistryError, RegistryTimeoutError
 from comm.registry.base import KeyValue, Lease, Registry
 from comm.registry.etcd_grpc import (
     EtcdLogin,
@@ -63,8 +63,8 @@ class EtcdLease(Lease):
         """Send one keep-alive.
 
         Raises:
-            RegistryError: if etcd no longer knows the lease (it answers with TTL 0), or
-                etcd is unreachable; RegistryTimeoutError after the request timeout.
+            LeaseExpiredError: if etcd no longer knows the lease (it answers with TTL 0).
+            RegistryError: if etcd is unreachable; RegistryTimeoutError after the request timeout.
         """
         self._registry._refresh_lease(self._id)
 
@@ -151,6 +151,8 @@ class EtcdRegistry(Registry):
             return RegistryTimeoutError(
                 f"etcd at {self.endpoint}: {what} did not complete within {self._timeout:.1f}s ({details})"
             )
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in str(details):  # a put with a dead lease
+            return LeaseExpiredError(f"etcd at {self.endpoint}: {what} failed: {details}; grant a new lease")
         hint = ""
         if code == grpc.StatusCode.PERMISSION_DENIED:
             hint = (f" (connected with {self.options.describe()}: grant that etcd user a role with readwrite "
@@ -250,7 +252,7 @@ class EtcdRegistry(Registry):
         if response is None:
             raise RegistryError(f"etcd at {self.endpoint}: {what}: no answer")
         if int(response.TTL) <= 0:  # etcd's answer for a lease it does not know
-            raise RegistryError(f"etcd at {self.endpoint}: lease {lease_id:#x} expired; grant a new one")
+            raise LeaseExpiredError(f"etcd at {self.endpoint}: lease {lease_id:#x} expired; grant a new one")
 
     def _revoke_lease(self, lease_id: int) -> None:
         what = f"revoke of lease {lease_id:#x}"

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from comm.errors import RegistryError
+from comm.errors import LeaseExpiredError, RegistryError
 from comm.registry.base import EventType, KeyValue, Lease, Registry, Watch, WatchEvent
 
 __all__ = ["DEFAULT_HISTORY", "MemoryLease", "MemoryRegistry", "MemoryWatch"]
@@ -202,20 +202,20 @@ class MemoryRegistry(Registry):
         """A handle on an existing lease, by id (for the server, which receives ids).
 
         Raises:
-            RegistryError: if no such lease is alive.
+            LeaseExpiredError: if no such lease is alive.
         """
         with self._lock:
             self._check_open()
             state = self._leases.get(lease_id)
             if state is None:
-                raise RegistryError(f"lease {lease_id} not found (expired or revoked)")
+                raise LeaseExpiredError(f"lease {lease_id} not found (expired or revoked); grant a new one")
             return MemoryLease(self, lease_id, timedelta(seconds=state.ttl))
 
     def refresh_lease(self, lease_id: int) -> None:
         """Push the lease's deadline to ``now + ttl``.
 
         Raises:
-            RegistryError: if the lease already expired or was revoked.
+            LeaseExpiredError: if the lease already expired or was revoked.
         """
         with self._lock:
             self._check_open()
@@ -223,7 +223,7 @@ class MemoryRegistry(Registry):
             self._expire_due(now)  # a lapsed lease the reaper has not reached yet is still lapsed
             state = self._leases.get(lease_id)
             if state is None:
-                raise RegistryError(f"lease {lease_id} not found (expired or revoked); grant a new one")
+                raise LeaseExpiredError(f"lease {lease_id} not found (expired or revoked); grant a new one")
             state.deadline = now + state.ttl
 
     def revoke_lease(self, lease_id: int) -> None:
@@ -343,7 +343,7 @@ class MemoryRegistry(Registry):
             return None
         self._expire_due(time.monotonic())
         if lease.id not in self._leases:
-            raise RegistryError(f"lease {lease.id} not found (expired or revoked); grant a new one")
+            raise LeaseExpiredError(f"lease {lease.id} not found (expired or revoked); grant a new one")
         return lease.id
 
     def _commit(self) -> int:

@@ -23,8 +23,9 @@ A watch is a long poll: ``watch_poll`` asks for the events under ``prefix`` from
 (``revision + 1``).
 
 Error codes (:class:`~comm.rpc.framing.RpcError`): the host's own (``bad_request`` naming
-the field, ``unknown_method``...), ``registry`` (a :class:`~comm.errors.RegistryError`: an
-expired lease, a compacted revision) and ``value`` (a bad argument).
+the field, ``unknown_method``...), ``lease_expired`` (a :class:`~comm.errors.LeaseExpiredError`: the
+lease named expired or was revoked), ``registry`` (any other :class:`~comm.errors.RegistryError`: a
+compacted revision) and ``value`` (a bad argument).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from comm.errors import ProtocolError, RegistryError, RegistryTimeoutError
+from comm.errors import LeaseExpiredError, ProtocolError, RegistryError, RegistryTimeoutError
 from comm.registry.base import KeyValue, Lease, Registry, Watch, WatchEvent
 from comm.registry.protocol import (
     SERVICE,
@@ -64,6 +64,7 @@ def _call(client: RpcClient, what: str, method: str, request: BaseModel, reply_t
         RegistryTimeoutError: no reply within ``timeout`` (naming the server and ``what``).
         ProtocolError: the server rejected the request as malformed, or its reply was.
         ValueError: the server rejected an argument.
+        LeaseExpiredError: the lease named no longer exists on the server.
         RegistryError: any other refusal (an expired lease, a compacted revision, a closed
             client, an address that serves no registry).
     """
@@ -80,6 +81,8 @@ def _call(client: RpcClient, what: str, method: str, request: BaseModel, reply_t
             raise ProtocolError(message) from None
         if exc.code == "value":
             raise ValueError(message) from None
+        if exc.code == "lease_expired":
+            raise LeaseExpiredError(message) from None
         raise RegistryError(message) from None
     return body
 

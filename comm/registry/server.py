@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from comm.errors import ProtocolError, RegistryError
+from comm.errors import LeaseExpiredError, ProtocolError, RegistryError
 from comm.registry.memory import MemoryRegistry
 from comm.registry.protocol import (
     SERVICE,
@@ -68,7 +68,8 @@ class RegistryService(ServiceBase):
         max_parked: the most watch polls parked at once.
     """
 
-    error_codes = ((ProtocolError, "bad_request"), (RegistryError, "registry"), (ValueError, "value"))
+    error_codes = ((ProtocolError, "bad_request"), (LeaseExpiredError, "lease_expired"),
+                   (RegistryError, "registry"), (ValueError, "value"))
 
     def __init__(self, registry: MemoryRegistry, host: ServiceHost, *,
                  max_parked: int = MAX_PARKED_POLLS) -> None:

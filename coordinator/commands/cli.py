@@ -251,9 +251,9 @@ def _train(args: argparse.Namespace, settings: dict[str, Any]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:  # the worker process has its own thin main()
-        from services.host.worker import main as worker_main
+        from services.host.worker import run as run_worker
 
-        return worker_main(argv[1:])
+        run_worker(argv[1:])
     from comm.logs import configure_logging
 
     parser = _parser()

@@ -5,11 +5,19 @@ Two kinds of source feed one stream of :data:`Event` s:
 * the workers' service hosts: one DEALER socket per worker; requests go out at once
   (:meth:`EventLoop.send` never waits) and each reply becomes a :class:`Reply` event,
   validated against the type the request expects;
-* the registry: a watch on ``/cellmesh/{job}/workers/`` turns a new card into
+* the registry: a watch on ``/cellmesh/{job}/workers/`` turns a new or changed card into
   :class:`WorkerJoined` and a vanished one (drained, or its lease lapsed because the
   process died) into :class:`WorkerLost`. The watch runs on a thread that posts events
   to the poller through a :class:`~comm.rpc.mailbox.Mailbox`, so the loop sleeps in
   exactly one place: ``zmq.Poller.poll`` bounded by the caller's deadline.
+
+While it runs, the loop keeps the coordinator's presence key ``/cellmesh/{job}/coordinator``
+(:class:`~comm.registry.presence.Presence`): workers on etcd leave when it vanishes
+(``services/host/worker.py``). Registry outages do not end a job (the data plane never needs
+the registry; [Note: registry outages] in ``comm/registry/keepalive.py``): the watch follows the
+workers through a :class:`~comm.registry.follow.Follower`, which re-lists them when the registry
+answers again, reports no change for a card published again with a new lease, and holds the
+deletion of a card seen around an outage until it is clearly not coming back.
 
 Requests and replies are framed by :mod:`comm.rpc.framing`, exactly as every other client
 of a service host frames them.
@@ -36,15 +44,20 @@ from pydantic import BaseModel
 
 from comm.codec import unpack
 from comm.errors import ProtocolError
-from comm.registry.base import EventType, Registry
+from comm.registry.base import Registry
+from comm.registry.follow import Change, Follower
+from comm.registry.presence import Presence
 from comm.rpc import Mailbox, RpcError, open_reply, read_reply, request_frames
 from comm.sockets import make_socket
+from services.host.worker import coordinator_key
 from services.protocol import WorkerCard
 
-__all__ = ["Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
+__all__ = ["DEFAULT_PRESENCE_TTL", "Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PRESENCE_TTL = timedelta(seconds=2)
+"""The coordinator's presence lease: its workers on etcd notice it died this long after (etcd's smallest)."""
 _WATCH_POLL = timedelta(seconds=0.25)  # how often the watch thread checks for close()
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum objects on the hot path
 
@@ -102,15 +115,21 @@ class EventLoop:
         registry: Where the workers' cards live.
         job: The job's name.
 
+    Keyword Args:
+        presence_ttl: The lease of the coordinator's presence key.
+
     Attributes:
         members: The cards of the workers currently registered.
         poll_seconds: Seconds spent waiting in the poller so far.
     """
 
-    def __init__(self, registry: Registry, job: str) -> None:
+    def __init__(self, registry: Registry, job: str, *,
+                 presence_ttl: timedelta = DEFAULT_PRESENCE_TTL) -> None:
         self.registry = registry
         self.job = job
         self.prefix = f"/cellmesh/{job}/workers/"
+        self.presence = Presence(registry, coordinator_key(job), presence_ttl)
+        self._follower = Follower(registry, self.prefix, in_doubt=self.presence.in_doubt)
         self.members: dict[str, WorkerCard] = {}
         self.poll_seconds = 0.0  # time spent waiting in the poller (the rest is the coordinator's work)
         self._socks: dict[str, zmq.Socket[bytes]] = {}
@@ -128,18 +147,26 @@ class EventLoop:
     # -- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> EventLoop:
-        """Read the current members, then watch for changes from the next revision on."""
-        revision = self.registry.revision()
-        for kv in self.registry.list(self.prefix):
-            card = unpack(kv.value, WorkerCard)
-            self.members[card.name] = card
-        self._thread = threading.Thread(target=self._watch, args=(revision + 1,), daemon=True,
-                                        name=f"coordinator-watch-{self.job}")
+        """Publish the coordinator's presence, read the current members, then watch for changes.
+
+        Raises:
+            RegistryError: The registry did not answer (or refused).
+        """
+        self.presence.start()
+        try:
+            for key, value in self._follower.begin_now().items():
+                card = self._card(key, value)
+                if card is not None:
+                    self.members[card.name] = card
+        except BaseException:
+            self.presence.close()
+            raise
+        self._thread = threading.Thread(target=self._watch, daemon=True, name=f"coordinator-watch-{self.job}")
         self._thread.start()
         return self
 
     def close(self) -> None:
-        """Stop the watch and close every socket. Idempotent."""
+        """Stop the watch, close every socket, withdraw the presence. Idempotent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2 * _WATCH_POLL.total_seconds() + 1)
@@ -147,6 +174,7 @@ class EventLoop:
             sock.close()
         self._socks.clear()
         self._posted.close()
+        self.presence.close()
 
     def __enter__(self) -> EventLoop:
         return self.start()
@@ -154,21 +182,32 @@ class EventLoop:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _watch(self, start_revision: int) -> None:
+    def _watch(self) -> None:
         try:
-            with self.registry.watch(self.prefix, start_revision=start_revision) as watch:
-                while not self._stop.is_set():
-                    event = watch.get(_WATCH_POLL)
-                    if event is None:
-                        continue
-                    name = event.key.removeprefix(self.prefix)
-                    if event.type is EventType.DELETE:
-                        self._posted.put(WorkerLost(name))
-                    else:
-                        self._posted.put(WorkerJoined(name, unpack(event.value, WorkerCard)))
-        except Exception:
-            if not self._stop.is_set():
-                log.exception("[coordinator %s] the registry watch failed", self.job)
+            while not self._stop.is_set():
+                for change in self._follower.poll(_WATCH_POLL):
+                    self._post(change)
+        finally:
+            self._follower.close()
+
+    def _post(self, change: Change) -> None:
+        name = change.key.removeprefix(self.prefix)
+        if change.value is None:
+            if change.after_outage:
+                log.warning("[coordinator %s] worker %s's card vanished in a registry outage and was not "
+                            "published again", self.job, name)
+            self._posted.put(WorkerLost(name))
+            return
+        card = self._card(change.key, change.value)
+        if card is not None:
+            self._posted.put(WorkerJoined(name, card))
+
+    def _card(self, key: str, value: bytes) -> WorkerCard | None:
+        try:
+            return unpack(value, WorkerCard, what=f"the worker card at {key}")
+        except ProtocolError as exc:  # not a worker of this version: say so, keep following the others
+            log.warning("[coordinator %s] ignoring %s: %s", self.job, key, exc)
+            return None
 
     # -- requests -----------------------------------------------------------------------
 

@@ -16,11 +16,28 @@ refused with an error reply naming it, before anything is imported, whoever sent
 SIGTERM (and SIGINT) drain the worker: it stops taking assignments, lets the request in
 hand finish, closes its services, deletes its card, revokes its lease and exits 0.
 
+Registry outages and a coordinator that is gone (see [Note: registry outages] in
+``comm/registry/keepalive.py``): the lease is refreshed through any outage, and if the registry
+lost it meanwhile the worker gets a new one and publishes its card again (same name, same
+address). The worker leaves only when its coordinator is gone, which it tells by the
+registry's URL:
+
+* ``tcp://`` (the embedded registry, served by the coordinator's process): the registry not
+  answering for a whole lease means its coordinator is gone;
+* ``etcd://`` (the registry outlives the coordinator): the coordinator's presence key
+  ``/cellmesh/{job}/coordinator`` (:class:`~comm.registry.presence.Presence`, kept by the
+  coordinator's event loop) vanished while etcd answers. A worker started before its
+  coordinator waits for it, and one whose coordinator closed cleanly waits for the next.
+
+It then drains without a goodbye to a registry that died with the coordinator, logs one
+WARNING line naming why and exits 0 at once (without the interpreter's teardown, which takes
+seconds once a job's tensors filled the heap).
+
 In a pod the worker takes who it is from the environment as a torchrun worker would
 (``RANK``/``WORLD_SIZE``/``MASTER_*`` or the ``PET_*`` form: ``services/host/launch.py``),
 binds the pod's address (``CELLMESH_HOST``) on a fixed ``--port``, and serves its probes
 on ``--health-port`` (``services/host/health.py``): ``/readyz`` once its card is published,
-``/healthz`` until its lease is lost.
+``/healthz`` until its coordinator is gone (never for a registry outage alone).
 
 It logs to stderr through ``comm/logs.py``: ``CELLMESH_LOG_LEVEL`` (default INFO) and
 ``CELLMESH_LOG_FORMAT`` (``human`` or ``json``), every record carrying the worker's name and
@@ -41,22 +58,26 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from comm import auth
 from comm.allocator import tune_malloc
 from comm.codec import pack
+from comm.errors import LeaseExpiredError
 from comm.logs import configure_logging, set_process_context
-from comm.registry import connect_registry
-from comm.registry.base import KeepAlive, Registry
+from comm.registry import connect_registry, follows_presence
+from comm.registry.base import Lease, Registry
+from comm.registry.keepalive import KeepAlive
+from comm.registry.presence import PresenceMonitor
 from comm.rpc import Call, RpcError, ServiceBase, ServiceHost
 from services.factories import FactoryAllowList, FactoryError, spec_factories
 from services.host.health import HealthServer, TrafficCollector
 from services.host.launch import LaunchEnv, LaunchEnvError, read_launch_env
 from services.protocol import Assignment, AssignmentReply, Empty, Release, WorkerCard, WorkerStatus
 
-__all__ = ["SERVICE_BUILDERS", "Worker", "allowed_factories", "main", "worker_key"]
+__all__ = ["SERVICE_BUILDERS", "Worker", "allowed_factories", "coordinator_key", "main", "run", "worker_key"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +115,11 @@ SERVICE_BUILDERS: dict[str, ServiceBuilder] = {
 
 def worker_key(job: str, name: str) -> str:
     return f"/cellmesh/{job}/workers/{name}"
+
+
+def coordinator_key(job: str) -> str:
+    """The job's coordinator's presence key (``coordinator/runtime/loop.py`` keeps it)."""
+    return f"/cellmesh/{job}/coordinator"
 
 
 def _memory_bytes() -> int:
@@ -155,14 +181,19 @@ class Worker:
         port: the port services are served on (0: one the OS chooses).
         launch: rank, world size and resource limits from the environment (``services/host/launch.py``).
         factories: the factories assignments may name (:func:`allowed_factories`); default none.
+        follows_presence: learn that the coordinator is gone from its presence key (etcd) rather
+            than from the registry going silent (the embedded registry); see the module docstring.
     """
 
     def __init__(self, registry: Registry, job: str, name: str, *,
                  lease_ttl: timedelta = DEFAULT_LEASE_TTL, host: str | None = None, port: int = 0,
-                 launch: LaunchEnv | None = None, factories: FactoryAllowList | None = None) -> None:
+                 launch: LaunchEnv | None = None, factories: FactoryAllowList | None = None,
+                 follows_presence: bool = False) -> None:
         self.registry = registry
         self.job = job
         self.name = name
+        self.lease_ttl = lease_ttl
+        self.follows_presence = follows_presence
         self.launch = launch or LaunchEnv()
         self.factories = factories or FactoryAllowList(frozenset(), "no --job-spec or --factory")
         self.host = ServiceHost(host, port)
@@ -170,8 +201,10 @@ class Worker:
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self.incarnation = secrets.token_hex(8)
+        self._publishing = threading.Lock()  # publish() and the keepalive's renewal put the same card
         self._lease = registry.lease(lease_ttl)
         self._keepalive: KeepAlive | None = None
+        self._coordinator: PresenceMonitor | None = None
         self.host.add("worker", _Control(self))
 
     def card(self) -> WorkerCard:
@@ -184,8 +217,24 @@ class Worker:
         )
 
     def publish(self) -> None:
-        self.registry.put(worker_key(self.job, self.name), pack(self.card()), lease=self._lease)
+        """Put the card (again: the services it lists changed) under the lease."""
+        with self._publishing:
+            try:
+                self.registry.put(worker_key(self.job, self.name), pack(self.card()), lease=self._lease)
+            except LeaseExpiredError:  # an outage cost the lease: the keepalive renews it with a fresh card
+                log.info("[worker %s] its lease expired in a registry outage; the card goes out with the new "
+                         "one", self.name)
+                return
         self.published.set()
+
+    def _renew(self) -> Lease:
+        """A new lease and the card put with it (the registry lost the old lease in an outage)."""
+        with self._publishing:
+            lease = self.registry.lease(self.lease_ttl)
+            self.registry.put(worker_key(self.job, self.name), pack(self.card()), lease=lease)
+            self._lease = lease
+        self.published.set()
+        return lease
 
     def metrics(self) -> CollectorRegistry:
         """``/metrics`` of the worker: the services it hosts, 1 while it is ready, the bytes it sent per
@@ -199,10 +248,23 @@ class Worker:
         return registry
 
     def liveness(self) -> tuple[bool, str]:
-        """``/healthz``: alive until the lease is lost (then the process is about to exit 1)."""
-        if self._keepalive is not None and self._keepalive.lost.is_set():
-            return False, f"worker {self.name}: lease lost (the registry is unreachable)"
+        """``/healthz``: alive until the coordinator is gone (then the process is about to exit)."""
+        gone = self.coordinator_gone()
+        if gone is not None:
+            return False, f"worker {self.name}: {gone}"
         return True, f"worker {self.name}: alive"
+
+    def coordinator_gone(self) -> str | None:
+        """Why this worker's coordinator is gone, or None while it may be there (see the module docstring)."""
+        if self._keepalive is None:
+            return None
+        if self._coordinator is not None:
+            return self._coordinator.reason if self._coordinator.gone.is_set() else None
+        silent = self._keepalive.unreachable_for()
+        if silent >= self.lease_ttl.total_seconds():
+            return (f"its coordinator is gone: the registry the coordinator serves has not answered for "
+                    f"{silent:.1f}s (a whole lease)")
+        return None
 
     def readiness(self) -> tuple[bool, str]:
         """``/readyz``: ready once the card is in the registry, until the worker drains."""
@@ -213,21 +275,33 @@ class Worker:
         return self.liveness()
 
     def start(self) -> Worker:
+        """Serve, publish the card, keep the lease and (on etcd) follow the coordinator's presence."""
         self.host.start()
         self.publish()
-        self._keepalive = KeepAlive(self._lease)
+        self._keepalive = KeepAlive(self._lease, renew=self._renew, what=f"worker {self.name}'s card")
+        if self.follows_presence:
+            monitor = PresenceMonitor(self.registry, coordinator_key(self.job),
+                                      in_doubt=self._keepalive.in_doubt, what="its coordinator")
+            self._coordinator = monitor.start()
         return self
 
-    def drain(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+    def drain(self, timeout: timedelta = timedelta(seconds=10), *, orphaned: str | None = None) -> None:
         """Stop taking work, close services, deregister. Idempotent and bounded by ``timeout``.
 
-        Deregistering is best effort: when the registry is unreachable (the coordinator that
-        served it is gone), the worker gives up after a few seconds and its lease lapses.
+        Deregistering is best effort: when the registry does not answer, the worker gives up
+        after a few seconds and its lease lapses. ``orphaned`` (why the coordinator is gone)
+        skips it where the registry died with the coordinator, and is the one line logged.
         """
         if self.stopped.is_set():
             return
         self.draining.set()
+        if self._coordinator is not None:
+            self._coordinator.close()
         self.host.shutdown(timeout)
+        if orphaned is not None and not self.follows_presence:  # the registry died with the coordinator
+            self.stopped.set()
+            log.warning("[worker %s] %s; drained, exiting", self.name, orphaned)
+            return
 
         def deregister() -> None:
             try:
@@ -243,11 +317,14 @@ class Worker:
         if cleanup.is_alive():
             log.warning("[worker %s] the registry did not answer; leaving without deregistering", self.name)
         self.stopped.set()
-        log.info("[worker %s] drained", self.name)
+        if orphaned is not None:
+            log.warning("[worker %s] %s; drained, exiting", self.name, orphaned)
+        else:
+            log.info("[worker %s] drained", self.name)
 
-    def serve_forever(self) -> bool:
-        """Block until SIGTERM/SIGINT (main thread only), :meth:`drain` from elsewhere, or the
-        registry is lost; returns False in that last case (the worker is orphaned and exits)."""
+    def serve_forever(self) -> str | None:
+        """Serve until SIGTERM/SIGINT (main thread only), :meth:`drain` from elsewhere, or the coordinator
+        is gone, and drain. Returns why the coordinator is gone, or None when the worker was stopped."""
         stop = threading.Event()
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -255,17 +332,15 @@ class Worker:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        healthy = True
         while not stop.wait(0.2):
             if self.stopped.is_set():
-                return True
-            if self._keepalive is not None and self._keepalive.lost.is_set():
-                log.error("[worker %s] could not renew its lease in the registry for a whole lease "
-                          "time (the registry or its coordinator is gone); exiting", self.name)
-                healthy = False
-                break
+                return None
+            gone = self.coordinator_gone()
+            if gone is not None:
+                self.drain(orphaned=gone)
+                return gone
         self.drain()
-        return healthy
+        return None
 
 
 def allowed_factories(job_spec: str | None, names: Sequence[str]) -> FactoryAllowList:
@@ -357,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     health: HealthServer | None = None
     try:
         worker = Worker(registry, job, name, lease_ttl=lease_ttl, host=args.host, port=args.port,
-                        launch=launch, factories=factories)
+                        launch=launch, factories=factories, follows_presence=follows_presence(url))
         if args.health_port is not None:
             health = HealthServer(live=worker.liveness, ready=worker.readiness, metrics=worker.metrics(),
                                   host=args.health_host or args.host, port=args.health_port).start()
@@ -370,8 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" (probes at {health.url})" if health is not None else ""
         log.info("cellmesh worker %s of job %s serving at %s%s; builds %s", name, job, worker.host.address,
                  where, ", ".join(sorted(factories.names)) or "no factory")
-        if not worker.serve_forever():
-            return 1
+        worker.serve_forever()
     except Exception:
         log.exception("[worker %s] failed", name)
         worker.drain()
@@ -383,10 +457,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _exit(code: int) -> None:
-    """Leave now: a drained worker has nothing left to finish, but a step thread of a service it
-    released may still be blocked on a dead peer until its timeout, and the interpreter's exit
-    would wait for it (executor threads are joined at exit)."""
+def run(argv: Sequence[str] | None = None) -> NoReturn:
+    """The worker process: :func:`main`, then leave at once. A drained worker has nothing left to hand
+    over, but a step thread of a service it released may still be blocked on a dead peer until its
+    timeout, and the interpreter's exit would wait for it (executor threads are joined at exit) and
+    tear down a large heap for seconds."""
+    code = main(argv)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -394,4 +470,4 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit(main())
+    run()

@@ -9,9 +9,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 from comm.codec import unpack
-from comm.registry import RegistryServer, RemoteRegistry
+from comm.registry import RegistryServer, connect_registry
 from services.host.worker import worker_key
 from services.protocol import WorkerCard
 
@@ -46,25 +47,33 @@ class WorkerProcess:
 
 def start_worker(registry_address: str, job: str, name: str, *, lease_ttl: float = 2.0,
                  timeout: float = 30.0, factories: Sequence[str] = (), job_spec: str | None = None,
-                 env: Mapping[str, str] | None = None, insecure: bool = True) -> WorkerProcess:
-    """Start a worker process and wait (bounded) until its card is in the registry.
+                 env: Mapping[str, str] | None = None, insecure: bool = True,
+                 log: Path | None = None) -> WorkerProcess:
+    """Start a worker process and wait (bounded) until its card is in the registry (any registry URL).
 
     ``factories`` (``--factory``) and ``job_spec`` (``--job-spec``) are what it may build; ``env``
     adds to its environment. ``insecure``: without keys (these tests' parts); else the worker
-    reads them from ``CELLMESH_KEYS_DIR`` in ``env``.
+    reads them from ``CELLMESH_KEYS_DIR`` in ``env``. ``log``: the file its log (stderr) goes to
+    (default: this process's stderr).
     """
     allowed = [arg for factory in factories for arg in ("--factory", factory)]
     if insecure:
         allowed.append("--insecure")
     if job_spec is not None:
         allowed += ["--job-spec", job_spec]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.host.worker", "--registry", registry_address, "--job", job,
-         "--name", name, "--lease-ttl", str(lease_ttl), *allowed],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CELLMESH_LOG_LEVEL": "WARNING", **(env or {})},
-        stdout=subprocess.DEVNULL,
-    )
-    registry = RemoteRegistry(registry_address)
+    output = None if log is None else log.open("ab")  # the child keeps its own descriptor
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.host.worker", "--registry", registry_address, "--job", job,
+             "--name", name, "--lease-ttl", str(lease_ttl), *allowed],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "CELLMESH_LOG_LEVEL": "WARNING", **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=output,
+        )
+    finally:
+        if output is not None:
+            output.close()
+    registry = connect_registry(registry_address)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -176,10 +176,11 @@ def test_rendered_pods_train_a_job_with_etcd(tmp_path: Path, monkeypatch: pytest
     assert max_abs_diff(state, reference.state_dict) < FLOAT32_TOLERANCE
 
 
-def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_the_end(
+def test_the_workers_of_a_killed_coordinator_leave_and_its_successor_trains_to_the_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGKILL the coordinator pod mid-training (an eviction): its successor trains the job from the start."""
+    """SIGKILL the coordinator pod mid-training (an eviction): its workers see its presence key lapse and
+    leave on their own (Kubernetes restarts them), and its successor trains the job from the start."""
     steps = 40
     spec = tmp_path / "podjob.yaml"
     # data parallel: both workers hold services (auto may pick one worker on a loaded machine)
@@ -197,12 +198,21 @@ def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_t
 
         cluster.start(coordinator.name)
         _wait("a few committed steps", lambda: step() >= 3, cluster, 150)
-        cluster.procs[coordinator.name].kill()  # no cleanup: the workers keep its services
+        cluster.procs[coordinator.name].kill()  # no cleanup, no goodbye
         cluster.procs[coordinator.name].wait(10)
+        killed = time.monotonic()
         assert step() == 0  # gone
-        health = f"http://127.0.0.1:{cluster.pods['podjob-worker-0'].port('health')}"
-        assert "cellmesh_worker_services 0.0" not in _http(health + "/metrics")[1]
+        workers = ("podjob-worker-0", "podjob-worker-1")
+        codes = {name: cluster.procs[name].wait(20) for name in workers}
+        left = time.monotonic() - killed
+        assert codes == dict.fromkeys(workers, 0), cluster.logs()
+        assert left < 10, left  # within their lease (--lease-ttl 10); the presence lapses in 2 s
+        for name in workers:
+            last = cluster.tail(name, 3)
+            assert "its coordinator" in last and "is gone" in last, cluster.logs()
 
+        for name in workers:
+            cluster.start(name)  # as their StatefulSet restarts them
         cluster.start(coordinator.name)
         _wait(
             "the successor's finished job",
@@ -211,13 +221,6 @@ def test_a_restarted_coordinator_releases_what_a_killed_one_left_and_trains_to_t
             150,
         )
         assert step() == steps
-        assert "left by an earlier coordinator" in cluster.tail(coordinator.name, 200), cluster.logs()
-        _wait(
-            "the workers to release the services",
-            lambda: "cellmesh_worker_services 0.0" in _http(health + "/metrics")[1],
-            cluster,
-            30,
-        )
 
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     loaded = load_job(cluster.paths[SPEC_DIR] / "job.yaml")  # the spec the pods mounted

@@ -174,4 +174,4 @@ def test_worker_exits_when_its_registry_is_gone() -> None:
         code = w.wait(20)
     finally:
         w.stop()
-    assert code == 1
+    assert code == 0  # an orphaned worker did nothing wrong: it drains and exits 0

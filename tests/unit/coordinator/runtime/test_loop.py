@@ -7,17 +7,22 @@ answers (a body with tensors, an error code, a body of the wrong type) becomes t
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
 import torch
 
-from comm.codec import Message, pack
-from comm.registry import MemoryRegistry
+from comm.codec import Message, pack, unpack
+from comm.registry import KeepAlive, Lease, MemoryRegistry
+from comm.registry.presence import PresenceCard
 from comm.rpc import Call, Empty, RpcError, ServiceBase, ServiceHost
 from coordinator.runtime.loop import Event, EventLoop, Reply, WorkerJoined, WorkerLost
+from services.host.worker import coordinator_key
 from services.protocol import WorkerCard
+from tests.unit.comm.registry.flaky import FlakyRegistry
 
 WAIT = timedelta(seconds=10)
 JOB = "loop-test"
@@ -98,3 +103,70 @@ def test_membership_changes_become_events(setup: tuple[MemoryRegistry, ServiceHo
     registry.delete(key)
     lost = _next(loop)
     assert isinstance(lost, WorkerLost) and lost.name == "w1" and loop.members == {}
+
+
+def test_the_loop_keeps_the_coordinators_presence_while_it_runs() -> None:
+    with MemoryRegistry() as registry:
+        loop = EventLoop(registry, JOB).start()
+        kv = registry.get(coordinator_key(JOB))
+        assert kv is not None
+        card = unpack(kv.value, PresenceCard)
+        assert card.pid == os.getpid() and card.ttl_ms == 2000 and not card.closed
+        loop.close()
+        assert registry.get(coordinator_key(JOB)) is None  # withdrawn (marked closed, then revoked)
+
+
+def test_a_card_whose_lease_lapses_is_lost_as_soon_as_it_lapses() -> None:
+    """How fast the embedded registry turns a dead worker into WorkerLost: the lease's TTL after its
+    last refresh, plus the reaper's and the watch's delay (measured: ~10 ms)."""
+    with MemoryRegistry() as registry, EventLoop(registry, JOB) as loop:
+        ttl = 0.5
+        card = WorkerCard(name="w1", address="tcp://127.0.0.1:1", pid=1, cpus=1, memory_bytes=0, gpus=0)
+        registry.put(f"/cellmesh/{JOB}/workers/w1", pack(card), lease=registry.lease(timedelta(seconds=ttl)))
+        put = time.monotonic()
+        assert isinstance(_next(loop), WorkerJoined)
+        lost = _next(loop)
+        late = time.monotonic() - put - ttl
+        assert isinstance(lost, WorkerLost) and lost.name == "w1"
+        assert 0 <= late <= 0.2, late
+
+
+def test_a_card_published_again_after_an_outage_is_no_event() -> None:
+    """The registry is unreachable for longer than the worker's lease: its card lapses in the store
+    and is published again with a new lease when the registry answers. The loop sees no change."""
+    flaky = FlakyRegistry()
+    ttl = timedelta(milliseconds=600)
+    key = f"/cellmesh/{JOB}/workers/w1"
+    card = WorkerCard(name="w1", address="tcp://127.0.0.1:1", pid=1, cpus=1, memory_bytes=0, gpus=0)
+
+    def renew() -> Lease:
+        lease = flaky.lease(ttl)
+        flaky.put(key, pack(card), lease=lease)
+        return lease
+
+    lease = flaky.lease(ttl)
+    flaky.put(key, pack(card), lease=lease)
+    keeper = KeepAlive(lease, renew=renew)
+    loop = EventLoop(flaky, JOB, presence_ttl=ttl).start()
+    try:
+        assert loop.members == {"w1": card}
+        flaky.down.set()
+        deadline = time.monotonic() + 3
+        while flaky.inner.get(key) is not None:  # the card lapses in the store
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)
+        flaky.down.clear()
+        event = loop.next_event(timedelta(seconds=3))
+        assert event is None, event
+        assert keeper.renewals == 1 and loop.members == {"w1": card}
+        while loop.presence.in_doubt():  # once the outage is OUTAGE_GRACE behind,
+            assert time.monotonic() < deadline + 10
+            time.sleep(0.05)
+        flaky.delete(key)
+        lost = loop.next_event(timedelta(seconds=0.5))  # a deletion is a loss again, at once
+        assert isinstance(lost, WorkerLost) and lost.name == "w1"
+    finally:
+        loop.close()
+        keeper.stop()
+        flaky.close()

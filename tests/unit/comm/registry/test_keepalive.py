@@ -1,0 +1,123 @@
+"""KeepAlive through registry outages: it never gives up, renews a lease the outage cost, and says
+how long the registry has been silent (and never mistakes a frozen holder for an outage)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+
+from comm.registry import KeepAlive, Lease, MemoryRegistry, Registry
+from tests.unit.comm.registry.flaky import FlakyRegistry
+
+TTL = timedelta(milliseconds=600)
+KEY = "/cellmesh/t/workers/w"
+
+
+def renewer(registry: Registry, value: bytes = b"card") -> Callable[[], Lease]:
+    """What a holder does when its lease is gone: a new lease, the same key and value put with it."""
+
+    def renew() -> Lease:
+        lease = registry.lease(TTL)
+        registry.put(KEY, value, lease=lease)
+        return lease
+
+    return renew
+
+
+def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> float:
+    """Seconds until ``condition()`` held (polled every 10 ms); fails naming ``what`` after ``seconds``."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < seconds, f"{what} did not happen within {seconds}s"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+def flaky() -> Iterator[FlakyRegistry]:
+    registry = FlakyRegistry()
+    yield registry
+    registry.close()
+
+
+def test_an_outage_longer_than_the_lease_ends_with_the_card_published_again(flaky: FlakyRegistry) -> None:
+    lease = flaky.lease(TTL)
+    flaky.put(KEY, b"card", lease=lease)
+    keeper = KeepAlive(lease, renew=renewer(flaky))
+    try:
+        flaky.down.set()
+        went_down = time.monotonic()
+        wait_until(lambda: flaky.inner.get(KEY) is None, 3, "the lease lapsing in the store")
+        time.sleep(0.3)
+        silent = keeper.unreachable_for()
+        # counted from the last answer: at most one interval before the outage began
+        assert TTL.total_seconds() < silent <= time.monotonic() - went_down + keeper.interval + 0.05, silent
+        assert keeper.in_doubt() and keeper.renewals == 0 and not keeper.lost.is_set()
+
+        flaky.down.clear()
+        back = wait_until(lambda: flaky.inner.get(KEY) is not None, 3, "the card coming back")
+        assert back < 1.0, back  # the next retry (<= 0.5 s) finds the lease gone and renews at once
+        kv = flaky.inner.get(KEY)
+        assert kv is not None and kv.value == b"card"
+        assert keeper.renewals == 1 and keeper.lease.id != lease.id and not keeper.lost.is_set()
+        assert keeper.unreachable_for() == 0.0
+        assert keeper.in_doubt() and not keeper.in_doubt(within=timedelta(0))  # the outage was just now
+
+        time.sleep(3 * TTL.total_seconds())  # and it is kept again
+        assert flaky.inner.get(KEY) is not None and keeper.renewals == 1
+    finally:
+        keeper.stop(revoke=True)
+    assert flaky.inner.get(KEY) is None  # the renewed lease is the one revoked
+
+
+def test_an_outage_shorter_than_the_lease_costs_nothing(flaky: FlakyRegistry) -> None:
+    lease = flaky.lease(timedelta(seconds=3))
+    flaky.put(KEY, b"card", lease=lease)
+    keeper = KeepAlive(lease, renew=renewer(flaky))
+    try:
+        flaky.down.set()
+        time.sleep(1.5)
+        assert keeper.unreachable_for() > 0.5 and keeper.in_doubt()
+        flaky.down.clear()
+        wait_until(lambda: keeper.unreachable_for() == 0.0, 2, "the registry answering again")
+        assert keeper.renewals == 0 and keeper.lease.id == lease.id and flaky.inner.get(KEY) is not None
+    finally:
+        keeper.stop(revoke=True)
+
+
+def test_without_renew_a_lease_the_outage_cost_is_lost(flaky: FlakyRegistry) -> None:
+    lease = flaky.lease(TTL)
+    flaky.put(KEY, b"card", lease=lease)
+    keeper = KeepAlive(lease)
+    try:
+        flaky.down.set()
+        time.sleep(1.0)
+        assert not keeper.lost.is_set()  # silence alone is no verdict: the registry may come back
+        flaky.down.clear()
+        assert keeper.lost.wait(2)
+        assert flaky.inner.get(KEY) is None
+    finally:
+        keeper.stop()
+
+
+def test_a_frozen_holder_renews_without_reading_as_an_outage() -> None:
+    """A holder that did not run for longer than its lease (frozen, swapped out) finds the lease gone
+    at once when it resumes: the registry answered, so it was never unreachable."""
+    with MemoryRegistry() as registry:
+        lease = registry.lease(TTL)
+        registry.put(KEY, b"card", lease=lease)
+        keeper = KeepAlive(lease, renew=renewer(registry), interval=timedelta(seconds=1))  # 1 s > TTL
+        try:
+            silences = []
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                silences.append(keeper.unreachable_for())
+                time.sleep(0.01)
+            assert max(silences) == 0.0
+            assert keeper.renewals == 1 and registry.get(KEY) is not None
+            assert keeper.in_doubt()  # the lease was lost: its keys vanished and came back
+        finally:
+            keeper.stop(revoke=True)
