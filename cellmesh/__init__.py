@@ -27,9 +27,10 @@ if TYPE_CHECKING:
     from coordinator.planning.plan import Plan
     from coordinator.planning.request import PlanningError
     from coordinator.planning.resources import Link, Resources, Worker
-    from coordinator.runtime.driver import JobFailed, NonFiniteStep
+    from coordinator.runtime.driver import JobFailed
     from coordinator.runtime.errors import JobError
     from coordinator.runtime.job import FitResult, Job
+    from coordinator.runtime.nonfinite import NonFiniteStep
     from services.compute.actions import ScheduleError
     from services.compute.cell import Cell, as_cells
     from services.compute.cells import MLP, LMHead, TokenEmbedding, TransformerBlock
@@ -53,7 +54,7 @@ _EXPORTS: dict[str, str] = {
     # errors
     "JobFailed": "coordinator.runtime.driver",
     "JobError": "coordinator.runtime.errors",
-    "NonFiniteStep": "coordinator.runtime.driver",
+    "NonFiniteStep": "coordinator.runtime.nonfinite",
     "ConfigError": "coordinator.planning.config",
     "PlanningError": "coordinator.planning.request",
     "CutError": "coordinator.planning.cutting",

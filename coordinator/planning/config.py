@@ -48,7 +48,7 @@ __all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataC
 Mode = Literal["collective", "parameter_server"]
 Strategy = Literal["auto", "data_parallel", "pipeline"]
 CommBackend = Literal["zmq", "gloo"]
-NonFinite = Literal["stop", "skip"]  # see coordinator/runtime/driver.py: [Note: a step that is not finite]
+NonFinite = Literal["stop", "skip"]  # see coordinator/runtime/nonfinite.py: [Note: a step that is not finite]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 # the same union as services.protocol.FactoryKwargs (a unit test keeps them equal; that module imports torch)
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]

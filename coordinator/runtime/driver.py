@@ -19,19 +19,8 @@ costs one round trip, and the last stage's optimizer overlaps the first stage's.
 step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
 :meth:`Runtime.state` calls first. A step that fails is never committed.
 
-[Note: a step that is not finite]
-A step whose loss (any microbatch's, from the last stage) or gradients (any parameter's, from
-any stage, after the gradient path) hold a NaN or an Inf would write NaN into the parameters
-when committed. The coordinator reads a step's replies before it commits the step, so it can
-drop it: nothing of its update is applied anywhere, as AMP's ``GradScaler`` skips the
-optimizer step. ``RunSpec.nonfinite`` (the config's ``runtime.nonfinite``) decides what then:
-
-* ``stop`` (the default): :class:`NonFiniteStep` names the step, the stage and the last good
-  loss; the parameters stay those of the last committed step, and ``cellmesh run`` writes
-  nothing (an earlier output stays as it was);
-* ``skip``: the step's record is marked ``skipped`` (its loss as reported), a warning names
-  it, and the next step trains on the next batch from the same parameters. What a forward
-  changes outside the update (batch-norm statistics) is not rolled back, as with ``GradScaler``.
+A step whose loss or gradients are not finite is dropped or stops the job: see
+``coordinator/runtime/nonfinite.py``.
 
 Failure semantics: an error reply, a worker whose registry lease lapses (its card
 vanishes), or a round that outlasts its bound stops the job with :class:`JobFailed`
@@ -43,7 +32,6 @@ named as the cause, since a dead stage makes its neighbours fail too.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,8 +44,8 @@ from comm.codec import unpack
 from comm.traffic import TrafficCounts, latest_by
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
-from coordinator.runtime.errors import JobError
-from coordinator.runtime.loop import EventLoop, Reply, WorkerLost
+from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
+from coordinator.runtime.nonfinite import first_nonfinite, refuse
 from coordinator.runtime.records import StepRecord, _Service
 from coordinator.runtime.shards import ParamShards
 from services.protocol import (
@@ -83,7 +71,7 @@ from services.protocol import (
     WorkerStatus,
 )
 
-__all__ = ["JobFailed", "NonFiniteStep", "RunSpec", "Runtime", "boundary_spec"]
+__all__ = ["JobFailed", "RunSpec", "Runtime", "boundary_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -100,24 +88,6 @@ class JobFailed(RuntimeError):
         self.service = service
         self.step = step
         self.lost = lost  # the worker died, froze or vanished (a replacement can take over); else it refused
-
-
-class NonFiniteStep(JobError):
-    """A step's loss or gradients are NaN or Inf under ``nonfinite: stop``: the job stopped before its update.
-
-    See [Note: a step that is not finite]. The message counts steps from 1, as the progress does.
-
-    Attributes:
-        step: The step (from 0, as ``StepRecord.step``).
-        stage: The stage that reported the value.
-        last_good_loss: The loss of the last step that was finite (None: there was none).
-    """
-
-    def __init__(self, message: str, *, step: int, stage: int, last_good_loss: float | None) -> None:
-        super().__init__(message)
-        self.step = step
-        self.stage = stage
-        self.last_good_loss = last_good_loss
 
 
 @dataclass(frozen=True)
@@ -142,19 +112,6 @@ class RunSpec:
     # checkpoint the services start from ("": the factories' values)
     state_keys: Mapping[str, list[str]] = field(default_factory=dict)
     restore: str = ""
-
-
-def _nonfinite(bodies: Sequence[tuple[_Service, StepReply]]) -> tuple[_Service, str] | None:
-    """The first service whose reply holds a loss or gradient that is not finite, and what it is."""
-    for sv, body in bodies:
-        for m, value in enumerate(body.losses):
-            if not math.isfinite(value):
-                return sv, f"the loss of microbatch {m} is {value}"
-    for sv, body in bodies:
-        if body.nonfinite_grads:
-            names = ", ".join(body.nonfinite_grads)
-            return sv, f"the gradients of {names} are not finite (while the loss is)"
-    return None
 
 
 def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
@@ -322,37 +279,18 @@ class Runtime:
             for m, value in enumerate(body.losses):
                 loss += value * len(batches[sv.replica][m]) / total
         self.traffic.update(latest_by((sv.worker, body.traffic) for sv, body in bodies))
-        bad = _nonfinite(bodies)
+        bad = first_nonfinite(bodies)
         self._uncommitted = bad is None  # a step that is not finite is dropped: never committed
         if bad is None:
             self._last_good = (step, loss)
         else:
-            self._refuse(step, *bad)
+            refuse(self.spec.run, self.spec.nonfinite, step, *bad, last_good=self._last_good)
         end = time.time()
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
                           skipped=bad is not None, replies=bodies, actions=self._actions,
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))
-
-    def _refuse(self, step: int, sv: _Service, what: str) -> None:
-        """Stop the job (:class:`NonFiniteStep`) or warn that ``step`` is skipped, per ``spec.nonfinite``.
-
-        Raises:
-            NonFiniteStep: ``spec.nonfinite`` is ``stop``.
-        """
-        where = f"stage {sv.stage} (worker {sv.worker}, replica {sv.replica})"
-        if self.spec.nonfinite == "skip":
-            log.warning("[coordinator %s] step %d: %s on %s; its update is dropped (runtime.nonfinite: skip)",
-                        self.spec.run, step + 1, what, where)
-            return
-        last = (f"the last good loss was {self._last_good[1]:.6g} at step {self._last_good[0] + 1}"
-                if self._last_good is not None else "no step before it had a finite loss")
-        raise NonFiniteStep(
-            f"step {step + 1}: {what} on {where}; the job stopped before applying it ({last}). Lower the "
-            "learning rate, look for NaN or Inf in the data, or set runtime.nonfinite: skip to drop such "
-            "steps' updates and go on", step=step, stage=sv.stage,
-            last_good_loss=self._last_good[1] if self._last_good is not None else None)
 
     def commit(self, save: SaveRequest | None = None) -> list[SavedPart]:
         """Commit the last step run, if its commit has not gone out with a later step (``save`` rides
@@ -439,12 +377,11 @@ class Runtime:
                                     worker=sv.worker, service=sv.name, step=step)
                 if isinstance(event, Reply) and self._shards.take(event):
                     continue
-                if isinstance(event, WorkerLost) and event.name in self.workers and self._gone(event.name):
-                    hosted = self._hosted(event.name)
-                    raise JobFailed(f"worker {event.name} (hosting {', '.join(hosted)}) lost its registry "
-                                    f"lease during {what}: its process died or stopped",
-                                    worker=event.name, service=hosted[0] if hosted else "", step=step,
-                                    lost=True)
+                # a card gone, or put by another process under the name (a container restarted in place
+                # before its predecessor's lease lapsed): the process this runtime placed is gone
+                if isinstance(event, WorkerLost | WorkerJoined) and event.name in self.workers and self._gone(
+                        event.name):
+                    raise self._lost(event.name, what, step)
                 if isinstance(event, Reply) and event.id in ids:
                     if not event.ok:
                         raise self._failure(event, ids[event.id], what, step)
@@ -469,7 +406,16 @@ class Runtime:
         now = self._incarnation(worker)
         return now is None or now != self._incarnations.get(worker)
 
+    def _lost(self, worker: str, what: str, step: int | None) -> JobFailed:
+        hosted = self._hosted(worker)
+        return JobFailed(f"worker {worker} (hosting {', '.join(hosted)}) lost its registry lease during "
+                         f"{what}: its process died, stopped or was restarted", worker=worker,
+                         service=hosted[0] if hosted else "", step=step, lost=True)
+
     def _failure(self, reply: Reply, sv: _Service, what: str, step: int | None) -> JobFailed:
+        replaced = [w for w in self.workers if self._gone(w)]
+        if replaced:  # a step failing because a peer's process is gone (a restarted one answers probes)
+            return self._lost(replaced[0], what, step)
         detail = f"worker {sv.worker}, service {sv.name}: [{reply.code}] {reply.message}"
         silent = self._unresponsive()
         if silent:

@@ -187,11 +187,11 @@ class LocalHarness:
         auth.install(auth.Credentials(keys, "coordinator"))
         return {auth.KEYS_DIR_ENV: str(self._keys_dir)}
 
-    def _spawn(self, name: str, extra_env: Mapping[str, str]) -> None:
+    def _spawn(self, name: str, extra_env: Mapping[str, str], port: int = 0) -> None:
         with open(self.log_path(name), "ab") as output:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
-                 "--job", self.job, "--name", name,
+                 "--job", self.job, "--name", name, "--port", str(port),
                  "--lease-ttl", str(self.lease_ttl.total_seconds()), *self._allowed],
                 env={**self._env, **extra_env}, stdin=subprocess.DEVNULL, stdout=output,
                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -269,6 +269,21 @@ class LocalHarness:
             self.start_timeout = bound
         log.info("[harness %s] worker %s restarted (pid %d) in %.1fs", self.job, name, self.procs[name].pid,
                  time.monotonic() - started)
+        return self.cards[name].address
+
+    def restart_in_place(self, name: str) -> str:
+        """Kill worker ``name`` and start it again at once on the same address, as a kubelet restarts a
+        crashed container: the new process registers before the old one's lease lapses (its card is
+        replaced, never deleted) and answers where the old one did. Its address once registered (fault
+        injection: the coordinator must tell the two processes apart by their incarnation).
+        """
+        port = int(self.cards[name].address.rsplit(":", 1)[1])
+        self.kill(name)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.procs[name].wait(5)
+        self.cards.pop(name, None)
+        self._spawn(name, {}, port)
+        self._wait_registered([name])
         return self.cards[name].address
 
     def _stop_process(self, name: str) -> None:

@@ -5,7 +5,7 @@ the model, data and loss from the job's factories exactly as the workers do, tak
 sampler's global batch of each step in order, and runs one forward, one backward of the
 mean loss and one optimizer step per step. A step whose loss or gradients are not finite is
 treated as the job's ``runtime.nonfinite`` says (see [Note: a step that is not finite] in
-``coordinator/runtime/driver.py``): ``skip`` drops its optimizer step, ``stop`` raises.
+``coordinator/runtime/nonfinite.py``): ``skip`` drops its optimizer step, ``stop`` raises.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import math
 import torch
 from torch import nn
 
-from coordinator.runtime.driver import NonFiniteStep
 from coordinator.runtime.factories import build_cells, build_data, build_loss
 from coordinator.runtime.job import FitResult, Job
+from coordinator.runtime.nonfinite import NonFiniteStep
 from services.compute.cell import cell_parameters
 from services.compute.stage import make_optimizer
 

@@ -38,7 +38,7 @@ the reply. See [Note: microbatches and the all-reduce] in ``services/params/grad
 Non-finite values. The reply names the parameters whose gradient (after the gradient path:
 averaged over the replicas in collective mode) holds a NaN or Inf, as AMP's ``GradScaler``
 checks; with the losses it reports, the coordinator decides whether the step's update is
-applied (see [Note: a step that is not finite] in ``coordinator/runtime/driver.py``).
+applied (see [Note: a step that is not finite] in ``coordinator/runtime/nonfinite.py``).
 
 Every wait is bounded by the step's deadline; errors are raised as :class:`StepFailed`
 naming the stage, the step and the action.

@@ -255,7 +255,7 @@ class StepReply(Message):
     """A finished step: per-microbatch losses (last stage only), one timing per action, what is not finite.
 
     A loss or a gradient that is NaN or Inf makes the coordinator stop the job or drop the step's
-    update (see [Note: a step that is not finite] in ``coordinator/runtime/driver.py``).
+    update (see [Note: a step that is not finite] in ``coordinator/runtime/nonfinite.py``).
 
     Timings are wall-clock seconds (``time.time()``), kept as two flat lists (cheap to
     encode and validate): action ``k`` of the request ran from ``starts[k]`` to ``ends[k]``

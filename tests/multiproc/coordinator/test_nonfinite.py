@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from coordinator.planning.resources import Resources
-from coordinator.runtime.driver import NonFiniteStep
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import Job
+from coordinator.runtime.nonfinite import NonFiniteStep
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from tests.multiproc.coordinator import bad_models, models
 

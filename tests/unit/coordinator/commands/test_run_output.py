@@ -10,8 +10,8 @@ import torch
 
 from coordinator.commands.run import OutputError, check_writable, report, save_outputs
 from coordinator.commands.rundir import RunDir
-from coordinator.runtime.driver import NonFiniteStep
 from coordinator.runtime.errors import JobError
+from coordinator.runtime.nonfinite import NonFiniteStep
 
 STATE = {"w": torch.arange(4.0), "b": torch.zeros(2)}
 

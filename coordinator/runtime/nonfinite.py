@@ -1,0 +1,84 @@
+"""Steps whose loss or gradients are not finite: found in the replies, then dropped or the job stopped.
+
+[Note: a step that is not finite]
+A step whose loss (any microbatch's, from the last stage) or gradients (any parameter's, from
+any stage, after the gradient path) hold a NaN or an Inf would write NaN into the parameters
+when committed. The coordinator reads a step's replies before it commits the step, so it can
+drop it: nothing of its update is applied anywhere, as AMP's ``GradScaler`` skips the
+optimizer step. ``RunSpec.nonfinite`` (the config's ``runtime.nonfinite``) decides what then:
+
+* ``stop`` (the default): :class:`NonFiniteStep` names the step, the stage and the last good
+  loss; the parameters stay those of the last committed step, and ``cellmesh run`` writes
+  nothing (an earlier output stays as it was);
+* ``skip``: the step's record is marked ``skipped`` (its loss as reported), a warning names
+  it, and the next step trains on the next batch from the same parameters. What a forward
+  changes outside the update (batch-norm statistics) is not rolled back, as with ``GradScaler``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from coordinator.runtime.errors import JobError
+from coordinator.runtime.records import _Service
+from services.protocol import StepReply
+
+__all__ = ["NonFiniteStep", "first_nonfinite", "refuse"]
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteStep(JobError):
+    """A step's loss or gradients are NaN or Inf under ``nonfinite: stop``: the job stopped before its update.
+
+    See [Note: a step that is not finite]. The message counts steps from 1, as the progress does.
+
+    Attributes:
+        step: The step (from 0, as ``StepRecord.step``).
+        stage: The stage that reported the value.
+        last_good_loss: The loss of the last step that was finite (None: there was none).
+    """
+
+    def __init__(self, message: str, *, step: int, stage: int, last_good_loss: float | None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.stage = stage
+        self.last_good_loss = last_good_loss
+
+
+def first_nonfinite(bodies: Sequence[tuple[_Service, StepReply]]) -> tuple[_Service, str] | None:
+    """The first service whose reply holds a loss or gradient that is not finite, and what it is."""
+    for sv, body in bodies:
+        for m, value in enumerate(body.losses):
+            if not math.isfinite(value):
+                return sv, f"the loss of microbatch {m} is {value}"
+    for sv, body in bodies:
+        if body.nonfinite_grads:
+            names = ", ".join(body.nonfinite_grads)
+            return sv, f"the gradients of {names} are not finite (while the loss is)"
+    return None
+
+
+def refuse(run: str, mode: str, step: int, sv: _Service, what: str, *,
+           last_good: tuple[int, float] | None) -> None:
+    """Stop the job (:class:`NonFiniteStep`) or warn that ``step`` is skipped, per ``runtime.nonfinite``.
+
+    ``last_good`` is the last finite step and its loss (None: there was none).
+
+    Raises:
+        NonFiniteStep: ``mode`` is ``stop``.
+    """
+    where = f"stage {sv.stage} (worker {sv.worker}, replica {sv.replica})"
+    if mode == "skip":
+        log.warning("[coordinator %s] step %d: %s on %s; its update is dropped (runtime.nonfinite: skip)",
+                    run, step + 1, what, where)
+        return
+    last = (f"the last good loss was {last_good[1]:.6g} at step {last_good[0] + 1}"
+            if last_good is not None else "no step before it had a finite loss")
+    raise NonFiniteStep(
+        f"step {step + 1}: {what} on {where}; the job stopped before applying it ({last}). Lower the "
+        "learning rate, look for NaN or Inf in the data, or set runtime.nonfinite: skip to drop such "
+        "steps' updates and go on", step=step, stage=sv.stage,
+        last_good_loss=last_good[1] if last_good is not None else None)
