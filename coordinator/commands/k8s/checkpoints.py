@@ -123,5 +123,5 @@ def describe(o: RenderOptions, spec: JobConfig, job: str) -> str:
     return (
         f"checkpoints: {every} to {_directory(job)}{replaced}, on {o.namespace + '/' if o.namespace else ''}"
         f"{Names(job).checkpoints} (ReadWriteMany, mounted by the coordinator and every worker; its "
-        "StorageClass must provision ReadWriteMany volumes writable by group 10001)"
+        "StorageClass must provision ReadWriteMany volumes that user 10001 can write)"
     )

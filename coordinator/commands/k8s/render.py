@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import yaml
@@ -207,6 +208,7 @@ def render_command(args: argparse.Namespace) -> int:
         f"start it with\n  kubectl apply -k {args.output}\nand follow it with\n"
         f"  kubectl logs -f deployment/{job}-coordinator"
         + (f" -n {options.namespace}" if options.namespace else "")
-        + f"\n{describe(options, spec, job)}"
+        + "\n"
+        + textwrap.fill(describe(options, spec, job), 100, subsequent_indent="  ", break_on_hyphens=False)
     )
     return 0
