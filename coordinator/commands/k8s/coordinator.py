@@ -1,11 +1,17 @@
-"""The job's coordinator: a Deployment of one, its Service, and the volume for the final state_dict."""
+"""The job's coordinator: a Deployment of one, its Service, and the volume of its run directory."""
 
 from __future__ import annotations
 
+from coordinator.commands.k8s.checkpoints import (
+    checkpoint_claim,
+    checkpoint_flags,
+    checkpoint_mount,
+    checkpoint_volume,
+    run_dir,
+)
 from coordinator.commands.k8s.objects import (
     Manifest,
     Names,
-    claim,
     env,
     field,
     http_probe,
@@ -19,31 +25,19 @@ from coordinator.commands.k8s.objects import (
     service,
     tmp_volume,
 )
-from coordinator.commands.k8s.options import (
-    CHECKPOINT_DIR,
-    IMAGE,
-    KEYS_DIR,
-    PORTS,
-    SPEC_DIR,
-    USER_ID,
-    RenderOptions,
-)
+from coordinator.commands.k8s.options import IMAGE, KEYS_DIR, PORTS, SPEC_DIR, USER_ID, RenderOptions
+from coordinator.planning.config import JobConfig
 
 __all__ = ["coordinator_objects"]
 
 
-def coordinator_objects(o: RenderOptions, n: Names) -> list[Manifest]:
-    """``J-coordinator`` (Service and Deployment, strategy Recreate) and the ``J-checkpoints`` claim."""
+def coordinator_objects(o: RenderOptions, n: Names, spec: JobConfig) -> list[Manifest]:
+    """``J-coordinator`` (Service and Deployment, strategy Recreate) and the ``J-checkpoints`` claim its
+    run directory is on (and, with ``--checkpoints shared``, its checkpoints: ``checkpoints.py``)."""
     ns, job = o.namespace, n.job
     pod_sc, sc = security(USER_ID)
     selected = labels(job, "coordinator")
     svc = service(n.coordinator, job, "coordinator", ns, {"control": "control", "metrics": "metrics"})
-    pvc = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": meta(n.checkpoints, job, "coordinator", ns),
-        "spec": claim(o),
-    }
     container = {
         "name": "coordinator",
         "image": o.image or IMAGE,
@@ -59,9 +53,10 @@ def coordinator_objects(o: RenderOptions, n: Names) -> list[Manifest]:
             "--metrics-port",
             str(PORTS["metrics"]),
             "--run-dir",  # stable, on the volume: a restarted coordinator finds its finished run there
-            f"{CHECKPOINT_DIR}/{job}",
+            run_dir(job),
             "--progress",
             "lines",
+            *checkpoint_flags(o, spec, job),
         ],
         "env": env(
             [
@@ -83,7 +78,7 @@ def coordinator_objects(o: RenderOptions, n: Names) -> list[Manifest]:
         "securityContext": sc,
         "volumeMounts": [
             {"name": "job", "mountPath": SPEC_DIR, "readOnly": True},
-            {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
+            checkpoint_mount(),
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True},
         ],
@@ -104,7 +99,7 @@ def coordinator_objects(o: RenderOptions, n: Names) -> list[Manifest]:
                     container,
                     volumes=[
                         {"name": "job", "configMap": {"name": n.config}},
-                        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": n.checkpoints}},
+                        checkpoint_volume(n),
                         tmp_volume(),
                         keys_volume(n.coordinator_keys),
                     ],
@@ -112,4 +107,4 @@ def coordinator_objects(o: RenderOptions, n: Names) -> list[Manifest]:
             },
         },
     }
-    return [svc, pvc, deployment]
+    return [svc, checkpoint_claim(o, n), deployment]

@@ -75,7 +75,10 @@ def etcd_objects(o: RenderOptions, n: Names) -> list[Manifest]:
                 "spec": pod_spec(n.etcd, pod_sc, container),
             },
             "volumeClaimTemplates": [
-                {"metadata": {"name": "data", "labels": labels(job, "etcd")}, "spec": claim(o)}
+                {
+                    "metadata": {"name": "data", "labels": labels(job, "etcd")},
+                    "spec": claim(o.storage, o.storage_class),
+                }
             ],
         },
     }

@@ -17,7 +17,12 @@ render`` or of ``kubectl kustomize k8s/overlays/...``:
   other, the coordinator to the workers' control port, workers to each other, workers to
   the coordinator) and nothing else;
 - no container runs privileged, as root or with privilege escalation, and no
-  ServiceAccount token is mounted.
+  ServiceAccount token is mounted;
+- a PersistentVolumeClaim that pods of several workloads (or of a workload of several
+  replicas) mount is ReadWriteMany, and the job's checkpoint directory (the coordinator's
+  ``--checkpoint-dir``, else the spec's ``checkpoint.directory``) is on one claim that the
+  coordinator and the workers both mount, writable, at the same path: each worker writes its
+  parts of a checkpoint there.
 
 Each problem is one line naming the object and what to fix.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
@@ -363,6 +369,55 @@ def _check_security(objects: list[Manifest], pods: list[_Pod], r: _Report) -> No
                 r.add(where, "keeps Linux capabilities; drop ALL")
 
 
+def _volume_holding(pod: _Pod, directory: PurePosixPath) -> tuple[str | None, bool]:
+    """(claim, writable) of the mount of ``pod``'s containers that holds ``directory`` (the deepest one);
+    claim is None when that is no PersistentVolumeClaim, or nothing is mounted there."""
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+              for v in pod.spec.get("volumes", []) if "persistentVolumeClaim" in v}
+    holding = [m for c in pod.containers for m in c.get("volumeMounts", [])
+               if directory.is_relative_to(m["mountPath"])]
+    if not holding:
+        return None, False
+    mount = max(holding, key=lambda m: len(PurePosixPath(m["mountPath"]).parts))
+    return claims.get(mount["name"]), not mount.get("readOnly", False)
+
+
+def _check_storage(objects: list[Manifest], pods: list[_Pod], spec: JobConfig | None, r: _Report) -> None:
+    mounting: dict[str, list[_Pod]] = {}
+    for pod in pods:
+        for v in pod.spec.get("volumes", []):
+            if "persistentVolumeClaim" in v:
+                mounting.setdefault(v["persistentVolumeClaim"]["claimName"], []).append(pod)
+    for pvc in (o for o in objects if o.get("kind") == "PersistentVolumeClaim"):
+        modes = pvc.get("spec", {}).get("accessModes", [])
+        users = mounting.get(pvc["metadata"]["name"], [])
+        if sum(p.replicas for p in users) > 1 and "ReadWriteMany" not in modes:
+            r.add(_name(pvc), f"is {modes} but mounted by the pods of {[p.owner for p in users]}, which on "
+                  "different nodes cannot share it; make it ReadWriteMany (render with --checkpoints shared)")
+    coordinators = [p for p in pods if p.component == "coordinator"]
+    flagged = [v for p in coordinators for c in p.containers
+               for v in (_arg(c, "--checkpoint-dir"), _arg(c, "--checkpoint.directory")) if v is not None]
+    directory = flagged[-1] if flagged else spec.checkpoint.directory if spec is not None else None
+    if directory is None:
+        return
+    where = PurePosixPath(directory)
+    if not where.is_absolute():
+        r.add("checkpoint directory", f"{directory!r} is relative: give a path on a volume every pod mounts")
+        return
+    found: dict[str, str] = {}
+    for pod in (p for p in pods if p.component in ("coordinator", "worker")):
+        claim, writable = _volume_holding(pod, where)
+        if claim is None or not writable:
+            r.add(pod.owner, f"does not mount the checkpoint directory {directory} writable from a "
+                  "PersistentVolumeClaim: each worker writes its parts of a checkpoint there and the "
+                  "coordinator publishes them (render with --checkpoints shared)")
+        else:
+            found[pod.owner] = claim
+    if len(set(found.values())) > 1:
+        r.add("checkpoint directory", f"{directory} is on different claims in different pods ({found}); "
+              "every pod must see the same files")
+
+
 def lint(objects: Iterable[Manifest], expect: Expect) -> list[str]:
     """The problems of a job's manifests (empty: none). See the module docstring for the checks."""
     objs = [o for o in objects if o]
@@ -374,4 +429,5 @@ def lint(objects: Iterable[Manifest], expect: Expect) -> list[str]:
     _check_counts(spec, pods, expect, r)
     _check_policies(objs, pods, r)
     _check_security(objs, pods, r)
+    _check_storage(objs, pods, spec, r)
     return r.problems

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.commands.k8s.options import PORTS, VERSION, RenderOptions
+from coordinator.commands.k8s.options import PORTS, VERSION
 
 __all__ = [
     "Manifest",
@@ -79,12 +79,17 @@ def meta(name: str, job: str, component: str | None, namespace: str | None) -> d
 
 
 def security(user: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(pod, container) securityContext: non-root, no privilege, nothing writable but volumes."""
+    """(pod, container) securityContext: non-root, no privilege, nothing writable but volumes.
+
+    The volumes belong to group ``user`` (``fsGroup``, where the volume's driver applies it), changed
+    only when their root is not yet: a recursive change over every checkpoint file would delay each
+    restarted pod, and the coordinator waits a bounded time for a replaced worker."""
     pod = {
         "runAsNonRoot": True,
         "runAsUser": user,
         "runAsGroup": user,
         "fsGroup": user,
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
     container = {
@@ -105,7 +110,11 @@ def resources(cpu: str | int, memory: str, gpus: int = 0) -> dict[str, Any]:
     return {"requests": dict(limits), "limits": limits}
 
 
-def http_probe(path: str, port: str, *, period: int, failures: int, delay: int = 0) -> dict[str, Any]:
+def http_probe(
+    path: str, port: str, *, period: int, failures: int, delay: int = 0, grace: int | None = None
+) -> dict[str, Any]:
+    """An HTTP probe; ``grace``: the seconds a container this (liveness) probe fails gets to stop
+    before it is killed (None: the pod's ``terminationGracePeriodSeconds``)."""
     probe: dict[str, Any] = {
         "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
@@ -114,6 +123,8 @@ def http_probe(path: str, port: str, *, period: int, failures: int, delay: int =
     }
     if delay:
         probe["initialDelaySeconds"] = delay
+    if grace is not None:
+        probe["terminationGracePeriodSeconds"] = grace
     return probe
 
 
@@ -133,14 +144,12 @@ def env(items: list[tuple[str, str | dict[str, Any]]]) -> list[dict[str, Any]]:
     return [{"name": k, "value": v} if isinstance(v, str) else {"name": k, **v} for k, v in items]
 
 
-def claim(o: RenderOptions) -> dict[str, Any]:
-    """A PersistentVolumeClaim's spec: one writer, ``storage`` of the StorageClass asked for."""
-    spec: dict[str, Any] = {
-        "accessModes": ["ReadWriteOnce"],
-        "resources": {"requests": {"storage": o.storage}},
-    }
-    if o.storage_class:
-        spec["storageClassName"] = o.storage_class
+def claim(size: str, storage_class: str | None, access: str = "ReadWriteOnce") -> dict[str, Any]:
+    """A PersistentVolumeClaim's spec: ``size`` of ``storage_class`` (None: the cluster's default),
+    mounted by the pods of one node (``ReadWriteOnce``) or of any (``ReadWriteMany``)."""
+    spec: dict[str, Any] = {"accessModes": [access], "resources": {"requests": {"storage": size}}}
+    if storage_class:
+        spec["storageClassName"] = storage_class
     return spec
 
 
@@ -163,13 +172,15 @@ def pod_spec(
     container: dict[str, Any],
     *,
     volumes: list[dict[str, Any]] | None = None,
+    grace: int = 30,
 ) -> dict[str, Any]:
-    """A pod running ``container`` as ``account`` (no API token), with ``volumes``."""
+    """A pod running ``container`` as ``account`` (no API token), with ``volumes``; ``grace``: the
+    seconds it gets between SIGTERM and SIGKILL."""
     pod: dict[str, Any] = {
         "serviceAccountName": account,
         "automountServiceAccountToken": False,
         "securityContext": pod_security,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": grace,
         "containers": [container],
     }
     if volumes is not None:

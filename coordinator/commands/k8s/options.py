@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 __all__ = [
     "APP_DIR",
     "CHECKPOINT_DIR",
+    "CHECKPOINT_MODES",
+    "CHECKPOINT_SECONDS",
     "ETCD_IMAGE",
     "ETCD_USER_ID",
     "GPU_IMAGE",
@@ -19,6 +22,7 @@ __all__ = [
     "SPEC_DIR",
     "USER_ID",
     "VERSION",
+    "CheckpointMode",
     "RenderOptions",
 ]
 
@@ -41,6 +45,12 @@ SPEC_DIR = "/etc/cellmesh"
 CHECKPOINT_DIR = "/var/lib/cellmesh"
 KEYS_DIR = "/etc/cellmesh-keys"  # the job's keys, from its Secret (`cellmesh keys`)
 MAX_NAME = 40  # J-worker-NNN and StatefulSet revision labels must stay within 63 characters
+# where checkpoints go (coordinator/commands/k8s/checkpoints.py): nowhere, or a volume every pod mounts
+CheckpointMode = Literal["none", "shared"]
+CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
+# how often a job whose spec says nothing checkpoints on a shared volume: cellmesh run's default
+# (DEFAULT_CHECKPOINT_SECONDS in coordinator/commands/run.py, which imports torch: the parser must not)
+CHECKPOINT_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,17 @@ class RenderOptions:
         cpus_per_worker, memory_per_worker: Each worker's requests and limits.
         coordinator_cpus, coordinator_memory: The coordinator's (it profiles the model).
         etcd_replicas: etcd members (1, or 3 for a quorum that survives one loss).
-        storage: Size of each etcd member's volume and of the checkpoint volume.
+        storage: Size of each etcd member's volume (and of the checkpoint volume, unless
+            ``checkpoint_size`` is given).
         storage_class: Their StorageClass (None: the cluster's default).
+        checkpoints: ``none``: the checkpoint volume is the coordinator's alone (ReadWriteOnce) and
+            holds its run directory; the job takes no checkpoints (a spec that sets
+            ``checkpoint.directory`` is refused: the workers could not write there). ``shared``: the
+            volume is ReadWriteMany, every worker mounts it too, and the coordinator checkpoints
+            there (``coordinator/commands/k8s/checkpoints.py``).
+        checkpoint_size: The checkpoint volume's size (None: ``storage``).
+        checkpoint_class: The checkpoint volume's StorageClass (None: ``storage_class``); a shared
+            volume needs a class that provisions ReadWriteMany volumes.
         python_path: Where the job's factories are in the image (``PYTHONPATH``).
     """
 
@@ -74,6 +93,9 @@ class RenderOptions:
     etcd_image: str = ETCD_IMAGE
     storage: str = "1Gi"
     storage_class: str | None = None
+    checkpoints: CheckpointMode = "none"
+    checkpoint_size: str | None = None
+    checkpoint_class: str | None = None
     python_path: str = f"{APP_DIR}/examples"
 
     def __post_init__(self) -> None:
@@ -91,13 +113,28 @@ class RenderOptions:
             raise ValueError(
                 f"--namespace {self.namespace!r} is not a DNS label (lower case letters, digits, '-')"
             )
+        if self.checkpoints not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"--checkpoints must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoints!r}"
+            )
         for flag, value in (
             ("--memory-per-worker", self.memory_per_worker),
             ("--storage", self.storage),
+            ("--checkpoint-size", self.checkpoint_storage),
             ("coordinator memory", self.coordinator_memory),
         ):
             if not re.fullmatch(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?", value):
                 raise ValueError(f"{flag} {value!r} is not a Kubernetes quantity (e.g. 4Gi, 512Mi, 8G)")
+
+    @property
+    def checkpoint_storage(self) -> str:
+        """The checkpoint volume's size."""
+        return self.checkpoint_size or self.storage
+
+    @property
+    def checkpoint_storage_class(self) -> str | None:
+        """The checkpoint volume's StorageClass (None: the cluster's default)."""
+        return self.checkpoint_class or self.storage_class
 
     @property
     def worker_image(self) -> str:

@@ -10,12 +10,14 @@ named ``J`` (the spec's ``name``, made a DNS label):
   with a PersistentVolumeClaim per member;
 - the coordinator: ``J-coordinator`` Deployment of 1 (``cellmesh coordinator``, strategy
   Recreate) with a Service for its control and metrics ports and a
-  ``J-checkpoints`` PersistentVolumeClaim for the final state_dict;
+  ``J-checkpoints`` PersistentVolumeClaim for its run directory (the final state_dict) and,
+  with ``--checkpoints shared``, the checkpoints every worker writes too (``checkpoints.py``);
 - the workers: ``J-worker`` StatefulSet of N (``cellmesh worker``) and the headless
   ``J-workers`` Service that gives pod ``J-worker-i`` the stable name
   ``J-worker-i.J-workers``; torchrun's and Kubeflow Trainer's variables (``RANK`` from the
   pod index, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` = worker 0, ``PET_*``);
-  probes on the worker's own ``/readyz`` and ``/healthz``;
+  probes on the worker's own ``/readyz`` and ``/healthz``; restart and termination settings that
+  bring a lost worker back within the coordinator's replace timeout (the note in ``workers.py``);
 - least privilege: a ServiceAccount per role with no permissions and no mounted token
   (nothing here talks to the Kubernetes API), a NetworkPolicy per role (etcd admits the
   coordinator and the workers on its client port and its own members on the peer port;
@@ -31,8 +33,9 @@ checks what a schema cannot.
 
 The modules of this package: ``options.py`` (what to render: :class:`RenderOptions`, the
 images and ports), ``objects.py`` (the parts every object is built of), one builder per
-kind (``etcd.py``, ``coordinator.py``, ``workers.py``, ``policies.py``), ``writer.py``
-(the files) and this one (reading the spec, the ConfigMap, the command).
+kind (``etcd.py``, ``coordinator.py``, ``workers.py``, ``policies.py``), ``checkpoints.py``
+(the checkpoint volume and flags), ``writer.py`` (the files) and this one (reading the spec,
+the ConfigMap, the command).
 """
 
 from __future__ import annotations
@@ -40,15 +43,24 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import yaml
 
 from coordinator.commands.jobspec import SPEC_SUFFIXES, JobSpecError, read_spec
+from coordinator.commands.k8s.checkpoints import check_spec, describe
 from coordinator.commands.k8s.coordinator import coordinator_objects
 from coordinator.commands.k8s.etcd import etcd_objects
 from coordinator.commands.k8s.objects import Manifest, Names, meta
-from coordinator.commands.k8s.options import APP_DIR, GPU_IMAGE, IMAGE, MAX_NAME, RenderOptions
+from coordinator.commands.k8s.options import (
+    APP_DIR,
+    CHECKPOINT_MODES,
+    GPU_IMAGE,
+    IMAGE,
+    MAX_NAME,
+    RenderOptions,
+)
 from coordinator.commands.k8s.policies import network_policies, service_accounts
 from coordinator.commands.k8s.workers import worker_objects
 from coordinator.commands.k8s.writer import write
@@ -80,7 +92,8 @@ def render(options: RenderOptions) -> dict[str, list[Manifest]]:
     ``networkpolicies``).
 
     Raises:
-        JobSpecError: ``options.job`` is not a valid job spec file.
+        JobSpecError: ``options.job`` is not a valid job spec file, or one that sets checkpoints the
+            pods could not write (``checkpoints.check_spec``).
     """
     file = options.job
     if file.suffix not in SPEC_SUFFIXES:
@@ -92,6 +105,7 @@ def render(options: RenderOptions) -> dict[str, list[Manifest]]:
     if not file.is_file():
         raise JobSpecError(f"job spec {str(file)!r} does not exist")
     spec = read_spec(file)
+    check_spec(options, spec, file)
     job = job_name(spec, file)
     n = Names(job)
     ns = options.namespace
@@ -105,7 +119,7 @@ def render(options: RenderOptions) -> dict[str, list[Manifest]]:
         "serviceaccounts": service_accounts(options, n),
         "job": [config],
         "etcd": etcd_objects(options, n),
-        "coordinator": coordinator_objects(options, n),
+        "coordinator": coordinator_objects(options, n, spec),
         "workers": worker_objects(options, n),
         "networkpolicies": network_policies(options, n),
     }
@@ -136,6 +150,24 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--storage-class", default=None, help="StorageClass of the volumes (cluster default)")
     parser.add_argument(
+        "--checkpoints",
+        choices=CHECKPOINT_MODES,
+        default="none",
+        help="none: no checkpoints, the volume is the coordinator's (ReadWriteOnce); shared: a ReadWriteMany "
+        "volume every pod mounts, and the job checkpoints there, so a lost worker or a restarted "
+        "coordinator resumes from the newest checkpoint (default none)",
+    )
+    parser.add_argument(
+        "--checkpoint-size", default=None, metavar="SIZE", help="size of the checkpoint volume (--storage)"
+    )
+    parser.add_argument(
+        "--checkpoint-class",
+        default=None,
+        metavar="SC",
+        help="StorageClass of the checkpoint volume (--storage-class); shared needs one that provisions "
+        "ReadWriteMany volumes",
+    )
+    parser.add_argument(
         "--python-path",
         default=f"{APP_DIR}/examples",
         help="PYTHONPATH in the image, where the job's factories are (default /app/examples)",
@@ -157,9 +189,13 @@ def render_command(args: argparse.Namespace) -> int:
             etcd_replicas=args.etcd_replicas,
             storage=args.storage,
             storage_class=args.storage_class,
+            checkpoints=args.checkpoints,
+            checkpoint_size=args.checkpoint_size,
+            checkpoint_class=args.checkpoint_class,
             python_path=args.python_path,
         )
         files = render(options)
+        spec = read_spec(options.job)
     except (JobSpecError, ValueError) as exc:
         print(f"cellmesh: error: {exc}", file=sys.stderr)
         return 2
@@ -172,5 +208,7 @@ def render_command(args: argparse.Namespace) -> int:
         f"start it with\n  kubectl apply -k {args.output}\nand follow it with\n"
         f"  kubectl logs -f deployment/{job}-coordinator"
         + (f" -n {options.namespace}" if options.namespace else "")
+        + "\n"
+        + textwrap.fill(describe(options, spec, job), 100, subsequent_indent="  ", break_on_hyphens=False)
     )
     return 0

@@ -16,7 +16,7 @@ import yaml
 from coordinator.commands.cli import main
 from coordinator.commands.jobspec import JobSpecError, load_job, read_spec
 from coordinator.commands.k8s.lint import Expect, lint
-from coordinator.commands.k8s.options import RenderOptions
+from coordinator.commands.k8s.options import CheckpointMode, RenderOptions
 from coordinator.commands.k8s.render import render
 from coordinator.commands.k8s.writer import write
 from services.host.worker import allowed_factories
@@ -28,8 +28,15 @@ VALIDATE = Path(sys.executable).with_name("kubernetes-validate")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
 Manifest = dict[str, Any]
 
-# (workers, gpus per worker, namespace): 1 and 8 workers, CPU and GPU, a custom namespace
-RENDERS = [(1, 0, None), (8, 0, None), (2, 1, None), (8, 2, "ml-team"), (1, 0, "cellmesh")]
+# (workers, gpus per worker, namespace, checkpoints): 1 and 8 workers, CPU and GPU, a custom namespace,
+# checkpoints on the coordinator's volume alone and on one every pod mounts
+RENDERS = [
+    (1, 0, None, "none"),
+    (8, 0, None, "shared"),
+    (2, 1, None, "none"),
+    (8, 2, "ml-team", "shared"),
+    (1, 0, "cellmesh", "none"),
+]
 
 
 def _objects(files: dict[str, list[Manifest]]) -> list[Manifest]:
@@ -60,9 +67,13 @@ def _kustomize(directory: Path) -> list[Manifest]:
     return [o for o in yaml.safe_load_all(result.stdout) if o]
 
 
-@pytest.mark.parametrize(("workers", "gpus", "namespace"), RENDERS)
-def test_render_validates_and_lints(tmp_path: Path, workers: int, gpus: int, namespace: str | None) -> None:
-    options = RenderOptions(job=CHARLM, workers=workers, gpus_per_worker=gpus, namespace=namespace)
+@pytest.mark.parametrize(("workers", "gpus", "namespace", "checkpoints"), RENDERS)
+def test_render_validates_and_lints(
+    tmp_path: Path, workers: int, gpus: int, namespace: str | None, checkpoints: CheckpointMode
+) -> None:
+    options = RenderOptions(
+        job=CHARLM, workers=workers, gpus_per_worker=gpus, namespace=namespace, checkpoints=checkpoints
+    )
     files = render(options)
     paths = write(files, tmp_path, namespace)
     _validate_strict([p for p in paths if p.parent.name == "manifests"])
