@@ -3,12 +3,14 @@
 While ``down`` is set, every call (a lease's refresh and a watch's ``get`` too) fails after
 ``delay`` with :class:`RegistryTimeoutError`, as calls to a stopped etcd time out; the store
 behind it keeps its own clock, so leases lapse during the outage, as on a partitioned etcd.
+:func:`wait_until` polls a condition, bounded, for the tests of this package.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from comm.errors import RegistryTimeoutError
@@ -95,3 +97,12 @@ class _FlakyWatch(Watch):
 
     def cancel(self) -> None:
         self.inner.cancel()
+
+
+def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> float:
+    """Seconds until ``condition()`` held (polled every 10 ms); fails naming ``what`` after ``seconds``."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < seconds, f"{what} did not happen within {seconds}s"
+        time.sleep(0.01)
+    return time.monotonic() - start

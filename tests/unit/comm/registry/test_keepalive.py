@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from comm.registry import KeepAlive, Lease, MemoryRegistry, Registry
-from tests.unit.comm.registry.flaky import FlakyRegistry
+from tests.unit.comm.registry.flaky import FlakyRegistry, wait_until
 
 TTL = timedelta(milliseconds=600)
 KEY = "/cellmesh/t/workers/w"
@@ -25,15 +25,6 @@ def renewer(registry: Registry, value: bytes = b"card") -> Callable[[], Lease]:
         return lease
 
     return renew
-
-
-def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> float:
-    """Seconds until ``condition()`` held (polled every 10 ms); fails naming ``what`` after ``seconds``."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < seconds, f"{what} did not happen within {seconds}s"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 @pytest.fixture

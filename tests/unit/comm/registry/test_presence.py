@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from datetime import timedelta
 
 from comm.codec import pack, unpack
 from comm.registry import KeepAlive, MemoryRegistry, Presence, PresenceMonitor
 from comm.registry.presence import PresenceCard
-from tests.unit.comm.registry.flaky import FlakyRegistry
+from tests.unit.comm.registry.flaky import FlakyRegistry, wait_until
 
 KEY = "/cellmesh/t/coordinator"
 TTL = timedelta(milliseconds=600)
@@ -19,14 +18,6 @@ TTL = timedelta(milliseconds=600)
 
 def never() -> bool:
     return False
-
-
-def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < seconds, f"{what} did not happen within {seconds}s"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def test_a_monitor_waits_for_the_holder_and_a_closed_holder_is_not_gone() -> None:
