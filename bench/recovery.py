@@ -315,7 +315,8 @@ def resume_table(rounds: Rounds, setups: Sequence[Setup]) -> list[str]:
             runs = [r[key] for r in rounds if key in r]
             if not runs:
                 continue
-            name = "fresh" if source is None else f"resumed from {labels[source]}'s checkpoint"
+            name = ("fresh" if source is None else "resumed from its own checkpoint" if source == s.key
+                    else f"resumed from the checkpoint of {labels[source]}")
             paired = [(r[key], r[fresh]) for r in rounds if key in r and fresh in r]
             diff = "|" if source is None else (
                 _cell([a["total"] - b["total"] for a, b in paired], "+.2f") + " s | "
