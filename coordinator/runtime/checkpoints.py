@@ -38,6 +38,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -123,7 +124,7 @@ class _Pending:
     trainer: TrainerState
     staging: Path
     parts: set[str]
-    model_parts: set[str]
+    model_parts: set[str] = field(default_factory=set)  # the parts with model tensors, as reported
     done: set[str] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
 
@@ -159,14 +160,14 @@ class Checkpointer:
             return True
         return self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds
 
-    def begin(self, trainer: TrainerState, parts: Iterable[str], model_parts: Iterable[str]) -> SaveRequest:
+    def begin(self, trainer: TrainerState, parts: Iterable[str]) -> SaveRequest:
         """Stage checkpoint ``trainer.step``; the request for the commit that completes that step.
 
-        ``parts`` names every service that writes a part; ``model_parts`` those that write model tensors.
+        ``parts`` names every service that writes a part (each reports whether it holds model tensors).
         """
         staging = self.root / f"{_STAGING}{_name(trainer.step)}-{secrets.token_hex(4)}"
         staging.mkdir(parents=True)
-        self._pending[trainer.step] = _Pending(trainer, staging, set(parts), set(model_parts))
+        self._pending[trainer.step] = _Pending(trainer, staging, set(parts))
         self._last = time.monotonic()
         return SaveRequest(directory=str(staging.resolve()), step=trainer.step)
 
@@ -194,6 +195,8 @@ class Checkpointer:
                 self.cancel(part.step)
                 continue
             pending.done.add(part.part)
+            if part.model:
+                pending.model_parts.add(part.part)
             if pending.done == pending.parts:
                 published.append(self._publish(self._pending.pop(part.step)))
         return published
@@ -206,9 +209,9 @@ class Checkpointer:
         for step in sorted(self._pending):
             pending = self._pending[step]
             written = all((part_dirs(pending.staging, p)[1] / dcp.METADATA).is_file() for p in pending.parts)
-            written = written and all((part_dirs(pending.staging, p)[0] / dcp.METADATA).is_file()
-                                      for p in pending.model_parts)
-            if written:
+            if written:  # a part's model files are complete before its training state is written
+                pending.model_parts = {p for p in pending.parts
+                                       if (part_dirs(pending.staging, p)[0] / dcp.METADATA).is_file()}
                 published.append(self._publish(self._pending.pop(step)))
             else:
                 self.cancel(step)
@@ -228,9 +231,18 @@ class Checkpointer:
         log.info("checkpoint of step %d published in %s (%.2fs after it was taken)", step, final,
                  time.monotonic() - pending.started)
         self.published.append(final)
-        for _, old in _published(self.root)[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        doomed = []
+        for _, path in _published(self.root)[:-self.keep]:  # renamed now: never taken for a checkpoint again
+            doomed.append(path.with_name(f"{_STAGING}removed-{path.name}-{secrets.token_hex(4)}"))
+            os.rename(path, doomed[-1])
+        if doomed:  # removed off the step's path: a large checkpoint's files take a while
+            threading.Thread(target=_remove, args=(doomed,), daemon=True, name="checkpoint-prune").start()
         return final
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:  # a staging name: if this is cut short, the next checkpointer removes the rest
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def describe(checkpoint: Path) -> str:

@@ -225,10 +225,9 @@ class Runtime:
     # -- steps --------------------------------------------------------------------------
 
     @property
-    def parts(self) -> tuple[list[str], list[str]]:
-        """The checkpoint parts the services write: every service's, and those with model tensors."""
-        return ([f"r{sv.replica}-s{sv.stage}" for sv in self.services] + self._shards.parts,
-                [f"r{sv.replica}-s{sv.stage}" for sv in self.services if sv.replica == 0])
+    def parts(self) -> list[str]:
+        """The checkpoint parts the services write (each stage's replicas share its tensors)."""
+        return [f"r{sv.replica}-s{sv.stage}" for sv in self.services] + self._shards.parts
 
     @property
     def can_save(self) -> bool:

@@ -23,6 +23,10 @@ secret) in a private temporary directory (``CELLMESH_KEYS_DIR``), removed at clo
 credentials this process held before are restored at close. ``secure=False`` runs without
 (tests of single parts).
 
+A worker process that exits on its own (killed, crashed) has its card deleted by the harness as
+soon as it is reaped, so the coordinator hears of it at once; a frozen one is noticed when its
+lease lapses.
+
 Replacing a worker (:meth:`LocalHarness.replace`, what a session does when one died or froze):
 the old process is killed (SIGKILL: a frozen one cannot be trusted to stop sending), its card
 deleted, and a new process started under the same name, without the first one's
@@ -48,6 +52,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -195,6 +200,23 @@ class LocalHarness:
                  "--lease-ttl", str(self.lease_ttl.total_seconds()), *self._allowed],
                 env={**self._env, **extra_env}, stdin=subprocess.DEVNULL, stdout=output,
                 stderr=subprocess.STDOUT, start_new_session=True)
+        proc = self.procs[name]
+        threading.Thread(target=self._watch_exit, args=(name, proc), daemon=True,
+                         name=f"harness-{self.job}-{name}").start()
+
+    def _watch_exit(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        """When ``proc`` exits on its own, delete its card at once: the coordinator then learns of the loss
+        now rather than when the lease lapses. (A frozen process still needs the lease.)"""
+        proc.wait()
+        if self._closed or self.procs.get(name) is not proc:
+            return
+        key = self.worker_key(name)
+        with contextlib.suppress(Exception):  # the registry may be closing with the harness
+            kv = self.registry.get(key)
+            if kv is not None and unpack(kv.value, WorkerCard).pid == proc.pid:
+                self.registry.delete(key)
+                log.info("[harness %s] worker %s (pid %d) exited with code %s", self.job, name, proc.pid,
+                         proc.returncode)
 
     def _wait_registered(self, names: Sequence[str]) -> None:
         prefix = f"/cellmesh/{self.job}/workers/"

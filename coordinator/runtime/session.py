@@ -299,7 +299,7 @@ class Session:
             k = self.job.steps_done
             save = None
             if ckpt is not None and runtime.can_save and ckpt.due(k):
-                save = ckpt.begin(self.trainer_state(k), *runtime.parts)
+                save = ckpt.begin(self.trainer_state(k), runtime.parts)
             batches = split_batch(self.sampler.indices(k), plan.data_parallel, plan.num_microbatches)
             record = runtime.run_step(k, batches, save)
             if ckpt is not None:
@@ -317,7 +317,7 @@ class Session:
         if ckpt is None:
             runtime.commit()
         else:
-            save = (ckpt.begin(self.trainer_state(end), *runtime.parts)
+            save = (ckpt.begin(self.trainer_state(end), runtime.parts)
                     if runtime.can_save and end not in ckpt.pending else None)
             self._announce(ckpt.record(runtime.commit(save)))
             self._announce(ckpt.record(runtime.flush_saves()))
@@ -474,7 +474,7 @@ class Session:
         if ckpt is None:
             return None
         step = self.job.steps_done
-        save = ckpt.begin(self.trainer_state(step), *runtime.parts) if runtime.can_save else None
+        save = ckpt.begin(self.trainer_state(step), runtime.parts) if runtime.can_save else None
         self._announce(ckpt.record(runtime.commit(save)))
         self._announce(ckpt.record(runtime.flush_saves()))
         return newest(ckpt.root)

@@ -12,6 +12,10 @@ restores on another (a stage loads the keys of its own cells, wherever they were
   In parameter-server mode the shards, which run the optimizer, write the ``optim.`` entries
   under the same keys (``services/params/shard_state.py``): either mode restores the other's.
 
+The replicas of a data-parallel stage hold the same values, so they share the writing: replica
+``r`` of ``R`` writes every ``R``-th tensor and the optimizer state of the parameters among them
+(:func:`replica_share`), and every replica its RNG state.
+
 The snapshot is taken on the step thread right after a commit (so before the next update
 can change anything) as copies in host memory; the writing happens elsewhere
 (:mod:`services.checkpoint.writer`).
@@ -50,19 +54,35 @@ def _keys(name: str, state_keys: Mapping[str, Sequence[str]]) -> Sequence[str]:
     return state_keys.get(name) or [name]
 
 
+def saved_state(state: Sequence[tuple[str, torch.Tensor]],
+                state_keys: Mapping[str, Sequence[str]]) -> list[tuple[str, torch.Tensor]]:
+    """The entries of a stage's ``state`` a checkpoint holds: those of the model's ``state_dict``
+    (``state_keys``; a non-persistent buffer is not one); all of them when no keys are given."""
+    return [(n, t) for n, t in state if not state_keys or n in state_keys]
+
+
+def replica_share(num_entries: int, replica: int, replicas: int) -> range:
+    """Which of a stage's saved entries (by position) replica ``replica`` of ``replicas`` writes: every
+    ``replicas``-th, so the replicas of a data-parallel stage write its checkpoint together."""
+    return range(replica, num_entries, replicas)
+
+
 def snapshot(step: int, part: str, state: Sequence[tuple[str, torch.Tensor]],
              params: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
-             state_keys: Mapping[str, Sequence[str]], *, with_model: bool) -> Snapshot:
-    """Copy a stage's training state: ``state`` (parameters and buffers, cell-qualified) when
-    ``with_model``, the optimizer's per-parameter state, and this process's RNG state."""
+             state_keys: Mapping[str, Sequence[str]], *, share: tuple[int, int] = (0, 1)) -> Snapshot:
+    """Copy a stage's training state: this replica's share (``share`` = (replica, replicas):
+    :func:`replica_share`) of the saved entries of ``state`` (parameters and buffers, cell-qualified)
+    with the optimizer's state of the parameters among them, and this process's RNG state."""
     snap = Snapshot(step=step, part=part)
-    if with_model:
-        for name, tensor in state:
-            copy = tensor.detach().to("cpu", copy=True)
-            for key in _keys(name, state_keys):
-                snap.model[key] = copy
-        if optimizer is not None:
-            snap.train.update(optimizer_entries(params, optimizer, state_keys))
+    entries = saved_state(state, state_keys)
+    mine = [entries[i] for i in replica_share(len(entries), *share)]
+    for name, tensor in mine:
+        copy = tensor.detach().to("cpu", copy=True)
+        for key in _keys(name, state_keys):
+            snap.model[key] = copy
+    if optimizer is not None:
+        names = {name for name, _ in mine}
+        snap.train.update(optimizer_entries([(n, p) for n, p in params if n in names], optimizer, state_keys))
     snap.train[f"{RNG}{part}"] = torch.get_rng_state()
     return snap
 
@@ -98,6 +118,7 @@ def load_stage(directory: Path, part: str, state: Sequence[tuple[str, torch.Tens
     Raises:
         dcp.CheckpointFormatError: The checkpoint is incomplete or lacks one of the stage's tensors.
     """
+    state = saved_state(state, state_keys)
     wanted = {name: _keys(name, state_keys)[0] for name, _ in state}
     values = dcp.load(directory, list(wanted.values()))
     with torch.no_grad():

@@ -72,7 +72,7 @@ class PartWriter:
             return SavedPart(step=snap.step, part=snap.part, error=f"{type(exc).__name__}: {exc}"[:4000])
         log.debug("checkpoint of step %d, part %s written in %.3fs", snap.step, snap.part,
                   time.monotonic() - start)
-        return SavedPart(step=snap.step, part=snap.part)
+        return SavedPart(step=snap.step, part=snap.part, model=bool(snap.model))
 
     def finished(self) -> list[SavedPart]:
         """The parts written (or failed) since the last call, in order; never waits."""

@@ -146,7 +146,7 @@ class CellComputeService(ServiceBase):
         self._path = build_path(stage.module, options)
         self._state_keys = options.state_keys
         self._part = f"r{options.replica}-s{stage.index}"
-        self._replica = options.replica
+        self._replica, self._replicas = options.replica, options.num_replicas
         self._writer = PartWriter(before_write=_before_write)
         self._restored = Restored()
 
@@ -362,7 +362,7 @@ class CellComputeService(ServiceBase):
         if commit.save is not None:
             start = time.time()
             snap = snapshot(commit.save.step, self._part, self._stage.state(), self._stage.parameters(),
-                            optimizer, self._state_keys, with_model=self._replica == 0)
+                            optimizer, self._state_keys, share=(self._replica, self._replicas))
             self._writer.submit(snap, Path(commit.save.directory))
             phases.append(PhaseTiming(name="snapshot", start=start, end=time.time()))
         return phases

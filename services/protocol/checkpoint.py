@@ -33,6 +33,7 @@ class SavedPart(Message):
     step: int = Field(ge=0)
     part: Name
     error: str = Field(default="", max_length=4096)
+    model: bool = False  # it holds model tensors (indexed at the checkpoint's root), not only training state
 
 
 class SavedParts(Message):

@@ -118,7 +118,7 @@ def test_a_stage_restored_from_its_snapshot_trains_on_exactly(tmp_path: Path, op
     cells, optimizer = _stage(0)
     _train(cells, optimizer, 3, seed=1)
     snap = snapshot(3, "r0-s0", _state(cells), cell_parameters(cells), optimizer if optimizer_state else None,
-                    keys, with_model=True)
+                    keys)
     writer = PartWriter()
     writer.submit(snap, tmp_path)
     [saved] = writer.flush(timedelta(seconds=30))
@@ -142,7 +142,7 @@ def test_a_stage_restored_from_its_snapshot_trains_on_exactly(tmp_path: Path, op
 def test_a_failed_write_is_reported_not_raised(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    snap = snapshot(1, "r0-s0", [("a.w", torch.ones(2))], [], None, {}, with_model=True)
+    snap = snapshot(1, "r0-s0", [("a.w", torch.ones(2))], [], None, {})
     writer = PartWriter()
     writer.submit(snap, blocker)
     [saved] = writer.flush(timedelta(seconds=30))
@@ -159,3 +159,28 @@ def test_fault_specs_parse_and_refuse_by_name() -> None:
             faults.parse(bad)
     assert os.environ.get(faults.ENV) is None
     faults.at(3, "backward")  # no fault configured in this process: returns
+
+
+def test_the_replicas_of_a_stage_write_disjoint_shares_that_make_up_the_whole(tmp_path: Path) -> None:
+    """Two replicas write every other tensor (and its optimizer state); merged, the model is whole, and a
+    non-persistent buffer (not in the model's state_dict) is in no part."""
+    cells, optimizer = _stage(0)
+    cells[0].module.register_buffer("scratch", torch.zeros(2), persistent=False)
+    _train(cells, optimizer, 2, seed=1)
+    model = nn.Sequential(*cells)
+    keys = {f"{c.name}.{n}": [f"{i}.module.{n}"] for i, c in enumerate(cells)
+            for n, _ in [*c.module.named_parameters(), *c.module.named_buffers()] if n != "scratch"}
+    writer = PartWriter()
+    for r in range(2):
+        writer.submit(snapshot(2, f"r{r}-s0", _state(cells), cell_parameters(cells), optimizer, keys,
+                               share=(r, 2)), tmp_path)
+    saved = writer.flush(timedelta(seconds=30))
+    assert [p.model for p in saved] == [True, True]
+    dcp.merge_parts(tmp_path, [part_dirs(tmp_path, f"r{r}-s0")[0] for r in range(2)])
+    dcp.merge_parts(tmp_path / TRAIN, [part_dirs(tmp_path, f"r{r}-s0")[1] for r in range(2)])
+    shares = [set(dcp.keys(part_dirs(tmp_path, f"r{r}-s0")[0])) for r in range(2)]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == set(model.state_dict()) == set(dcp.keys(tmp_path))
+    optim = {k for k in dcp.keys(tmp_path / TRAIN) if k.startswith("optim.")}
+    assert optim == {f"optim.{keys[n][0]}.{e}" for n, _ in cell_parameters(cells)
+                     for e in ("step", "exp_avg", "exp_avg_sq")}
