@@ -120,14 +120,15 @@ class TimedHarness(LocalHarness):
 
 
 def watch_death(pid: int) -> list[float]:
-    """A list that gets the time child ``pid`` dies or stops (a thread waits for it, not reaping it)."""
+    """A list that gets the time child ``pid`` dies or stops (a thread waits for it, not reaping it; the
+    harness reaps a dead worker at once, and then this waiter learns of it at that moment)."""
     out: list[float] = []
 
     def wait() -> None:
         try:
             os.waitid(os.P_PID, pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT)
-        except ChildProcessError:  # reaped by the harness first: it never died before the run ended
-            return
+        except ChildProcessError:  # the harness's own waiter reaped it first: that is, it died just now
+            pass
         out.append(time.time())
 
     threading.Thread(target=wait, daemon=True, name=f"watch-{pid}").start()

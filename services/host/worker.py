@@ -48,7 +48,6 @@ that stream to the run directory's ``workers/NAME.log``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import secrets
@@ -441,10 +440,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry.close()
         log.error("[worker %s] cannot start: %s", name, exc)
         return 1
-    # building the first optimizer imports torch._dynamo (about 1 s): start it now, while the worker
-    # waits for its first assignment, rather than inside the first step (a replacement's, after a failure)
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
-                     name="warm-imports").start()
     try:
         worker.start()
         where = f" (probes at {health.url})" if health is not None else ""
