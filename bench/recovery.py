@@ -41,6 +41,7 @@ at the start and the end (this run's own processes add up to 2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import functools
 import itertools
@@ -125,10 +126,8 @@ def watch_death(pid: int) -> list[float]:
     out: list[float] = []
 
     def wait() -> None:
-        try:
+        with contextlib.suppress(ChildProcessError):  # the harness's waiter reaped it first: it died now
             os.waitid(os.P_PID, pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT)
-        except ChildProcessError:  # the harness's own waiter reaped it first: that is, it died just now
-            pass
         out.append(time.time())
 
     threading.Thread(target=wait, daemon=True, name=f"watch-{pid}").start()
