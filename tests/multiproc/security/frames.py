@@ -53,6 +53,8 @@ _PARAM = protocol.ParamInfo(name="cell0.weight", dtype="float64", shape=[12, 6])
 _KV = registry_protocol.KeyValueMsg(key="/cellmesh/j/workers/local-0", value=b"\x80", revision=3)
 _EVENT = registry_protocol.EventMsg(kind="put", key="/cellmesh/j/workers/local-0", value=b"\x80", revision=3)
 _PHASE = protocol.PhaseTiming(name="optimizer", start=1.0, end=2.0)
+_SAVE = protocol.SaveRequest(directory="/etc/cron.d", step=3)  # a place no checkpoint may go
+_SAVED = protocol.SavedPart(step=3, part="r0-s0", model=True)
 
 SEEDS: list[Message] = [
     # services/protocol/
@@ -92,6 +94,10 @@ SEEDS: list[Message] = [
     protocol.OptimizerStepRequest(optimizer=_OPT),
     protocol.OptimizerStepReply(steps=1),
     protocol.Reconnect(comm_prefix="/p/2", dp_prefix="/dp/2"),
+    _SAVE,
+    _SAVED,
+    protocol.SavedParts(parts=[_SAVED]),
+    protocol.ShardSave(save=_SAVE, version=3, part="ps-s0-0", timeout_ms=1000),
     Empty(),
     # comm/registry/protocol.py
     _KV,
