@@ -394,6 +394,10 @@ class Runtime:
     def _hosted(self, worker: str) -> list[str]:
         return [sv.name for sv in [*self.services, *self._shards.services] if sv.worker == worker]
 
+    def placed_incarnation(self, worker: str) -> str | None:
+        """The incarnation of the process this runtime placed services on as ``worker``."""
+        return self._incarnations.get(worker)
+
     def _incarnation(self, worker: str) -> str | None:
         """The incarnation of the process registered as ``worker`` now (None: no card)."""
         kv = self.loop.registry.get(f"{self.loop.prefix}{worker}")

@@ -182,7 +182,8 @@ class Session:
         self.runtime: Runtime | None = None
         self.recoveries: list[Recovery] = []
         self.failures: list[JobFailed] = []
-        self.gone: set[str] = set()  # workers lost for good (no replacement came)
+        # workers lost for good (no replacement came), with the incarnation that was lost
+        self.gone: dict[str, str | None] = {}
         model, cells = model_structure(config)  # names only: the values are the stages'
         self.model, self.cells = model, cells
         self._state_keys = state_keys(model, cells)
@@ -359,16 +360,17 @@ class Session:
         noticed, started = time.time(), time.monotonic()
         log.warning("[coordinator %s] %s; recovering (restart %d of %d)", self.job.name, failure,
                     len(self.failures), budget)
+        lost = self.runtime.placed_incarnation(failure.worker) if self.runtime is not None else None
         self._drop_runtime(lost=failure.worker)
         try:
-            self._replace(failure, noticed, started)
+            self._replace(failure, noticed, started, lost)
         except JobFailed as again:
             if not again.lost:
                 raise
             return again
         return None
 
-    def _replace(self, failure: JobFailed, noticed: float, started: float) -> None:
+    def _replace(self, failure: JobFailed, noticed: float, started: float, lost: str | None) -> None:
         """Steps 2 and 3 of [Note: surviving a lost worker], or the elastic path."""
         address = None
         try:
@@ -381,7 +383,7 @@ class Session:
             self.loop.connect(failure.worker, address)
             plan, action = self.plan, f"replaced worker {failure.worker}"
         else:
-            self.gone.add(failure.worker)
+            self.gone[failure.worker] = lost
             plan = self._replan()
             action = f"re-planned on {len(self._workers_left())} workers without {failure.worker}"
         checkpoint = self._rollback_point()
@@ -441,20 +443,23 @@ class Session:
         goes on with the plan it has (said once).
         """
         assert self.loop is not None and self.runtime is not None
-        back = sorted(name for name in self.gone if name in self.loop.members)
+        members = self.loop.members  # a card of the lost process itself (its loss not yet read) is not back
+        back = sorted(name for name, lost in self.gone.items()
+                      if name in members and members[name].incarnation != lost)
         if not back:
             return
         if self.checkpointer is None:
             log.warning("[coordinator %s] worker(s) %s came back, but the job has no checkpoint.directory to "
                         "move its state to a new plan: it goes on with the plan it has", self.job.name,
                         ", ".join(back))
-            self.gone.difference_update(back)
+            for name in back:
+                del self.gone[name]
             return
         started = time.monotonic()
         step = self.job.steps_done
         checkpoint = self._checkpoint_now()
         for name in back:
-            self.gone.discard(name)
+            del self.gone[name]
             self.loop.connect(name, self.loop.members[name].address)
         self._drop_runtime()
         plan = self._replan()
