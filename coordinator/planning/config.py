@@ -47,7 +47,8 @@ __all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataC
 
 Mode = Literal["collective", "parameter_server"]
 Strategy = Literal["auto", "data_parallel", "pipeline"]
-CommBackend = Literal["zmq", "gloo"]
+CommBackend = Literal["auto", "zmq", "gloo", "nccl"]  # comm/factory.py: [Note: a group's backend]
+Device = Literal["auto", "cpu", "cuda"]  # coordinator/planning/devices.py: [Note: where a stage runs]
 NonFinite = Literal["stop", "skip"]  # see coordinator/runtime/nonfinite.py: [Note: a step that is not finite]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 # the same union as services.protocol.FactoryKwargs (a unit test keeps them equal; that module imports torch)
@@ -201,7 +202,16 @@ class RuntimeConfig(_Section):
 
     workers: Positive = Field(default=2,
                               description="local worker processes (a cluster's: how many to wait for)")
-    comm_backend: CommBackend = Field(default="zmq", description="the workers' communication backend")
+    comm_backend: CommBackend = Field(default="auto", description="the workers' communication backend (auto: "
+                                                               "nccl for a group all on CUDA, else zmq)")
+    # -- devices (coordinator/planning/devices.py) --
+    device: Device = Field(default="auto", description="where the stages run: cuda on the workers the "
+                                                       "resource list gives GPUs (auto: if their torch has "
+                                                       "CUDA), or cpu")
+    pipeline_backend: CommBackend | None = Field(default=None,
+                                                 description="the pipelines' backend (default comm_backend)")
+    data_parallel_backend: CommBackend | None = Field(
+        default=None, description="the data-parallel groups' backend (default comm_backend)")
     step_timeout_s: float = Field(default=300.0, gt=0, description="bounds each round of a step, in seconds")
     lease_ttl_s: float = Field(default=5.0, gt=0,
                                description="a dead worker is noticed within this, in seconds")

@@ -12,6 +12,8 @@ plain values, so it round-trips through JSON (:meth:`Plan.to_json`) and msgpack
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.planning.config import Mode
@@ -29,7 +31,8 @@ class StagePlan(BaseModel):
     ``start``) and sends ``outgoing`` (cut ``stop``) once per microbatch, shapes at the
     plan's microbatch size (stage 0's incoming are the model inputs, the last stage's
     outgoing its outputs; neither travels between stages). Times are per microbatch on
-    the stage's slowest worker.
+    the stage's slowest worker. ``devices[i]`` is the kind of device ``workers[i]`` runs the
+    stage on (``coordinator/planning/devices.py``; empty: all on the CPU).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -49,6 +52,19 @@ class StagePlan(BaseModel):
     peak_memory_bytes: int
     incoming: CutInfo
     outgoing: CutInfo
+    devices: tuple[Literal["cpu", "cuda"], ...] = ()
+
+    @model_validator(mode="after")
+    def _one_device_per_worker(self) -> StagePlan:
+        if self.devices and len(self.devices) != len(self.workers):
+            raise ValueError(f"stage {self.index}: {len(self.devices)} devices for {len(self.workers)} "
+                             "workers")
+        return self
+
+    @property
+    def device(self) -> str:
+        """The kinds of device its workers run it on: ``cpu``, ``cuda`` or ``cpu+cuda``."""
+        return "+".join(sorted(set(self.devices))) or "cpu"
 
     @property
     def time_s(self) -> float:
@@ -170,13 +186,13 @@ class Plan(BaseModel):
             f"peak memory {format_bytes(self.peak_memory_bytes)} per worker",
             "",
             f"{'stage':>5}  {'nodes':<24} {'fwd ms':>8} {'bwd ms':>8} {'xfer ms':>8} {'sync ms':>8} "
-            f"{'held':>4} {'memory':>10}  workers (data-parallel group)",
+            f"{'held':>4} {'memory':>10} {'device':>8}  workers (data-parallel group)",
         ]
         for st in self.stages:
             span = st.nodes[0] if len(st.nodes) == 1 else f"{st.nodes[0]}..{st.nodes[-1]} ({len(st.nodes)})"
             lines.append(f"{st.index:>5}  {span:<24} {st.forward_s * 1e3:>8.3f} {st.backward_s * 1e3:>8.3f} "
                          f"{st.transfer_s * 1e3:>8.3f} {st.sync_s * 1e3:>8.3f} {st.in_flight:>4} "
-                         f"{format_bytes(st.peak_memory_bytes):>10}  {', '.join(st.workers)}")
+                         f"{format_bytes(st.peak_memory_bytes):>10} {st.device:>8}  {', '.join(st.workers)}")
         lines += ["", "crossing tensors per microbatch:"]
         for st in self.stages[:-1]:
             tensors = ", ".join(f"{t.name}{list(t.shape)} {t.dtype}{'' if t.requires_grad else ' (no grad)'}"

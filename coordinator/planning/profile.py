@@ -102,7 +102,7 @@ class Profile(BaseModel):
     microbatch_size: int = Field(ge=1)
     repeats: int = Field(ge=1)
     optimizer: str
-    device: str = "cpu"
+    device: str = "cpu"  # where it was measured ("cpu", "cuda:0"): its times hold for workers of that kind
     nodes: tuple[NodeProfile, ...] = Field(min_length=1)
     cuts: tuple[CutInfo, ...]
 
@@ -240,6 +240,8 @@ class _Timings:
     def __init__(self, module: torch.nn.Module, args: list[Any], names: tuple[str, ...],
                  grad: set[str]) -> None:
         self.module, self.args, self.names, self.grad = module, args, names, grad
+        # CUDA runs asynchronously: its times are taken once the device finished
+        self.cuda = any(t.is_cuda for t in [*module.parameters(), *_tensors(args)])
         self.fwd: list[float] = []
         self.bwd: list[float] = []
 
@@ -249,16 +251,23 @@ class _Timings:
 
     def run(self, timed: bool) -> None:
         ins = _fresh(self.args, self.names, self.grad)
+        self._sync()
         t0 = time.perf_counter()
         out = self.module(*ins)
+        self._sync()
         t1 = time.perf_counter()
         outs = [t for t in _tensors(out) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        self._sync()
         t2 = time.perf_counter()
         if timed:
             self.fwd.append(t1 - t0)
             self.bwd.append(t2 - t1 if outs else 0.0)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def result(self) -> tuple[float, float]:
         return _robust(self.fwd), _robust(self.bwd)

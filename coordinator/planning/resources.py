@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -137,25 +138,36 @@ class Resources(BaseModel):
 
     @classmethod
     def local(cls, workers: int = 2, *, memory_bytes: int | None = None,
-              memory_fraction: float = 0.8) -> Resources:
-        """This machine as ``workers`` CPU worker processes on loopback.
+              memory_fraction: float = 0.8, gpu_memory_bytes: Sequence[int] = ()) -> Resources:
+        """This machine as ``workers`` worker processes on loopback, on one host (in order).
 
         Args:
             workers: How many worker processes (>= 1).
-            memory_bytes: Each worker's budget; by default ``memory_fraction`` of the
+            memory_bytes: Each CPU worker's budget; by default ``memory_fraction`` of the
                 machine's physical memory shared equally.
             memory_fraction: The share of physical memory all workers together may fill.
+            gpu_memory_bytes: The memory of each GPU to use: worker ``i`` gets GPU ``i`` (one each; it
+                runs on ``cuda:i``, coordinator/planning/devices.py) and ``memory_fraction`` of its
+                memory as budget. Empty: CPU workers.
 
         Raises:
-            ValueError: If ``workers`` < 1.
+            ValueError: If ``workers`` < 1, or GPUs are given but fewer than ``workers``.
         """
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if gpu_memory_bytes and len(gpu_memory_bytes) < workers:
+            raise ValueError(f"{workers} local GPU workers need a GPU each, this machine has "
+                             f"{len(gpu_memory_bytes)}: run fewer workers or CPU workers")
         if memory_bytes is None:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             memory_bytes = int(total * memory_fraction / workers)
         cpus = max(1, (os.cpu_count() or 1) // workers)
         host = platform.node() or "localhost"
+        if gpu_memory_bytes:
+            return cls(workers=tuple(
+                Worker(name=f"local-{i}", device="cuda", gpus=1, cpus=cpus, host=host,
+                       memory_bytes=max(1, int(gpu_memory_bytes[i] * memory_fraction)))
+                for i in range(workers)))
         return cls(workers=tuple(Worker(name=f"local-{i}", cpus=cpus, memory_bytes=memory_bytes, host=host)
                                  for i in range(workers)))
 

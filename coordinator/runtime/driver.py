@@ -8,7 +8,10 @@ specs derived from the plan's cuts, its pipeline communicator under
 under ``/cellmesh/{job}/runs/{run}/dp/s{s}``. In parameter-server mode the workers of
 each stage also host its parameter shards (``{run}/ps-s{s}-{i}``), set up from the
 coordinator's copy of the model before any step and saved into checkpoints with the stages
-(``coordinator/runtime/shards.py``). :meth:`Runtime.close` releases them all.
+(``coordinator/runtime/shards.py``). :meth:`Runtime.close` releases them all. Each stage runs on
+the device its worker's card allows (``cpu`` or ``cuda:LOCAL_RANK``) and each group talks over the
+backend those devices call for (``coordinator/runtime/devices.py``): refused before any step, naming
+the worker, when a stage is asked onto a GPU its worker does not have.
 
 A step is a transaction: parameters and optimizer state change only when the coordinator
 commits it, and it commits a step only once every stage of every replica finished it.
@@ -42,8 +45,10 @@ import torch
 
 from comm.codec import unpack
 from comm.traffic import TrafficCounts, latest_by
+from coordinator.planning.devices import DeviceError
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
+from coordinator.runtime.devices import DeviceRequest, place_devices
 from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
 from coordinator.runtime.nonfinite import first_nonfinite, refuse
 from coordinator.runtime.records import StepRecord, _Service
@@ -104,7 +109,7 @@ class RunSpec:
     data_kwargs: FactoryKwargs = field(default_factory=dict)
     loss_kwargs: FactoryKwargs = field(default_factory=dict)
     seed: int = 0
-    comm_backend: str = "zmq"
+    devices: DeviceRequest = field(default_factory=DeviceRequest)  # where stages run, each group's backend
     step_timeout: timedelta = timedelta(seconds=300)
     call_timeout: timedelta = timedelta(seconds=120)
     nonfinite: Literal["stop", "skip"] = "stop"  # see [Note: a step that is not finite]
@@ -181,6 +186,11 @@ class Runtime:
             JobFailed: A worker refused an assignment (a factory error, a bad option) or vanished.
         """
         plan, spec = self.plan, self.spec
+        try:
+            placed = place_devices(plan, spec.devices, self.loop.members)
+        except DeviceError as exc:
+            raise JobFailed(f"placing the stages: {exc}") from None
+        log.info("[coordinator %s] %s", spec.run, placed)
         shards = self._place_shards(self._shards)
         self.initial_params = {}  # the shards hold them now: no copy of the model stays here
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
@@ -188,7 +198,9 @@ class Runtime:
         for sv in self.services:
             st = plan.stages[sv.stage]
             options = ComputeOptions(
-                stage=sv.stage, num_stages=plan.num_stages, comm_backend=spec.comm_backend,  # type: ignore[arg-type]
+                stage=sv.stage, num_stages=plan.num_stages, device=placed.devices[sv.worker],
+                comm_backend=placed.pipeline[sv.replica],  # type: ignore[arg-type]  # a Backend, by resolve_backend
+                dp_backend=placed.data_parallel[sv.stage],  # type: ignore[arg-type]
                 registry=self.registry_url, comm_prefix=f"{gen}/pipe/r{sv.replica}",
                 comm_timeout_ms=int(spec.call_timeout.total_seconds() * 1000),
                 factory_kwargs=spec.model_kwargs, data=spec.data, data_kwargs=spec.data_kwargs,

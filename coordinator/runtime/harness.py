@@ -166,7 +166,9 @@ class LocalHarness:
             if self.log_dir is None:
                 self.log_dir = Path(tempfile.mkdtemp(prefix=f"cellmesh-{self.job}-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), **child_env(), **extra_env, **self.env}
+            # not LOCAL_RANK: a local GPU worker runs on the GPU of its index (planning/devices.py)
+            inherited = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+            env = {**inherited, "OMP_NUM_THREADS": str(self.threads), **child_env(), **extra_env, **self.env}
             paths = [*self.python_path, os.getcwd(), env.get("PYTHONPATH", "")]
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
             self._env = env

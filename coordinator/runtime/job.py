@@ -47,6 +47,7 @@ from torch import nn
 
 from coordinator.planning.config import JobConfig, from_flat
 from coordinator.planning.data import BatchSampler
+from coordinator.planning.devices import with_devices
 from coordinator.planning.graph import build_graph
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import choose_plan
@@ -55,6 +56,7 @@ from coordinator.planning.request import PlanningError, batch_note
 from coordinator.planning.resources import Resources
 from coordinator.runtime.checkpoints import FINAL_MODEL, save_state_dict
 from coordinator.runtime.cluster import WorkerPool
+from coordinator.runtime.devices import DeviceRequest, local_resources, profile_device
 from coordinator.runtime.driver import RunSpec
 from coordinator.runtime.factories import build_cells, build_data, factory_path
 from coordinator.runtime.harness import LocalHarness
@@ -62,6 +64,7 @@ from coordinator.runtime.preflight import Checked, check_job
 from coordinator.runtime.records import StepRecord
 from coordinator.runtime.session import Recovery, Session, resolve_resume
 from services.compute.cell import Cell, cell_parameters
+from services.compute.stage import to_device
 from services.protocol import OptimizerSpec
 
 __all__ = ["FitResult", "Job", "StepCallback", "optimizer_spec", "state_dict_of"]
@@ -150,7 +153,8 @@ class Job:
         config: The job's config; or give its fields as keywords instead (not both).
 
     Keyword Args:
-        resources: The workers; default ``Resources.local(config.runtime.workers)``. Given, they
+        resources: The workers; default this machine's ``config.runtime.workers`` local workers, on a GPU
+            each where ``runtime.device`` allows (``coordinator/runtime/devices.py``). Given, they
             replace the local workers the config describes (a cluster's, a custom description).
         plan: A complete plan to use as is (the config's plan section is then not consulted).
         log_dir: Where the local workers' output goes (``{worker}.log``); None: a temporary
@@ -177,8 +181,10 @@ class Job:
             factory_path(section.factory, what=f"{what} factory", code_dir=config.runtime.code_dir)
         self.config = config
         self.optimizer = optimizer_spec(config.optimizer.name, dict(config.optimizer.kwargs))
-        self.resources = resources or Resources.local(workers=config.runtime.workers)
+        self.resources = resources or local_resources(config.runtime)
         self.name = config.name or f"job-{uuid.uuid4().hex[:8]}"
+        if plan is not None:  # the resource list and runtime.device say where its stages run
+            plan = with_devices(plan, self.resources, config.runtime.device)
         self.fixed_plan = plan
         self.log_dir = log_dir
         self._plan = plan
@@ -238,10 +244,16 @@ class Job:
                 raise ValueError(f"the model's graph has nodes {[nd.name for nd in graph.nodes]}, not one "
                                  f"per cell {[c.name for c in checked.cells]}: give the model as a sequence "
                                  "of cells")
-            profile = self._profile = profile_graph(graph, checked.sample, repeats=3,
-                                                    optimizer=_optimizer_kind(self.optimizer), num_threads=1)
-            self._plan = choose_plan(profile, self.resources, config.plan,
-                                     global_batch=config.data.global_batch)
+            device = profile_device(self.resources, config.runtime.device)  # where the workers will run
+            try:
+                graph.module.to(device)
+                profile = self._profile = profile_graph(
+                    graph, to_device(checked.sample, device), repeats=3,
+                    optimizer=_optimizer_kind(self.optimizer), num_threads=1)
+            finally:
+                graph.module.to("cpu")
+            self._plan = self._placed(choose_plan(profile, self.resources, config.plan,
+                                                  global_batch=config.data.global_batch))
             self._checked = None  # the model built for the checks is not needed any more
             note = batch_note(self._plan.data_parallel, self._plan.num_stages, config.plan,
                               self.resources.num_workers, config.data.global_batch)
@@ -262,7 +274,7 @@ class Job:
         assert self._profile is not None
         config, batch = self.config, self.config.data.global_batch
         try:
-            return choose_plan(self._profile, resources, config.plan, global_batch=batch)
+            plan = choose_plan(self._profile, resources, config.plan, global_batch=batch)
         except PlanningError as exc:
             shape = {"data_parallel": None, "num_stages": None, "balance": None, "strategy": "auto"}
             fixed = [k for k in shape if getattr(config.plan, k) not in (None, "auto")]
@@ -270,8 +282,13 @@ class Job:
                 raise
             log.warning("the plan section's %s do not fit %d workers (%s); planning without them",
                         ", ".join(f"plan.{k}" for k in fixed), resources.num_workers, exc)
-            return choose_plan(self._profile, resources, config.plan.model_copy(update=shape),
+            plan = choose_plan(self._profile, resources, config.plan.model_copy(update=shape),
                                global_batch=batch)
+        return self._placed(plan, resources)
+
+    def _placed(self, plan: Plan, resources: Resources | None = None) -> Plan:
+        """``plan`` with the kind of device of each stage's workers (``coordinator/planning/devices.py``)."""
+        return with_devices(plan, resources or self.resources, self.config.runtime.device)
 
     def run_spec(self, workers_job: str, run: str, *, state_keys: Mapping[str, list[str]] | None = None,
                  restore: str = "") -> RunSpec:
@@ -284,7 +301,7 @@ class Job:
         return RunSpec(job=workers_job, run=run, model=c.model.factory, data=c.data.factory,
                        loss=c.loss.factory, optimizer=self.optimizer, model_kwargs=c.model.kwargs,
                        data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
-                       comm_backend=c.runtime.comm_backend, nonfinite=c.runtime.nonfinite,
+                       devices=DeviceRequest.of(c.runtime, self.resources), nonfinite=c.runtime.nonfinite,
                        step_timeout=timedelta(seconds=c.runtime.step_timeout_s),
                        state_keys=dict(state_keys or {}), restore=restore)
 

@@ -68,14 +68,15 @@ def shapes_at(spec: BoundarySpec, num_samples: int) -> list[list[int]]:
     return shapes
 
 
-def empty_buffers(spec: BoundarySpec, num_samples: int, *,
-                  grad_only: bool = False) -> list[tuple[int, torch.Tensor]]:
-    """Fresh receive buffers for a microbatch of ``num_samples`` samples, as ``(index, buffer)``.
+def empty_buffers(spec: BoundarySpec, num_samples: int, *, grad_only: bool = False,
+                  device: torch.device | None = None) -> list[tuple[int, torch.Tensor]]:
+    """Fresh receive buffers for a microbatch of ``num_samples`` samples, as ``(index, buffer)``, on
+    ``device`` (the CPU by default).
 
     With ``grad_only``, only the tensors that carry a gradient get one (gradient receives).
     """
     return [
-        (i, torch.empty(shape, dtype=DTYPES[t.dtype]))
+        (i, torch.empty(shape, dtype=DTYPES[t.dtype], device=device))
         for i, (t, shape) in enumerate(zip(spec.tensors, shapes_at(spec, num_samples), strict=True))
         if t.requires_grad or not grad_only
     ]

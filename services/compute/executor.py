@@ -40,12 +40,19 @@ averaged over the replicas in collective mode) holds a NaN or Inf, as AMP's ``Gr
 checks; with the losses it reports, the coordinator decides whether the step's update is
 applied (see [Note: a step that is not finite] in ``coordinator/runtime/nonfinite.py``).
 
+Devices. The stage computes on ``stage.device``; its samples are loaded on the CPU and moved
+there. Transfers go through the device the pipeline's backend moves (``comm.factory.wire_device``):
+NCCL receives into and sends from device buffers directly; a zmq or gloo pipeline receives into
+CPU buffers, copied to the device once they arrived, and sends copies on the CPU. The losses are
+read back once, at the end of the step (one synchronisation of the device, not one per microbatch).
+
 Every wait is bounded by the step's deadline; errors are raised as :class:`StepFailed`
 naming the stage, the step and the action.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -54,9 +61,10 @@ from typing import Any
 import torch
 
 from comm.base import Communicator, Work
+from comm.factory import wire_device
 from services import faults
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
-from services.compute.stage import Stage
+from services.compute.stage import Stage, to_device
 from services.params.grad_path import GradientPath
 from services.protocol import MAX_NONFINITE_NAMED, Action, ActionKind, PhaseTiming, RunStep, StepReply
 
@@ -125,7 +133,9 @@ class StepExecutor:
         self._starts = [0.0] * len(request.actions)
         self._ends: list[float | None] = [None] * len(request.actions)
         self._sends: list[tuple[int, Work, torch.Tensor]] = []
-        self._losses: list[float] = [0.0] * len(self._mbs) if stage.last else []
+        self._losses: list[torch.Tensor | None] = [None] * len(self._mbs) if stage.last else []
+        # where the pipeline's backend takes its tensors: the stage's device (NCCL) or the CPU (zmq, gloo)
+        self._wire = wire_device(comm.backend, stage.device) if comm is not None else stage.device
         self._posted = False
         self._k = 0
 
@@ -135,6 +145,10 @@ class StepExecutor:
         Raises:
             StepFailed: an action raised, a transfer failed or the deadline passed.
         """
+        with _current(self._stage.device):
+            return self._run()
+
+    def _run(self) -> StepReply:
         if self._request.zero_grad:
             for _, p in self._stage.parameters():
                 p.grad = None
@@ -163,6 +177,7 @@ class StepExecutor:
                 phase = self._grad_path.finish(self._left("the gradient synchronisation"))
                 phases += [phase] if phase is not None else []
             nonfinite = self._nonfinite_grads() if self._last_backward is not None else []
+            losses = _read_back(self._losses)
         except StepFailed:
             raise
         except Exception as exc:
@@ -171,7 +186,7 @@ class StepExecutor:
                 "gradient synchronisation")
             raise StepFailed(f"{at}: {type(exc).__name__}: {exc}", transfers_posted=self._posted) from exc
         ends = [e if e is not None else s for s, e in zip(self._starts, self._ends, strict=True)]
-        return StepReply(step=self._request.step, stage=self._stage.index, losses=self._losses,
+        return StepReply(step=self._request.step, stage=self._stage.index, losses=losses,
                          starts=self._starts, ends=ends, phases=phases, nonfinite_grads=nonfinite)
 
     # -- plumbing ---------------------------------------------------------------------
@@ -224,12 +239,12 @@ class StepExecutor:
         if self._ends[k] is None:
             self._ends[k] = time.time()
         self._starts[self._k] = time.time()  # compute starts once its inputs are in hand
-        return buffers
+        return [(i, buf.to(self._stage.device)) for i, buf in buffers]  # from the CPU unless NCCL's
 
     def _post_sends(self, action: Action, tensors: list[tuple[int, torch.Tensor]]) -> None:
         assert self._comm is not None and action.peer is not None
         for i, t in tensors:
-            t = t.detach().contiguous()
+            t = t.detach().to(self._wire).contiguous()  # a CPU copy unless NCCL's
             work = self._comm.isend(t, action.peer, tag=transfer_tag(action.microbatch, i))
             self._sends.append((self._k, work, t))
             self._posted = True
@@ -240,17 +255,18 @@ class StepExecutor:
 
     def _recv_act(self, mb: _Microbatch, action: Action) -> None:
         assert self._stage.incoming is not None
-        self._post_recvs(mb, action, empty_buffers(self._stage.incoming, len(mb.samples)))
+        self._post_recvs(mb, action, empty_buffers(self._stage.incoming, len(mb.samples), device=self._wire))
 
     def _recv_grad(self, mb: _Microbatch, action: Action) -> None:
         assert self._stage.outgoing is not None
-        self._post_recvs(mb, action, empty_buffers(self._stage.outgoing, len(mb.samples), grad_only=True))
+        self._post_recvs(mb, action, empty_buffers(self._stage.outgoing, len(mb.samples), grad_only=True,
+                                                   device=self._wire))
 
     def _forward(self, mb: _Microbatch, action: Action) -> None:
         stage, m, grad = self._stage, action.microbatch, self._trains
         if stage.first or stage.last:
             assert stage.samples is not None
-            inputs, mb.targets = stage.samples.load(mb.samples)
+            inputs, mb.targets = to_device(stage.samples.load(mb.samples), stage.device)
         if not stage.first:
             assert stage.incoming is not None
             buffers = self._wait_recvs(mb, "RECV_F",
@@ -268,7 +284,7 @@ class StepExecutor:
                     raise ValueError(f"the loss must be a one-element tensor, got {type(loss).__name__}"
                                      f"{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
                 mb.loss = loss
-                self._losses[m] = float(loss.detach().reshape(()).item())
+                self._losses[m] = loss.detach().reshape(())
             else:
                 assert stage.outgoing is not None
                 mb.outputs = flatten(stage.outgoing, out, len(mb.samples), check_grad=grad,
@@ -303,6 +319,18 @@ class StepExecutor:
     def _send_grad(self, mb: _Microbatch, action: Action) -> None:
         self._post_sends(action, mb.input_grads)
         mb.input_grads = []
+
+
+def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Make a CUDA ``device`` the step thread's current one (what allocations and NCCL calls default to)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _read_back(losses: list[torch.Tensor | None]) -> list[float]:
+    """The losses as numbers, read from their device at once (a microbatch without a forward: 0)."""
+    present = [t.to(torch.float64) for t in losses if t is not None]
+    values = iter(torch.stack(present).tolist() if present else [])
+    return [next(values) if t is not None else 0.0 for t in losses]
 
 
 def nonfinite(named: list[tuple[str, torch.Tensor]]) -> list[str]:

@@ -18,6 +18,10 @@ refused before anything is imported. Contracts:
   returning one row per index.
 * loss factory ``f(**loss_kwargs)`` returns ``loss(output, targets) -> scalar tensor``;
   a loss module class works as is (``"torch.nn:MSELoss"``).
+
+Device. The stage's cells live on ``ComputeOptions.device`` (``cpu`` or ``cuda:N``, the coordinator's
+choice; the worker refuses a device its torch does not see); samples are loaded on the CPU and moved
+there (:func:`to_device`), as the executor does with what it receives.
 """
 
 from __future__ import annotations
@@ -42,9 +46,12 @@ __all__ = [
     "check_samples",
     "make_optimizer",
     "sample_count",
+    "stage_device",
+    "to_device",
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+_CPU = torch.device("cpu")
 Loader = Callable[[list[int]], tuple[Any, Any]]
 
 
@@ -67,6 +74,36 @@ def _take(value: Any, index: torch.Tensor, what: str) -> Any:
         return {k: _take(v, index, what) for k, v in value.items()}
     raise ValueError(f"{what}: samples must be tensors, tuples, lists or dicts of tensors, got "
                      f"{type(value).__name__}")
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor, or tuples, lists and dicts of them and of other values) with its tensors on
+    ``device`` (the same tensors when they are there already)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple | list):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def stage_device(options: ComputeOptions) -> torch.device:
+    """The device ``options`` put the stage on, checked against this process's CUDA devices.
+
+    Raises:
+        ValueError: A CUDA device this process does not see (naming what it sees and the fix).
+    """
+    device = torch.device(options.device)
+    if device.type != "cuda":
+        return device
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.index is None or device.index >= seen:
+        raise ValueError(f"the coordinator placed the stage on {options.device}, but this worker's torch "
+                         f"sees {seen} CUDA device(s) (torch.cuda.is_available() is "
+                         f"{torch.cuda.is_available()}): check its LOCAL_RANK and CUDA_VISIBLE_DEVICES, or "
+                         "set runtime.device: cpu")
+    return device
 
 
 def _lengths(value: Any, name: str) -> list[tuple[str, int | None]]:
@@ -161,6 +198,7 @@ class Stage:
     loss_reduction: str
     incoming: BoundarySpec | None
     outgoing: BoundarySpec | None
+    device: torch.device = _CPU  # where the cells live (the samples are moved there)
 
     @property
     def first(self) -> bool:
@@ -197,6 +235,7 @@ def build_stage(assignment: Assignment, options: ComputeOptions, factories: Fact
     """
     factories.require({"model factory": assignment.factory, "data factory": options.data,
                        "loss factory": options.loss})
+    device = stage_device(options)
     factory = factories.resolve(assignment.factory, what="model factory")
     cells = as_cells(_seeded(assignment.seed, lambda: factory(**options.factory_kwargs)))
     if len(assignment.cells) != 2 or not 0 <= assignment.cells[0] < assignment.cells[1] <= len(cells):
@@ -216,10 +255,11 @@ def build_stage(assignment: Assignment, options: ComputeOptions, factories: Fact
         if not callable(made):
             raise ValueError(f"loss factory {options.loss!r} returned a {type(made).__name__}, "
                              "not a callable")
-        loss_fn = made
+        loss_fn = made.to(device) if isinstance(made, nn.Module) else made  # weights live with the outputs
     return Stage(index=options.stage, num_stages=options.num_stages, start=start, cells=mine,
-                 module=nn.Sequential(*mine), samples=samples, loss_fn=loss_fn,
-                 loss_reduction=options.loss_reduction, incoming=options.incoming, outgoing=options.outgoing)
+                 module=nn.Sequential(*mine).to(device), samples=samples, loss_fn=loss_fn,
+                 loss_reduction=options.loss_reduction, incoming=options.incoming, outgoing=options.outgoing,
+                 device=device)
 
 
 def check_samples(stage: Stage, microbatches: Sequence[Sequence[int]]) -> None:

@@ -213,7 +213,8 @@ class Worker:
             name=self.name, address=self.host.address, pid=os.getpid(),
             cpus=launch.cpus or os.cpu_count() or 1, memory_bytes=launch.memory_bytes or _memory_bytes(),
             gpus=_gpus(), services=[n for n in self.host.names() if n != "worker"],
-            rank=launch.rank, world_size=launch.world_size, incarnation=self.incarnation,
+            rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+            incarnation=self.incarnation,
         )
 
     def publish(self) -> None:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 
+import torch
 from torch import nn
 
 from services.link import PipelineLink
@@ -96,7 +97,7 @@ class CollectivePath(GradientPath):
         self._module = module
         self._bucket_bytes = options.bucket_bytes
         self._replica = options.replica
-        self._link = PipelineLink(backend=options.comm_backend, rank=options.replica,
+        self._link = PipelineLink(backend=options.data_parallel_backend, rank=options.replica,
                                   world_size=options.num_replicas, registry_url=options.registry,
                                   prefix=options.dp_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
@@ -148,9 +149,11 @@ class CollectivePath(GradientPath):
 class ServerPath(GradientPath):
     """Push gradients to the stage's parameter shards and pull the updated values (synchronous mode).
 
-    The shards' step is the number of updates they applied, so ``exchange`` must be called
-    with steps 0, 1, 2, ... in order (the coordinator's commit count). The client is built
-    on the first exchange: the coordinator sets the shards up after assigning the stage.
+    Tensors travel on the CPU: a stage on a GPU pushes CPU copies of its gradients and pulls into
+    CPU buffers, copied into its parameters once every part arrived. The shards' step is the
+    number of updates they applied, so ``exchange`` must be called with steps 0, 1, 2, ... in
+    order (the coordinator's commit count). The client is built on the first exchange: the
+    coordinator sets the shards up after assigning the stage.
 
     Args:
         shards: This stage's shards (empty: the stage has no parameters; exchange does nothing).
@@ -172,9 +175,14 @@ class ServerPath(GradientPath):
         start = time.time()
         if self._client is None:
             self._client = PushPullClient(self._shards, self._replica, timeout=timeout, retries=0)
-        grads = {name: p.grad for name, p in params}
-        into = {name: p.detach() for name, p in params}
+        grads = {name: None if p.grad is None else p.grad.detach().to("cpu") for name, p in params}
+        into = {name: p.detach() if p.device.type == "cpu" else torch.empty_like(p, device="cpu")
+                for name, p in params}  # a CPU parameter is pulled into in place
         self._client.push_pull(grads, step, into, min_version=step + 1, timeout=timeout)
+        with torch.no_grad():
+            for name, p in params:
+                if p.device.type != "cpu":  # pulled into a CPU copy: onto the parameter's device
+                    p.copy_(into[name])
         return PhaseTiming(name="push_pull", start=start, end=time.time())
 
     def close(self) -> None:

@@ -32,8 +32,10 @@ before its last backward (see ``services/params/grad_path.py``). A disarmed hook
 A parameter whose hook did not fire while armed contributes its accumulated ``.grad``
 (zeros if it has none).
 
-Works on any :class:`~comm.base.Communicator` backend. Not thread-safe: one backward
-at a time.
+Works on any :class:`~comm.base.Communicator` backend, with the buffers on the parameters'
+device. A backend that moves CPU tensors (zmq, gloo) reduces a CPU copy of a GPU bucket, copied
+back when it finished (``comm.factory.wire_device``); NCCL reduces the bucket in place on its
+GPU. Not thread-safe: one backward at a time.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 from torch import nn
 
 from comm.base import Communicator, ReduceOp, Work
+from comm.factory import wire_device
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "GradSync", "Shard", "assign_buckets"]
 
@@ -67,6 +70,7 @@ class Bucket:
     ready: set[int] = field(default_factory=set)  # positions in params whose grad is in
     work: Work | None = None
     shard: torch.Tensor | None = None  # reduce_scatter mode: this rank's part
+    staged: torch.Tensor | None = None  # the CPU copy a CPU backend reduces, for a buffer on a GPU
 
 
 @dataclass(frozen=True)
@@ -200,13 +204,14 @@ class GradSync:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        wire = bucket.buffer.to(wire_device(self.comm.backend, bucket.buffer.device))  # a CPU copy, or itself
+        bucket.staged = wire if wire is not bucket.buffer else None
         if self.mode == "all_reduce":
-            bucket.work = self.comm.all_reduce(bucket.buffer, ReduceOp.MEAN, timeout=self.timeout,
-                                               async_op=True)
+            bucket.work = self.comm.all_reduce(wire, ReduceOp.MEAN, timeout=self.timeout, async_op=True)
         else:
-            n = bucket.buffer.numel() // self.comm.world_size
-            bucket.shard = torch.empty(n, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
-            bucket.work = self.comm.reduce_scatter_tensor(bucket.shard, bucket.buffer, ReduceOp.MEAN,
+            n = wire.numel() // self.comm.world_size
+            bucket.shard = torch.empty(n, dtype=wire.dtype, device=wire.device)
+            bucket.work = self.comm.reduce_scatter_tensor(bucket.shard, wire, ReduceOp.MEAN,
                                                           timeout=self.timeout, async_op=True)
 
     # -- after backward -----------------------------------------------------------------
@@ -232,9 +237,12 @@ class GradSync:
                 assert bucket.shard is not None
                 n = bucket.shard.numel()
                 start = self.comm.rank * n
-                shards.append(Shard(bucket.index, start, start + n, bucket.shard))
+                shards.append(Shard(bucket.index, start, start + n, bucket.shard.to(bucket.buffer.device)))
+            elif bucket.staged is not None:  # reduced on the CPU: back into the GPU bucket param.grad views
+                bucket.buffer.copy_(bucket.staged)
             bucket.ready.clear()
             bucket.work = None
+            bucket.staged = None
         self._next_launch = 0
         return shards
 
@@ -244,6 +252,7 @@ class GradSync:
             bucket.ready.clear()
             bucket.work = None
             bucket.shard = None
+            bucket.staged = None
         self._next_launch = 0
 
     def close(self) -> None:

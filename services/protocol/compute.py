@@ -23,6 +23,7 @@ ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 _PEER_STEP: dict[str, int] = {"F": 0, "B": 0, "SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
 _ACTION_TEXT = re.compile(r"(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
+Backend = Literal["zmq", "gloo", "nccl"]  # a group's concrete backend (comm/factory.py resolves "auto")
 MAX_BOUNDARY_TENSORS = 256  # tensors per cut; also the stride of transfer tags (services/compute/boundary.py)
 
 
@@ -102,7 +103,7 @@ class ComputeOptions(Message):
 
     stage: int = Field(ge=0)
     num_stages: int = Field(ge=1)
-    comm_backend: Literal["zmq", "gloo", "nccl", "auto"] = "zmq"
+    comm_backend: Backend = "zmq"  # the pipeline's communicator
     registry: str = ""  # registry URL; needed when num_stages > 1
     comm_prefix: str = ""  # unique per pipeline and generation; needed when num_stages > 1
     comm_timeout_ms: int = Field(default=60_000, ge=1)  # rendezvous and default transfer bound
@@ -124,6 +125,15 @@ class ComputeOptions(Message):
     # state_dict (tied weights have several), and the checkpoint to start from ("": the factory's values)
     state_keys: dict[str, list[str]] = Field(default_factory=dict, max_length=1 << 20)
     restore: str = Field(default="", max_length=4096)
+    # devices (coordinator/planning/devices.py): where the stage runs, the coordinator's choice (the worker
+    # checks it has it); the data-parallel group's backend (None: comm_backend). A CUDA stage in a zmq or gloo
+    # group stages its transfers through host memory (comm/factory.py: [Note: a group's backend]).
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda:\d{1,3})$")
+    dp_backend: Backend | None = None
+
+    @property
+    def data_parallel_backend(self) -> Backend:
+        return self.dp_backend or self.comm_backend
 
     @model_validator(mode="after")
     def _consistent(self) -> ComputeOptions:
@@ -144,6 +154,11 @@ class ComputeOptions(Message):
         missing = [what for what, ok in needs.items() if not ok]
         if missing:
             raise ValueError(f"stage {self.stage} of {self.num_stages}: missing or invalid {missing}")
+        nccl = [what for what, backend in (("comm_backend", self.comm_backend),
+                                           ("dp_backend", self.data_parallel_backend)) if backend == "nccl"]
+        if nccl and self.device == "cpu":
+            raise ValueError(f"stage {self.stage}: {' and '.join(nccl)} 'nccl' moves CUDA tensors, but the "
+                             "stage runs on the cpu: use zmq or gloo, or a cuda device")
         return self
 
 

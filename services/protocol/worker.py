@@ -24,6 +24,8 @@ class WorkerCard(Message):
     services: list[str] = Field(default_factory=list)
     rank: int | None = Field(default=None, ge=0)  # from RANK / PET_NODE_RANK (services/host/launch.py)
     world_size: int | None = Field(default=None, ge=1)  # from WORLD_SIZE / PET_NNODES
+    # from LOCAL_RANK: the CUDA device a GPU stage runs on (coordinator/planning/devices.py)
+    local_rank: int | None = Field(default=None, ge=0)
     # unique per process start: a replacement under the same name (a restarted pod) has another one
     incarnation: str = Field(default="", max_length=64)
 

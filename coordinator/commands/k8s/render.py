@@ -5,7 +5,9 @@ What it writes (``DIR/manifests/*.yaml`` and ``DIR/kustomization.yaml``, so
 named ``J`` (the spec's ``name``, made a DNS label):
 
 - ``J-job`` ConfigMap: the job spec (``job.yaml``), the same file ``cellmesh run`` reads,
-  with ``name: J`` and ``runtime.workers: N``;
+  with ``name: J`` and ``runtime.workers: N`` (and, with ``--gpus-per-worker``, ``runtime.device:
+  cuda`` unless the spec chose a device: a worker whose image or node gives it no CUDA is then an
+  error naming it, not a job silently trained on CPUs);
 - etcd: ``J-etcd`` headless Service and StatefulSet (1 replica, or ``--etcd-replicas 3``)
   with a PersistentVolumeClaim per member;
 - the coordinator: ``J-coordinator`` Deployment of 1 (``cellmesh coordinator``, strategy
@@ -78,8 +80,12 @@ def job_name(spec: JobConfig, file: Path) -> str:
     return name
 
 
-def _spec_text(spec: JobConfig, job: str, workers: int, source: Path) -> str:
-    data = spec.updated({"name": job, "runtime.workers": workers}).model_dump(exclude_none=True)
+def _spec_text(spec: JobConfig, job: str, options: RenderOptions) -> str:
+    settings: dict[str, object] = {"name": job, "runtime.workers": options.workers}
+    if options.gpus_per_worker and spec.runtime.device == "auto":
+        settings["runtime.device"] = "cuda"
+    data = spec.updated(settings).model_dump(exclude_none=True)
+    source = options.job
     header = (
         f"# The job spec of {job}, rendered by `cellmesh k8s render` from {source.name}: the same spec\n"
         f"# `cellmesh run` reads. Factories are imported from PYTHONPATH in the image.\n"
@@ -113,7 +119,7 @@ def render(options: RenderOptions) -> dict[str, list[Manifest]]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta(n.config, job, "coordinator", ns),
-        "data": {"job.yaml": _spec_text(spec, job, options.workers, file)},
+        "data": {"job.yaml": _spec_text(spec, job, options)},
     }
     return {
         "serviceaccounts": service_accounts(options, n),

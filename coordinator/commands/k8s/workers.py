@@ -1,11 +1,16 @@
 """The job's workers: a StatefulSet of N pods and the headless Service that names them.
 
 Each pod gets torchrun's and Kubeflow Trainer's variables (``RANK`` from the pod index,
-``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` = worker 0, ``PET_*``) and probes on the
+``WORLD_SIZE``, ``LOCAL_RANK=0``, ``MASTER_ADDR``/``MASTER_PORT`` = worker 0, ``PET_*``) and probes on the
 worker's own ``/readyz`` and ``/healthz``. It mounts the job's spec (the ConfigMap the
 coordinator reads) and is started with ``--job-spec``: a worker builds only the factories that
 spec names (``services/factories.py``). With ``--checkpoints shared`` it mounts the checkpoint
 volume where the coordinator does, and writes its parts of each checkpoint there.
+
+GPUs (``--gpus-per-worker``): the pod requests ``nvidia.com/gpu`` and tolerates the taint GPU nodes
+carry. The NVIDIA device plugin gives the container only its own GPUs, numbered from 0, so
+``CUDA_VISIBLE_DEVICES`` is left unset and ``LOCAL_RANK=0`` puts the worker's stage on the first of
+them (a worker runs on one GPU: more per pod give it nothing but their memory on the node's books).
 
 [Note: a lost worker pod comes back within the replace timeout]
 A lost worker is waited for ``runtime.replace_timeout_s`` (60 s by default) before the coordinator
@@ -67,7 +72,7 @@ def worker_objects(o: RenderOptions, n: Names) -> list[Manifest]:
             ("CELLMESH_HOST", field("status.podIP")),
             ("RANK", field("metadata.labels['apps.kubernetes.io/pod-index']")),
             ("WORLD_SIZE", world),
-            ("LOCAL_RANK", "0"),
+            ("LOCAL_RANK", "0"),  # one process per pod: a GPU stage runs on cuda:0, the pod's (first) GPU
             ("MASTER_ADDR", master),
             ("MASTER_PORT", port),
             ("PET_NNODES", world),

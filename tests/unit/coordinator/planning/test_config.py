@@ -42,7 +42,8 @@ def test_defaults_and_sections() -> None:
     assert config.optimizer.name == "SGD" and config.optimizer.kwargs == {"lr": 0.01}
     assert config.plan.strategy == "auto" and config.plan.num_stages is None
     assert config.plan.cutter == "minmax"
-    assert config.runtime.workers == 2 and config.runtime.comm_backend == "zmq"
+    assert config.runtime.workers == 2 and config.runtime.comm_backend == "auto"
+    assert config.runtime.device == "auto" and config.runtime.pipeline_backend is None
     assert config.runtime.step_timeout_s == 300.0 and config.runtime.code_dir is None
     assert config.checkpoint.directory is None
     assert config.logging.model_dump() == {  # unset: the environment, then the defaults
