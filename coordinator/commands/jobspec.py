@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from coordinator.planning.config import ConfigError, JobConfig, parse_config
-from coordinator.planning.resources import Resources
 
 if TYPE_CHECKING:
     from coordinator.runtime.job import Job
@@ -154,6 +153,7 @@ def _job_of(config: JobConfig, where: str) -> Job:
 
 
 def _load_module(file: Path, settings: dict[str, Any]) -> LoadedJob:
+    from coordinator.runtime.devices import local_resources
     from coordinator.runtime.factories import job_imports
     from coordinator.runtime.job import Job
 
@@ -181,7 +181,7 @@ def _load_module(file: Path, settings: dict[str, Any]) -> LoadedJob:
         except Exception as exc:
             raise JobSpecError(f"{where}: job() raised {_located(exc)}") from exc
     if isinstance(made, Job):
-        if made.fixed_plan is not None or made.resources != Resources.local(made.config.runtime.workers):
+        if made.fixed_plan is not None or made.resources != local_resources(made.config.runtime):
             raise JobSpecError(f"{where}: job() returned a Job with its own resources= or plan=, which a job "
                                "file does not carry; return the Job without them (runtime.workers sets the "
                                "local workers)")
