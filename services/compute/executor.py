@@ -46,6 +46,15 @@ NCCL receives into and sends from device buffers directly; a zmq or gloo pipelin
 CPU buffers, copied to the device once they arrived, and sends copies on the CPU. The losses are
 read back once, at the end of the step (one synchronisation of the device, not one per microbatch).
 
+[Note: one NCCL communicator per direction]
+NCCL runs the transfers between two ranks of a communicator one after the other, in the order
+each rank issues them, and a send larger than NCCL's buffer waits for its receive. A 1F1B stage
+sends the next microbatch's activations before it receives the gradients its neighbour sends
+first, so on one communicator both sends would wait forever. Over NCCL, gradients therefore travel
+on a communicator of their own (a second process group over the pipeline's ranks, made at the
+first step): on each, one side only sends and the other only receives, in the same order. zmq and
+gloo transfers do not wait on each other.
+
 Every wait is bounded by the step's deadline; errors are raised as :class:`StepFailed`
 naming the stage, the step and the action.
 """
@@ -54,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -122,7 +132,8 @@ class StepExecutor:
         self._grad_path = grad_path
         backwards = [k for k, a in enumerate(request.actions) if a.kind == "B"]
         self._last_backward = backwards[-1] if backwards else None
-        self._comm = comm
+        self._comm = comm  # activations (SEND_F, RECV_F)
+        self._grad_comm = comm  # gradients (SEND_B, RECV_B): see run()
         self._request = request
         self._trains = trains
         self._deadline = deadline
@@ -156,6 +167,12 @@ class StepExecutor:
                     "RECV_F": self._recv_act, "SEND_B": self._send_grad, "RECV_B": self._recv_grad}
         action: Action | None = None
         phases: list[PhaseTiming] = []
+        try:
+            self._grad_comm = _gradient_channel(self._comm)
+        except Exception as exc:
+            raise StepFailed(f"stage {self._stage.index}, step {self._request.step}: making the pipeline's "
+                             f"gradient communicator: {type(exc).__name__}: {exc}",
+                             transfers_posted=False) from exc
         try:
             for k, action in enumerate(self._request.actions):
                 self._k = k
@@ -218,9 +235,10 @@ class StepExecutor:
         self._sends = [s for s in self._sends if pending[s[0]]]
 
     def _post_recvs(self, mb: _Microbatch, action: Action, buffers: _Buffers) -> None:
-        assert self._comm is not None and action.peer is not None
+        comm = self._comm if action.kind == "RECV_F" else self._grad_comm
+        assert comm is not None and action.peer is not None
         m = action.microbatch
-        works = [self._comm.irecv(buf, action.peer, tag=transfer_tag(m, i)) for i, buf in buffers]
+        works = [comm.irecv(buf, action.peer, tag=transfer_tag(m, i)) for i, buf in buffers]
         self._posted = self._posted or bool(works)
         mb.recv_works[action.kind] = (self._k, works, buffers)
         if not works:
@@ -242,10 +260,11 @@ class StepExecutor:
         return [(i, buf.to(self._stage.device)) for i, buf in buffers]  # from the CPU unless NCCL's
 
     def _post_sends(self, action: Action, tensors: list[tuple[int, torch.Tensor]]) -> None:
-        assert self._comm is not None and action.peer is not None
+        comm = self._comm if action.kind == "SEND_F" else self._grad_comm
+        assert comm is not None and action.peer is not None
         for i, t in tensors:
             t = t.detach().to(self._wire).contiguous()  # a CPU copy unless NCCL's
-            work = self._comm.isend(t, action.peer, tag=transfer_tag(action.microbatch, i))
+            work = comm.isend(t, action.peer, tag=transfer_tag(action.microbatch, i))
             self._sends.append((self._k, work, t))
             self._posted = True
         if not tensors:
@@ -319,6 +338,23 @@ class StepExecutor:
     def _send_grad(self, mb: _Microbatch, action: Action) -> None:
         self._post_sends(action, mb.input_grads)
         mb.input_grads = []
+
+
+_GRADIENT_CHANNELS: weakref.WeakKeyDictionary[Communicator, Communicator] = weakref.WeakKeyDictionary()
+
+
+def _gradient_channel(comm: Communicator | None) -> Communicator | None:
+    """The communicator a pipeline's gradients travel on: ``comm`` itself, or over NCCL one of their own,
+    made once per pipeline communicator by every stage at its first step ([Note: one NCCL communicator per
+    direction])."""
+    if comm is None or comm.backend != "nccl":
+        return comm
+    channel = _GRADIENT_CHANNELS.get(comm)
+    if channel is None:
+        channel = comm.new_group(range(comm.world_size))
+        assert channel is not None  # every rank is a member
+        _GRADIENT_CHANNELS[comm] = channel
+    return channel
 
 
 def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:

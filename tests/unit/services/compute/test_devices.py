@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from comm.rpc import RpcClient, RpcError, ServiceHost
+from services.compute.executor import _gradient_channel
 from services.compute.service import CellComputeService
 from services.compute.stage import to_device
 from services.factories import FactoryAllowList
@@ -73,3 +74,24 @@ def test_a_one_stage_pipeline_on_a_gpu_matches_one_process() -> None:
     grads_ref, _, losses_ref = reference("skip_model")
     assert max(float((grads[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
     assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
+
+
+class _Pipeline:
+    """Stands in for a pipeline communicator: its backend, and the groups made of it."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.world_size, self.groups = backend, 2, 0
+
+    def new_group(self, ranks: range) -> _Pipeline:
+        assert list(ranks) == [0, 1]
+        self.groups += 1
+        return _Pipeline(self.backend)
+
+
+def test_nccl_pipelines_send_gradients_on_a_communicator_of_their_own() -> None:
+    # [Note: one NCCL communicator per direction]
+    nccl, zmq = _Pipeline("nccl"), _Pipeline("zmq")
+    channel = _gradient_channel(nccl)  # type: ignore[arg-type]
+    assert channel is not nccl and _gradient_channel(nccl) is channel and nccl.groups == 1  # made once
+    assert _gradient_channel(zmq) is zmq and zmq.groups == 0  # type: ignore[arg-type]
+    assert _gradient_channel(None) is None
