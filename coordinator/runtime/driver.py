@@ -186,8 +186,9 @@ class Runtime:
             JobFailed: A worker refused an assignment (a factory error, a bad option) or vanished.
         """
         plan, spec = self.plan, self.spec
+        cards = {w: card for w in self.workers if (card := self._card(w)) is not None}  # what each one has
         try:
-            placed = place_devices(plan, spec.devices, self.loop.members)
+            placed = place_devices(plan, spec.devices, cards)
         except DeviceError as exc:
             raise JobFailed(f"placing the stages: {exc}") from None
         log.info("[coordinator %s] %s", spec.run, placed)
@@ -410,10 +411,15 @@ class Runtime:
         """The incarnation of the process this runtime placed services on as ``worker``."""
         return self._incarnations.get(worker)
 
+    def _card(self, worker: str) -> WorkerCard | None:
+        """The card of the process registered as ``worker`` now (None: none is)."""
+        kv = self.loop.registry.get(f"{self.loop.prefix}{worker}")
+        return unpack(kv.value, WorkerCard) if kv is not None else None
+
     def _incarnation(self, worker: str) -> str | None:
         """The incarnation of the process registered as ``worker`` now (None: no card)."""
-        kv = self.loop.registry.get(f"{self.loop.prefix}{worker}")
-        return unpack(kv.value, WorkerCard).incarnation if kv is not None else None
+        card = self._card(worker)
+        return card.incarnation if card is not None else None
 
     def _gone(self, worker: str) -> bool:
         """Whether the process this runtime placed on ``worker`` is gone (its card vanished or another
