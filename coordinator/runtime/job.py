@@ -10,11 +10,12 @@ other field is its own name wherever it sits (``global_batch`` is ``data.global_
 :data:`~coordinator.planning.config.FLAT_KEYS` lists them all. A job names its model, data
 and loss by importable factories (``coordinator/runtime/factories.py``), so the workers build
 them themselves. ``plan()`` builds the model in this process, traces and profiles it on a
-sample microbatch and asks the planner (``coordinator/planning/planner.py``) with the config's
-plan section. ``fit(steps)`` runs the plan on the embedded
-local harness (``Resources`` describe local worker processes for now) and returns the loss
-history, the event log of every step and the final parameters as a plain ``state_dict``
-of the unwrapped model (:meth:`Job.build_model`; it loads with ``strict=True``).
+sample microbatch (on a GPU when the workers run on GPUs: ``coordinator/runtime/devices.py``) and
+asks the planner (``coordinator/planning/planner.py``) with the config's plan section.
+``fit(steps)`` runs the plan on the embedded local harness (``Resources`` describe local worker
+processes for now) and returns the loss history, the event log of every step and the final
+parameters as a plain ``state_dict`` of the unwrapped model (:meth:`Job.build_model`; it loads
+with ``strict=True``).
 
 Sessions. Outside a ``with job:`` block each ``fit`` starts the workers, trains from the
 factory's initial parameters and tears everything down. Inside one, the workers stay up
@@ -156,7 +157,8 @@ class Job:
         resources: The workers; default this machine's ``config.runtime.workers`` local workers, on a GPU
             each where ``runtime.device`` allows (``coordinator/runtime/devices.py``). Given, they
             replace the local workers the config describes (a cluster's, a custom description).
-        plan: A complete plan to use as is (the config's plan section is then not consulted).
+        plan: A complete plan to use as is (the config's plan section is then not consulted; the
+            resource list and ``runtime.device`` say where its stages run).
         log_dir: Where the local workers' output goes (``{worker}.log``); None: a temporary
             directory, kept only when a worker failed (``coordinator/runtime/harness.py``).
         **fields: The config's fields by their flat names (see the module docstring): ``model``,
