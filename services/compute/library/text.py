@@ -149,7 +149,8 @@ class TransformerBlock(Cell):
         require(width % heads == 0, cell, f"heads={heads} does not divide width={width}: choose a width that "
                 f"is a multiple of the heads")
         require(isinstance(mlp_ratio, int | float) and int(mlp_ratio * width) >= 1, cell,
-                f"mlp_ratio={mlp_ratio!r} gives an MLP hidden size int(mlp_ratio * width) below 1")
+                f"mlp_ratio must be a number giving an MLP hidden size int(mlp_ratio * width) of at least 1, "
+                f"got mlp_ratio={mlp_ratio!r} with width={width}")
         probability(cell, dropout=dropout)
         act = activation_layer(cell, activation)
         super().__init__(name, _Block(width, heads, int(mlp_ratio * width), act, norm, eps, dropout, causal,

@@ -45,7 +45,7 @@ def _norm2d(cell: str, kind: str, channels: int, groups: int | None) -> nn.Modul
     return nn.Identity()
 
 
-class ConvNormAct(nn.Module):
+class _ConvNormAct(nn.Module):
     """Conv2d (``conv``, padding ``kernel_size // 2``), norm (``norm``), activation (``act``; None: none)."""
 
     def __init__(self, cell: str, in_channels: int, out_channels: int, kernel_size: int, stride: int,
@@ -65,11 +65,11 @@ class _Residual(nn.Module):
     def __init__(self, cell: str, in_channels: int, out_channels: int, stride: int, norm: str,
                  groups: int | None, activation: str) -> None:
         super().__init__()
-        self.conv1 = ConvNormAct(cell, in_channels, out_channels, 3, stride, norm, groups,
+        self.conv1 = _ConvNormAct(cell, in_channels, out_channels, 3, stride, norm, groups,
                                  activation_layer(cell, activation))
-        self.conv2 = ConvNormAct(cell, out_channels, out_channels, 3, 1, norm, groups, None)
+        self.conv2 = _ConvNormAct(cell, out_channels, out_channels, 3, 1, norm, groups, None)
         project = stride != 1 or in_channels != out_channels
-        self.skip: nn.Module = (ConvNormAct(cell, in_channels, out_channels, 1, stride, norm, groups, None)
+        self.skip: nn.Module = (_ConvNormAct(cell, in_channels, out_channels, 1, stride, norm, groups, None)
                                 if project else nn.Identity())
         self.act = activation_layer(cell, activation)
 
@@ -129,7 +129,7 @@ class ConvBlock(Cell):
                     kernel_size=kernel_size, stride=stride)
         require(kernel_size % 2 == 1, cell, f"kernel_size must be odd (the padding keeps the size), got "
                 f"{kernel_size}")
-        super().__init__(name, ConvNormAct(cell, in_channels, out_channels, kernel_size, stride, norm,
+        super().__init__(name, _ConvNormAct(cell, in_channels, out_channels, kernel_size, stride, norm,
                                            norm_groups, activation_layer(cell, activation)))
 
 

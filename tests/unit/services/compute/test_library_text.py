@@ -155,7 +155,8 @@ def test_the_tied_head_shares_the_embeddings_table_and_sums_both_gradients() -> 
 
 @pytest.mark.parametrize(("build", "message"), [
     (lambda: TransformerBlock("b", 10, 3), "TransformerBlock 'b': heads=3 does not divide width=10"),
-    (lambda: TransformerBlock("b", 8, 2, mlp_ratio=0.1), "TransformerBlock 'b': mlp_ratio=0.1 gives"),
+    (lambda: TransformerBlock("b", 8, 2, mlp_ratio=0.1),
+     "TransformerBlock 'b': mlp_ratio must be a number .* got mlp_ratio=0.1 with width=8"),
     (lambda: TransformerBlock("b", 8, 2, norm="batch"), "TransformerBlock 'b': norm must be one of"),
     (lambda: TransformerBlock("b", 8, 2, dropout=-1), "TransformerBlock 'b': dropout must be a probability"),
     (lambda: TokenEmbedding("e", 0, 8, 4), "TokenEmbedding 'e': vocab must be a positive integer, got 0"),
