@@ -33,7 +33,17 @@ if TYPE_CHECKING:
     from coordinator.runtime.nonfinite import NonFiniteStep
     from services.compute.actions import ScheduleError
     from services.compute.cell import Cell, as_cells
-    from services.compute.cells import MLP, LMHead, TokenEmbedding, TransformerBlock
+    from services.compute.library import (
+        MLP,
+        ClassifierHead,
+        ConvBlock,
+        Dropout,
+        LMHead,
+        Norm,
+        ResidualBlock,
+        TokenEmbedding,
+        TransformerBlock,
+    )
 
 # name -> the module that defines it; imported on first access (PEP 562).
 _EXPORTS: dict[str, str] = {
@@ -46,11 +56,16 @@ _EXPORTS: dict[str, str] = {
     "Plan": "coordinator.planning.plan",
     "Cell": "services.compute.cell",
     "as_cells": "services.compute.cell",
-    # ready-made cells
-    "TokenEmbedding": "services.compute.cells",
-    "TransformerBlock": "services.compute.cells",
-    "LMHead": "services.compute.cells",
-    "MLP": "services.compute.cells",
+    # ready-made cells (services/compute/library)
+    "MLP": "services.compute.library",
+    "Norm": "services.compute.library",
+    "Dropout": "services.compute.library",
+    "TokenEmbedding": "services.compute.library",
+    "TransformerBlock": "services.compute.library",
+    "LMHead": "services.compute.library",
+    "ConvBlock": "services.compute.library",
+    "ResidualBlock": "services.compute.library",
+    "ClassifierHead": "services.compute.library",
     # errors
     "JobFailed": "coordinator.runtime.driver",
     "JobError": "coordinator.runtime.errors",
@@ -73,10 +88,13 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 __all__ = [
     "MLP",
     "Cell",
+    "ClassifierHead",
     "CommError",
     "CommTimeoutError",
     "ConfigError",
+    "ConvBlock",
     "CutError",
+    "Dropout",
     "FitResult",
     "Job",
     "JobConfig",
@@ -85,10 +103,12 @@ __all__ = [
     "LMHead",
     "Link",
     "NonFiniteStep",
+    "Norm",
     "PeerLostError",
     "Plan",
     "PlanningError",
     "RegistryError",
+    "ResidualBlock",
     "Resources",
     "ScheduleError",
     "TokenEmbedding",
