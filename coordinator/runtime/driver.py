@@ -298,9 +298,11 @@ class Runtime:
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))
 
-    def evaluate(self, step: int, batches: Sequence[Sequence[Sequence[int]]]) -> list[tuple[int, StepReply]]:
+    def evaluate(self, step: int, batches: Sequence[Sequence[Sequence[int]]]
+                 ) -> tuple[list[tuple[int, StepReply]], list[SavedPart]]:
         """Run one evaluation step on the held-out samples ``batches[r][m]`` (a replica with none sits it
-        out); the last stages' replies, with their replica. Commit the last step first (:meth:`commit`).
+        out); the last stages' replies, with their replica, and the checkpoint parts the replies report
+        (written since the last). Commit the last step first (:meth:`commit`).
 
         Raises:
             JobFailed: Naming the worker and the service.
@@ -318,7 +320,9 @@ class Runtime:
         replies = self._gather(ids, f"the evaluation after step {step}",
                                self.spec.step_timeout + timedelta(seconds=10), step)
         last = self.plan.num_stages - 1
-        return [(ids[i].replica, r.body) for i, r in replies.items() if ids[i].stage == last]
+        saved = [part for r in replies.values() if isinstance(r.body, StepReply) for part in r.body.saved]
+        return ([(ids[i].replica, r.body) for i, r in replies.items() if ids[i].stage == last],
+                [*saved, *self._shards.saved()])
 
     def commit(self, save: SaveRequest | None = None) -> list[SavedPart]:
         """Commit the last step run, if its commit has not gone out with a later step (``save`` rides

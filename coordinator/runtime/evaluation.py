@@ -44,7 +44,7 @@ from coordinator.planning.schedules import Schedule
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.factories import build_data
 from coordinator.runtime.records import EvalRecord
-from services.protocol import Action, ActionKind
+from services.protocol import Action, ActionKind, SavedPart
 
 if TYPE_CHECKING:
     from coordinator.runtime.driver import Runtime
@@ -168,16 +168,19 @@ class Evaluation:
         """Whether to evaluate once ``done`` steps are done, in a fit that ends at step ``end``."""
         return done == end or (self.every_steps is not None and done % self.every_steps == 0)
 
-    def run(self, runtime: Runtime, done: int) -> EvalRecord:
-        """Evaluate the model ``runtime`` holds after ``done`` steps (its last update committed).
+    def run(self, runtime: Runtime, done: int) -> tuple[EvalRecord, list[SavedPart]]:
+        """Evaluate the model ``runtime`` holds after ``done`` steps (its last update committed); the
+        checkpoint parts the services reported meanwhile (for the checkpointer).
 
         Raises:
             JobFailed: A service failed or vanished (naming it).
         """
         start = time.monotonic()
-        plan, sums = runtime.plan, HeldOutSums()
+        plan, sums, saved = runtime.plan, HeldOutSums(), []
         for batch in self.batches:
             split = split_eval_batch(batch, plan.data_parallel, plan.num_microbatches)
-            for replica, reply in runtime.evaluate(done, split):
+            replies, parts = runtime.evaluate(done, split)
+            saved += parts
+            for replica, reply in replies:
                 sums.add(split[replica], reply.losses, reply.metric_sums)
-        return sums.record(done, time.monotonic() - start)
+        return sums.record(done, time.monotonic() - start), saved

@@ -310,20 +310,20 @@ class Session:
             self.job.steps_done += 1
             records[k] = record
             if self.evaluation is not None and self.evaluation.due(self.job.steps_done, end):
-                record.eval = self._evaluate(runtime, end)
+                record.eval = self._evaluate(self.evaluation, runtime, end)
             if callback is not None:
                 callback(record)
             self._use_returned()
 
-    def _evaluate(self, runtime: Runtime, end: int) -> EvalRecord:
+    def _evaluate(self, evaluation: Evaluation, runtime: Runtime, end: int) -> EvalRecord:
         """Commit with the checkpoint due (the final one at ``end``), then evaluate (see evaluation.py)."""
-        assert self.evaluation is not None
         done, ckpt = self.job.steps_done, self.checkpointer
         due = ckpt is not None and runtime.can_save and (done == end or ckpt.due(done))
         saved = runtime.commit(ckpt.begin(self.trainer_state(done), runtime.parts) if ckpt and due else None)
+        evaluated, reported = evaluation.run(runtime, done)
         if ckpt is not None:
-            self._announce(ckpt.record(saved))
-        return self.evaluation.run(runtime, done)
+            self._announce(ckpt.record([*saved, *reported]))
+        return evaluated
 
     def _finish(self, end: int) -> dict[str, torch.Tensor]:
         """Commit the last step (with the final checkpoint, if the job takes any); collect the state."""

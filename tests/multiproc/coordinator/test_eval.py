@@ -6,8 +6,9 @@ fit) on 37 held-out samples, an uneven number: the last batch and its microbatch
 Every evaluation is compared with ``coordinator.runtime.reference.train_reference``, which
 evaluates one process's model on the whole held-out set in one forward (< 1e-9). A model
 with BatchNorm and dropout trains to bit-identical parameters and buffers with and without
-evaluation. ``cellmesh run``'s path (``commands.run.train``, on this harness) writes the
-evaluations to the run record and TensorBoard.
+evaluation, and the checkpoints due where it evaluates hold their steps' models. ``cellmesh
+run``'s path (``commands.run.train``, on this harness) writes the evaluations to the run
+record and TensorBoard.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from coordinator.commands.jobspec import load_job
 from coordinator.commands.run import RunOptions, train
 from coordinator.commands.rundir import RunRecord
 from coordinator.planning.resources import Resources
+from coordinator.runtime.checkpoints import model_state
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.reference import max_abs_diff, train_reference
@@ -84,10 +86,19 @@ def test_pipeline_evaluation_equals_one_process(harness: LocalHarness) -> None:
                                       num_microbatches=4, schedule="1f1b"))
 
 
-def test_batchnorm_and_dropout_evaluate_in_eval_mode_and_change_nothing(harness: LocalHarness) -> None:
+def test_batchnorm_and_dropout_evaluate_in_eval_mode_and_change_nothing(harness: LocalHarness,
+                                                                        tmp_path: Path) -> None:
     # one microbatch: the BatchNorm's training statistics are the whole batch's, as in one process
     plan = dict(data_parallel=1, num_stages=2, num_microbatches=1, balance=[2, 3])
-    result = fit_and_compare(harness, make_job(f"{E}:bn_model", **plan))
+    job = make_job(f"{E}:bn_model", checkpoint_directory=str(tmp_path), checkpoint_every_steps=2,
+                   checkpoint_keep=3, **plan)
+    result = fit_and_compare(harness, job)
+    # the checkpoints due where the job evaluates ride on the evaluation's commit: each holds its step's model
+    assert [p.name for p in sorted(tmp_path.glob("step-*"))] == ["step-00000002", "step-00000004",
+                                                                 "step-00000005"]
+    assert max_abs_diff(model_state(tmp_path / "step-00000002"), train_reference(job, 2).state_dict) < TOL
+    final = model_state(tmp_path / "step-00000005")
+    assert all(torch.equal(final[k], v) for k, v in result.state_dict.items())
     plain = make_job(f"{E}:bn_model", evaluate=False, **plan)
     with plain.attach(harness):
         without = plain.fit(STEPS)
