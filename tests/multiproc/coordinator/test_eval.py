@@ -137,6 +137,8 @@ def test_a_run_with_an_eval_section_records_its_evaluations(harness: LocalHarnes
     for e in evals:
         line = f"eval after step {e.step}/3  loss {e.loss:.4f}  metric {e.metric:.4f}  (37 samples"
         assert line in out.getvalue(), out.getvalue()
+    assert (f"held-out loss {evals[-1].loss:.4f}  metric {evals[-1].metric:.4f} after step 3 (37 samples; "
+            "2 evaluation(s) in run.json)") in out.getvalue()
     accumulator = EventAccumulator(str(tensorboard))
     accumulator.Reload()
     for name, values in (("eval/loss", [e.loss for e in evals]), ("eval/metric", [e.metric for e in evals])):
