@@ -1,7 +1,8 @@
 """Factory resolution: the one place where a ``"package.module:function"`` name becomes an object.
 
-A job names its factories (the model, the data, the loss: every section of its spec with a
-``factory`` key); code is never shipped. Two kinds of caller turn names into objects:
+A job names its factories (the model, the data, the loss, the held-out data: every section of
+its spec with a ``factory`` key; and the ``eval`` section's ``metric``); code is never
+shipped. Two kinds of caller turn names into objects:
 
 * the coordinator, for the job config it was given (``coordinator/runtime/factories.py``):
   :func:`resolve`;
@@ -49,6 +50,9 @@ __all__ = ["FactoryAllowList", "FactoryError", "check_name", "factories_in_spec"
 _IDENTIFIER = r"[A-Za-z_]\w*"
 _NAME = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*")
 _STDLIB = frozenset(sys.stdlib_module_names)
+# the keys besides ``factory`` that name a factory, by section: exactly these, no pattern (an allow-list
+# grows only by a name written here)
+_MORE_FACTORIES: dict[str, tuple[str, ...]] = {"eval": ("metric",)}
 
 
 class FactoryError(ValueError):
@@ -118,13 +122,14 @@ def resolve(name: str, *, what: str) -> Any:
 
 
 def factories_in_spec(spec: Mapping[str, Any]) -> list[str]:
-    """Every factory a job spec names: each top-level section's ``factory`` (sorted, once each).
+    """Every factory a job spec names: each top-level section's ``factory``, and the ``eval`` section's
+    ``metric`` (sorted, once each).
 
     Works on the raw mapping (a spec file as read, or ``JobConfig.model_dump()``), so a worker
     needs no more of the config than this.
     """
-    found = {section["factory"] for section in spec.values()
-             if isinstance(section, Mapping) and isinstance(section.get("factory"), str)}
+    found = {section[key] for name, section in spec.items() if isinstance(section, Mapping)
+             for key in ("factory", *_MORE_FACTORIES.get(name, ())) if isinstance(section.get(key), str)}
     return sorted(found)
 
 

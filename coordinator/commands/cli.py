@@ -74,7 +74,7 @@ def _metavar(annotation: Any) -> str:
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config field (see [Note: config flags]), grouped by section, with its aliases."""
-    from coordinator.planning.config import JobConfig, settable_fields
+    from coordinator.planning.config import JobConfig, section_of, settable_fields
 
     aliases: dict[str, list[str]] = {}
     for short, key in ALIASES.items():
@@ -83,7 +83,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for key, info in settable_fields():
         section, _, field = key.rpartition(".")
         if section not in groups:
-            doc = (JobConfig.model_fields[section].annotation.__doc__ or "") if section else (
+            doc = (section_of(JobConfig.model_fields[section]).__doc__ or "") if section else (
                 "Every field of the job config (docs/running.md); a flag given changes the job file's value.")
             title = f"job config: {section}" if section else "job config"
             groups[section] = parser.add_argument_group(title, doc.split("\n")[0].replace("``", ""))

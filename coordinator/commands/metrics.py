@@ -14,14 +14,18 @@ serve a :class:`RunMetrics` registry through :class:`~services.host.health.Healt
 ``cellmesh_coordinator_seconds``       the coordinator's own time in the last step
 ``cellmesh_workers``                   workers the job trains on
 ``cellmesh_done``                      1 once the final state_dict is written
+``cellmesh_eval_loss``                 mean loss over the held-out samples at the last evaluation
+``cellmesh_eval_metric``               mean metric over the held-out samples at the last evaluation
+``cellmesh_eval_step``                 steps done at the last evaluation
 ``cellmesh_bytes_sent_total``          tensor bytes sent, by ``backend`` (``zmq``, ``gloo``, ``nccl``)
 ``cellmesh_refused_frames_total``      messages from peers refused, by ``reason``
 ``cellmesh_refused_connections_total`` handshakes refused, by ``reason``
 ====================================== ===============================================================
 
-The last three are the job's traffic: the sum of every worker's latest counters (each
-reports its process's with its step replies, kept on ``StepRecord.traffic``) and the
-coordinator process's own, read at scrape time. Their names and meaning are
+The ``eval`` gauges appear at a job's first evaluation (``coordinator/runtime/evaluation.py``;
+``cellmesh_eval_metric`` if it has a metric). The last three are the job's traffic: the sum of
+every worker's latest counters (each reports its process's with its step replies, kept on
+``StepRecord.traffic``) and the coordinator process's own, read at scrape time. Their names and meaning are
 :class:`~services.host.health.TrafficCollector`'s, which a worker's own ``/metrics`` shows
 for its process alone.
 """
@@ -60,6 +64,7 @@ class RunMetrics:
                                       buckets=STEP_SECONDS_BUCKETS)
         self.coordinator_seconds = Gauge("cellmesh_coordinator_seconds",
                                          "Coordinator's own time in the last step", registry=r)
+        self._eval: dict[str, Gauge] = {}  # made at the first evaluation: a job without one shows none
         self.workers_traffic: dict[str, TrafficCounts] = {}  # each worker's latest, replaced per step
         r.register(TrafficCollector(self.traffic))
 
@@ -68,7 +73,8 @@ class RunMetrics:
         return total([snapshot(), *self.workers_traffic.values()])
 
     def observe(self, record: StepRecord) -> None:
-        """Count a finished step: step, loss, throughput, step time, the coordinator's share, traffic."""
+        """Count a finished step: step, loss, throughput, step time, the coordinator's share, traffic, and
+        the evaluation after it if one ran."""
         self.step.inc()
         self.loss.set(record.loss)
         self.samples_per_s.set(samples_per_second(record))
@@ -76,3 +82,16 @@ class RunMetrics:
         self.coordinator_seconds.set(record.coordinator_s)
         # a new dict, never one changed in place: a scrape reads it from another thread
         self.workers_traffic = {**self.workers_traffic, **record.traffic}
+        if record.eval is not None:
+            values = {"step": record.eval.step, "loss": record.eval.loss, "metric": record.eval.metric}
+            for name, value in values.items():
+                if value is not None:
+                    self._eval_gauge(name).set(value)
+
+    def _eval_gauge(self, name: str) -> Gauge:
+        """The gauge ``cellmesh_eval_{name}`` (registered on first use)."""
+        if name not in self._eval:
+            what = "Steps done" if name == "step" else f"Mean {name} over the held-out samples"
+            self._eval[name] = Gauge(f"cellmesh_eval_{name}", f"{what} at the last evaluation",
+                                     registry=self.registry)
+        return self._eval[name]

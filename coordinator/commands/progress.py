@@ -10,6 +10,11 @@ once a second one exists (but not out of :attr:`Throughput.overall`).
 The line format, one line per ``every`` steps and for the last step::
 
     step   10/150  loss 2.4123  samples/s   412.5  elapsed    1.9s
+
+and one line per evaluation on the held-out data (``StepRecord.eval``), after its step's; the
+bar shows the last one in its postfix::
+
+    eval after step   10/150  loss 2.5011  metric 0.8125  (37 samples, 0.2s)
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from typing import Protocol, TextIO
 
 from tqdm import tqdm
 
-from coordinator.runtime.records import StepRecord
+from coordinator.runtime.records import EvalRecord, StepRecord
 
-__all__ = ["BarProgress", "LineProgress", "Progress", "Throughput", "log_interval", "make_progress"]
+__all__ = ["BarProgress", "LineProgress", "Progress", "Throughput", "describe_eval", "log_interval",
+           "make_progress"]
 
 WINDOW = 10  # steps in the throughput window
 
@@ -100,6 +106,12 @@ def log_interval(steps: int, lines: int = 20) -> int:
         scale *= 10
 
 
+def describe_eval(record: EvalRecord) -> str:
+    """An evaluation's loss and metric, for people: ``loss 2.5011  metric 0.8125``."""
+    metric = f"  metric {record.metric:.4f}" if record.metric is not None else ""
+    return f"loss {record.loss:.4f}{metric}"
+
+
 class LineProgress:
     """One plain line per ``every`` steps (and the last), flushed: for logs and pipes."""
 
@@ -118,6 +130,11 @@ class LineProgress:
             print(f"step {self.done:>{width}}/{self.total}  loss {record.loss:.4f}  "
                   f"samples/s {self.throughput.recent:>7.1f}  elapsed {self.throughput.elapsed:>6.1f}s",
                   file=self.out, flush=True)
+        done = record.eval
+        if done is not None:
+            width = len(str(self.total))
+            print(f"eval after step {self.done:>{width}}/{self.total}  {describe_eval(done)}  "
+                  f"({done.num_samples} samples, {done.seconds:.1f}s)", file=self.out, flush=True)
 
     def close(self) -> None:
         pass
@@ -131,11 +148,14 @@ class BarProgress:
         # the terminal's width; a pseudo-terminal without a size reports 0, which hides tqdm's bar
         width = shutil.get_terminal_size((100, 24)).columns
         self._bar = tqdm(total=total, file=out, unit="step", ncols=width, leave=True)
+        self._eval = ""  # the last evaluation, shown until the next
 
     def update(self, record: StepRecord) -> None:
         self.throughput.add(record)
-        self._bar.set_postfix_str(f"loss {record.loss:.4f}, {self.throughput.recent:.1f} samples/s",
-                                  refresh=False)
+        if record.eval is not None:
+            self._eval = f", eval {describe_eval(record.eval).removeprefix('loss ')}"
+        self._bar.set_postfix_str(
+            f"loss {record.loss:.4f}{self._eval}, {self.throughput.recent:.1f} samples/s", refresh=False)
         self._bar.update(1)
 
     def close(self) -> None:

@@ -7,11 +7,13 @@ reads its :meth:`~RunRecorder.status` for the ``status`` RPC. Inside ``with reco
 
 * the coordinator process's log records also go to ``coordinator.log`` (``comm/logs.py``);
 * every finished step (:meth:`~RunRecorder.on_step`) updates the record (step, loss,
-  samples/s), the Prometheus metrics (``coordinator/commands/metrics.py``; the job's traffic
-  from the workers' counters on the step record among them), the trace
+  samples/s, and the evaluation after it, if one ran: ``evals``), the Prometheus metrics
+  (``coordinator/commands/metrics.py``; the job's traffic from the workers' counters on the
+  step record among them), the trace
   (``coordinator/runtime/trace.py``) and, with a TensorBoard directory (the config's
   ``logging.tensorboard_dir``), the scalars ``loss`` and ``samples_per_s`` at global step
-  ``record.step + 1`` (the step's number as the progress lines count it);
+  ``record.step + 1`` (the step's number as the progress lines count it), and ``eval/loss``
+  and ``eval/metric`` at the steps evaluated;
 * with a metrics port (``logging.metrics_port``) it serves ``/metrics`` (and ``/healthz``,
   ``/readyz``) on 127.0.0.1 at that port;
 * ``run.json`` is rewritten at each change of phase; at the end, ``trace.json`` is written
@@ -31,7 +33,7 @@ from typing import Any
 
 from comm.logs import log_to_file
 from coordinator.commands.metrics import RunMetrics, samples_per_second
-from coordinator.commands.rundir import RunDir, RunRecord, write_atomic
+from coordinator.commands.rundir import EvalEntry, RunDir, RunRecord, write_atomic
 from coordinator.planning.plan import Plan
 from coordinator.runtime.records import StepRecord
 from coordinator.runtime.trace import TraceRecorder
@@ -109,14 +111,23 @@ class RunRecorder:
     def on_step(self, record: StepRecord) -> None:
         """Count a finished step in the record, the metrics, the trace and TensorBoard."""
         speed = samples_per_second(record)
+        done = record.eval
         with self._lock:
-            self._record = self._record.model_copy(
-                update={"step": record.step + 1, "loss": record.loss, "samples_per_s": speed})
+            update: dict[str, object] = {"step": record.step + 1, "loss": record.loss, "samples_per_s": speed}
+            if done is not None:  # a step trained again after a failure replaces its evaluation
+                entry = EvalEntry(step=done.step, loss=done.loss, metric=done.metric,
+                                  num_samples=done.num_samples)
+                update["evals"] = [*(e for e in self._record.evals if e.step < done.step), entry]
+            self._record = self._record.model_copy(update=update)
         self.metrics.observe(record)
         self.trace.add(record)
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("loss", record.loss, record.step + 1)
             self._tensorboard.add_scalar("samples_per_s", speed, record.step + 1)
+            if done is not None:
+                self._tensorboard.add_scalar("eval/loss", done.loss, done.step)
+                if done.metric is not None:
+                    self._tensorboard.add_scalar("eval/metric", done.metric, done.step)
 
     # -- lifecycle ------------------------------------------------------------------------
 

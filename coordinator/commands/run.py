@@ -53,7 +53,7 @@ from torch import nn
 
 from coordinator.commands.jobspec import JobSpecError, LoadedJob, load_job
 from coordinator.commands.output import apply_logging, open_recorder
-from coordinator.commands.progress import make_progress
+from coordinator.commands.progress import describe_eval, make_progress
 from coordinator.commands.recorder import RunRecorder
 from coordinator.commands.rundir import RunDir, previous_checkpoint_roots
 from coordinator.planning.profile import format_bytes
@@ -288,7 +288,8 @@ def describe_recovery(recovery: Recovery) -> str:
 
 
 def summary(result: RunResult) -> str:
-    """The closing lines: loss at the start and the end, throughput, where the run's files are."""
+    """The closing lines: loss at the start and the end, throughput, the last evaluation, where the run's
+    files are."""
     losses, state = result.fit.losses, result.fit.state_dict
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     lines = []
@@ -300,6 +301,10 @@ def summary(result: RunResult) -> str:
                      f"(mean of the last {len(tail)}: {sum(tail) / len(tail):.4f})")
     else:
         lines.append("done: 0 steps; the state_dict holds the initial parameters")
+    if result.fit.evals:
+        last = result.fit.evals[-1]
+        lines.append(f"held-out {describe_eval(last)} after step {last.step} ({last.num_samples} samples; "
+                     f"{len(result.fit.evals)} evaluation(s) in run.json)")
     copy = f" and {result.output}" if result.output is not None else ""
     lines.append(f"state_dict ({len(state)} tensors, {format_bytes(nbytes)}) written to "
                  f"{result.run_dir.model}{copy}")

@@ -6,7 +6,7 @@ directories) or use the job config's ``logging.run_dir`` (``--run-dir DIR``) as 
 
     plan.json          the chosen plan (Plan.to_json; Plan.from_json reads it back)
     plan.txt           the plan as printed
-    run.json           the run record (a RunRecord: job, phase, steps, last loss, error...)
+    run.json           the run record (a RunRecord: job, phase, steps, last loss, evaluations, error...)
     coordinator.log    the coordinator process's log records
     workers/NAME.log   each local worker process's stdout and stderr
     trace.json         the measured steps as a Chrome trace (coordinator/runtime/trace.py)
@@ -29,12 +29,22 @@ from pydantic import Field
 
 from comm.codec import Message
 
-__all__ = ["DEFAULT_ROOT", "Phase", "RunDir", "RunRecord", "previous_checkpoint_roots", "write_atomic"]
+__all__ = ["DEFAULT_ROOT", "EvalEntry", "Phase", "RunDir", "RunRecord", "previous_checkpoint_roots",
+           "write_atomic"]
 
 DEFAULT_ROOT = Path("out")
 MAX_SUFFIX = 1000  # runs of one job started in the same second
 
 Phase = Literal["starting", "waiting", "training", "done", "failed"]
+
+
+class EvalEntry(Message):
+    """One evaluation on the held-out data: after ``step`` steps, mean loss and metric over its samples."""
+
+    step: int = Field(ge=0)
+    loss: float
+    metric: float | None = None
+    num_samples: int = Field(ge=0)
 
 
 class RunRecord(Message):
@@ -55,6 +65,7 @@ class RunRecord(Message):
     resumed_from: str = ""  # the checkpoint the run started from
     # each failure the run survived, in one line: when, which worker, why, what was done, from which step
     recoveries: list[str] = Field(default_factory=list, max_length=1 << 12)
+    evals: list[EvalEntry] = Field(default_factory=list, max_length=1 << 16)  # each evaluation, in step order
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -7,6 +7,8 @@ from and what the command line's settings change. Its sections:
 - ``model``, ``data``, ``loss``: the factories the workers import by name
   (``"package.module:function"``) and their keyword arguments; ``data`` also holds the
   global batch, the sample count, the shuffle and the seed;
+- ``eval`` (optional, unset by default): held-out data evaluated on the training plan every
+  N steps and at the end of ``fit`` (``coordinator/runtime/evaluation.py``);
 - ``optimizer``: a ``torch.optim`` class name and its arguments;
 - ``plan``: the plan fields to fix (:class:`PlanConfig`; the planner chooses the rest);
 - ``checkpoint``: where checkpoints go, how often, how many are kept
@@ -40,10 +42,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-__all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "FactoryKwargs",
-           "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig", "OptimizerConfig", "PlanConfig",
-           "RuntimeConfig", "Strategy", "apply_settings", "describe_validation", "from_flat", "parse_config",
-           "settable_fields", "setting_value"]
+__all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "EvalConfig",
+           "FactoryKwargs", "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig",
+           "OptimizerConfig", "PlanConfig", "RuntimeConfig", "Strategy", "apply_settings",
+           "describe_validation", "from_flat", "parse_config", "section_of", "settable_fields",
+           "setting_value"]
 
 Mode = Literal["collective", "parameter_server"]
 Strategy = Literal["auto", "data_parallel", "pipeline"]
@@ -92,6 +95,30 @@ class LossConfig(_Section):
 
     factory: FactoryName = Field(description="the loss factory, 'package.module:function'")
     kwargs: FactoryKwargs = Field(default_factory=dict, description="its keyword arguments (plain values)")
+
+
+class EvalConfig(_Section):
+    """Held-out data, evaluated on the training plan after every N steps and at the end of ``fit``.
+
+    The factory has ``data.factory``'s contract (seeded alike, ``num_samples`` for a loader); the
+    whole held-out set is evaluated in order, in batches of ``global_batch`` (the last may be
+    short). The reported loss and metric are means over the held-out samples
+    (``coordinator/runtime/evaluation.py``).
+    """
+
+    factory: FactoryName = Field(description="the held-out data factory: (inputs, targets), or a "
+                                             "load(indices) callable")
+    kwargs: FactoryKwargs = Field(default_factory=dict, description="its keyword arguments (plain values)")
+    every_steps: Positive | None = Field(default=None, description="evaluate after every N steps (and always "
+                                                                   "at the end of fit)")
+    global_batch: Positive | None = Field(default=None, description="held-out samples per evaluation step "
+                                                                    "(default data.global_batch)")
+    num_samples: Positive | None = Field(default=None, description="held-out samples a load(indices) "
+                                                                   "factory serves")
+    metric: FactoryName | None = Field(default=None,
+                                       description="a factory returning metric(output, targets) -> one "
+                                                   "value per sample, or their mean (reported as its mean "
+                                                   "over the held-out samples)")
 
 
 class OptimizerConfig(_Section):
@@ -244,6 +271,7 @@ class JobConfig(_Section):
     model: ModelConfig
     data: DataConfig
     loss: LossConfig
+    eval: EvalConfig | None = None
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -295,7 +323,9 @@ def apply_settings(raw: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[
             raise ConfigError(f"setting {key!r}: not a dotted key like plan.num_stages")
         node = out
         for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an optional section left unset (eval: null)
+                node[part] = {}
+            child = node[part]
             if not isinstance(child, dict):
                 raise ConfigError(f"setting {key!r}: {'.'.join(parts[:i + 1])!r} is a value, not a section")
             node = child
@@ -310,7 +340,7 @@ def _copy(raw: Mapping[str, Any]) -> dict[str, Any]:
 def settable_fields() -> Iterator[tuple[str, FieldInfo]]:
     """Every field a setting may name, as ``(dotted key, field)``: top-level values, then each section's."""
     for name, info in JobConfig.model_fields.items():
-        section = _section_of(info)
+        section = section_of(info)
         if section is None:
             if name != "version":
                 yield name, info
@@ -319,8 +349,12 @@ def settable_fields() -> Iterator[tuple[str, FieldInfo]]:
             yield f"{name}.{field}", sub
 
 
-def _section_of(info: FieldInfo) -> type[_Section] | None:
+def section_of(info: FieldInfo) -> type[_Section] | None:
+    """The section model of a :class:`JobConfig` field (an optional one's too: ``eval``), else None."""
     kind = info.annotation
+    if get_origin(kind) in (Union, types.UnionType):
+        kinds = [a for a in get_args(kind) if a is not type(None)]
+        kind = kinds[0] if len(kinds) == 1 else None
     return kind if isinstance(kind, type) and issubclass(kind, _Section) else None
 
 
@@ -355,7 +389,7 @@ def _textual(annotation: Any) -> bool:
 
 
 # sections whose fields are vague alone (level, format, directory, keep): flat, they keep the section's name
-_PREFIXED_SECTIONS = ("checkpoint", "logging")
+_PREFIXED_SECTIONS = ("checkpoint", "logging", "eval")
 
 
 def _flat_name(key: str) -> str:
@@ -380,9 +414,10 @@ def _flat_keys() -> dict[str, str]:
 
 
 # Job(**fields), one keyword per field: a section's factory or name is the section's name (model=,
-# optimizer=); its kwargs, and every field of the checkpoint and logging sections, are <section>_<field>
-# (model_kwargs=, logging_level=, checkpoint_keep=); any other field is its own name, wherever it sits
-# (global_batch -> data.global_batch, num_stages -> plan.num_stages, workers -> runtime.workers).
+# optimizer=, eval=); its kwargs, and every field of the checkpoint, logging and eval sections, are
+# <section>_<field> (model_kwargs=, logging_level=, checkpoint_keep=, eval_every_steps=); any other
+# field is its own name, wherever it sits (global_batch -> data.global_batch, num_stages ->
+# plan.num_stages, workers -> runtime.workers).
 FLAT_KEYS: dict[str, str] = _flat_keys()
 
 

@@ -23,7 +23,8 @@ step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
 :meth:`Runtime.state` calls first. A step that fails is never committed.
 
 A step whose loss or gradients are not finite is dropped or stops the job: see
-``coordinator/runtime/nonfinite.py``.
+``coordinator/runtime/nonfinite.py``. :meth:`Runtime.evaluate` runs an evaluation step on the
+held-out data (see [Note: how a job evaluates] in ``coordinator/runtime/evaluation.py``).
 
 Failure semantics: an error reply, a worker whose registry lease lapses (its card
 vanishes), or a round that outlasts its bound stops the job with :class:`JobFailed`
@@ -49,6 +50,7 @@ from coordinator.planning.devices import DeviceError
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
 from coordinator.runtime.devices import DeviceRequest, place_devices
+from coordinator.runtime.evaluation import forward_actions
 from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
 from coordinator.runtime.nonfinite import first_nonfinite, refuse
 from coordinator.runtime.records import StepRecord, _Service
@@ -117,6 +119,10 @@ class RunSpec:
     # checkpoint the services start from ("": the factories' values)
     state_keys: Mapping[str, list[str]] = field(default_factory=dict)
     restore: str = ""
+    # evaluation: the held-out data factory and the metric factory ("": none)
+    eval_data: str = ""
+    eval_data_kwargs: FactoryKwargs = field(default_factory=dict)
+    metric: str = ""
 
 
 def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
@@ -212,6 +218,7 @@ class Runtime:
                 replica=sv.replica, num_replicas=plan.data_parallel, grad_path=plan.mode,
                 dp_prefix=f"{gen}/dp/s{sv.stage}",
                 shards=shards[sv.stage], restore=spec.restore,
+                eval_data=spec.eval_data, eval_data_kwargs=spec.eval_data_kwargs, metric=spec.metric,
                 state_keys={k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes})
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
                                     cells=[st.start, st.stop], seed=spec.seed,
@@ -303,6 +310,32 @@ class Runtime:
                           skipped=bad is not None, replies=bodies, actions=self._actions,
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))
+
+    def evaluate(self, step: int, batches: Sequence[Sequence[Sequence[int]]]
+                 ) -> tuple[list[tuple[int, StepReply]], list[SavedPart]]:
+        """Run one evaluation step on the held-out samples ``batches[r][m]`` (a replica with none sits it
+        out); the last stages' replies, with their replica, and the checkpoint parts the replies report
+        (written since the last). Commit the last step first (:meth:`commit`).
+
+        Raises:
+            JobFailed: Naming the worker and the service.
+        """
+        assert not self._uncommitted, "commit the last step first: the evaluation must see its update"
+        timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
+        ids: dict[int, _Service] = {}
+        for sv in self.services:
+            mbs = batches[sv.replica]
+            if mbs:
+                request = RunStep(step=step, microbatches=[list(mb) for mb in mbs], source="eval",
+                                  actions=list(forward_actions(self.plan.num_stages, len(mbs))[sv.stage]),
+                                  zero_grad=False, timeout_ms=timeout_ms)
+                ids[self.loop.send(sv.worker, sv.name, "run_step", request, StepReply)] = sv
+        replies = self._gather(ids, f"the evaluation after step {step}",
+                               self.spec.step_timeout + timedelta(seconds=10), step)
+        last = self.plan.num_stages - 1
+        saved = [part for r in replies.values() if isinstance(r.body, StepReply) for part in r.body.saved]
+        return ([(ids[i].replica, r.body) for i, r in replies.items() if ids[i].stage == last],
+                [*saved, *self._shards.saved()])
 
     def commit(self, save: SaveRequest | None = None) -> list[SavedPart]:
         """Commit the last step run, if its commit has not gone out with a later step (``save`` rides

@@ -42,8 +42,8 @@ from services.compute.cell import Cell, as_cells
 from services.compute.stage import SampleError, SampleSource
 from services.factories import factories_in_spec, resolve
 
-__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "cells_of", "factory_path",
-           "job_factories", "job_imports", "made_by", "seeded", "unwrapped"]
+__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "build_metric", "cells_of",
+           "factory_path", "job_factories", "job_imports", "made_by", "seeded", "unwrapped"]
 
 FactoryRef = str | Callable[..., Any]
 
@@ -96,7 +96,7 @@ def factory_path(ref: FactoryRef, *, what: str, code_dir: str | None = None) -> 
 
 
 def job_factories(config: JobConfig) -> list[str]:
-    """The factories ``config`` names (model, data, loss: every section's): all its workers may build."""
+    """The factories ``config`` names (model, data, loss, eval and its metric): all its workers may build."""
     return factories_in_spec(config.model_dump())
 
 
@@ -154,18 +154,18 @@ def cells_of(path: str, made: Any) -> list[Cell]:
                        "list of modules or Cells") from None
 
 
-def build_data(path: str, kwargs: Mapping[str, Any], seed: int) -> SampleSource:
-    """The job's samples, seeded as the workers' are.
+def build_data(path: str, kwargs: Mapping[str, Any], seed: int, *, section: str = "data") -> SampleSource:
+    """The job's samples (``section="eval"``: its held-out samples), seeded as the workers' are.
 
     Raises:
         ValueError: The factory does not import.
         JobError: The factory raised, or returned neither a pair nor a loader, or inputs and
             targets of different lengths.
     """
-    data = resolve(path, what="data factory")
-    made = made_by(path, "data", lambda: seeded(seed, lambda: data(**kwargs)))
+    data = resolve(path, what=f"{section} factory")
+    made = made_by(path, section, lambda: seeded(seed, lambda: data(**kwargs)))
     try:
-        return SampleSource(made, what=f"data factory {path!r}")
+        return SampleSource(made, what=f"{section} factory {path!r}")
     except SampleError as exc:
         raise JobError(str(exc)) from None
 
@@ -182,5 +182,25 @@ def build_loss(path: str, kwargs: Mapping[str, Any]) -> Callable[[Any, Any], tor
     if not callable(made):
         raise JobError(f"loss factory {path!r} returned a {type(made).__name__}, not a callable "
                        "loss(output, targets)")
+    fn: Callable[[Any, Any], torch.Tensor] = made
+    return fn
+
+
+def build_metric(path: str) -> Callable[[Any, Any], torch.Tensor]:
+    """``metric(output, targets)`` from the eval section's metric factory (called without arguments).
+
+    Raises:
+        ValueError: The factory does not import.
+        JobError: The factory raised or returned something not callable.
+    """
+    factory = resolve(path, what="eval metric factory")
+    try:
+        made = factory()
+    except Exception as exc:
+        raise JobError(f"eval metric factory {path!r} raised {located(exc)}; fix the factory (it is called "
+                       "without arguments and returns metric(output, targets))") from exc
+    if not callable(made):
+        raise JobError(f"eval metric factory {path!r} returned a {type(made).__name__}, not a callable "
+                       "metric(output, targets)")
     fn: Callable[[Any, Any], torch.Tensor] = made
     return fn

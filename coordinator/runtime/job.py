@@ -2,9 +2,10 @@
 
 A job is its config (:class:`~coordinator.planning.config.JobConfig`), given whole or as flat
 keyword fields, one per config field: a section's factory or name is the section's name
-(``model=``, ``optimizer=``); its arguments, and every field of the ``checkpoint`` and
-``logging`` sections (whose names are vague alone), are ``<section>_<field>``
-(``model_kwargs=``, ``logging_level=``, ``logging_run_dir=``, ``checkpoint_keep=``); any
+(``model=``, ``optimizer=``, ``eval=``); its arguments, and every field of the ``checkpoint``,
+``logging`` and ``eval`` sections (whose names are vague alone), are ``<section>_<field>``
+(``model_kwargs=``, ``logging_level=``, ``logging_run_dir=``, ``checkpoint_keep=``,
+``eval_every_steps=``); any
 other field is its own name wherever it sits (``global_batch`` is ``data.global_batch``,
 ``num_stages`` is ``plan.num_stages``, ``workers`` is ``runtime.workers``).
 :data:`~coordinator.planning.config.FLAT_KEYS` lists them all. A job names its model, data
@@ -15,7 +16,8 @@ asks the planner (``coordinator/planning/planner.py``) with the config's plan se
 ``fit(steps)`` runs the plan on the embedded local harness (``Resources`` describe local worker
 processes for now) and returns the loss history, the event log of every step and the final
 parameters as a plain ``state_dict`` of the unwrapped model (:meth:`Job.build_model`; it loads
-with ``strict=True``).
+with ``strict=True``), and the evaluations on the held-out data if the job has an ``eval``
+section (``coordinator/runtime/evaluation.py``).
 
 Sessions. Outside a ``with job:`` block each ``fit`` starts the workers, trains from the
 factory's initial parameters and tears everything down. Inside one, the workers stay up
@@ -62,7 +64,7 @@ from coordinator.runtime.driver import RunSpec
 from coordinator.runtime.factories import build_cells, build_data, factory_path
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.preflight import Checked, check_job
-from coordinator.runtime.records import StepRecord
+from coordinator.runtime.records import EvalRecord, StepRecord
 from coordinator.runtime.session import Recovery, Session, resolve_resume
 from services.compute.cell import Cell, cell_parameters
 from services.compute.stage import to_device
@@ -78,13 +80,15 @@ OptimizerRef = str | type[torch.optim.Optimizer]
 
 @dataclass
 class FitResult:
-    """What ``fit`` returns: per-step losses, the final ``state_dict``, every step's record, the plan."""
+    """What ``fit`` returns: per-step losses, the final ``state_dict``, every step's record, the plan, the
+    evaluations on the held-out data (in step order)."""
 
     losses: list[float]
     state_dict: dict[str, torch.Tensor]
     steps: list[StepRecord] = field(default_factory=list)
     plan: Plan | None = None
     recoveries: list[Recovery] = field(default_factory=list)  # failures survived during this fit
+    evals: list[EvalRecord] = field(default_factory=list)
 
 
 def optimizer_spec(optimizer: OptimizerRef, kwargs: dict[str, Any]) -> OptimizerSpec:
@@ -109,9 +113,9 @@ def _named(fields: dict[str, Any]) -> dict[str, Any]:
         ValueError: A function is not importable by name, or a class is not ``torch.optim``'s.
     """
     named = dict(fields)
-    for key in ("model", "data", "loss"):
+    for key in ("model", "data", "loss", "eval", "eval_metric"):
         if callable(named.get(key)):
-            named[key] = factory_path(named[key], what=f"{key} factory")
+            named[key] = factory_path(named[key], what=f"{key.replace('_', ' ')} factory")
     if isinstance(named.get("optimizer"), type):
         named["optimizer"] = optimizer_spec(named["optimizer"], {}).name
     return named
@@ -179,8 +183,12 @@ class Job:
             config = from_flat(_named(fields))
         elif fields:
             raise TypeError(f"Job() takes a JobConfig or keyword fields, not both (got {sorted(fields)})")
-        for section, what in ((config.model, "model"), (config.data, "data"), (config.loss, "loss")):
-            factory_path(section.factory, what=f"{what} factory", code_dir=config.runtime.code_dir)
+        held_out = config.eval
+        named = {"model": config.model.factory, "data": config.data.factory, "loss": config.loss.factory,
+                 "eval": held_out and held_out.factory, "eval metric": held_out and held_out.metric}
+        for what, path in named.items():
+            if path:
+                factory_path(path, what=f"{what} factory", code_dir=config.runtime.code_dir)
         self.config = config
         self.optimizer = optimizer_spec(config.optimizer.name, dict(config.optimizer.kwargs))
         self.resources = resources or local_resources(config.runtime)
@@ -299,13 +307,15 @@ class Job:
         ``state_keys`` names each tensor in the model's ``state_dict`` (checkpoints); ``restore`` is the
         checkpoint the services start from.
         """
-        c = self.config
+        c, e = self.config, self.config.eval
         return RunSpec(job=workers_job, run=run, model=c.model.factory, data=c.data.factory,
                        loss=c.loss.factory, optimizer=self.optimizer, model_kwargs=c.model.kwargs,
                        data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
                        devices=DeviceRequest.of(c.runtime, self.resources), nonfinite=c.runtime.nonfinite,
                        step_timeout=timedelta(seconds=c.runtime.step_timeout_s),
-                       state_keys=dict(state_keys or {}), restore=restore)
+                       state_keys=dict(state_keys or {}), restore=restore,
+                       eval_data=e.factory if e else "", eval_data_kwargs=e.kwargs if e else {},
+                       metric=(e.metric or "") if e else "")
 
     # -- training -------------------------------------------------------------------------
 
@@ -378,4 +388,4 @@ class Job:
         if session.checkpointer is not None:  # beside the checkpoints: the final model as a plain file
             save_state_dict(state, session.checkpointer.root / FINAL_MODEL)
         return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=session.plan,
-                         recoveries=session.recoveries[done:])
+                         recoveries=session.recoveries[done:], evals=[r.eval for r in records if r.eval])

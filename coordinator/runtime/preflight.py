@@ -21,7 +21,10 @@ training. :func:`check_job` runs them in order, cheapest first:
 6. the sample through the cells one by one, then the loss: the first cell that fails is
    named with what it was given (``cell 'cell2' fails on the output of cell 'cell1', a
    [8, 12] float32 tensor: mat1 and mat2 shapes cannot be multiplied``), as is a loss that
-   does not take the model's output and the targets.
+   does not take the model's output and the targets;
+7. with an ``eval`` section, checks 5 and 6 on the held-out data (its size known, a sample
+   through the cells in eval mode, then the loss), and the metric: its factory builds, and
+   it returns one value per sample or one value (``services.compute.stage.metric_sum``).
 
 Failures are :class:`~coordinator.runtime.errors.JobError` (or ``PlanningError`` for a model
 no plan holds); ``cellmesh run`` prints them as one line and exits 2. What passed is kept
@@ -44,9 +47,18 @@ from coordinator.planning.planner import CellBytes, check_memory_floor
 from coordinator.planning.request import check_batch
 from coordinator.planning.resources import Resources
 from coordinator.runtime.errors import JobError, first_line, located
-from coordinator.runtime.factories import build_cells, build_data, build_loss, cells_of, seeded, unwrapped
+from coordinator.runtime.factories import (
+    build_cells,
+    build_data,
+    build_loss,
+    build_metric,
+    cells_of,
+    seeded,
+    unwrapped,
+)
 from services.compute.cell import Cell
-from services.compute.stage import SampleError
+from services.compute.executor import evaluating
+from services.compute.stage import SampleError, SampleSource, metric_sum
 from services.factories import resolve
 
 __all__ = ["Checked", "cell_bytes", "check_job", "model_structure", "sample_size"]
@@ -152,21 +164,23 @@ def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any,
 
 
 def _run_cells(config: JobConfig, cells: Sequence[Cell], inputs: Any, targets: Any,
-               loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
-    """Check 6: the sample through the cells one by one, then the loss, naming the first that fails.
+               loss_fn: Callable[[Any, Any], torch.Tensor], section: str = "data") -> Any:
+    """Check 6: the sample through the cells one by one, then the loss, naming the first that fails; the
+    model's output. ``section`` names where the sample came from (``"eval"``: the held-out data).
 
     Raises:
         JobError: A cell does not take what the one before it returns (or the first, the
             data's inputs), or the loss does not take the output and the targets.
     """
-    model, data, loss = config.model.factory, config.data.factory, config.loss.factory
+    model, loss = config.model.factory, config.loss.factory
+    data = config.eval.factory if section == "eval" and config.eval is not None else config.data.factory
     value = inputs
     with torch.no_grad(), use_snapshot(nn.Sequential(*cells)):
         for i, cell in enumerate(cells):
             try:
                 value = cell(value)
             except Exception as exc:
-                given = (f"the inputs of data factory {data!r}" if i == 0
+                given = (f"the inputs of {section} factory {data!r}" if i == 0
                          else f"the output of cell {cells[i - 1].name!r}")
                 kind = repr(cell.module) if "\n" not in repr(cell.module) else type(cell.module).__name__
                 raise JobError(f"model factory {model!r}: cell {cell.name!r} ({kind}) fails on {given}, "
@@ -176,12 +190,58 @@ def _run_cells(config: JobConfig, cells: Sequence[Cell], inputs: Any, targets: A
             result = loss_fn(value, targets)
         except Exception as exc:
             raise JobError(f"loss factory {loss!r} fails on the model's output, {describe_value(value)}, and "
-                           f"the targets of data factory {data!r}, {describe_value(targets)}: "
+                           f"the targets of {section} factory {data!r}, {describe_value(targets)}: "
                            f"{first_line(exc)}; make the model's output and the targets fit the "
                            "loss") from exc
     if not isinstance(result, torch.Tensor) or result.numel() != 1:
         raise JobError(f"loss factory {loss!r} returns {describe_value(result)}, not a one-element tensor; "
                        "reduce the loss to a scalar (reduction='mean')")
+    return value
+
+
+def _load(source: SampleSource, path: str, section: str, indices: list[int]) -> tuple[Any, Any]:
+    """Check 5: ``source`` loads the sample ``indices`` (the factory ``path`` of ``section``).
+
+    Raises:
+        JobError: The samples are inconsistent, or loading them raised.
+    """
+    try:
+        return source.load(indices)
+    except SampleError as exc:
+        raise JobError(str(exc)) from None
+    except Exception as exc:
+        raise JobError(f"{section} factory {path!r}: loading samples {indices} raised {located(exc)}; fix "
+                       "its load(indices)") from exc
+
+
+def _check_eval(config: JobConfig, cells: Sequence[Cell], loss_fn: Callable[[Any, Any], torch.Tensor],
+                size: int) -> None:
+    """Check 7: the held-out data, a sample of ``size`` through the cells in eval mode, the loss, the metric.
+
+    Raises:
+        JobError: Naming the eval factory or the metric, and the fix.
+    """
+    section = config.eval
+    assert section is not None
+    source = build_data(section.factory, section.kwargs, config.data.seed, section="eval")
+    n = section.num_samples or source.num_samples
+    if n is None:
+        raise JobError(f"eval factory {section.factory!r} returns a loader: give eval.num_samples")
+    if source.num_samples is not None and n > source.num_samples:
+        raise JobError(f"eval.num_samples={n} but eval factory {section.factory!r} returns "
+                       f"{source.num_samples} samples: lower eval.num_samples or leave it out")
+    metric_fn = build_metric(section.metric) if section.metric else None
+    inputs, targets = _load(source, section.factory, "eval", list(range(min(size, n))))
+    with evaluating(nn.Sequential(*cells)):
+        output = _run_cells(config, cells, inputs, targets, loss_fn, section="eval")
+        if metric_fn is not None:
+            try:
+                with torch.no_grad():
+                    metric_sum(metric_fn(output, targets), min(size, n), what="the metric")
+            except Exception as exc:
+                raise JobError(f"eval metric factory {section.metric!r}: on the model's output, "
+                               f"{describe_value(output)}, and the targets of eval factory "
+                               f"{section.factory!r}, {describe_value(targets)}: {first_line(exc)}") from exc
 
 
 def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checked:
@@ -210,15 +270,11 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
         _measure(config, resources, optimizer, built, cells)
     source = build_data(data.factory, data.kwargs, data.seed)
     loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
-    indices = list(range(min(sample_size(data.global_batch, resources.num_workers),
-                             source.num_samples or data.num_samples or SAMPLE_MAX)))
-    try:
-        inputs, targets = source.load(indices)
-    except SampleError as exc:
-        raise JobError(str(exc)) from None
-    except Exception as exc:
-        raise JobError(f"data factory {data.factory!r}: loading samples {indices} raised {located(exc)}; fix "
-                       "its load(indices)") from exc
+    size = sample_size(data.global_batch, resources.num_workers)
+    indices = list(range(min(size, source.num_samples or data.num_samples or SAMPLE_MAX)))
+    inputs, targets = _load(source, data.factory, "data", indices)
     _run_cells(config, cells, inputs, targets, loss_fn)
+    if config.eval is not None:
+        _check_eval(config, cells, loss_fn, size)
     sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
     return Checked(cells=cells, sample=sample)

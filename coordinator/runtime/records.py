@@ -1,4 +1,5 @@
-"""What a step leaves behind: its record (loss, samples, timings, checkpoint parts) and its events."""
+"""What a step leaves behind: its record (loss, samples, timings, checkpoint parts, the evaluation after
+it) and its events."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from comm.traffic import TrafficCounts
 from services.protocol import Action, SavedPart, StepReply
 
-__all__ = ["ActionEvent", "StepRecord"]
+__all__ = ["ActionEvent", "EvalRecord", "StepRecord"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,21 @@ class _Service:
     stage: int
 
 
+@dataclass(frozen=True)
+class EvalRecord:
+    """An evaluation on the held-out data (``coordinator/runtime/evaluation.py``).
+
+    ``step`` counts the steps done when it ran (the model after that many updates); ``loss`` and
+    ``metric`` (None without a metric) are means over the ``num_samples`` held-out samples.
+    """
+
+    step: int
+    loss: float
+    metric: float | None
+    num_samples: int
+    seconds: float = 0.0
+
+
 @dataclass
 class StepRecord:
     """A finished step: its loss, its samples, and the event log of every action.
@@ -45,6 +61,7 @@ class StepRecord:
     [Note: a step that is not finite]). The event log is built on first access.
 
     ``traffic``: each placed worker's latest counters (``comm/traffic.py``), from its step replies.
+    ``eval``: the evaluation run right after the step, if one was due.
     """
 
     step: int
@@ -58,6 +75,7 @@ class StepRecord:
     replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
     actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k
     traffic: dict[str, TrafficCounts] = field(default_factory=dict, repr=False)  # by worker
+    eval: EvalRecord | None = None
     _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
 
     @property

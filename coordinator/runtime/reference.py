@@ -6,22 +6,31 @@ sampler's global batch of each step in order, and runs one forward, one backward
 mean loss and one optimizer step per step. A step whose loss or gradients are not finite is
 treated as the job's ``runtime.nonfinite`` says (see [Note: a step that is not finite] in
 ``coordinator/runtime/nonfinite.py``): ``skip`` drops its optimizer step, ``stop`` raises.
+
+With an ``eval`` section it evaluates the model after the same steps as a fit of ``steps`` steps
+(every ``eval.every_steps`` and the last): the whole held-out set in one forward, with torch's own
+eval mode and ``no_grad``, the loss and the metric's mean over the held-out samples
+(:func:`evaluate_reference`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from coordinator.runtime.factories import build_cells, build_data, build_loss
+from coordinator.planning.config import JobConfig
+from coordinator.runtime.factories import build_cells, build_data, build_loss, build_metric
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.nonfinite import NonFiniteStep
+from coordinator.runtime.records import EvalRecord
 from services.compute.cell import cell_parameters
 from services.compute.stage import make_optimizer
 
-__all__ = ["max_abs_diff", "train_reference"]
+__all__ = ["evaluate_reference", "max_abs_diff", "train_reference"]
 
 
 def train_reference(job: Job, steps: int) -> FitResult:
@@ -41,6 +50,8 @@ def train_reference(job: Job, steps: int) -> FitResult:
     optimizer = make_optimizer(job.optimizer, params)
     sampler = job.sampler()
     losses: list[float] = []
+    evals: list[EvalRecord] = []
+    every = config.eval.every_steps if config.eval is not None else None
     for step in range(steps):
         inputs, targets = source.load(sampler.indices(step))
         optimizer.zero_grad(set_to_none=True)
@@ -56,8 +67,32 @@ def train_reference(job: Job, steps: int) -> FitResult:
             raise NonFiniteStep(f"step {step + 1}: the loss ({value}) or the gradients are not finite",
                                 step=step, stage=0, last_good_loss=good[-1] if good else None)
         losses.append(value)
+        if config.eval is not None and (step + 1 == steps or (every is not None and (step + 1) % every == 0)):
+            evals.append(evaluate_reference(config, whole, loss_fn, step + 1))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return FitResult(losses=losses, state_dict=state)
+    return FitResult(losses=losses, state_dict=state, evals=evals)
+
+
+def evaluate_reference(config: JobConfig, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                       step: int) -> EvalRecord:
+    """``model`` on ``config``'s whole held-out set in one forward (``model.eval()``, ``no_grad``, then
+    ``model.train()``): the loss, and the mean of the metric's per-sample values (or its one value)."""
+    section = config.eval
+    assert section is not None
+    source = build_data(section.factory, section.kwargs, config.data.seed, section="eval")
+    n = section.num_samples or source.num_samples
+    assert n is not None, "a loader needs eval.num_samples"
+    inputs, targets = source.load(list(range(n)))
+    model.eval()
+    with torch.no_grad():
+        output = model(inputs)
+        loss = float(loss_fn(output, targets))
+        metric = None
+        if section.metric is not None:
+            value = build_metric(section.metric)(output, targets).double()
+            metric = float(value.mean())
+    model.train()
+    return EvalRecord(step=step, loss=loss, metric=metric, num_samples=n)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -63,11 +63,12 @@ from coordinator.runtime.checkpoints import Checkpointer, TrainerState, model_st
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import JobFailed, Runtime
 from coordinator.runtime.errors import JobError
+from coordinator.runtime.evaluation import Evaluation
 from coordinator.runtime.factories import build_cells, job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import model_structure
-from coordinator.runtime.records import StepRecord
+from coordinator.runtime.records import EvalRecord, StepRecord
 from services.compute.cell import Cell, cell_parameters
 
 if TYPE_CHECKING:
@@ -180,6 +181,7 @@ class Session:
                              if section.directory is not None else None)
         self.loop: EventLoop | None = None
         self.runtime: Runtime | None = None
+        self.evaluation = Evaluation.of(config)  # None: the job evaluates nothing
         self.recoveries: list[Recovery] = []
         self.failures: list[JobFailed] = []
         # workers lost for good (no replacement came), with the incarnation that was lost
@@ -307,9 +309,21 @@ class Session:
                 self._announce(ckpt.record(record.saved))
             self.job.steps_done += 1
             records[k] = record
+            if self.evaluation is not None and self.evaluation.due(self.job.steps_done, end):
+                record.eval = self._evaluate(self.evaluation, runtime, end)
             if callback is not None:
                 callback(record)
             self._use_returned()
+
+    def _evaluate(self, evaluation: Evaluation, runtime: Runtime, end: int) -> EvalRecord:
+        """Commit with the checkpoint due (the final one at ``end``), then evaluate (see evaluation.py)."""
+        done, ckpt = self.job.steps_done, self.checkpointer
+        due = ckpt is not None and runtime.can_save and (done == end or ckpt.due(done))
+        saved = runtime.commit(ckpt.begin(self.trainer_state(done), runtime.parts) if ckpt and due else None)
+        evaluated, reported = evaluation.run(runtime, done)
+        if ckpt is not None:
+            self._announce(ckpt.record([*saved, *reported]))
+        return evaluated
 
     def _finish(self, end: int) -> dict[str, torch.Tensor]:
         """Commit the last step (with the final checkpoint, if the job takes any); collect the state."""

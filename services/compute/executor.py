@@ -18,7 +18,13 @@ spec) becomes a leaf with ``requires_grad``; on ``backward`` the stage runs
 ``loss * weight``), and ``SEND_B`` sends each such input's ``.grad`` (zeros if the
 input did not reach the outputs). Tensors without gradients cross the cut too; nothing
 comes back for them. Parameter gradients accumulate over the step's microbatches. A
-list without backwards (an evaluation step) runs its forwards without autograd.
+list without backwards runs its forwards without autograd.
+
+Evaluation steps (``RunStep.source = "eval"``, a list without backwards). The first and last
+stages read the held-out samples, and the last reports each microbatch's loss and, with a
+metric, the sum of its per-sample values (``services.compute.stage.metric_sum``). The service
+runs them inside :func:`evaluating`: the modules in eval mode, the RNG forked, so an evaluation
+changes nothing training sees.
 
 Loss weighting. With ``loss_reduction="mean"`` microbatch ``m`` of ``n_m`` samples
 contributes ``loss_m * n_m / N`` (``N`` samples in the step), so the gradients equal
@@ -64,6 +70,8 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -74,11 +82,11 @@ from comm.base import Communicator, Work
 from comm.factory import wire_device
 from services import faults
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
-from services.compute.stage import Stage, to_device
+from services.compute.stage import Stage, metric_sum, to_device
 from services.params.grad_path import GradientPath
 from services.protocol import MAX_NONFINITE_NAMED, Action, ActionKind, PhaseTiming, RunStep, StepReply
 
-__all__ = ["StepExecutor", "StepFailed", "nonfinite"]
+__all__ = ["StepExecutor", "StepFailed", "evaluating", "nonfinite"]
 
 _FAULT_PHASES: dict[str, faults.Phase] = {"F": "forward", "B": "backward"}
 
@@ -147,6 +155,8 @@ class StepExecutor:
         self._losses: list[torch.Tensor | None] = [None] * len(self._mbs) if stage.last else []
         # where the pipeline's backend takes its tensors: the stage's device (NCCL) or the CPU (zmq, gloo)
         self._wire = wire_device(comm.backend, stage.device) if comm is not None else stage.device
+        self._samples = stage.eval_samples if request.source == "eval" else stage.samples
+        self._metrics = [0.0] * len(self._mbs) if request.source == "eval" and stage.metric_fn else []
         self._posted = False
         self._k = 0
 
@@ -204,7 +214,8 @@ class StepExecutor:
             raise StepFailed(f"{at}: {type(exc).__name__}: {exc}", transfers_posted=self._posted) from exc
         ends = [e if e is not None else s for s, e in zip(self._starts, self._ends, strict=True)]
         return StepReply(step=self._request.step, stage=self._stage.index, losses=losses,
-                         starts=self._starts, ends=ends, phases=phases, nonfinite_grads=nonfinite)
+                         metric_sums=self._metrics, starts=self._starts, ends=ends, phases=phases,
+                         nonfinite_grads=nonfinite)
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -284,8 +295,8 @@ class StepExecutor:
     def _forward(self, mb: _Microbatch, action: Action) -> None:
         stage, m, grad = self._stage, action.microbatch, self._trains
         if stage.first or stage.last:
-            assert stage.samples is not None
-            inputs, mb.targets = to_device(stage.samples.load(mb.samples), stage.device)
+            assert self._samples is not None
+            inputs, mb.targets = to_device(self._samples.load(mb.samples), stage.device)
         if not stage.first:
             assert stage.incoming is not None
             buffers = self._wait_recvs(mb, "RECV_F",
@@ -304,6 +315,10 @@ class StepExecutor:
                                      f"{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
                 mb.loss = loss
                 self._losses[m] = loss.detach().reshape(())
+                if self._metrics:
+                    assert stage.metric_fn is not None
+                    self._metrics[m] = metric_sum(stage.metric_fn(out, mb.targets), len(mb.samples),
+                                                  what="the metric")
             else:
                 assert stage.outgoing is not None
                 mb.outputs = flatten(stage.outgoing, out, len(mb.samples), check_grad=grad,
@@ -367,6 +382,20 @@ def _read_back(losses: list[torch.Tensor | None]) -> list[float]:
     present = [t.to(torch.float64) for t in losses if t is not None]
     values = iter(torch.stack(present).tolist() if present else [])
     return [next(values) if t is not None else 0.0 for t in losses]
+
+
+@contextmanager
+def evaluating(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, every submodule of ``module`` is in eval mode and the CPU RNG is forked; on the way out
+    each submodule's own mode (a frozen BatchNorm's eval included) and the RNG state are as before."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def nonfinite(named: list[tuple[str, torch.Tensor]]) -> list[str]:

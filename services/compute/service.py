@@ -8,7 +8,10 @@ action list runs). RPC surface (service kind ``compute``):
   an invalid list is a ``bad_request`` and nothing runs), then run it on the service's
   step thread; the reply (per-microbatch losses on the last stage, per-action timings)
   is sent from that thread when the step ends, with the worker process's traffic counters
-  (``comm/traffic.py``) for the coordinator's metrics. ``step_failed`` if it fails.
+  (``comm/traffic.py``) for the coordinator's metrics. ``step_failed`` if it fails. An
+  evaluation step (``source="eval"``) must have no backward; it reads the held-out data, runs
+  in eval mode with the RNG untouched (``executor.evaluating``) and leaves the gradients as
+  they are (the coordinator sends it with ``zero_grad`` off).
 * ``parameters(Empty)`` / ``gradients(Empty) -> TensorsReply`` + tensors named
   ``"{cell}.{param}"`` (copies; ``gradients`` sends zeros for, and lists as ``missing``,
   parameters without a gradient).
@@ -60,6 +63,7 @@ abandoned step can be run again: with ``zero_grad`` it gives the same gradients)
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
@@ -80,7 +84,7 @@ from services.checkpoint.dcp import CheckpointFormatError
 from services.checkpoint.stage_state import Restored, Snapshot, apply_optimizer_state, load_stage, snapshot
 from services.checkpoint.writer import PartWriter
 from services.compute.actions import validate_stage
-from services.compute.executor import StepExecutor, StepFailed
+from services.compute.executor import StepExecutor, StepFailed, evaluating
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
 from services.factories import FactoryAllowList
 from services.link import PipelineLink
@@ -115,6 +119,15 @@ FLUSH_TIMEOUT = timedelta(seconds=600)  # writing the last checkpoint parts at t
 
 def _before_write(snap: Snapshot) -> None:
     faults.at(snap.step, "save")
+
+
+def _check_eval(stage: Stage, trains: bool) -> None:
+    """Raise ValueError unless the stage can run an evaluation step of a list that ``trains`` or not."""
+    if trains:
+        raise ValueError("an evaluation step (source 'eval') runs no backward")
+    if (stage.first or stage.last) and stage.eval_samples is None:
+        raise ValueError(f"stage {stage.index} has no held-out data: the job's config has no eval "
+                         "section (assign the stage with eval_data to evaluate)")
 
 
 class CellComputeService(ServiceBase):
@@ -235,7 +248,9 @@ class CellComputeService(ServiceBase):
         try:
             trains = validate_stage(request.actions, stage=stage.index, num_stages=stage.num_stages,
                                     num_microbatches=len(request.microbatches))
-            check_samples(stage, request.microbatches)
+            if request.source == "eval":
+                _check_eval(stage, trains)
+            check_samples(stage, request.microbatches, request.source)
         except ValueError as exc:  # a ScheduleError or a sample out of range
             raise RpcError("bad_request", f"step {request.step}: {exc}") from None
         timeout = timedelta(milliseconds=request.timeout_ms)
@@ -254,7 +269,8 @@ class CellComputeService(ServiceBase):
                                  transfers_posted=False) from exc
             start = time.monotonic()
             try:
-                reply = StepExecutor(stage, comm, request, trains, deadline, self._path).run()
+                with evaluating(stage.module) if request.source == "eval" else contextlib.nullcontext():
+                    reply = StepExecutor(stage, comm, request, trains, deadline, self._path).run()
             except StepFailed as exc:
                 self._path.abandon()
                 if exc.transfers_posted or self._path.launched:

@@ -18,6 +18,11 @@ refused before anything is imported. Contracts:
   returning one row per index.
 * loss factory ``f(**loss_kwargs)`` returns ``loss(output, targets) -> scalar tensor``;
   a loss module class works as is (``"torch.nn:MSELoss"``).
+* held-out data factory (``ComputeOptions.eval_data``, optional): the data factory's contract,
+  built on the first and last stages, read by evaluation steps (``RunStep.source = "eval"``).
+* metric factory ``f()`` (``ComputeOptions.metric``, optional, last stage) returns
+  ``metric(output, targets) -> tensor``: one value per sample, or one value, their mean
+  (:func:`metric_sum`).
 
 Device. The stage's cells live on ``ComputeOptions.device`` (``cpu`` or ``cuda:N``, the coordinator's
 choice; the worker refuses a device its torch does not see); samples are loaded on the CPU and moved
@@ -45,6 +50,7 @@ __all__ = [
     "build_stage",
     "check_samples",
     "make_optimizer",
+    "metric_sum",
     "sample_count",
     "stage_device",
     "to_device",
@@ -184,9 +190,30 @@ class SampleSource:
         return _take(self._pair[0], index, self._what), _take(self._pair[1], index, self._what)
 
 
+def metric_sum(value: Any, num_samples: int, *, what: str) -> float:
+    """The sum over a microbatch's ``num_samples`` samples of what a metric returned for them.
+
+    A metric returns one value per sample (``numel == num_samples``: summed) or one value, their mean
+    (multiplied by ``num_samples``); either way the mean over many microbatches is exact.
+
+    Raises:
+        ValueError: ``value`` is not a tensor of either size (the message names the metric).
+    """
+    if not isinstance(value, torch.Tensor) or value.numel() not in (1, num_samples):
+        got = (f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
+        raise ValueError(f"{what} returned {got} for {num_samples} samples; return one value per sample "
+                         "(shape [n]) or their mean (one value)")
+    total = value.detach().double().sum()
+    return float(total) * (num_samples if value.numel() == 1 else 1)
+
+
 @dataclass
 class Stage:
-    """What one compute service runs: cells ``[start, stop)`` of stage ``index`` of ``num_stages``."""
+    """What one compute service runs: cells ``[start, stop)`` of stage ``index`` of ``num_stages``.
+
+    ``eval_samples`` (first and last stage) and ``metric_fn`` (last stage) are set when the job evaluates.
+    """
 
     index: int
     num_stages: int
@@ -199,6 +226,8 @@ class Stage:
     incoming: BoundarySpec | None
     outgoing: BoundarySpec | None
     device: torch.device = _CPU  # where the cells live (the samples are moved there)
+    eval_samples: SampleSource | None = None
+    metric_fn: LossFn | None = None
 
     @property
     def first(self) -> bool:
@@ -233,8 +262,9 @@ def build_stage(assignment: Assignment, options: ComputeOptions, factories: Fact
         ValueError: A factory is not one of the job's (:class:`~services.factories.FactoryError`),
             does not import or returns the wrong kind of thing, or the cell range does not fit the model.
     """
-    factories.require({"model factory": assignment.factory, "data factory": options.data,
-                       "loss factory": options.loss})
+    named = {"model factory": assignment.factory, "data factory": options.data, "loss factory": options.loss,
+             "eval data factory": options.eval_data, "metric factory": options.metric}
+    factories.require({what: name for what, name in named.items() if name})
     device = stage_device(options)
     factory = factories.resolve(assignment.factory, what="model factory")
     cells = as_cells(_seeded(assignment.seed, lambda: factory(**options.factory_kwargs)))
@@ -256,22 +286,45 @@ def build_stage(assignment: Assignment, options: ComputeOptions, factories: Fact
             raise ValueError(f"loss factory {options.loss!r} returned a {type(made).__name__}, "
                              "not a callable")
         loss_fn = made.to(device) if isinstance(made, nn.Module) else made  # weights live with the outputs
+    eval_samples, metric_fn = _eval_parts(assignment.seed, options, factories)
+    if isinstance(metric_fn, nn.Module):
+        metric_fn = metric_fn.to(device)
     return Stage(index=options.stage, num_stages=options.num_stages, start=start, cells=mine,
                  module=nn.Sequential(*mine).to(device), samples=samples, loss_fn=loss_fn,
                  loss_reduction=options.loss_reduction, incoming=options.incoming, outgoing=options.outgoing,
-                 device=device)
+                 device=device, eval_samples=eval_samples, metric_fn=metric_fn)
 
 
-def check_samples(stage: Stage, microbatches: Sequence[Sequence[int]]) -> None:
-    """Raise ValueError if a sample index is beyond what the stage's data source holds."""
-    if stage.samples is None or stage.samples.num_samples is None:
+def _eval_parts(seed: int, options: ComputeOptions, factories: FactoryAllowList
+                ) -> tuple[SampleSource | None, LossFn | None]:
+    """The held-out samples (first and last stage; seeded as the training data) and the metric (last)."""
+    samples = None
+    last = options.stage == options.num_stages - 1
+    if options.eval_data and (options.stage == 0 or last):
+        data = factories.resolve(options.eval_data, what="eval data factory")
+        samples = SampleSource(_seeded(seed, lambda: data(**options.eval_data_kwargs)),
+                               what=f"eval data factory {options.eval_data!r}")
+    metric_fn: LossFn | None = None
+    if options.metric and last:
+        made = factories.resolve(options.metric, what="metric factory")()
+        if not callable(made):
+            raise ValueError(f"metric factory {options.metric!r} returned a {type(made).__name__}, "
+                             "not a callable metric(output, targets)")
+        metric_fn = made
+    return samples, metric_fn
+
+
+def check_samples(stage: Stage, microbatches: Sequence[Sequence[int]], source: str = "train") -> None:
+    """Raise ValueError if a sample index is beyond what the stage's data source (``source``'s) holds."""
+    samples = stage.eval_samples if source == "eval" else stage.samples
+    if samples is None or samples.num_samples is None:
         return
-    n = stage.samples.num_samples
+    n = samples.num_samples
     for m, indices in enumerate(microbatches):
         bad = [i for i in indices if i >= n]
         if bad:
             raise ValueError(f"microbatch {m}: sample indices {bad[:5]} are beyond the {n} samples "
-                             "of the data")
+                             f"of the {'held-out ' if source == 'eval' else ''}data")
 
 
 def make_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:

@@ -134,6 +134,11 @@ class ComputeOptions(Message):
     @property
     def data_parallel_backend(self) -> Backend:
         return self.dp_backend or self.comm_backend
+    # evaluation (RunStep.source = "eval"): the held-out data factory (first and last stage) and the
+    # metric factory (last stage; optional); "": the job evaluates nothing (or no metric)
+    eval_data: str = ""
+    eval_data_kwargs: FactoryKwargs = Field(default_factory=dict)
+    metric: str = ""
 
     @model_validator(mode="after")
     def _consistent(self) -> ComputeOptions:
@@ -148,6 +153,7 @@ class ComputeOptions(Message):
             "comm_prefix (num_stages > 1)": self.num_stages == 1 or bool(self.comm_prefix),
             "data (first and last stage)": not (first or last) or bool(self.data),
             "loss (last stage)": not last or bool(self.loss),
+            "eval_data (with a metric)": not self.metric or bool(self.eval_data),
             "incoming (stage > 0)": first or self.incoming is not None,
             "outgoing (stage < num_stages - 1)": last or self.outgoing is not None,
         }
@@ -241,6 +247,11 @@ class RunStep(Message):
     ``zero_grad`` clears gradients first (so a replayed step gives the same gradients);
     ``timeout_ms`` bounds the whole step.
 
+    ``source`` says which data the first and last stages read: the training data, or (``"eval"``)
+    the held-out data of an evaluation step, whose list has no backward: the stage runs it with its
+    modules in eval mode and its RNG untouched, and the last stage reports the metric too
+    (``coordinator/runtime/evaluation.py``).
+
     ``commit`` carries the commit of the previous step (sent only once every stage of every
     replica finished it): the stage applies that update first, then runs this step, so a
     step costs one round trip instead of two. A request refused before it runs
@@ -256,6 +267,7 @@ class RunStep(Message):
     zero_grad: bool = True
     timeout_ms: int = Field(default=300_000, ge=1)
     commit: CommitStep | None = None
+    source: Literal["train", "eval"] = "train"
 
 
 class PhaseTiming(Message):
@@ -284,6 +296,8 @@ class StepReply(Message):
     step: int
     stage: int
     losses: list[float]  # losses[i] is microbatch i's unweighted loss; empty but on the last stage
+    # an evaluation step with a metric, last stage: metric_sums[i] sums microbatch i's per-sample values
+    metric_sums: list[float] = Field(default_factory=list, max_length=1 << 16)
     starts: list[float]
     ends: list[float]
     phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce, the commit

@@ -12,8 +12,10 @@ from torch import nn
 
 from coordinator.commands.jobspec import load_job
 from coordinator.runtime.factories import job_factories
+from services.compute.stage import build_stage
 from services.factories import FactoryAllowList, FactoryError, factories_in_spec, resolve, spec_factories
 from services.host.worker import allowed_factories
+from services.protocol import Assignment, ComputeOptions
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -90,6 +92,30 @@ def test_the_list_is_every_section_factory_of_the_spec(tmp_path: Path) -> None:
         spec_factories(empty)
     with pytest.raises(FactoryError, match="cannot read it"):
         spec_factories(tmp_path / "missing.yaml")
+
+
+def test_the_eval_sections_metric_is_listed_and_no_other_sections(bait: tuple[str, Path]) -> None:
+    spec: dict[str, object] = {
+        "model": {"factory": "a:m"}, "data": {"factory": "a:d"}, "loss": {"factory": "a:l"},
+        "eval": {"factory": "a:held", "metric": "b:accuracy"}, "plan": {"metric": "c:x"},
+        "runtime": {"metric": 3}}
+    assert factories_in_spec(spec) == ["a:d", "a:held", "a:l", "a:m", "b:accuracy"]
+    assert factories_in_spec({**spec, "eval": {"factory": "a:held", "metric": None}}) == [
+        "a:d", "a:held", "a:l", "a:m"]
+    config = load_job(REPO / "examples" / "charlm.yaml", {"eval.factory": "charlm:data",
+                                                          "eval.metric": "torch.nn:L1Loss"}).job.config
+    assert job_factories(config) == ["charlm:data", "charlm:loss", "charlm:model", "torch.nn:L1Loss"]
+
+    name, marker = bait  # a stage whose metric is not one of its job's is refused before importing it
+    m = "tests.multiproc.coordinator.models"
+    allowed = FactoryAllowList.of([f"{m}:mlp", f"{m}:regression", f"{m}:mse"], "a test")
+    options = ComputeOptions(stage=0, num_stages=1, data=f"{m}:regression", loss=f"{m}:mse",
+                             eval_data=f"{m}:regression", metric=f"{name}:model")
+    assignment = Assignment(service="c", kind="compute", factory=f"{m}:mlp", cells=[0, 6], seed=0,
+                            options=options.model_dump())
+    with pytest.raises(FactoryError, match=f"metric factory '{name}:model' is not a factory of this worker"):
+        build_stage(assignment, options, allowed)
+    assert not marker.exists()
 
 
 def test_the_worker_list_joins_its_spec_and_its_factory_options(tmp_path: Path) -> None:
