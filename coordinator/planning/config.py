@@ -42,12 +42,14 @@ from pydantic.fields import FieldInfo
 
 __all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "FactoryKwargs",
            "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig", "OptimizerConfig", "PlanConfig",
-           "RuntimeConfig", "Strategy", "apply_settings", "describe_validation", "from_flat", "parse_config",
-           "settable_fields", "setting_value"]
+           "Precision", "RuntimeConfig", "Strategy", "apply_settings", "describe_validation", "from_flat",
+           "parse_config", "settable_fields", "setting_value"]
 
 Mode = Literal["collective", "parameter_server"]
 Strategy = Literal["auto", "data_parallel", "pipeline"]
 CommBackend = Literal["zmq", "gloo"]
+# the same values as services.protocol.Precision (a unit test keeps them equal; that module imports torch)
+Precision = Literal["fp32", "bf16", "fp16"]
 NonFinite = Literal["stop", "skip"]  # see coordinator/runtime/nonfinite.py: [Note: a step that is not finite]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 # the same union as services.protocol.FactoryKwargs (a unit test keeps them equal; that module imports torch)
@@ -121,6 +123,10 @@ class PlanConfig(_Section):
     cutter: str = Field(default="minmax", description="the registered cutter that places stage boundaries")
     max_microbatches: Positive = Field(default=64,
                                        description="the most microbatches searched when not fixed")
+    # mixed precision (docs/running.md, "Mixed precision"): every plan trains in it
+    precision: Precision = Field(default="fp32",
+                                 description="fp32; or bf16 / fp16 autocast over float32 master weights "
+                                             "(fp16 with a dynamic loss scale)")
 
     @field_validator("schedule")
     @classmethod

@@ -6,6 +6,12 @@ sampler's global batch of each step in order, and runs one forward, one backward
 mean loss and one optimizer step per step. A step whose loss or gradients are not finite is
 treated as the job's ``runtime.nonfinite`` says (see [Note: a step that is not finite] in
 ``coordinator/runtime/nonfinite.py``): ``skip`` drops its optimizer step, ``stop`` raises.
+
+Mixed precision (``plan.precision``) is torch's own recipe, written as its documentation
+writes it: the forward and the loss under ``torch.autocast``, the backward outside it, and
+under fp16 a ``torch.amp.GradScaler`` with its defaults (scale the loss, unscale, step,
+update; a step whose gradients overflow is skipped by the scaler whatever
+``runtime.nonfinite`` says).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from coordinator.runtime.factories import build_cells, build_data, build_loss
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.nonfinite import NonFiniteStep
 from services.compute.cell import cell_parameters
+from services.compute.precision import autocast, device_type
 from services.compute.stage import make_optimizer
 
 __all__ = ["max_abs_diff", "train_reference"]
@@ -41,20 +48,30 @@ def train_reference(job: Job, steps: int) -> FitResult:
     optimizer = make_optimizer(job.optimizer, params)
     sampler = job.sampler()
     losses: list[float] = []
+    # -- mixed precision (plan.precision): autocast, and fp16's GradScaler
+    precision, device = config.plan.precision, device_type(params)
+    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
     for step in range(steps):
         inputs, targets = source.load(sampler.indices(step))
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(whole(inputs), targets)
-        loss.backward()  # type: ignore[no-untyped-call]  # torch stub
+        with autocast(precision, device):
+            loss = loss_fn(whole(inputs), targets)
+        (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
         value = float(loss.detach())
-        finite = math.isfinite(value) and all(bool(torch.isfinite(p.grad).all()) for p in params
-                                              if p.grad is not None)
-        if finite:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        finite = math.isfinite(value) and grads_finite
+        if scaler is not None and (finite or not grads_finite):
+            scaler.step(optimizer)  # skips the step when the gradients overflowed
+        elif finite:
             optimizer.step()
         elif config.runtime.nonfinite == "stop":
             good = [x for x in losses if math.isfinite(x)]
             raise NonFiniteStep(f"step {step + 1}: the loss ({value}) or the gradients are not finite",
                                 step=step, stage=0, last_good_loss=good[-1] if good else None)
+        if scaler is not None:
+            scaler.update()
         losses.append(value)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return FitResult(losses=losses, state_dict=state)

@@ -23,6 +23,9 @@ ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 _PEER_STEP: dict[str, int] = {"F": 0, "B": 0, "SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
 _ACTION_TEXT = re.compile(r"(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
+# what a stage computes in: fp32, or bf16 / fp16 autocast over float32 master weights (see
+# services/compute/precision.py); the same values as coordinator.planning.config.Precision
+Precision = Literal["fp32", "bf16", "fp16"]
 MAX_BOUNDARY_TENSORS = 256  # tensors per cut; also the stride of transfer tags (services/compute/boundary.py)
 
 
@@ -124,6 +127,8 @@ class ComputeOptions(Message):
     # state_dict (tied weights have several), and the checkpoint to start from ("": the factory's values)
     state_keys: dict[str, list[str]] = Field(default_factory=dict, max_length=1 << 20)
     restore: str = Field(default="", max_length=4096)
+    # mixed precision: the stage's forwards and loss run under autocast in this dtype
+    precision: Precision = "fp32"
 
     @model_validator(mode="after")
     def _consistent(self) -> ComputeOptions:
@@ -208,6 +213,8 @@ class CommitStep(Message):
     optimizer: OptimizerSpec
     timeout_ms: int = Field(default=300_000, ge=1)
     save: SaveRequest | None = None  # then snapshot the state it leaves (written in the background)
+    # multiply every gradient by this before the optimizer step
+    grad_scale: float = Field(default=1.0, gt=0, allow_inf_nan=False)
 
 
 class CommitReply(Message):
@@ -232,6 +239,10 @@ class RunStep(Message):
     (``bad_request``, ``busy``, ``comm_failed``) applies nothing; once it runs, the commit is
     applied even if the step then fails (the previous step was complete). It is reported as
     an ``optimizer`` or ``push_pull`` phase of the reply.
+
+    ``loss_scale`` multiplies the last stage's loss before its backward (fp16's dynamic loss
+    scale, ``coordinator/runtime/scaler.py``); the losses reported stay unscaled, and the
+    commit's ``grad_scale`` undoes it on the gradients.
     """
 
     step: int = Field(ge=0)
@@ -241,6 +252,7 @@ class RunStep(Message):
     zero_grad: bool = True
     timeout_ms: int = Field(default=300_000, ge=1)
     commit: CommitStep | None = None
+    loss_scale: float = Field(default=1.0, gt=0, allow_inf_nan=False)
 
 
 class PhaseTiming(Message):
