@@ -71,3 +71,17 @@ def test_a_refusal_does_not_count_it_among_the_fixed_fields() -> None:
     with pytest.raises(PlanningError) as info:
         choose_plan(prof, tiny, PlanConfig(precision="bf16"), global_batch=16)
     assert "no fixed fields" in str(info.value) and "precision" not in str(info.value)
+
+
+def test_a_model_autocast_would_not_cast_is_refused_before_any_worker_starts() -> None:
+    from coordinator.runtime.errors import JobError
+    from coordinator.runtime.job import Job
+
+    m = "tests.multiproc.coordinator.models"
+    job = Job(model=f"{m}:mlp", loss=f"{m}:mse", data=f"{m}:regression", global_batch=16, precision="bf16",
+              resources=Resources.local(2))  # the factories' float64
+    with pytest.raises(JobError, match=r"plan.precision=bf16 autocasts float32 tensors only, but parameter "
+                                       r"cell0.weight is float64: build the model in float32"):
+        job.check()
+    in_float32 = Job(job.config.updated({"model.kwargs.dtype": "float32", "data.kwargs.dtype": "float32"}))
+    assert in_float32.plan().precision == "bf16"
