@@ -5,6 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
+
+# Property tests check outcomes, not speed: on a loaded 2-core machine one example can take longer
+# than hypothesis's default 200 ms deadline, which would fail a correct test.
+settings.register_profile("cellmesh", deadline=None)
+settings.load_profile("cellmesh")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -44,7 +44,7 @@ from pydantic.fields import FieldInfo
 
 __all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "EvalConfig",
            "FactoryKwargs", "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig",
-           "OptimizerConfig", "PlanConfig", "RuntimeConfig", "Strategy", "apply_settings",
+           "OptimizerConfig", "PlanConfig", "Precision", "RuntimeConfig", "Strategy", "apply_settings",
            "describe_validation", "from_flat", "parse_config", "section_of", "settable_fields",
            "setting_value"]
 
@@ -52,6 +52,8 @@ Mode = Literal["collective", "parameter_server"]
 Strategy = Literal["auto", "data_parallel", "pipeline"]
 CommBackend = Literal["auto", "zmq", "gloo", "nccl"]  # comm/factory.py: [Note: a group's backend]
 Device = Literal["auto", "cpu", "cuda"]  # coordinator/planning/devices.py: [Note: where a stage runs]
+# the same values as services.protocol.Precision (a unit test keeps them equal; that module imports torch)
+Precision = Literal["fp32", "bf16", "fp16"]
 NonFinite = Literal["stop", "skip"]  # see coordinator/runtime/nonfinite.py: [Note: a step that is not finite]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 # the same union as services.protocol.FactoryKwargs (a unit test keeps them equal; that module imports torch)
@@ -149,6 +151,10 @@ class PlanConfig(_Section):
     cutter: str = Field(default="minmax", description="the registered cutter that places stage boundaries")
     max_microbatches: Positive = Field(default=64,
                                        description="the most microbatches searched when not fixed")
+    # mixed precision (docs/running.md, "Mixed precision"): every plan trains in it
+    precision: Precision = Field(default="fp32",
+                                 description="fp32; or bf16 / fp16 autocast over float32 master weights "
+                                             "(fp16 with a dynamic loss scale)")
 
     @field_validator("schedule")
     @classmethod

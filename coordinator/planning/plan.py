@@ -16,12 +16,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from coordinator.planning.config import Mode
+from coordinator.planning.config import Mode, Precision
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.schedules import Schedule, build_schedule
 
 __all__ = ["Plan", "StagePlan"]
+
+# how the plan's precision reads after its shape (fp32, the default, reads as nothing)
+_PRECISION_TEXT = {"fp32": "", "bf16": ", bf16 autocast", "fp16": ", fp16 autocast + loss scaling"}
 
 
 class StagePlan(BaseModel):
@@ -94,6 +97,8 @@ class Plan(BaseModel):
         overhead_s: The step's control messages (the request out, the replies back).
         bubble_fraction: Idle share of the pipeline (see ``coordinator/planning/simulator.py``).
         peak_memory_bytes: The largest per-worker peak.
+        precision: What every stage computes in: ``fp32``, or ``bf16``/``fp16`` autocast over float32
+            master weights (the cut tensors' dtypes are autocast's: see ``docs/running.md``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -116,6 +121,7 @@ class Plan(BaseModel):
     overhead_s: float = 0.0
     bubble_fraction: float
     peak_memory_bytes: int
+    precision: Precision = "fp32"
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -170,8 +176,8 @@ class Plan(BaseModel):
     def summary(self) -> str:
         """One line: shape and predicted cost."""
         return (f"d={self.data_parallel} x p={self.num_stages} {self.schedule_name} "
-                f"m={self.num_microbatches} "
-                f"(microbatch {self.microbatch_size}) {self.mode}: step {self.step_time_s * 1e3:.2f} ms, "
+                f"m={self.num_microbatches} (microbatch {self.microbatch_size}) "
+                f"{self.mode}{_PRECISION_TEXT[self.precision]}: step {self.step_time_s * 1e3:.2f} ms, "
                 f"peak {format_bytes(self.peak_memory_bytes)}")
 
     def __str__(self) -> str:
@@ -179,7 +185,8 @@ class Plan(BaseModel):
             f"plan: {self.data_parallel} replica(s) x {self.num_stages} stage(s) = "
             f"{self.num_workers} worker(s), "
             f"{self.schedule_name}, {self.num_microbatches} microbatches of {self.microbatch_size} "
-            f"(global batch {self.global_batch}), {self.mode.replace('_', ' ')}, cut by {self.cutter}",
+            f"(global batch {self.global_batch}), {self.mode.replace('_', ' ')}, cut by {self.cutter}"
+            f"{_PRECISION_TEXT[self.precision]}",
             f"predicted step {self.step_time_s * 1e3:.3f} ms = pipeline {self.pipeline_time_s * 1e3:.3f} "
             f"+ gradient sync {self.sync_time_s * 1e3:.3f} + messages {self.overhead_s * 1e3:.3f}; "
             f"bubble {self.bubble_fraction:.1%}; "

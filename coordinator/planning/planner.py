@@ -72,7 +72,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
-from coordinator.planning.config import Mode, PlanConfig
+from coordinator.planning.config import Mode, PlanConfig, Precision
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
 from coordinator.planning.graph import TensorMeta
 from coordinator.planning.plan import Plan, StagePlan
@@ -89,7 +89,8 @@ __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "OPTIMIZER_BANDWIDTH_BP
            "format_candidates", "memory_floor"]
 
 _SEARCH_ALL = PlanConfig()  # nothing fixed
-_SEARCH_FIELDS = {"cutter", "max_microbatches"}  # how the search runs, not what it is asked to fix
+# how the search runs and what every plan computes in, not a shape it is asked to fix
+_SEARCH_FIELDS = {"cutter", "max_microbatches", "precision"}
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,8 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
 ACTION_OVERHEAD_S = 3e-4
 
 def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
-              cutter: Cutter, cutter_name: str, balance: Sequence[int] | None) -> Candidate:
+              cutter: Cutter, cutter_name: str, balance: Sequence[int] | None,
+              precision: Precision = "fp32") -> Candidate:
     d, p, mode, sched_name, m = shape
     mb = global_batch // (d * m)
     times = profile.node_times(mb)
@@ -285,7 +287,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                 step_time_s=sim.step_time_s + sync_time + 2 * CONTROL_MESSAGE_S,
                 pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, overhead_s=2 * CONTROL_MESSAGE_S,
                 bubble_fraction=sim.bubble_fraction,
-                peak_memory_bytes=max(st.peak_memory_bytes for st in stages))
+                peak_memory_bytes=max(st.peak_memory_bytes for st in stages), precision=precision)
     return Candidate(d, p, mode, sched_name, m, plan, reason)
 
 
@@ -394,8 +396,8 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
     max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
     fixed = resolve(request, profile.num_nodes, max_stages, resources.num_workers)
     shapes = plan_shapes(request, fixed, global_batch)
-    return [_evaluate(profile, resources, sh, global_batch, cut_fn, request.cutter, request.balance)
-            for sh in shapes]
+    return [_evaluate(profile, resources, sh, global_batch, cut_fn, request.cutter, request.balance,
+                      request.precision) for sh in shapes]
 
 
 def _rank(c: Candidate) -> tuple[float, int, int, float]:
@@ -414,7 +416,8 @@ def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _S
         resources: The workers the plan may use (it uses the first ``d * p``).
         request: The job config's plan section: the fields it fixes (strategy, replicas, stages,
             gradient mode, microbatches, schedule, balance) and how to search the rest (the cutter
-            by its registered name, the largest microbatch count); see
+            by its registered name, the largest microbatch count); its precision is every
+            candidate's (the profile's cut tensors already have its dtypes); see
             :class:`~coordinator.planning.config.PlanConfig`.
         global_batch: Samples per training step over all replicas.
 

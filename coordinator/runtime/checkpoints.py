@@ -8,7 +8,8 @@ A checkpoint of step ``k`` (``k`` steps done) is a directory ``{root}/step-{k:08
 * ``train/`` is a DCP checkpoint of the training state by name: the optimizer's per-parameter
   state (``optim.{key}.{entry}``) and each stage's RNG state (``rng.r{replica}-s{stage}``);
 * ``trainer.json``: the step, the data position (epoch and offset, for people: the batch of a
-  step is a function of the step), the data it was trained on, the plan it was saved on;
+  step is a function of the step), the data it was trained on, the plan it was saved on, and
+  under fp16 the loss scale's state (``coordinator/runtime/scaler.py``);
 * ``parts/`` and ``train/parts/``: each service's files (see ``services/checkpoint/``).
 
 Beside them, ``{root}/model.pt`` is the final ``state_dict`` of the last ``fit`` as a plain
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from coordinator.runtime.scaler import ScalerState
 from services.checkpoint import dcp
 from services.checkpoint.stage_state import TRAIN
 from services.checkpoint.writer import part_dirs
@@ -79,6 +81,7 @@ class TrainerState(BaseModel):
     shuffle: bool
     plan: str  # the plan it was saved on (any plan loads it)
     saved_at: float
+    scaler: ScalerState | None = None  # fp16's loss scale as the next step takes it (None: not fp16)
 
 
 def _name(step: int) -> str:

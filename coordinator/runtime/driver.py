@@ -24,7 +24,11 @@ step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
 
 A step whose loss or gradients are not finite is dropped or stops the job: see
 ``coordinator/runtime/nonfinite.py``. :meth:`Runtime.evaluate` runs an evaluation step on the
-held-out data (see [Note: how a job evaluates] in ``coordinator/runtime/evaluation.py``).
+held-out data (see [Note: how a job evaluates] in ``coordinator/runtime/evaluation.py``). Under
+``fp16`` the runtime holds the loss scale: each request carries it, each commit its inverse, and a
+step whose gradients overflow is dropped and backs it off ([Note: the loss scale] in
+``coordinator/runtime/scaler.py``).
+
 
 Failure semantics: an error reply, a worker whose registry lease lapses (its card
 vanishes), or a round that outlasts its bound stops the job with :class:`JobFailed`
@@ -52,8 +56,9 @@ from coordinator.planning.plan import Plan
 from coordinator.runtime.devices import DeviceRequest, place_devices
 from coordinator.runtime.evaluation import forward_actions
 from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
-from coordinator.runtime.nonfinite import first_nonfinite, refuse
+from coordinator.runtime.nonfinite import first_nonfinite, overflowed, refuse
 from coordinator.runtime.records import StepRecord, _Service
+from coordinator.runtime.scaler import LossScaler, ScalerState
 from coordinator.runtime.shards import ParamShards
 from services.protocol import (
     Assignment,
@@ -123,6 +128,7 @@ class RunSpec:
     eval_data: str = ""
     eval_data_kwargs: FactoryKwargs = field(default_factory=dict)
     metric: str = ""
+    scaler: ScalerState | None = None  # fp16: the loss scale to start from (a checkpoint's; None: initial)
 
 
 def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
@@ -170,6 +176,8 @@ class Runtime:
         self._uncommitted = False  # the last step run awaits its commit
         self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
         self._first_request = True
+        self.scaler = LossScaler(spec.scaler) if plan.precision == "fp16" else None
+        self._grad_scale = 1.0  # what the commit of the last step run multiplies its gradients by
         self._shards = ParamShards(plan, spec.run, addresses, initial_params)  # none in collective mode
         self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
         self._actions = plan.schedule().actions  # per stage, validated, as RunStep carries them
@@ -217,7 +225,7 @@ class Runtime:
                           if sv.stage < plan.num_stages - 1 else None),
                 replica=sv.replica, num_replicas=plan.data_parallel, grad_path=plan.mode,
                 dp_prefix=f"{gen}/dp/s{sv.stage}",
-                shards=shards[sv.stage], restore=spec.restore,
+                shards=shards[sv.stage], restore=spec.restore, precision=plan.precision,
                 eval_data=spec.eval_data, eval_data_kwargs=spec.eval_data_kwargs, metric=spec.metric,
                 state_keys={k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes})
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
@@ -270,18 +278,19 @@ class Runtime:
         start, polled = time.time(), self.loop.poll_seconds
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
         commit = (CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms,
-                             save=save) if self._uncommitted else None)
+                             save=save, grad_scale=self._grad_scale) if self._uncommitted else None)
         assert save is None or commit is not None, "a save rides on a commit: check can_save first"
+        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         if self._first_request:  # the request's shape, checked once by building one
             RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], actions=list(self._actions[0]),
-                    timeout_ms=timeout_ms, commit=commit)
+                    timeout_ms=timeout_ms, commit=commit, loss_scale=loss_scale)
             self._first_request = False
         commit_body = commit.model_dump(mode="python") if commit is not None else None
         ids: dict[int, _Service] = {}
         for sv in self.services:  # RunStep, dumped: the services validate it
             body = {"step": step, "microbatches": [list(mb) for mb in batches[sv.replica]],
                     "actions": self._dumped_actions[sv.stage], "zero_grad": True, "timeout_ms": timeout_ms,
-                    "commit": commit_body}
+                    "commit": commit_body, "loss_scale": loss_scale}
             ids[self.loop.send(sv.worker, sv.name, "run_step", body, StepReply)] = sv
         if save is not None:
             self._shards.send_saves(self.loop, save, self.commits + 1, self.spec.step_timeout)
@@ -299,15 +308,19 @@ class Runtime:
                 loss += value * len(batches[sv.replica][m]) / total
         self.traffic.update(latest_by((sv.worker, body.traffic) for sv, body in bodies))
         bad = first_nonfinite(bodies)
-        self._uncommitted = bad is None  # a step that is not finite is dropped: never committed
-        if bad is None:
+        overflow = self.scaler is not None and overflowed(self.spec.run, step, bodies, self.scaler,
+                                                          last_good=self._last_good)
+        skipped = overflow or bad is not None
+        self._uncommitted = not skipped  # a step that is not finite is dropped: never committed
+        self._grad_scale = 1.0 / loss_scale
+        if not skipped:
             self._last_good = (step, loss)
-        else:
+        elif bad is not None and not overflow:
             refuse(self.spec.run, self.spec.nonfinite, step, *bad, last_good=self._last_good)
         end = time.time()
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
-                          skipped=bad is not None, replies=bodies, actions=self._actions,
+                          skipped=skipped, loss_scale=loss_scale, replies=bodies, actions=self._actions,
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))
 
@@ -348,7 +361,7 @@ class Runtime:
             return []
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
         commit = CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms,
-                            save=save)
+                            save=save, grad_scale=self._grad_scale)
         ids = {self.loop.send(sv.worker, sv.name, "commit", commit, CommitReply): sv for sv in self.services}
         if save is not None:
             self._shards.send_saves(self.loop, save, self.commits + 1, self.spec.step_timeout)

@@ -61,12 +61,15 @@ from coordinator.runtime.checkpoints import FINAL_MODEL, save_state_dict
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.devices import DeviceRequest, local_resources, profile_device
 from coordinator.runtime.driver import RunSpec
+from coordinator.runtime.errors import JobError
 from coordinator.runtime.factories import build_cells, build_data, factory_path
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.preflight import Checked, check_job
 from coordinator.runtime.records import EvalRecord, StepRecord
+from coordinator.runtime.scaler import ScalerState
 from coordinator.runtime.session import Recovery, Session, resolve_resume
 from services.compute.cell import Cell, cell_parameters
+from services.compute.precision import autocast, device_type
 from services.compute.stage import to_device
 from services.protocol import OptimizerSpec
 
@@ -142,6 +145,23 @@ def state_dict_of(model: nn.Module, cells: list[Cell],
             raise KeyError(f"state entry {key!r} of the model was not returned by any stage")
         out[key] = cell_state[qualified].detach()
     return out
+
+
+def _check_precision(precision: str, cells: list[Cell]) -> None:
+    """Refuse mixed precision over a model that autocast would not cast (see [Note: mixed precision]
+    in ``services/compute/precision.py``).
+
+    Raises:
+        JobError: ``precision`` is bf16 or fp16 and a floating-point parameter is not float32.
+    """
+    if precision == "fp32":
+        return
+    other = next(((name, p.dtype) for name, p in cell_parameters(cells)
+                  if p.is_floating_point() and p.dtype != torch.float32), None)
+    if other is not None:
+        raise JobError(f"plan.precision={precision} autocasts float32 tensors only, but parameter {other[0]} "
+                       f"is {str(other[1]).removeprefix('torch.')}: build the model in float32 (its master "
+                       "weights) or set plan.precision: fp32")
 
 
 def _optimizer_kind(spec: OptimizerSpec) -> str:
@@ -228,12 +248,15 @@ class Job:
 
         Raises:
             coordinator.runtime.errors.JobError: A factory raises, the data is inconsistent, a cell
-                or the loss fails on a sample, or the plan asks for more stages than the model has cells.
+                or the loss fails on a sample, the plan asks for more stages than the model has cells,
+                or mixed precision is asked of a model that is not float32.
             coordinator.planning.request.PlanningError: No plan can hold the model, or the global
                 batch does not split into the fixed replicas or microbatches.
         """
         if self._checked is None:
-            self._checked = check_job(self.config, self.resources, _optimizer_kind(self.optimizer))
+            checked = check_job(self.config, self.resources, _optimizer_kind(self.optimizer))
+            _check_precision(self.config.plan.precision, checked.cells)
+            self._checked = checked
         return self._checked
 
     def plan(self) -> Plan:
@@ -249,7 +272,10 @@ class Job:
         """
         if self._plan is None:
             config, checked = self.config, self.check()
-            graph = build_graph(checked.cells, checked.sample)
+            # the cut tensors as the stages will send them: the dtypes autocast gives them
+            params = (p for _, p in cell_parameters(checked.cells))
+            with autocast(config.plan.precision, device_type(params)):
+                graph = build_graph(checked.cells, checked.sample)
             if [nd.name for nd in graph.nodes] != [c.name for c in checked.cells]:
                 raise ValueError(f"the model's graph has nodes {[nd.name for nd in graph.nodes]}, not one "
                                  f"per cell {[c.name for c in checked.cells]}: give the model as a sequence "
@@ -301,11 +327,11 @@ class Job:
         return with_devices(plan, resources or self.resources, self.config.runtime.device)
 
     def run_spec(self, workers_job: str, run: str, *, state_keys: Mapping[str, list[str]] | None = None,
-                 restore: str = "") -> RunSpec:
+                 restore: str = "", scaler: ScalerState | None = None) -> RunSpec:
         """What the runtime builds services from; ``workers_job`` is the workers' registry prefix.
 
         ``state_keys`` names each tensor in the model's ``state_dict`` (checkpoints); ``restore`` is the
-        checkpoint the services start from.
+        checkpoint the services start from, ``scaler`` the loss scale's state saved with it (fp16).
         """
         c, e = self.config, self.config.eval
         return RunSpec(job=workers_job, run=run, model=c.model.factory, data=c.data.factory,
@@ -313,7 +339,7 @@ class Job:
                        data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
                        devices=DeviceRequest.of(c.runtime, self.resources), nonfinite=c.runtime.nonfinite,
                        step_timeout=timedelta(seconds=c.runtime.step_timeout_s),
-                       state_keys=dict(state_keys or {}), restore=restore,
+                       state_keys=dict(state_keys or {}), restore=restore, scaler=scaler,
                        eval_data=e.factory if e else "", eval_data_kwargs=e.kwargs if e else {},
                        metric=(e.metric or "") if e else "")
 

@@ -13,6 +13,12 @@ optimizer step. ``RunSpec.nonfinite`` (the config's ``runtime.nonfinite``) decid
 * ``skip``: the step's record is marked ``skipped`` (its loss as reported), a warning names
   it, and the next step trains on the next batch from the same parameters. What a forward
   changes outside the update (batch-norm statistics) is not rolled back, as with ``GradScaler``.
+
+Under ``plan.precision: fp16`` gradients that are not finite are an overflow of the loss
+scale, not a failure: the step is dropped and the scale backs off, whatever
+``runtime.nonfinite`` says (:func:`overflowed`; [Note: the loss scale] in
+``coordinator/runtime/scaler.py``). A loss that is not finite over finite gradients still
+follows ``runtime.nonfinite``.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from collections.abc import Sequence
 
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.records import _Service
+from coordinator.runtime.scaler import LossScaler
 from services.protocol import StepReply
 
-__all__ = ["NonFiniteStep", "first_nonfinite", "refuse"]
+__all__ = ["NonFiniteStep", "first_nonfinite", "overflowed", "refuse"]
 
 log = logging.getLogger(__name__)
 
@@ -82,3 +89,31 @@ def refuse(run: str, mode: str, step: int, sv: _Service, what: str, *,
         "learning rate, look for NaN or Inf in the data, or set runtime.nonfinite: skip to drop such "
         "steps' updates and go on", step=step, stage=sv.stage,
         last_good_loss=last_good[1] if last_good is not None else None)
+
+
+def overflowed(run: str, step: int, bodies: Sequence[tuple[_Service, StepReply]], scaler: LossScaler, *,
+               last_good: tuple[int, float] | None) -> bool:
+    """fp16: give ``scaler`` the step's outcome; whether its gradients overflowed (its update is dropped).
+
+    See [Note: the loss scale] in ``coordinator/runtime/scaler.py``: an overflow is logged, not
+    raised, until the scale has backed off to 0. ``last_good`` is the last finite step and its loss.
+
+    Raises:
+        NonFiniteStep: The scale backed off to 0: the gradients are not finite at any scale.
+    """
+    found = next(((sv, body) for sv, body in bodies if body.nonfinite_grads), None)
+    used = scaler.scale
+    scaler.update(found is not None)
+    if found is None:
+        return False
+    sv, body = found
+    names = ", ".join(body.nonfinite_grads)
+    if scaler.scale == 0.0:
+        raise NonFiniteStep(
+            f"step {step + 1}: the gradients of {names} on stage {sv.stage} are not finite at loss scale "
+            f"{used:g}, and the scale has backed off to 0: they are not finite at any scale. Look for NaN "
+            "or Inf in the data or the model, or train in bf16 or fp32 (plan.precision)",
+            step=step, stage=sv.stage, last_good_loss=last_good[1] if last_good is not None else None)
+    log.info("[coordinator %s] step %d: the gradients of %s on stage %d overflowed at loss scale %g; its "
+             "update is dropped and the scale is now %g", run, step + 1, names, sv.stage, used, scaler.scale)
+    return True

@@ -11,6 +11,12 @@ With an ``eval`` section it evaluates the model after the same steps as a fit of
 (every ``eval.every_steps`` and the last): the whole held-out set in one forward, with torch's own
 eval mode and ``no_grad``, the loss and the metric's mean over the held-out samples
 (:func:`evaluate_reference`).
+
+Mixed precision (``plan.precision``) is torch's own recipe, written as its documentation
+writes it: the forward and the loss under ``torch.autocast``, the backward outside it, and
+under fp16 a ``torch.amp.GradScaler`` with its defaults (scale the loss, unscale, step,
+update; a step whose gradients overflow is skipped by the scaler whatever
+``runtime.nonfinite`` says).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.nonfinite import NonFiniteStep
 from coordinator.runtime.records import EvalRecord
 from services.compute.cell import cell_parameters
+from services.compute.precision import autocast, device_type
 from services.compute.stage import make_optimizer
 
 __all__ = ["evaluate_reference", "max_abs_diff", "train_reference"]
@@ -52,20 +59,30 @@ def train_reference(job: Job, steps: int) -> FitResult:
     losses: list[float] = []
     evals: list[EvalRecord] = []
     every = config.eval.every_steps if config.eval is not None else None
+    # -- mixed precision (plan.precision): autocast, and fp16's GradScaler
+    precision, device = config.plan.precision, device_type(params)
+    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
     for step in range(steps):
         inputs, targets = source.load(sampler.indices(step))
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(whole(inputs), targets)
-        loss.backward()  # type: ignore[no-untyped-call]  # torch stub
+        with autocast(precision, device):
+            loss = loss_fn(whole(inputs), targets)
+        (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
         value = float(loss.detach())
-        finite = math.isfinite(value) and all(bool(torch.isfinite(p.grad).all()) for p in params
-                                              if p.grad is not None)
-        if finite:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        finite = math.isfinite(value) and grads_finite
+        if scaler is not None and (finite or not grads_finite):
+            scaler.step(optimizer)  # skips the step when the gradients overflowed
+        elif finite:
             optimizer.step()
         elif config.runtime.nonfinite == "stop":
             good = [x for x in losses if math.isfinite(x)]
             raise NonFiniteStep(f"step {step + 1}: the loss ({value}) or the gradients are not finite",
                                 step=step, stage=0, last_good_loss=good[-1] if good else None)
+        if scaler is not None:
+            scaler.update()
         losses.append(value)
         if config.eval is not None and (step + 1 == steps or (every is not None and (step + 1) % every == 0)):
             evals.append(evaluate_reference(config, whole, loss_fn, step + 1))

@@ -226,7 +226,8 @@ class Session:
         # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
         spec = job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}",
                             state_keys=self._state_keys,
-                            restore=str(checkpoint.resolve()) if checkpoint is not None else "")
+                            restore=str(checkpoint.resolve()) if checkpoint is not None else "",
+                            scaler=trainer.scaler if trainer is not None else None)
         self.runtime = Runtime(plan, spec, self.loop, self.harness.registry_url, addresses, initial)
         self.plan = plan
         job.steps_done = trainer.step if trainer is not None else 0
@@ -264,12 +265,13 @@ class Session:
 
     def trainer_state(self, step: int) -> TrainerState:
         """What ``trainer.json`` records for a checkpoint of ``step`` steps done."""
-        sampler = self.sampler
+        sampler, scaler = self.sampler, self.runtime.scaler if self.runtime is not None else None
         epoch, k = divmod(step, sampler.steps_per_epoch)
         return TrainerState(job=self.job.name, step=step, epoch=epoch,
                             offset=k * sampler.global_batch, global_batch=sampler.global_batch,
                             num_samples=sampler.num_samples, seed=sampler.seed, shuffle=sampler.shuffle,
-                            plan=self.plan.summary(), saved_at=time.time())
+                            plan=self.plan.summary(), saved_at=time.time(),
+                            scaler=scaler.state() if scaler is not None else None)
 
     def fit(self, steps: int, callback: Callable[[StepRecord], None] | None,
             ) -> tuple[list[StepRecord], dict[str, torch.Tensor]]:

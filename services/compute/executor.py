@@ -29,7 +29,11 @@ changes nothing training sees.
 Loss weighting. With ``loss_reduction="mean"`` microbatch ``m`` of ``n_m`` samples
 contributes ``loss_m * n_m / N`` (``N`` samples in the step), so the gradients equal
 those of the mean loss over the whole batch, for uneven microbatches too; ``"sum"``
-weighs each by 1. Reported losses are unweighted.
+weighs each by 1. The request's ``loss_scale`` multiplies every weight (fp16's loss scale;
+1 otherwise). Reported losses are unweighted and unscaled.
+
+Precision. Under ``bf16`` or ``fp16`` each forward and its loss run under autocast, the
+backwards outside it (see [Note: mixed precision] in ``services/compute/precision.py``).
 
 Timings (``time.time()`` seconds, one per action): compute actions from the moment
 their inputs are in hand to the end of the compute; receives from posting to the moment
@@ -82,9 +86,18 @@ from comm.base import Communicator, Work
 from comm.factory import wire_device
 from services import faults
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
+from services.compute.precision import autocast, device_type
 from services.compute.stage import Stage, metric_sum, to_device
 from services.params.grad_path import GradientPath
-from services.protocol import MAX_NONFINITE_NAMED, Action, ActionKind, PhaseTiming, RunStep, StepReply
+from services.protocol import (
+    MAX_NONFINITE_NAMED,
+    Action,
+    ActionKind,
+    PhaseTiming,
+    Precision,
+    RunStep,
+    StepReply,
+)
 
 __all__ = ["StepExecutor", "StepFailed", "evaluating", "nonfinite"]
 
@@ -131,12 +144,14 @@ class StepExecutor:
             evaluation step, whose forwards run without autograd.
         deadline: ``time.monotonic()`` by which the step must end.
         grad_path: The stage's gradient path (already begun), if its gradients meet other replicas'.
+        precision: What the forwards compute in (``ComputeOptions.precision``).
     """
 
     def __init__(self, stage: Stage, comm: Communicator | None, request: RunStep,
                  trains: bool, deadline: float,
-                 grad_path: GradientPath | None = None) -> None:
+                 grad_path: GradientPath | None = None, precision: Precision = "fp32") -> None:
         self._stage = stage
+        self._autocast = (precision, device_type(p for _, p in stage.parameters()))
         self._grad_path = grad_path
         backwards = [k for k, a in enumerate(request.actions) if a.kind == "B"]
         self._last_backward = backwards[-1] if backwards else None
@@ -147,7 +162,7 @@ class StepExecutor:
         self._deadline = deadline
         self._mbs = [_Microbatch(list(s)) for s in request.microbatches]
         total = sum(len(s) for s in request.microbatches)
-        self._weights = [len(s) / total if stage.loss_reduction == "mean" else 1.0
+        self._weights = [(len(s) / total if stage.loss_reduction == "mean" else 1.0) * request.loss_scale
                          for s in request.microbatches]
         self._starts = [0.0] * len(request.actions)
         self._ends: list[float | None] = [None] * len(request.actions)
@@ -305,7 +320,7 @@ class StepExecutor:
                 buf.requires_grad_(grad and spec.requires_grad)
             mb.inputs = [buf for _, buf in buffers]
             inputs = unflatten(stage.incoming, mb.inputs)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), autocast(*self._autocast):
             out = stage.module(inputs)
             if stage.last:
                 assert stage.loss_fn is not None

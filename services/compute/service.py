@@ -21,6 +21,7 @@ action list runs). RPC surface (service kind ``compute``):
   on the step thread.
 * ``reconnect(Reconnect) -> Empty``: replace the communicator (a new generation prefix).
 * ``commit(CommitStep) -> CommitReply``: apply the step's update, on the step thread: the
+  gradients multiplied by ``grad_scale`` first (fp16's loss scale undone), then the
   local optimizer (built on the first commit, as ``optimizer_step``), or, on the
   parameter-server path, push the gradients and pull the new values
   (:mod:`services.params.grad_path`). The coordinator commits only once every stage of every
@@ -158,6 +159,7 @@ class CellComputeService(ServiceBase):
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
         self._path = build_path(stage.module, options)
         self._state_keys = options.state_keys
+        self._precision = options.precision
         self._part = f"r{options.replica}-s{stage.index}"
         self._replica, self._replicas = options.replica, options.num_replicas
         self._writer = PartWriter(before_write=_before_write)
@@ -270,7 +272,8 @@ class CellComputeService(ServiceBase):
             start = time.monotonic()
             try:
                 with evaluating(stage.module) if request.source == "eval" else contextlib.nullcontext():
-                    reply = StepExecutor(stage, comm, request, trains, deadline, self._path).run()
+                    reply = StepExecutor(stage, comm, request, trains, deadline, self._path,
+                                         self._precision).run()
             except StepFailed as exc:
                 self._path.abandon()
                 if exc.transfers_posted or self._path.launched:
@@ -361,6 +364,10 @@ class CellComputeService(ServiceBase):
             StepFailed: The parameter-server exchange failed.
         """
         phases: list[PhaseTiming] = []
+        if commit.grad_scale != 1.0:  # before either path's update: the shards take unscaled gradients too
+            for _, p in self._stage.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(commit.grad_scale)
         if optimizer is not None:
             faults.at(step, "optimizer")
             start = time.time()

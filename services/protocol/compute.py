@@ -24,6 +24,9 @@ _PEER_STEP: dict[str, int] = {"F": 0, "B": 0, "SEND_F": 1, "RECV_F": -1, "SEND_B
 _ACTION_TEXT = re.compile(r"(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
 Backend = Literal["zmq", "gloo", "nccl"]  # a group's concrete backend (comm/factory.py resolves "auto")
+# what a stage computes in: fp32, or bf16 / fp16 autocast over float32 master weights (see
+# services/compute/precision.py); the same values as coordinator.planning.config.Precision
+Precision = Literal["fp32", "bf16", "fp16"]
 MAX_BOUNDARY_TENSORS = 256  # tensors per cut; also the stride of transfer tags (services/compute/boundary.py)
 
 
@@ -130,15 +133,17 @@ class ComputeOptions(Message):
     # group stages its transfers through host memory (comm/factory.py: [Note: a group's backend]).
     device: str = Field(default="cpu", pattern=r"^(cpu|cuda:\d{1,3})$")
     dp_backend: Backend | None = None
-
-    @property
-    def data_parallel_backend(self) -> Backend:
-        return self.dp_backend or self.comm_backend
     # evaluation (RunStep.source = "eval"): the held-out data factory (first and last stage) and the
     # metric factory (last stage; optional); "": the job evaluates nothing (or no metric)
     eval_data: str = ""
     eval_data_kwargs: FactoryKwargs = Field(default_factory=dict)
     metric: str = ""
+    # mixed precision: the stage's forwards and loss run under autocast in this dtype
+    precision: Precision = "fp32"
+
+    @property
+    def data_parallel_backend(self) -> Backend:
+        return self.dp_backend or self.comm_backend
 
     @model_validator(mode="after")
     def _consistent(self) -> ComputeOptions:
@@ -229,6 +234,8 @@ class CommitStep(Message):
     optimizer: OptimizerSpec
     timeout_ms: int = Field(default=300_000, ge=1)
     save: SaveRequest | None = None  # then snapshot the state it leaves (written in the background)
+    # multiply every gradient by this before the optimizer step
+    grad_scale: float = Field(default=1.0, gt=0, allow_inf_nan=False)
 
 
 class CommitReply(Message):
@@ -258,6 +265,10 @@ class RunStep(Message):
     (``bad_request``, ``busy``, ``comm_failed``) applies nothing; once it runs, the commit is
     applied even if the step then fails (the previous step was complete). It is reported as
     an ``optimizer`` or ``push_pull`` phase of the reply.
+
+    ``loss_scale`` multiplies the last stage's loss before its backward (fp16's dynamic loss
+    scale, ``coordinator/runtime/scaler.py``); the losses reported stay unscaled, and the
+    commit's ``grad_scale`` undoes it on the gradients.
     """
 
     step: int = Field(ge=0)
@@ -268,6 +279,7 @@ class RunStep(Message):
     timeout_ms: int = Field(default=300_000, ge=1)
     commit: CommitStep | None = None
     source: Literal["train", "eval"] = "train"
+    loss_scale: float = Field(default=1.0, gt=0, allow_inf_nan=False)
 
 
 class PhaseTiming(Message):
