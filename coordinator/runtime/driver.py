@@ -4,11 +4,13 @@ One :class:`Runtime` per plan and run (``RunSpec.run``, unique: a new run never 
 old one's keys). Placement follows the plan exactly: the worker ``plan.placement[r][s]``
 hosts ``{run}/compute-r{r}-s{s}``, stage ``s`` of replica ``r``, with the stage's boundary
 specs derived from the plan's cuts, its pipeline communicator under
-``/cellmesh/{job}/runs/{run}/pipe/r{r}`` and (collective mode) its data-parallel group
-under ``/cellmesh/{job}/runs/{run}/dp/s{s}``. In parameter-server mode the workers of
-each stage also host its parameter shards (``{run}/ps-s{s}-{i}``), set up from the
-coordinator's copy of the model before any step and saved into checkpoints with the stages
-(``coordinator/runtime/shards.py``). :meth:`Runtime.close` releases them all.
+``/cellmesh/{job}/runs/{run}/pipe/r{r}``, (collective mode) its data-parallel group
+under ``/cellmesh/{job}/runs/{run}/dp/s{s}`` and the groups of the parameters it holds with
+other stages under ``/cellmesh/{job}/runs/{run}/tied/r{r}`` (``coordinator/runtime/tied.py``).
+In parameter-server mode the workers of each stage also host its parameter shards
+(``{run}/ps-s{s}-{i}``), set up from the coordinator's copy of the model before any step and
+saved into checkpoints with the stages (``coordinator/runtime/shards.py``).
+:meth:`Runtime.close` releases them all.
 
 A step is a transaction: parameters and optimizer state change only when the coordinator
 commits it, and it commits a step only once every stage of every replica finished it.
@@ -48,6 +50,7 @@ from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
 from coordinator.runtime.nonfinite import first_nonfinite, refuse
 from coordinator.runtime.records import StepRecord, _Service
 from coordinator.runtime.shards import ParamShards
+from coordinator.runtime.tied import Holders, tied_per_stage
 from services.protocol import (
     Assignment,
     AssignmentReply,
@@ -67,6 +70,7 @@ from services.protocol import (
     ShardAddress,
     StepReply,
     TensorsReply,
+    TiedOptions,
     WorkerCard,
     WorkerStatus,
 )
@@ -112,6 +116,8 @@ class RunSpec:
     # checkpoint the services start from ("": the factories' values)
     state_keys: Mapping[str, list[str]] = field(default_factory=dict)
     restore: str = ""
+    # the parameters several cells hold (coordinator/runtime/tied.py's shared_parameters)
+    tied: Mapping[str, Holders] = field(default_factory=dict)
 
 
 def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
@@ -184,9 +190,14 @@ class Runtime:
         shards = self._place_shards(self._shards)
         self.initial_params = {}  # the shards hold them now: no copy of the model stays here
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
+        tied = tied_per_stage(spec.tied, [st.nodes for st in plan.stages])
         ids: dict[int, _Service] = {}
         for sv in self.services:
             st = plan.stages[sv.stage]
+            keys = {k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes}
+            # a tied copy another stage writes is restored from the writer's keys (mirrors write nothing)
+            keys.update({p.name: spec.state_keys[p.key] for p in tied[sv.stage]
+                         if p.owner != sv.stage and p.key in spec.state_keys})
             options = ComputeOptions(
                 stage=sv.stage, num_stages=plan.num_stages, comm_backend=spec.comm_backend,  # type: ignore[arg-type]
                 registry=self.registry_url, comm_prefix=f"{gen}/pipe/r{sv.replica}",
@@ -198,8 +209,9 @@ class Runtime:
                           if sv.stage < plan.num_stages - 1 else None),
                 replica=sv.replica, num_replicas=plan.data_parallel, grad_path=plan.mode,
                 dp_prefix=f"{gen}/dp/s{sv.stage}",
-                shards=shards[sv.stage], restore=spec.restore,
-                state_keys={k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes})
+                shards=shards[sv.stage], restore=spec.restore, state_keys=keys,
+                tied=(TiedOptions(prefix=f"{gen}/tied/r{sv.replica}", params=tied[sv.stage])
+                      if tied[sv.stage] else None))
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
                                     cells=[st.start, st.stop], seed=spec.seed,
                                     options=options.model_dump(mode="json"))

@@ -35,10 +35,16 @@ just before the list's last backward and finishes it after the sends (a collecti
 then holds the gradients averaged over the stage's replicas); its timing is a phase of
 the reply. See [Note: microbatches and the all-reduce] in ``services/params/grad_path.py``.
 
+Tied parameters. With a :class:`~services.params.tied.TiedSync`, a step that trains then sums
+the gradients of the parameters other stages hold too (after the gradient path: over the
+replicas first); its timing is a ``tied_sync`` phase. See [Note: tied parameters] in
+``services/params/tied.py``.
+
 Non-finite values. The reply names the parameters whose gradient (after the gradient path:
-averaged over the replicas in collective mode) holds a NaN or Inf, as AMP's ``GradScaler``
-checks; with the losses it reports, the coordinator decides whether the step's update is
-applied (see [Note: a step that is not finite] in ``coordinator/runtime/nonfinite.py``).
+averaged over the replicas in collective mode; a tied one summed over its stages) holds a NaN
+or Inf, as AMP's ``GradScaler`` checks; with the losses it reports, the coordinator decides
+whether the step's update is applied (see [Note: a step that is not finite] in
+``coordinator/runtime/nonfinite.py``).
 
 Every wait is bounded by the step's deadline; errors are raised as :class:`StepFailed`
 naming the stage, the step and the action.
@@ -58,6 +64,7 @@ from services import faults
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
 from services.compute.stage import Stage
 from services.params.grad_path import GradientPath
+from services.params.tied import TiedSync
 from services.protocol import MAX_NONFINITE_NAMED, Action, ActionKind, PhaseTiming, RunStep, StepReply
 
 __all__ = ["StepExecutor", "StepFailed", "nonfinite"]
@@ -105,13 +112,15 @@ class StepExecutor:
             evaluation step, whose forwards run without autograd.
         deadline: ``time.monotonic()`` by which the step must end.
         grad_path: The stage's gradient path (already begun), if its gradients meet other replicas'.
+        tied: The stage's parameters tied to other stages', if it holds any.
     """
 
     def __init__(self, stage: Stage, comm: Communicator | None, request: RunStep,
                  trains: bool, deadline: float,
-                 grad_path: GradientPath | None = None) -> None:
+                 grad_path: GradientPath | None = None, tied: TiedSync | None = None) -> None:
         self._stage = stage
         self._grad_path = grad_path
+        self._tied = tied
         backwards = [k for k, a in enumerate(request.actions) if a.kind == "B"]
         self._last_backward = backwards[-1] if backwards else None
         self._comm = comm
@@ -162,13 +171,15 @@ class StepExecutor:
                 faults.at(self._request.step, "sync")
                 phase = self._grad_path.finish(self._left("the gradient synchronisation"))
                 phases += [phase] if phase is not None else []
+            if self._tied is not None and self._last_backward is not None:
+                phases.append(self._tied.sync(self._left("summing the tied parameters' gradients")))
             nonfinite = self._nonfinite_grads() if self._last_backward is not None else []
         except StepFailed:
             raise
         except Exception as exc:
             at = self._where() if action is not None else (
                 f"stage {self._stage.index}, step {self._request.step}, waiting for the sends and the "
-                "gradient synchronisation")
+                "gradient synchronisation (replicas, tied parameters)")
             raise StepFailed(f"{at}: {type(exc).__name__}: {exc}", transfers_posted=self._posted) from exc
         ends = [e if e is not None else s for s, e in zip(self._starts, self._ends, strict=True)]
         return StepReply(step=self._request.step, stage=self._stage.index, losses=self._losses,

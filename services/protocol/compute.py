@@ -13,6 +13,7 @@ from comm.traffic import TrafficCounts
 from comm.wire import DTYPES
 from services.protocol.checkpoint import SavedPart, SaveRequest
 from services.protocol.params import OptimizerSpec
+from services.protocol.tied import TiedOptions
 
 MAX_NONFINITE_NAMED = 8  # parameters a StepReply names whose gradient is not finite
 
@@ -124,6 +125,8 @@ class ComputeOptions(Message):
     # state_dict (tied weights have several), and the checkpoint to start from ("": the factory's values)
     state_keys: dict[str, list[str]] = Field(default_factory=dict, max_length=1 << 20)
     restore: str = Field(default="", max_length=4096)
+    # parameters other stages hold too (services/params/tied.py); None: none
+    tied: TiedOptions | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ComputeOptions:
@@ -140,6 +143,8 @@ class ComputeOptions(Message):
             "loss (last stage)": not last or bool(self.loss),
             "incoming (stage > 0)": first or self.incoming is not None,
             "outgoing (stage < num_stages - 1)": last or self.outgoing is not None,
+            "tied (held by this stage and others < num_stages)": self.tied is None or all(
+                self.stage in p.stages and p.stages[-1] < self.num_stages for p in self.tied.params),
         }
         missing = [what for what, ok in needs.items() if not ok]
         if missing:
@@ -310,8 +315,10 @@ class OptimizerStepReply(Message):
 class Reconnect(Message):
     """Replace the stage's communicator by a new one under ``comm_prefix`` (a new generation).
 
-    ``dp_prefix``, if set, also replaces the stage's data-parallel group (collective path).
+    ``dp_prefix``, if set, also replaces the stage's data-parallel group (collective path);
+    ``tied_prefix``, if set, its tied parameters' groups.
     """
 
     comm_prefix: Name
     dp_prefix: str = ""
+    tied_prefix: str = ""
