@@ -21,7 +21,9 @@ must the pipeline, or the copies drift apart from each other and from one proces
   embedding and a head, however many replicas). Its timing is the reply's ``tied_sync`` phase.
 * Then every holder applies the same optimizer to the same value with the same gradient
   (an all-reduce gives every rank bitwise the same result), so the copies stay bit-identical
-  without a second collective. Non-finite checks and commits see the summed gradient.
+  without a second collective. Non-finite checks and commits see the summed gradient. A
+  norm over the whole model's gradients (clipping) must count a tied parameter once: on its
+  owner, not on the stages listed as its :attr:`TiedSync.mirrors`.
 * Parameter-server mode: each stage's shards hold that stage's parameters under its own names,
   so two shards would each run an optimizer on a copy. Instead only the owner (lowest holder)
   pushes the summed gradient to its shard and pulls the new value; the other holders leave the

@@ -249,7 +249,7 @@ class RunStep(Message):
 
 
 class PhaseTiming(Message):
-    """A named phase outside the action list (``all_reduce``, ``push_pull``, ``optimizer``)."""
+    """A named phase outside the action list (``all_reduce``, ``tied_sync``, ``push_pull``, ``optimizer``)."""
 
     name: Name
     start: float

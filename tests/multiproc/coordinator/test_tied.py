@@ -3,23 +3,29 @@
 ``tied_gpt`` ties its token embedding (first stage) and its output head (last stage): both
 stages hold a copy of the one matrix. Each plan's copies must end bit-identical to each other
 and equal (float64, < 1e-9 after 5 steps) to ``train_reference``, where the matrix is one
-Parameter whose gradient sums both uses. One harness of four workers serves every job here.
+Parameter whose gradient sums both uses. A checkpoint holds the matrix once and restores it
+into both copies on another plan. One harness of four workers serves every job here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from coordinator.planning.resources import Resources
+from coordinator.runtime.checkpoints import newest
+from coordinator.runtime.factories import build_cells
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import Job, state_dict_of
+from coordinator.runtime.records import StepRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
-from coordinator.runtime.session import Session
+from coordinator.runtime.session import Session, state_keys
+from services.checkpoint import dcp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +42,10 @@ PLANS: dict[str, dict[str, Any]] = {
     "gpipe2": dict(data_parallel=1, num_stages=2, num_microbatches=2, schedule="gpipe"),
     "1f1b2": dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="1f1b"),
     "pp2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b"),
+    "ps2x2": dict(data_parallel=2, num_stages=2, num_microbatches=2, mode="parameter_server"),
 }
+
+State = dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
@@ -47,35 +56,59 @@ def harness() -> Iterator[LocalHarness]:
         yield h
 
 
-def make_job(optimizer: str, **plan: Any) -> Job:
+def make_job(optimizer: str, **fields: Any) -> Job:
     name, kwargs = OPTIMIZERS[optimizer]
     return Job(model=f"{T}:tied_gpt", loss=f"{M}:token_loss", data=f"{M}:tokens", optimizer=name,
-               optimizer_kwargs=kwargs, global_batch=8, seed=7, balance=[2, 2],
-               resources=Resources.local(workers=4), step_timeout_s=30, **plan)
+               optimizer_kwargs=kwargs, global_batch=8, seed=7, resources=Resources.local(workers=4),
+               step_timeout_s=30, **{"balance": [2, 2], **fields})
 
 
-State = dict[str, torch.Tensor]
-
-
-def fit_both_copies(harness: LocalHarness, job: Job) -> tuple[State, State]:
-    """Train ``STEPS`` steps; the final state as the model's ``state_dict`` and as the stages hold it
-    (cell-qualified: the tied matrix under each holding stage's name)."""
-    session = Session(job, harness).start()
+def fit_both_copies(harness: LocalHarness, job: Job, steps: int = STEPS,
+                    resume: Path | None = None) -> tuple[list[StepRecord], State, State]:
+    """Train until step ``steps``; the records, the final state as the model's ``state_dict`` and as
+    the stages hold it (cell-qualified: the tied matrix under each holding stage's name)."""
+    session = Session(job, harness, resume).start()
     try:
-        _, cell_state = session.fit(STEPS, None)
-        return state_dict_of(session.model, session.cells, cell_state), cell_state
+        records, cell_state = session.fit(steps - job.steps_done, None)
+        return records, state_dict_of(session.model, session.cells, cell_state), cell_state
     finally:
         session.close()
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("plan", list(PLANS))
-def test_tied_copies_train_as_one_parameter(harness: LocalHarness, plan: str, optimizer: str) -> None:
-    job = make_job(optimizer, **PLANS[plan])
-    state, cells = fit_both_copies(harness, job)
+def check_against_one_process(job: Job, state: State, cells: State) -> None:
     assert torch.equal(cells[OWNER], cells[MIRROR]), "the stages' copies of the tied matrix differ"
     ref = train_reference(job, STEPS)
     diff = max_abs_diff(state, ref.state_dict)
     assert diff < TOL, f"{job.plan().summary()}: max abs diff {diff:.3g} >= {TOL:g}"
     initial = job.build_model().state_dict()
     assert max_abs_diff(initial, ref.state_dict) > 1e-3, "the reference did not move"
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_tied_copies_train_as_one_parameter(harness: LocalHarness, plan: str, optimizer: str) -> None:
+    job = make_job(optimizer, **PLANS[plan])
+    records, state, cells = fit_both_copies(harness, job)
+    check_against_one_process(job, state, cells)
+    phases = {e.name for e in records[-1].events}
+    assert "tied_sync" in phases
+    assert ("tied_share" in phases) == (plan == "ps2x2")  # the owner's pulled value, sent to the mirror
+
+
+def test_a_checkpoint_holds_the_tied_matrix_once_and_restores_both_copies_on_another_plan(
+        harness: LocalHarness, tmp_path: Path) -> None:
+    first = make_job("adamw", checkpoint_directory=str(tmp_path), **PLANS["1f1b2"])
+    fit_both_copies(harness, first, 3)
+    checkpoint = newest(tmp_path)
+    assert checkpoint is not None and checkpoint.name == "step-00000003"
+    keys = state_keys(*build_cells(f"{T}:tied_gpt", {}, 7))[OWNER]  # its keys in the model's state_dict
+    assert len(keys) == 2
+    owner_part, mirror_part = (set(dcp.keys(checkpoint / "parts" / f"r0-s{s}")) for s in (0, 1))
+    assert set(keys) <= owner_part and not set(keys) & mirror_part
+    train_keys = set(dcp.keys(checkpoint / "train" / "parts" / "r0-s1"))
+    assert not any(k.startswith(f"optim.{keys[0]}.") for k in train_keys), "the mirror wrote its Adam state"
+
+    # the stage holding the head is now stage 1 of two replicas: both of its copies start from the owner's
+    second = make_job("adamw", checkpoint_directory=str(tmp_path), **{**PLANS["pp2xdp2"], "balance": [1, 3]})
+    _, state, cells = fit_both_copies(harness, second, STEPS, resume=checkpoint)
+    check_against_one_process(second, state, cells)
