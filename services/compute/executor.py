@@ -147,6 +147,8 @@ class StepExecutor:
         if self._request.zero_grad:
             for _, p in self._stage.parameters():
                 p.grad = None
+        if self._tied is not None and self._last_backward is not None:
+            self._tied.begin(self._request.zero_grad)
         handlers = {"F": self._forward, "B": self._backward, "SEND_F": self._send_act,
                     "RECV_F": self._recv_act, "SEND_B": self._send_grad, "RECV_B": self._recv_grad}
         action: Action | None = None

@@ -24,6 +24,11 @@ must the pipeline, or the copies drift apart from each other and from one proces
   without a second collective. Non-finite checks and commits see the summed gradient. A
   norm over the whole model's gradients (clipping) must count a tied parameter once: on its
   owner, not on the stages listed as its :attr:`TiedSync.mirrors`.
+* A step that adds to the gradients it starts with (``RunStep.zero_grad`` False: accumulating
+  several batches into one update) starts with copies that already hold the same sum. Summed
+  again they would count it once per holder; so the step sets the tied gradients aside as it
+  begins (:meth:`TiedSync.begin`), sums only what it adds, and adds them back. (The replicas'
+  average needs no such care: averaging equal values returns them.)
 * Parameter-server mode: each stage's shards hold that stage's parameters under its own names,
   so two shards would each run an optimizer on a copy. Instead only the owner (lowest holder)
   pushes the summed gradient to its shard and pulls the new value; the other holders leave the
@@ -93,6 +98,7 @@ class TiedSync:
             raise ValueError(f"tied parameters {unknown} are not parameters of stage {options.stage} "
                              f"(it holds {list(held)[:8]}...)")
         self._stage = options.stage
+        self._carried: list[tuple[nn.Parameter, torch.Tensor]] = []  # set aside by begin(), added by sync()
         self.mirrors = frozenset(p.name for p in tied.params if p.owner != options.stage)
         by_stages: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]] = {}
         for p in tied.params:
@@ -110,8 +116,22 @@ class TiedSync:
         """The stage's tied synchronisation; None when ``options`` name no tied parameter."""
         return cls(params, options) if options.tied is not None else None
 
+    def begin(self, zero_grad: bool) -> None:
+        """A step that trains begins (its gradients cleared first if ``zero_grad``): without ``zero_grad``,
+        set the tied gradients aside (they are sums already) so that :meth:`sync` sums only the step's own."""
+        self._carried = []
+        if zero_grad:
+            return
+        for group in self._groups:
+            for _, param in group.params:
+                if param.grad is not None:
+                    # a copy: the gradient may be a view into a data-parallel bucket, which the step refills
+                    self._carried.append((param, param.grad.detach().clone()))
+                    param.grad = None
+
     def sync(self, timeout: timedelta) -> PhaseTiming:
-        """Replace each tied copy's gradient by the sum over its holders (a missing one counts as zeros).
+        """Replace each tied copy's gradient by the sum over its holders (a missing one counts as zeros),
+        plus what :meth:`begin` set aside.
 
         Raises:
             TimeoutError: A group did not form, or its all-reduce did not finish, within ``timeout``.
@@ -126,6 +146,10 @@ class TiedSync:
                 elif not param.grad.is_contiguous():
                     param.grad = param.grad.contiguous()
                 comm.all_reduce(param.grad, ReduceOp.SUM, timeout=self._left(deadline, f"summing {key!r}"))
+        for param, carried in self._carried:
+            assert param.grad is not None  # every tied copy has one after the loop above
+            param.grad.add_(carried)
+        self._carried = []
         return PhaseTiming(name="tied_sync", start=start, end=time.time())
 
     def share(self, timeout: timedelta) -> PhaseTiming:

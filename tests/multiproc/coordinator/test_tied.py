@@ -4,7 +4,8 @@
 stages hold a copy of the one matrix. Each plan's copies must end bit-identical to each other
 and equal (float64, < 1e-9 after 5 steps) to ``train_reference``, where the matrix is one
 Parameter whose gradient sums both uses. A checkpoint holds the matrix once and restores it
-into both copies on another plan. One harness of four workers serves every job here.
+into both copies on another plan; a step that adds to the gradients it starts with adds its
+own sum once. One harness of four workers serves every job here.
 """
 
 from __future__ import annotations
@@ -16,16 +17,35 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+from comm.rpc import RpcClient
 from coordinator.planning.resources import Resources
 from coordinator.runtime.checkpoints import newest
-from coordinator.runtime.factories import build_cells
+from coordinator.runtime.factories import build_cells, build_data, build_loss
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import Job, state_dict_of
 from coordinator.runtime.records import StepRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from coordinator.runtime.session import Session, state_keys
+from coordinator.runtime.tied import shared_parameters, tied_per_stage
 from services.checkpoint import dcp
+from services.protocol import (
+    Action,
+    Assignment,
+    AssignmentReply,
+    BoundarySpec,
+    BoundaryTensor,
+    ComputeOptions,
+    Empty,
+    Release,
+    RunStep,
+    StepReply,
+    TiedOptions,
+)
+from tests.multiproc.coordinator.models import SEQ
+from tests.multiproc.coordinator.tied_models import WIDTH
+from tests.multiproc.services.compute_checks import call_stages, fetch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,3 +132,46 @@ def test_a_checkpoint_holds_the_tied_matrix_once_and_restores_both_copies_on_ano
     second = make_job("adamw", checkpoint_directory=str(tmp_path), **{**PLANS["pp2xdp2"], "balance": [1, 3]})
     _, state, cells = fit_both_copies(harness, second, STEPS, resume=checkpoint)
     check_against_one_process(second, state, cells)
+
+
+def test_a_step_that_adds_to_its_gradients_adds_its_own_sum_once(harness: LocalHarness) -> None:
+    """Two batches into one gradient (the second step without ``zero_grad``), driven over RPC, against
+    one process's two backwards."""
+    service, prefix = "tied-accumulate", f"/cellmesh/{harness.job}/tests/tied-accumulate"
+    cut = BoundarySpec(structure="tensor", batch_size=2, tensors=[BoundaryTensor(
+        name="x", dtype="float64", shape=[2, SEQ, WIDTH], requires_grad=True, batch_dim=0)])
+    _, cells = build_cells(f"{T}:tied_gpt", {}, 7)
+    tied = tied_per_stage(shared_parameters(cells), [["embed", "block0"], ["block1", "head"]])
+    addresses = [harness.address(f"local-{s}") for s in range(2)]
+    for s, address in enumerate(addresses):
+        options = ComputeOptions(stage=s, num_stages=2, registry=harness.registry_url,
+                                 comm_prefix=f"{prefix}/pipe", data=f"{M}:tokens", loss=f"{M}:token_loss",
+                                 incoming=cut if s else None, outgoing=None if s else cut,
+                                 tied=TiedOptions(prefix=f"{prefix}/tied", params=tied[s]))
+        with RpcClient(address, timeout=timedelta(seconds=30)) as c:
+            c.call("worker", "assign", Assignment(service=service, kind="compute", factory=f"{T}:tied_gpt",
+                                                  cells=[2 * s, 2 * s + 2], seed=7,
+                                                  options=options.model_dump(mode="json")), AssignmentReply)
+    gpipe = ["0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1",
+             "1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1"]
+    batches = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    try:
+        for step, microbatches in enumerate(batches):
+            requests = [RunStep(step=step, microbatches=microbatches, zero_grad=step == 0, timeout_ms=20_000,
+                                actions=[Action.parse(a) for a in gpipe[s].split()]) for s in range(2)]
+            for result in call_stages(addresses, service, "run_step", requests, StepReply):
+                assert not isinstance(result, Exception), result
+        grads = fetch(addresses, service, "gradients")
+    finally:
+        for address in addresses:
+            with RpcClient(address, timeout=timedelta(seconds=30)) as c:
+                c.call("worker", "release", Release(service=service), Empty)
+    assert torch.equal(grads[OWNER], grads[MIRROR]), "the stages' tied gradients differ"
+    source, loss_fn = build_data(f"{M}:tokens", {}, 7), build_loss(f"{M}:token_loss", {})
+    whole = nn.Sequential(*cells)
+    for microbatches in batches:  # each step's mean loss, backwards accumulating
+        inputs, targets = source.load([i for mb in microbatches for i in mb])
+        loss_fn(whole(inputs), targets).backward()
+    expected = cells[0].module.tok.weight.grad
+    assert expected is not None
+    assert float((grads[OWNER] - expected).abs().max()) < 1e-12
