@@ -189,6 +189,6 @@ class TiedSync:
     def _left(self, deadline: float, what: str) -> timedelta:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"stage {self._stage}: the step's time ran out before {what}")
+            raise TimeoutError(f"stage {self._stage}: the time allowed ran out before {what}")
         return timedelta(seconds=left)
 
