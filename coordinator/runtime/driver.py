@@ -4,14 +4,16 @@ One :class:`Runtime` per plan and run (``RunSpec.run``, unique: a new run never 
 old one's keys). Placement follows the plan exactly: the worker ``plan.placement[r][s]``
 hosts ``{run}/compute-r{r}-s{s}``, stage ``s`` of replica ``r``, with the stage's boundary
 specs derived from the plan's cuts, its pipeline communicator under
-``/cellmesh/{job}/runs/{run}/pipe/r{r}`` and (collective mode) its data-parallel group
-under ``/cellmesh/{job}/runs/{run}/dp/s{s}``. In parameter-server mode the workers of
-each stage also host its parameter shards (``{run}/ps-s{s}-{i}``), set up from the
-coordinator's copy of the model before any step and saved into checkpoints with the stages
-(``coordinator/runtime/shards.py``). :meth:`Runtime.close` releases them all. Each stage runs on
-the device its worker's card allows (``cpu`` or ``cuda:LOCAL_RANK``) and each group talks over the
-backend those devices call for (``coordinator/runtime/devices.py``): refused before any step, naming
-the worker, when a stage is asked onto a GPU its worker does not have.
+``/cellmesh/{job}/runs/{run}/pipe/r{r}``, (collective mode) its data-parallel group
+under ``/cellmesh/{job}/runs/{run}/dp/s{s}`` and the groups of the parameters it holds with
+other stages under ``/cellmesh/{job}/runs/{run}/tied/r{r}`` (``coordinator/runtime/tied.py``).
+In parameter-server mode the workers of each stage also host its parameter shards
+(``{run}/ps-s{s}-{i}``), set up from the coordinator's copy of the model before any step and
+saved into checkpoints with the stages (``coordinator/runtime/shards.py``).
+:meth:`Runtime.close` releases them all. Each stage runs on the device its worker's card allows
+(``cpu`` or ``cuda:LOCAL_RANK``) and each group talks over the backend those devices call for
+(``coordinator/runtime/devices.py``): refused before any step, naming the worker, when a stage is
+asked onto a GPU its worker does not have.
 
 A step is a transaction: parameters and optimizer state change only when the coordinator
 commits it, and it commits a step only once every stage of every replica finished it.
@@ -60,6 +62,7 @@ from coordinator.runtime.nonfinite import first_nonfinite, overflowed, refuse
 from coordinator.runtime.records import StepRecord, _Service
 from coordinator.runtime.scaler import LossScaler, ScalerState
 from coordinator.runtime.shards import ParamShards
+from coordinator.runtime.tied import Holders, tied_per_stage
 from services.protocol import (
     Assignment,
     AssignmentReply,
@@ -79,6 +82,7 @@ from services.protocol import (
     ShardAddress,
     StepReply,
     TensorsReply,
+    TiedOptions,
     WorkerCard,
     WorkerStatus,
 )
@@ -129,6 +133,8 @@ class RunSpec:
     eval_data_kwargs: FactoryKwargs = field(default_factory=dict)
     metric: str = ""
     scaler: ScalerState | None = None  # fp16: the loss scale to start from (a checkpoint's; None: initial)
+    # the parameters several cells hold (coordinator/runtime/tied.py's shared_parameters)
+    tied: Mapping[str, Holders] = field(default_factory=dict)
 
 
 def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
@@ -209,9 +215,14 @@ class Runtime:
         shards = self._place_shards(self._shards)
         self.initial_params = {}  # the shards hold them now: no copy of the model stays here
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
+        tied = tied_per_stage(spec.tied, [st.nodes for st in plan.stages])
         ids: dict[int, _Service] = {}
         for sv in self.services:
             st = plan.stages[sv.stage]
+            keys = {k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes}
+            # a tied copy another stage writes is restored from the writer's keys (mirrors write nothing)
+            keys.update({p.name: spec.state_keys[p.key] for p in tied[sv.stage]
+                         if p.owner != sv.stage and p.key in spec.state_keys})
             options = ComputeOptions(
                 stage=sv.stage, num_stages=plan.num_stages, device=placed.devices[sv.worker],
                 comm_backend=placed.pipeline[sv.replica],  # type: ignore[arg-type]  # a Backend, by resolve_backend
@@ -227,7 +238,9 @@ class Runtime:
                 dp_prefix=f"{gen}/dp/s{sv.stage}",
                 shards=shards[sv.stage], restore=spec.restore, precision=plan.precision,
                 eval_data=spec.eval_data, eval_data_kwargs=spec.eval_data_kwargs, metric=spec.metric,
-                state_keys={k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes})
+                state_keys=keys,
+                tied=(TiedOptions(prefix=f"{gen}/tied/r{sv.replica}", params=tied[sv.stage])
+                      if tied[sv.stage] else None))
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
                                     cells=[st.start, st.stop], seed=spec.seed,
                                     options=options.model_dump(mode="json"))

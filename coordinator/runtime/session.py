@@ -48,7 +48,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,6 +69,7 @@ from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import model_structure
 from coordinator.runtime.records import EvalRecord, StepRecord
+from coordinator.runtime.tied import shared_parameters
 from services.compute.cell import Cell, cell_parameters
 
 if TYPE_CHECKING:
@@ -189,6 +190,7 @@ class Session:
         model, cells = model_structure(config)  # names only: the values are the stages'
         self.model, self.cells = model, cells
         self._state_keys = state_keys(model, cells)
+        self._tied = shared_parameters(cells)  # a plan that cuts between their holders ties them
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -224,10 +226,11 @@ class Session:
             initial = self._initial_params(checkpoint)
         addresses = {n: self.harness.address(n) for n in sorted({w for r in plan.placement for w in r})}
         # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
-        spec = job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}",
-                            state_keys=self._state_keys,
-                            restore=str(checkpoint.resolve()) if checkpoint is not None else "",
-                            scaler=trainer.scaler if trainer is not None else None)
+        spec = replace(job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}",
+                                    state_keys=self._state_keys,
+                                    restore=str(checkpoint.resolve()) if checkpoint is not None else "",
+                                    scaler=trainer.scaler if trainer is not None else None),
+                       tied=self._tied)
         self.runtime = Runtime(plan, spec, self.loop, self.harness.registry_url, addresses, initial)
         self.plan = plan
         job.steps_done = trainer.step if trainer is not None else 0

@@ -14,7 +14,9 @@ restores on another (a stage loads the keys of its own cells, wherever they were
 
 The replicas of a data-parallel stage hold the same values, so they share the writing: replica
 ``r`` of ``R`` writes every ``R``-th tensor and the optimizer state of the parameters among them
-(:func:`replica_share`), and every replica its RNG state.
+(:func:`replica_share`), and every replica its RNG state. Likewise a parameter tied across stages
+is written by its lowest holding stage only; the others (its mirrors, ``skip``) restore their copy
+from the same keys (see [Note: tied parameters] in ``services/params/tied.py``).
 
 The snapshot is taken on the step thread right after a commit (so before the next update
 can change anything) as copies in host memory; the writing happens elsewhere
@@ -23,7 +25,7 @@ can change anything) as copies in host memory; the writing happens elsewhere
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,12 +71,14 @@ def replica_share(num_entries: int, replica: int, replicas: int) -> range:
 
 def snapshot(step: int, part: str, state: Sequence[tuple[str, torch.Tensor]],
              params: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
-             state_keys: Mapping[str, Sequence[str]], *, share: tuple[int, int] = (0, 1)) -> Snapshot:
+             state_keys: Mapping[str, Sequence[str]], *, share: tuple[int, int] = (0, 1),
+             skip: Collection[str] = ()) -> Snapshot:
     """Copy a stage's training state: this replica's share (``share`` = (replica, replicas):
-    :func:`replica_share`) of the saved entries of ``state`` (parameters and buffers, cell-qualified)
-    with the optimizer's state of the parameters among them, and this process's RNG state."""
+    :func:`replica_share`) of the saved entries of ``state`` (parameters and buffers, cell-qualified;
+    but ``skip``, the tied parameters another stage writes) with the optimizer's state of the
+    parameters among them, and this process's RNG state."""
     snap = Snapshot(step=step, part=part)
-    entries = saved_state(state, state_keys)
+    entries = [(n, t) for n, t in saved_state(state, state_keys) if n not in skip]
     mine = [entries[i] for i in replica_share(len(entries), *share)]
     for name, tensor in mine:
         copy = tensor.detach().to("cpu", copy=True)

@@ -45,10 +45,16 @@ just before the list's last backward and finishes it after the sends (a collecti
 then holds the gradients averaged over the stage's replicas); its timing is a phase of
 the reply. See [Note: microbatches and the all-reduce] in ``services/params/grad_path.py``.
 
+Tied parameters. With a :class:`~services.params.tied.TiedSync`, a step that trains then sums
+the gradients of the parameters other stages hold too (after the gradient path: over the
+replicas first); its timing is a ``tied_sync`` phase. See [Note: tied parameters] in
+``services/params/tied.py``.
+
 Non-finite values. The reply names the parameters whose gradient (after the gradient path:
-averaged over the replicas in collective mode) holds a NaN or Inf, as AMP's ``GradScaler``
-checks; with the losses it reports, the coordinator decides whether the step's update is
-applied (see [Note: a step that is not finite] in ``coordinator/runtime/nonfinite.py``).
+averaged over the replicas in collective mode; a tied one summed over its stages) holds a NaN
+or Inf, as AMP's ``GradScaler`` checks; with the losses it reports, the coordinator decides
+whether the step's update is applied (see [Note: a step that is not finite] in
+``coordinator/runtime/nonfinite.py``).
 
 Devices. The stage computes on ``stage.device``; its samples are loaded on the CPU and moved
 there. Transfers go through the device the pipeline's backend moves (``comm.factory.wire_device``):
@@ -89,6 +95,7 @@ from services.compute.boundary import empty_buffers, flatten, transfer_tag, unfl
 from services.compute.precision import autocast, device_type
 from services.compute.stage import Stage, metric_sum, to_device
 from services.params.grad_path import GradientPath
+from services.params.tied import TiedSync
 from services.protocol import (
     MAX_NONFINITE_NAMED,
     Action,
@@ -145,14 +152,17 @@ class StepExecutor:
         deadline: ``time.monotonic()`` by which the step must end.
         grad_path: The stage's gradient path (already begun), if its gradients meet other replicas'.
         precision: What the forwards compute in (``ComputeOptions.precision``).
+        tied: The stage's parameters tied to other stages', if it holds any.
     """
 
     def __init__(self, stage: Stage, comm: Communicator | None, request: RunStep,
                  trains: bool, deadline: float,
-                 grad_path: GradientPath | None = None, precision: Precision = "fp32") -> None:
+                 grad_path: GradientPath | None = None, precision: Precision = "fp32",
+                 tied: TiedSync | None = None) -> None:
         self._stage = stage
         self._autocast = (precision, device_type(p for _, p in stage.parameters()))
         self._grad_path = grad_path
+        self._tied = tied
         backwards = [k for k, a in enumerate(request.actions) if a.kind == "B"]
         self._last_backward = backwards[-1] if backwards else None
         self._comm = comm  # activations (SEND_F, RECV_F)
@@ -188,6 +198,8 @@ class StepExecutor:
         if self._request.zero_grad:
             for _, p in self._stage.parameters():
                 p.grad = None
+        if self._tied is not None and self._last_backward is not None:
+            self._tied.begin(self._request.zero_grad)
         handlers = {"F": self._forward, "B": self._backward, "SEND_F": self._send_act,
                     "RECV_F": self._recv_act, "SEND_B": self._send_grad, "RECV_B": self._recv_grad}
         action: Action | None = None
@@ -218,6 +230,8 @@ class StepExecutor:
                 faults.at(self._request.step, "sync")
                 phase = self._grad_path.finish(self._left("the gradient synchronisation"))
                 phases += [phase] if phase is not None else []
+            if self._tied is not None and self._last_backward is not None:
+                phases.append(self._tied.sync(self._left("summing the tied parameters' gradients")))
             nonfinite = self._nonfinite_grads() if self._last_backward is not None else []
             losses = _read_back(self._losses)
         except StepFailed:
@@ -225,7 +239,7 @@ class StepExecutor:
         except Exception as exc:
             at = self._where() if action is not None else (
                 f"stage {self._stage.index}, step {self._request.step}, waiting for the sends and the "
-                "gradient synchronisation")
+                "gradient synchronisation (replicas, tied parameters)")
             raise StepFailed(f"{at}: {type(exc).__name__}: {exc}", transfers_posted=self._posted) from exc
         ends = [e if e is not None else s for s, e in zip(self._starts, self._ends, strict=True)]
         return StepReply(step=self._request.step, stage=self._stage.index, losses=losses,

@@ -46,6 +46,13 @@ gradient path (:mod:`services.params.grad_path`): ``run_step`` begins it (waitin
 data-parallel group, bounded by the step's deadline) and the executor arms and finishes
 it around the last backward.
 
+Tied parameters (``ComputeOptions.tied``: a Parameter other stages hold too, such as an
+embedding tied to the output head). The executor sums their gradients over the holding
+stages at the end of the step; in parameter-server mode only their owner pushes and pulls
+them, and the commit then copies the owner's value to the other holders (a ``tied_share``
+phase); a checkpoint holds them once, written by the owner. See [Note: tied parameters] in
+:mod:`services.params.tied`.
+
 One thing at a time: while a step or optimizer step runs, every state-touching call is
 answered ``busy``.
 
@@ -90,6 +97,7 @@ from services.compute.stage import Stage, build_stage, check_samples, make_optim
 from services.factories import FactoryAllowList
 from services.link import PipelineLink
 from services.params.grad_path import build_path
+from services.params.tied import TiedSync
 from services.protocol import (
     Assignment,
     CommitReply,
@@ -158,6 +166,8 @@ class CellComputeService(ServiceBase):
                                   registry_url=options.registry, prefix=options.comm_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
         self._path = build_path(stage.module, options)
+        self._tied = TiedSync.build(stage.parameters(), options)
+        self._mirrors = self._tied.mirrors if self._tied is not None else frozenset()
         self._state_keys = options.state_keys
         self._precision = options.precision
         self._part = f"r{options.replica}-s{stage.index}"
@@ -273,7 +283,7 @@ class CellComputeService(ServiceBase):
             try:
                 with evaluating(stage.module) if request.source == "eval" else contextlib.nullcontext():
                     reply = StepExecutor(stage, comm, request, trains, deadline, self._path,
-                                         self._precision).run()
+                                         self._precision, self._tied).run()
             except StepFailed as exc:
                 self._path.abandon()
                 if exc.transfers_posted or self._path.launched:
@@ -375,17 +385,27 @@ class CellComputeService(ServiceBase):
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
         else:
             faults.at(step, "push_pull")
+            owned = [(n, p) for n, p in self._stage.parameters() if n not in self._mirrors]
             try:
-                phase = self._path.exchange(commit.step, self._stage.parameters(), timeout)
+                phase = self._path.exchange(commit.step, owned, timeout)
             except Exception as exc:
                 raise StepFailed(f"stage {self._stage.index}, commit of step {commit.step}: push/pull: "
                                  f"{type(exc).__name__}: {exc}", transfers_posted=False) from exc
             phases += [phase] if phase is not None else []
+            if self._tied is not None:
+                try:
+                    phases.append(self._tied.share(timeout))
+                except Exception as exc:  # a broadcast may be left half-done: the groups need a reconnect
+                    what = f"stage {self._stage.index}, commit of step {commit.step}: sharing tied parameters"
+                    with self._lock:
+                        self._poisoned = f"{what} failed"
+                    raise StepFailed(f"{what}: {type(exc).__name__}: {exc}", transfers_posted=True) from exc
         self._optimizer_steps += 1
         if commit.save is not None:
             start = time.time()
             snap = snapshot(commit.save.step, self._part, self._stage.state(), self._stage.parameters(),
-                            optimizer, self._state_keys, share=(self._replica, self._replicas))
+                            optimizer, self._state_keys, share=(self._replica, self._replicas),
+                            skip=self._mirrors)
             self._writer.submit(snap, Path(commit.save.directory))
             phases.append(PhaseTiming(name="snapshot", start=start, end=time.time()))
         return phases
@@ -427,6 +447,8 @@ class CellComputeService(ServiceBase):
             self._poisoned = None
         if request.dp_prefix:
             self._path.reconnect(request.dp_prefix)
+        if request.tied_prefix and self._tied is not None:
+            self._tied.reconnect(request.tied_prefix)
         self._link.connect(request.comm_prefix)
         log.info("%s reconnecting under %s", self._tag, request.comm_prefix)
         return Empty()
@@ -442,5 +464,7 @@ class CellComputeService(ServiceBase):
         def close_comms() -> None:
             self._link.close()
             self._path.close()
+            if self._tied is not None:
+                self._tied.close()
 
         threading.Thread(target=close_comms, daemon=True, name=f"close-stage{self._stage.index}").start()

@@ -48,6 +48,7 @@ from services.protocol.params import (
     ShardSave,
     ShardSetup,
 )
+from services.protocol.tied import TiedOptions, TiedParam
 from services.protocol.worker import Assignment, AssignmentReply, Release, WorkerCard, WorkerStatus
 
 __all__ = [
@@ -88,6 +89,8 @@ __all__ = [
     "ShardSetup",
     "StepReply",
     "TensorsReply",
+    "TiedOptions",
+    "TiedParam",
     "WorkerCard",
     "WorkerStatus",
     "ZeroGradRequest",

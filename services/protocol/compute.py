@@ -13,6 +13,7 @@ from comm.traffic import TrafficCounts
 from comm.wire import DTYPES
 from services.protocol.checkpoint import SavedPart, SaveRequest
 from services.protocol.params import OptimizerSpec
+from services.protocol.tied import TiedOptions
 
 MAX_NONFINITE_NAMED = 8  # parameters a StepReply names whose gradient is not finite
 
@@ -140,6 +141,8 @@ class ComputeOptions(Message):
     metric: str = ""
     # mixed precision: the stage's forwards and loss run under autocast in this dtype
     precision: Precision = "fp32"
+    # parameters other stages hold too (services/params/tied.py); None: none
+    tied: TiedOptions | None = None
 
     @property
     def data_parallel_backend(self) -> Backend:
@@ -161,6 +164,8 @@ class ComputeOptions(Message):
             "eval_data (with a metric)": not self.metric or bool(self.eval_data),
             "incoming (stage > 0)": first or self.incoming is not None,
             "outgoing (stage < num_stages - 1)": last or self.outgoing is not None,
+            "tied (held by this stage and others < num_stages)": self.tied is None or all(
+                self.stage in p.stages and p.stages[-1] < self.num_stages for p in self.tied.params),
         }
         missing = [what for what, ok in needs.items() if not ok]
         if missing:
@@ -283,7 +288,7 @@ class RunStep(Message):
 
 
 class PhaseTiming(Message):
-    """A named phase outside the action list (``all_reduce``, ``push_pull``, ``optimizer``)."""
+    """A named phase outside the action list (``all_reduce``, ``tied_sync``, ``push_pull``, ``optimizer``)."""
 
     name: Name
     start: float
@@ -351,8 +356,10 @@ class OptimizerStepReply(Message):
 class Reconnect(Message):
     """Replace the stage's communicator by a new one under ``comm_prefix`` (a new generation).
 
-    ``dp_prefix``, if set, also replaces the stage's data-parallel group (collective path).
+    ``dp_prefix``, if set, also replaces the stage's data-parallel group (collective path);
+    ``tied_prefix``, if set, its tied parameters' groups.
     """
 
     comm_prefix: Name
     dp_prefix: str = ""
+    tied_prefix: str = ""

@@ -55,6 +55,7 @@ _EVENT = registry_protocol.EventMsg(kind="put", key="/cellmesh/j/workers/local-0
 _PHASE = protocol.PhaseTiming(name="optimizer", start=1.0, end=2.0)
 _SAVE = protocol.SaveRequest(directory="/etc/cron.d", step=3)  # a place no checkpoint may go
 _SAVED = protocol.SavedPart(step=3, part="r0-s0", model=True)
+_TIED = protocol.TiedParam(name="cell5.weight", key="cell0.weight", stages=[0, 1])
 
 SEEDS: list[Message] = [
     # services/protocol/
@@ -98,6 +99,8 @@ SEEDS: list[Message] = [
     _SAVED,
     protocol.SavedParts(parts=[_SAVED]),
     protocol.ShardSave(save=_SAVE, version=3, part="ps-s0-0", timeout_ms=1000),
+    _TIED,
+    protocol.TiedOptions(prefix="/t", params=[_TIED]),
     Empty(),
     # comm/registry/protocol.py
     _KV,
