@@ -65,8 +65,11 @@ class GradientPath:
         return None
 
     def exchange(self, step: int, params: Sequence[tuple[str, nn.Parameter]],
-                 timeout: timedelta) -> PhaseTiming | None:
-        """Parameter server: push this step's gradients, pull the updated values into ``params``."""
+                 timeout: timedelta, *, train_step: int) -> PhaseTiming | None:
+        """Parameter server: push this step's gradients, pull the updated values into ``params``.
+
+        ``train_step`` is the training step the update belongs to (the shards' scheduler position).
+        """
         return None
 
     def abandon(self) -> None:
@@ -166,7 +169,7 @@ class ServerPath(GradientPath):
         self._client: PushPullClient | None = None
 
     def exchange(self, step: int, params: Sequence[tuple[str, nn.Parameter]],
-                 timeout: timedelta) -> PhaseTiming | None:
+                 timeout: timedelta, *, train_step: int) -> PhaseTiming | None:
         if not self._shards:
             return None
         start = time.time()
@@ -174,7 +177,8 @@ class ServerPath(GradientPath):
             self._client = PushPullClient(self._shards, self._replica, timeout=timeout, retries=0)
         grads = {name: p.grad for name, p in params}
         into = {name: p.detach() for name, p in params}
-        self._client.push_pull(grads, step, into, min_version=step + 1, timeout=timeout)
+        self._client.push_pull(grads, step, into, min_version=step + 1, timeout=timeout,
+                               train_step=train_step)
         return PhaseTiming(name="push_pull", start=start, end=time.time())
 
     def close(self) -> None:

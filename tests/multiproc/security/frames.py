@@ -98,6 +98,10 @@ SEEDS: list[Message] = [
     _SAVED,
     protocol.SavedParts(parts=[_SAVED]),
     protocol.ShardSave(save=_SAVE, version=3, part="ps-s0-0", timeout_ms=1000),
+    protocol.SchedulerSpec(name="StepLR", kwargs={"step_size": 2, "gamma": 0.5}),
+    protocol.RoundNormRequest(version=3, timeout_ms=1000),
+    protocol.RoundNorm(version=3, sq_norm=0.25),
+    protocol.ApplyRound(version=3, grad_scale=0.5, train_step=7),
     Empty(),
     # comm/registry/protocol.py
     _KV,
