@@ -17,7 +17,10 @@ and awaits them through the event loop; the request carries the commit of the pr
 step (``RunStep.commit``), which each stage applies before its first action. So a step
 costs one round trip, and the last stage's optimizer overlaps the first stage's. The last
 step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
-:meth:`Runtime.state` calls first. A step that fails is never committed.
+:meth:`Runtime.state` calls first. A step that fails is never committed. A commit also carries
+the step's clipping coefficient (``coordinator/runtime/clipping.py``) and its training step,
+where the learning-rate schedulers stand (``services/params/scheduling.py``); a step runs
+``accumulate`` global batches (``coordinator/runtime/accumulation.py``).
 
 A step whose loss or gradients are not finite is dropped or stops the job: see
 ``coordinator/runtime/nonfinite.py``.
