@@ -66,7 +66,7 @@ from coordinator.runtime.errors import JobError
 from coordinator.runtime.factories import build_cells, job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
-from coordinator.runtime.preflight import model_structure
+from coordinator.runtime.preflight import check_optimizer, model_structure
 from coordinator.runtime.records import StepRecord
 from services.compute.cell import Cell, cell_parameters
 
@@ -151,6 +151,7 @@ class Session:
 
     def __init__(self, job: Job, pool: WorkerPool | None, resume: Path | None = None) -> None:
         self.job = job
+        check_optimizer(job.config)  # a fixed plan skips the preflight: its cheapest check still runs
         self.plan = job.plan()
         self.sampler = job.sampler()
         self.accumulate = job.config.optimizer.accumulate  # global batches per step

@@ -74,6 +74,13 @@ def test_a_bad_scheduler_is_one_error_before_any_worker_starts(scheduler: dict[s
         job.plan()
 
 
+def test_a_fixed_plan_skips_the_preflight_but_not_the_scheduler_check() -> None:
+    plan = Job(**BASE, data_parallel=2, num_stages=1).plan()
+    job = Job(Job(**BASE, scheduler={"name": "Nope"}).config, plan=plan)
+    with pytest.raises(JobError, match=r"optimizer.scheduler: unknown scheduler 'Nope'"):
+        job.fit(1)  # refused before the local harness starts a worker
+
+
 def test_the_optimizers_arguments_are_checked_with_it() -> None:
     with pytest.raises(JobError, match=r"optimizer: optimizer SGD\(\{'lr': 0.1, 'momentum': -1.0\}\): "
                                        r".*momentum"):
