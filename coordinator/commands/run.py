@@ -56,6 +56,7 @@ from coordinator.commands.output import apply_logging, open_recorder
 from coordinator.commands.progress import describe_eval, make_progress
 from coordinator.commands.recorder import RunRecorder
 from coordinator.commands.rundir import RunDir, previous_checkpoint_roots
+from coordinator.planning.config import OptimizerConfig
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.request import PlanningError
 from coordinator.runtime.checkpoints import newest, save_state_dict, temporary_path
@@ -182,16 +183,31 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
     return result
 
 
+def _optimizer(section: OptimizerConfig) -> str:
+    """The optimizer section in a few words: ``SGD(lr=0.1), scheduler StepLR(step_size=2), ...``."""
+    def call(name: str, kwargs: Mapping[str, Any]) -> str:
+        return f"{name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+
+    words = [call(section.name, section.kwargs)]
+    if section.scheduler is not None:
+        words.append(f"scheduler {call(section.scheduler.name, section.scheduler.kwargs)}")
+    if section.clip_grad_norm is not None:
+        words.append(f"gradients clipped to norm {section.clip_grad_norm:g}")
+    if section.accumulate > 1:
+        words.append(f"{section.accumulate} global batches per step")
+    return ", ".join(words)
+
+
 def _train(loaded: LoadedJob, options: RunOptions, say: functools.partial[None], out: TextIO,
            pool: WorkerPool | None, on_step: StepCallback | None, recorder: RunRecorder,
            num_samples: int, steps_per_epoch: int) -> RunResult:
     """:func:`train` inside its recorder: describe, plan, train, save."""
     job, config = loaded.job, loaded.job.config
+    section = config.optimizer  # a step is one update over `accumulate` global batches
     say(f"  model {config.model.factory}, data {config.data.factory} ({num_samples} samples, "
-        f"{steps_per_epoch} steps per epoch), loss {config.loss.factory}")
-    kwargs = ", ".join(f"{k}={v}" for k, v in job.optimizer.kwargs.items())
+        f"{steps_per_epoch / section.accumulate:g} steps per epoch), loss {config.loss.factory}")
     where = "local workers" if pool is None else f"workers of {pool.registry_url}"
-    say(f"  optimizer {job.optimizer.name}({kwargs}), global batch {config.data.global_batch}, "
+    say(f"  optimizer {_optimizer(section)}, global batch {config.data.global_batch}, "
         f"{loaded.steps} steps, {job.resources.num_workers} {where}")
     started = time.monotonic()
     plan = job.plan()

@@ -9,7 +9,8 @@ from and what the command line's settings change. Its sections:
   global batch, the sample count, the shuffle and the seed;
 - ``eval`` (optional, unset by default): held-out data evaluated on the training plan every
   N steps and at the end of ``fit`` (``coordinator/runtime/evaluation.py``);
-- ``optimizer``: a ``torch.optim`` class name and its arguments;
+- ``optimizer``: a ``torch.optim`` class name and its arguments, a learning-rate scheduler,
+  clipping by the global gradient norm and gradient accumulation;
 - ``plan``: the plan fields to fix (:class:`PlanConfig`; the planner chooses the rest);
 - ``checkpoint``: where checkpoints go, how often, how many are kept
   (``coordinator/runtime/checkpoints.py``);
@@ -44,9 +45,9 @@ from pydantic.fields import FieldInfo
 
 __all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "EvalConfig",
            "FactoryKwargs", "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig",
-           "OptimizerConfig", "PlanConfig", "Precision", "RuntimeConfig", "Strategy", "apply_settings",
-           "describe_validation", "from_flat", "parse_config", "section_of", "settable_fields",
-           "setting_value"]
+           "OptimizerConfig", "PlanConfig", "Precision", "RuntimeConfig", "SchedulerConfig",
+           "SchedulerKwargs", "Strategy", "apply_settings", "describe_validation", "from_flat",
+           "parse_config", "section_of", "settable_fields", "setting_value"]
 
 Mode = Literal["collective", "parameter_server"]
 Strategy = Literal["auto", "data_parallel", "pipeline"]
@@ -59,6 +60,8 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 # the same union as services.protocol.FactoryKwargs (a unit test keeps them equal; that module imports torch)
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
 OptimizerKwargs = dict[str, float | int | bool | list[float]]
+# the same union as services.protocol.SchedulerKwargs (a unit test keeps them equal)
+SchedulerKwargs = dict[str, str | int | float | bool | list[int] | list[float]]
 FactoryName = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$")]
 Positive = Annotated[int, Field(ge=1)]
 DEFAULT_STEPS = 100
@@ -123,12 +126,37 @@ class EvalConfig(_Section):
                                                    "over the held-out samples)")
 
 
+class SchedulerConfig(_Section):
+    """A ``torch.optim.lr_scheduler`` class by name and its arguments (checked before any worker starts:
+    ``coordinator/runtime/preflight.py``)."""
+
+    name: str = Field(pattern=r"^[A-Za-z_]\w*$", description="a torch.optim.lr_scheduler class name")
+    kwargs: SchedulerKwargs = Field(default_factory=dict, description="its arguments")
+
+
 class OptimizerConfig(_Section):
-    """A ``torch.optim`` optimizer by class name (checked where torch is imported: ``Job``)."""
+    """A ``torch.optim`` optimizer by class name (checked where torch is imported: ``Job``), its
+    learning-rate scheduler, clipping and gradient accumulation.
+
+    [Note: optimizer steps] One step is one optimizer update, whatever ``accumulate`` is: it
+    trains on ``accumulate`` global batches (each split into the plan's replicas and
+    microbatches as usual), so its loss, samples and samples/s cover them all, and
+    ``steps``, checkpoints (the data position: ``step * accumulate`` global batches),
+    progress and resume count updates. The scheduler steps once per step, clipping applies
+    to each step's gradient.
+    """
 
     name: str = Field(default="SGD", pattern=r"^[A-Za-z_]\w*$", description="a torch.optim class name")
     kwargs: OptimizerKwargs = Field(default_factory=lambda: _DEFAULT_LR.copy(),
                                     description="its arguments (lists become tuples: betas: [0.9, 0.95])")
+    scheduler: SchedulerConfig | None = Field(
+        default=None, description="a torch.optim.lr_scheduler class stepped once per step, after the update: "
+                                  "{name: StepLR, kwargs: {step_size: 2, gamma: 0.5}}")
+    clip_grad_norm: float | None = Field(
+        default=None, gt=0, description="clip the gradients to this global L2 norm (over every stage and "
+                                        "shard) before each update, as torch.nn.utils.clip_grad_norm_")
+    accumulate: Positive = Field(default=1, description="global batches per step (one optimizer update); "
+                                                        "the gradient is their mean loss's")
 
 
 class PlanConfig(_Section):

@@ -72,13 +72,14 @@ class TrainerState(BaseModel):
 
     format: int = 1
     job: str
-    step: int  # steps done: the next step to run
+    step: int  # steps done (optimizer updates): the next step to run
     epoch: int  # the data position of the next step (for people; the sampler derives it from the step)
     offset: int  # samples into that epoch
     global_batch: int
     num_samples: int
     seed: int
     shuffle: bool
+    accumulate: int = 1  # global batches per step: a step's batches are step * accumulate onwards
     plan: str  # the plan it was saved on (any plan loads it)
     saved_at: float
     scaler: ScalerState | None = None  # fp16's loss scale as the next step takes it (None: not fp16)

@@ -22,7 +22,10 @@ and awaits them through the event loop; the request carries the commit of the pr
 step (``RunStep.commit``), which each stage applies before its first action. So a step
 costs one round trip, and the last stage's optimizer overlaps the first stage's. The last
 step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
-:meth:`Runtime.state` calls first. A step that fails is never committed.
+:meth:`Runtime.state` calls first. A step that fails is never committed. A commit also carries
+the step's clipping coefficient (``coordinator/runtime/clipping.py``) and its training step,
+where the learning-rate schedulers stand (``services/params/scheduling.py``); a step runs
+``accumulate`` global batches (``coordinator/runtime/accumulation.py``).
 
 A step whose loss or gradients are not finite is dropped or stops the job: see
 ``coordinator/runtime/nonfinite.py``. :meth:`Runtime.evaluate` runs an evaluation step on the
@@ -55,6 +58,8 @@ from comm.traffic import TrafficCounts, latest_by
 from coordinator.planning.devices import DeviceError
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
+from coordinator.runtime.accumulation import accumulated_schedule
+from coordinator.runtime.clipping import global_norm, grad_scale
 from coordinator.runtime.devices import DeviceRequest, place_devices
 from coordinator.runtime.evaluation import forward_actions
 from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
@@ -124,6 +129,8 @@ class RunSpec:
     step_timeout: timedelta = timedelta(seconds=300)
     call_timeout: timedelta = timedelta(seconds=120)
     nonfinite: Literal["stop", "skip"] = "stop"  # see [Note: a step that is not finite]
+    clip_grad_norm: float | None = None  # see coordinator/runtime/clipping.py
+    accumulate: int = 1  # global batches per step: see coordinator/runtime/accumulation.py
     # checkpoints: each cell-qualified tensor's keys in the unwrapped model's state_dict, and the
     # checkpoint the services start from ("": the factories' values)
     state_keys: Mapping[str, list[str]] = field(default_factory=dict)
@@ -180,13 +187,15 @@ class Runtime:
         self.initial_params = initial_params
         self.commits = 0  # updates committed so far
         self._uncommitted = False  # the last step run awaits its commit
+        self._pending = (0, 1.0)  # that step (train_step) and its commit's grad_scale
         self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
         self._first_request = True
         self.scaler = LossScaler(spec.scaler) if plan.precision == "fp16" else None
-        self._grad_scale = 1.0  # what the commit of the last step run multiplies its gradients by
-        self._shards = ParamShards(plan, spec.run, addresses, initial_params)  # none in collective mode
+        self._shards = ParamShards(plan, spec.run, addresses, initial_params,  # none in collective mode
+                                   clip_grad_norm=spec.clip_grad_norm)
         self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
-        self._actions = plan.schedule().actions  # per stage, validated, as RunStep carries them
+        # per stage, validated, as RunStep carries them (a step runs `accumulate` global batches)
+        self._actions = accumulated_schedule(plan.schedule(), spec.accumulate).actions
         # each stage's action list as RunStep dumps it, built once: a step's request reuses it
         self._dumped_actions = [[a.model_dump(mode="python") for a in acts] for acts in self._actions]
         self.services = [_Service(plan.placement[r][s], f"{spec.run}/compute-r{r}-s{s}", r, s)
@@ -277,7 +286,8 @@ class Runtime:
 
     def run_step(self, step: int, batches: Sequence[Sequence[Sequence[int]]],
                  save: SaveRequest | None = None) -> StepRecord:
-        """Run one step, carrying the previous step's commit; ``batches[r][m]``: replica r, microbatch m.
+        """Run one step, carrying the previous step's commit; ``batches[r][m]``: replica r, microbatch m
+        (``accumulate`` global batches: ``coordinator/runtime/accumulation.py``'s ``step_batches``).
 
         ``save`` rides on that commit (see ``coordinator/runtime/checkpoints.py``; the shards get theirs
         at once: [Note: a shard's part of a checkpoint]); give it only when :attr:`can_save`.
@@ -290,8 +300,7 @@ class Runtime:
         """
         start, polled = time.time(), self.loop.poll_seconds
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
-        commit = (CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms,
-                             save=save, grad_scale=self._grad_scale) if self._uncommitted else None)
+        commit = self._commit_request(save) if self._uncommitted else None
         assert save is None or commit is not None, "a save rides on a commit: check can_save first"
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         if self._first_request:  # the request's shape, checked once by building one
@@ -305,8 +314,8 @@ class Runtime:
                     "actions": self._dumped_actions[sv.stage], "zero_grad": True, "timeout_ms": timeout_ms,
                     "commit": commit_body, "loss_scale": loss_scale}
             ids[self.loop.send(sv.worker, sv.name, "run_step", body, StepReply)] = sv
-        if save is not None:
-            self._shards.send_saves(self.loop, save, self.commits + 1, self.spec.step_timeout)
+        if commit is not None:
+            self._shards.send_round(self.loop, commit, save, self.spec.step_timeout)
         replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)
         if commit is not None:
             self.commits += 1
@@ -325,15 +334,17 @@ class Runtime:
                                                           last_good=self._last_good)
         skipped = overflow or bad is not None
         self._uncommitted = not skipped  # a step that is not finite is dropped: never committed
-        self._grad_scale = 1.0 / loss_scale
         if not skipped:
             self._last_good = (step, loss)
+            # the commit unscales fp16's gradients and clips them by the global norm of the unscaled ones
+            self._pending = (step, grad_scale(bodies, self.spec.clip_grad_norm, loss_scale))
         elif bad is not None and not overflow:
             refuse(self.spec.run, self.spec.nonfinite, step, *bad, last_good=self._last_good)
         end = time.time()
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
                           coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
-                          skipped=skipped, loss_scale=loss_scale, replies=bodies, actions=self._actions,
+                          skipped=skipped, loss_scale=loss_scale, grad_norm=global_norm(bodies, loss_scale),
+                          replies=bodies, actions=self._actions,
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))
 
@@ -372,18 +383,22 @@ class Runtime:
         """
         if not self._uncommitted:
             return []
-        timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
-        commit = CommitStep(step=self.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms,
-                            save=save, grad_scale=self._grad_scale)
+        commit = self._commit_request(save)
         ids = {self.loop.send(sv.worker, sv.name, "commit", commit, CommitReply): sv for sv in self.services}
-        if save is not None:
-            self._shards.send_saves(self.loop, save, self.commits + 1, self.spec.step_timeout)
+        self._shards.send_round(self.loop, commit, save, self.spec.step_timeout)
         bound = self.spec.step_timeout + timedelta(seconds=10)
         replies = self._gather(ids, f"the commit of update {self.commits}", bound, None)
         self.commits += 1
         self._uncommitted = False
         return [*(part for r in replies.values() if isinstance(r.body, CommitReply) for part in r.body.saved),
                 *self._shards.saved()]
+
+    def _commit_request(self, save: SaveRequest | None) -> CommitStep:
+        """The commit (number ``self.commits``) of the last step run, with ``save`` riding on it."""
+        train_step, scale = self._pending
+        return CommitStep(step=self.commits, optimizer=self.spec.optimizer,
+                          timeout_ms=int(self.spec.step_timeout.total_seconds() * 1000), save=save,
+                          grad_scale=scale, train_step=train_step)
 
     def flush_saves(self) -> list[SavedPart]:
         """Wait until every service (and shard) wrote the checkpoint parts it was asked for; the parts not
@@ -437,16 +452,21 @@ class Runtime:
         deadline = time.monotonic() + timeout.total_seconds()
         replies: dict[int, Reply] = {}
         saving = self._shards.saving if saves else {}
+        rounds = self._shards.rounds  # a held round's norm and apply requests (clipping; shards.py)
         try:
-            while len(replies) < len(ids) or saving:
+            while len(replies) < len(ids) or saving or rounds:
                 event = self.loop.next_event(timedelta(seconds=max(0.0, deadline - time.monotonic())))
                 if event is None:
-                    missing = [*(ids[i] for i in ids if i not in replies), *(sv for sv, _ in saving.values())]
+                    missing = [*(ids[i] for i in ids if i not in replies), *(sv for sv, _ in saving.values()),
+                               *rounds.values()]
                     sv = missing[0]
                     raise JobFailed(f"{what}: no reply within {timeout.total_seconds():.0f}s from "
                                     + ", ".join(f"worker {m.worker} (service {m.name})" for m in missing),
                                     worker=sv.worker, service=sv.name, step=step)
-                if isinstance(event, Reply) and self._shards.take(event):
+                if isinstance(event, Reply) and self._shards.take(event, self.loop):
+                    if self._shards.refused is not None:
+                        sv = next(s for s in self._shards.services if s.name == event.service)
+                        raise self._failure(self._shards.refused, sv, what, step)
                     continue
                 # a card gone, or put by another process under the name (a container restarted in place
                 # before its predecessor's lease lapsed): the process this runtime placed is gone

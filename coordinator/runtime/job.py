@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from coordinator.planning.config import JobConfig, from_flat
+from coordinator.planning.config import JobConfig, SchedulerConfig, from_flat
 from coordinator.planning.data import BatchSampler
 from coordinator.planning.devices import with_devices
 from coordinator.planning.graph import build_graph
@@ -71,7 +71,7 @@ from coordinator.runtime.session import Recovery, Session, resolve_resume
 from services.compute.cell import Cell, cell_parameters
 from services.compute.precision import autocast, device_type
 from services.compute.stage import to_device
-from services.protocol import OptimizerSpec
+from services.protocol import OptimizerSpec, SchedulerSpec
 
 __all__ = ["FitResult", "Job", "StepCallback", "optimizer_spec", "state_dict_of"]
 
@@ -92,10 +92,14 @@ class FitResult:
     plan: Plan | None = None
     recoveries: list[Recovery] = field(default_factory=list)  # failures survived during this fit
     evals: list[EvalRecord] = field(default_factory=list)
+    # each step's whole-gradient L2 norm before clipping (None where unknown: the parameter-server path)
+    grad_norms: list[float | None] = field(default_factory=list)
 
 
-def optimizer_spec(optimizer: OptimizerRef, kwargs: dict[str, Any]) -> OptimizerSpec:
-    """A ``torch.optim`` class (or its name) and its arguments, as the services take them.
+def optimizer_spec(optimizer: OptimizerRef, kwargs: dict[str, Any],
+                   scheduler: SchedulerConfig | None = None) -> OptimizerSpec:
+    """A ``torch.optim`` class (or its name), its arguments and its learning-rate scheduler (checked by
+    the preflight: ``coordinator/runtime/preflight.py``), as the services take them.
 
     Raises:
         ValueError: Not a ``torch.optim`` optimizer class.
@@ -106,7 +110,9 @@ def optimizer_spec(optimizer: OptimizerRef, kwargs: dict[str, Any]) -> Optimizer
             not isinstance(optimizer, str) and cls is not optimizer):
         raise ValueError(f"optimizer {optimizer!r} is not a torch.optim optimizer class")
     clean = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
-    return OptimizerSpec(name=name, kwargs=clean)
+    schedule = (SchedulerSpec(name=scheduler.name, kwargs=dict(scheduler.kwargs))
+                if scheduler is not None else None)
+    return OptimizerSpec(name=name, kwargs=clean, scheduler=schedule)
 
 
 def _named(fields: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +216,8 @@ class Job:
             if path:
                 factory_path(path, what=f"{what} factory", code_dir=config.runtime.code_dir)
         self.config = config
-        self.optimizer = optimizer_spec(config.optimizer.name, dict(config.optimizer.kwargs))
+        self.optimizer = optimizer_spec(config.optimizer.name, dict(config.optimizer.kwargs),
+                                        config.optimizer.scheduler)
         self.resources = resources or local_resources(config.runtime)
         self.name = config.name or f"job-{uuid.uuid4().hex[:8]}"
         if plan is not None:  # the resource list and runtime.device say where its stages run
@@ -338,6 +345,7 @@ class Job:
                        loss=c.loss.factory, optimizer=self.optimizer, model_kwargs=c.model.kwargs,
                        data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
                        devices=DeviceRequest.of(c.runtime, self.resources), nonfinite=c.runtime.nonfinite,
+                       clip_grad_norm=c.optimizer.clip_grad_norm, accumulate=c.optimizer.accumulate,
                        step_timeout=timedelta(seconds=c.runtime.step_timeout_s),
                        state_keys=dict(state_keys or {}), restore=restore, scaler=scaler,
                        eval_data=e.factory if e else "", eval_data_kwargs=e.kwargs if e else {},
@@ -414,4 +422,5 @@ class Job:
         if session.checkpointer is not None:  # beside the checkpoints: the final model as a plain file
             save_state_dict(state, session.checkpointer.root / FINAL_MODEL)
         return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=session.plan,
-                         recoveries=session.recoveries[done:], evals=[r.eval for r in records if r.eval])
+                         recoveries=session.recoveries[done:], evals=[r.eval for r in records if r.eval],
+                         grad_norms=[r.grad_norm for r in records])

@@ -4,6 +4,9 @@ Each turns a mistake a new user makes into one line naming the cause and the fix
 after the job is loaded, instead of a traceback, minutes of planning, or silently wrong
 training. :func:`check_job` runs them in order, cheapest first:
 
+0. the optimizer and its learning-rate scheduler, built by name over a throwaway parameter
+   and stepped once, as every stage and shard will build them: an unknown or unsupported
+   class, or arguments torch refuses, are one error naming the key;
 1. the model's size, built under ``torch.device("meta")`` (shapes, no memory) where the
    factory allows: a model whose parameters, gradients and optimizer state no plan over
    the workers can hold is refused before it is allocated ([Note: the memory floor] in
@@ -58,10 +61,12 @@ from coordinator.runtime.factories import (
 )
 from services.compute.cell import Cell
 from services.compute.executor import evaluating
-from services.compute.stage import SampleError, SampleSource, metric_sum
+from services.compute.stage import SampleError, SampleSource, make_optimizer, metric_sum
 from services.factories import resolve
+from services.params import scheduling
+from services.protocol import OptimizerSpec, SchedulerSpec
 
-__all__ = ["Checked", "cell_bytes", "check_job", "model_structure", "sample_size"]
+__all__ = ["Checked", "cell_bytes", "check_job", "check_optimizer", "model_structure", "sample_size"]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +158,33 @@ def _check_stages(config: JobConfig, made: Any, cells: Sequence[Cell]) -> None:
         raise JobError(f"model factory {path!r} returns {len(cells)} cell(s) ({names}): it cannot be cut "
                        f"into the {stages} stages {option} asks for; split the model into more cells "
                        f"(cellmesh.Cell) or ask for at most {len(cells)} stage(s)")
+
+
+def check_optimizer(config: JobConfig) -> None:
+    """Check 0: build the optimizer and its scheduler as the workers will, over a throwaway parameter, and
+    step both once.
+
+    Raises:
+        JobError: The optimizer or the scheduler is unknown, unsupported or refuses its arguments.
+    """
+    section = config.optimizer
+    optimizer_spec = OptimizerSpec(name=section.name, kwargs=dict(section.kwargs))
+    param = nn.Parameter(torch.zeros(1))
+    try:
+        optimizer = make_optimizer(optimizer_spec, [param])
+    except ValueError as exc:
+        raise JobError(f"optimizer: {exc}; fix optimizer.name or optimizer.kwargs") from None
+    if section.scheduler is None:
+        return
+    spec = SchedulerSpec(name=section.scheduler.name, kwargs=dict(section.scheduler.kwargs))
+    try:
+        scheduler = scheduling.build_scheduler(spec, optimizer)
+        param.grad = torch.zeros_like(param)
+        optimizer.step()
+        scheduling.step(scheduler)
+    except ValueError as exc:
+        raise JobError(f"optimizer.scheduler: {exc}; fix optimizer.scheduler.name or "
+                       "optimizer.scheduler.kwargs") from None
 
 
 def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any,
@@ -253,12 +285,14 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
         optimizer: The optimizer's kind (a key of ``OPTIMIZER_STATE_FACTORS``): its state's size.
 
     Raises:
-        JobError: A factory raises or returns something unusable, the data is inconsistent,
-            a cell or the loss fails on the sample, or the plan asks for more stages than cells.
+        JobError: The optimizer or its scheduler refuses its arguments, a factory raises or returns
+            something unusable, the data is inconsistent, a cell or the loss fails on the sample, or
+            the plan asks for more stages than cells.
         coordinator.planning.request.PlanningError: No plan can hold the model, or the global
             batch does not split into the fixed replicas or microbatches.
         ValueError: A factory does not import.
     """
+    check_optimizer(config)
     model, data = config.model, config.data
     on_meta = _on_meta(model.factory, model.kwargs, data.seed)
     measured = on_meta is not None

@@ -72,6 +72,9 @@ class StepRecord:
     coordinator_s: float  # time the coordinator itself spent (not waiting for replies)
     skipped: bool = False  # its loss or gradients were not finite: its update was dropped
     loss_scale: float = 1.0  # fp16: the loss scale it ran with (coordinator/runtime/scaler.py)
+    # the L2 norm of the whole gradient before clipping (collective mode; None on the parameter-server
+    # path, whose shards alone hold the averaged gradient): coordinator/runtime/clipping.py
+    grad_norm: float | None = None
     saved: list[SavedPart] = field(default_factory=list, repr=False)  # checkpoint parts written since last
     replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
     actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k

@@ -17,18 +17,26 @@ writes it: the forward and the loss under ``torch.autocast``, the backward outsi
 under fp16 a ``torch.amp.GradScaler`` with its defaults (scale the loss, unscale, step,
 update; a step whose gradients overflow is skipped by the scaler whatever
 ``runtime.nonfinite`` says).
+
+The optimizer section's extras, with torch's own code, as a torch training loop writes them:
+``accumulate`` global batches per step, each one's mean loss divided by ``accumulate`` and
+backpropagated in turn (the step's loss is their mean); ``clip_grad_norm`` through
+``torch.nn.utils.clip_grad_norm_`` before the update; the ``torch.optim.lr_scheduler`` stepped
+once per step after it, also when a non-finite step skips the update (as with AMP's
+``GradScaler``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from coordinator.planning.config import JobConfig
+from coordinator.planning.config import JobConfig, SchedulerConfig
 from coordinator.runtime.factories import build_cells, build_data, build_loss, build_metric
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.nonfinite import NonFiniteStep
@@ -41,9 +49,11 @@ __all__ = ["evaluate_reference", "max_abs_diff", "train_reference"]
 
 
 def train_reference(job: Job, steps: int) -> FitResult:
-    """Train ``job``'s model for ``steps`` steps in this process; return losses and the final state_dict.
+    """Train ``job``'s model for ``steps`` steps in this process; return losses, gradient norms and the
+    final state_dict.
 
-    The losses are each step's loss before its update, as ``Job.fit`` reports them.
+    The losses are each step's loss before its update, as ``Job.fit`` reports them; the norms each
+    step's whole gradient's before clipping (``torch.nn.utils.get_total_norm``).
 
     Raises:
         NonFiniteStep: A step's loss or gradients are not finite and ``runtime.nonfinite`` is ``stop``.
@@ -55,29 +65,43 @@ def train_reference(job: Job, steps: int) -> FitResult:
     loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
     params = [p for _, p in cell_parameters(cells)]
     optimizer = make_optimizer(job.optimizer, params)
+    section = config.optimizer
+    scheduler = _scheduler(section.scheduler, optimizer)
     sampler = job.sampler()
     losses: list[float] = []
     evals: list[EvalRecord] = []
     every = config.eval.every_steps if config.eval is not None else None
+    norms: list[float | None] = []
     # -- mixed precision (plan.precision): autocast, and fp16's GradScaler
     precision, device = config.plan.precision, device_type(params)
     scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
     for step in range(steps):
-        inputs, targets = source.load(sampler.indices(step))
         optimizer.zero_grad(set_to_none=True)
-        with autocast(precision, device):
-            loss = loss_fn(whole(inputs), targets)
-        (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
-        value = float(loss.detach())
+        value = 0.0
+        for a in range(section.accumulate):
+            inputs, targets = source.load(sampler.indices(step * section.accumulate + a))
+            with autocast(precision, device):
+                loss = loss_fn(whole(inputs), targets) / section.accumulate
+            (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
+            value += float(loss.detach())
         if scaler is not None:
             scaler.unscale_(optimizer)
-        grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        grads = [p.grad for p in params if p.grad is not None]
+        grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
         finite = math.isfinite(value) and grads_finite
+        norms.append(float(torch.nn.utils.get_total_norm(grads)))
+        if finite and section.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, section.clip_grad_norm)
         if scaler is not None and (finite or not grads_finite):
             scaler.step(optimizer)  # skips the step when the gradients overflowed
         elif finite:
             optimizer.step()
-        elif config.runtime.nonfinite == "stop":
+        if scheduler is not None:
+            with warnings.catch_warnings():  # a skipped first update: torch warns of the order
+                warnings.simplefilter("ignore")
+                scheduler.step()
+        overflow = scaler is not None and not grads_finite  # fp16: the scaler's to handle, not a failure
+        if not finite and not overflow and config.runtime.nonfinite == "stop":
             good = [x for x in losses if math.isfinite(x)]
             raise NonFiniteStep(f"step {step + 1}: the loss ({value}) or the gradients are not finite",
                                 step=step, stage=0, last_good_loss=good[-1] if good else None)
@@ -87,7 +111,7 @@ def train_reference(job: Job, steps: int) -> FitResult:
         if config.eval is not None and (step + 1 == steps or (every is not None and (step + 1) % every == 0)):
             evals.append(evaluate_reference(config, whole, loss_fn, step + 1))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return FitResult(losses=losses, state_dict=state, evals=evals)
+    return FitResult(losses=losses, state_dict=state, evals=evals, grad_norms=norms)
 
 
 def evaluate_reference(config: JobConfig, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -110,6 +134,15 @@ def evaluate_reference(config: JobConfig, model: nn.Module, loss_fn: Callable[[A
             metric = float(value.mean())
     model.train()
     return EvalRecord(step=step, loss=loss, metric=metric, num_samples=n)
+
+
+def _scheduler(config: SchedulerConfig | None, optimizer: torch.optim.Optimizer,
+               ) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The ``torch.optim.lr_scheduler`` class ``config`` names over ``optimizer`` (None: no scheduler)."""
+    if config is None:
+        return None
+    cls: Callable[..., torch.optim.lr_scheduler.LRScheduler] = getattr(torch.optim.lr_scheduler, config.name)
+    return cls(optimizer, **config.kwargs)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

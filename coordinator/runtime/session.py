@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.planning.data import split_batch
 from coordinator.planning.plan import Plan
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources
+from coordinator.runtime.accumulation import step_batches
 from coordinator.runtime.checkpoints import Checkpointer, TrainerState, model_state, newest, read_trainer
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import JobFailed, Runtime
@@ -67,7 +67,7 @@ from coordinator.runtime.evaluation import Evaluation
 from coordinator.runtime.factories import build_cells, job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
-from coordinator.runtime.preflight import model_structure
+from coordinator.runtime.preflight import check_optimizer, model_structure
 from coordinator.runtime.records import EvalRecord, StepRecord
 from coordinator.runtime.tied import shared_parameters
 from services.compute.cell import Cell, cell_parameters
@@ -153,8 +153,10 @@ class Session:
 
     def __init__(self, job: Job, pool: WorkerPool | None, resume: Path | None = None) -> None:
         self.job = job
+        check_optimizer(job.config)  # a fixed plan skips the preflight: its cheapest check still runs
         self.plan = job.plan()
         self.sampler = job.sampler()
+        self.accumulate = job.config.optimizer.accumulate  # global batches per step
         self.resume = resume
         if resume is not None:  # refused before any worker starts
             self._check_trainer(resume)
@@ -245,11 +247,12 @@ class Session:
             JobError: Naming each data field that differs (resuming would train on other batches).
         """
         trainer, sampler = read_trainer(checkpoint), self.sampler
-        mine = {"global_batch": sampler.global_batch, "num_samples": sampler.num_samples,
-                "seed": sampler.seed, "shuffle": sampler.shuffle}
-        theirs = {k: getattr(trainer, k) for k in mine}
+        mine = {"data.global_batch": sampler.global_batch, "data.num_samples": sampler.num_samples,
+                "data.seed": sampler.seed, "data.shuffle": sampler.shuffle,
+                "optimizer.accumulate": self.accumulate}  # a step's batches: [Note: optimizer steps]
+        theirs = {k: getattr(trainer, k.split(".")[1]) for k in mine}
         if mine != theirs:
-            diff = ", ".join(f"data.{k} is {mine[k]} here, {theirs[k]} in the checkpoint"
+            diff = ", ".join(f"{k} is {mine[k]} here, {theirs[k]} in the checkpoint"
                              for k in mine if mine[k] != theirs[k])
             raise JobError(f"cannot resume from {checkpoint}: {diff}; the batches would differ from the run "
                            "that saved it (use the job it was saved with)")
@@ -267,13 +270,14 @@ class Session:
     # -- training ---------------------------------------------------------------------------
 
     def trainer_state(self, step: int) -> TrainerState:
-        """What ``trainer.json`` records for a checkpoint of ``step`` steps done."""
+        """What ``trainer.json`` records for a checkpoint of ``step`` steps done (``step * accumulate``
+        global batches: the data position is theirs)."""
         sampler, scaler = self.sampler, self.runtime.scaler if self.runtime is not None else None
-        epoch, k = divmod(step, sampler.steps_per_epoch)
+        epoch, k = divmod(step * self.accumulate, sampler.steps_per_epoch)
         return TrainerState(job=self.job.name, step=step, epoch=epoch,
                             offset=k * sampler.global_batch, global_batch=sampler.global_batch,
                             num_samples=sampler.num_samples, seed=sampler.seed, shuffle=sampler.shuffle,
-                            plan=self.plan.summary(), saved_at=time.time(),
+                            accumulate=self.accumulate, plan=self.plan.summary(), saved_at=time.time(),
                             scaler=scaler.state() if scaler is not None else None)
 
     def fit(self, steps: int, callback: Callable[[StepRecord], None] | None,
@@ -308,7 +312,8 @@ class Session:
             save = None
             if ckpt is not None and runtime.can_save and ckpt.due(k):
                 save = ckpt.begin(self.trainer_state(k), runtime.parts)
-            batches = split_batch(self.sampler.indices(k), plan.data_parallel, plan.num_microbatches)
+            batches = step_batches(self.sampler, k, self.accumulate, plan.data_parallel,
+                                   plan.num_microbatches)
             record = runtime.run_step(k, batches, save)
             if ckpt is not None:
                 self._announce(ckpt.record(record.saved))

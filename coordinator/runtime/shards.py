@@ -23,6 +23,18 @@ update's state. Each shard writes part ``ps-s{s}-{i}`` (``train/`` only: the sta
 0 write the values, which they pulled from the shards at that version) and answers the save
 once the part is written; the driver hands that answer to the checkpointer with the next
 step's parts, and ``flush_saves`` waits for every answer still due.
+
+[Note: a held round]
+Clipping by the global norm (``optimizer.clip_grad_norm``) needs the norm of the averaged
+gradient over every shard of every stage before any shard steps. So the shards are set up to
+hold their rounds (``ShardSetup.hold_rounds``), and with every commit ``c`` the coordinator
+asks each shard for its round's squared norm (``round_norm``, answered once every replica
+pushed); when all have answered it adds them, computes torch's coefficient
+(``services/params/clipping.py``) and sends each shard ``apply_round``, which steps it and
+releases the stages' pulls. The driver waits for these answers as for the stages' (a refusal
+fails the step, naming the shard). This costs one coordinator round trip per step, after the
+pushes; the alternative, pushing at the end of the step so the push replies could carry the
+norms, would need every skipped step's pushes undone at the shards.
 """
 
 from __future__ import annotations
@@ -36,7 +48,20 @@ from coordinator.planning.plan import Plan
 from coordinator.runtime.loop import EventLoop, Reply
 from coordinator.runtime.records import _Service
 from services.params.client import ShardRef, setup_shards
-from services.protocol import Assignment, OptimizerSpec, SavedPart, SaveRequest, ShardAddress, ShardSave
+from services.params.clipping import clip_coefficient
+from services.protocol import (
+    ApplyRound,
+    Assignment,
+    CommitStep,
+    Empty,
+    OptimizerSpec,
+    RoundNorm,
+    RoundNormRequest,
+    SavedPart,
+    SaveRequest,
+    ShardAddress,
+    ShardSave,
+)
 
 __all__ = ["WRITE_TIMEOUT", "ParamShards"]
 
@@ -52,14 +77,25 @@ class ParamShards:
         addresses: Each placed worker's service-host address.
         initial_params: Cell-qualified starting values of every parameter (empty in collective mode:
             then there are no shards, and every method has nothing to do).
+        clip_grad_norm: Clip the gradients to this global norm: the shards hold their rounds (see
+            [Note: a held round]).
+
+    Attributes:
+        rounds: The held round's requests not answered yet (by request id).
+        refused: A refused ``round_norm`` or ``apply_round`` (the driver fails the step with it).
     """
 
     def __init__(self, plan: Plan, run: str, addresses: Mapping[str, str],
-                 initial_params: Mapping[str, torch.Tensor]) -> None:
+                 initial_params: Mapping[str, torch.Tensor], *, clip_grad_norm: float | None = None) -> None:
         self.plan = plan
+        self.clip_grad_norm = clip_grad_norm
         self.services: list[_Service] = []
         self.saving: dict[int, tuple[_Service, ShardSave]] = {}  # the saves not answered yet, by request id
         self._saved: list[SavedPart] = []  # their answers, not reported yet
+        self.rounds: dict[int, _Service] = {}
+        self.refused: Reply | None = None
+        self._norms: list[float] = []  # the held round's norms in so far
+        self._round: CommitStep | None = None  # the commit whose round is held
         self._stages: list[tuple[list[ShardRef], dict[str, torch.Tensor]]] = []
         for s, st in enumerate(plan.stages):
             cells = set(st.nodes)
@@ -87,7 +123,8 @@ class ParamShards:
             if refs:
                 keys = {n: state_keys[n][0] for n in params if state_keys.get(n)}
                 setup_shards(refs, params, mode="sync", replicas=self.plan.data_parallel, optimizer=optimizer,
-                             timeout=timeout, keys=keys, restore=restore)
+                             timeout=timeout, keys=keys, restore=restore,
+                             hold_rounds=self.clip_grad_norm is not None)
                 lines.append(f"stage {s}: {len(params)} parameters on {len(refs)} shards"
                              + (" (optimizer state restored)" if restore else ""))
         self._stages = [(refs, {}) for refs, _ in self._stages]
@@ -117,9 +154,32 @@ class ParamShards:
             request = ShardSave(save=save, version=version, part=self.part(sv), timeout_ms=timeout_ms)
             self.saving[loop.send(sv.worker, sv.name, "save", request, SavedPart)] = sv, request
 
-    def take(self, reply: Reply) -> bool:
-        """Whether ``reply`` answers a save; if so, keep what it means for the checkpoint (its part
-        written, or why not: a refusal drops the checkpoint, never the job)."""
+    def send_round(self, loop: EventLoop, commit: CommitStep, save: SaveRequest | None,
+                   step_timeout: timedelta) -> None:
+        """What goes to the shards with ``commit``: the saves of ``save`` (see [Note: a shard's part of a
+        checkpoint]), and with clipping the held round's norm requests (see [Note: a held round])."""
+        if save is not None:
+            self.send_saves(loop, save, commit.step + 1, step_timeout)
+        if self.clip_grad_norm is None or not self.services:
+            return
+        request = RoundNormRequest(version=commit.step, timeout_ms=int(step_timeout.total_seconds() * 1000))
+        self._round, self._norms, self.refused = commit, [], None
+        for sv in self.services:
+            self.rounds[loop.send(sv.worker, sv.name, "round_norm", request, RoundNorm)] = sv
+
+    def take(self, reply: Reply, loop: EventLoop) -> bool:
+        """Whether ``reply`` answers a save or a held round's request. A save's answer is kept for the
+        checkpoint (its part written, or why not: a refusal drops the checkpoint, never the job); the
+        last norm of a round sends every shard its ``apply_round``; a refusal is kept in :attr:`refused`."""
+        sv = self.rounds.pop(reply.id, None)
+        if sv is not None:
+            if not reply.ok:
+                self.refused = reply
+            elif isinstance(reply.body, RoundNorm):
+                self._norms.append(reply.body.sq_norm)
+                if len(self._norms) == len(self.services):
+                    self._apply(loop)
+            return True
         if reply.id not in self.saving:
             return False
         _, request = self.saving.pop(reply.id)
@@ -130,13 +190,23 @@ class ParamShards:
                 f"shard {reply.service} on {reply.worker}: [{reply.code}] {reply.message}"[:4000])))
         return True
 
+    def _apply(self, loop: EventLoop) -> None:
+        """Every shard's norm is in: send each the coefficient of their sum."""
+        commit, max_norm = self._round, self.clip_grad_norm
+        assert commit is not None and max_norm is not None
+        request = ApplyRound(version=commit.step, grad_scale=clip_coefficient(sum(self._norms), max_norm),
+                             train_step=commit.train_step)
+        for sv in self.services:
+            self.rounds[loop.send(sv.worker, sv.name, "apply_round", request, Empty)] = sv
+
     def saved(self) -> list[SavedPart]:
         """The parts the shards answered for since the last call."""
         taken, self._saved = self._saved, []
         return taken
 
     def forget(self, loop: EventLoop) -> None:
-        """Stop waiting for the saves not answered (the runtime is closing)."""
-        for i in self.saving:
+        """Stop waiting for the saves and round requests not answered (the runtime is closing)."""
+        for i in [*self.saving, *self.rounds]:
             loop.forget(i)
         self.saving.clear()
+        self.rounds.clear()

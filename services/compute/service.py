@@ -21,8 +21,9 @@ action list runs). RPC surface (service kind ``compute``):
   on the step thread.
 * ``reconnect(Reconnect) -> Empty``: replace the communicator (a new generation prefix).
 * ``commit(CommitStep) -> CommitReply``: apply the step's update, on the step thread: the
-  gradients multiplied by ``grad_scale`` first (fp16's loss scale undone), then the
-  local optimizer (built on the first commit, as ``optimizer_step``), or, on the
+  gradients multiplied by ``grad_scale`` first (fp16's loss scale undone, clipping by the global
+  norm), then the local optimizer (built on the first commit, as ``optimizer_step``, with the
+  job's learning-rate scheduler: ``services/params/scheduling.py``), or, on the
   parameter-server path, push the gradients and pull the new values
   (:mod:`services.params.grad_path`). The coordinator commits only once every stage of every
   replica finished the step (a step is a transaction). A commit usually travels inside
@@ -96,6 +97,7 @@ from services.compute.executor import StepExecutor, StepFailed, evaluating
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
 from services.factories import FactoryAllowList
 from services.link import PipelineLink
+from services.params import scheduling
 from services.params.grad_path import build_path
 from services.params.tied import TiedSync
 from services.protocol import (
@@ -160,6 +162,7 @@ class CellComputeService(ServiceBase):
         self._poisoned: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-stage{stage.index}")
         self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: scheduling.Scheduler | None = None  # the optimizer's, if the job has one
         self._optimizer_spec: OptimizerSpec | None = None
         self._optimizer_steps = 0
         self._link = PipelineLink(backend=options.comm_backend, rank=stage.index, world_size=stage.num_stages,
@@ -341,8 +344,11 @@ class CellComputeService(ServiceBase):
     def _build_optimizer(self, spec: OptimizerSpec) -> torch.optim.Optimizer:
         try:
             optimizer = make_optimizer(spec, [p for _, p in self._stage.parameters()])
+            # on the initial rate, before any restored state: [Note: a scheduler's position]
+            self._scheduler = (scheduling.build_scheduler(spec.scheduler, optimizer)
+                               if spec.scheduler is not None else None)
         except ValueError as exc:
-            raise RpcError("bad_request", str(exc)) from None
+            raise RpcError("bad_request", f"stage {self._stage.index}: {exc}") from None
         apply_optimizer_state(optimizer, self._stage.parameters(), self._restored)
         self._restored = Restored()  # applied: the checkpoint's tensors are not kept
         self._optimizer, self._optimizer_spec = optimizer, spec
@@ -374,20 +380,20 @@ class CellComputeService(ServiceBase):
             StepFailed: The parameter-server exchange failed.
         """
         phases: list[PhaseTiming] = []
-        if commit.grad_scale != 1.0:  # before either path's update: the shards take unscaled gradients too
-            for _, p in self._stage.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(commit.grad_scale)
         if optimizer is not None:
             faults.at(step, "optimizer")
             start = time.time()
-            optimizer.step()
+            self._update(optimizer, commit)
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
         else:
             faults.at(step, "push_pull")
             owned = [(n, p) for n, p in self._stage.parameters() if n not in self._mirrors]
+            grads = [p.grad for _, p in owned if p.grad is not None]
+            if commit.grad_scale != 1.0 and grads:  # fp16's unscale: the shards take unscaled gradients
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, commit.grad_scale)
             try:
-                phase = self._path.exchange(commit.step, owned, timeout)
+                phase = self._path.exchange(commit.step, owned, timeout, train_step=commit.train_step)
             except Exception as exc:
                 raise StepFailed(f"stage {self._stage.index}, commit of step {commit.step}: push/pull: "
                                  f"{type(exc).__name__}: {exc}", transfers_posted=False) from exc
@@ -409,6 +415,27 @@ class CellComputeService(ServiceBase):
             self._writer.submit(snap, Path(commit.save.directory))
             phases.append(PhaseTiming(name="snapshot", start=start, end=time.time()))
         return phases
+
+    def _update(self, optimizer: torch.optim.Optimizer, commit: CommitStep) -> None:
+        """The local update: the scheduler brought to the commit's step, the gradients scaled by
+        ``grad_scale`` (clipping: ``services/params/clipping.py``), the optimizer step, one scheduler step.
+
+        Raises:
+            StepFailed: The scheduler cannot step (OneCycleLR past its ``total_steps``) or is past the step.
+        """
+        try:
+            if self._scheduler is not None:
+                scheduling.advance(self._scheduler, commit.train_step)
+            grads = [p.grad for _, p in self._stage.parameters() if p.grad is not None]
+            if commit.grad_scale != 1.0 and grads:  # torch multiplies by 1.0 too: the same values
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, commit.grad_scale)
+            optimizer.step()
+            if self._scheduler is not None:
+                scheduling.step(self._scheduler)
+        except ValueError as exc:
+            raise StepFailed(f"stage {self._stage.index}, commit of step {commit.train_step + 1}: {exc}",
+                             transfers_posted=False) from exc
 
     def rpc_commit(self, request: CommitStep, call: Call) -> None:
         with self._lock:

@@ -73,6 +73,7 @@ def setup_shards(
     timeout: timedelta = timedelta(seconds=60),
     keys: Mapping[str, str] | None = None,
     restore: str = "",
+    hold_rounds: bool = False,
 ) -> ShardPlan:
     """Place ``params`` on ``shards`` (balanced by bytes) and set every shard up, concurrently.
 
@@ -87,6 +88,8 @@ def setup_shards(
         keys: each parameter's key in checkpoints (absent: its name; see
             :mod:`services.params.shard_state`).
         restore: a checkpoint whose optimizer state the shards start from ("": a fresh optimizer).
+        hold_rounds: sync only: each complete round waits for the coordinator's ``apply_round``
+            (clipping by the global norm: :mod:`services.params.server`).
 
     Returns:
         The plan: which shard holds which parameter.
@@ -108,7 +111,7 @@ def setup_shards(
             infos = [ParamInfo(name=n, dtype=dtype_name(params[n].dtype), shape=list(params[n].shape))
                      for n in names]
             request = ShardSetup(mode=mode, replicas=replicas, optimizer=optimizer, staleness=staleness,
-                                 params=infos, restore=restore,
+                                 params=infos, restore=restore, hold_rounds=hold_rounds,
                                  keys={n: keys[n] for n in names if keys is not None and n in keys})
             pieces = [p for n in names for p in split_pieces(n, params[n])]
             calls.append(PipelinedCall(conn, shard.service, "setup", request, ShardInfo, pieces))
@@ -196,24 +199,26 @@ class PushPullClient:
         return self._run([], into, min_version, timeout)
 
     def push(self, grads: Mapping[str, torch.Tensor | None], step: int, *,
-             timeout: timedelta | None = None) -> None:
+             timeout: timedelta | None = None, train_step: int | None = None) -> None:
         """Send this replica's gradients for ``step`` to every shard (``None`` gradients are left out).
 
         Every shard gets a push, even one with no gradient in ``grads`` (in sync mode a
-        shard closes a step only once every replica pushed). Returns once every shard took
-        every part; the gradients may then be reused. After a raise, a part may still be
-        queued for an unresponsive shard: keep ``grads`` unchanged until the next call.
+        shard closes a step only once every replica pushed). ``train_step``: the training step
+        the update belongs to, for the shards' learning-rate scheduler (``PushRequest``).
+        Returns once every shard took every part; the gradients may then be reused. After a
+        raise, a part may still be queued for an unresponsive shard: keep ``grads`` unchanged
+        until the next call.
 
         Raises:
             KeyError: ``grads`` names a parameter no shard holds.
             RpcError: a shard refused (``step_closed``, ``step_ahead``, ``bad_request``...).
             TimeoutError: a shard did not answer after the retries.
         """
-        self._run(self._push_calls(grads, step), {}, 0, timeout)
+        self._run(self._push_calls(grads, step, train_step), {}, 0, timeout)
 
     def push_pull(self, grads: Mapping[str, torch.Tensor | None], step: int,
                   into: Mapping[str, torch.Tensor], min_version: int, *,
-                  timeout: timedelta | None = None) -> int:
+                  timeout: timedelta | None = None, train_step: int | None = None) -> int:
         """:meth:`push` then :meth:`pull`, with every request sent before any reply is awaited.
 
         The pull parts queue behind the push parts on each shard's connection, so a sync
@@ -224,7 +229,7 @@ class PushPullClient:
         Raises:
             What :meth:`push` and :meth:`pull` raise.
         """
-        return self._run(self._push_calls(grads, step), into, min_version, timeout)
+        return self._run(self._push_calls(grads, step, train_step), into, min_version, timeout)
 
     def close(self) -> None:
         for conn in self._conns:
@@ -249,8 +254,8 @@ class PushPullClient:
         sizes = {n: self._nbytes[n] for n in self.params if self.owner[n] == shard and n in wanted}
         return group_parts(sizes, self.part_bytes)
 
-    def _push_calls(self, grads: Mapping[str, torch.Tensor | None],
-                    step: int) -> list[tuple[PipelinedCall, _Part]]:
+    def _push_calls(self, grads: Mapping[str, torch.Tensor | None], step: int,
+                    train_step: int | None) -> list[tuple[PipelinedCall, _Part]]:
         present = {n: g for n, g in grads.items() if g is not None}
         self._check_names(present, "push")
         seq = self._seq
@@ -261,7 +266,8 @@ class PushPullClient:
             for k, names in enumerate(groups):
                 pieces = [p for n in names
                           for p in split_pieces(n, present[n].detach().to(DTYPES[self.params[n].dtype]))]
-                request = PushRequest(replica=self.replica, step=step, seq=seq, part=k, parts=len(groups))
+                request = PushRequest(replica=self.replica, step=step, seq=seq, part=k, parts=len(groups),
+                                      train_step=train_step)
                 calls.append((PipelinedCall(conn, shard.service, "push", request, PushReply, pieces),
                               _Part(i, names, "push")))
         return calls

@@ -66,8 +66,11 @@ class GradientPath:
         return None
 
     def exchange(self, step: int, params: Sequence[tuple[str, nn.Parameter]],
-                 timeout: timedelta) -> PhaseTiming | None:
-        """Parameter server: push this step's gradients, pull the updated values into ``params``."""
+                 timeout: timedelta, *, train_step: int) -> PhaseTiming | None:
+        """Parameter server: push this step's gradients, pull the updated values into ``params``.
+
+        ``train_step`` is the training step the update belongs to (the shards' scheduler position).
+        """
         return None
 
     def abandon(self) -> None:
@@ -169,7 +172,7 @@ class ServerPath(GradientPath):
         self._client: PushPullClient | None = None
 
     def exchange(self, step: int, params: Sequence[tuple[str, nn.Parameter]],
-                 timeout: timedelta) -> PhaseTiming | None:
+                 timeout: timedelta, *, train_step: int) -> PhaseTiming | None:
         if not self._shards:
             return None
         start = time.time()
@@ -178,7 +181,8 @@ class ServerPath(GradientPath):
         grads = {name: None if p.grad is None else p.grad.detach().to("cpu") for name, p in params}
         into = {name: p.detach() if p.device.type == "cpu" else torch.empty_like(p, device="cpu")
                 for name, p in params}  # a CPU parameter is pulled into in place
-        self._client.push_pull(grads, step, into, min_version=step + 1, timeout=timeout)
+        self._client.push_pull(grads, step, into, min_version=step + 1, timeout=timeout,
+                               train_step=train_step)
         with torch.no_grad():
             for name, p in params:
                 if p.device.type != "cpu":  # pulled into a CPU copy: onto the parameter's device

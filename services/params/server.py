@@ -26,6 +26,19 @@ are in is stepped at once, while the rest of the push is still on the wire (see
 :meth:`~services.params.store.ParamStore.step`); pulls wait until the whole step is done,
 so nobody sees a half-updated version.
 
+Held rounds (sync, ``ShardSetup.hold_rounds``: clipping by the global norm). Nothing is stepped
+while the pushes arrive: once the round is complete the shard divides the sums by ``replicas``
+and waits. ``round_norm`` (:class:`~services.protocol.RoundNormRequest`, deferred until the round
+is complete) answers the squared norm of the averaged gradient; ``apply_round``
+(:class:`~services.protocol.ApplyRound`) multiplies it by the coordinator's coefficient, steps the
+optimizer and opens the next step, which releases the pulls. Both are the coordinator's, who
+adds every shard's norm first (``coordinator/runtime/shards.py``).
+
+Learning-rate scheduler (sync; ``OptimizerSpec.scheduler``). Brought to the training step of the
+round (``PushRequest.train_step`` of its first part; ``ApplyRound.train_step`` when held) before
+the round's first update, and stepped once the round is applied: see [Note: a scheduler's
+position] in ``services/params/scheduling.py``.
+
 Asynchronous mode (``async``). Each push is applied on arrival: one optimizer step with
 that push's gradient alone (``version += 1``), and the pusher's clock becomes
 ``step + 1`` (steps may be skipped, never revisited: ``step < clock`` is ``step_closed``).
@@ -60,7 +73,7 @@ Errors (:class:`~comm.rpc.framing.RpcError` codes): ``not_ready``, ``already_set
 ``bad_request`` (malformed pieces, replica out of range, setup that does not fit, a
 checkpoint to restore that lacks or misshapes a tensor, a save in async mode),
 ``not_owner`` (names the parameter and this shard), ``step_closed``, ``step_ahead``,
-``timeout`` (a pull's or a save's wait ran out; names what it waited for).
+``timeout`` (a pull's, a save's or a round norm's wait ran out; names what it waited for).
 """
 
 from __future__ import annotations
@@ -81,12 +94,15 @@ from services.checkpoint.writer import PartWriter
 from services.params import shard_state
 from services.params.store import NotOwnedError, ParamStore
 from services.protocol import (
+    ApplyRound,
     Assignment,
     Empty,
     PullReply,
     PullRequest,
     PushReply,
     PushRequest,
+    RoundNorm,
+    RoundNormRequest,
     ShardInfo,
     ShardSave,
     ShardSetup,
@@ -124,6 +140,8 @@ class _Shard:
     accepted: dict[int, OrderedDict[tuple[int, int], set[int]]] = field(default_factory=dict)
     waiting: list[tuple[PullRequest, Call]] = field(default_factory=list)  # deferred pulls
     saves: list[tuple[ShardSave, Call]] = field(default_factory=list)  # waiting for their version
+    held: float | None = None  # hold_rounds: the complete round's squared norm, until it is applied
+    norms: list[tuple[RoundNormRequest, Call]] = field(default_factory=list)  # waiting for the round
 
 
 def _before_write(snap: Snapshot) -> None:
@@ -163,6 +181,9 @@ class ParamServerService(ServiceBase):
                                             f"{self._shard.version}); build a new service for a new job")
         if request.mode == "sync" and request.staleness:
             raise RpcError("bad_request", "staleness applies to async mode only")
+        if request.mode == "async" and (request.hold_rounds or request.optimizer.scheduler is not None):
+            raise RpcError("bad_request", "held rounds and learning-rate schedulers need sync mode: an async "
+                                          "update belongs to no one training step")
         unknown = sorted(set(request.keys) - {p.name for p in request.params})
         if unknown:
             raise RpcError("bad_request", f"setup of shard {self.name!r}: checkpoint keys for parameters "
@@ -248,12 +269,17 @@ class ParamServerService(ServiceBase):
             self._check_sync(shard, request, push)
         else:
             self._check_async(shard, request, push)
+        hold = shard.setup.hold_rounds
+        if shard.setup.mode == "sync" and not shard.pushes and request.train_step is not None and not hold:
+            self._advance(shard, request.train_step)  # the round's first part: before any update
         if push is None:
             push = shard.pushes[r] = _Push(request.step, request.seq, request.parts)
         replicas = shard.setup.replicas if shard.setup.mode == "sync" else 1
         # a parameter every replica has sent its gradient for is stepped now, while later parts
         # are still on the wire (sync: pulls wait until the round is finished, see _may_pull)
-        shard.store.step(shard.store.accumulate(grads, complete_at=replicas), divisor=replicas)
+        complete = shard.store.accumulate(grads, complete_at=replicas)
+        if not hold:
+            shard.store.step(complete, divisor=replicas)
         push.got.add(request.part)
         accepted = shard.accepted[r]
         accepted.setdefault(key, set()).add(request.part)
@@ -263,12 +289,13 @@ class ParamServerService(ServiceBase):
         if shard.setup.mode == "sync":
             pushes = shard.pushes.values()
             applied = len(pushes) == shard.setup.replicas and all(p.complete for p in pushes)
-            if applied:
+            if applied and hold:
+                shard.held = shard.store.average(shard.setup.replicas)
+                self._answer_norms(shard)
+                applied = False
+            elif applied:
                 shard.store.finish_round(divisor=shard.setup.replicas)
-                shard.pushes.clear()
-                shard.version += 1
-                shard.clocks = [shard.version] * shard.setup.replicas
-                self._save_due(shard)
+                self._close_round(shard)
         else:
             shard.store.finish_round(divisor=1)  # this part was applied alone, above
             applied = push.complete
@@ -280,7 +307,79 @@ class ParamServerService(ServiceBase):
             self._release(shard)
         return PushReply(version=shard.version)
 
+    def rpc_round_norm(self, request: RoundNormRequest, call: Call) -> RoundNorm | None:
+        shard = self._held_round(request.version, "round_norm")
+        if shard.held is not None:
+            return RoundNorm(version=shard.version, sq_norm=shard.held)
+        shard.norms.append((request, call))
+
+        def on_timeout() -> tuple[str, str]:
+            shard.norms[:] = [(r, c) for r, c in shard.norms if c is not call]
+            done = {r for r, p in shard.pushes.items() if p.complete}
+            missing = [r for r in range(shard.setup.replicas) if r not in done]
+            return "timeout", (f"round_norm of step {request.version} at shard {self.name!r} waited "
+                               f"{request.timeout_ms / 1000:.1f}s for pushes from replicas {missing}")
+
+        call.defer(timedelta(milliseconds=request.timeout_ms), on_timeout)
+        return None
+
+    def rpc_apply_round(self, request: ApplyRound, call: Call) -> Empty:
+        shard = self._held_round(request.version, "apply_round")
+        if shard.held is None:
+            raise RpcError("bad_request", f"shard {self.name!r}: step {request.version} is not complete yet; "
+                                          "ask round_norm first and apply once every shard answered")
+        self._advance(shard, request.train_step)
+        shard.store.scale(request.grad_scale)
+        shard.store.finish_round(divisor=1)  # averaged when the round was complete
+        shard.held = None
+        self._close_round(shard)
+        self._release(shard)
+        return Empty()
+
     # -- helpers ---------------------------------------------------------------------
+
+    def _held_round(self, version: int, what: str) -> _Shard:
+        """The shard, if it holds its rounds and ``version`` is its open step.
+
+        Raises:
+            RpcError: ``bad_request`` (rounds not held), ``step_closed`` or ``step_ahead``.
+        """
+        shard = self._ready()
+        if not shard.setup.hold_rounds:
+            raise RpcError("bad_request", f"{what}: shard {self.name!r} applies its rounds itself (set up "
+                                          "without hold_rounds)")
+        if version != shard.version:
+            code = "step_closed" if version < shard.version else "step_ahead"
+            raise RpcError(code, f"{what} of step {version}: shard {self.name!r} is at step {shard.version}")
+        return shard
+
+    def _answer_norms(self, shard: _Shard) -> None:
+        assert shard.held is not None
+        for _, call in shard.norms:
+            if not call.answered:
+                call.reply(RoundNorm(version=shard.version, sq_norm=shard.held))
+        shard.norms.clear()
+
+    def _advance(self, shard: _Shard, train_step: int) -> None:
+        try:
+            shard.store.advance(train_step)
+        except ValueError as exc:
+            raise RpcError("bad_request", f"shard {self.name!r}: {exc}") from None
+
+    def _close_round(self, shard: _Shard) -> None:
+        """A sync round is applied: open the next step, take the saves due, step the scheduler.
+
+        Raises:
+            RpcError: ``bad_request`` if the scheduler cannot step (the update is applied all the same).
+        """
+        shard.pushes.clear()
+        shard.version += 1
+        shard.clocks = [shard.version] * shard.setup.replicas
+        self._save_due(shard)
+        try:
+            shard.store.step_scheduler()
+        except ValueError as exc:
+            raise RpcError("bad_request", f"shard {self.name!r}: {exc}") from None
 
     def _check_sync(self, shard: _Shard, request: PushRequest, push: _Push | None) -> None:
         """Refuse a sync push part that does not belong to the open step or to r's open push."""

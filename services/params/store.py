@@ -2,7 +2,9 @@
 
 The optimizer is any ``torch.optim`` class named by an
 :class:`~services.protocol.OptimizerSpec` (looked up in ``torch.optim`` only, never
-imported from elsewhere); its state lives here, next to the parameters it updates.
+imported from elsewhere); its state lives here, next to the parameters it updates, with the
+spec's learning-rate scheduler (``services/params/scheduling.py``), which the shard advances
+to each round's training step and steps once the round is applied.
 
 [Note: pull replies view the parameters]
 A pull reply's frames are zero-copy views of the parameters' memory, and ZeroMQ sends them
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 
 from comm.wire import DTYPES
+from services.params import scheduling
+from services.params.clipping import squared_norm
 from services.params.sharding import check_pieces, join_pieces, split_pieces
 from services.protocol import OptimizerSpec, ParamInfo
 
@@ -141,6 +145,8 @@ class ParamStore:
             for s, piece in checked[name]:
                 flat[s].copy_(piece)
         self.optimizer = build_optimizer(optimizer, [s.value for s in self._slots.values()])
+        self.scheduler = (scheduling.build_scheduler(optimizer.scheduler, self.optimizer)
+                          if optimizer.scheduler is not None else None)
         self.moves = 0  # parameters moved by copy-on-write (see the Note)
         self._counts: dict[str, int] = {}  # contributions to each parameter's sum this round
         self._stepped: set[str] = set()  # parameters already stepped this round
@@ -232,6 +238,37 @@ class ParamStore:
         self.step(list(self._counts), divisor)
         self._counts.clear()
         self._stepped.clear()
+
+    def advance(self, train_step: int) -> None:
+        """Bring the scheduler (if any) to ``train_step`` before the round's first update.
+
+        Raises:
+            ValueError: It is past that step, or cannot step (see ``scheduling.advance``).
+        """
+        if self.scheduler is not None:
+            scheduling.advance(self.scheduler, train_step)
+
+    def step_scheduler(self) -> None:
+        """One scheduler step (if any), once a round is applied.
+
+        Raises:
+            ValueError: The scheduler cannot step (OneCycleLR past its ``total_steps``).
+        """
+        if self.scheduler is not None:
+            scheduling.step(self.scheduler)
+
+    def average(self, divisor: int) -> float:
+        """Divide this round's sums by ``divisor`` (held rounds: the replicas); their squared L2 norm."""
+        grads = [self._slots[name].grad for name in self._counts]
+        if divisor != 1 and grads:
+            torch._foreach_div_(grads, divisor)
+        return squared_norm(grads)
+
+    def scale(self, factor: float) -> None:
+        """Multiply this round's sums by ``factor`` (a held round's clipping coefficient)."""
+        grads = [self._slots[name].grad for name in self._counts]
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
 
     def pieces(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
         """The current values of ``names`` as wire pieces (views; see the Note)."""

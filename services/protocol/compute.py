@@ -233,14 +233,21 @@ class CommitStep(Message):
     """Apply step ``step``'s update: the local optimizer (collective) or push/pull (parameter server).
 
     ``step`` counts the commits (0, 1, 2, ...), so a stage can tell a repeated commit from a new one.
+
+    ``grad_scale`` multiplies every gradient before the optimizer step (collective path): the
+    global-norm clipping coefficient, times any loss-scale unscaling (see
+    ``coordinator/runtime/clipping.py``). ``train_step`` is the training step the update belongs to,
+    counted from the job's start: the learning-rate scheduler stands there before the update and one
+    further after it (``services/params/scheduling.py``), skipped steps included.
     """
 
     step: int = Field(ge=0)
     optimizer: OptimizerSpec
     timeout_ms: int = Field(default=300_000, ge=1)
     save: SaveRequest | None = None  # then snapshot the state it leaves (written in the background)
-    # multiply every gradient by this before the optimizer step
+    # multiply every gradient by this before the optimizer step (fp16's unscale times the clip coefficient)
     grad_scale: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    train_step: int = Field(default=0, ge=0)
 
 
 class CommitReply(Message):
@@ -324,6 +331,10 @@ class StepReply(Message):
     # reason: comm/traffic.py), for the coordinator's metrics; a few bytes, bounded by the model
     traffic: TrafficCounts | None = None
     saved: list[SavedPart] = Field(default_factory=list, max_length=1 << 10)  # parts written since last reply
+    # the sum of the squared L2 norms of the stage's parameter gradients once final (after the
+    # all-reduce: every replica's is the same), for clipping by the global norm; None on the
+    # parameter-server path (the shards hold the averaged gradient) and in a step without backwards
+    grad_sq_norm: float | None = None
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:

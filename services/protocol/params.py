@@ -15,11 +15,27 @@ from services.protocol.checkpoint import MAX_PATH, SaveRequest
 # tensors of setup, pull and push travel as pieces named "{param}#{k}" (services/params/sharding.py).
 
 
+SchedulerKwargs = dict[str, str | int | float | bool | list[int] | list[float]]
+
+
+class SchedulerSpec(Message):
+    """A ``torch.optim.lr_scheduler`` class by name, e.g. ``{"name": "StepLR", "kwargs": {"step_size": 2}}``.
+
+    Built and advanced by ``services/params/scheduling.py`` wherever the optimizer lives.
+    """
+
+    name: Name
+    kwargs: SchedulerKwargs = Field(default_factory=dict)
+
+
 class OptimizerSpec(Message):
-    """A ``torch.optim`` optimizer by class name, e.g. ``{"name": "Adam", "kwargs": {"lr": 1e-3}}``."""
+    """A ``torch.optim`` optimizer by class name, e.g. ``{"name": "Adam", "kwargs": {"lr": 1e-3}}``, and the
+    learning-rate scheduler stepped with it (``scheduler``; None: a constant rate): the state a stage or
+    a parameter shard keeps next to its parameters."""
 
     name: Name
     kwargs: dict[str, float | int | bool | list[float]] = Field(default_factory=dict)
+    scheduler: SchedulerSpec | None = None
 
 
 class ParamInfo(TensorMeta):
@@ -39,6 +55,9 @@ class ShardSetup(Message):
     # starts from ("": a fresh optimizer). See services/params/shard_state.py.
     keys: dict[Name, Name] = Field(default_factory=dict, max_length=1 << 16)
     restore: str = Field(default="", max_length=MAX_PATH)
+    # sync only: hold each complete round until the coordinator's ``apply_round`` (gradient clipping by
+    # the global norm, which needs every shard's norm first: services/params/server.py)
+    hold_rounds: bool = False
 
 
 class ShardSave(Message):
@@ -99,6 +118,9 @@ class PushRequest(Message):
     seq: int = Field(ge=0)
     part: int = Field(default=0, ge=0)
     parts: int = Field(default=1, ge=1, le=1 << 16)
+    # sync: the training step this update belongs to (from the job's start); the shard's learning-rate
+    # scheduler is advanced to it before the round's first update (None: not advanced)
+    train_step: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _part_in_range(self) -> PushRequest:
@@ -110,3 +132,25 @@ class PushRequest(Message):
 class PushReply(Message):
     version: int  # the shard's version after this part was taken (sync: may not be applied yet)
     duplicate: bool = False
+
+
+class RoundNormRequest(Message):
+    """The squared L2 norm of round ``version``'s averaged gradient, once every replica pushed it
+    (a shard set up with ``hold_rounds``); answered within ``timeout_ms``."""
+
+    version: int = Field(ge=0)
+    timeout_ms: int = Field(ge=0)
+
+
+class RoundNorm(Message):
+    version: int
+    sq_norm: float  # the sum over the shard's parameters of the squared L2 norm of the averaged gradient
+
+
+class ApplyRound(Message):
+    """Apply held round ``version``: multiply the averaged gradient by ``grad_scale``, step the optimizer
+    (and its scheduler, standing at ``train_step`` before the update)."""
+
+    version: int = Field(ge=0)
+    grad_scale: float = 1.0
+    train_step: int = Field(ge=0)

@@ -101,6 +101,10 @@ SEEDS: list[Message] = [
     protocol.ShardSave(save=_SAVE, version=3, part="ps-s0-0", timeout_ms=1000),
     _TIED,
     protocol.TiedOptions(prefix="/t", params=[_TIED]),
+    protocol.SchedulerSpec(name="StepLR", kwargs={"step_size": 2, "gamma": 0.5}),
+    protocol.RoundNormRequest(version=3, timeout_ms=1000),
+    protocol.RoundNorm(version=3, sq_norm=0.25),
+    protocol.ApplyRound(version=3, grad_scale=0.5, train_step=7),
     Empty(),
     # comm/registry/protocol.py
     _KV,

@@ -12,7 +12,7 @@ from comm.rpc import RpcClient, RpcError, ServiceHost
 from services.compute.actions import validate_stage
 from services.compute.boundary import BoundaryError, empty_buffers, flatten, shapes_at, unflatten
 from services.compute.cell import Cell, as_cells, cell_parameters
-from services.compute.executor import nonfinite
+from services.compute.executor import check_grads
 from services.compute.service import CellComputeService
 from services.factories import FactoryAllowList
 from services.protocol import (
@@ -141,6 +141,15 @@ def test_nonfinite_names_exactly_the_tensors_with_a_nan_or_an_inf() -> None:
     both = torch.tensor([float("inf"), -float("inf")])  # its sum is NaN
     named = [("ok", torch.ones(3)), ("big", big), ("nan", torch.tensor([1.0, float("nan")])),
              ("inf", torch.tensor([float("inf")])), ("both", both), ("empty", torch.zeros(0))]
-    assert nonfinite(named) == ["nan", "inf", "both"]
-    assert nonfinite([("ok", torch.ones(2)), ("big", big)]) == []
-    assert nonfinite([]) == []
+    assert check_grads(named)[0] == ["nan", "inf", "both"]
+    assert check_grads([("ok", torch.ones(2)), ("big", big)])[0] == []
+    assert check_grads([]) == ([], 0.0)
+
+
+def test_the_squared_norm_of_finite_gradients_is_exact_past_their_dtype() -> None:
+    big = torch.full((4,), 3e38)  # float32: its norm overflows, its float64 norm does not
+    ok, sq = check_grads([("a", torch.tensor([3.0, 4.0], dtype=torch.float64)), ("big", big)])
+    assert ok == [] and sq == pytest.approx(25.0 + 4 * float(big[0].double()) ** 2, rel=1e-12)
+    grads = [torch.randn(5, 3, dtype=torch.float64), torch.randn(7, dtype=torch.float64)]
+    total = torch.nn.utils.get_total_norm(grads)  # torch's own, as clip_grad_norm_ computes it
+    assert check_grads([("x", grads[0]), ("y", grads[1])])[1] == pytest.approx(float(total) ** 2, rel=1e-14)
