@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from services.compute.actions import ScheduleError
     from services.compute.cell import Cell, as_cells
     from services.compute.cells import MLP, LMHead, TokenEmbedding, TransformerBlock
+    from services.compute.randomness import reproducible
 
 # name -> the module that defines it; imported on first access (PEP 562).
 _EXPORTS: dict[str, str] = {
@@ -46,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "Plan": "coordinator.planning.plan",
     "Cell": "services.compute.cell",
     "as_cells": "services.compute.cell",
+    "reproducible": "services.compute.randomness",  # a user's loop draws what a cellmesh run draws
     # ready-made cells
     "TokenEmbedding": "services.compute.cells",
     "TransformerBlock": "services.compute.cells",
@@ -96,6 +98,7 @@ __all__ = [
     "Worker",
     "__version__",
     "as_cells",
+    "reproducible",
 ]
 
 

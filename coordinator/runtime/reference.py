@@ -6,6 +6,8 @@ sampler's global batch of each step in order, and runs one forward, one backward
 mean loss and one optimizer step per step. A step whose loss or gradients are not finite is
 treated as the job's ``runtime.nonfinite`` says (see [Note: a step that is not finite] in
 ``coordinator/runtime/nonfinite.py``): ``skip`` drops its optimizer step, ``stop`` raises.
+Each forward is keyed by the step and the batch's sample indices, as the stages' are, so the
+reference draws the same dropout masks (``services/compute/randomness/``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from coordinator.runtime.factories import build_cells, build_data, build_loss
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.nonfinite import NonFiniteStep
 from services.compute.cell import cell_parameters
+from services.compute.randomness import ModelRandomness
 from services.compute.stage import make_optimizer
 
 __all__ = ["max_abs_diff", "train_reference"]
@@ -40,11 +43,14 @@ def train_reference(job: Job, steps: int) -> FitResult:
     params = [p for _, p in cell_parameters(cells)]
     optimizer = make_optimizer(job.optimizer, params)
     sampler = job.sampler()
+    randomness = ModelRandomness(whole, config.data.seed)
     losses: list[float] = []
     for step in range(steps):
-        inputs, targets = source.load(sampler.indices(step))
+        batch = sampler.indices(step)
+        inputs, targets = source.load(batch)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(whole(inputs), targets)
+        with randomness.forward(step, batch):
+            loss = loss_fn(whole(inputs), targets)
         loss.backward()  # type: ignore[no-untyped-call]  # torch stub
         value = float(loss.detach())
         finite = math.isfinite(value) and all(bool(torch.isfinite(p.grad).all()) for p in params

@@ -35,6 +35,11 @@ just before the list's last backward and finishes it after the sends (a collecti
 then holds the gradients averaged over the stage's replicas); its timing is a phase of
 the reply. See [Note: microbatches and the all-reduce] in ``services/params/grad_path.py``.
 
+Random draws. With a :class:`~services.compute.randomness.ModelRandomness`, every forward (and
+the loss) runs keyed by the step and the microbatch's sample indices, so dropout and any other
+random op draw what one process draws for those samples (see [Note: randomness that survives
+the cut] in ``services/compute/randomness/mode.py``).
+
 Non-finite values. The reply names the parameters whose gradient (after the gradient path:
 averaged over the replicas in collective mode) holds a NaN or Inf, as AMP's ``GradScaler``
 checks; with the losses it reports, the coordinator decides whether the step's update is
@@ -46,6 +51,7 @@ naming the stage, the step and the action.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,6 +62,7 @@ import torch
 from comm.base import Communicator, Work
 from services import faults
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
+from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage
 from services.params.grad_path import GradientPath
 from services.protocol import MAX_NONFINITE_NAMED, Action, ActionKind, PhaseTiming, RunStep, StepReply
@@ -105,12 +112,14 @@ class StepExecutor:
             evaluation step, whose forwards run without autograd.
         deadline: ``time.monotonic()`` by which the step must end.
         grad_path: The stage's gradient path (already begun), if its gradients meet other replicas'.
+        randomness: Keys the forwards' random draws; None: they draw from torch's generators.
     """
 
     def __init__(self, stage: Stage, comm: Communicator | None, request: RunStep,
                  trains: bool, deadline: float,
-                 grad_path: GradientPath | None = None) -> None:
+                 grad_path: GradientPath | None = None, randomness: ModelRandomness | None = None) -> None:
         self._stage = stage
+        self._randomness = randomness
         self._grad_path = grad_path
         backwards = [k for k, a in enumerate(request.actions) if a.kind == "B"]
         self._last_backward = backwards[-1] if backwards else None
@@ -259,7 +268,9 @@ class StepExecutor:
                 buf.requires_grad_(grad and spec.requires_grad)
             mb.inputs = [buf for _, buf in buffers]
             inputs = unflatten(stage.incoming, mb.inputs)
-        with torch.set_grad_enabled(grad):
+        keyed = (self._randomness.forward(self._request.step, mb.samples) if self._randomness is not None
+                 else contextlib.nullcontext())
+        with torch.set_grad_enabled(grad), keyed:
             out = stage.module(inputs)
             if stage.last:
                 assert stage.loss_fn is not None

@@ -81,6 +81,7 @@ from services.checkpoint.stage_state import Restored, Snapshot, apply_optimizer_
 from services.checkpoint.writer import PartWriter
 from services.compute.actions import validate_stage
 from services.compute.executor import StepExecutor, StepFailed
+from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
 from services.factories import FactoryAllowList
 from services.link import PipelineLink
@@ -123,14 +124,17 @@ class CellComputeService(ServiceBase):
     Args:
         stage: The built stage.
         options: Its plan fields (backend, registry, prefix, timeouts).
+        seed: The job's seed: it keys the random draws of the stage's forwards
+            (``services/compute/randomness/``).
 
     Timeouts: ``options.comm_timeout_ms`` bounds the communicator's rendezvous and is the
     default of its transfers; ``RunStep.timeout_ms`` bounds a whole step, waiting for the
     communicator included; :data:`OPTIMIZER_STEP_TIMEOUT` bounds an optimizer step.
     """
 
-    def __init__(self, stage: Stage, options: ComputeOptions) -> None:
+    def __init__(self, stage: Stage, options: ComputeOptions, seed: int) -> None:
         self._stage = stage
+        self._randomness = ModelRandomness(stage.module, seed)
         self._tag = f"[stage {stage.index}/{stage.num_stages}]"
         self._lock = threading.Lock()  # guards the fields below
         self._busy: str | None = None
@@ -169,7 +173,7 @@ class CellComputeService(ServiceBase):
             if options.restore:
                 restored = load_stage(Path(options.restore), f"r{options.replica}-s{options.stage}",
                                       stage.state(), stage.parameters(), options.state_keys)
-            service = cls(stage, options)
+            service = cls(stage, options, assignment.seed)
             service._restored = restored
         except CheckpointFormatError as exc:
             raise RpcError("bad_request", f"stage {options.stage}: restoring: {exc}") from None
@@ -254,7 +258,8 @@ class CellComputeService(ServiceBase):
                                  transfers_posted=False) from exc
             start = time.monotonic()
             try:
-                reply = StepExecutor(stage, comm, request, trains, deadline, self._path).run()
+                reply = StepExecutor(stage, comm, request, trains, deadline, self._path,
+                                     self._randomness).run()
             except StepFailed as exc:
                 self._path.abandon()
                 if exc.transfers_posted or self._path.launched:
