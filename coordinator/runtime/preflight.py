@@ -13,7 +13,9 @@ training. :func:`check_job` runs them in order, cheapest first:
 2. the stages the plan section asks for against the model's cells: a plain ``nn.Module`` is
    one cell and cannot be cut into stages (the message says how to give cells);
 3. the fixed replicas and microbatches against the global batch and the workers
-   (``coordinator/planning/request.py``);
+   (``coordinator/planning/request.py``), and, for a model with BatchNorm layers, against the
+   rule that each of their forwards sees the global batch (one microbatch per replica,
+   collective mode: [Note: BatchNorm sees the global batch] in ``services/compute/batchnorm.py``);
 4. the model built for real: a factory that raises is named with the line of the user's
    code that raised (``coordinator/runtime/factories.py``);
 5. the data: inputs and targets of one length (``SampleSource``), and a sample microbatch
@@ -25,7 +27,7 @@ training. :func:`check_job` runs them in order, cheapest first:
 
 Failures are :class:`~coordinator.runtime.errors.JobError` (or ``PlanningError`` for a model
 no plan holds); ``cellmesh run`` prints them as one line and exits 2. What passed is kept
-for planning (:class:`Checked`): the built cells and the sample.
+for planning (:class:`Checked`): the built cells, the sample and the BatchNorm layers.
 """
 
 from __future__ import annotations
@@ -41,15 +43,16 @@ from torch import nn
 from coordinator.planning.config import JobConfig
 from coordinator.planning.graph import describe_value, use_snapshot
 from coordinator.planning.planner import CellBytes, check_memory_floor
-from coordinator.planning.request import check_batch
+from coordinator.planning.request import batch_norm_request, check_batch
 from coordinator.planning.resources import Resources
 from coordinator.runtime.errors import JobError, first_line, located
 from coordinator.runtime.factories import build_cells, build_data, build_loss, cells_of, seeded, unwrapped
+from services.compute.batchnorm import batch_norm_layers
 from services.compute.cell import Cell
 from services.compute.stage import SampleError
 from services.factories import resolve
 
-__all__ = ["Checked", "cell_bytes", "check_job", "model_structure", "sample_size"]
+__all__ = ["Checked", "batch_norm_of", "cell_bytes", "check_job", "model_structure", "sample_size"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class Checked:
 
     cells: list[Cell]
     sample: torch.Tensor | tuple[Any, ...]  # the inputs of one microbatch, as build_graph takes them
+    batch_norm: tuple[str, ...] = ()  # the model's BatchNorm layers: plans give them the global batch
 
 
 def sample_size(global_batch: int, num_workers: int) -> int:
@@ -143,12 +147,18 @@ def _check_stages(config: JobConfig, made: Any, cells: Sequence[Cell]) -> None:
                        f"(cellmesh.Cell) or ask for at most {len(cells)} stage(s)")
 
 
+def batch_norm_of(cells: Sequence[Cell]) -> tuple[str, ...]:
+    """The BatchNorm layers of a model's cells, by their qualified names in the model."""
+    return tuple(batch_norm_layers(nn.Sequential(*cells)))
+
+
 def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any,
              cells: Sequence[Cell]) -> None:
     """Checks 1-3 on the model ``made`` (on the meta device or real): stages, memory floor, batch."""
     _check_stages(config, made, cells)
     check_memory_floor(cell_bytes(cells), resources, optimizer)
     check_batch(config.plan, len(cells), resources.num_workers, config.data.global_batch)
+    batch_norm_request(config.plan, batch_norm_of(cells))
 
 
 def _run_cells(config: JobConfig, cells: Sequence[Cell], inputs: Any, targets: Any,
@@ -195,8 +205,9 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
     Raises:
         JobError: A factory raises or returns something unusable, the data is inconsistent,
             a cell or the loss fails on the sample, or the plan asks for more stages than cells.
-        coordinator.planning.request.PlanningError: No plan can hold the model, or the global
-            batch does not split into the fixed replicas or microbatches.
+        coordinator.planning.request.PlanningError: No plan can hold the model, the global batch
+            does not split into the fixed replicas or microbatches, or the fixed microbatches or
+            mode would not give a BatchNorm layer the global batch.
         ValueError: A factory does not import.
     """
     model, data = config.model, config.data
@@ -221,4 +232,4 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
                        "its load(indices)") from exc
     _run_cells(config, cells, inputs, targets, loss_fn)
     sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
-    return Checked(cells=cells, sample=sample)
+    return Checked(cells=cells, sample=sample, batch_norm=batch_norm_of(cells))

@@ -37,6 +37,11 @@ that a checkpoint is complete. An assignment with ``restore`` loads the stage's 
 name: the checkpoint may come from any plan) before it answers, and the optimizer state
 when the optimizer is built, at the first commit.
 
+BatchNorm (see [Note: BatchNorm sees the global batch] in ``services/compute/batchnorm.py``). A
+stage with BatchNorm layers takes one microbatch per training step (more is a ``bad_request``);
+its replicas normalise with the statistics of all of them, all-reduced over the data-parallel
+group; parameter-server mode with replicas is refused at assignment.
+
 Data parallelism. Replicas of one stage synchronise gradients through the stage's
 gradient path (:mod:`services.params.grad_path`): ``run_step`` begins it (waiting for the
 data-parallel group, bounded by the step's deadline) and the executor arms and finishes
@@ -80,6 +85,7 @@ from services.checkpoint.dcp import CheckpointFormatError
 from services.checkpoint.stage_state import Restored, Snapshot, apply_optimizer_state, load_stage, snapshot
 from services.checkpoint.writer import PartWriter
 from services.compute.actions import validate_stage
+from services.compute.batchnorm import BatchNormSync, batch_norm_layers
 from services.compute.executor import StepExecutor, StepFailed
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
@@ -133,6 +139,11 @@ class CellComputeService(ServiceBase):
     """
 
     def __init__(self, stage: Stage, options: ComputeOptions, seed: int) -> None:
+        self._batch_norm = batch_norm_layers(stage.module)
+        if self._batch_norm and options.num_replicas > 1 and options.grad_path != "collective":
+            raise ValueError(f"BatchNorm layer {self._batch_norm[0]} needs the statistics of every replica, "
+                             "and parameter-server mode has no data-parallel group to share them: use "
+                             "collective mode")
         self._stage = stage
         self._randomness = ModelRandomness(stage.module, seed)
         self._tag = f"[stage {stage.index}/{stage.num_stages}]"
@@ -148,6 +159,8 @@ class CellComputeService(ServiceBase):
                                   registry_url=options.registry, prefix=options.comm_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
         self._path = build_path(stage.module, options)
+        self._batch_norm_sync = (BatchNormSync(stage.module, self._path.group)
+                                 if self._batch_norm and options.num_replicas > 1 else None)
         self._state_keys = options.state_keys
         self._part = f"r{options.replica}-s{stage.index}"
         self._replica, self._replicas = options.replica, options.num_replicas
@@ -240,12 +253,18 @@ class CellComputeService(ServiceBase):
             trains = validate_stage(request.actions, stage=stage.index, num_stages=stage.num_stages,
                                     num_microbatches=len(request.microbatches))
             check_samples(stage, request.microbatches)
-        except ValueError as exc:  # a ScheduleError or a sample out of range
+            if trains and self._batch_norm and len(request.microbatches) > 1:
+                raise ValueError(f"{len(request.microbatches)} microbatches would each be normalised on "
+                                 f"their own by BatchNorm layer {self._batch_norm[0]}: a step of a model "
+                                 "with BatchNorm takes one microbatch per replica")
+        except ValueError as exc:  # a ScheduleError, a sample out of range, microbatches and BatchNorm
             raise RpcError("bad_request", f"step {request.step}: {exc}") from None
         timeout = timedelta(milliseconds=request.timeout_ms)
 
         def run() -> BaseModel:
             deadline = time.monotonic() + timeout.total_seconds()
+            if self._batch_norm_sync is not None:
+                self._batch_norm_sync.deadline = deadline
             faults.at(request.step, "step")
             phases: list[PhaseTiming] = []
             if request.commit is not None:  # the previous step's update first: it was complete

@@ -95,6 +95,13 @@ class _KeyedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch s
         super().__init__()  # type: ignore[no-untyped-call]  # torch stub
         self._forward = forward
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No ``torch._dynamo.disable`` around :meth:`__torch_dispatch__`: it would import torch._dynamo
+        on the first op (4 s on a loaded 2-core machine, in every worker) and wrap every op; nothing
+        here runs under ``torch.compile``."""
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}

@@ -59,16 +59,21 @@ class Draw:
         return uniform(key, shape, self.rows, double=double, device=device)
 
 
+_SCHEMAS: dict[Any, list[tuple[str, bool, Any]]] = {}  # OpOverload -> (name, keyword only, default)
+
+
 def _bind(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The op's arguments by their schema names (defaults filled in)."""
+    schema = _SCHEMAS.get(func)
+    if schema is None:
+        schema = _SCHEMAS[func] = [(a.name, a.kwarg_only, a.default_value if a.has_default_value() else None)
+                                   for a in func._schema.arguments]
     bound: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
+    for i, (name, kwarg_only, default) in enumerate(schema):
+        if i < len(args) and not kwarg_only:
+            bound[name] = args[i]
         else:
-            bound[arg.name] = arg.default_value if arg.has_default_value() else None
+            bound[name] = kwargs.get(name, default)
     return bound
 
 

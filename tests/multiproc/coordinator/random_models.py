@@ -40,3 +40,16 @@ def dropout_transformer(dtype: str = "float64", p: float = 0.2) -> list[nn.Modul
     cells = [Cell("embed", Embed()), Cell("block0", blocks[0]), Cell("block1", blocks[1]),
              Cell("head", Head())]
     return [c.to(_dt(dtype)) for c in cells]
+
+
+def bn_net(dtype: str = "float64") -> list[nn.Module]:
+    """Conv, BatchNorm2d, tanh, flatten, linear, BatchNorm1d (cumulative average), linear: seven cells."""
+    cells = [nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.Linear(48, HIDDEN),
+             nn.BatchNorm1d(HIDDEN, momentum=None), nn.Linear(HIDDEN, OUT)]
+    return [c.to(_dt(dtype)) for c in cells]
+
+
+def images(dtype: str = "float64", num_samples: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random 2x4x4 images with a non-zero mean (so the normalisation matters) and random targets."""
+    return (torch.randn(num_samples, 2, 4, 4, dtype=_dt(dtype)) * 2 + 1,
+            torch.randn(num_samples, OUT, dtype=_dt(dtype)))
