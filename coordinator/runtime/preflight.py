@@ -23,7 +23,11 @@ training. :func:`check_job` runs them in order, cheapest first:
 6. the sample through the cells one by one, then the loss: the first cell that fails is
    named with what it was given (``cell 'cell2' fails on the output of cell 'cell1', a
    [8, 12] float32 tensor: mat1 and mat2 shapes cannot be multiplied``), as is a loss that
-   does not take the model's output and the targets.
+   does not take the model's output and the targets;
+7. the model's random draws, on 2 then 3 samples: one whose size follows the batch elsewhere
+   than along dim 0 (dropout in a sequence-first layout) would differ between plans, and is
+   named with the fix ([Note: randomness that survives the cut] in
+   ``services/compute/randomness/mode.py``).
 
 Failures are :class:`~coordinator.runtime.errors.JobError` (or ``PlanningError`` for a model
 no plan holds); ``cellmesh run`` prints them as one line and exits 2. What passed is kept
@@ -49,7 +53,8 @@ from coordinator.runtime.errors import JobError, first_line, located
 from coordinator.runtime.factories import build_cells, build_data, build_loss, cells_of, seeded, unwrapped
 from services.compute.batchnorm import batch_norm_layers
 from services.compute.cell import Cell
-from services.compute.stage import SampleError
+from services.compute.randomness import Drawn, ModelRandomness, check_draws
+from services.compute.stage import SampleError, SampleSource
 from services.factories import resolve
 
 __all__ = ["Checked", "batch_norm_of", "cell_bytes", "check_job", "model_structure", "sample_size"]
@@ -194,6 +199,38 @@ def _run_cells(config: JobConfig, cells: Sequence[Cell], inputs: Any, targets: A
                        "reduce the loss to a scalar (reduction='mean')")
 
 
+def _check_draws(config: JobConfig, cells: Sequence[Cell], source: SampleSource) -> None:
+    """Check 7: the draws of forwards on 2 and 3 samples are keyed so that every plan draws alike.
+
+    Skipped when the model draws nothing, the data holds fewer than 3 samples, or the model
+    does not run on 2 or 3 samples (its own checks are the sample's, check 6).
+
+    Raises:
+        JobError: A draw's size follows the batch elsewhere than along dim 0 (naming the module).
+    """
+    if (source.num_samples or config.data.num_samples or 0) < 3:
+        return
+    root = nn.Sequential(*cells)
+    randomness = ModelRandomness(root, config.data.seed)
+    records: list[list[Drawn]] = []
+    for size in (2, 3):
+        record: list[Drawn] = []
+        try:
+            inputs, _ = source.load(list(range(size)))
+            with torch.no_grad(), use_snapshot(root), randomness.forward(0, list(range(size)), record):
+                root(inputs)
+        except Exception as exc:
+            log.info("the random draws were not checked: the model does not run on %d samples (%s)", size,
+                     first_line(exc))
+            return
+        if not record:
+            return
+        records.append(record)
+    problem = check_draws(records[0], records[1], (2, 3))
+    if problem is not None:
+        raise JobError(f"model factory {config.model.factory!r}: {problem}")
+
+
 def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checked:
     """Run every check of the module docstring on ``config`` for ``resources``; keep what they built.
 
@@ -231,5 +268,6 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
         raise JobError(f"data factory {data.factory!r}: loading samples {indices} raised {located(exc)}; fix "
                        "its load(indices)") from exc
     _run_cells(config, cells, inputs, targets, loss_fn)
+    _check_draws(config, cells, source)
     sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
     return Checked(cells=cells, sample=sample, batch_norm=batch_norm_of(cells))

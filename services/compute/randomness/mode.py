@@ -48,9 +48,19 @@ from services.compute.randomness import ops
 from services.compute.randomness.keys import DrawKey, sample_hashes
 from services.compute.randomness.names import module_names
 
-__all__ = ["ModelRandomness", "reproducible"]
+__all__ = ["Drawn", "ModelRandomness", "check_draws", "reproducible"]
 
 _RANDOM_LAYERS = (nn.modules.dropout._DropoutNd, nn.RReLU)  # random in training whatever their arguments
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One draw of a forward, as :meth:`ModelRandomness.forward` notes it when asked."""
+
+    module: str
+    counter: int
+    shape: tuple[int, ...]  # () for an op keyed by torch's generators (no keyed implementation)
+    per_sample: bool
 
 
 @dataclass
@@ -62,6 +72,7 @@ class _Forward:
     samples: torch.Tensor  # int64, one global index per sample of the forward
     names: dict[int, str]
     rows: torch.Tensor | None = None  # the samples' hashes, made on the first per-sample draw
+    record: list[Drawn] | None = None  # where each draw is noted, if asked
     stack: list[tuple[str, nn.Module | None]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     draws: int = 0
@@ -76,6 +87,8 @@ class _Forward:
         if batched and self.rows is None:
             self.rows = sample_hashes(self.samples)
         key = DrawKey(self.seed, self.step, name, counter, batched=batched)
+        if self.record is not None:
+            self.record.append(Drawn(name, counter, tuple(shape), batched))
         return ops.Draw(key, self.rows if batched else None)
 
 
@@ -181,14 +194,15 @@ class ModelRandomness:
         self.keyed: bool | None = True if self._layers else None  # None: decided by the first forward
 
     @contextmanager
-    def forward(self, step: int, samples: Sequence[int] | torch.Tensor) -> Iterator[None]:
+    def forward(self, step: int, samples: Sequence[int] | torch.Tensor,
+                record: list[Drawn] | None = None) -> Iterator[None]:
         """Inside, the thread's forward draws keyed by ``step`` and ``samples`` (the global index of
-        each sample of the forward, in row order)."""
-        if self.keyed is False:
+        each sample of the forward, in row order); each draw is noted in ``record``, if given."""
+        if self.keyed is False and record is None:
             yield
             return
         index = torch.as_tensor(samples, dtype=torch.int64).reshape(-1)
-        forward = _Forward(self.seed, step, index, self._names)
+        forward = _Forward(self.seed, step, index, self._names, record=record)
         previous, _local.forward = _current(), forward
         try:
             with _stack_hooks(), _KeyedMode(forward):
@@ -230,3 +244,24 @@ def reproducible(model: nn.Module | Sequence[nn.Module], *, seed: int, step: int
     root = model if isinstance(model, nn.Module) else nn.Sequential(*model)
     with ModelRandomness(root, seed).forward(step, samples):
         yield
+
+
+def check_draws(small: Sequence[Drawn], large: Sequence[Drawn], sizes: tuple[int, int]) -> str | None:
+    """Why the draws of two forwards of ``sizes`` samples would differ between plans, or None.
+
+    A draw is plan-independent if it is per sample at both sizes, or keyed without samples and of
+    one shape at both (see [Note: randomness that survives the cut]); one whose shape follows the
+    batch elsewhere than along dim 0 is not: each microbatch size would draw other values.
+    Forwards that draw differently (by count or module) are not compared.
+    """
+    if [(d.module, d.counter) for d in small] != [(d.module, d.counter) for d in large]:
+        return None
+    for a, b in zip(small, large, strict=True):
+        if (a.per_sample and b.per_sample) or a.shape == b.shape:
+            continue
+        where = f"module {a.module!r}" if a.module else "the model's root module"
+        return (f"{where} draws random tensors of shape {list(a.shape)} for {sizes[0]} samples and "
+                f"{list(b.shape)} for {sizes[1]}: its size follows the batch but not along dim 0, and "
+                "cellmesh keys random values per sample along dim 0 only, so every plan would draw other "
+                "values than one process does; put the batch first (batch_first=True)")
+    return None

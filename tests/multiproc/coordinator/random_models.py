@@ -53,3 +53,19 @@ def images(dtype: str = "float64", num_samples: int = 64) -> tuple[torch.Tensor,
     """Random 2x4x4 images with a non-zero mean (so the normalisation matters) and random targets."""
     return (torch.randn(num_samples, 2, 4, 4, dtype=_dt(dtype)) * 2 + 1,
             torch.randn(num_samples, OUT, dtype=_dt(dtype)))
+
+
+class SequenceFirst(nn.Module):
+    """Repeats each sample 3 times along a leading sequence dim, drops, averages: dropout on (3, n, h)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x.unsqueeze(0).expand(3, -1, -1)).mean(0)
+
+
+def sequence_first(dtype: str = "float64") -> list[nn.Module]:
+    """Three cells, the middle one dropping with the batch on dim 1 (refused by the preflight)."""
+    return [nn.Linear(IN, HIDDEN).to(_dt(dtype)), SequenceFirst(), nn.Linear(HIDDEN, OUT).to(_dt(dtype))]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.compute.cell import as_cells
-from services.compute.randomness import ModelRandomness, reproducible
+from services.compute.randomness import Drawn, ModelRandomness, check_draws, reproducible
 
 SAMPLES = list(range(100, 108))
 
@@ -207,3 +207,27 @@ def test_a_stage_of_cells_draws_what_the_users_model_draws() -> None:
     with ModelRandomness(second, 1).forward(3, SAMPLES[:5]):
         out = second(h)
     _same(out, users[:5])
+
+
+def _draws(model: nn.Module, x: torch.Tensor, n: int) -> list[Drawn]:
+    record: list[Drawn] = []
+    with ModelRandomness(model, 0).forward(0, list(range(n)), record):
+        model(x)
+    return record
+
+
+def test_draws_whose_size_follows_the_batch_off_dim_0_are_named() -> None:
+    seq_first = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1)  # (sequence, batch, width)
+    small, large = _draws(seq_first, torch.randn(5, 2, 8), 2), _draws(seq_first, torch.randn(5, 3, 8), 3)
+    assert small[0] == Drawn("self_attn", 0, (2, 2, 5, 5), True)  # attention runs batch first inside
+    problem = check_draws(small, large, (2, 3))
+    assert problem is not None
+    assert problem.startswith("module 'dropout1' draws random tensors of shape [5, 2, 8] for 2 samples and "
+                              "[5, 3, 8] for 3: its size follows")
+    assert "put the batch first (batch_first=True)" in problem
+    first = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)
+    assert check_draws(_draws(first, torch.randn(2, 5, 8), 2), _draws(first, torch.randn(3, 5, 8), 3),
+                       (2, 3)) is None
+    noise = Probe(lambda t: t + torch.rand(4, dtype=t.dtype))  # one shape at every batch size: the same draw
+    small, large = _draws(noise, torch.zeros(2, 4), 2), _draws(noise, torch.zeros(3, 4), 3)
+    assert check_draws(small, large, (2, 3)) is None
