@@ -46,10 +46,11 @@ GroupFn = Callable[[], Communicator | None]
 
 
 def batch_norm_layers(root: nn.Module) -> list[str]:
-    """The BatchNorm layers under ``root``, as ``"name (BatchNorm2d)"`` with the model's qualified names."""
+    """The BatchNorm layers under ``root`` in training mode (a frozen one, in eval mode, normalises with
+    its running statistics: it couples no samples), as ``"name (BatchNorm2d)"`` with the model's names."""
     names = module_names(root)
     return [f"{names[id(m)] or '<root>'} ({type(m).__name__})" for m in root.modules()
-            if isinstance(m, _BatchNorm)]
+            if isinstance(m, _BatchNorm) and m.training]
 
 
 class _Synced(torch.autograd.Function):

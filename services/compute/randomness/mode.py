@@ -26,10 +26,14 @@ Modules are counted, not draws overall: a module called twice in a forward (a sh
 continues its counter, so the keys do not depend on what other modules drew. A module shared by
 cells placed on different stages counts its calls per stage and then differs from one process.
 
+Activation checkpointing inside the model (``torch.utils.checkpoint``) recomputes forwards during
+backward, outside the keyed forward: their draws would not be the keyed ones, so do not combine
+it with random layers.
+
 Cost. The mode adds a Python call to every op of the forward (see docs/benchmarks.md); a model
-that draws nothing runs without it: :class:`ModelRandomness` runs its first forward keyed and
-drops the mode if that forward drew nothing and no module of the model is one of torch's random
-layers (dropout, RReLU, attention or recurrent layers with dropout).
+that draws nothing runs without it: :class:`ModelRandomness` runs its first training-mode
+forward keyed and drops the mode if that forward drew nothing and no module of the model is
+one of torch's random layers (dropout, RReLU, attention or recurrent layers with dropout).
 """
 
 from __future__ import annotations
@@ -189,6 +193,7 @@ class ModelRandomness:
 
     def __init__(self, root: nn.Module, seed: int) -> None:
         self.seed = seed
+        self._root = root
         self._names = module_names(root)
         self._layers = any(_random_layer(m) for m in root.modules())
         self.keyed: bool | None = True if self._layers else None  # None: decided by the first forward
@@ -209,7 +214,7 @@ class ModelRandomness:
                 yield
         finally:
             _local.forward = previous
-        if self.keyed is None:
+        if self.keyed is None and self._root.training:  # an evaluation forward draws nothing anyway
             self.keyed = forward.draws > 0
 
 

@@ -113,3 +113,9 @@ def test_layers_are_named_as_the_model_names_them() -> None:
     cells = as_cells(made)
     assert batch_norm_layers(nn.Sequential(*cells[1:])) == ["1.0 (BatchNorm2d)", "2 (BatchNorm2d)"]
     assert batch_norm_layers(nn.Sequential(*cells[:1])) == []
+
+
+def test_a_frozen_batch_norm_couples_no_samples() -> None:
+    model = _model()
+    model[1].eval()
+    assert batch_norm_layers(model) == ["5 (BatchNorm1d)"]

@@ -231,3 +231,16 @@ def test_draws_whose_size_follows_the_batch_off_dim_0_are_named() -> None:
     noise = Probe(lambda t: t + torch.rand(4, dtype=t.dtype))  # one shape at every batch size: the same draw
     small, large = _draws(noise, torch.zeros(2, 4), 2), _draws(noise, torch.zeros(3, 4), 3)
     assert check_draws(small, large, (2, 3)) is None
+
+
+def test_an_evaluation_forward_does_not_decide_that_a_model_draws_nothing() -> None:
+    model = Probe(lambda t: F.dropout(t, 0.5, model.training))
+    randomness = ModelRandomness(model, seed=0)
+    model.eval()
+    with randomness.forward(0, [0]):
+        model(torch.ones(1, 8))
+    assert randomness.keyed is None
+    model.train()
+    with randomness.forward(0, [0]):
+        model(torch.ones(1, 8))
+    assert randomness.keyed is True
