@@ -95,8 +95,8 @@ def test_in_eval_mode_or_without_a_group_it_is_torchs_batch_norm() -> None:
     BatchNormSync(model, lambda: None)
     x = torch.randn(6, 2, 4, 4, dtype=torch.float64)
     torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
-    model.eval()
-    plain.eval()
+    model.train(False)
+    plain.train(False)
     torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
 
 
@@ -117,5 +117,5 @@ def test_layers_are_named_as_the_model_names_them() -> None:
 
 def test_a_frozen_batch_norm_couples_no_samples() -> None:
     model = _model()
-    model[1].eval()
+    model[1].train(False)
     assert batch_norm_layers(model) == ["5 (BatchNorm1d)"]

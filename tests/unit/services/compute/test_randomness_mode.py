@@ -236,7 +236,7 @@ def test_draws_whose_size_follows_the_batch_off_dim_0_are_named() -> None:
 def test_an_evaluation_forward_does_not_decide_that_a_model_draws_nothing() -> None:
     model = Probe(lambda t: F.dropout(t, 0.5, model.training))
     randomness = ModelRandomness(model, seed=0)
-    model.eval()
+    model.train(False)
     with randomness.forward(0, [0]):
         model(torch.ones(1, 8))
     assert randomness.keyed is None
