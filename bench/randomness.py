@@ -8,8 +8,9 @@ wide (w=1024) width. Per width, the median over rounds (min-max) of one training
 * torch: dropout from torch's generator (what a plain PyTorch loop does);
 * keyed: the forward inside ``ModelRandomness.forward`` (every op through the dispatch mode,
   the draws from the counter-based hash);
-* no random op: the same model without dropout, inside ``ModelRandomness.forward`` (the mode is
-  dropped after the first forward found nothing to key), against the same model plain.
+* no random op (``p=0``): the model plain; inside ``ModelRandomness.forward`` (the mode is
+  dropped after the first forward found nothing to draw); and with the mode kept on (what every
+  op pays for going through it).
 
 The configurations are interleaved round by round, so load that drifts hits them alike.
 
@@ -51,10 +52,12 @@ def _model(width: int, p: float) -> nn.Module:
     return nn.Sequential(*[Block(width, p) for _ in range(BLOCKS)])
 
 
-def _step_fn(model: nn.Module, x: torch.Tensor, keyed: bool) -> Callable[[int], None]:
+def _step_fn(model: nn.Module, x: torch.Tensor, keyed: bool, *, force: bool = False) -> Callable[[int], None]:
     from services.compute.randomness import ModelRandomness
 
     randomness = ModelRandomness(model, seed=0)
+    if force:
+        randomness.keyed = True  # keep the mode on though nothing is drawn
     samples = list(range(BATCH))
 
     def step(k: int) -> None:
@@ -85,7 +88,8 @@ def main() -> None:
         configs[f"w={width} dropout: torch"] = _step_fn(dropping, x, keyed=False)
         configs[f"w={width} dropout: keyed"] = _step_fn(dropping, x, keyed=True)
         configs[f"w={width} no random op: plain"] = _step_fn(plain, x, keyed=False)
-        configs[f"w={width} no random op: keyed"] = _step_fn(plain, x, keyed=True)
+        configs[f"w={width} no random op: keyed (mode dropped)"] = _step_fn(plain, x, keyed=True)
+        configs[f"w={width} no random op: keyed (mode kept)"] = _step_fn(plain, x, keyed=True, force=True)
     times: dict[str, list[float]] = {name: [] for name in configs}
     for step in configs.values():  # warm up (the first keyed forward also decides whether to key)
         for k in range(3):

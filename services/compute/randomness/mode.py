@@ -54,7 +54,6 @@ from services.compute.randomness.names import module_names
 
 __all__ = ["Drawn", "ModelRandomness", "check_draws", "reproducible"]
 
-_RANDOM_LAYERS = (nn.modules.dropout._DropoutNd, nn.RReLU)  # random in training whatever their arguments
 
 
 @dataclass(frozen=True)
@@ -220,8 +219,10 @@ class ModelRandomness:
 
 def _random_layer(module: nn.Module) -> bool:
     """A torch layer that draws in training (dropout, RReLU, attention or recurrent layers with dropout)."""
-    if isinstance(module, _RANDOM_LAYERS):
+    if isinstance(module, nn.RReLU):
         return True
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
     if isinstance(module, nn.MultiheadAttention | nn.RNNBase):
         return float(module.dropout) > 0
     return False

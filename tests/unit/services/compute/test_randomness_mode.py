@@ -244,3 +244,8 @@ def test_an_evaluation_forward_does_not_decide_that_a_model_draws_nothing() -> N
     with randomness.forward(0, [0]):
         model(torch.ones(1, 8))
     assert randomness.keyed is True
+
+
+def test_a_dropout_of_zero_is_not_a_random_layer() -> None:
+    assert ModelRandomness(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)), seed=0).keyed is None
+    assert ModelRandomness(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)), seed=0).keyed is True
