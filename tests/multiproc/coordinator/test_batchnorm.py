@@ -44,8 +44,7 @@ def make_job(**plan: Any) -> Job:
 @pytest.mark.parametrize("plan", [
     dict(data_parallel=1, num_stages=2, num_microbatches=1, schedule="gpipe", balance=[3, 4]),
     dict(data_parallel=2, num_stages=1, num_microbatches=1),
-    dict(strategy="auto"),
-], ids=["pipeline2x1", "dp2-synced", "auto"])
+], ids=["pipeline2x1", "dp2-synced"])
 def test_exact_plans_train_batch_norm_as_one_process(harness: LocalHarness, plan: dict[str, Any]) -> None:
     job = make_job(**plan)
     chosen = job.plan()
@@ -59,6 +58,12 @@ def test_exact_plans_train_batch_norm_as_one_process(harness: LocalHarness, plan
         assert int(result.state_dict[key]) == STEPS == int(ref.state_dict[key])
     initial = job.build_model().state_dict()
     assert max_abs_diff({"m": initial["1.running_mean"]}, {"m": ref.state_dict["1.running_mean"]}) > 1e-2
+
+
+def test_the_planner_chooses_only_exact_plans() -> None:
+    for plan in (dict(strategy="auto"), dict(strategy="data_parallel"), dict(strategy="pipeline")):
+        chosen = make_job(**plan).plan()
+        assert (chosen.num_microbatches, chosen.mode) == (1, "collective"), chosen.summary()
 
 
 @pytest.mark.parametrize(("plan", "why"), [
