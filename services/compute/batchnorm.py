@@ -85,6 +85,8 @@ class _Synced(torch.autograd.Function):
         sum_dy, sum_dy_xmu = grad.sum(dims), (grad * xmu).sum(dims)
         grad_weight = sum_dy_xmu * invstd if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.clone() if weight is not None and ctx.needs_input_grad[2] else None
+        if not ctx.needs_input_grad[0]:  # the same on every replica (one model): all skip the all-reduce
+            return None, grad_weight, grad_bias, None, None
         total = torch.cat([sum_dy, sum_dy_xmu]).double()
         ctx.sync.all_reduce(total, ctx.layer, "backward")
         channels = x.shape[1]
