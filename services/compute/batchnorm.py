@@ -126,6 +126,7 @@ class BatchNormSync:
     def __init__(self, root: nn.Module, group: GroupFn) -> None:
         self._group = group
         self.deadline: float | None = None  # time.monotonic() by which the step's collectives must end
+        self.reduced = False  # an all-reduce was issued since begin(): a failed step leaves the group dirty
         self.layers = [m for m in root.modules() if isinstance(m, _BatchNorm)]
         self._names = module_names(root)
         for layer in self.layers:
@@ -144,6 +145,10 @@ class BatchNormSync:
 
         return forward
 
+    def begin(self, deadline: float) -> None:
+        """A step starts: its collectives must end by ``deadline`` (``time.monotonic()``)."""
+        self.deadline, self.reduced = deadline, False
+
     def all_reduce(self, values: torch.Tensor, layer: _BatchNorm, phase: str) -> None:
         """Sum ``values`` over the group, bounded by :attr:`deadline` (None: the communicator's default).
 
@@ -159,4 +164,5 @@ class BatchNormSync:
                 raise TimeoutError(f"the step's time ran out before the BatchNorm statistics of layer "
                                    f"{self._names.get(id(layer), '?')!r} ({phase})")
             timeout = timedelta(seconds=left)
+        self.reduced = True
         comm.all_reduce(values, ReduceOp.SUM, timeout=timeout).wait(timeout)

@@ -264,7 +264,7 @@ class CellComputeService(ServiceBase):
         def run() -> BaseModel:
             deadline = time.monotonic() + timeout.total_seconds()
             if self._batch_norm_sync is not None:
-                self._batch_norm_sync.deadline = deadline
+                self._batch_norm_sync.begin(deadline)
             faults.at(request.step, "step")
             phases: list[PhaseTiming] = []
             if request.commit is not None:  # the previous step's update first: it was complete
@@ -281,7 +281,8 @@ class CellComputeService(ServiceBase):
                                      self._randomness).run()
             except StepFailed as exc:
                 self._path.abandon()
-                if exc.transfers_posted or self._path.launched:
+                reduced = self._batch_norm_sync is not None and self._batch_norm_sync.reduced
+                if exc.transfers_posted or self._path.launched or reduced:
                     with self._lock:
                         self._poisoned = f"step {request.step} failed after posting transfers"
                 raise

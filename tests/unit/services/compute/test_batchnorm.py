@@ -78,7 +78,10 @@ def test_two_replicas_train_batch_norm_as_one_process_over_their_batch() -> None
     for t in threads:
         t.join(30)
     assert members[0].calls == members[1].calls == 8  # 2 layers x (forward + backward) x 2 steps
-    assert syncs[0].deadline is None and outputs[0] is not None and outputs[1] is not None
+    assert syncs[0].deadline is None and syncs[0].reduced
+    assert outputs[0] is not None and outputs[1] is not None
+    syncs[0].begin(123.0)
+    assert (syncs[0].deadline, syncs[0].reduced) == (123.0, False)
     torch.testing.assert_close(torch.cat([outputs[0], outputs[1]]), ref_out.detach(), rtol=0, atol=1e-12)
     for name, ref in one.state_dict().items():
         for replica in replicas:
