@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         TokenEmbedding,
         TransformerBlock,
     )
+    from services.compute.randomness import reproducible
 
 # name -> the module that defines it; imported on first access (PEP 562).
 _EXPORTS: dict[str, str] = {
@@ -56,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "Plan": "coordinator.planning.plan",
     "Cell": "services.compute.cell",
     "as_cells": "services.compute.cell",
+    "reproducible": "services.compute.randomness",  # a user's loop draws what a cellmesh run draws
     # ready-made cells (services/compute/library)
     "MLP": "services.compute.library",
     "Norm": "services.compute.library",
@@ -116,6 +118,7 @@ __all__ = [
     "Worker",
     "__version__",
     "as_cells",
+    "reproducible",
 ]
 
 

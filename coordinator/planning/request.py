@@ -16,18 +16,36 @@ out the shapes that use every worker (33 samples on 2 workers: one replica);
 Everything here needs only the model's node count, so :func:`check_batch` runs it before the
 model is profiled (``coordinator/runtime/preflight.py``), with the cells' count as an upper
 bound on the stages (the traced graph may forbid some cuts; the planner then checks again).
+
+A model with BatchNorm layers is trained exactly only by plans whose every BatchNorm forward
+sees the global batch ([Note: BatchNorm sees the global batch] in
+``services/compute/batchnorm.py``): :func:`batch_norm_request` narrows a request to them (one
+microbatch per replica, replicas in collective mode) or refuses what it fixes against that,
+and :func:`check_batch_norm_plan` refuses a complete plan given as is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
 from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.schedules import SCHEDULES
 
-__all__ = ["FixedCounts", "PlanningError", "Shape", "batch_note", "check_batch", "divisors", "near_multiples",
-           "plan_shapes", "resolve"]
+__all__ = [
+    "FixedCounts",
+    "PlanningError",
+    "Shape",
+    "batch_norm_request",
+    "batch_note",
+    "check_batch",
+    "check_batch_norm_plan",
+    "divisors",
+    "near_multiples",
+    "plan_shapes",
+    "resolve",
+]
 
 Shape = tuple[int, int, Mode, str, int]  # (data_parallel, num_stages, mode, schedule, num_microbatches)
 
@@ -200,3 +218,51 @@ def batch_note(data_parallel: int, num_stages: int, request: PlanConfig, num_wor
             f"{used} of the {num_workers} workers ({data_parallel} replica(s) x {num_stages} stage(s)); a "
             f"global batch that is a multiple of {d} ({near_multiples(global_batch, d)}) lets the planner "
             f"use {d * num_stages}")
+
+
+_BATCH_NORM_FIXES = ("BatchNorm takes one microbatch per replica (replicas share its statistics in "
+                     "collective mode); or normalise per sample (GroupNorm, LayerNorm)")
+
+
+def _batch_norm_problem(microbatches: int | None, replicas: int | None, mode: Mode | None) -> str | None:
+    """What keeps a BatchNorm layer from seeing the global batch under these counts, or None."""
+    if microbatches is not None and microbatches > 1:
+        return (f"with num_microbatches={microbatches} each microbatch is normalised on its own and the "
+                f"running statistics move {microbatches} times a step")
+    if mode == "parameter_server" and replicas != 1:
+        return "parameter-server mode has no data-parallel group to share the statistics of the replicas"
+    return None
+
+
+def batch_norm_request(request: PlanConfig, layers: Sequence[str]) -> PlanConfig:
+    """``request`` narrowed to the plans exact for a model with BatchNorm ``layers`` (qualified names).
+
+    One microbatch per replica, and collective mode between replicas (they all-reduce the
+    statistics); unchanged when ``layers`` is empty.
+
+    Raises:
+        PlanningError: The request fixes more microbatches or parameter-server mode (naming the first
+            layer, why and the fix).
+    """
+    if not layers:
+        return request
+    problem = _batch_norm_problem(request.num_microbatches, request.data_parallel, request.mode)
+    if problem is not None:
+        raise PlanningError(f"BatchNorm layer {layers[0]} normalises with the statistics of the batch it "
+                            f"sees: {problem}, unlike one process training the global batch; "
+                            f"{_BATCH_NORM_FIXES}")
+    return request.model_copy(update={"num_microbatches": 1, "mode": request.mode or "collective"})
+
+
+def check_batch_norm_plan(layers: Sequence[str], num_microbatches: int, data_parallel: int,
+                          mode: Mode) -> None:
+    """Refuse a complete plan whose BatchNorm ``layers`` would not see the global batch.
+
+    Raises:
+        PlanningError: Naming the first layer, why and the fix.
+    """
+    problem = _batch_norm_problem(num_microbatches, data_parallel, mode) if layers else None
+    if problem is not None:
+        raise PlanningError(f"the plan ({data_parallel} replica(s), {num_microbatches} microbatch(es), "
+                            f"{mode}) does not train BatchNorm layer {layers[0]} as one process does: "
+                            f"{problem}; {_BATCH_NORM_FIXES}")

@@ -55,7 +55,7 @@ from coordinator.planning.graph import build_graph
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, profile_graph
-from coordinator.planning.request import PlanningError, batch_note
+from coordinator.planning.request import PlanningError, batch_norm_request, batch_note, check_batch_norm_plan
 from coordinator.planning.resources import Resources
 from coordinator.runtime.checkpoints import FINAL_MODEL, save_state_dict
 from coordinator.runtime.cluster import WorkerPool
@@ -64,7 +64,7 @@ from coordinator.runtime.driver import RunSpec
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.factories import build_cells, build_data, factory_path
 from coordinator.runtime.harness import LocalHarness
-from coordinator.runtime.preflight import Checked, check_job
+from coordinator.runtime.preflight import Checked, batch_norm_of, check_job, model_structure
 from coordinator.runtime.records import EvalRecord, StepRecord
 from coordinator.runtime.scaler import ScalerState
 from coordinator.runtime.session import Recovery, Session, resolve_resume
@@ -226,6 +226,7 @@ class Job:
         self.log_dir = log_dir
         self._plan = plan
         self._checked: Checked | None = None
+        self._batch_norm: tuple[str, ...] | None = None  # the model's BatchNorm layers, once known
         self._session: Session | None = None
         self._profile: Profile | None = None
         self.steps_done = 0
@@ -279,6 +280,7 @@ class Job:
         """
         if self._plan is None:
             config, checked = self.config, self.check()
+            self._batch_norm = checked.batch_norm
             # the cut tensors as the stages will send them: the dtypes autocast gives them
             params = (p for _, p in cell_parameters(checked.cells))
             with autocast(config.plan.precision, device_type(params)):
@@ -295,13 +297,18 @@ class Job:
                     optimizer=_optimizer_kind(self.optimizer), num_threads=1)
             finally:
                 graph.module.to("cpu")
-            self._plan = self._placed(choose_plan(profile, self.resources, config.plan,
+            request = batch_norm_request(config.plan, self._batch_norm)  # exact plans only
+            self._plan = self._placed(choose_plan(profile, self.resources, request,
                                                   global_batch=config.data.global_batch))
             self._checked = None  # the model built for the checks is not needed any more
             note = batch_note(self._plan.data_parallel, self._plan.num_stages, config.plan,
                               self.resources.num_workers, config.data.global_batch)
             if note is not None:
                 log.warning("%s", note)
+        elif self._batch_norm is None:  # a plan given whole: it must give BatchNorm layers the global batch
+            self._batch_norm = batch_norm_of(model_structure(self.config)[1])
+            check_batch_norm_plan(self._batch_norm, self._plan.num_microbatches, self._plan.data_parallel,
+                                  self._plan.mode)
         return self._plan
 
     def replan(self, resources: Resources) -> Plan:
@@ -316,8 +323,10 @@ class Job:
         self.plan()
         assert self._profile is not None
         config, batch = self.config, self.config.data.global_batch
+        layers = self._batch_norm or ()
         try:
-            plan = choose_plan(self._profile, resources, config.plan, global_batch=batch)
+            plan = choose_plan(self._profile, resources, batch_norm_request(config.plan, layers),
+                               global_batch=batch)
         except PlanningError as exc:
             shape = {"data_parallel": None, "num_stages": None, "balance": None, "strategy": "auto"}
             fixed = [k for k in shape if getattr(config.plan, k) not in (None, "auto")]
@@ -325,8 +334,8 @@ class Job:
                 raise
             log.warning("the plan section's %s do not fit %d workers (%s); planning without them",
                         ", ".join(f"plan.{k}" for k in fixed), resources.num_workers, exc)
-            plan = choose_plan(self._profile, resources, config.plan.model_copy(update=shape),
-                               global_batch=batch)
+            request = batch_norm_request(config.plan.model_copy(update=shape), layers)
+            plan = choose_plan(self._profile, resources, request, global_batch=batch)
         return self._placed(plan, resources)
 
     def _placed(self, plan: Plan, resources: Resources | None = None) -> Plan:

@@ -16,7 +16,9 @@ training. :func:`check_job` runs them in order, cheapest first:
 2. the stages the plan section asks for against the model's cells: a plain ``nn.Module`` is
    one cell and cannot be cut into stages (the message says how to give cells);
 3. the fixed replicas and microbatches against the global batch and the workers
-   (``coordinator/planning/request.py``);
+   (``coordinator/planning/request.py``), and, for a model with BatchNorm layers, against the
+   rule that each of their forwards sees the global batch (one microbatch per replica,
+   collective mode: [Note: BatchNorm sees the global batch] in ``services/compute/batchnorm.py``);
 4. the model built for real: a factory that raises is named with the line of the user's
    code that raised (``coordinator/runtime/factories.py``);
 5. the data: inputs and targets of one length (``SampleSource``), and a sample microbatch
@@ -28,10 +30,14 @@ training. :func:`check_job` runs them in order, cheapest first:
 7. with an ``eval`` section, checks 5 and 6 on the held-out data (its size known, a sample
    through the cells in eval mode, then the loss), and the metric: its factory builds, and
    it returns one value per sample or one value (``services.compute.stage.metric_sum``).
+8. the model's random draws, on 2 then 3 samples: one whose size follows the batch elsewhere
+   than along dim 0 (dropout in a sequence-first layout) would differ between plans, and is
+   named with the fix ([Note: randomness that survives the cut] in
+   ``services/compute/randomness/mode.py``).
 
 Failures are :class:`~coordinator.runtime.errors.JobError` (or ``PlanningError`` for a model
 no plan holds); ``cellmesh run`` prints them as one line and exits 2. What passed is kept
-for planning (:class:`Checked`): the built cells and the sample.
+for planning (:class:`Checked`): the built cells, the sample and the BatchNorm layers.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from torch import nn
 from coordinator.planning.config import JobConfig
 from coordinator.planning.graph import describe_value, use_snapshot
 from coordinator.planning.planner import CellBytes, check_memory_floor
-from coordinator.planning.request import check_batch
+from coordinator.planning.request import batch_norm_request, check_batch
 from coordinator.planning.resources import Resources
 from coordinator.runtime.errors import JobError, first_line, located
 from coordinator.runtime.factories import (
@@ -59,14 +65,17 @@ from coordinator.runtime.factories import (
     seeded,
     unwrapped,
 )
+from services.compute.batchnorm import batch_norm_layers
 from services.compute.cell import Cell
 from services.compute.executor import evaluating
+from services.compute.randomness import Drawn, ModelRandomness, check_draws
 from services.compute.stage import SampleError, SampleSource, make_optimizer, metric_sum
 from services.factories import resolve
 from services.params import scheduling
 from services.protocol import OptimizerSpec, SchedulerSpec
 
-__all__ = ["Checked", "cell_bytes", "check_job", "check_optimizer", "model_structure", "sample_size"]
+__all__ = ["Checked", "batch_norm_of", "cell_bytes", "check_job", "check_optimizer", "model_structure",
+           "sample_size"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +88,7 @@ class Checked:
 
     cells: list[Cell]
     sample: torch.Tensor | tuple[Any, ...]  # the inputs of one microbatch, as build_graph takes them
+    batch_norm: tuple[str, ...] = ()  # the model's BatchNorm layers: plans give them the global batch
 
 
 def sample_size(global_batch: int, num_workers: int) -> int:
@@ -187,12 +197,25 @@ def check_optimizer(config: JobConfig) -> None:
                        "optimizer.scheduler.kwargs") from None
 
 
+def batch_norm_of(cells: Sequence[Cell]) -> tuple[str, ...]:
+    """The BatchNorm layers of a model's cells, by their qualified names in the model."""
+    return tuple(batch_norm_layers(nn.Sequential(*cells)))
+
+
 def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any,
              cells: Sequence[Cell]) -> None:
     """Checks 1-3 on the model ``made`` (on the meta device or real): stages, memory floor, batch."""
     _check_stages(config, made, cells)
     check_memory_floor(cell_bytes(cells), resources, optimizer)
     check_batch(config.plan, len(cells), resources.num_workers, config.data.global_batch)
+    layers = batch_norm_of(cells)
+    batch_norm_request(config.plan, layers)
+    if layers and config.optimizer.accumulate > 1:  # each step's run would hold several microbatches
+        accumulate = config.optimizer.accumulate
+        raise JobError(f"BatchNorm layer {layers[0]} with optimizer.accumulate={accumulate}: "
+                       "a stage of a model with BatchNorm runs one microbatch per step, so accumulation is "
+                       "not supported for it yet; set optimizer.accumulate to 1 (raise data.global_batch "
+                       "instead) or freeze the BatchNorm layers (module.eval())")
 
 
 def _run_cells(config: JobConfig, cells: Sequence[Cell], inputs: Any, targets: Any,
@@ -276,6 +299,38 @@ def _check_eval(config: JobConfig, cells: Sequence[Cell], loss_fn: Callable[[Any
                                f"{section.factory!r}, {describe_value(targets)}: {first_line(exc)}") from exc
 
 
+def _check_draws(config: JobConfig, cells: Sequence[Cell], source: SampleSource) -> None:
+    """Check 7: the draws of forwards on 2 and 3 samples are keyed so that every plan draws alike.
+
+    Skipped when the model draws nothing, the data holds fewer than 3 samples, or the model
+    does not run on 2 or 3 samples (its own checks are the sample's, check 6).
+
+    Raises:
+        JobError: A draw's size follows the batch elsewhere than along dim 0 (naming the module).
+    """
+    if (source.num_samples or config.data.num_samples or 0) < 3:
+        return
+    root = nn.Sequential(*cells)
+    randomness = ModelRandomness(root, config.data.seed)
+    records: list[list[Drawn]] = []
+    for size in (2, 3):
+        record: list[Drawn] = []
+        try:
+            inputs, _ = source.load(list(range(size)))
+            with torch.no_grad(), use_snapshot(root), randomness.forward(0, list(range(size)), record):
+                root(inputs)
+        except Exception as exc:
+            log.info("the random draws were not checked: the model does not run on %d samples (%s)", size,
+                     first_line(exc))
+            return
+        if not record:
+            return
+        records.append(record)
+    problem = check_draws(records[0], records[1], (2, 3))
+    if problem is not None:
+        raise JobError(f"model factory {config.model.factory!r}: {problem}")
+
+
 def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checked:
     """Run every check of the module docstring on ``config`` for ``resources``; keep what they built.
 
@@ -288,8 +343,9 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
         JobError: The optimizer or its scheduler refuses its arguments, a factory raises or returns
             something unusable, the data is inconsistent, a cell or the loss fails on the sample, or
             the plan asks for more stages than cells.
-        coordinator.planning.request.PlanningError: No plan can hold the model, or the global
-            batch does not split into the fixed replicas or microbatches.
+        coordinator.planning.request.PlanningError: No plan can hold the model, the global batch
+            does not split into the fixed replicas or microbatches, or the fixed microbatches or
+            mode would not give a BatchNorm layer the global batch.
         ValueError: A factory does not import.
     """
     check_optimizer(config)
@@ -310,5 +366,6 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
     _run_cells(config, cells, inputs, targets, loss_fn)
     if config.eval is not None:
         _check_eval(config, cells, loss_fn, size)
+    _check_draws(config, cells, source)
     sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
-    return Checked(cells=cells, sample=sample)
+    return Checked(cells=cells, sample=sample, batch_norm=batch_norm_of(cells))

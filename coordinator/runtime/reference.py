@@ -24,6 +24,9 @@ backpropagated in turn (the step's loss is their mean); ``clip_grad_norm`` throu
 ``torch.nn.utils.clip_grad_norm_`` before the update; the ``torch.optim.lr_scheduler`` stepped
 once per step after it, also when a non-finite step skips the update (as with AMP's
 ``GradScaler``).
+
+Each forward is keyed by the step and the batch's sample indices, as the stages' are, so the
+reference draws the same dropout masks (``services/compute/randomness/``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from coordinator.runtime.nonfinite import NonFiniteStep
 from coordinator.runtime.records import EvalRecord
 from services.compute.cell import cell_parameters
 from services.compute.precision import autocast, device_type
+from services.compute.randomness import ModelRandomness
 from services.compute.stage import make_optimizer
 
 __all__ = ["evaluate_reference", "max_abs_diff", "train_reference"]
@@ -68,6 +72,7 @@ def train_reference(job: Job, steps: int) -> FitResult:
     section = config.optimizer
     scheduler = _scheduler(section.scheduler, optimizer)
     sampler = job.sampler()
+    randomness = ModelRandomness(whole, config.data.seed)
     losses: list[float] = []
     evals: list[EvalRecord] = []
     every = config.eval.every_steps if config.eval is not None else None
@@ -79,8 +84,9 @@ def train_reference(job: Job, steps: int) -> FitResult:
         optimizer.zero_grad(set_to_none=True)
         value = 0.0
         for a in range(section.accumulate):
-            inputs, targets = source.load(sampler.indices(step * section.accumulate + a))
-            with autocast(precision, device):
+            batch = sampler.indices(step * section.accumulate + a)
+            inputs, targets = source.load(batch)
+            with autocast(precision, device), randomness.forward(step, batch):
                 loss = loss_fn(whole(inputs), targets) / section.accumulate
             (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
             value += float(loss.detach())

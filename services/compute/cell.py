@@ -10,6 +10,10 @@ on one process and the pipeline cellmesh runs are the same function.
 Parameters are named by cell: ``"{cell.name}.{name within the wrapped module}"`` (see
 :meth:`Cell.named_cell_parameters`), so a parameter keeps its name whichever stage or
 worker holds it.
+
+:func:`as_cells` also records where each cell sits in the model it was given
+(:attr:`Cell.model_path`, :attr:`Cell.wrapper`), so a stage that runs only some cells can
+still name its modules as the whole model names them (``services/compute/randomness/names.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ class Cell(nn.Module):
             raise ValueError(f"a cell name must be non-empty and without whitespace, got {name!r}")
         self.name = name
         self.module = module
+        # set by as_cells: the qualified name in the model it was given of what this cell stands
+        # for (a cell of the user's: the cell itself; else the module it wraps), and whether
+        # as_cells made this cell around a module of the model (then the cell is not in the model)
+        self.model_path: str | None = None
+        self.wrapper = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -62,27 +71,31 @@ def as_cells(model: nn.Module | Sequence[nn.Module]) -> list[Cell]:
     """A model as its list of cells, in order.
 
     ``model`` is a sequence of modules, an ``nn.Sequential`` or ``nn.ModuleList`` (its
-    children, in order), or any other module (one cell). Cells pass through unchanged; any
+    children, in order), or any other module (one cell). Cells pass through as they are; any
     other module becomes a cell named after its key in an ``nn.Sequential`` with named
-    children (``OrderedDict`` keys), else ``"cell{i}"`` for position ``i``.
+    children (``OrderedDict`` keys), else ``"cell{i}"`` for position ``i``. Each cell records
+    its place in ``model`` (:attr:`Cell.model_path`; ``""`` for a model that is one cell).
 
     Raises:
         ValueError: If the model has no cells, or two cells share a name.
     """
     if isinstance(model, nn.Sequential | nn.ModuleList):
-        items = list(model.named_children())
+        items = [(key, key, m) for key, m in model.named_children()]
     elif isinstance(model, nn.Module):
-        items = [("0", model)]
+        items = [("0", "", model)]  # the model is its own one cell, at the root
     else:
-        items = [(str(i), m) for i, m in enumerate(model)]
+        items = [(str(i), str(i), m) for i, m in enumerate(model)]  # as nn.Sequential(*model) names them
     cells: list[Cell] = []
-    for i, (key, module) in enumerate(items):
+    for i, (key, path, module) in enumerate(items):
         if isinstance(module, Cell):
-            cells.append(module)
+            cell = module
         elif not isinstance(module, nn.Module):
             raise ValueError(f"model entry {i} is a {type(module).__name__}, not an nn.Module")
         else:
-            cells.append(Cell(f"cell{i}" if key.isdigit() else key, module))
+            cell = Cell(f"cell{i}" if key.isdigit() else key, module)
+            cell.wrapper = True
+        cell.model_path = path
+        cells.append(cell)
     if not cells:
         raise ValueError("the model has no cells")
     names = [c.name for c in cells]

@@ -50,6 +50,11 @@ the gradients of the parameters other stages hold too (after the gradient path: 
 replicas first); its timing is a ``tied_sync`` phase. See [Note: tied parameters] in
 ``services/params/tied.py``.
 
+Random draws. With a :class:`~services.compute.randomness.ModelRandomness`, every forward (and
+the loss) runs keyed by the step and the microbatch's sample indices, so dropout and any other
+random op draw what one process draws for those samples (see [Note: randomness that survives
+the cut] in ``services/compute/randomness/mode.py``).
+
 Non-finite values. The reply names the parameters whose gradient (after the gradient path:
 averaged over the replicas in collective mode; a tied one summed over its stages) holds a NaN
 or Inf, as AMP's ``GradScaler`` checks; with the losses it reports, the coordinator decides
@@ -93,6 +98,7 @@ from comm.factory import wire_device
 from services import faults
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
 from services.compute.precision import autocast, device_type
+from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, metric_sum, to_device
 from services.params.clipping import tensor_norms
 from services.params.grad_path import GradientPath
@@ -154,14 +160,16 @@ class StepExecutor:
         grad_path: The stage's gradient path (already begun), if its gradients meet other replicas'.
         precision: What the forwards compute in (``ComputeOptions.precision``).
         tied: The stage's parameters tied to other stages', if it holds any.
+        randomness: Keys the forwards' random draws; None: they draw from torch's generators.
     """
 
     def __init__(self, stage: Stage, comm: Communicator | None, request: RunStep,
                  trains: bool, deadline: float,
                  grad_path: GradientPath | None = None, precision: Precision = "fp32",
-                 tied: TiedSync | None = None) -> None:
+                 tied: TiedSync | None = None, randomness: ModelRandomness | None = None) -> None:
         self._stage = stage
         self._autocast = (precision, device_type(p for _, p in stage.parameters()))
+        self._randomness = randomness
         self._grad_path = grad_path
         self._tied = tied
         backwards = [k for k, a in enumerate(request.actions) if a.kind == "B"]
@@ -340,7 +348,9 @@ class StepExecutor:
                 buf.requires_grad_(grad and spec.requires_grad)
             mb.inputs = [buf for _, buf in buffers]
             inputs = unflatten(stage.incoming, mb.inputs)
-        with torch.set_grad_enabled(grad), autocast(*self._autocast):
+        keyed = (self._randomness.forward(self._request.step, mb.samples) if self._randomness is not None
+                 else contextlib.nullcontext())
+        with torch.set_grad_enabled(grad), autocast(*self._autocast), keyed:
             out = stage.module(inputs)
             if stage.last:
                 assert stage.loss_fn is not None

@@ -42,6 +42,11 @@ that a checkpoint is complete. An assignment with ``restore`` loads the stage's 
 name: the checkpoint may come from any plan) before it answers, and the optimizer state
 when the optimizer is built, at the first commit.
 
+BatchNorm (see [Note: BatchNorm sees the global batch] in ``services/compute/batchnorm.py``). A
+stage with BatchNorm layers takes one microbatch per training step (more is a ``bad_request``);
+its replicas normalise with the statistics of all of them, all-reduced over the data-parallel
+group; parameter-server mode with replicas is refused at assignment.
+
 Data parallelism. Replicas of one stage synchronise gradients through the stage's
 gradient path (:mod:`services.params.grad_path`): ``run_step`` begins it (waiting for the
 data-parallel group, bounded by the step's deadline) and the executor arms and finishes
@@ -93,7 +98,9 @@ from services.checkpoint.dcp import CheckpointFormatError
 from services.checkpoint.stage_state import Restored, Snapshot, apply_optimizer_state, load_stage, snapshot
 from services.checkpoint.writer import PartWriter
 from services.compute.actions import validate_stage
+from services.compute.batchnorm import BatchNormSync, batch_norm_layers
 from services.compute.executor import StepExecutor, StepFailed, evaluating
+from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
 from services.factories import FactoryAllowList
 from services.link import PipelineLink
@@ -147,14 +154,22 @@ class CellComputeService(ServiceBase):
     Args:
         stage: The built stage.
         options: Its plan fields (backend, registry, prefix, timeouts).
+        seed: The job's seed: it keys the random draws of the stage's forwards
+            (``services/compute/randomness/``).
 
     Timeouts: ``options.comm_timeout_ms`` bounds the communicator's rendezvous and is the
     default of its transfers; ``RunStep.timeout_ms`` bounds a whole step, waiting for the
     communicator included; :data:`OPTIMIZER_STEP_TIMEOUT` bounds an optimizer step.
     """
 
-    def __init__(self, stage: Stage, options: ComputeOptions) -> None:
+    def __init__(self, stage: Stage, options: ComputeOptions, seed: int) -> None:
+        self._batch_norm = batch_norm_layers(stage.module)
+        if self._batch_norm and options.num_replicas > 1 and options.grad_path != "collective":
+            raise ValueError(f"BatchNorm layer {self._batch_norm[0]} needs the statistics of every replica, "
+                             "and parameter-server mode has no data-parallel group to share them: use "
+                             "collective mode")
         self._stage = stage
+        self._randomness = ModelRandomness(stage.module, seed)
         self._tag = f"[stage {stage.index}/{stage.num_stages}]"
         self._lock = threading.Lock()  # guards the fields below
         self._busy: str | None = None
@@ -171,6 +186,8 @@ class CellComputeService(ServiceBase):
         self._path = build_path(stage.module, options)
         self._tied = TiedSync.build(stage.parameters(), options)
         self._mirrors = self._tied.mirrors if self._tied is not None else frozenset()
+        self._batch_norm_sync = (BatchNormSync(stage.module, self._path.group)
+                                 if self._batch_norm and options.num_replicas > 1 else None)
         self._state_keys = options.state_keys
         self._precision = options.precision
         self._part = f"r{options.replica}-s{stage.index}"
@@ -197,7 +214,7 @@ class CellComputeService(ServiceBase):
             if options.restore:
                 restored = load_stage(Path(options.restore), f"r{options.replica}-s{options.stage}",
                                       stage.state(), stage.parameters(), options.state_keys)
-            service = cls(stage, options)
+            service = cls(stage, options, assignment.seed)
             service._restored = restored
         except CheckpointFormatError as exc:
             raise RpcError("bad_request", f"stage {options.stage}: restoring: {exc}") from None
@@ -266,12 +283,18 @@ class CellComputeService(ServiceBase):
             if request.source == "eval":
                 _check_eval(stage, trains)
             check_samples(stage, request.microbatches, request.source)
-        except ValueError as exc:  # a ScheduleError or a sample out of range
+            if trains and self._batch_norm and len(request.microbatches) > 1:
+                raise ValueError(f"{len(request.microbatches)} microbatches would each be normalised on "
+                                 f"their own by BatchNorm layer {self._batch_norm[0]}: a step of a model "
+                                 "with BatchNorm takes one microbatch per replica")
+        except ValueError as exc:  # a ScheduleError, a sample out of range, microbatches and BatchNorm
             raise RpcError("bad_request", f"step {request.step}: {exc}") from None
         timeout = timedelta(milliseconds=request.timeout_ms)
 
         def run() -> BaseModel:
             deadline = time.monotonic() + timeout.total_seconds()
+            if self._batch_norm_sync is not None:
+                self._batch_norm_sync.begin(deadline)
             faults.at(request.step, "step")
             phases: list[PhaseTiming] = []
             if request.commit is not None:  # the previous step's update first: it was complete
@@ -286,10 +309,11 @@ class CellComputeService(ServiceBase):
             try:
                 with evaluating(stage.module) if request.source == "eval" else contextlib.nullcontext():
                     reply = StepExecutor(stage, comm, request, trains, deadline, self._path,
-                                         self._precision, self._tied).run()
+                                         self._precision, self._tied, self._randomness).run()
             except StepFailed as exc:
                 self._path.abandon()
-                if exc.transfers_posted or self._path.launched:
+                reduced = self._batch_norm_sync is not None and self._batch_norm_sync.reduced
+                if exc.transfers_posted or self._path.launched or reduced:
                     with self._lock:
                         self._poisoned = f"step {request.step} failed after posting transfers"
                 raise

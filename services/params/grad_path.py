@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
+from comm.base import Communicator
 from services.link import PipelineLink
 from services.params.client import PushPullClient, ShardRef
 from services.params.grad_sync import GradSync
@@ -57,6 +58,10 @@ class GradientPath:
 
     def begin(self, timeout: timedelta) -> None:
         """Prepare for a step (collective: wait for the group to form, bounded by ``timeout``)."""
+
+    def group(self) -> Communicator | None:
+        """The replicas' communicator once :meth:`begin` returned (collective mode; else None)."""
+        return None
 
     def arm(self) -> None:
         """The stage's last backward of the step comes next."""
@@ -105,6 +110,7 @@ class CollectivePath(GradientPath):
                                   prefix=options.dp_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
         self._sync: GradSync | None = None
+        self._comm: Communicator | None = None
 
     def begin(self, timeout: timedelta) -> None:
         try:
@@ -112,6 +118,7 @@ class CollectivePath(GradientPath):
         except TimeoutError as exc:
             raise TimeoutError(f"replica {self._replica}: the data-parallel group: {exc}") from None
         assert comm is not None  # num_replicas > 1
+        self._comm = comm
         if self._sync is None:
             self._sync = GradSync(self._module, comm, bucket_bytes=self._bucket_bytes, timeout=timeout)
         self._sync.timeout = timeout
@@ -131,6 +138,9 @@ class CollectivePath(GradientPath):
         self._sync.armed = False
         return PhaseTiming(name="all_reduce", start=start, end=time.time())
 
+    def group(self) -> Communicator | None:
+        return self._comm
+
     def abandon(self) -> None:
         if self._sync is not None:
             self._sync.reset()
@@ -140,6 +150,7 @@ class CollectivePath(GradientPath):
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+        self._comm = None
         self.launched = False
         self._link.connect(prefix)
 

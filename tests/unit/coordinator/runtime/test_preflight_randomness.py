@@ -1,0 +1,43 @@
+"""The preflight's checks of a model's random draws and BatchNorm layers (no worker starts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from coordinator.planning.request import PlanningError
+from coordinator.planning.resources import Resources
+from coordinator.runtime.errors import JobError
+from coordinator.runtime.job import Job
+
+M = "tests.multiproc.coordinator.models"
+R = "tests.multiproc.coordinator.random_models"
+
+
+def job(**fields: Any) -> Job:
+    given: dict[str, Any] = {"model": f"{R}:dropout_mlp", "data": f"{M}:regression", "loss": f"{M}:mse",
+                             "global_batch": 16, "resources": Resources.local(2), **fields}
+    return Job(**given)
+
+
+def test_a_model_dropping_along_dim_0_passes() -> None:
+    assert len(job().check().cells) == 5
+
+
+def test_a_draw_with_the_batch_on_another_dim_is_named_with_the_fix() -> None:
+    with pytest.raises(JobError) as info:
+        job(model=f"{R}:sequence_first").check()
+    assert str(info.value) == (
+        f"model factory '{R}:sequence_first': module '1.drop' draws random tensors of shape [3, 2, 12] for "
+        "2 samples and [3, 3, 12] for 3: its size follows the batch but not along dim 0, and cellmesh keys "
+        "random values per sample along dim 0 only, so every plan would draw other values than one process "
+        "does; put the batch first (batch_first=True)")
+
+
+def test_batch_norm_layers_are_found_and_fixed_microbatches_refused_before_profiling() -> None:
+    bn = {"model": f"{R}:bn_net", "data": f"{R}:images"}
+    assert job(**bn).check().batch_norm == ("1 (BatchNorm2d)", "5 (BatchNorm1d)")
+    assert job().check().batch_norm == ()
+    with pytest.raises(PlanningError, match=r"^BatchNorm layer 1 \(BatchNorm2d\) .* num_microbatches=4"):
+        job(**bn, num_microbatches=4).check()
