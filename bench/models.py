@@ -2,7 +2,7 @@
 
 The workers of a cellmesh job import these by name (``bench.models:mlp``), and the torch
 peers build the same modules from the same functions (seeded alike, see
-``coordinator.runtime.factories.build_cells``), so every configuration of the benchmark trains the
+``coordinator.runtime.factories.build_model``), so every configuration of the benchmark trains the
 same model from the same initial parameters on the same samples.
 """
 

@@ -108,22 +108,23 @@ class RunSpec:
     step_timeout: timedelta = timedelta(seconds=300)
     call_timeout: timedelta = timedelta(seconds=120)
     nonfinite: Literal["stop", "skip"] = "stop"  # see [Note: a step that is not finite]
-    # checkpoints: each cell-qualified tensor's keys in the unwrapped model's state_dict, and the
-    # checkpoint the services start from ("": the factories' values)
+    # checkpoints: each tensor's keys (by the stages' names) in the unwrapped model's state_dict, and
+    # the checkpoint the services start from ("": the factories' values)
     state_keys: Mapping[str, list[str]] = field(default_factory=dict)
     restore: str = ""
+    # each tensor's nodes (Chain.holders: the stages holding it), and the model's leaves (model.leaves)
+    holders: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    leaves: tuple[str, ...] = ()
 
 
 def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
     """The compute service's view of a cut (shapes at ``batch_size`` samples).
 
     Raises:
-        ValueError: The cut is crossed by several values (only a cell-sequence model's single
-            value, a tensor, tuple, list or dict of tensors, can cross between compute stages).
+        ValueError: The cut cannot lie between stages (the message says why: a non-tensor crosses it).
     """
-    if cut.structure == "values" or not cut.cuttable:
-        raise ValueError(f"cut {cut.index} is crossed by {len(cut.tensors)} separate values; cellmesh's "
-                         "compute stages pass one value between cells: give the model as a sequence of Cells")
+    if not cut.cuttable:
+        raise ValueError(f"cut {cut.index} cannot lie between two stages: {cut.uncuttable_reason}")
     tensors = [BoundaryTensor(name=t.name, dtype=t.dtype, shape=list(t.shape), requires_grad=t.requires_grad,
                               batch_dim=t.batch_dim,
                               key=t.name.split(".", 1)[1] if cut.structure == "dict" else None)
@@ -140,7 +141,7 @@ class Runtime:
         loop: The started event loop.
         registry_url: What the services rendezvous through.
         addresses: Each placed worker's service-host address.
-        initial_params: Cell-qualified initial parameters (parameter-server setup; dropped once the
+        initial_params: The initial parameters by the stages' names (parameter-server setup; dropped once the
             shards hold them, empty in collective mode).
 
     Timeouts: ``spec.call_timeout`` bounds placement and state collection;
@@ -159,7 +160,8 @@ class Runtime:
         self._uncommitted = False  # the last step run awaits its commit
         self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
         self._first_request = True
-        self._shards = ParamShards(plan, spec.run, addresses, initial_params)  # none in collective mode
+        # no shards in collective mode
+        self._shards = ParamShards(plan, spec.run, addresses, initial_params, spec.holders)
         self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
         self._actions = plan.schedule().actions  # per stage, validated, as RunStep carries them
         # each stage's action list as RunStep dumps it, built once: a step's request reuses it
@@ -198,10 +200,11 @@ class Runtime:
                           if sv.stage < plan.num_stages - 1 else None),
                 replica=sv.replica, num_replicas=plan.data_parallel, grad_path=plan.mode,
                 dp_prefix=f"{gen}/dp/s{sv.stage}",
-                shards=shards[sv.stage], restore=spec.restore,
-                state_keys={k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes})
+                shards=shards[sv.stage], restore=spec.restore, leaves=list(spec.leaves),
+                state_keys={k: v for k, v in spec.state_keys.items()
+                            if any(st.start <= i < st.stop for i in spec.holders.get(k, ()))})
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
-                                    cells=[st.start, st.stop], seed=spec.seed,
+                                    nodes=[st.start, st.stop], seed=spec.seed,
                                     options=options.model_dump(mode="json"))
             ids[self.loop.send(sv.worker, "worker", "assign", assignment, AssignmentReply)] = sv
         self._gather(ids, "placing the stages", spec.call_timeout, None)
@@ -327,7 +330,7 @@ class Runtime:
                 *self._shards.saved()]
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters and buffers (replica 0), cell-qualified, as copies.
+        """Every stage's parameters and buffers (replica 0), by the stages' names, as copies.
 
         Commits the last step first (:meth:`commit`).
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
-from coordinator.runtime.factories import build_cells, build_data, build_loss
+from coordinator.runtime.factories import build_data, build_loss, build_model, unwrapped
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.nonfinite import NonFiniteStep
-from services.compute.cell import cell_parameters
 from services.compute.stage import make_optimizer
 
 __all__ = ["max_abs_diff", "train_reference"]
@@ -33,18 +31,18 @@ def train_reference(job: Job, steps: int) -> FitResult:
         NonFiniteStep: A step's loss or gradients are not finite and ``runtime.nonfinite`` is ``stop``.
     """
     config = job.config
-    model, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
-    whole = nn.Sequential(*cells)
+    # the model as the user trains it: the module itself (a sequence of cells: nn.Sequential of them)
+    model = unwrapped(build_model(config.model.factory, config.model.kwargs, config.data.seed))
     source = build_data(config.data.factory, config.data.kwargs, config.data.seed)
     loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
-    params = [p for _, p in cell_parameters(cells)]
+    params = list(model.parameters())
     optimizer = make_optimizer(job.optimizer, params)
     sampler = job.sampler()
     losses: list[float] = []
     for step in range(steps):
         inputs, targets = source.load(sampler.indices(step))
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(whole(inputs), targets)
+        loss = loss_fn(model(inputs), targets)
         loss.backward()  # type: ignore[no-untyped-call]  # torch stub
         value = float(loss.detach())
         finite = math.isfinite(value) and all(bool(torch.isfinite(p.grad).all()) for p in params

@@ -50,20 +50,21 @@ class ParamShards:
         plan: The plan (its data-parallel groups host the shards).
         run: The runtime's run id (the services' prefix).
         addresses: Each placed worker's service-host address.
-        initial_params: Cell-qualified starting values of every parameter (empty in collective mode:
-            then there are no shards, and every method has nothing to do).
+        initial_params: Starting values of every parameter by the stages' names (empty in collective
+            mode: then there are no shards, and every method has nothing to do).
+        holders: Each parameter's nodes (``Chain.holders``): a stage's shards serve those its nodes hold.
     """
 
     def __init__(self, plan: Plan, run: str, addresses: Mapping[str, str],
-                 initial_params: Mapping[str, torch.Tensor]) -> None:
+                 initial_params: Mapping[str, torch.Tensor], holders: Mapping[str, tuple[int, ...]]) -> None:
         self.plan = plan
         self.services: list[_Service] = []
         self.saving: dict[int, tuple[_Service, ShardSave]] = {}  # the saves not answered yet, by request id
         self._saved: list[SavedPart] = []  # their answers, not reported yet
         self._stages: list[tuple[list[ShardRef], dict[str, torch.Tensor]]] = []
         for s, st in enumerate(plan.stages):
-            cells = set(st.nodes)
-            params = {n: t for n, t in initial_params.items() if n.split(".", 1)[0] in cells}
+            params = {n: t for n, t in initial_params.items()
+                      if any(st.start <= i < st.stop for i in holders.get(n, ()))}
             group = plan.dp_groups[s][:len(params)]
             refs = [ShardRef(addresses[w], f"{run}/ps-s{s}-{i}") for i, w in enumerate(group)]
             self.services += [_Service(w, ref.service, -1, s) for w, ref in zip(group, refs, strict=True)]
