@@ -81,13 +81,15 @@ def test_gpt_data_parallel(harness: LocalHarness) -> None:
     assert result.plan is not None and result.plan.stages[0].nodes[0] == "tok"
 
 
-def test_resnet_skips_cross_the_cut_on_gpipe(harness: LocalHarness) -> None:
-    job = make_job("resnet", "adamw", num_stages=2, data_parallel=1, num_microbatches=4, schedule="gpipe",
-                   balance=[4, 5])
-    first = job.plan().stages[0]
-    assert first.nodes == ("stem", "blocks.0", "shortcuts.0", "blocks.1")
-    assert first.outgoing.structure == "values"  # the long skip, the block's input and its branch
-    assert [t.name for t in first.outgoing.tensors] == ["relu", "relu_1", "blocks_1"]
+def test_resnet_skips_cross_the_cuts_and_the_middle_stage_relays_them_on_gpipe(harness: LocalHarness) -> None:
+    job = make_job("resnet", "adamw", num_stages=3, data_parallel=1, num_microbatches=4, schedule="gpipe",
+                   balance=[3, 3, 3])
+    first, middle, last = job.plan().stages
+    assert first.nodes == ("stem", "blocks.0", "shortcuts.0") and last.nodes[-1] == "stem_head"
+    # the long skip (relu) and the block's output (relu_1) cross together; the middle stage relays the skip
+    assert first.outgoing.structure == "values"
+    assert [t.name for t in first.outgoing.tensors] == ["relu", "relu_1"]
+    assert [t.name for t in middle.outgoing.tensors] == ["relu", "relu_2", "blocks_2"]
     fit_and_compare(harness, job)
 
 
