@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from services.compute.cell import Cell, as_cells
+from services.compute.cell import Cell, as_cells, cell_parameters
 
 __all__ = ["Chain", "ChainNode", "UntraceableError", "is_cell_sequence", "trace_chain"]
 
@@ -113,7 +113,8 @@ class _ChainTracer(fx.Tracer):
             return super().call_module(m, forward, args, kwargs)
         except Exception:
             if self.failed_in is None:
-                self.failed_in = self.path_of_module(m)
+                names = [name for name, sub in self._root.named_modules() if sub is m]
+                self.failed_in = names[0] if names else None  # None: a module made in forward
             raise
 
 
@@ -255,8 +256,7 @@ class Chain:
         """
         named: dict[int, tuple[str, torch.Tensor]] = {}
         if cells is not None:
-            params: list[tuple[str, torch.Tensor]] = [
-                (n, p) for c in cells for n, p in c.named_cell_parameters()]
+            params: list[tuple[str, torch.Tensor]] = list(cell_parameters(cells))
             buffers = [(f"{c.name}.{n}", b) for c in cells for n, b in c.module.named_buffers()]
         else:
             params, buffers = list(root.named_parameters()), list(root.named_buffers())

@@ -122,7 +122,7 @@ class ComputeOptions(Message):
     dp_prefix: str = ""  # needed for collective with num_replicas > 1
     bucket_bytes: int = Field(default=25 << 20, ge=1)
     shards: list[ShardAddress] = Field(default_factory=list, max_length=1 << 12)
-    # checkpoints (services/checkpoint/): each cell-qualified tensor's keys in the unwrapped model's
+    # checkpoints (services/checkpoint/): each tensor's keys (by the stage's names) in the unwrapped model's
     # state_dict (tied weights have several), and the checkpoint to start from ("": the factory's values)
     state_keys: dict[str, list[str]] = Field(default_factory=dict, max_length=1 << 20)
     restore: str = Field(default="", max_length=4096)
