@@ -127,8 +127,9 @@ def _untraceable(root: nn.Module, failed_in: str | None, exc: Exception) -> str:
     why = f"{type(exc).__name__}: {_first_line(exc)}"
     if not failed_in:
         return (f"torch.fx cannot trace the model's own forward ({type(root).__name__}): {why}; make it "
-                "traceable (no Python control flow on tensor values) or give the model as a sequence of "
-                "cellmesh.Cell (cells are never traced into)")
+                "traceable (no Python control flow on tensor values), or return [model] from the factory to "
+                "train it whole (one cell: data parallel only), or split it into cellmesh.Cell (cells are "
+                "never traced into)")
     kind = type(root.get_submodule(failed_in)).__name__
     return (f"torch.fx cannot trace submodule {failed_in!r} ({kind}): {why}; list it in model.leaves "
             f"(model: {{leaves: [{failed_in}]}}, Job(leaves=[{failed_in!r}])) to run it as one node, "
