@@ -82,10 +82,9 @@ def compute_only(width: int, precision: str, repeats: int) -> float:
     """Median seconds of one forward and backward of the model on 16 samples, one thread, no cellmesh."""
     import charlm
 
-    from coordinator.runtime.factories import build_cells
+    from coordinator.runtime.factories import build_model, unwrapped
 
-    _, cells = build_cells("charlm:model", {"width": width}, 0)
-    net, loss_fn = torch.nn.Sequential(*cells), charlm.loss()
+    net, loss_fn = unwrapped(build_model("charlm:model", {"width": width}, 0)), charlm.loss()
     x, y = charlm.data()
     x, y = x[:GLOBAL_BATCH // WORKERS], y[:GLOBAL_BATCH // WORKERS]
     times = []

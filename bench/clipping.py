@@ -49,11 +49,11 @@ if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shado
 
 from bench.train import DATA, GLOBAL_BATCH, LOSS, LR, MICROBATCHES, MODEL, SEED, _cpu_model
 from coordinator.planning.plan import Plan
-from coordinator.runtime.factories import build_cells, job_factories
+from coordinator.runtime.factories import build_model, job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import Job
 from coordinator.runtime.records import StepRecord
-from services.compute.cell import cell_parameters
+from services.compute.cell import as_cells, cell_parameters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = ("local-0", "local-1")
@@ -96,7 +96,7 @@ def micro(repeats: int = 50) -> dict[str, float]:
     """Seconds per call of the stage's parts of clipping, on one stage's gradients (see the docstring)."""
     from services.compute.executor import check_grads
 
-    _, cells = build_cells(MODEL, {}, SEED)
+    cells = as_cells(build_model(MODEL, {}, SEED))
     grads = [(n, torch.randn_like(p)) for n, p in cell_parameters(cells[:len(cells) // 2])]
     tensors = [g for _, g in grads]
 

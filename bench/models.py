@@ -3,7 +3,7 @@
 Factories: ``bench/train.py`` (and ``bench/recovery.py`` through it) name ``bench.models:mlp``,
 ``bench.models:uneven`` and ``bench.models:regression``. The workers of a cellmesh job import
 them by name, and the torch peers build the same modules from the same functions (seeded
-alike, see ``coordinator.runtime.factories.build_cells``), so every configuration of a
+alike, see ``coordinator.runtime.factories.build_model``), so every configuration of a
 benchmark trains the same model from the same initial parameters on the same samples.
 
 Run as a script, it trains every model variant of :data:`VARIANTS` on one embedded harness of
@@ -135,7 +135,7 @@ def _cell(values: list[float], fmt: str = ".1f", unit: str = "") -> str:
 
 def report(rounds: list[dict[tuple[str, str], dict[str, float]]], jobs: Mapping[tuple[str, str], Any],
            args: argparse.Namespace, elapsed: float) -> str:
-    from coordinator.runtime.factories import build_cells
+    from coordinator.runtime.factories import build_model, unwrapped
 
     out = [f"# model variants: 2 pipeline stages against data parallel {WORKERS}, on {WORKERS} local workers",
            "",
@@ -147,8 +147,8 @@ def report(rounds: list[dict[tuple[str, str], dict[str, float]]], jobs: Mapping[
            "| loss after last step |",
            "|---|---|---|---|---|---|---|---|"]
     for variant in (v for v in VARIANTS if any(k[0] == v.key for k in jobs)):
-        _, cells = build_cells(variant.model, variant.model_kwargs, SEED)
-        params = sum(p.numel() for c in cells for p in c.parameters())
+        params = sum(p.numel() for p in unwrapped(build_model(variant.model, variant.model_kwargs,
+                                                                   SEED)).parameters())
         for plan_key, (plan_label, _) in PLANS.items():
             key = (variant.key, plan_key)
             steps = [r[key]["step_s"] for r in rounds]

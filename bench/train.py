@@ -69,9 +69,9 @@ def _torch_setup(model_path: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor
     """The model, the samples and the sampler exactly as a cellmesh job with this model builds them."""
     from bench.models import regression
     from coordinator.planning.data import BatchSampler
-    from coordinator.runtime.factories import build_cells, seeded
+    from coordinator.runtime.factories import build_model, seeded, unwrapped
 
-    model, _ = build_cells(model_path, {}, SEED)
+    model = unwrapped(build_model(model_path, {}, SEED))
     x, y = seeded(SEED, regression)
     return model, x, y, BatchSampler(x.shape[0], GLOBAL_BATCH, shuffle=True, seed=SEED)
 
@@ -259,11 +259,11 @@ def _profile(model: str, size: int, repeats: int) -> Any:
     """The model's profile on ``size`` samples, at least ``repeats`` timed runs per node and size."""
     from coordinator.planning.graph import build_graph
     from coordinator.planning.profile import profile_graph
-    from coordinator.runtime.factories import build_cells, build_data
+    from coordinator.runtime.factories import build_data, build_model
 
-    _, cells = build_cells(model, {}, SEED)
+    made = build_model(model, {}, SEED)
     inputs, _ = build_data(DATA, {}, SEED).load(list(range(size)))
-    return profile_graph(build_graph(cells, inputs), inputs, repeats=repeats, optimizer="sgd", num_threads=1)
+    return profile_graph(build_graph(made, inputs), inputs, repeats=repeats, optimizer="sgd", num_threads=1)
 
 
 def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, float]]:

@@ -77,10 +77,14 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The model factory: a sequence of modules or cells, cut into stages between them."""
+    """The model factory: a sequence of modules or cells, or any nn.Module torch.fx traces (docs/models.md).
+    """
 
     factory: FactoryName = Field(description="the model factory, 'package.module:function'")
     kwargs: FactoryKwargs = Field(default_factory=dict, description="its keyword arguments (plain values)")
+    leaves: list[str] = Field(default_factory=list,
+                              description="qualified names of submodules traced as one node each "
+                                          "(an untraceable one, e.g. 'blocks.0.router')")
 
 
 class DataConfig(_Section):

@@ -1,24 +1,16 @@
-"""Model -> a chain of cuttable nodes, and for every cut the exact set of tensors alive across it.
+"""A traced model's chain with, for every cut, the exact tensors alive across it, recorded on a sample.
 
-A model is either a sequence of :class:`services.compute.cell.Cell` or any ``nn.Module`` that
-``torch.fx`` can trace. Tracing stops at *leaf* modules, each of which starts a node of
-the chain:
+The chain itself -- tracing with torch.fx, which modules are nodes (the leaf rule and
+``model.leaves``), which values cross which cut ([Note: liveness]) and the module of any range
+of nodes -- is :mod:`services.compute.chain`'s: the workers build their stages from it without a
+sample. This module runs the model once on a sample microbatch (the coordinator's) and records
+what the planner and the boundary specs need: every crossing tensor's name, shape, dtype and
+whether it carries a gradient.
 
-- a :class:`Cell`, wherever it sits;
-- in a model without cells, each direct child of the root, or each child of a direct
-  child that is a container (``nn.Sequential``/``ModuleList``/``ModuleDict``) -- so
-  ``self.layers = nn.ModuleList(blocks)`` gives one node per block.
-
-Free functions and methods between leaves (a residual ``+``, a ``flatten``) join the node
-of the leaf before them (the first leaf, for those before any leaf). Cut ``c`` lies between
-node ``c-1`` and node ``c``; cut 0 carries the model's inputs and cut ``n`` its outputs.
-
-[Note: liveness] A value produced by node ``p`` (``p = -1`` for a model input) and last
-used by node ``u`` (``u = n`` when the model returns it) is alive across every cut ``c``
-with ``p < c <= u``. All of them must be sent across a cut placed at ``c``: a skip
-connection from node 1 to node 4 crosses cuts 2, 3 and 4 and is relayed by every stage
-in between. Tuples, lists and dicts of tensors are flattened (``name.0``, ``name.key``); a
-cut crossed by anything else (an int, a string) is marked uncuttable with the reason.
+A value crossing a cut alone may be a tensor, or a tuple, list or dict of tensors: it is
+flattened (``name.0``, ``name.key``). Several values crossing one cut (a skip connection beside
+the main path: ``structure="values"``) must each be a tensor. A cut crossed by anything else
+(an int, a string, a tuple beside another value) is marked uncuttable with the reason.
 
 Shapes are recorded at the sample's batch size; a second pass at twice the batch size finds
 each tensor's batch dimension, so a runtime can size buffers for any microbatch
@@ -28,23 +20,16 @@ each tensor's batch dimension, so a runtime can size buffers for any microbatch
 from __future__ import annotations
 
 import contextlib
-import keyword
-import operator
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import fx, nn
 
-from services.compute.cell import Cell
+from services.compute.chain import Chain, ChainNode, trace_chain
 
-__all__ = ["CutInfo", "Graph", "GraphNode", "TensorMeta", "build_graph", "describe_value", "use_snapshot"]
-
-LeafFn = Callable[[nn.Module, str], bool]
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+__all__ = ["CutInfo", "Graph", "TensorMeta", "build_graph", "describe_value", "use_snapshot"]
 
 
 class TensorMeta(BaseModel):
@@ -97,15 +82,6 @@ class CutInfo(BaseModel):
     def backward_bytes(self) -> int:
         """Gradient bytes one microbatch sends back across this cut."""
         return sum(t.nbytes for t in self.tensors if t.requires_grad)
-
-
-@dataclass(frozen=True)
-class GraphNode:
-    """A cuttable node: one leaf module plus the free operations that follow it."""
-
-    index: int
-    name: str
-    ops: tuple[str, ...]  # fx node names, in graph order
 
 
 def _meta(name: str, t: torch.Tensor) -> TensorMeta:
@@ -171,148 +147,102 @@ def use_snapshot(module: nn.Module) -> Iterator[None]:
                 b.copy_(saved)
 
 
-def _as_tuple(*xs: Any) -> tuple[Any, ...]:
-    return tuple(xs)
-
-
-def _as_list(*xs: Any) -> list[Any]:
-    return list(xs)
-
-
-def _as_dict(keys: tuple[str, ...], *xs: Any) -> dict[str, Any]:
-    return dict(zip(keys, xs, strict=True))
-
-
-class _ChainTracer(fx.Tracer):
-    def __init__(self, root: nn.Module, leaf: LeafFn | None) -> None:
-        super().__init__()
-        self._root = root
-        self._leaf = leaf
-        self._has_cells = any(isinstance(m, Cell) for m in root.modules())
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if self._leaf is not None:
-            return self._leaf(m, module_qualified_name)
-        if isinstance(m, Cell):
-            return True
-        if not self._has_cells:
-            parent, _, _ = module_qualified_name.rpartition(".")
-            if parent == "" and not isinstance(m, _CONTAINERS):
-                return True
-            if parent and "." not in parent and isinstance(self._root.get_submodule(parent), _CONTAINERS):
-                return True
-        return bool(super().is_leaf_module(m, module_qualified_name))
+def _reason(crossing: Sequence[fx.Node], values: dict[fx.Node, Any]) -> str | None:
+    """Why the values ``crossing`` a cut cannot cross between stages, or None when they can."""
+    if not crossing:
+        return "nothing crosses it (the nodes after it use nothing the nodes before it compute)"
+    for node in crossing:
+        leaves = _leaves(node.name, values[node])
+        if isinstance(leaves, str):
+            return leaves
+        if len(crossing) > 1 and not isinstance(values[node], torch.Tensor):
+            return (f"{node.name} is a {type(values[node]).__name__} crossing beside "
+                    f"{len(crossing) - 1} other value(s); beside others only tensors can cross")
+    return None
 
 
 class Graph:
     """A traced model as a chain of nodes with the crossing tensors of every cut.
 
     Attributes:
+        chain: The chain (``services/compute/chain.py``): nodes, liveness, stage modules.
         module: The traced ``fx.GraphModule`` (it shares parameters with the user's model).
         nodes: The ``n`` cuttable nodes, in order.
         cuts: ``n + 1`` cuts; ``cuts[c]`` lists the tensors alive between node ``c-1`` and ``c``.
         sample_batch: The batch size the shapes were recorded at.
     """
 
-    def __init__(self, module: fx.GraphModule, group: dict[fx.Node, int], names: list[str],
-                 values: dict[fx.Node, Any], batch_dims: dict[str, int | None], sample_batch: int) -> None:
-        self.module = module
+    def __init__(self, chain: Chain, values: dict[fx.Node, Any], batch_dims: dict[str, int | None],
+                 sample_batch: int) -> None:
+        self.chain = chain
+        self.module = chain.module
+        self.nodes: tuple[ChainNode, ...] = chain.nodes
         self.sample_batch = sample_batch
-        self._group = group
-        n = len(names)
-        ops: list[list[str]] = [[] for _ in range(n)]
-        for node, g in group.items():
-            ops[g].append(node.name)
-        self.nodes = tuple(GraphNode(i, names[i], tuple(ops[i])) for i in range(n))
-        self._crossing: list[list[fx.Node]] = [[] for _ in range(n + 1)]
-        for node in module.graph.nodes:
-            if node.op in ("output", "get_attr") or not node.users:
-                continue
-            born = -1 if node.op == "placeholder" else group[node]
-            last = max(n if u.op == "output" else group[u] for u in node.users)
-            for c in range(born + 1, last + 1):
-                self._crossing[c].append(node)
-        # _flat[v]: how a crossing value is passed: whole (None: a tensor, or not flattenable)
-        # or flattened into one argument per key (tuple/list positions, dict keys)
+        # _flat[v]: how a crossing value is flattened: whole (None: a tensor, or not flattenable)
+        # or one tensor per key (tuple/list positions, dict keys)
         self._flat: dict[fx.Node, tuple[Structure, tuple[Any, ...]] | None] = {}
         cuts = []
-        for c, crossing in enumerate(self._crossing):
+        for c in range(len(chain) + 1):
+            crossing = chain.crossing(c)
             tensors: list[TensorMeta] = []
-            reason: str | None = None
             for node in crossing:
                 shape = _structure(values[node])
                 self._flat[node] = shape if shape is not None and shape[0] != "tensor" else None
                 leaves = _leaves(node.name, values[node])
-                if isinstance(leaves, str):
-                    reason = reason or leaves
-                    continue
-                tensors += [_meta(nm, t).model_copy(update={"batch_dim": batch_dims.get(nm)})
-                            for nm, t in leaves]
+                if not isinstance(leaves, str):
+                    tensors += [_meta(nm, t).model_copy(update={"batch_dim": batch_dims.get(nm)})
+                                for nm, t in leaves]
             single = _structure(values[crossing[0]]) if len(crossing) == 1 else None
             structure = single[0] if single is not None else "values"
             cuts.append(CutInfo(index=c, tensors=tuple(tensors), structure=structure,
-                                uncuttable_reason=reason))
+                                uncuttable_reason=_reason(crossing, values)))
         self.cuts = tuple(cuts)
 
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def boundary(self, cut: int) -> tuple[str, ...]:
-        """The names of the values a stage starting at ``cut`` takes, in argument order.
+    def flat_names(self, cut: int) -> tuple[str, ...]:
+        """The names of the values crossing ``cut``, flattened as ``cuts[cut].tensors`` names them.
 
-        Equal to the names of ``cuts[cut].tensors`` when the cut is cuttable; an uncuttable
-        cut also lists its non-tensor values (passed whole).
+        Equal to the names of ``cuts[cut].tensors`` when the cut is cuttable; an uncuttable cut
+        also lists its non-tensor values (whole).
         """
         names: list[str] = []
-        for node in self._crossing[cut]:
+        for node in self.chain.crossing(cut):
             flat = self._flat[node]
             names += [node.name] if flat is None else [f"{node.name}.{k}" for k in flat[1]]
         return tuple(names)
 
-    def stage_module(self, start: int, stop: int) -> fx.GraphModule:
-        """A module running nodes ``[start, stop)``.
-
-        It takes the tensors of ``cuts[start]`` as positional arguments, in order (tuples
-        flattened), and returns the tensors of ``cuts[stop]`` as a tuple, in order -- except
-        the last stage (``stop == n``), which returns the model's output as the model does.
-        Parameters are shared with the traced model.
-
-        Raises:
-            ValueError: If ``0 <= start < stop <= n`` does not hold.
-        """
-        n = len(self.nodes)
-        if not 0 <= start < stop <= n:
-            raise ValueError(f"stage [{start}, {stop}) is not within the {n} nodes")
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for node in self._crossing[start]:
-            flat = self._flat[node]
-            if flat is None:
-                env[node] = g.placeholder(node.name)
+    def pack(self, cut: int, flat: Sequence[Any]) -> tuple[Any, ...]:
+        """The positional arguments of a stage starting at ``cut``, from the values of :meth:`flat_names`."""
+        values: list[Any] = []
+        rest = list(flat)
+        for node in self.chain.crossing(cut):
+            shape = self._flat[node]
+            if shape is None:
+                values.append(rest.pop(0))
                 continue
-            kind, keys = flat
-            parts = tuple(g.placeholder(f"{node.name}_{i}") for i in range(len(keys)))
-            if kind == "dict":
-                env[node] = g.call_function(_as_dict, (keys, *parts))
-            else:
-                env[node] = g.call_function(_as_list if kind == "list" else _as_tuple, parts)
-        for node in self.module.graph.nodes:
-            if start <= self._group.get(node, -1) < stop:
-                env[node] = g.node_copy(node, lambda x: env[x])
-        if stop == n:
-            out = next(nd for nd in self.module.graph.nodes if nd.op == "output")
-            g.output(fx.map_arg(out.args[0], lambda x: env[x]))
-        else:
-            outs: list[fx.Node] = []
-            for node in self._crossing[stop]:
-                flat = self._flat[node]
-                if flat is None:
-                    outs.append(env[node])
-                else:
-                    outs += [g.call_function(operator.getitem, (env[node], k)) for k in flat[1]]
-            g.output(tuple(outs))
-        g.lint()
-        return fx.GraphModule(self.module, g, class_name=f"Stage_{start}_{stop}")
+            kind, keys = shape
+            parts, rest = rest[:len(keys)], rest[len(keys):]
+            values.append(dict(zip(keys, parts, strict=True)) if kind == "dict"
+                          else list(parts) if kind == "list" else tuple(parts))
+        if cut == 0 or len(values) == 1:
+            return tuple(values)
+        return (tuple(values),)
+
+    def unpack(self, cut: int, out: Any) -> list[Any]:
+        """What a stage ending at inner cut ``cut`` returned, as the values of :meth:`flat_names`."""
+        crossing = self.chain.crossing(cut)
+        values = [out] if len(crossing) == 1 else list(out)
+        flat: list[Any] = []
+        for node, value in zip(crossing, values, strict=True):
+            shape = self._flat[node]
+            flat += [value] if shape is None else [value[k] for k in shape[1]]
+        return flat
+
+    def stage_module(self, start: int, stop: int) -> fx.GraphModule:
+        """The module running nodes ``[start, stop)`` (:meth:`services.compute.chain.Chain.stage_module`)."""
+        return self.chain.stage_module(start, stop)
 
     def __str__(self) -> str:
         rows = [f"{'node':>4}  {'name':<20} {'ops':>3}  crossing after it"]
@@ -322,39 +252,6 @@ class Graph:
             flag = "" if cut.cuttable else f"  (uncuttable: {cut.uncuttable_reason})"
             rows.append(f"{node.index:>4}  {node.name:<20} {len(node.ops):>3}  {crossing}{flag}")
         return "\n".join(rows)
-
-
-def _group_nodes(gm: fx.GraphModule,
-                 names_of: Callable[[fx.Node], str]) -> tuple[dict[fx.Node, int], list[str]]:
-    group: dict[fx.Node, int] = {}
-    names: list[str] = []
-    pending: list[fx.Node] = []
-    attrs: list[fx.Node] = []
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op == "get_attr":
-            attrs.append(node)
-        elif node.op == "call_module":
-            names.append(names_of(node))
-            for p in [*pending, node]:
-                group[p] = len(names) - 1
-            pending = []
-        elif names:
-            group[node] = len(names) - 1
-        else:
-            pending.append(node)
-    if not names:  # no leaf module at all: the whole model is one node
-        names.append("ops")
-        for p in pending:
-            group[p] = 0
-    for node in attrs:
-        users = {group[u] for u in node.users if u in group}
-        if len(users) > 1:
-            raise ValueError(f"attribute {node.target!r} is used by nodes {sorted(names[u] for u in users)}; "
-                             "a parameter shared across nodes cannot be cut apart, use it inside one module")
-        group[node] = users.pop() if users else 0
-    return group, names
 
 
 def _batch_dims(gm: fx.GraphModule, values: dict[fx.Node, Any],
@@ -387,66 +284,47 @@ def describe_value(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _failure(rec: _Recorder, group: dict[fx.Node, int], names: list[str], exc: Exception) -> str:
+def _failure(rec: _Recorder, chain: Chain, exc: Exception) -> str:
     """Which node failed on the sample, on what, and why (the first paragraph of torch's message)."""
     node = rec.current
     why = " ".join(str(exc).split("\n\n", 1)[0].split()) or type(exc).__name__
     if node is None:
         return f"the model fails on the sample: {type(exc).__name__}: {why}"
     given = ", ".join(describe_value(rec.values[a]) for a in node.all_input_nodes if a in rec.values)
-    where = names[group[node]] if node in group else node.name
+    group = chain.group_of(node)
+    where = chain.nodes[group].name if group is not None else node.name
     return f"node {where!r} ({node.target}) fails on {given or 'no inputs'}: {type(exc).__name__}: {why}"
 
 
-def build_graph(model: nn.Module | Sequence[Cell], sample: torch.Tensor | tuple[Any, ...], *,
-                leaf: LeafFn | None = None) -> Graph:
-    """Traces ``model`` into a chain of cuttable nodes and records every cut's tensors.
+def build_graph(model: Chain | nn.Module | Sequence[nn.Module], sample: torch.Tensor | tuple[Any, ...], *,
+                leaves: Iterable[str] = ()) -> Graph:
+    """Traces ``model`` into a chain of cuttable nodes (unless it is one) and records every cut's tensors.
 
     Args:
-        model: An ``nn.Module`` or a sequence of :class:`Cell` (run one after the other).
+        model: A :class:`~services.compute.chain.Chain`, or what a model factory returns: a
+            sequence of cells or modules, or any ``nn.Module`` (traced with ``leaves``).
         sample: One sample microbatch: a tensor or a tuple of positional inputs; batch
             dimension first.
-        leaf: Overrides which modules are leaves (nodes): ``leaf(module, qualified_name)``.
+        leaves: Qualified names of submodules kept as one node each (``model.leaves``).
 
     Returns:
         The graph; it shares parameters with ``model``.
 
     Raises:
-        ValueError: If cell names repeat, fx cannot trace the model (the message says how
-            to make it traceable), a parameter is used by several nodes, or the model fails
-            on the sample (the message names the node and the shapes it was given).
+        services.compute.chain.UntraceableError: torch.fx cannot trace the model (the message
+            names the submodule and how to proceed).
+        ValueError: Cell names repeat, a leaf names no submodule, or the model fails on the
+            sample (the message names the node and the shapes it was given).
     """
-    if not isinstance(model, nn.Module):
-        cells = list(model)
-        names = [c.name for c in cells]
-        if len(set(names)) != len(names):
-            raise ValueError(f"cell names must be unique, got {names}")
-        # children named after their cells give readable value names; fx generates Python
-        # source, so names that are keywords or clash with module attributes get a number
-        keys = [nm if nm.isidentifier() and not keyword.iskeyword(nm) and not hasattr(nn.Sequential(), nm)
-                else f"cell{i}" for i, nm in enumerate(names)]
-        model = nn.Sequential(OrderedDict(zip(keys, cells, strict=True)))
+    chain = model if isinstance(model, Chain) else trace_chain(model, leaves)
     inputs = sample if isinstance(sample, tuple) else (sample,)
-    try:
-        tracer = _ChainTracer(model, leaf)
-        gm = fx.GraphModule(model, tracer.trace(model))
-    except Exception as exc:
-        raise ValueError(f"torch.fx cannot trace {type(model).__name__}: {exc}. Wrap the untraceable "
-                         "parts in Cells (cells are not traced into) or pass the model as a sequence "
-                         "of Cells") from exc
-
-    def name_of(node: fx.Node) -> str:
-        sub = gm.get_submodule(str(node.target))
-        return sub.name if isinstance(sub, Cell) else str(node.target)
-
-    group, names = _group_nodes(gm, name_of)
-    rec = _Recorder(gm)
-    with use_snapshot(gm):
+    rec = _Recorder(chain.module)
+    with use_snapshot(chain.module):
         try:
             rec.run(*inputs)
         except Exception as exc:
-            raise ValueError(_failure(rec, group, names, exc)) from exc
-        batch_dims = _batch_dims(gm, rec.values, inputs)
+            raise ValueError(_failure(rec, chain, exc)) from exc
+        batch_dims = _batch_dims(chain.module, rec.values, inputs)
     first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     batch = int(first.shape[0]) if first is not None else 1
-    return Graph(gm, group, names, rec.values, batch_dims, batch)
+    return Graph(chain, rec.values, batch_dims, batch)

@@ -1,9 +1,10 @@
 """Profiling a graph on a sample microbatch: per-node times and bytes, per-cut crossing bytes.
 
-Each node runs alone as its own stage module (``Graph.stage_module(i, i + 1)``) on the
-tensors that really reach it, so a node's time excludes its neighbours and its memory is
-what it alone holds. Activation bytes are the bytes autograd saves for the backward
-(distinct storages, parameters excluded), measured with saved-tensor hooks.
+Each node runs alone as its own stage module (``Graph.stage_module(i, i + 1)``, taking and
+returning the values of its cuts flattened: :class:`_FlatNode`) on the tensors that really
+reach it, so a node's time excludes its neighbours and its memory is what it alone holds.
+Activation bytes are the bytes autograd saves for the backward (distinct storages, parameters
+excluded), measured with saved-tensor hooks.
 
 [Note: profile timing] A node's forward and backward are timed at two microbatch sizes:
 the sample's ``b`` and ``SCALE_FACTOR * b`` (the sample repeated along its batch
@@ -222,6 +223,25 @@ def _fresh(values: list[Any], names: tuple[str, ...], grad: set[str]) -> list[An
     return out
 
 
+class _FlatNode(torch.nn.Module):
+    """Node ``index`` of ``graph`` taking and returning the flattened values of its cuts.
+
+    Profiling keeps one tensor per crossing name (tiled, made a fresh leaf), so the node's stage
+    module gets its values packed as a stage takes them; its output is flattened back, but the
+    last node's, which is the model's output.
+    """
+
+    def __init__(self, graph: Graph, index: int) -> None:
+        super().__init__()
+        self.stage = graph.stage_module(index, index + 1)
+        self._graph, self._index = graph, index
+
+    def forward(self, *flat: Any) -> Any:
+        out = self.stage(*self._graph.pack(self._index, flat))
+        last = self._index + 1 == len(self._graph)
+        return out if last else tuple(self._graph.unpack(self._index + 1, out))
+
+
 def _restore_grads(saved: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
     for p, g in saved.items():
         p.grad = g
@@ -335,9 +355,9 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             values.update((f"{nd.name}.{k}", v) for k, v in x.items())
     batch_dims = {m.name: m.batch_dim for m in graph.cuts[0].tensors}
     large: dict[str, Any] | None = {nm: _tile(values[nm], batch_dims.get(nm), SCALE_FACTOR)
-                                    for nm in graph.boundary(0)}
+                                    for nm in graph.flat_names(0)}
     if not any(isinstance(values[nm], torch.Tensor) and batch_dims.get(nm) is not None
-               for nm in graph.boundary(0)):
+               for nm in graph.flat_names(0)):
         large = None  # no input with a known batch dimension: linear scaling
     saved_grads = {p: p.grad for p in graph.module.parameters()}
     saved_threads = torch.get_num_threads()
@@ -354,8 +374,8 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
         big: list[_Timings] = []
         for node in graph.nodes:  # every node's inputs at both sizes, from the previous nodes' outputs
             i = node.index
-            module = graph.stage_module(i, i + 1)
-            names = graph.boundary(i)
+            module = _FlatNode(graph, i)
+            names = graph.flat_names(i)
             grad = {m.name for m in graph.cuts[i].tensors if m.requires_grad}
             args = [values[nm] for nm in names]
             small.append(_Timings(module, args, names, grad))
@@ -365,13 +385,13 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                     with torch.no_grad():
                         out = module(*big[-1].args)
                     if i + 1 < len(graph.nodes):
-                        large.update(zip(graph.boundary(i + 1), out, strict=True))
+                        large.update(zip(graph.flat_names(i + 1), out, strict=True))
                 except Exception:  # the model does not run at the larger size: linear scaling
                     large, big = None, []
             if i + 1 < len(graph.nodes):
                 with torch.no_grad():
                     out = module(*args)
-                values.update(zip(graph.boundary(i + 1), out, strict=True))
+                values.update(zip(graph.flat_names(i + 1), out, strict=True))
         try:
             _time_all(small + big, repeats, warmup)
         except Exception:

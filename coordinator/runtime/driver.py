@@ -131,16 +131,19 @@ class RunSpec:
     nonfinite: Literal["stop", "skip"] = "stop"  # see [Note: a step that is not finite]
     clip_grad_norm: float | None = None  # see coordinator/runtime/clipping.py
     accumulate: int = 1  # global batches per step: see coordinator/runtime/accumulation.py
-    # checkpoints: each cell-qualified tensor's keys in the unwrapped model's state_dict, and the
-    # checkpoint the services start from ("": the factories' values)
+    # checkpoints: each tensor's keys (by the stages' names) in the unwrapped model's state_dict, and
+    # the checkpoint the services start from ("": the factories' values)
     state_keys: Mapping[str, list[str]] = field(default_factory=dict)
     restore: str = ""
+    # each tensor's nodes (Chain.holders: the stages holding it), and the model's leaves (model.leaves)
+    holders: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    leaves: tuple[str, ...] = ()
     # evaluation: the held-out data factory and the metric factory ("": none)
     eval_data: str = ""
     eval_data_kwargs: FactoryKwargs = field(default_factory=dict)
     metric: str = ""
     scaler: ScalerState | None = None  # fp16: the loss scale to start from (a checkpoint's; None: initial)
-    # the parameters several cells hold (coordinator/runtime/tied.py's shared_parameters)
+    # the parameters several nodes hold (coordinator/runtime/tied.py's shared_parameters)
     tied: Mapping[str, Holders] = field(default_factory=dict)
 
 
@@ -148,12 +151,10 @@ def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
     """The compute service's view of a cut (shapes at ``batch_size`` samples).
 
     Raises:
-        ValueError: The cut is crossed by several values (only a cell-sequence model's single
-            value, a tensor, tuple, list or dict of tensors, can cross between compute stages).
+        ValueError: The cut cannot lie between stages (the message says why: a non-tensor crosses it).
     """
-    if cut.structure == "values" or not cut.cuttable:
-        raise ValueError(f"cut {cut.index} is crossed by {len(cut.tensors)} separate values; cellmesh's "
-                         "compute stages pass one value between cells: give the model as a sequence of Cells")
+    if not cut.cuttable:
+        raise ValueError(f"cut {cut.index} cannot lie between two stages: {cut.uncuttable_reason}")
     tensors = [BoundaryTensor(name=t.name, dtype=t.dtype, shape=list(t.shape), requires_grad=t.requires_grad,
                               batch_dim=t.batch_dim,
                               key=t.name.split(".", 1)[1] if cut.structure == "dict" else None)
@@ -170,7 +171,7 @@ class Runtime:
         loop: The started event loop.
         registry_url: What the services rendezvous through.
         addresses: Each placed worker's service-host address.
-        initial_params: Cell-qualified initial parameters (parameter-server setup; dropped once the
+        initial_params: The initial parameters by the stages' names (parameter-server setup; dropped once the
             shards hold them, empty in collective mode).
 
     Timeouts: ``spec.call_timeout`` bounds placement and state collection;
@@ -191,8 +192,8 @@ class Runtime:
         self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
         self._first_request = True
         self.scaler = LossScaler(spec.scaler) if plan.precision == "fp16" else None
-        self._shards = ParamShards(plan, spec.run, addresses, initial_params,  # none in collective mode
-                                   clip_grad_norm=spec.clip_grad_norm)
+        self._shards = ParamShards(plan, spec.run, addresses, initial_params, spec.holders,
+                                   clip_grad_norm=spec.clip_grad_norm)  # no shards in collective mode
         self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
         # per stage, validated, as RunStep carries them (a step runs `accumulate` global batches)
         self._actions = accumulated_schedule(plan.schedule(), spec.accumulate).actions
@@ -224,14 +225,13 @@ class Runtime:
         shards = self._place_shards(self._shards)
         self.initial_params = {}  # the shards hold them now: no copy of the model stays here
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
-        tied = tied_per_stage(spec.tied, [st.nodes for st in plan.stages])
+        tied = tied_per_stage(spec.tied, [(st.start, st.stop) for st in plan.stages])
         ids: dict[int, _Service] = {}
         for sv in self.services:
             st = plan.stages[sv.stage]
-            keys = {k: v for k, v in spec.state_keys.items() if k.split(".", 1)[0] in st.nodes}
-            # a tied copy another stage writes is restored from the writer's keys (mirrors write nothing)
-            keys.update({p.name: spec.state_keys[p.key] for p in tied[sv.stage]
-                         if p.owner != sv.stage and p.key in spec.state_keys})
+            # the stage's tensors' keys (a tied copy another stage writes is restored from the same keys)
+            keys = {k: v for k, v in spec.state_keys.items()
+                    if any(st.start <= i < st.stop for i in spec.holders.get(k, ()))}
             options = ComputeOptions(
                 stage=sv.stage, num_stages=plan.num_stages, device=placed.devices[sv.worker],
                 comm_backend=placed.pipeline[sv.replica],  # type: ignore[arg-type]  # a Backend, by resolve_backend
@@ -247,11 +247,11 @@ class Runtime:
                 dp_prefix=f"{gen}/dp/s{sv.stage}",
                 shards=shards[sv.stage], restore=spec.restore, precision=plan.precision,
                 eval_data=spec.eval_data, eval_data_kwargs=spec.eval_data_kwargs, metric=spec.metric,
-                state_keys=keys,
+                leaves=list(spec.leaves), state_keys=keys,
                 tied=(TiedOptions(prefix=f"{gen}/tied/r{sv.replica}", params=tied[sv.stage])
                       if tied[sv.stage] else None))
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
-                                    cells=[st.start, st.stop], seed=spec.seed,
+                                    nodes=[st.start, st.stop], seed=spec.seed,
                                     options=options.model_dump(mode="json"))
             ids[self.loop.send(sv.worker, "worker", "assign", assignment, AssignmentReply)] = sv
         self._gather(ids, "placing the stages", spec.call_timeout, None)
@@ -414,7 +414,7 @@ class Runtime:
                 *self._shards.saved()]
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters and buffers (replica 0), cell-qualified, as copies.
+        """Every stage's parameters and buffers (replica 0), by the stages' names, as copies.
 
         Commits the last step first (:meth:`commit`).
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,11 +38,12 @@ from torch import nn
 
 from coordinator.planning.config import JobConfig
 from coordinator.runtime.errors import JobError, located
-from services.compute.cell import Cell, as_cells
+from services.compute.cell import as_cells
+from services.compute.chain import Chain, is_cell_sequence, trace_chain
 from services.compute.stage import SampleError, SampleSource
 from services.factories import factories_in_spec, resolve
 
-__all__ = ["FactoryRef", "build_cells", "build_data", "build_loss", "build_metric", "cells_of",
+__all__ = ["FactoryRef", "build_chain", "build_data", "build_loss", "build_metric", "build_model", "chain_of",
            "factory_path", "job_factories", "job_imports", "made_by", "seeded", "unwrapped"]
 
 FactoryRef = str | Callable[..., Any]
@@ -128,30 +129,46 @@ def made_by(path: str, what: str, make: Callable[[], Any]) -> Any:
                        f"{what}.kwargs") from exc
 
 
-def build_cells(path: str, kwargs: Mapping[str, Any], seed: int) -> tuple[nn.Module, list[Cell]]:
-    """The unwrapped model and its cells (sharing parameters), built as a worker builds them.
+def build_model(path: str, kwargs: Mapping[str, Any], seed: int) -> Any:
+    """What the model factory returns (a module, or a sequence of modules or cells), built as a worker does.
 
     Raises:
         ValueError: The factory does not import.
-        JobError: The factory raised, or its result has no cells.
+        JobError: The factory raised.
     """
     factory = resolve(path, what="model factory")
-    made = made_by(path, "model", lambda: seeded(seed, lambda: factory(**kwargs)))
-    cells = cells_of(path, made)
-    return unwrapped(made), cells
+    return made_by(path, "model", lambda: seeded(seed, lambda: factory(**kwargs)))
 
 
-def cells_of(path: str, made: Any) -> list[Cell]:
-    """The cells of what the model factory ``path`` returned.
+def build_chain(path: str, kwargs: Mapping[str, Any], seed: int,
+                leaves: Sequence[str]) -> tuple[nn.Module, Chain]:
+    """The unwrapped model and its chain of nodes (sharing parameters), built and traced as a worker does.
 
     Raises:
-        JobError: It is not a module or a sequence of modules, or its cell names repeat.
+        ValueError: The factory does not import.
+        JobError: The factory raised, or its result is not a model torch.fx traces.
     """
+    made = build_model(path, kwargs, seed)
+    return unwrapped(made), chain_of(path, made, leaves)
+
+
+def chain_of(path: str, made: Any, leaves: Sequence[str]) -> Chain:
+    """The chain of nodes of what the model factory ``path`` returned, traced with ``leaves`` (model.leaves).
+
+    Raises:
+        JobError: It is not a module or a sequence of modules, its cell names repeat, torch.fx
+            cannot trace it (naming the submodule and the fix), or a leaf names no submodule.
+    """
+    if is_cell_sequence(made):
+        try:
+            as_cells(made)
+        except (ValueError, TypeError) as exc:
+            raise JobError(f"model factory {path!r} returned {type(made).__name__}: {exc}; return a module "
+                           "or a list of modules or Cells") from None
     try:
-        return as_cells(made)
-    except (ValueError, TypeError) as exc:
-        raise JobError(f"model factory {path!r} returned {type(made).__name__}: {exc}; return a module or a "
-                       "list of modules or Cells") from None
+        return trace_chain(made, leaves)
+    except ValueError as exc:  # untraceable (services.compute.chain.UntraceableError) or a bad leaf
+        raise JobError(f"model factory {path!r}: {exc}") from None
 
 
 def build_data(path: str, kwargs: Mapping[str, Any], seed: int, *, section: str = "data") -> SampleSource:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -62,13 +62,13 @@ from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.devices import DeviceRequest, local_resources, profile_device
 from coordinator.runtime.driver import RunSpec
 from coordinator.runtime.errors import JobError
-from coordinator.runtime.factories import build_cells, build_data, factory_path
+from coordinator.runtime.factories import build_data, build_model, factory_path, unwrapped
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.preflight import Checked, batch_norm_of, check_job, model_structure
 from coordinator.runtime.records import EvalRecord, StepRecord
 from coordinator.runtime.scaler import ScalerState
 from coordinator.runtime.session import Recovery, Session, resolve_resume
-from services.compute.cell import Cell, cell_parameters
+from services.compute.chain import Chain
 from services.compute.precision import autocast, device_type
 from services.compute.stage import to_device
 from services.protocol import OptimizerSpec, SchedulerSpec
@@ -130,30 +130,28 @@ def _named(fields: dict[str, Any]) -> dict[str, Any]:
     return named
 
 
-def state_dict_of(model: nn.Module, cells: list[Cell],
-                  cell_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``cell_state`` (cell-qualified names) keyed as ``model.state_dict()`` names ``cells``' tensors.
+def state_dict_of(model: nn.Module, named: Sequence[tuple[str, torch.Tensor]],
+                  state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (the stages' names) keyed as ``model.state_dict()`` names the tensors of ``named``.
 
-    The values are ``cell_state``'s own tensors (not copies): a parameter tied under two keys
-    is one tensor under both, as in ``model.state_dict()``. ``model`` may be on the meta device.
+    ``named`` is the model's tensors under the stages' names (``Chain.named_tensors``). The values
+    are ``state``'s own tensors (not copies): a parameter tied under two keys is one tensor under
+    both, as in ``model.state_dict()``. ``model`` may be on the meta device.
 
     Raises:
-        KeyError: An entry of the model's state has no cell-qualified counterpart.
+        KeyError: An entry of the model's state has no counterpart in ``state``.
     """
-    by_id: dict[int, str] = {id(p): n for n, p in cell_parameters(cells)}
-    for cell in cells:
-        for name, buf in cell.module.named_buffers():
-            by_id.setdefault(id(buf), f"{cell.name}.{name}")
+    by_id: dict[int, str] = {id(t): n for n, t in named}
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        qualified = by_id.get(id(value))
-        if qualified is None or qualified not in cell_state:
+        name = by_id.get(id(value))
+        if name is None or name not in state:
             raise KeyError(f"state entry {key!r} of the model was not returned by any stage")
-        out[key] = cell_state[qualified].detach()
+        out[key] = state[name].detach()
     return out
 
 
-def _check_precision(precision: str, cells: list[Cell]) -> None:
+def _check_precision(precision: str, chain: Chain) -> None:
     """Refuse mixed precision over a model that autocast would not cast (see [Note: mixed precision]
     in ``services/compute/precision.py``).
 
@@ -162,7 +160,7 @@ def _check_precision(precision: str, cells: list[Cell]) -> None:
     """
     if precision == "fp32":
         return
-    other = next(((name, p.dtype) for name, p in cell_parameters(cells)
+    other = next(((name, p.dtype) for name, p in chain.named_parameters()
                   if p.is_floating_point() and p.dtype != torch.float32), None)
     if other is not None:
         raise JobError(f"plan.precision={precision} autocasts float32 tensors only, but parameter {other[0]} "
@@ -236,7 +234,7 @@ class Job:
     def build_model(self) -> nn.Module:
         """The unwrapped model with its initial parameters (the module ``fit``'s state_dict loads into)."""
         model = self.config.model
-        return build_cells(model.factory, model.kwargs, self.config.data.seed)[0]
+        return unwrapped(build_model(model.factory, model.kwargs, self.config.data.seed))
 
     def sampler(self) -> BatchSampler:
         """The global batches of every step (see ``coordinator/planning/data.py``).
@@ -255,15 +253,15 @@ class Job:
         """Check the job before any worker starts (``coordinator/runtime/preflight.py``), for :meth:`plan`.
 
         Raises:
-            coordinator.runtime.errors.JobError: A factory raises, the data is inconsistent, a cell
-                or the loss fails on a sample, the plan asks for more stages than the model has cells,
-                or mixed precision is asked of a model that is not float32.
+            coordinator.runtime.errors.JobError: A factory raises, the model does not trace, the data is
+                inconsistent, a node or the loss fails on a sample, the plan asks for more stages than the
+                model has nodes, or mixed precision is asked of a model that is not float32.
             coordinator.planning.request.PlanningError: No plan can hold the model, or the global
                 batch does not split into the fixed replicas or microbatches.
         """
         if self._checked is None:
             checked = check_job(self.config, self.resources, _optimizer_kind(self.optimizer))
-            _check_precision(self.config.plan.precision, checked.cells)
+            _check_precision(self.config.plan.precision, checked.chain)
             self._checked = checked
         return self._checked
 
@@ -276,19 +274,15 @@ class Job:
         Raises:
             coordinator.planning.request.PlanningError: No plan satisfies the fixed fields and the resources.
             coordinator.runtime.errors.JobError: The job fails a check (see :meth:`check`).
-            ValueError: The model is not a sequence of cells the services can run.
+            ValueError: The model fails on the sample microbatch (naming the node and its inputs).
         """
         if self._plan is None:
             config, checked = self.config, self.check()
             self._batch_norm = checked.batch_norm
             # the cut tensors as the stages will send them: the dtypes autocast gives them
-            params = (p for _, p in cell_parameters(checked.cells))
+            params = (p for _, p in checked.chain.named_parameters())
             with autocast(config.plan.precision, device_type(params)):
-                graph = build_graph(checked.cells, checked.sample)
-            if [nd.name for nd in graph.nodes] != [c.name for c in checked.cells]:
-                raise ValueError(f"the model's graph has nodes {[nd.name for nd in graph.nodes]}, not one "
-                                 f"per cell {[c.name for c in checked.cells]}: give the model as a sequence "
-                                 "of cells")
+                graph = build_graph(checked.chain, checked.sample)
             device = profile_device(self.resources, config.runtime.device)  # where the workers will run
             try:
                 graph.module.to(device)
@@ -343,11 +337,13 @@ class Job:
         return with_devices(plan, resources or self.resources, self.config.runtime.device)
 
     def run_spec(self, workers_job: str, run: str, *, state_keys: Mapping[str, list[str]] | None = None,
-                 restore: str = "", scaler: ScalerState | None = None) -> RunSpec:
+                 holders: Mapping[str, tuple[int, ...]] | None = None, restore: str = "",
+                 scaler: ScalerState | None = None) -> RunSpec:
         """What the runtime builds services from; ``workers_job`` is the workers' registry prefix.
 
-        ``state_keys`` names each tensor in the model's ``state_dict`` (checkpoints); ``restore`` is the
-        checkpoint the services start from, ``scaler`` the loss scale's state saved with it (fp16).
+        ``state_keys`` names each tensor in the model's ``state_dict`` (checkpoints); ``holders`` gives
+        each tensor's nodes (``Chain.holders``: which stages hold it); ``restore`` is the checkpoint the
+        services start from, ``scaler`` the loss scale's state saved with it (fp16).
         """
         c, e = self.config, self.config.eval
         return RunSpec(job=workers_job, run=run, model=c.model.factory, data=c.data.factory,
@@ -357,6 +353,7 @@ class Job:
                        clip_grad_norm=c.optimizer.clip_grad_norm, accumulate=c.optimizer.accumulate,
                        step_timeout=timedelta(seconds=c.runtime.step_timeout_s),
                        state_keys=dict(state_keys or {}), restore=restore, scaler=scaler,
+                       holders=dict(holders or {}), leaves=tuple(c.model.leaves),
                        eval_data=e.factory if e else "", eval_data_kwargs=e.kwargs if e else {},
                        metric=(e.metric or "") if e else "")
 
@@ -426,8 +423,8 @@ class Job:
         if session is None:
             raise RuntimeError("the job's session is closed")
         done = len(session.recoveries)
-        records, cell_state = session.fit(steps, callback)
-        state = state_dict_of(session.model, session.cells, cell_state)
+        records, stage_state = session.fit(steps, callback)
+        state = state_dict_of(session.model, session.chain.named_tensors(), stage_state)
         if session.checkpointer is not None:  # beside the checkpoints: the final model as a plain file
             save_state_dict(state, session.checkpointer.root / FINAL_MODEL)
         return FitResult(losses=[r.loss for r in records], state_dict=state, steps=records, plan=session.plan,

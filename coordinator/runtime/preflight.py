@@ -13,8 +13,9 @@ training. :func:`check_job` runs them in order, cheapest first:
    ``coordinator/planning/planner.py``). A factory that does not build on the meta device
    (it loads weights, calls ``.item()``...) is built for real first and measured then:
    still before any tracing or profiling, whose memory is several times the parameters';
-2. the stages the plan section asks for against the model's cells: a plain ``nn.Module`` is
-   one cell and cannot be cut into stages (the message says how to give cells);
+2. the model traced into its chain of nodes (``services/compute/chain.py``): a submodule
+   torch.fx cannot trace is named with the fix (``model.leaves``); then the stages the plan
+   section asks for against the model's nodes (its cells, for a cell sequence);
 3. the fixed replicas and microbatches against the global batch and the workers
    (``coordinator/planning/request.py``), and, for a model with BatchNorm layers, against the
    rule that each of their forwards sees the global batch (one microbatch per replica,
@@ -23,13 +24,13 @@ training. :func:`check_job` runs them in order, cheapest first:
    code that raised (``coordinator/runtime/factories.py``);
 5. the data: inputs and targets of one length (``SampleSource``), and a sample microbatch
    loads;
-6. the sample through the cells one by one, then the loss: the first cell that fails is
-   named with what it was given (``cell 'cell2' fails on the output of cell 'cell1', a
-   [8, 12] float32 tensor: mat1 and mat2 shapes cannot be multiplied``), as is a loss that
-   does not take the model's output and the targets;
+6. the sample through the nodes one by one (each node's stage module), then the loss: the
+   first cell or node that fails is named with what it was given (``cell 'cell2' fails on the
+   output of cell 'cell1', a [8, 12] float32 tensor: mat1 and mat2 shapes cannot be
+   multiplied``), as is a loss that does not take the model's output and the targets;
 7. with an ``eval`` section, checks 5 and 6 on the held-out data (its size known, a sample
-   through the cells in eval mode, then the loss), and the metric: its factory builds, and
-   it returns one value per sample or one value (``services.compute.stage.metric_sum``).
+   through the nodes in eval mode, then the loss), and the metric: its factory builds, and
+   it returns one value per sample or one value (``services.compute.stage.metric_sum``);
 8. the model's random draws, on 2 then 3 samples: one whose size follows the batch elsewhere
    than along dim 0 (dropout in a sequence-first layout) would differ between plans, and is
    named with the fix ([Note: randomness that survives the cut] in
@@ -37,13 +38,13 @@ training. :func:`check_job` runs them in order, cheapest first:
 
 Failures are :class:`~coordinator.runtime.errors.JobError` (or ``PlanningError`` for a model
 no plan holds); ``cellmesh run`` prints them as one line and exits 2. What passed is kept
-for planning (:class:`Checked`): the built cells, the sample and the BatchNorm layers.
+for planning (:class:`Checked`): the built model's chain, the sample and the BatchNorm layers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,16 +58,16 @@ from coordinator.planning.request import batch_norm_request, check_batch
 from coordinator.planning.resources import Resources
 from coordinator.runtime.errors import JobError, first_line, located
 from coordinator.runtime.factories import (
-    build_cells,
+    build_chain,
     build_data,
     build_loss,
     build_metric,
-    cells_of,
+    chain_of,
     seeded,
     unwrapped,
 )
 from services.compute.batchnorm import batch_norm_layers
-from services.compute.cell import Cell
+from services.compute.chain import Chain
 from services.compute.executor import evaluating
 from services.compute.randomness import Drawn, ModelRandomness, check_draws
 from services.compute.stage import SampleError, SampleSource, make_optimizer, metric_sum
@@ -74,7 +75,7 @@ from services.factories import resolve
 from services.params import scheduling
 from services.protocol import OptimizerSpec, SchedulerSpec
 
-__all__ = ["Checked", "batch_norm_of", "cell_bytes", "check_job", "check_optimizer", "model_structure",
+__all__ = ["Checked", "batch_norm_of", "check_job", "check_optimizer", "model_structure", "node_bytes",
            "sample_size"]
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,9 @@ SAMPLE_MAX = 8  # samples in the microbatch the checks (and the profile) run
 
 @dataclass
 class Checked:
-    """What passed :func:`check_job`: the model's cells with their initial parameters, and a sample."""
+    """What passed :func:`check_job`: the model's chain of nodes with its initial parameters, and a sample."""
 
-    cells: list[Cell]
+    chain: Chain
     sample: torch.Tensor | tuple[Any, ...]  # the inputs of one microbatch, as build_graph takes them
     batch_norm: tuple[str, ...] = ()  # the model's BatchNorm layers: plans give them the global batch
 
@@ -96,16 +97,17 @@ def sample_size(global_batch: int, num_workers: int) -> int:
     return max(1, min(SAMPLE_MAX, global_batch // max(1, num_workers)))
 
 
-def cell_bytes(cells: Sequence[Cell]) -> tuple[CellBytes, ...]:
-    """Each cell's parameter, buffer and trainable bytes (a tensor shared by cells counts in the first)."""
+def node_bytes(chain: Chain) -> tuple[CellBytes, ...]:
+    """Each node's parameter, buffer and trainable bytes (a tensor several nodes hold counts in the first)."""
     seen: set[int] = set()
     out = []
-    for cell in cells:
-        params = [p for p in cell.parameters() if id(p) not in seen]
-        buffers = [b for b in cell.buffers() if id(b) not in seen]
-        seen.update(id(t) for t in [*params, *buffers])
+    for node in chain.nodes:
+        mine = [t for _, t in chain.stage_tensors(node.index, node.index + 1) if id(t) not in seen]
+        seen.update(id(t) for t in mine)
+        params = [t for t in mine if isinstance(t, nn.Parameter)]
+        buffers = [t for t in mine if not isinstance(t, nn.Parameter)]
         out.append(CellBytes(
-            name=cell.name, num_params=sum(p.numel() for p in params),
+            name=node.name, num_params=sum(p.numel() for p in params),
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
             trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad)))
@@ -124,27 +126,27 @@ def _on_meta(path: str, kwargs: Mapping[str, Any], seed: int) -> Any | None:
         return None
 
 
-def model_structure(config: JobConfig) -> tuple[nn.Module, list[Cell]]:
-    """The model and its cells without their values (on the meta device) where the factory allows, else real.
+def model_structure(config: JobConfig) -> tuple[nn.Module, Chain]:
+    """The model and its chain without their values (on the meta device) where the factory allows, else real.
 
     What maps the stages' tensors to the model's ``state_dict`` keys needs only this: the
     coordinator does not hold a second copy of a large model's parameters to name them.
 
     Raises:
-        JobError: The factory raises or returns something that is not a model.
+        JobError: The factory raises or returns something that is not a model torch.fx traces.
     """
     model = config.model
     made = _on_meta(model.factory, model.kwargs, config.data.seed)
     if made is None:
-        return build_cells(model.factory, model.kwargs, config.data.seed)
-    return unwrapped(made), cells_of(model.factory, made)
+        return build_chain(model.factory, model.kwargs, config.data.seed, model.leaves)
+    return unwrapped(made), chain_of(model.factory, made, model.leaves)
 
 
-def _check_stages(config: JobConfig, made: Any, cells: Sequence[Cell]) -> None:
-    """Refuse a plan section that asks for more stages than the model has cells.
+def _check_stages(config: JobConfig, made: Any, chain: Chain) -> None:
+    """Refuse a plan section that asks for more stages than the model has nodes (cells).
 
     Raises:
-        JobError: Naming the option that asked for stages and how to split the model into cells.
+        JobError: Naming the option that asked for stages, the nodes, and how to get more.
     """
     plan, path = config.plan, config.model.factory
     asked: list[tuple[int, str]] = []
@@ -155,19 +157,18 @@ def _check_stages(config: JobConfig, made: Any, cells: Sequence[Cell]) -> None:
     if plan.strategy == "pipeline":
         asked.append((2, "plan.strategy='pipeline' (2 or more stages)"))
     for stages, option in asked:
-        if stages <= len(cells):
+        if stages <= len(chain):
             continue
-        if len(cells) == 1 and isinstance(made, nn.Module) and not isinstance(
-                made, Cell | nn.Sequential | nn.ModuleList):
+        names = ", ".join(nd.name for nd in chain.nodes)
+        if chain.cells is None:
             raise JobError(
-                f"model factory {path!r} returns one {type(made).__name__}, and a plain nn.Module is one "
-                f"cell: it cannot be cut into the {stages} stages {option} asks for; return the model's "
-                "parts as a list of modules or of cellmesh.Cell(name, module) (an nn.Sequential works too), "
-                f"which cellmesh.as_cells turns into cells, or drop {option.split('=')[0]}")
-        names = ", ".join(c.name for c in cells)
-        raise JobError(f"model factory {path!r} returns {len(cells)} cell(s) ({names}): it cannot be cut "
+                f"model factory {path!r} returns a {type(made).__name__} that torch.fx traces into "
+                f"{len(chain)} node(s) ({names}): it cannot be cut into the {stages} stages {option} asks "
+                f"for; ask for at most {len(chain)} stage(s), or give the model as a list of more modules or "
+                "cellmesh.Cell(name, module) (docs/models.md)")
+        raise JobError(f"model factory {path!r} returns {len(chain)} cell(s) ({names}): it cannot be cut "
                        f"into the {stages} stages {option} asks for; split the model into more cells "
-                       f"(cellmesh.Cell) or ask for at most {len(cells)} stage(s)")
+                       f"(cellmesh.Cell) or ask for at most {len(chain)} stage(s)")
 
 
 def check_optimizer(config: JobConfig) -> None:
@@ -197,18 +198,17 @@ def check_optimizer(config: JobConfig) -> None:
                        "optimizer.scheduler.kwargs") from None
 
 
-def batch_norm_of(cells: Sequence[Cell]) -> tuple[str, ...]:
-    """The BatchNorm layers of a model's cells, by their qualified names in the model."""
-    return tuple(batch_norm_layers(nn.Sequential(*cells)))
+def batch_norm_of(chain: Chain) -> tuple[str, ...]:
+    """The BatchNorm layers of a model's chain, by their qualified names in it."""
+    return tuple(batch_norm_layers(chain.module))
 
 
-def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any,
-             cells: Sequence[Cell]) -> None:
+def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any, chain: Chain) -> None:
     """Checks 1-3 on the model ``made`` (on the meta device or real): stages, memory floor, batch."""
-    _check_stages(config, made, cells)
-    check_memory_floor(cell_bytes(cells), resources, optimizer)
-    check_batch(config.plan, len(cells), resources.num_workers, config.data.global_batch)
-    layers = batch_norm_of(cells)
+    _check_stages(config, made, chain)
+    check_memory_floor(node_bytes(chain), resources, optimizer)
+    check_batch(config.plan, len(chain), resources.num_workers, config.data.global_batch)
+    layers = batch_norm_of(chain)
     batch_norm_request(config.plan, layers)
     if layers and config.optimizer.accumulate > 1:  # each step's run would hold several microbatches
         accumulate = config.optimizer.accumulate
@@ -218,29 +218,34 @@ def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any,
                        "instead) or freeze the BatchNorm layers (module.eval())")
 
 
-def _run_cells(config: JobConfig, cells: Sequence[Cell], inputs: Any, targets: Any,
+def _run_nodes(config: JobConfig, chain: Chain, inputs: Any, targets: Any,
                loss_fn: Callable[[Any, Any], torch.Tensor], section: str = "data") -> Any:
-    """Check 6: the sample through the cells one by one, then the loss, naming the first that fails; the
+    """Check 6: the sample through the nodes one by one, then the loss, naming the first that fails; the
     model's output. ``section`` names where the sample came from (``"eval"``: the held-out data).
 
     Raises:
-        JobError: A cell does not take what the one before it returns (or the first, the
+        JobError: A cell (node) does not take what the one before it returns (or the first, the
             data's inputs), or the loss does not take the output and the targets.
     """
     model, loss = config.model.factory, config.loss.factory
     data = config.eval.factory if section == "eval" and config.eval is not None else config.data.factory
+    word = "cell" if chain.cells is not None else "node"
+    fix = ("make each cell take what the one before it returns (the first cell: the data's inputs)"
+           if chain.cells is not None else "make the model take the data's inputs (model(inputs) fails so)")
     value = inputs
-    with torch.no_grad(), use_snapshot(nn.Sequential(*cells)):
-        for i, cell in enumerate(cells):
+    with torch.no_grad(), use_snapshot(chain.module):
+        for node in chain.nodes:
+            i = node.index
             try:
-                value = cell(value)
+                value = chain.stage_module(i, i + 1)(value)
             except Exception as exc:
                 given = (f"the inputs of {section} factory {data!r}" if i == 0
-                         else f"the output of cell {cells[i - 1].name!r}")
-                kind = repr(cell.module) if "\n" not in repr(cell.module) else type(cell.module).__name__
-                raise JobError(f"model factory {model!r}: cell {cell.name!r} ({kind}) fails on {given}, "
-                               f"{describe_value(value)}: {first_line(exc)}; make each cell take what the "
-                               "one before it returns (the first cell: the data's inputs)") from exc
+                         else f"the output of {word} {chain.nodes[i - 1].name!r}")
+                leaf = chain.leaf(i)
+                kind = ("its operations" if leaf is None else repr(leaf) if "\n" not in repr(leaf)
+                        else type(leaf).__name__)
+                raise JobError(f"model factory {model!r}: {word} {node.name!r} ({kind}) fails on {given}, "
+                               f"{describe_value(value)}: {first_line(exc)}; {fix}") from exc
         try:
             result = loss_fn(value, targets)
         except Exception as exc:
@@ -269,9 +274,9 @@ def _load(source: SampleSource, path: str, section: str, indices: list[int]) -> 
                        "its load(indices)") from exc
 
 
-def _check_eval(config: JobConfig, cells: Sequence[Cell], loss_fn: Callable[[Any, Any], torch.Tensor],
+def _check_eval(config: JobConfig, chain: Chain, loss_fn: Callable[[Any, Any], torch.Tensor],
                 size: int) -> None:
-    """Check 7: the held-out data, a sample of ``size`` through the cells in eval mode, the loss, the metric.
+    """Check 7: the held-out data, a sample of ``size`` through the nodes in eval mode, the loss, the metric.
 
     Raises:
         JobError: Naming the eval factory or the metric, and the fix.
@@ -287,8 +292,8 @@ def _check_eval(config: JobConfig, cells: Sequence[Cell], loss_fn: Callable[[Any
                        f"{source.num_samples} samples: lower eval.num_samples or leave it out")
     metric_fn = build_metric(section.metric) if section.metric else None
     inputs, targets = _load(source, section.factory, "eval", list(range(min(size, n))))
-    with evaluating(nn.Sequential(*cells)):
-        output = _run_cells(config, cells, inputs, targets, loss_fn, section="eval")
+    with evaluating(chain.module):
+        output = _run_nodes(config, chain, inputs, targets, loss_fn, section="eval")
         if metric_fn is not None:
             try:
                 with torch.no_grad():
@@ -299,7 +304,7 @@ def _check_eval(config: JobConfig, cells: Sequence[Cell], loss_fn: Callable[[Any
                                f"{section.factory!r}, {describe_value(targets)}: {first_line(exc)}") from exc
 
 
-def _check_draws(config: JobConfig, cells: Sequence[Cell], source: SampleSource) -> None:
+def _check_draws(config: JobConfig, root: nn.Module, source: SampleSource) -> None:
     """Check 7: the draws of forwards on 2 and 3 samples are keyed so that every plan draws alike.
 
     Skipped when the model draws nothing, the data holds fewer than 3 samples, or the model
@@ -310,7 +315,6 @@ def _check_draws(config: JobConfig, cells: Sequence[Cell], source: SampleSource)
     """
     if (source.num_samples or config.data.num_samples or 0) < 3:
         return
-    root = nn.Sequential(*cells)
     randomness = ModelRandomness(root, config.data.seed)
     records: list[list[Drawn]] = []
     for size in (2, 3):
@@ -341,8 +345,8 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
 
     Raises:
         JobError: The optimizer or its scheduler refuses its arguments, a factory raises or returns
-            something unusable, the data is inconsistent, a cell or the loss fails on the sample, or
-            the plan asks for more stages than cells.
+            something unusable, the data is inconsistent, a node or the loss fails on the sample, or
+            the plan asks for more stages than nodes.
         coordinator.planning.request.PlanningError: No plan can hold the model, the global batch
             does not split into the fixed replicas or microbatches, or the fixed microbatches or
             mode would not give a BatchNorm layer the global batch.
@@ -353,19 +357,19 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
     on_meta = _on_meta(model.factory, model.kwargs, data.seed)
     measured = on_meta is not None
     if on_meta is not None:
-        _measure(config, resources, optimizer, on_meta, cells_of(model.factory, on_meta))
+        _measure(config, resources, optimizer, on_meta, chain_of(model.factory, on_meta, model.leaves))
     on_meta = None  # nothing of the meta model is kept
-    built, cells = build_cells(model.factory, model.kwargs, data.seed)
-    if not measured:  # measured built for real: still before any tracing or profiling
-        _measure(config, resources, optimizer, built, cells)
+    built, chain = build_chain(model.factory, model.kwargs, data.seed, model.leaves)
+    if not measured:  # measured built for real: still before any profiling
+        _measure(config, resources, optimizer, built, chain)
     source = build_data(data.factory, data.kwargs, data.seed)
     loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
     size = sample_size(data.global_batch, resources.num_workers)
     indices = list(range(min(size, source.num_samples or data.num_samples or SAMPLE_MAX)))
     inputs, targets = _load(source, data.factory, "data", indices)
-    _run_cells(config, cells, inputs, targets, loss_fn)
+    _run_nodes(config, chain, inputs, targets, loss_fn)
     if config.eval is not None:
-        _check_eval(config, cells, loss_fn, size)
-    _check_draws(config, cells, source)
+        _check_eval(config, chain, loss_fn, size)
+    _check_draws(config, unwrapped(built), source)
     sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
-    return Checked(cells=cells, sample=sample, batch_norm=batch_norm_of(cells))
+    return Checked(chain=chain, sample=sample, batch_norm=batch_norm_of(chain))

@@ -37,14 +37,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from coordinator.planning.config import JobConfig, SchedulerConfig
-from coordinator.runtime.factories import build_cells, build_data, build_loss, build_metric
+from coordinator.runtime.factories import build_data, build_loss, build_metric, build_model, unwrapped
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.nonfinite import NonFiniteStep
 from coordinator.runtime.records import EvalRecord
-from services.compute.cell import cell_parameters
 from services.compute.precision import autocast, device_type
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import make_optimizer
@@ -63,16 +61,16 @@ def train_reference(job: Job, steps: int) -> FitResult:
         NonFiniteStep: A step's loss or gradients are not finite and ``runtime.nonfinite`` is ``stop``.
     """
     config = job.config
-    model, cells = build_cells(config.model.factory, config.model.kwargs, config.data.seed)
-    whole = nn.Sequential(*cells)
+    # the model as the user trains it: the module itself (a sequence of cells: nn.Sequential of them)
+    model = unwrapped(build_model(config.model.factory, config.model.kwargs, config.data.seed))
     source = build_data(config.data.factory, config.data.kwargs, config.data.seed)
     loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
-    params = [p for _, p in cell_parameters(cells)]
+    params = list(model.parameters())
     optimizer = make_optimizer(job.optimizer, params)
     section = config.optimizer
     scheduler = _scheduler(section.scheduler, optimizer)
     sampler = job.sampler()
-    randomness = ModelRandomness(whole, config.data.seed)
+    randomness = ModelRandomness(model, config.data.seed)
     losses: list[float] = []
     evals: list[EvalRecord] = []
     every = config.eval.every_steps if config.eval is not None else None
@@ -87,7 +85,7 @@ def train_reference(job: Job, steps: int) -> FitResult:
             batch = sampler.indices(step * section.accumulate + a)
             inputs, targets = source.load(batch)
             with autocast(precision, device), randomness.forward(step, batch):
-                loss = loss_fn(whole(inputs), targets) / section.accumulate
+                loss = loss_fn(model(inputs), targets) / section.accumulate
             (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
             value += float(loss.detach())
         if scaler is not None:
@@ -115,12 +113,12 @@ def train_reference(job: Job, steps: int) -> FitResult:
             scaler.update()
         losses.append(value)
         if config.eval is not None and (step + 1 == steps or (every is not None and (step + 1) % every == 0)):
-            evals.append(evaluate_reference(config, whole, loss_fn, step + 1))
+            evals.append(evaluate_reference(config, model, loss_fn, step + 1))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return FitResult(losses=losses, state_dict=state, evals=evals, grad_norms=norms)
 
 
-def evaluate_reference(config: JobConfig, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+def evaluate_reference(config: JobConfig, model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
                        step: int) -> EvalRecord:
     """``model`` on ``config``'s whole held-out set in one forward (``model.eval()``, ``no_grad``, then
     ``model.train()``): the loss, and the mean of the metric's per-sample values (or its one value)."""

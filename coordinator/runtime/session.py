@@ -47,7 +47,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -64,13 +64,12 @@ from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import JobFailed, Runtime
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.evaluation import Evaluation
-from coordinator.runtime.factories import build_cells, job_factories
+from coordinator.runtime.factories import build_chain, job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import check_optimizer, model_structure
 from coordinator.runtime.records import EvalRecord, StepRecord
 from coordinator.runtime.tied import shared_parameters
-from services.compute.cell import Cell, cell_parameters
 
 if TYPE_CHECKING:
     from coordinator.runtime.job import Job
@@ -103,17 +102,15 @@ class Recovery:
     seconds: float  # from noticing to the new runtime placed
 
 
-def state_keys(model: torch.nn.Module, cells: list[Cell]) -> dict[str, list[str]]:
-    """Each cell-qualified parameter and buffer name -> its keys in ``model.state_dict()`` (tied: several)."""
-    by_id: dict[int, str] = {id(p): n for n, p in cell_parameters(cells)}
-    for cell in cells:
-        for name, buf in cell.module.named_buffers():
-            by_id.setdefault(id(buf), f"{cell.name}.{name}")
+def state_keys(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """Each tensor's name in the stages (``Chain.named_tensors``) -> its keys in ``model.state_dict()``
+    (tied: several)."""
+    by_id: dict[int, str] = {id(t): n for n, t in named}
     out: dict[str, list[str]] = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        qualified = by_id.get(id(value))
-        if qualified is not None:
-            out.setdefault(qualified, []).append(key)
+        name = by_id.get(id(value))
+        if name is not None:
+            out.setdefault(name, []).append(key)
     return out
 
 
@@ -189,10 +186,11 @@ class Session:
         self.failures: list[JobFailed] = []
         # workers lost for good (no replacement came), with the incarnation that was lost
         self.gone: dict[str, str | None] = {}
-        model, cells = model_structure(config)  # names only: the values are the stages'
-        self.model, self.cells = model, cells
-        self._state_keys = state_keys(model, cells)
-        self._tied = shared_parameters(cells)  # a plan that cuts between their holders ties them
+        model, chain = model_structure(config)  # names only: the values are the stages'
+        self.model, self.chain = model, chain
+        self._state_keys = state_keys(model, chain.named_tensors())
+        self._holders = chain.holders()
+        self._tied = shared_parameters(chain)  # a plan that cuts between their holders ties them
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -229,7 +227,7 @@ class Session:
         addresses = {n: self.harness.address(n) for n in sorted({w for r in plan.placement for w in r})}
         # unique per coordinator process too: a restarted coordinator never meets its predecessor's names
         spec = replace(job.run_spec(self.harness.job, f"{job.name}-{_PROCESS_TAG}{next(_runs)}",
-                                    state_keys=self._state_keys,
+                                    state_keys=self._state_keys, holders=self._holders,
                                     restore=str(checkpoint.resolve()) if checkpoint is not None else "",
                                     scaler=trainer.scaler if trainer is not None else None),
                        tied=self._tied)
@@ -259,13 +257,13 @@ class Session:
         return trainer
 
     def _initial_params(self, checkpoint: Path | None) -> dict[str, torch.Tensor]:
-        """The parameter shards' starting values, cell-qualified: the checkpoint's or the factory's."""
+        """The parameter shards' starting values, by the stages' names: the checkpoint's or the factory's."""
         if checkpoint is None:
             model = self.job.config.model
-            _, cells = build_cells(model.factory, model.kwargs, self.job.config.data.seed)
-            return {n: p.detach() for n, p in cell_parameters(cells)}
+            _, chain = build_chain(model.factory, model.kwargs, self.job.config.data.seed, model.leaves)
+            return {n: p.detach() for n, p in chain.named_parameters()}
         values = model_state(checkpoint)
-        return {name: values[self._state_keys[name][0]] for name, _ in cell_parameters(self.cells)}
+        return {name: values[self._state_keys[name][0]] for name, _ in self.chain.named_parameters()}
 
     # -- training ---------------------------------------------------------------------------
 
@@ -285,7 +283,7 @@ class Session:
         """Train until ``steps`` more steps are done (through failures, see the module docstring).
 
         Returns:
-            The record of each step of this call, in order, and the final cell-qualified state.
+            The record of each step of this call, in order, and the final state (by the stages' names).
 
         Raises:
             JobFailed: A worker refused (a bug, a bad option), or failures outran the restart budget.

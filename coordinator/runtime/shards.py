@@ -75,8 +75,11 @@ class ParamShards:
         plan: The plan (its data-parallel groups host the shards).
         run: The runtime's run id (the services' prefix).
         addresses: Each placed worker's service-host address.
-        initial_params: Cell-qualified starting values of every parameter (empty in collective mode:
-            then there are no shards, and every method has nothing to do).
+        initial_params: Starting values of every parameter by the stages' names (empty in collective
+            mode: then there are no shards, and every method has nothing to do).
+        holders: Each parameter's nodes (``Chain.holders``): a stage's shards serve those its first
+            holding node lies in (a parameter tied across stages is served once, by its owner's shards:
+            [Note: tied parameters] in ``services/params/tied.py``).
         clip_grad_norm: Clip the gradients to this global norm: the shards hold their rounds (see
             [Note: a held round]).
 
@@ -86,7 +89,8 @@ class ParamShards:
     """
 
     def __init__(self, plan: Plan, run: str, addresses: Mapping[str, str],
-                 initial_params: Mapping[str, torch.Tensor], *, clip_grad_norm: float | None = None) -> None:
+                 initial_params: Mapping[str, torch.Tensor], holders: Mapping[str, tuple[int, ...]], *,
+                 clip_grad_norm: float | None = None) -> None:
         self.plan = plan
         self.clip_grad_norm = clip_grad_norm
         self.services: list[_Service] = []
@@ -98,8 +102,8 @@ class ParamShards:
         self._round: CommitStep | None = None  # the commit whose round is held
         self._stages: list[tuple[list[ShardRef], dict[str, torch.Tensor]]] = []
         for s, st in enumerate(plan.stages):
-            cells = set(st.nodes)
-            params = {n: t for n, t in initial_params.items() if n.split(".", 1)[0] in cells}
+            params = {n: t for n, t in initial_params.items()
+                      if st.start <= holders.get(n, (-1,))[0] < st.stop}  # its first holder's stage
             group = plan.dp_groups[s][:len(params)]
             refs = [ShardRef(addresses[w], f"{run}/ps-s{s}-{i}") for i, w in enumerate(group)]
             self.services += [_Service(w, ref.service, -1, s) for w, ref in zip(group, refs, strict=True)]

@@ -1,7 +1,7 @@
 """What a stage's part of a checkpoint holds, and how a stage (of any plan) is restored from one.
 
 Every tensor is keyed by name, never by worker or stage, so a checkpoint saved on one plan
-restores on another (a stage loads the keys of its own cells, wherever they were before):
+restores on another (a stage loads the keys of its own nodes, wherever they were before):
 
 * the model (the checkpoint's root): every parameter and buffer under its key(s) in the
   unwrapped model's ``state_dict`` (``ComputeOptions.state_keys``; a tied weight under each
@@ -74,9 +74,9 @@ def snapshot(step: int, part: str, state: Sequence[tuple[str, torch.Tensor]],
              state_keys: Mapping[str, Sequence[str]], *, share: tuple[int, int] = (0, 1),
              skip: Collection[str] = ()) -> Snapshot:
     """Copy a stage's training state: this replica's share (``share`` = (replica, replicas):
-    :func:`replica_share`) of the saved entries of ``state`` (parameters and buffers, cell-qualified;
-    but ``skip``, the tied parameters another stage writes) with the optimizer's state of the
-    parameters among them, and this process's RNG state."""
+    :func:`replica_share`) of the saved entries of ``state`` (parameters and buffers, by the stage's names;
+    but ``skip``, the tied parameters another stage writes) with the optimizer's state of the parameters
+    among them, and this process's RNG state."""
     snap = Snapshot(step=step, part=part)
     entries = [(n, t) for n, t in saved_state(state, state_keys) if n not in skip]
     mine = [entries[i] for i in replica_share(len(entries), *share)]
@@ -93,7 +93,7 @@ def snapshot(step: int, part: str, state: Sequence[tuple[str, torch.Tensor]],
 
 def optimizer_entries(params: Sequence[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
                       state_keys: Mapping[str, Sequence[str]]) -> dict[str, torch.Tensor]:
-    """Copies of ``optimizer``'s state of each of ``params`` (cell-qualified) as ``optim.{key}.{entry}``
+    """Copies of ``optimizer``'s state of each of ``params`` (the stage's names) as ``optim.{key}.{entry}``
     (``key``: the parameter's first model key; a number entry as a float64 scalar)."""
     out: dict[str, torch.Tensor] = {}
     for name, param in params:
@@ -108,7 +108,7 @@ def optimizer_entries(params: Sequence[tuple[str, torch.Tensor]], optimizer: tor
 
 @dataclass
 class Restored:
-    """What a stage takes from a checkpoint: per parameter (cell-qualified) its optimizer state entries."""
+    """What a stage takes from a checkpoint: per parameter (by its stage name) its optimizer state entries."""
 
     optimizer_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
@@ -143,7 +143,7 @@ def load_stage(directory: Path, part: str, state: Sequence[tuple[str, torch.Tens
 
 def load_optimizer_state(train: Path, params: Sequence[tuple[str, torch.Tensor]],
                          state_keys: Mapping[str, Sequence[str]]) -> Restored:
-    """The optimizer state of ``params`` (cell-qualified) the training state at ``train`` holds, by
+    """The optimizer state of ``params`` (the stage's names) the training state at ``train`` holds, by
     name (``optim.{key}.{entry}``, whichever part wrote it); a parameter without any has none.
 
     Raises:

@@ -23,6 +23,10 @@ float64 ``[B, 16]`` needing gradients and ``p`` int64 ``[B, 16]``. Its spec is
 ``[h, skip, p]`` after checking each is ``[b, 16]``; tensor ``i`` travels with tag
 ``transfer_tag(3, i)``; the receiver fills ``empty_buffers(spec, b)`` and rebuilds the
 dict with :func:`unflatten`. On backward, gradients flow back for ``h`` and ``skip`` only.
+
+Several values crossing one cut (a skip connection beside the main path of a traced model,
+``services/compute/chain.py``) have ``structure="values"``: each is a tensor, and they travel and
+reach the stage as a tuple in graph order (what the stage modules return and take).
 """
 
 from __future__ import annotations
@@ -118,7 +122,8 @@ def flatten(spec: BoundarySpec, value: Any, num_samples: int, *, where: str,
     Raises:
         BoundaryError: The structure, a key, a dtype, a shape or ``requires_grad`` differs.
     """
-    expected_kind: type = {"tensor": torch.Tensor, "tuple": tuple, "list": list, "dict": dict}[spec.structure]
+    expected_kind: type = {"tensor": torch.Tensor, "tuple": tuple, "list": list, "dict": dict,
+                           "values": tuple}[spec.structure]
     plan = f"the plan says {spec.structure} of {len(spec.tensors)}"
     if not isinstance(value, expected_kind):
         raise BoundaryError(f"{where}: {plan}, got {describe(value)}")
@@ -148,10 +153,11 @@ def flatten(spec: BoundarySpec, value: Any, num_samples: int, *, where: str,
 
 
 def unflatten(spec: BoundarySpec, tensors: Sequence[torch.Tensor]) -> Any:
-    """The value ``tensors`` (in spec order) form: a tensor, a tuple, a list or a dict."""
+    """The value ``tensors`` (in spec order) form: a tensor, a tuple, a list or a dict (several
+    ``"values"`` form a tuple, one entry per value, as a stage module takes them)."""
     if spec.structure == "tensor":
         return tensors[0]
-    if spec.structure == "tuple":
+    if spec.structure in ("tuple", "values"):
         return tuple(tensors)
     if spec.structure == "list":
         return list(tensors)

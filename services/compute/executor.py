@@ -151,7 +151,7 @@ class StepExecutor:
     """Executes one :class:`RunStep` on ``stage``; single use.
 
     Args:
-        stage: The stage's cells, samples and loss.
+        stage: The stage's module, samples and loss.
         comm: The pipeline communicator (rank = stage index); None for a one-stage pipeline.
         request: The step; its action list must have passed ``validate_stage``.
         trains: True if the list runs backwards (``validate_stage``'s answer); False: an

@@ -1,6 +1,6 @@
 """The cell compute service: one pipeline stage's forward and backward, driven by action lists.
 
-One service runs cells ``[start, stop)`` of a model as stage ``s`` of ``p`` (see
+One service runs nodes ``[start, stop)`` of a model as stage ``s`` of ``p`` (see
 :mod:`services.compute.stage` for the factories and :mod:`services.compute.executor` for how a step's
 action list runs). RPC surface (service kind ``compute``):
 
@@ -13,7 +13,7 @@ action list runs). RPC surface (service kind ``compute``):
   in eval mode with the RNG untouched (``executor.evaluating``) and leaves the gradients as
   they are (the coordinator sends it with ``zero_grad`` off).
 * ``parameters(Empty)`` / ``gradients(Empty) -> TensorsReply`` + tensors named
-  ``"{cell}.{param}"`` (copies; ``gradients`` sends zeros for, and lists as ``missing``,
+  as the model names them (copies; ``gradients`` sends zeros for, and lists as ``missing``,
   parameters without a gradient).
 * ``zero_grad(ZeroGradRequest) -> Empty``.
 * ``optimizer_step(OptimizerStepRequest) -> OptimizerStepReply``: a ``torch.optim``
@@ -29,7 +29,7 @@ action list runs). RPC surface (service kind ``compute``):
   replica finished the step (a step is a transaction). A commit usually travels inside
   the next ``run_step`` (``RunStep.commit``), applied before that step's first action;
   this call commits the last step of a run.
-* ``state(Empty) -> TensorsReply`` + parameters and buffers (copies), cell-qualified.
+* ``state(Empty) -> TensorsReply`` + parameters and buffers (copies), as the model names them.
 * ``flush_saves(Empty) -> SavedParts``: wait (bounded) until every checkpoint part this stage
   was asked for is written; the parts not reported yet.
 
@@ -218,10 +218,10 @@ class CellComputeService(ServiceBase):
             service._restored = restored
         except CheckpointFormatError as exc:
             raise RpcError("bad_request", f"stage {options.stage}: restoring: {exc}") from None
-        except ValueError as exc:  # a factory, the cell range or the registry URL
+        except ValueError as exc:  # a factory, the trace, the node range or the registry URL
             raise RpcError("bad_request", f"stage {options.stage}: {exc}") from None
-        log.info("[stage %d/%d] cells %s, %d parameters", options.stage, options.num_stages,
-                 [c.name for c in stage.cells], sum(p.numel() for _, p in stage.parameters()))
+        log.info("[stage %d/%d] nodes %s, %d parameters", options.stage, options.num_stages,
+                 list(stage.nodes), sum(p.numel() for _, p in stage.parameters()))
         return service
 
     # -- one thing at a time ------------------------------------------------------------

@@ -1,16 +1,20 @@
-"""One pipeline stage built from an assignment: its cells, and on the ends the samples and the loss.
+"""One pipeline stage built from an assignment: its nodes of the model, on the ends the samples and the loss.
 
 Factories are named, never shipped: ``"package.module:function"`` (``Assignment.factory``,
 ``ComputeOptions.data`` and ``ComputeOptions.loss``), resolved by the worker through its
 allow-list (``services/factories.py``): a name that is not one of its job's factories is
 refused before anything is imported. Contracts:
 
-* model factory ``f(**factory_kwargs)`` returns the whole model as a sequence of modules
-  or cells (see :func:`services.compute.cell.as_cells`); the stage keeps cells
-  ``[start, stop)``. It runs under ``torch.manual_seed(seed)`` in a forked RNG, so
-  every stage (and a single-process reference seeded alike) gets the same parameters.
-  Every stage builds the whole model and drops what it does not run: simple and
-  deterministic, at the cost of building it (not keeping it) on each worker.
+* model factory ``f(**factory_kwargs)`` returns the whole model: a sequence of modules or
+  cells (see :func:`services.compute.cell.as_cells`) or any ``nn.Module`` torch.fx traces.
+  It runs under ``torch.manual_seed(seed)`` in a forked RNG, so every stage (and a
+  single-process reference seeded alike) gets the same parameters. The stage traces it as
+  the coordinator did (``services/compute/chain.py``, with ``ComputeOptions.leaves``) and
+  keeps nodes ``[start, stop)`` (``Assignment.nodes``): one way to build a stage for every
+  model, a cell sequence's node being a cell. Every stage builds the whole model and drops
+  what it does not run: simple and deterministic, at the cost of building it (not keeping
+  it) on each worker. The stage checks its boundary specs against its own trace, so a
+  factory that builds another model on a worker is refused at assignment, not trained.
 * data factory ``f(**data_kwargs)`` (seeded the same way) returns either a pair
   ``(inputs, targets)``, each a tensor, tuple, list or dict of tensors with the samples
   along dim 0 (every tensor as many rows: a target per input, checked by
@@ -38,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.compute.cell import Cell, as_cells, cell_parameters
+from services.compute.chain import Chain, trace_chain
 from services.factories import FactoryAllowList
 from services.protocol import Assignment, BoundarySpec, ComputeOptions, OptimizerSpec
 
@@ -210,16 +214,20 @@ def metric_sum(value: Any, num_samples: int, *, what: str) -> float:
 
 @dataclass
 class Stage:
-    """What one compute service runs: cells ``[start, stop)`` of stage ``index`` of ``num_stages``.
+    """What one compute service runs: nodes ``[start, stop)`` of the model, stage ``index`` of ``num_stages``.
 
+    ``tensors`` are the parameters, then the buffers, the stage holds, under their names in
+    the model (``services/compute/chain.py``): what its checkpoint part and its replies name.
     ``eval_samples`` (first and last stage) and ``metric_fn`` (last stage) are set when the job evaluates.
     """
 
     index: int
     num_stages: int
     start: int
-    cells: list[Cell]
-    module: nn.Sequential
+    stop: int
+    nodes: tuple[str, ...]  # the names of its nodes
+    module: nn.Module
+    tensors: list[tuple[str, torch.Tensor]]
     samples: SampleSource | None
     loss_fn: LossFn | None
     loss_reduction: str
@@ -238,19 +246,27 @@ class Stage:
         return self.index == self.num_stages - 1
 
     def parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The stage's parameters with cell-qualified names (``"{cell}.{param}"``)."""
-        return cell_parameters(self.cells)
+        """The stage's parameters under their names in the model (a tied one once)."""
+        return [(name, t) for name, t in self.tensors if isinstance(t, nn.Parameter)]
 
     def state(self) -> list[tuple[str, torch.Tensor]]:
-        """Parameters, then buffers (``"{cell}.{buffer}"``), each listed once: what a checkpoint holds."""
-        out: list[tuple[str, torch.Tensor]] = list(self.parameters())
-        seen = {id(t) for _, t in out}
-        for cell in self.cells:
-            for name, buf in cell.module.named_buffers():
-                if id(buf) not in seen:
-                    seen.add(id(buf))
-                    out.append((f"{cell.name}.{name}", buf))
-        return out
+        """Parameters, then buffers, each listed once: what a checkpoint holds."""
+        return list(self.tensors)
+
+
+def _check_boundary(chain: Chain, cut: int, spec: BoundarySpec, what: str) -> None:
+    """Raise ValueError if ``spec`` is not what crosses cut ``cut`` of this process's trace of the model.
+
+    One value crossing takes any structure but ``"values"``; several take ``"values"`` with their
+    graph names, in order (what the coordinator's trace named them).
+    """
+    crossing = [nd.name for nd in chain.crossing(cut)]
+    names = [t.name for t in spec.tensors]
+    same = names == crossing if spec.structure == "values" else len(crossing) == 1
+    if not same:
+        raise ValueError(f"the plan's {what} ({spec.structure} {names}) is not what crosses cut {cut} of "
+                         f"this worker's trace of the model ({crossing}): the model factory must build the "
+                         "same model in every process (same code, same kwargs)")
 
 
 def build_stage(assignment: Assignment, options: ComputeOptions, factories: FactoryAllowList) -> Stage:
@@ -260,19 +276,23 @@ def build_stage(assignment: Assignment, options: ComputeOptions, factories: Fact
 
     Raises:
         ValueError: A factory is not one of the job's (:class:`~services.factories.FactoryError`),
-            does not import or returns the wrong kind of thing, or the cell range does not fit the model.
+            does not import or returns the wrong kind of thing, the model does not trace, the node
+            range does not fit the model, or a boundary spec is not what crosses that cut here.
     """
     named = {"model factory": assignment.factory, "data factory": options.data, "loss factory": options.loss,
              "eval data factory": options.eval_data, "metric factory": options.metric}
     factories.require({what: name for what, name in named.items() if name})
     device = stage_device(options)
     factory = factories.resolve(assignment.factory, what="model factory")
-    cells = as_cells(_seeded(assignment.seed, lambda: factory(**options.factory_kwargs)))
-    if len(assignment.cells) != 2 or not 0 <= assignment.cells[0] < assignment.cells[1] <= len(cells):
-        raise ValueError(f"cells {assignment.cells} is not a [start, stop) range within the model's "
-                         f"{len(cells)} cells {[c.name for c in cells]}")
-    start, stop = assignment.cells
-    mine = cells[start:stop]
+    chain = trace_chain(_seeded(assignment.seed, lambda: factory(**options.factory_kwargs)), options.leaves)
+    if len(assignment.nodes) != 2 or not 0 <= assignment.nodes[0] < assignment.nodes[1] <= len(chain):
+        raise ValueError(f"nodes {assignment.nodes} is not a [start, stop) range within the model's "
+                         f"{len(chain)} nodes {[nd.name for nd in chain.nodes]}")
+    start, stop = assignment.nodes
+    if options.incoming is not None and start > 0:
+        _check_boundary(chain, start, options.incoming, "incoming boundary")
+    if options.outgoing is not None and stop < len(chain):
+        _check_boundary(chain, stop, options.outgoing, "outgoing boundary")
     first, last = options.stage == 0, options.stage == options.num_stages - 1
     samples = None
     if first or last:
@@ -289,8 +309,10 @@ def build_stage(assignment: Assignment, options: ComputeOptions, factories: Fact
     eval_samples, metric_fn = _eval_parts(assignment.seed, options, factories)
     if isinstance(metric_fn, nn.Module):
         metric_fn = metric_fn.to(device)
-    return Stage(index=options.stage, num_stages=options.num_stages, start=start, cells=mine,
-                 module=nn.Sequential(*mine).to(device), samples=samples, loss_fn=loss_fn,
+    names = tuple(nd.name for nd in chain.nodes[start:stop])
+    module = chain.stage_module(start, stop).to(device)  # moves the model's own modules: tensors after it
+    return Stage(index=options.stage, num_stages=options.num_stages, start=start, stop=stop, nodes=names,
+                 module=module, tensors=chain.stage_tensors(start, stop), samples=samples, loss_fn=loss_fn,
                  loss_reduction=options.loss_reduction, incoming=options.incoming, outgoing=options.outgoing,
                  device=device, eval_samples=eval_samples, metric_fn=metric_fn)
 

@@ -61,12 +61,14 @@ class BoundaryTensor(TensorMeta):
 class BoundarySpec(Message):
     """Everything that crosses one cut per microbatch: the value's structure and its tensors.
 
-    ``structure`` says how the tensors form the value a stage returns and the next stage's
-    first cell receives: ``"tensor"`` (exactly one entry), ``"tuple"``/``"list"`` (entries
-    in position order) or ``"dict"`` (entries under their ``dict_key``; str keys only).
+    ``structure`` says how the tensors form the value a stage returns and the next stage
+    receives: ``"tensor"`` (exactly one entry), ``"tuple"``/``"list"`` (entries in position
+    order), ``"dict"`` (entries under their ``dict_key``; str keys only), or ``"values"``:
+    several values cross the cut (a skip connection beside the main path), each a tensor,
+    passed as a tuple in graph order (see ``services/compute/chain.py``).
     """
 
-    structure: Literal["tensor", "tuple", "list", "dict"]
+    structure: Literal["tensor", "tuple", "list", "dict", "values"]
     tensors: list[BoundaryTensor] = Field(min_length=1, max_length=MAX_BOUNDARY_TENSORS)
     batch_size: int = Field(ge=1)  # the samples per microbatch the shapes were recorded at
 
@@ -125,7 +127,7 @@ class ComputeOptions(Message):
     dp_prefix: str = ""  # needed for collective with num_replicas > 1
     bucket_bytes: int = Field(default=25 << 20, ge=1)
     shards: list[ShardAddress] = Field(default_factory=list, max_length=1 << 12)
-    # checkpoints (services/checkpoint/): each cell-qualified tensor's keys in the unwrapped model's
+    # checkpoints (services/checkpoint/): each tensor's keys (by the stage's names) in the unwrapped model's
     # state_dict (tied weights have several), and the checkpoint to start from ("": the factory's values)
     state_keys: dict[str, list[str]] = Field(default_factory=dict, max_length=1 << 20)
     restore: str = Field(default="", max_length=4096)
@@ -143,6 +145,8 @@ class ComputeOptions(Message):
     precision: Precision = "fp32"
     # parameters other stages hold too (services/params/tied.py); None: none
     tied: TiedOptions | None = None
+    # the model's submodules traced as one node each (model.leaves), as the coordinator traced it
+    leaves: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=1 << 12)
 
     @property
     def data_parallel_backend(self) -> Backend:

@@ -35,8 +35,8 @@ class Assignment(Message):
 
     service: Name  # the name the service is addressed by on this worker
     kind: Literal["param_server", "barrier", "compute"]
-    factory: str = ""  # "package.module:function" that builds the model's cells (compute, PS)
-    cells: list[int] = Field(default_factory=list)  # [start, stop) cell range for compute
+    factory: str = ""  # "package.module:function" that builds the model (compute, PS)
+    nodes: list[int] = Field(default_factory=list)  # [start, stop) range of the model's nodes for compute
     seed: int = 0
     options: dict[str, Any] = Field(default_factory=dict)  # plan fields the service needs
 

@@ -45,6 +45,30 @@ def plain() -> nn.Module:
     return Plain().double()
 
 
+class Gate(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+class Gated(Plain):
+    """A plain model with an untraceable submodule between its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.gate(torch.tanh(self.a(x))))
+
+
+def gated() -> nn.Module:
+    return Gated().double()
+
+
 def one_linear() -> nn.Module:
     """One cell: a plan has one stage, so only the data-parallel degree can use more workers."""
     return nn.Linear(IN, OUT).double()

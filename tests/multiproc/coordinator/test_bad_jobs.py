@@ -151,14 +151,17 @@ def test_a_model_too_big_for_any_plan_is_refused_in_seconds_without_its_memory(t
     outputs.untouched()
 
 
-@pytest.mark.parametrize(("flags", "option"), [
-    (["--stages", "2"], "plan.num_stages=2"),
-    (["--strategy", "pipeline"], "plan.strategy='pipeline'"),
+@pytest.mark.parametrize(("model", "flags", "needles"), [
+    ("plain", ["--workers", "3", "--stages", "3"], (
+        f"model factory '{B}:plain' returns a Plain that torch.fx traces into 2 node(s) (a, b)",
+        "plan.num_stages=3", "at most 2 stage(s)", "cellmesh.Cell(name, module)")),
+    ("gated", ["--workers", "2"], (
+        f"model factory '{B}:gated': torch.fx cannot trace submodule 'gate' (Gate)",
+        "list it in model.leaves", "cellmesh.Cell")),
 ])
-def test_a_plain_module_asked_for_stages(tmp_path: Path, flags: list[str], option: str) -> None:
-    refused(tmp_path, job_file(tmp_path, model={"factory": f"{B}:plain"}), "--workers", "2", *flags, needles=(
-        f"model factory '{B}:plain' returns one Plain, and a plain nn.Module is one cell", option,
-        "cellmesh.Cell(name, module)", "cellmesh.as_cells"))
+def test_a_plain_module_that_cannot_be_cut_as_asked(tmp_path: Path, model: str, flags: list[str],
+                                                    needles: tuple[str, ...]) -> None:
+    refused(tmp_path, job_file(tmp_path, model={"factory": f"{B}:{model}"}), *flags, needles=needles)
 
 
 def test_a_loss_that_becomes_nan_stops_at_its_step_and_writes_nothing(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ SEEDS: list[Message] = [
     # services/protocol/
     protocol.WorkerCard(name="local-0", address="tcp://127.0.0.1:5555", pid=1, cpus=1, memory_bytes=1 << 30,
                         gpus=0, services=["compute-r0-s0"], rank=0, world_size=2),
-    protocol.Assignment(service="compute-r9-s0", kind="compute", factory="os:system", cells=[0, 1], seed=1,
+    protocol.Assignment(service="compute-r9-s0", kind="compute", factory="os:system", nodes=[0, 1], seed=1,
                         options={"stage": 0, "num_stages": 1, "factory_kwargs": {"command": "true"}}),
     protocol.Release(service="compute-r0-s0"),
     protocol.AssignmentReply(service="compute-r0-s0", address="tcp://127.0.0.1:5555"),

@@ -119,7 +119,7 @@ def _identities(targets: Targets, keys_dir: str | None, roles: list[Role]) -> di
 def _assign_os_system(marker: str) -> Assignment:
     """An assignment whose factory is ``os:system``, with the command as its keyword argument."""
     command = f"touch {marker}"
-    return Assignment(service="pwn", kind="compute", factory="os:system", cells=[0, 1], seed=0,
+    return Assignment(service="pwn", kind="compute", factory="os:system", nodes=[0, 1], seed=0,
                       options={"stage": 0, "num_stages": 1, "data": "os:system", "loss": "os:system",
                                "factory_kwargs": {"command": command}, "data_kwargs": {"command": command},
                                "loss_kwargs": {"command": command}})

@@ -86,14 +86,14 @@ def assign_pipeline(addresses: Sequence[str], service: str, *, model: str, cut: 
                     spec: BoundarySpec | None = None, data: str = f"{MODELS}:regression") -> None:
     """Assign a two-stage pipeline, stage 0 first (its assignment must return before stage 1 exists)."""
     spec = spec or cut_spec(getattr(models, model), cut)
-    for stage, (address, cells) in enumerate(zip(addresses, ([0, cut], [cut, num_cells]), strict=True)):
+    for stage, (address, nodes) in enumerate(zip(addresses, ([0, cut], [cut, num_cells]), strict=True)):
         options = ComputeOptions(stage=stage, num_stages=2, comm_backend=backend,  # type: ignore[arg-type]
                                  registry=registry, comm_prefix=prefix, comm_timeout_ms=20_000,
                                  data=data, loss=f"{MODELS}:mse",
                                  incoming=spec if stage == 1 else None, outgoing=spec if stage == 0 else None)
         with RpcClient(address, timeout=CALL_TIMEOUT) as c:
             assignment = Assignment(service=service, kind="compute", factory=f"{MODELS}:{model}",
-                                    cells=cells, seed=SEED, options=options.model_dump())
+                                    nodes=nodes, seed=SEED, options=options.model_dump())
             c.call("worker", "assign", assignment, AssignmentReply)
 
 

@@ -233,7 +233,7 @@ def test_bad_input_then_valid(stages: list[str], server: RegistryServer) -> None
                    OptimizerStepReply)
         with pytest.raises(RpcError, match=r"model factory .*no attribute 'nope'") as bad_assign:
             c.call("worker", "assign", Assignment(service="broken", kind="compute", factory=f"{MODELS}:nope",
-                                                  cells=[0, 1], options=dict(stage=0, num_stages=1,
+                                                  nodes=[0, 1], options=dict(stage=0, num_stages=1,
                                                   data=f"{MODELS}:regression", loss=f"{MODELS}:mse")),
                    AssignmentReply)
         assert bad_assign.value.code == "bad_request"
@@ -241,13 +241,13 @@ def test_bad_input_then_valid(stages: list[str], server: RegistryServer) -> None
                                            r"is not a factory of this worker's job") as foreign:
             c.call("worker", "assign", Assignment(service="broken", kind="compute",
                                                   factory="tests.multiproc.coordinator.models:mlp",
-                                                  cells=[0, 1], options=dict(stage=0, num_stages=1,
+                                                  nodes=[0, 1], options=dict(stage=0, num_stages=1,
                                                   data=f"{MODELS}:regression", loss=f"{MODELS}:mse")),
                    AssignmentReply)
         assert foreign.value.code == "bad_request"
         with pytest.raises(RpcError, match=r"missing or invalid.*incoming"):
             c.call("worker", "assign", Assignment(service="broken", kind="compute", factory=f"{MODELS}:mlp",
-                                                  cells=[0, 1], options=dict(stage=1, num_stages=2,
+                                                  nodes=[0, 1], options=dict(stage=1, num_stages=2,
                                                   registry="tcp://127.0.0.1:1", comm_prefix="/x",
                                                   data=f"{MODELS}:regression", loss=f"{MODELS}:mse")),
                    AssignmentReply)

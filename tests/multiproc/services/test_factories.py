@@ -76,7 +76,7 @@ def _assign(client: RpcClient, service: str, model: str, data: str, loss: str,
             kwargs: dict[str, str] | None = None) -> AssignmentReply:
     options = dict(stage=0, num_stages=1, data=data, loss=loss, factory_kwargs=kwargs or {})
     reply, _ = client.call("worker", "assign", Assignment(service=service, kind="compute", factory=model,
-                                                          cells=[0, 3], options=options), AssignmentReply)
+                                                          nodes=[0, 3], options=options), AssignmentReply)
     return reply
 
 

@@ -111,7 +111,7 @@ def test_the_eval_sections_metric_is_listed_and_no_other_sections(bait: tuple[st
     allowed = FactoryAllowList.of([f"{m}:mlp", f"{m}:regression", f"{m}:mse"], "a test")
     options = ComputeOptions(stage=0, num_stages=1, data=f"{m}:regression", loss=f"{m}:mse",
                              eval_data=f"{m}:regression", metric=f"{name}:model")
-    assignment = Assignment(service="c", kind="compute", factory=f"{m}:mlp", cells=[0, 6], seed=0,
+    assignment = Assignment(service="c", kind="compute", factory=f"{m}:mlp", nodes=[0, 6], seed=0,
                             options=options.model_dump())
     with pytest.raises(FactoryError, match=f"metric factory '{name}:model' is not a factory of this worker"):
         build_stage(assignment, options, allowed)

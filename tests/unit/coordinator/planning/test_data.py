@@ -64,5 +64,8 @@ def test_boundary_spec_from_a_dict_cut() -> None:
     spec = boundary_spec(CutInfo(index=2, tensors=metas, structure="dict"), 4)
     assert [(t.name, t.dict_key, t.requires_grad) for t in spec.tensors] == [("mix.h", "h", True),
                                                                             ("mix.pos", "pos", False)]
-    with pytest.raises(ValueError, match="sequence of Cells"):
-        boundary_spec(CutInfo(index=2, tensors=metas, structure="values"), 4)
+    skips = boundary_spec(CutInfo(index=2, tensors=metas, structure="values"), 4)  # two values: a skip
+    assert skips.structure == "values" and [(t.name, t.key) for t in skips.tensors] == [("mix.h", None),
+                                                                                        ("mix.pos", None)]
+    with pytest.raises(ValueError, match="cut 2 cannot lie between two stages: n is a int"):
+        boundary_spec(CutInfo(index=2, tensors=metas, uncuttable_reason="n is a int"), 4)

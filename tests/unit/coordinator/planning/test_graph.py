@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from coordinator.planning.graph import Graph, build_graph
 from services.compute.cell import Cell
+from services.compute.chain import UntraceableError
 
 
 class SkipNet(nn.Module):
@@ -64,12 +66,11 @@ def test_stage_modules_compose_to_the_model_forward_and_backward(bounds: tuple[i
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     graph = build_graph(model, torch.randn(3, 4))
-    values: tuple[torch.Tensor, ...] = (x,)
+    value: Any = x
     for a, b in itertools.pairwise(bounds):
-        out = graph.stage_module(a, b)(*values)
-        values = out if isinstance(out, tuple) else (out,)
-    assert torch.allclose(values[0], model(x))
-    values[0].square().sum().backward()
+        value = graph.stage_module(a, b)(value)  # one value, or a tuple of the values crossing
+    assert torch.allclose(value, model(x))
+    value.square().sum().backward()
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, expected[name]), name  # type: ignore[arg-type]
 
@@ -98,11 +99,11 @@ def test_cell_sequence_with_a_tuple_between_cells() -> None:
     graph = build_graph(model, torch.randn(5, 4))
     assert [n.name for n in graph.nodes] == ["in", "pair", "merge", "out"]
     assert [t.name for t in graph.cuts[2].tensors] == ["pair.0", "pair.1"]  # a tuple travels flattened
-    assert graph.boundary(2) == ("pair.0", "pair.1")
+    assert graph.flat_names(2) == ("pair.0", "pair.1")
     x = torch.randn(5, 4)
     first, second = graph.stage_module(0, 2), graph.stage_module(2, 4)
     reference = nn.Sequential(*model)(x)
-    assert torch.allclose(second(*first(x)), reference)
+    assert torch.allclose(second(first(x)), reference)  # the tuple passes whole, as between cells
 
 
 def test_a_dict_between_cells_crosses_as_its_tensors() -> None:
@@ -122,7 +123,7 @@ def test_a_dict_between_cells_crosses_as_its_tensors() -> None:
         ("split.h", "float32", True, 0), ("split.pos", "int64", False, 0)]
     assert graph.cuts[1].structure == "tensor"
     x = torch.randn(4, 3)
-    assert torch.equal(graph.stage_module(2, 3)(*graph.stage_module(0, 2)(x)), nn.Sequential(*model)(x))
+    assert torch.equal(graph.stage_module(2, 3)(graph.stage_module(0, 2)(x)), nn.Sequential(*model)(x))
     skips = build_graph(SkipNet(), torch.randn(3, 4))
     assert [c.structure for c in skips.cuts] == ["tensor", "values", "values", "values", "tensor", "tensor"]
 
@@ -132,11 +133,20 @@ def test_cells_are_not_traced_into() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * 2 if x.sum() > 0 else x  # data-dependent: fx cannot trace it
 
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.gate = Untraceable()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gate(self.lin(x))
+
     graph = build_graph([Cell("a", nn.Linear(3, 3)), Cell("b", Untraceable())], torch.randn(2, 3))
     assert len(graph) == 2
-    with pytest.raises(ValueError, match="Wrap the untraceable parts in Cells"):
-        build_graph(nn.Sequential(nn.Linear(3, 3), nn.Sequential(Untraceable())), torch.randn(2, 3),
-                    leaf=lambda m, name: isinstance(m, nn.Linear))
+    with pytest.raises(UntraceableError, match=r"submodule 'gate' \(Untraceable\): .* in model.leaves"):
+        build_graph(Net(), torch.randn(2, 3))
+    assert [nd.name for nd in build_graph(Net(), torch.randn(2, 3), leaves=["gate"]).nodes] == ["lin", "gate"]
 
 
 def test_duplicate_cell_names_are_refused() -> None:
@@ -178,7 +188,7 @@ def test_a_non_tensor_crossing_makes_the_cut_uncuttable() -> None:
     graph = build_graph(Reshape(), torch.randn(3, 4))
     assert not graph.cuts[1].cuttable
     assert "size is a int" in (graph.cuts[1].uncuttable_reason or "")
-    assert graph.boundary(1) == ("size", "a")
+    assert graph.flat_names(1) == ("size", "a")
     assert "uncuttable" in str(graph)
 
 
@@ -190,7 +200,7 @@ def test_shapes_scale_with_the_microbatch() -> None:
     assert (bigger.shape, bigger.nbytes) == ((8, 6), 8 * 6 * 4)
 
 
-def test_a_parameter_shared_across_nodes_is_refused() -> None:
+def test_a_parameter_shared_across_nodes_is_held_by_both() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -201,8 +211,12 @@ def test_a_parameter_shared_across_nodes_is_refused() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(self.a(x) * self.scale) * self.scale
 
-    with pytest.raises(ValueError, match="shared across nodes"):
-        build_graph(Tied(), torch.randn(2, 4))
+    model = Tied()
+    graph = build_graph(model, torch.randn(2, 4))
+    assert graph.chain.holders()["scale"] == (0, 1)
+    assert [n for n, _ in graph.chain.stage_tensors(1, 2)] == ["scale", "b.weight", "b.bias"]  # model order
+    x = torch.randn(3, 4)
+    assert torch.equal(graph.stage_module(1, 2)(graph.stage_module(0, 1)(x)), model(x))
 
 
 def test_a_model_that_fails_on_the_sample_names_the_node_and_its_inputs() -> None:

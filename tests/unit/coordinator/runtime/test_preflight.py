@@ -18,7 +18,7 @@ from coordinator.planning.request import PlanningError, batch_note, check_batch
 from coordinator.planning.resources import Resources, Worker
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.job import Job
-from coordinator.runtime.preflight import cell_bytes
+from coordinator.runtime.preflight import node_bytes
 from tests.multiproc.coordinator import bad_models
 
 M = "tests.multiproc.coordinator.models"
@@ -40,9 +40,9 @@ def one_line(exc: BaseException) -> str:
 
 def test_a_good_job_passes_and_keeps_its_cells_and_sample() -> None:
     checked = job().check()
-    assert [c.name for c in checked.cells] == [f"cell{i}" for i in range(6)]
+    assert [nd.name for nd in checked.chain.nodes] == [f"cell{i}" for i in range(6)]
     assert isinstance(checked.sample, torch.Tensor) and list(checked.sample.shape) == [8, 6]
-    sizes = cell_bytes(checked.cells)
+    sizes = node_bytes(checked.chain)
     assert [s.num_params for s in sizes] == [6 * 12 + 12, 0, 12 * 12 + 12, 0, 12 * 12 + 12, 12 * 3 + 3]
     assert [s.param_bytes for s in sizes] == [8 * s.num_params for s in sizes]  # float64
 
@@ -87,16 +87,34 @@ def test_inputs_and_targets_of_different_lengths_are_refused() -> None:
 
 
 @pytest.mark.parametrize(("plan", "option"), [
-    ({"num_stages": 2}, "plan.num_stages=2"),
-    ({"strategy": "pipeline"}, "plan.strategy='pipeline'"),
-    ({"balance": [1, 1]}, "plan.balance=[1, 1]"),
+    ({"num_stages": 3}, "plan.num_stages=3"),
+    ({"balance": [1, 1, 1]}, "plan.balance=[1, 1, 1]"),
 ])
-def test_a_plain_module_asked_for_stages_is_told_how_to_give_cells(plan: dict[str, Any], option: str) -> None:
+def test_a_plain_module_asked_for_more_stages_than_nodes_is_told_its_nodes(plan: dict[str, Any],
+                                                                           option: str) -> None:
     with pytest.raises(JobError) as info:
-        job(model=f"{B}:plain", **plan).check()
+        job(model=f"{B}:plain", resources=Resources.local(3), **plan).check()
     text = one_line(info.value)
-    assert f"model factory '{B}:plain' returns one Plain, and a plain nn.Module is one cell" in text
-    assert option in text and "cellmesh.Cell(name, module)" in text and "cellmesh.as_cells" in text
+    assert f"model factory '{B}:plain' returns a Plain that torch.fx traces into 2 node(s) (a, b)" in text
+    assert option in text and "at most 2 stage(s)" in text and "cellmesh.Cell(name, module)" in text
+
+
+def test_a_plain_module_is_cut_into_its_nodes() -> None:
+    checked = job(model=f"{B}:plain", strategy="pipeline").check()
+    assert [nd.name for nd in checked.chain.nodes] == ["a", "b"]  # tanh joins a
+    assert [s.num_params for s in node_bytes(checked.chain)] == [6 * 12 + 12, 12 * 3 + 3]
+
+
+def test_an_untraceable_submodule_is_named_with_the_fix() -> None:
+    with pytest.raises(JobError) as info:
+        job(model=f"{B}:gated").check()
+    text = one_line(info.value)
+    assert text.startswith(f"model factory '{B}:gated': torch.fx cannot trace submodule 'gate' (Gate): "
+                           "TraceError: symbolically traced variables cannot be used as inputs to control "
+                           "flow; list it in model.leaves")
+    assert "cellmesh.Cell" in text
+    checked = job(model=f"{B}:gated", leaves=["gate"]).check()
+    assert [nd.name for nd in checked.chain.nodes] == ["a", "gate", "b"]
 
 
 def test_more_stages_than_cells_is_refused_naming_the_cells() -> None:
@@ -118,7 +136,7 @@ def test_a_model_too_big_for_any_plan_is_refused_on_the_meta_device_in_seconds()
 
 def test_a_factory_that_does_not_build_on_the_meta_device_is_measured_built_for_real() -> None:
     checked = job(model=f"{B}:not_on_meta").check()
-    assert len(checked.cells) == 3
+    assert len(checked.chain) == 3
     with pytest.raises(PlanningError, match="too big for these workers"):
         tiny = Resources(workers=(Worker(name="w", memory_bytes=1000),))
         job(model=f"{B}:not_on_meta", resources=tiny).check()

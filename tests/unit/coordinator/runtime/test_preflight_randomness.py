@@ -22,7 +22,7 @@ def job(**fields: Any) -> Job:
 
 
 def test_a_model_dropping_along_dim_0_passes() -> None:
-    assert len(job().check().cells) == 5
+    assert len(job().check().chain) == 5
 
 
 def test_a_draw_with_the_batch_on_another_dim_is_named_with_the_fix() -> None:

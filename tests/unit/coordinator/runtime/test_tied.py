@@ -12,6 +12,7 @@ from coordinator.runtime.job import Job
 from coordinator.runtime.preflight import model_structure
 from coordinator.runtime.tied import shared_parameters, tied_per_stage
 from services.compute.cell import Cell
+from services.compute.chain import trace_chain
 from services.compute.stage import Stage
 from services.protocol import ComputeOptions, TiedOptions, TiedParam
 from tests.multiproc.coordinator import tied_models
@@ -31,79 +32,76 @@ class Scaled(nn.Module):
         return x * self.weight
 
 
-def chain(n: int) -> tuple[list[Cell], nn.Parameter]:
+def scaled_cells(n: int) -> tuple[list[Cell], nn.Parameter]:
     """``n`` cells ``c0..`` each scaling by its own weight; the caller ties some of them."""
     shared = nn.Parameter(torch.ones(3))
     return [Cell(f"c{i}", Scaled(nn.Parameter(torch.ones(3)))) for i in range(n)], shared
 
 
 def test_the_tied_gpt_shares_its_embedding_with_its_head() -> None:
-    cells = tied_models.tied_gpt()
-    assert shared_parameters(cells) == {
-        "embed.tok.weight": [("embed", "embed.tok.weight"), ("head", "head.out.weight")]}
+    assert shared_parameters(trace_chain(tied_models.tied_gpt())) == {"embed.tok.weight": (0, 3)}
 
 
 def test_a_parameter_used_twice_in_one_cell_is_not_shared() -> None:
     inner = nn.Linear(3, 3)
     twice = nn.Sequential(inner, inner)  # one Parameter under two names, within one cell
-    assert shared_parameters([Cell("a", twice), Cell("b", nn.Linear(3, 3))]) == {}
+    assert shared_parameters(trace_chain([Cell("a", twice), Cell("b", nn.Linear(3, 3))])) == {}
 
 
-def test_held_by_two_stages_is_tied_under_each_stage_s_own_name() -> None:
-    shared = shared_parameters(tied_models.tied_gpt())
-    stage0, stage1 = tied_per_stage(shared, [["embed", "block0"], ["block1", "head"]])
-    assert stage0 == [TiedParam(name="embed.tok.weight", key="embed.tok.weight", stages=[0, 1])]
-    assert stage1 == [TiedParam(name="head.out.weight", key="embed.tok.weight", stages=[0, 1])]
-    assert (stage0[0].owner, stage1[0].owner) == (0, 0)
+def test_held_by_two_stages_is_tied_under_one_name_on_every_stage() -> None:
+    shared = shared_parameters(trace_chain(tied_models.tied_gpt()))
+    stage0, stage1 = tied_per_stage(shared, [(0, 2), (2, 4)])
+    assert stage0 == stage1 == [TiedParam(name="embed.tok.weight", key="embed.tok.weight", stages=[0, 1])]
+    assert stage0[0].owner == 0
 
 
 def test_held_by_one_stage_only_is_not_tied() -> None:
-    shared = shared_parameters(tied_models.tied_gpt())
-    assert tied_per_stage(shared, [["embed", "block0", "block1", "head"]]) == [[]]
+    shared = shared_parameters(trace_chain(tied_models.tied_gpt()))
+    assert tied_per_stage(shared, [(0, 4)]) == [[]]
 
 
-def test_stages_between_the_holders_hold_nothing_and_a_stage_names_its_first_holding_cell() -> None:
-    cells, shared = chain(5)
+def test_stages_between_the_holders_hold_nothing_and_the_stage_names_it_as_the_chain_does() -> None:
+    cells, shared = scaled_cells(5)
     for i in (0, 2, 3):  # c0 on stage 0, c2 and c3 both on stage 1, none on stage 2
         cells[i].module.weight = shared
-    found = shared_parameters(cells)
-    assert found == {"c0.weight": [("c0", "c0.weight"), ("c2", "c2.weight"), ("c3", "c3.weight")]}
-    per_stage = tied_per_stage(found, [["c0", "c1"], ["c2", "c3"], ["c4"]])
-    assert per_stage == [[TiedParam(name="c0.weight", key="c0.weight", stages=[0, 1])],
-                         [TiedParam(name="c2.weight", key="c0.weight", stages=[0, 1])], []]
+    chain = trace_chain(cells)
+    found = shared_parameters(chain)
+    assert found == {"c0.weight": (0, 2, 3)}
+    per_stage = tied_per_stage(found, [(0, 2), (2, 4), (4, 5)])
+    tied = TiedParam(name="c0.weight", key="c0.weight", stages=[0, 1])
+    assert per_stage == [[tied], [tied], []]
     # what the stage itself calls it: the name Stage.parameters() gives
-    stage1 = Stage(index=1, num_stages=3, start=2, cells=cells[2:4], module=nn.Sequential(*cells[2:4]),
-                   samples=None, loss_fn=None, loss_reduction="mean", incoming=None, outgoing=None)
-    assert [n for n, p in stage1.parameters() if p is shared] == ["c2.weight"]
+    stage1 = Stage(index=1, num_stages=3, start=2, stop=4, nodes=("c2", "c3"),
+                   module=chain.stage_module(2, 4), tensors=chain.stage_tensors(2, 4), samples=None,
+                   loss_fn=None, loss_reduction="mean", incoming=None, outgoing=None)
+    assert [n for n, p in stage1.parameters() if p is shared] == ["c0.weight"]
 
 
 def test_two_tied_parameters_with_different_holders() -> None:
-    cells, a = chain(3)
+    cells, a = scaled_cells(3)
     b = nn.Parameter(torch.ones(3))
     cells[0].module.weight = cells[2].module.weight = a
     cells[0].module.bias = cells[1].module.bias = b
-    per_stage = tied_per_stage(shared_parameters(cells), [["c0"], ["c1"], ["c2"]])
-    assert per_stage == [
-        [TiedParam(name="c0.weight", key="c0.weight", stages=[0, 2]),
-         TiedParam(name="c0.bias", key="c0.bias", stages=[0, 1])],
-        [TiedParam(name="c1.bias", key="c0.bias", stages=[0, 1])],
-        [TiedParam(name="c2.weight", key="c0.weight", stages=[0, 2])]]
+    per_stage = tied_per_stage(shared_parameters(trace_chain(cells)), [(0, 1), (1, 2), (2, 3)])
+    weight = TiedParam(name="c0.weight", key="c0.weight", stages=[0, 2])
+    bias = TiedParam(name="c0.bias", key="c0.bias", stages=[0, 1])
+    assert [sorted(ps, key=lambda p: p.name) for ps in per_stage] == [[bias, weight], [bias], [weight]]
 
 
-def test_a_holding_cell_outside_every_stage_is_an_error() -> None:
-    shared = shared_parameters(tied_models.tied_gpt())
-    with pytest.raises(ValueError, match=r"cell 'head' \(holding 'head.out.weight'\) is in none of the"):
-        tied_per_stage(shared, [["embed", "block0", "block1"]])
+def test_a_holding_node_outside_every_stage_is_an_error() -> None:
+    shared = shared_parameters(trace_chain(tied_models.tied_gpt()))
+    with pytest.raises(ValueError, match=r"node 3 \(holding 'embed.tok.weight'\) is in none of the"):
+        tied_per_stage(shared, [(0, 3)])
 
 
 def test_from_a_job_s_plan_and_its_model_on_the_meta_device() -> None:
     job = Job(model=f"{T}:tied_gpt", loss=f"{M}:token_loss", data=f"{M}:tokens", global_batch=8, num_stages=2,
               balance=[1, 3], resources=Resources.local(2))
-    _, cells = model_structure(job.config)  # the coordinator's copy: identity is all that is needed
+    _, chain = model_structure(job.config)  # the coordinator's copy: identity is all that is needed
     plan = job.plan()
-    per_stage = tied_per_stage(shared_parameters(cells), [st.nodes for st in plan.stages])
+    per_stage = tied_per_stage(shared_parameters(chain), [(st.start, st.stop) for st in plan.stages])
     assert [[(p.name, p.stages) for p in ps] for ps in per_stage] == [
-        [("embed.tok.weight", [0, 1])], [("head.out.weight", [0, 1])]]
+        [("embed.tok.weight", [0, 1])], [("embed.tok.weight", [0, 1])]]
 
 
 def test_the_options_refuse_a_tied_entry_that_does_not_fit_the_stage() -> None:

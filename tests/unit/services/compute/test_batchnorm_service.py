@@ -7,16 +7,17 @@ import torch
 from torch import nn
 
 from comm.rpc import RpcError
-from services.compute.cell import as_cells
+from services.compute.chain import trace_chain
 from services.compute.service import CellComputeService
 from services.compute.stage import SampleSource, Stage
 from services.protocol import Action, ComputeOptions, RunStep
 
 
 def _stage() -> Stage:
-    cells = as_cells([nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)])
+    chain = trace_chain([nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)])
     data = SampleSource((torch.randn(8, 3), torch.randn(8, 1)), what="data")
-    return Stage(index=0, num_stages=1, start=0, cells=cells, module=nn.Sequential(*cells), samples=data,
+    return Stage(index=0, num_stages=1, start=0, stop=3, nodes=tuple(nd.name for nd in chain.nodes),
+                 module=chain.stage_module(0, 3), tensors=chain.stage_tensors(0, 3), samples=data,
                  loss_fn=nn.MSELoss(), loss_reduction="mean", incoming=None, outgoing=None)
 
 

@@ -94,7 +94,7 @@ def one_stage() -> Iterator[RpcClient]:
     options = ComputeOptions(stage=0, num_stages=1, data=f"{MODELS}:regression", loss=f"{MODELS}:mse")
     factories = FactoryAllowList.of([f"{MODELS}:{n}" for n in ("skip_model", "regression", "mse")], "a test")
     service = CellComputeService.from_assignment(Assignment(
-        service="c", kind="compute", factory=f"{MODELS}:skip_model", cells=[0, 4], seed=7,
+        service="c", kind="compute", factory=f"{MODELS}:skip_model", nodes=[0, 4], seed=7,
         options=options.model_dump()), factories)
     host = ServiceHost().start()
     host.add("c", service)

@@ -38,7 +38,7 @@ def test_the_options_carry_a_device_and_concrete_backends() -> None:
 
 def _assign(options: ComputeOptions) -> CellComputeService:
     return CellComputeService.from_assignment(Assignment(
-        service="c", kind="compute", factory=f"{MODELS}:skip_model", cells=[0, 4], seed=SEED,
+        service="c", kind="compute", factory=f"{MODELS}:skip_model", nodes=[0, 4], seed=SEED,
         options=options.model_dump()), FACTORIES)
 
 

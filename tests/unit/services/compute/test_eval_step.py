@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from comm.rpc import RpcClient, RpcError, ServiceHost
-from coordinator.runtime.factories import build_cells, build_data
-from services.compute.cell import Cell
+from coordinator.runtime.factories import build_data, build_model
+from services.compute.cell import Cell, as_cells
 from services.compute.executor import evaluating
 from services.compute.service import CellComputeService
 from services.compute.stage import metric_sum
@@ -49,7 +49,7 @@ def service(**options: str) -> CellComputeService:
     names = [f"{HERE}:noisy_bn_model", f"{M}:regression", f"{M}:mse", f"{E}:heldout", f"{E}:abs_error"]
     compute = ComputeOptions(stage=0, num_stages=1, data=f"{M}:regression", loss=f"{M}:mse", **options)
     return CellComputeService.from_assignment(Assignment(
-        service="c", kind="compute", factory=f"{HERE}:noisy_bn_model", cells=[0, 6], seed=SEED,
+        service="c", kind="compute", factory=f"{HERE}:noisy_bn_model", nodes=[0, 6], seed=SEED,
         options=compute.model_dump()), FactoryAllowList.of(names, "a test"))
 
 
@@ -83,7 +83,7 @@ def test_an_evaluation_reports_one_process_numbers_and_changes_nothing(stage: Rp
     assert all(torch.equal(grads[k], grads_after[k]) for k in grads)
     assert torch.equal(torch.random.get_rng_state(), rng)  # the stage's thread shares this RNG
 
-    _, cells = build_cells(f"{HERE}:noisy_bn_model", {}, SEED)  # one process, from the stage's own state
+    cells = as_cells(build_model(f"{HERE}:noisy_bn_model", {}, SEED))  # one process, from the stage's state
     for cell in cells:
         own = {k.removeprefix(f"{cell.name}."): v for k, v in after.items() if k.startswith(f"{cell.name}.")}
         cell.module.load_state_dict(own, strict=True)

@@ -43,7 +43,7 @@ def bf16_stage() -> Iterator[RpcClient]:
                              loss=f"{M}:mse", factory_kwargs={"dtype": "float32"}, precision="bf16")
     factories = FactoryAllowList.of([f"{M}:mlp", f"{M}:regression", f"{M}:mse"], "a test")
     service = CellComputeService.from_assignment(Assignment(
-        service="c", kind="compute", factory=f"{M}:mlp", cells=[0, 6], seed=SEED,
+        service="c", kind="compute", factory=f"{M}:mlp", nodes=[0, 6], seed=SEED,
         options=options.model_dump()), factories)
     host = ServiceHost().start()
     host.add("c", service)

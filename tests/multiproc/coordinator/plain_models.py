@@ -1,0 +1,120 @@
+"""Factories of models written as users write them, without cells: cellmesh traces and cuts them.
+
+Both are float64 and tiny (a few thousand parameters), without dropout or BatchNorm, so a plan
+and one process compute the same function:
+
+* :func:`gpt`: a GPT-style decoder: token embedding plus learned positions, ``BLOCKS`` pre-norm
+  blocks with residuals in an ``nn.ModuleList`` (each a node), a final norm and an untied head;
+* :func:`resnet`: a ResNet-style network: a conv stem, basic blocks whose identity or projection
+  shortcut is added in the model's own forward (each branch and each shortcut a node), and two
+  heads, one of them on the stem's features: that long skip and the block's input cross every cut
+  after the stem together with the main path (``structure="values"``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, SEQ, WIDTH, HEADS, BLOCKS = 32, 8, 16, 2, 4
+CHANNELS, SIZE, CLASSES = 4, 8, 10
+NUM_SAMPLES = 64
+
+
+class Block(nn.Module):
+    """Pre-norm: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``, causal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, HEADS, batch_first=True)
+        self.ln2 = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+        self.register_buffer("causal", torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.causal, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.1)  # learned positions
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.ln = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def gpt() -> nn.Module:
+    """Nodes: tok (with the positions), blocks.0-3, ln, head."""
+    return GPT().double()
+
+
+def tokens(num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (num_samples, SEQ + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def lm_loss() -> object:
+    return _next_token_loss
+
+
+class Branch(nn.Module):
+    """A basic block's residual branch: conv, norm, relu, conv, norm (GroupNorm: no batch statistics)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(2, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(2, cout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm2(self.conv2(torch.relu(self.norm1(self.conv1(x)))))
+
+
+class ResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        c = CHANNELS
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.ModuleList([Branch(c, c, 1), Branch(c, 2 * c, 2), Branch(2 * c, 2 * c, 1)])
+        self.shortcuts = nn.ModuleList([nn.Identity(), nn.Conv2d(c, 2 * c, 1, stride=2, bias=False),
+                                        nn.Identity()])
+        self.head = nn.Linear(2 * c, CLASSES)
+        self.stem_head = nn.Linear(c, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.relu(self.stem(x))
+        h = s
+        for block, shortcut in zip(self.blocks, self.shortcuts, strict=True):
+            h = torch.relu(block(h) + shortcut(h))
+        return self.head(h.mean(dim=(2, 3))) + self.stem_head(s.mean(dim=(2, 3)))
+
+
+def resnet() -> nn.Module:
+    """Nodes: stem, blocks.0, shortcuts.0, blocks.1, shortcuts.1, blocks.2, shortcuts.2, head, stem_head."""
+    return ResNet().double()
+
+
+def images(num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(num_samples, 3, SIZE, SIZE, dtype=torch.float64),
+            torch.randint(0, CLASSES, (num_samples,)))
+
+
+def cross_entropy() -> nn.Module:
+    return nn.CrossEntropyLoss()
