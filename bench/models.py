@@ -10,9 +10,10 @@ Run as a script, it trains every model variant of :data:`VARIANTS` on one embedd
 two workers, as a pipeline of 2 stages (1F1B, 4 microbatches, the cut the planner chooses)
 and as data parallel 2, and prints their samples/s side by side, with the loss after the last
 step (both plans train the same batches, so the losses agree). The variants: the GPT-style
-model of ``examples/gpt.py``, built from ready-made cells (cut between cells). A variant is one
-more entry of :data:`VARIANTS`: a key, a label and its factories with their keywords (the same
-GPT written as a plain ``nn.Module`` and cut automatically is the next one). Every round runs
+model of ``examples/gpt.py``, built from ready-made cells (cut between cells), and the same GPT
+written as one plain ``nn.Module`` (:class:`PlainGPT`), which torch.fx traces into nodes and the
+planner cuts inside. A variant is one more entry of :data:`VARIANTS`: a key, a label and its
+factories with their keywords. Every round runs
 every variant and plan once, the plans' order swapped round by round; the table shows the
 median over rounds and the spread (min-max).
 
@@ -41,7 +42,8 @@ if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shado
 
 from services.compute.cell import Cell
 
-__all__ = ["PLANS", "UNEVEN_LAYERS", "VARIANTS", "WIDTH", "Variant", "block", "mlp", "regression", "uneven"]
+__all__ = ["PLANS", "UNEVEN_LAYERS", "VARIANTS", "WIDTH", "PlainGPT", "Variant", "block", "gpt_plain", "mlp",
+           "regression", "uneven"]
 
 WIDTH = 1024
 # Linear+GELU layers per cell of the uneven model: 12 layers in 8 cells, the heavy ones last.
@@ -81,6 +83,36 @@ SEED = 0
 GPT_SIZE = {"width": 128, "heads": 4, "blocks": 4, "seq": 64}
 
 
+class PlainGPT(nn.Module):
+    """``examples/gpt.py``'s model written as one plain ``nn.Module``, without cells: token and position
+    embeddings, a ``ModuleList`` of the same transformer blocks, the same head. torch.fx traces it into
+    7 nodes (the embedding with the position add, 4 blocks, the head's norm and its linear layer), and
+    the planner cuts it where its profile says, not where cells say."""
+
+    def __init__(self, vocab: int, width: int, heads: int, blocks: int, seq: int) -> None:
+        super().__init__()
+        from services.compute.library import LMHead, TransformerBlock
+
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.randn(seq, width) * 0.02)
+        # the library's block and head modules, unwrapped: no Cell anywhere in this model
+        self.blocks = nn.ModuleList(TransformerBlock(f"b{i}", width, heads).module for i in range(blocks))
+        head = LMHead("head", width, vocab).module
+        self.norm, self.out = head.norm, head.out
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos[: ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.out(self.norm(x))
+        return out
+
+
+def gpt_plain(width: int = 96, heads: int = 4, blocks: int = 4, seq: int = 64) -> PlainGPT:
+    """The plain-module GPT of :class:`PlainGPT` at ``examples/gpt.py``'s sizes (vocabulary 256: bytes)."""
+    return PlainGPT(256, width, heads, blocks, seq)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One model to measure: its factories (``module:function`` names) and their keywords."""
@@ -96,6 +128,8 @@ class Variant:
 
 VARIANTS = (
     Variant("gpt-cells", "GPT of ready-made cells (examples/gpt.py)", "examples.gpt:model",
+            "examples.gpt:data", "examples.gpt:loss", GPT_SIZE, {"seq": GPT_SIZE["seq"]}),
+    Variant("gpt-plain", "the same GPT as one plain nn.Module, cut by torch.fx", "bench.models:gpt_plain",
             "examples.gpt:data", "examples.gpt:loss", GPT_SIZE, {"seq": GPT_SIZE["seq"]}),
 )
 PLANS: dict[str, tuple[str, dict[str, Any]]] = {
