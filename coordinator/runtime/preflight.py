@@ -304,14 +304,32 @@ def _check_eval(config: JobConfig, chain: Chain, loss_fn: Callable[[Any, Any], t
                                f"{section.factory!r}, {describe_value(targets)}: {first_line(exc)}") from exc
 
 
-def _check_draws(config: JobConfig, root: nn.Module, source: SampleSource) -> None:
-    """Check 7: the draws of forwards on 2 and 3 samples are keyed so that every plan draws alike.
+def _untraced_draw(chain: Chain, record: list[Drawn]) -> str | None:
+    """The module of the first draw made in code torch.fx traced into (outside every node's leaf module).
+
+    A stage runs such code inlined into its own graph module, so it would key the draw by the stage
+    rather than by the module one process sees drawing it: the draws would differ from one process's.
+    None when every draw is made inside a leaf (a cell, a ``torch.nn`` module, a block of a stack, a
+    module of ``model.leaves``) -- always so for a sequence of cells.
+    """
+    if chain.cells is not None:
+        return None
+    leaves = [str(nd.target) for nd in chain.module.graph.nodes if nd.op == "call_module"]
+    for drawn in record:
+        if not any(drawn.module == leaf or drawn.module.startswith(f"{leaf}.") for leaf in leaves):
+            return drawn.module
+    return None
+
+
+def _check_draws(config: JobConfig, root: nn.Module, source: SampleSource, chain: Chain) -> None:
+    """Check 8: the draws of forwards on 2 and 3 samples are keyed so that every plan draws alike.
 
     Skipped when the model draws nothing, the data holds fewer than 3 samples, or the model
     does not run on 2 or 3 samples (its own checks are the sample's, check 6).
 
     Raises:
-        JobError: A draw's size follows the batch elsewhere than along dim 0 (naming the module).
+        JobError: A draw's size follows the batch elsewhere than along dim 0, or a draw is made in
+            code torch.fx traces into (naming the module and the fix).
     """
     if (source.num_samples or config.data.num_samples or 0) < 3:
         return
@@ -329,6 +347,15 @@ def _check_draws(config: JobConfig, root: nn.Module, source: SampleSource) -> No
             return
         if not record:
             return
+        untraced = _untraced_draw(chain, record)
+        if untraced is not None:
+            where = (f"submodule {untraced!r}" if untraced else "the model's own forward")
+            fix = (f"list it in model.leaves (model: {{leaves: [{untraced}]}}, Job(leaves=[{untraced!r}])) "
+                   "so it runs as one node, or draw through an nn.Dropout module" if untraced else
+                   "draw through a submodule (nn.Dropout) instead of a function in the forward")
+            raise JobError(f"model factory {config.model.factory!r}: {where} draws random numbers (dropout) "
+                           "in code torch.fx traces into, so a pipeline stage would key the draws by the "
+                           f"stage, not by the module, and train differently from one process; {fix}")
         records.append(record)
     problem = check_draws(records[0], records[1], (2, 3))
     if problem is not None:
@@ -370,6 +397,6 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
     _run_nodes(config, chain, inputs, targets, loss_fn)
     if config.eval is not None:
         _check_eval(config, chain, loss_fn, size)
-    _check_draws(config, unwrapped(built), source)
+    _check_draws(config, unwrapped(built), source, chain)
     sample = inputs if isinstance(inputs, torch.Tensor) else (inputs,)
     return Checked(chain=chain, sample=sample, batch_norm=batch_norm_of(chain))

@@ -69,3 +69,22 @@ class SequenceFirst(nn.Module):
 def sequence_first(dtype: str = "float64") -> list[nn.Module]:
     """Three cells, the middle one dropping with the batch on dim 1 (refused by the preflight)."""
     return [nn.Linear(IN, HIDDEN).to(_dt(dtype)), SequenceFirst(), nn.Linear(HIDDEN, OUT).to(_dt(dtype))]
+
+
+class PlainDropping(nn.Module):
+    """A plain module (no cells) whose residual blocks ``a`` and ``c`` sit on the root, so torch.fx traces
+    into them, and draw with ``F.dropout`` there."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.a = DropBlock(p)
+        self.c = DropBlock(p)
+        self.out = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.c(self.a(self.inp(x))))
+
+
+def plain_dropping(dtype: str = "float64", p: float = 0.3) -> nn.Module:
+    return PlainDropping(p).to(_dt(dtype))

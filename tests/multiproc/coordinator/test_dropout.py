@@ -36,8 +36,8 @@ PLANS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    factories = [f"{R}:dropout_mlp", f"{R}:dropout_transformer", f"{M}:regression", f"{M}:mse", f"{M}:tokens",
-                 f"{M}:token_loss"]
+    factories = [f"{R}:dropout_mlp", f"{R}:dropout_transformer", f"{R}:plain_dropping", f"{M}:regression",
+                 f"{M}:mse", f"{M}:tokens", f"{M}:token_loss"]
     with LocalHarness(["local-0", "local-1"], job="t-dropout", lease_ttl=timedelta(seconds=2),
                       factories=factories) as h:
         yield h
@@ -86,6 +86,19 @@ def test_attention_and_residual_dropout_across_a_pipeline(harness: LocalHarness)
         result = job.fit(STEPS)
     diff = max_abs_diff(result.state_dict, train_reference(job, STEPS).state_dict)
     assert diff < TOL, f"max abs diff {diff:.3g} from one process"
+
+
+def test_a_plain_module_with_dropping_blocks_as_leaves_trains_as_one_process(harness: LocalHarness) -> None:
+    """No cells: torch.fx cuts the model, and the blocks drawing with F.dropout are leaves (model.leaves,
+    as the preflight asks), so each block's draws are keyed by its name on every stage."""
+    job = Job(model=f"{R}:plain_dropping", loss=f"{M}:mse", data=f"{M}:regression", optimizer="SGD",
+              optimizer_kwargs={"lr": 0.1}, global_batch=16, seed=3, leaves=["a", "c"], balance=[2, 2],
+              resources=Resources.local(workers=2), step_timeout_s=30, **PLANS["gpipe2x4"])
+    with job.attach(harness):
+        result = job.fit(STEPS)
+    assert tuple(job.plan().bounds) == (0, 2, 4)  # the cut falls between the two dropping blocks
+    diff = max_abs_diff(result.state_dict, train_reference(job, STEPS).state_dict)
+    assert diff < TOL, f"max abs diff {diff:.3g}"
 
 
 def test_a_resumed_run_draws_what_the_uninterrupted_one_draws(harness: LocalHarness, tmp_path: Path,

@@ -41,3 +41,14 @@ def test_batch_norm_layers_are_found_and_fixed_microbatches_refused_before_profi
     assert job().check().batch_norm == ()
     with pytest.raises(PlanningError, match=r"^BatchNorm layer 1 \(BatchNorm2d\) .* num_microbatches=4"):
         job(**bn, num_microbatches=4).check()
+
+
+def test_a_draw_in_code_fx_traces_into_is_refused_naming_the_module_and_the_leaves_fix() -> None:
+    plain = f"{R}:plain_dropping"
+    with pytest.raises(JobError) as info:
+        job(model=plain).check()
+    assert str(info.value).startswith(
+        f"model factory '{plain}': submodule 'a' draws random numbers (dropout) in code torch.fx traces into")
+    assert "list it in model.leaves (model: {leaves: [a]}, Job(leaves=['a']))" in str(info.value)
+    checked = job(model=plain, leaves=["a", "c"]).check()  # the fix: each block one node, keyed by its name
+    assert [nd.name for nd in checked.chain.nodes] == ["inp", "a", "c", "out"]
