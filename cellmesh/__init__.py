@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from coordinator.planning.plan import Plan
     from coordinator.planning.request import PlanningError
     from coordinator.planning.resources import Link, Resources, Worker
-    from coordinator.runtime.driver import JobFailed
-    from coordinator.runtime.errors import JobError
+    from coordinator.runtime.errors import JobError, JobFailed
     from coordinator.runtime.job import FitResult, Job
     from coordinator.runtime.nonfinite import NonFiniteStep
     from services.compute.actions import ScheduleError
@@ -69,7 +68,7 @@ _EXPORTS: dict[str, str] = {
     "ResidualBlock": "services.compute.library",
     "ClassifierHead": "services.compute.library",
     # errors
-    "JobFailed": "coordinator.runtime.driver",
+    "JobFailed": "coordinator.runtime.errors",
     "JobError": "coordinator.runtime.errors",
     "NonFiniteStep": "coordinator.runtime.nonfinite",
     "ConfigError": "coordinator.planning.config",

@@ -61,8 +61,7 @@ from coordinator.planning.profile import format_bytes
 from coordinator.planning.request import PlanningError
 from coordinator.runtime.checkpoints import newest, save_state_dict, temporary_path
 from coordinator.runtime.cluster import WorkerPool
-from coordinator.runtime.driver import JobFailed
-from coordinator.runtime.errors import JobError
+from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.job import FitResult, Job, StepCallback
 from coordinator.runtime.records import StepRecord
 from coordinator.runtime.session import Recovery, checkpoint_key, resolve_resume

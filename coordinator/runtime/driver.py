@@ -47,38 +47,33 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
 
 import torch
 
 from comm.codec import unpack
 from comm.traffic import TrafficCounts, latest_by
 from coordinator.planning.devices import DeviceError
-from coordinator.planning.graph import CutInfo
 from coordinator.planning.plan import Plan
 from coordinator.runtime.accumulation import accumulated_schedule
 from coordinator.runtime.clipping import global_norm, grad_scale
-from coordinator.runtime.devices import DeviceRequest, place_devices
+from coordinator.runtime.devices import place_devices
+from coordinator.runtime.errors import JobFailed
 from coordinator.runtime.evaluation import forward_actions
 from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
 from coordinator.runtime.nonfinite import first_nonfinite, overflowed, refuse
 from coordinator.runtime.records import StepRecord, _Service
-from coordinator.runtime.scaler import LossScaler, ScalerState
+from coordinator.runtime.runspec import RunSpec, boundary_spec
+from coordinator.runtime.scaler import LossScaler
 from coordinator.runtime.shards import ParamShards
-from coordinator.runtime.tied import Holders, tied_per_stage
+from coordinator.runtime.tied import tied_per_stage
 from services.protocol import (
     Assignment,
     AssignmentReply,
-    BoundarySpec,
-    BoundaryTensor,
     CommitReply,
     CommitStep,
     ComputeOptions,
     Empty,
-    FactoryKwargs,
-    OptimizerSpec,
     Release,
     RunStep,
     SavedPart,
@@ -92,74 +87,11 @@ from services.protocol import (
     WorkerStatus,
 )
 
-__all__ = ["JobFailed", "RunSpec", "Runtime", "boundary_spec"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = timedelta(seconds=2)
-
-
-class JobFailed(RuntimeError):
-    """The job stopped: a worker failed or vanished. The message names the worker, service and step."""
-
-    def __init__(self, message: str, *, worker: str = "", service: str = "", step: int | None = None,
-                 lost: bool = False) -> None:
-        super().__init__(message)
-        self.worker = worker
-        self.service = service
-        self.step = step
-        self.lost = lost  # the worker died, froze or vanished (a replacement can take over); else it refused
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What the services of a job are built from (names of factories, never code)."""
-
-    job: str  # the workers' job (their registry prefix)
-    run: str  # unique per runtime: names its services and communicator prefixes
-    model: str
-    data: str
-    loss: str
-    optimizer: OptimizerSpec
-    model_kwargs: FactoryKwargs = field(default_factory=dict)
-    data_kwargs: FactoryKwargs = field(default_factory=dict)
-    loss_kwargs: FactoryKwargs = field(default_factory=dict)
-    seed: int = 0
-    devices: DeviceRequest = field(default_factory=DeviceRequest)  # where stages run, each group's backend
-    step_timeout: timedelta = timedelta(seconds=300)
-    call_timeout: timedelta = timedelta(seconds=120)
-    nonfinite: Literal["stop", "skip"] = "stop"  # see [Note: a step that is not finite]
-    clip_grad_norm: float | None = None  # see coordinator/runtime/clipping.py
-    accumulate: int = 1  # global batches per step: see coordinator/runtime/accumulation.py
-    # checkpoints: each tensor's keys (by the stages' names) in the unwrapped model's state_dict, and
-    # the checkpoint the services start from ("": the factories' values)
-    state_keys: Mapping[str, list[str]] = field(default_factory=dict)
-    restore: str = ""
-    # each tensor's nodes (Chain.holders: the stages holding it), and the model's leaves (model.leaves)
-    holders: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    leaves: tuple[str, ...] = ()
-    # evaluation: the held-out data factory and the metric factory ("": none)
-    eval_data: str = ""
-    eval_data_kwargs: FactoryKwargs = field(default_factory=dict)
-    metric: str = ""
-    scaler: ScalerState | None = None  # fp16: the loss scale to start from (a checkpoint's; None: initial)
-    # the parameters several nodes hold (coordinator/runtime/tied.py's shared_parameters)
-    tied: Mapping[str, Holders] = field(default_factory=dict)
-
-
-def boundary_spec(cut: CutInfo, batch_size: int) -> BoundarySpec:
-    """The compute service's view of a cut (shapes at ``batch_size`` samples).
-
-    Raises:
-        ValueError: The cut cannot lie between stages (the message says why: a non-tensor crosses it).
-    """
-    if not cut.cuttable:
-        raise ValueError(f"cut {cut.index} cannot lie between two stages: {cut.uncuttable_reason}")
-    tensors = [BoundaryTensor(name=t.name, dtype=t.dtype, shape=list(t.shape), requires_grad=t.requires_grad,
-                              batch_dim=t.batch_dim,
-                              key=t.name.split(".", 1)[1] if cut.structure == "dict" else None)
-               for t in cut.tensors]
-    return BoundarySpec(structure=cut.structure, tensors=tensors, batch_size=batch_size)
 
 
 class Runtime:

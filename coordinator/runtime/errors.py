@@ -6,7 +6,8 @@ raises, cells that do not fit the data or each other, data whose inputs and targ
 in length, a model cut into more stages than it has cells. Its message is one line naming
 the factory, the cell or the option and the fix; ``cellmesh run`` prints it as is and exits
 2 (``coordinator/commands/run.py``). It is a ``ValueError``, as the inconsistent jobs it
-replaces were.
+replaces were. A :class:`JobFailed` is a job that stopped while it trained: a worker failed,
+refused or vanished (``coordinator/runtime/driver.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["JobError", "first_line", "located"]
+__all__ = ["JobError", "JobFailed", "first_line", "located"]
 
 # frames in these directories are torch's or cellmesh's, not the user's code
 _NOT_USER = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[2] / "coordinator",
@@ -25,6 +26,18 @@ _NOT_USER = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().par
 
 class JobError(ValueError):
     """The job as given cannot train; the message names the factory, cell or option and the fix."""
+
+
+class JobFailed(RuntimeError):
+    """The job stopped: a worker failed or vanished. The message names the worker, service and step."""
+
+    def __init__(self, message: str, *, worker: str = "", service: str = "", step: int | None = None,
+                 lost: bool = False) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.service = service
+        self.step = step
+        self.lost = lost  # the worker died, froze or vanished (a replacement can take over); else it refused
 
 
 def first_line(exc: BaseException) -> str:

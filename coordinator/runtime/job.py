@@ -60,12 +60,12 @@ from coordinator.planning.resources import Resources
 from coordinator.runtime.checkpoints import FINAL_MODEL, save_state_dict
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.devices import DeviceRequest, local_resources, profile_device
-from coordinator.runtime.driver import RunSpec
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.factories import build_data, build_model, factory_path, unwrapped
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.preflight import Checked, batch_norm_of, check_job, model_structure
 from coordinator.runtime.records import EvalRecord, StepRecord
+from coordinator.runtime.runspec import RunSpec
 from coordinator.runtime.scaler import ScalerState
 from coordinator.runtime.session import Recovery, Session, resolve_resume
 from services.compute.chain import Chain

@@ -61,8 +61,8 @@ from coordinator.planning.resources import Resources
 from coordinator.runtime.accumulation import step_batches
 from coordinator.runtime.checkpoints import Checkpointer, TrainerState, model_state, newest, read_trainer
 from coordinator.runtime.cluster import WorkerPool
-from coordinator.runtime.driver import JobFailed, Runtime
-from coordinator.runtime.errors import JobError
+from coordinator.runtime.driver import Runtime
+from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.evaluation import Evaluation
 from coordinator.runtime.factories import build_chain, job_factories
 from coordinator.runtime.harness import LocalHarness

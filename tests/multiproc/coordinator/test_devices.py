@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from coordinator.planning.resources import Resources, Worker
-from coordinator.runtime.driver import JobFailed
+from coordinator.runtime.errors import JobFailed
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.reference import max_abs_diff, train_reference

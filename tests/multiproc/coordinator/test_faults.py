@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 
 from coordinator.planning.resources import Resources
-from coordinator.runtime.driver import JobFailed
+from coordinator.runtime.errors import JobFailed
 from coordinator.runtime.factories import job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import Job

@@ -136,7 +136,7 @@ def test_auto_trains_like_the_same_plan_fixed_by_hand(harness: LocalHarness) -> 
 
 
 def test_a_service_error_stops_the_job_naming_worker_service_and_step(harness: LocalHarness) -> None:
-    from coordinator.runtime.driver import JobFailed
+    from coordinator.runtime.errors import JobFailed
 
     job = Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:failing_data", num_samples=64, shuffle=False,
               global_batch=16, data_parallel=2, num_stages=1, num_microbatches=1,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from coordinator.planning.resources import Resources
-from coordinator.runtime.driver import JobFailed
+from coordinator.runtime.errors import JobFailed
 from coordinator.runtime.factories import job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import FitResult, Job

@@ -25,7 +25,7 @@ import pytest
 from comm.codec import unpack
 from comm.registry import OUTAGE_GRACE
 from coordinator.runtime.cluster import ClusterWorkers
-from coordinator.runtime.driver import StepRecord
+from coordinator.runtime.records import StepRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from services.protocol import WorkerCard
 from tests.harness.etcd import EtcdServer, etcd_available

@@ -24,7 +24,7 @@ from torch import nn
 
 from comm.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV
 from coordinator.commands.run import report
-from coordinator.runtime.driver import JobFailed
+from coordinator.runtime.errors import JobFailed
 from examples import charlm
 from tests.multiproc.coordinator import models
 

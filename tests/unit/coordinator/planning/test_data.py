@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from coordinator.planning.data import BatchSampler, split_batch
 from coordinator.planning.graph import CutInfo, TensorMeta
-from coordinator.runtime.driver import boundary_spec
 from coordinator.runtime.factories import factory_path
 from coordinator.runtime.job import optimizer_spec
+from coordinator.runtime.runspec import boundary_spec
 
 
 @given(n=st.integers(1, 200), b=st.integers(1, 200), shuffle=st.booleans(), seed=st.integers(0, 5))
