@@ -59,12 +59,17 @@ from coordinator.commands.rundir import RunDir, previous_checkpoint_roots
 from coordinator.planning.config import OptimizerConfig
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.request import PlanningError
-from coordinator.runtime.checkpoints import newest, save_state_dict, temporary_path
+from coordinator.runtime.checkpoints import (
+    checkpoint_key,
+    newest,
+    resolve_resume,
+    save_state_dict,
+    temporary_path,
+)
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.job import FitResult, Job, StepCallback
-from coordinator.runtime.records import StepRecord
-from coordinator.runtime.session import Recovery, checkpoint_key, resolve_resume
+from coordinator.runtime.records import Recovery, StepRecord
 from services.compute.stage import make_optimizer
 
 __all__ = ["REPORTED", "USER_ERRORS", "OutputError", "RunOptions", "RunResult", "Terminated",

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from coordinator.runtime.errors import JobError
 from coordinator.runtime.scaler import ScalerState
 from services.checkpoint import dcp
 from services.checkpoint.stage_state import TRAIN
@@ -278,3 +279,45 @@ def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
 def temporary_path(path: Path) -> Path:
     """The temporary file :func:`save_state_dict` writes beside ``path`` before renaming it."""
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def checkpoint_key(job: str) -> str:
+    """The registry key naming job ``job``'s newest checkpoint (a restarted coordinator reads it)."""
+    return f"/cellmesh/{job}/checkpoint"
+
+
+def state_keys(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """Each tensor's name in the stages (``Chain.named_tensors``) -> its keys in ``model.state_dict()``
+    (tied: several)."""
+    by_id: dict[int, str] = {id(t): n for n, t in named}
+    out: dict[str, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = by_id.get(id(value))
+        if name is not None:
+            out.setdefault(name, []).append(key)
+    return out
+
+
+def resolve_resume(resume: Path | str | bool, root: str | None) -> Path | None:
+    """The checkpoint ``resume`` means: a ``step-*`` directory, the newest under a directory, or (True)
+    the newest under the job's ``checkpoint.directory``; None when that directory has none yet.
+
+    Raises:
+        JobError: ``resume`` is True but the job has no checkpoint directory, or a path holds no checkpoint.
+    """
+    if resume is True:
+        if root is None:
+            raise JobError("resume=True needs the job's checkpoint.directory (or give the checkpoint's "
+                           "path: --resume DIR)")
+        found = newest(Path(root))
+        if found is None:
+            log.warning("no checkpoint under %s yet: training starts from the beginning", root)
+        return found
+    path = Path(str(resume))
+    if (path / "trainer.json").is_file():
+        return path
+    found = newest(path)
+    if found is None:
+        raise JobError(f"--resume {path}: no complete checkpoint there (a step-* directory with "
+                       "trainer.json)")
+    return found

@@ -57,17 +57,17 @@ from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, profile_graph
 from coordinator.planning.request import PlanningError, batch_norm_request, batch_note, check_batch_norm_plan
 from coordinator.planning.resources import Resources
-from coordinator.runtime.checkpoints import FINAL_MODEL, save_state_dict
+from coordinator.runtime.checkpoints import FINAL_MODEL, resolve_resume, save_state_dict
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.devices import DeviceRequest, local_resources, profile_device
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.factories import build_data, build_model, factory_path, unwrapped
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.preflight import Checked, batch_norm_of, check_job, model_structure
-from coordinator.runtime.records import EvalRecord, StepRecord
+from coordinator.runtime.records import EvalRecord, Recovery, StepRecord
 from coordinator.runtime.runspec import RunSpec
 from coordinator.runtime.scaler import ScalerState
-from coordinator.runtime.session import Recovery, Session, resolve_resume
+from coordinator.runtime.session import Session
 from services.compute.chain import Chain
 from services.compute.precision import autocast, device_type
 from services.compute.stage import to_device

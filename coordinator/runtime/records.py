@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from comm.traffic import TrafficCounts
 from services.protocol import Action, SavedPart, StepReply
 
-__all__ = ["ActionEvent", "EvalRecord", "StepRecord"]
+__all__ = ["ActionEvent", "EvalRecord", "Recovery", "StepRecord"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,17 @@ class StepRecord:
                            for p in body.phases]
             self._events = events
         return self._events
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One failure the session survived, for the run record and the terminal."""
+
+    at: float  # when it was noticed (time.time())
+    step: int | None  # the step that was running
+    worker: str
+    reason: str
+    action: str  # "replaced" or "re-planned on N workers" / "re-planned on N workers (one came back)"
+    resumed_step: int  # the step training went on from (a checkpoint's, or 0)
+    plan: str  # the plan after it
+    seconds: float  # from noticing to the new runtime placed

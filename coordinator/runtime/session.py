@@ -47,8 +47,8 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,7 +59,15 @@ from coordinator.planning.plan import Plan
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources
 from coordinator.runtime.accumulation import step_batches
-from coordinator.runtime.checkpoints import Checkpointer, TrainerState, model_state, newest, read_trainer
+from coordinator.runtime.checkpoints import (
+    Checkpointer,
+    TrainerState,
+    checkpoint_key,
+    model_state,
+    newest,
+    read_trainer,
+    state_keys,
+)
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import Runtime
 from coordinator.runtime.errors import JobError, JobFailed
@@ -68,75 +76,19 @@ from coordinator.runtime.factories import build_chain, job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import check_optimizer, model_structure
-from coordinator.runtime.records import EvalRecord, StepRecord
+from coordinator.runtime.records import EvalRecord, Recovery, StepRecord
 from coordinator.runtime.tied import shared_parameters
 
 if TYPE_CHECKING:
     from coordinator.runtime.job import Job
 
-__all__ = ["Recovery", "Session", "checkpoint_key", "resolve_resume", "state_keys"]
+__all__ = ["Session"]
 
 log = logging.getLogger(__name__)
 
 _runs = itertools.count()
 _PROCESS_TAG = uuid.uuid4().hex[:4]
 RELEASE_TIMEOUT = timedelta(seconds=5)  # releasing the old runtime's services after a failure
-
-
-def checkpoint_key(job: str) -> str:
-    """The registry key naming job ``job``'s newest checkpoint (a restarted coordinator reads it)."""
-    return f"/cellmesh/{job}/checkpoint"
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """One failure the session survived, for the run record and the terminal."""
-
-    at: float  # when it was noticed (time.time())
-    step: int | None  # the step that was running
-    worker: str
-    reason: str
-    action: str  # "replaced" or "re-planned on N workers" / "re-planned on N workers (one came back)"
-    resumed_step: int  # the step training went on from (a checkpoint's, or 0)
-    plan: str  # the plan after it
-    seconds: float  # from noticing to the new runtime placed
-
-
-def state_keys(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
-    """Each tensor's name in the stages (``Chain.named_tensors``) -> its keys in ``model.state_dict()``
-    (tied: several)."""
-    by_id: dict[int, str] = {id(t): n for n, t in named}
-    out: dict[str, list[str]] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        name = by_id.get(id(value))
-        if name is not None:
-            out.setdefault(name, []).append(key)
-    return out
-
-
-def resolve_resume(resume: Path | str | bool, root: str | None) -> Path | None:
-    """The checkpoint ``resume`` means: a ``step-*`` directory, the newest under a directory, or (True)
-    the newest under the job's ``checkpoint.directory``; None when that directory has none yet.
-
-    Raises:
-        JobError: ``resume`` is True but the job has no checkpoint directory, or a path holds no checkpoint.
-    """
-    if resume is True:
-        if root is None:
-            raise JobError("resume=True needs the job's checkpoint.directory (or give the checkpoint's "
-                           "path: --resume DIR)")
-        found = newest(Path(root))
-        if found is None:
-            log.warning("no checkpoint under %s yet: training starts from the beginning", root)
-        return found
-    path = Path(str(resume))
-    if (path / "trainer.json").is_file():
-        return path
-    found = newest(path)
-    if found is None:
-        raise JobError(f"--resume {path}: no complete checkpoint there (a step-* directory with "
-                       "trainer.json)")
-    return found
 
 
 class Session:

@@ -95,13 +95,14 @@ from comm.codec import describe_validation_error
 from comm.rpc import Call, RpcError, ServiceBase
 from services import faults
 from services.checkpoint.dcp import CheckpointFormatError
-from services.checkpoint.stage_state import Restored, Snapshot, apply_optimizer_state, load_stage, snapshot
+from services.checkpoint.stage_state import Restored, apply_optimizer_state, load_stage, snapshot
 from services.checkpoint.writer import PartWriter
 from services.compute.actions import validate_stage
 from services.compute.batchnorm import BatchNormSync, batch_norm_layers
 from services.compute.executor import StepExecutor, StepFailed, evaluating
 from services.compute.randomness import ModelRandomness
-from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
+from services.compute.stage import Stage, build_stage, check_eval, check_samples, make_optimizer
+from services.compute.update import local_update, scale_grads
 from services.factories import FactoryAllowList
 from services.link import PipelineLink
 from services.params import scheduling
@@ -133,19 +134,6 @@ log = logging.getLogger(__name__)
 _REPLY_GRACE = timedelta(seconds=5)
 OPTIMIZER_STEP_TIMEOUT = timedelta(seconds=600)
 FLUSH_TIMEOUT = timedelta(seconds=600)  # writing the last checkpoint parts at the end of a run
-
-
-def _before_write(snap: Snapshot) -> None:
-    faults.at(snap.step, "save")
-
-
-def _check_eval(stage: Stage, trains: bool) -> None:
-    """Raise ValueError unless the stage can run an evaluation step of a list that ``trains`` or not."""
-    if trains:
-        raise ValueError("an evaluation step (source 'eval') runs no backward")
-    if (stage.first or stage.last) and stage.eval_samples is None:
-        raise ValueError(f"stage {stage.index} has no held-out data: the job's config has no eval "
-                         "section (assign the stage with eval_data to evaluate)")
 
 
 class CellComputeService(ServiceBase):
@@ -192,7 +180,7 @@ class CellComputeService(ServiceBase):
         self._precision = options.precision
         self._part = f"r{options.replica}-s{stage.index}"
         self._replica, self._replicas = options.replica, options.num_replicas
-        self._writer = PartWriter(before_write=_before_write)
+        self._writer = PartWriter(before_write=lambda snap: faults.at(snap.step, "save"))  # fault injection
         self._restored = Restored()
 
     @classmethod
@@ -281,7 +269,7 @@ class CellComputeService(ServiceBase):
             trains = validate_stage(request.actions, stage=stage.index, num_stages=stage.num_stages,
                                     num_microbatches=len(request.microbatches))
             if request.source == "eval":
-                _check_eval(stage, trains)
+                check_eval(stage, trains)
             check_samples(stage, request.microbatches, request.source)
             if trains and self._batch_norm and len(request.microbatches) > 1:
                 raise ValueError(f"{len(request.microbatches)} microbatches would each be normalised on "
@@ -412,10 +400,7 @@ class CellComputeService(ServiceBase):
         else:
             faults.at(step, "push_pull")
             owned = [(n, p) for n, p in self._stage.parameters() if n not in self._mirrors]
-            grads = [p.grad for _, p in owned if p.grad is not None]
-            if commit.grad_scale != 1.0 and grads:  # fp16's unscale: the shards take unscaled gradients
-                with torch.no_grad():
-                    torch._foreach_mul_(grads, commit.grad_scale)
+            scale_grads(owned, commit.grad_scale)  # fp16's unscale: the shards take unscaled gradients
             try:
                 phase = self._path.exchange(commit.step, owned, timeout, train_step=commit.train_step)
             except Exception as exc:
@@ -441,22 +426,13 @@ class CellComputeService(ServiceBase):
         return phases
 
     def _update(self, optimizer: torch.optim.Optimizer, commit: CommitStep) -> None:
-        """The local update: the scheduler brought to the commit's step, the gradients scaled by
-        ``grad_scale`` (clipping: ``services/params/clipping.py``), the optimizer step, one scheduler step.
+        """The local update (:func:`~services.compute.update.local_update`).
 
         Raises:
             StepFailed: The scheduler cannot step (OneCycleLR past its ``total_steps``) or is past the step.
         """
         try:
-            if self._scheduler is not None:
-                scheduling.advance(self._scheduler, commit.train_step)
-            grads = [p.grad for _, p in self._stage.parameters() if p.grad is not None]
-            if commit.grad_scale != 1.0 and grads:  # torch multiplies by 1.0 too: the same values
-                with torch.no_grad():
-                    torch._foreach_mul_(grads, commit.grad_scale)
-            optimizer.step()
-            if self._scheduler is not None:
-                scheduling.step(self._scheduler)
+            local_update(self._stage.parameters(), optimizer, self._scheduler, commit)
         except ValueError as exc:
             raise StepFailed(f"stage {self._stage.index}, commit of step {commit.train_step + 1}: {exc}",
                              transfers_posted=False) from exc

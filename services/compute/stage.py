@@ -52,6 +52,7 @@ __all__ = [
     "SampleSource",
     "Stage",
     "build_stage",
+    "check_eval",
     "check_samples",
     "make_optimizer",
     "metric_sum",
@@ -334,6 +335,15 @@ def _eval_parts(seed: int, options: ComputeOptions, factories: FactoryAllowList
                              "not a callable metric(output, targets)")
         metric_fn = made
     return samples, metric_fn
+
+
+def check_eval(stage: Stage, trains: bool) -> None:
+    """Raise ValueError unless the stage can run an evaluation step of a list that ``trains`` or not."""
+    if trains:
+        raise ValueError("an evaluation step (source 'eval') runs no backward")
+    if (stage.first or stage.last) and stage.eval_samples is None:
+        raise ValueError(f"stage {stage.index} has no held-out data: the job's config has no eval "
+                         "section (assign the stage with eval_data to evaluate)")
 
 
 def check_samples(stage: Stage, microbatches: Sequence[Sequence[int]], source: str = "train") -> None:

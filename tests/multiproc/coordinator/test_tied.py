@@ -20,13 +20,13 @@ import torch
 
 from comm.rpc import RpcClient
 from coordinator.planning.resources import Resources
-from coordinator.runtime.checkpoints import newest
+from coordinator.runtime.checkpoints import newest, state_keys
 from coordinator.runtime.factories import build_chain, build_data, build_loss, build_model, unwrapped
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import Job, state_dict_of
 from coordinator.runtime.records import StepRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
-from coordinator.runtime.session import Session, state_keys
+from coordinator.runtime.session import Session
 from coordinator.runtime.tied import shared_parameters, tied_per_stage
 from services.checkpoint import dcp
 from services.protocol import (

@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.runtime.checkpoints import Checkpointer, TrainerState, model_state, newest, read_trainer
+from coordinator.runtime.checkpoints import (
+    Checkpointer,
+    TrainerState,
+    model_state,
+    newest,
+    read_trainer,
+    resolve_resume,
+)
 from coordinator.runtime.errors import JobError
-from coordinator.runtime.session import resolve_resume
 from services.checkpoint import dcp
 from services.checkpoint.stage_state import Snapshot
 from services.checkpoint.writer import PartWriter
