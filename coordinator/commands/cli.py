@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
                                      "job spec (.yaml, .yml, .json); see docs/running.md.")
     run.add_argument("job", metavar="JOB", help="a job module (.py) or a job spec (.yaml/.yml/.json)")
     _add_training_options(run)
+    run.add_argument("--trace", type=Path, metavar="FILE",
+                     help="also write the Chrome trace (Perfetto) of the measured steps with the predicted "
+                          "ones beside them here (the run directory's trace.json has it too)")
     demo = sub.add_parser("demo", help="train the example character-level language model on 2 workers "
                                        "(--comm: exercise the communication front end instead)")
     _add_training_options(demo)
@@ -231,7 +234,7 @@ def _run_options(args: argparse.Namespace, job: str, settings: dict[str, Any]) -
 
     bar = {"auto": None, "bar": True, "lines": False}[args.progress]
     return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every,
-                      resume=args.resume)
+                      resume=args.resume, trace=getattr(args, "trace", None))
 
 
 def _train(args: argparse.Namespace, settings: dict[str, Any]) -> int:
