@@ -1,7 +1,7 @@
-"""The `cellmesh` command line: ``run``, ``demo``, ``worker``, ``coordinator`` and ``k8s render``.
+"""The `cellmesh` command line: ``run``, ``plan``, ``demo``, ``worker``, ``coordinator`` and ``k8s render``.
 
 [Note: config flags] Every field of the job config (``coordinator/planning/config.py``) is a
-flag of ``run``, ``demo`` and ``coordinator``, generated from the config's models and never
+flag of ``run``, ``plan``, ``demo`` and ``coordinator``, generated from the config's models and never
 declared here: ``--steps``, ``--name`` and ``--<section>.<field>`` (``--plan.num-stages 2``,
 ``--data.global-batch 64``, ``--model.kwargs '{width: 64}'``), values read as YAML
 (:func:`~coordinator.planning.config.setting_value`). ``--set KEY=VALUE`` sets any dotted
@@ -132,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
                                      "job spec (.yaml, .yml, .json); see docs/running.md.")
     run.add_argument("job", metavar="JOB", help="a job module (.py) or a job spec (.yaml/.yml/.json)")
     _add_training_options(run)
+    run.add_argument("--trace", type=Path, metavar="FILE",
+                     help="also write the Chrome trace (Perfetto) of the measured steps with the predicted "
+                          "ones beside them here (the run directory's trace.json has it too)")
+    _add_plan(sub)
     demo = sub.add_parser("demo", help="train the example character-level language model on 2 workers "
                                        "(--comm: exercise the communication front end instead)")
     _add_training_options(demo)
@@ -143,6 +147,19 @@ def _parser() -> argparse.ArgumentParser:
     comm.add_argument("--world-size", type=int, default=2, help="number of local processes")
     comm.add_argument("--timeout", type=float, default=120.0, help="seconds before the demo gives up")
     return parser
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plan = sub.add_parser("plan", help="print the plan of a job and its predicted step, without workers",
+                          description="Profile JOB on a sample microbatch, print the plan `cellmesh run` "
+                                      "would use and the simulator's prediction of one step; no worker "
+                                      "starts. See docs/running.md.")
+    plan.add_argument("job", metavar="JOB", help="a job module (.py) or a job spec (.yaml/.yml/.json)")
+    _add_config_flags(plan)
+    plan.add_argument("--timeline", type=Path, metavar="FILE",
+                      help="draw the predicted step here: .svg, or .png/.pdf with matplotlib "
+                           "(pip install 'cellmesh[plot]')")
+    plan.add_argument("--traceback", action="store_true", help="print the traceback of an error too")
 
 
 def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -231,7 +248,7 @@ def _run_options(args: argparse.Namespace, job: str, settings: dict[str, Any]) -
 
     bar = {"auto": None, "bar": True, "lines": False}[args.progress]
     return RunOptions(job=job, settings=settings, output=args.output, bar=bar, log_every=args.log_every,
-                      resume=args.resume)
+                      resume=args.resume, trace=getattr(args, "trace", None))
 
 
 def _train(args: argparse.Namespace, settings: dict[str, Any]) -> int:
@@ -266,13 +283,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.commands.demo import run_demo
 
         return run_demo(args.backend, args.world_size, args.timeout)
-    if args.command in ("run", "demo", "coordinator"):
+    if args.command in ("run", "plan", "demo", "coordinator"):
         from coordinator.planning.config import ConfigError
 
         try:
             settings = _settings(args)
         except ConfigError as exc:
             parser.error(str(exc))
+        if args.command == "plan":
+            from coordinator.commands.plan import plan_command
+
+            return plan_command(args.job, settings, args.timeline, show_traceback=args.traceback)
         return _train(args, settings) if args.command != "coordinator" else _coordinator(args, settings)
     if args.command == "k8s" and args.k8s_command == "keys":
         from coordinator.commands.k8s.keys import keys_command

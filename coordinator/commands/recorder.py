@@ -7,7 +7,8 @@ reads its :meth:`~RunRecorder.status` for the ``status`` RPC. Inside ``with reco
 
 * the coordinator process's log records also go to ``coordinator.log`` (``comm/logs.py``);
 * every finished step (:meth:`~RunRecorder.on_step`) updates the record (step, loss,
-  samples/s, and the evaluation after it, if one ran: ``evals``), the Prometheus metrics
+  samples/s, the measured and predicted pipeline bubble: ``bubbles``, and the evaluation
+  after it, if one ran: ``evals``), the Prometheus metrics
   (``coordinator/commands/metrics.py``; the job's traffic from the workers' counters on the
   step record among them), the trace
   (``coordinator/runtime/trace.py``) and, with a TensorBoard directory (the config's
@@ -28,13 +29,16 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from comm.logs import log_to_file
 from coordinator.commands.metrics import RunMetrics, samples_per_second
-from coordinator.commands.rundir import EvalEntry, RunDir, RunRecord, write_atomic
+from coordinator.commands.rundir import MAX_BUBBLES, BubbleEntry, EvalEntry, RunDir, RunRecord, write_atomic
 from coordinator.planning.plan import Plan
+from coordinator.planning.prediction import predict
+from coordinator.runtime.bubble import measured_bubble, predicted_bubble
 from coordinator.runtime.records import StepRecord
 from coordinator.runtime.trace import TraceRecorder
 from services.host.health import HealthServer
@@ -81,6 +85,7 @@ class RunRecorder:
         self.metrics = metrics or RunMetrics()
         self.metrics.steps.set(steps)
         self.trace = TraceRecorder()
+        self._predicted_bubble: float | None = None  # of the plan, once written
         self._lock = threading.Lock()
         self._record = RunRecord(job=job, phase="starting", run_dir=str(run_dir.path), steps=steps,
                                  output=str(run_dir.model), spec_sha256=spec_sha256)
@@ -104,7 +109,10 @@ class RunRecorder:
         self.run_dir.write_record(record)
 
     def write_plan(self, plan: Plan) -> None:
-        """``plan.json`` (it reads back with ``Plan.from_json``) and ``plan.txt`` (as printed)."""
+        """``plan.json`` (it reads back with ``Plan.from_json``) and ``plan.txt`` (as printed); the plan's
+        predicted step goes to the trace and its bubble to each step's entry in the record."""
+        self.trace.predicted = predict(plan)
+        self._predicted_bubble = predicted_bubble(self.trace.predicted)
         write_atomic(self.run_dir.plan_json, plan.to_json())
         write_atomic(self.run_dir.plan_txt, str(plan) + "\n")
 
@@ -114,6 +122,10 @@ class RunRecorder:
         done = record.eval
         with self._lock:
             update: dict[str, object] = {"step": record.step + 1, "loss": record.loss, "samples_per_s": speed}
+            bubble = BubbleEntry(step=record.step, measured=measured_bubble(record),
+                                 predicted=self._predicted_bubble)
+            kept = [b for b in self._record.bubbles if b.step < record.step]  # a step trained again replaces
+            update["bubbles"] = [*kept[-(MAX_BUBBLES - 1):], bubble]
             if done is not None:  # a step trained again after a failure replaces its evaluation
                 entry = EvalEntry(step=done.step, loss=done.loss, metric=done.metric,
                                   num_samples=done.num_samples)
@@ -128,6 +140,10 @@ class RunRecorder:
                 self._tensorboard.add_scalar("eval/loss", done.loss, done.step)
                 if done.metric is not None:
                     self._tensorboard.add_scalar("eval/metric", done.metric, done.step)
+
+    def write_trace(self, path: Path) -> None:
+        """The kept steps, measured and predicted, as a Chrome trace at ``path`` (``runtime/trace.py``)."""
+        write_atomic(path, json.dumps(self.trace.trace()))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -175,7 +191,7 @@ class RunRecorder:
                  tb: TracebackType | None) -> None:
         """Write ``trace.json`` and the final record (``failed`` with the error unless done); close."""
         try:
-            write_atomic(self.run_dir.trace, json.dumps(self.trace.trace()))
+            self.write_trace(self.run_dir.trace)
             if self.status().phase != "done":
                 error = " ".join(str(exc).split()) if exc is not None else "stopped before the end"
                 self.update(phase="failed", error=error or type(exc).__name__)

@@ -112,6 +112,7 @@ class RunOptions:
         resume: Start from a checkpoint: True for the newest of this job's (its ``checkpoint.directory``,
             else the earlier run directories ``out/<job>-*``), or a checkpoint's path (see
             :func:`find_resume`); the run then ends at the same step an uninterrupted one would.
+        trace: Also write the run's Chrome trace (measured and predicted steps) here at the end.
 
     Where the output goes and how the run logs are the config's ``logging`` section
     (``coordinator/commands/output.py``).
@@ -123,6 +124,7 @@ class RunOptions:
     bar: bool | None = None
     log_every: int | None = None
     resume: str | bool | None = None
+    trace: Path | None = None
 
 
 @dataclass
@@ -251,6 +253,9 @@ def _train(loaded: LoadedJob, options: RunOptions, say: functools.partial[None],
     recorder.update(recoveries=[describe_recovery(r) for r in fit.recoveries],
                     checkpoint=str(newest(Path(job.config.checkpoint.directory or "")) or ""))
     save_outputs(fit.state_dict, recorder.run_dir, options.output)
+    if options.trace is not None:
+        recorder.write_trace(options.trace)
+        say(f"trace of the measured and predicted steps written to {options.trace} (open it in Perfetto)")
     speed = progress.throughput
     return RunResult(loaded, fit, recorder.run_dir, options.output, speed.elapsed, speed.steady,
                      speed.overall)

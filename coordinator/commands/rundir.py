@@ -6,10 +6,10 @@ directories) or use the job config's ``logging.run_dir`` (``--run-dir DIR``) as 
 
     plan.json          the chosen plan (Plan.to_json; Plan.from_json reads it back)
     plan.txt           the plan as printed
-    run.json           the run record (a RunRecord: job, phase, steps, last loss, evaluations, error...)
+    run.json           the run record (a RunRecord: job, phase, steps, loss, evaluations, bubbles, error...)
     coordinator.log    the coordinator process's log records
     workers/NAME.log   each local worker process's stdout and stderr
-    trace.json         the measured steps as a Chrome trace (coordinator/runtime/trace.py)
+    trace.json         measured and predicted steps as a Chrome trace (coordinator/runtime/trace.py)
     checkpoints/       the run's checkpoints (step-*/, coordinator/runtime/checkpoints.py)
     model.pt           the final state_dict
 
@@ -29,11 +29,12 @@ from pydantic import Field
 
 from comm.codec import Message
 
-__all__ = ["DEFAULT_ROOT", "EvalEntry", "Phase", "RunDir", "RunRecord", "previous_checkpoint_roots",
-           "write_atomic"]
+__all__ = ["DEFAULT_ROOT", "MAX_BUBBLES", "BubbleEntry", "EvalEntry", "Phase", "RunDir", "RunRecord",
+           "previous_checkpoint_roots", "write_atomic"]
 
 DEFAULT_ROOT = Path("out")
 MAX_SUFFIX = 1000  # runs of one job started in the same second
+MAX_BUBBLES = 1024  # the record keeps the bubbles of this many latest steps (it is also a status reply)
 
 Phase = Literal["starting", "waiting", "training", "done", "failed"]
 
@@ -45,6 +46,15 @@ class EvalEntry(Message):
     loss: float
     metric: float | None = None
     num_samples: int = Field(ge=0)
+
+
+class BubbleEntry(Message):
+    """One step's pipeline bubble: measured from its actions' times (``coordinator/runtime/bubble.py``; None
+    when the step timed no actions) and predicted by the simulator for the plan."""
+
+    step: int = Field(ge=0)
+    measured: float | None = None
+    predicted: float | None = None
 
 
 class RunRecord(Message):
@@ -66,6 +76,8 @@ class RunRecord(Message):
     # each failure the run survived, in one line: when, which worker, why, what was done, from which step
     recoveries: list[str] = Field(default_factory=list, max_length=1 << 12)
     evals: list[EvalEntry] = Field(default_factory=list, max_length=1 << 16)  # each evaluation, in step order
+    # the last MAX_BUBBLES steps' measured and predicted bubble fractions, in step order
+    bubbles: list[BubbleEntry] = Field(default_factory=list, max_length=MAX_BUBBLES)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

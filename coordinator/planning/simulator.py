@@ -214,26 +214,36 @@ def _escape(text: str) -> str:
 
 
 def draw_timeline(result: SimResult, path: str | Path, *, title: str = "", width: int = 1200) -> Path:
-    """Draws the predicted timeline (stage x time, one box per action) as an SVG file.
+    """Draws the predicted timeline (stage x time, one box per action) as an SVG file, or with matplotlib.
 
     Forward boxes are blue, backward green, sends and receives grey and thin; each compute
-    box is labelled with its microbatch. Gaps are idle time.
+    box is labelled with its microbatch. Gaps are idle time. A path ending in ``.svg`` is
+    written here with no dependency; any other suffix (``.png``, ``.pdf``) by matplotlib
+    (``coordinator/planning/timeline_plot.py``, the optional extra ``plot``).
 
     Args:
         result: A simulation result.
-        path: Where to write the SVG (parent directories must exist).
+        path: Where to write the picture (parent directories must exist).
         title: A caption; defaults to the schedule name, step time and bubble.
-        width: Picture width in pixels.
+        width: SVG width in pixels.
 
     Returns:
         The path written.
+
+    Raises:
+        ValueError: A non-SVG picture without matplotlib, or in a format it cannot write.
     """
+    caption = title or (f"{result.schedule_name}: step {result.step_time_s * 1e3:.3f} ms, "
+                        f"bubble {result.bubble_fraction:.1%}")
+    target = Path(path)
+    if target.suffix.lower() != ".svg":
+        from coordinator.planning.timeline_plot import plot_timeline
+
+        return plot_timeline(result, target, caption)
     rows = len(result.timeline)
     left, top, row_h, gap = 70, 40, 28, 8
     scale = (width - left - 20) / result.step_time_s if result.step_time_s > 0 else 0.0
     height = top + rows * (row_h + gap) + 30
-    caption = title or (f"{result.schedule_name}: step {result.step_time_s * 1e3:.3f} ms, "
-                        f"bubble {result.bubble_fraction:.1%}")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="monospace" font-size="11">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
@@ -258,7 +268,6 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str = "", width
     out.append(f'<text x="{width - 20}" y="{axis_y}" text-anchor="end">'
                f'{result.step_time_s * 1e3:.3f} ms</text>')
     out.append("</svg>")
-    target = Path(path)
     target.write_text("\n".join(out) + "\n", encoding="utf-8")
     return target
 

@@ -30,7 +30,7 @@ def imported_modules(*args: str) -> tuple[subprocess.CompletedProcess[str], set[
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["run", "--help"], ["coordinator", "--help"],
-                                  ["k8s", "render", "--help"]])
+                                  ["plan", "--help"], ["k8s", "render", "--help"]])
 def test_help_and_version_import_no_torch(args: list[str]) -> None:
     proc, modules = imported_modules(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -91,7 +91,7 @@ def help_entries(text: str) -> list[list[str]]:
     return entries
 
 
-@pytest.mark.parametrize("command", [["run"], ["demo"], ["coordinator"]])
+@pytest.mark.parametrize("command", [["run"], ["plan"], ["demo"], ["coordinator"]])
 def test_help_lists_each_setting_once(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main([*command, "--help"])
