@@ -37,6 +37,8 @@ if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shado
 
 import torch
 
+from bench.rounds import parse_rounds, round_parser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 WORKERS = 2
@@ -157,17 +159,9 @@ def report(rounds: list[dict[str, dict[str, Any]]], compute: list[dict[str, floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = round_parser(__doc__, "configuration")
     parser.add_argument("--width", type=int, default=128, help="the model's width (charlm's: 128)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 3 steps, 1 warm-up step")
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 3, 1
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    args = parse_rounds(parser)
     sys.path.insert(0, EXAMPLES)
     from coordinator.runtime.factories import job_factories
     from coordinator.runtime.harness import LocalHarness

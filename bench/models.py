@@ -40,6 +40,7 @@ from torch import nn
 if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shadowing the comm package
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from bench.rounds import parse_rounds, round_parser
 from services.compute.cell import Cell
 
 __all__ = ["PLANS", "UNEVEN_LAYERS", "VARIANTS", "WIDTH", "PlainGPT", "Variant", "block", "gpt_plain", "mlp",
@@ -198,17 +199,9 @@ def report(rounds: list[dict[tuple[str, str], dict[str, float]]], jobs: Mapping[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant, plan and round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 3 steps, 1 warm-up step")
+    parser = round_parser(__doc__, "variant, plan")
     parser.add_argument("--only", default="", help="comma-separated variant keys (default: all)")
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 3, 1
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    args = parse_rounds(parser)
     from coordinator.runtime.factories import job_factories
     from coordinator.runtime.harness import LocalHarness
 

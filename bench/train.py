@@ -52,6 +52,8 @@ if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shado
 
 from torch import nn
 
+from bench.rounds import parse_rounds, round_parser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
 GLOBAL_BATCH = 64
@@ -537,17 +539,9 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 3 steps, 1 warm-up step")
+    parser = round_parser(__doc__, "configuration")
     parser.add_argument("--only", default="", help="comma-separated configuration keys (default: all)")
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 3, 1
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    args = parse_rounds(parser)
     from comm.allocator import tune_malloc
 
     tune_malloc()

@@ -77,20 +77,20 @@ def mse() -> nn.Module:
 
 
 class Embed(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.1)
+        self.tok = nn.Embedding(VOCAB, width)
+        self.pos = nn.Parameter(torch.randn(SEQ, width) * 0.1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tok(ids) + self.pos[: ids.shape[1]]
 
 
 class Head(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.out = nn.Linear(WIDTH, VOCAB)
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(x))

@@ -12,19 +12,9 @@ import torch
 from torch import nn
 
 from services.compute.cell import Cell
-from tests.multiproc.coordinator.models import SEQ, VOCAB
+from tests.multiproc.coordinator.models import Embed, Head
 
 WIDTH = 8
-
-
-class Embed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tok(ids) + self.pos[: ids.shape[1]]
 
 
 class Block(nn.Module):
@@ -36,19 +26,9 @@ class Block(nn.Module):
         return x + torch.tanh(self.mix(x))
 
 
-class Head(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.out = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
-
-
 def tied_gpt(dtype: str = "float64") -> list[nn.Module]:
     """Cells ``embed``, ``block0``, ``block1``, ``head``; ``head.out.weight`` IS ``embed.tok.weight``."""
-    embed, head = Embed(), Head()
+    embed, head = Embed(WIDTH), Head(WIDTH)
     head.out.weight = embed.tok.weight  # as GPT-2 ties wte and lm_head
     cells = [Cell("embed", embed), Cell("block0", Block()), Cell("block1", Block()), Cell("head", head)]
     nn.Sequential(*cells).to({"float64": torch.float64, "float32": torch.float32}[dtype])
