@@ -46,6 +46,7 @@ from services.params.server import ParamServerService
 
 __all__ = ["SEEDS", "SERVICE_METHODS", "FrameMaker", "message_types", "raw_tcp", "request_type"]
 
+STREAM_FRAMES = 5000  # frames of one stream test_frames.py proves invalid; the fuzzer sends no more
 _OPT = protocol.OptimizerSpec(name="SGD", kwargs={"lr": 0.1})
 _TENSOR = protocol.BoundaryTensor(name="h", dtype="float64", shape=[4, 12], requires_grad=True, batch_dim=0)
 _BOUNDARY = protocol.BoundarySpec(structure="tensor", tensors=[_TENSOR], batch_size=4)

@@ -21,10 +21,17 @@ from comm.rpc.envelope import RequestEnvelope
 from comm.rpc.framing import decode_tensors
 from comm.wire import decode_header
 from comm.zmq import shm
-from tests.multiproc.security.frames import SEEDS, SERVICE_METHODS, FrameMaker, message_types, request_type
+from tests.multiproc.security.frames import (
+    SEEDS,
+    SERVICE_METHODS,
+    STREAM_FRAMES,
+    FrameMaker,
+    message_types,
+    request_type,
+)
 
 SEED = 20240611  # the fuzz test's
-N = 5000  # frames checked per stream; the fuzz test checks it sent fewer of each
+N = STREAM_FRAMES  # frames checked per stream; the fuzzer sends no more of each
 
 
 def refusal_of_request(frames: list[bytes], kind: str) -> str | None:
