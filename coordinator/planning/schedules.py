@@ -30,21 +30,67 @@ _HEAD = re.compile(r"(\S+): (\d+) stages? x (\d+) microbatch(?:es)?")
 class Schedule:
     """Every stage's ordered action list; ``actions[s]`` is what stage ``s`` does, in order.
 
+    Virtual stages. A worker of the pipeline (a *rank*) may hold several stages (interleaved
+    1F1B: rank ``r`` holds stages ``r, r + R, ...``; a V schedule: ``r`` and ``2R - 1 - r``).
+    ``ranks[r]`` then names the stages rank ``r`` holds, and ``order[r]`` is every action of
+    those stages in the order the rank runs them, one at a time (each stage's own list is
+    ``order[r]`` restricted to it). Both empty: each stage has a rank of its own (rank ``s``
+    holds stage ``s``) and ``order`` is ``actions``.
+
     Raises:
         ScheduleError: The lists break a rule (the message names it and the actions, then
-            shows the table with them marked).
+            shows the table with them marked), or ``ranks``/``order`` do not match ``actions``.
     """
 
     name: str
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    ranks: tuple[tuple[int, ...], ...] = ()
+    order: tuple[tuple[Action, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        validate_schedule(self.actions, self.num_microbatches)
+        if not self.ranks and not self.order:
+            validate_schedule(self.actions, self.num_microbatches)
+            return
+        p = len(self.actions)
+        held = sorted(s for stages in self.ranks for s in stages)
+        if held != list(range(p)):
+            raise ScheduleError(f"ranks {self.ranks} must hold each of the {p} stages exactly once")
+        if len(self.order) != len(self.ranks):
+            raise ScheduleError(f"{len(self.ranks)} ranks need {len(self.ranks)} ordered lists, "
+                                f"got {len(self.order)}")
+        for r, (stages, acts) in enumerate(zip(self.ranks, self.order, strict=True)):
+            for st in stages:
+                if tuple(a for a in acts if a.stage == st) != self.actions[st]:
+                    raise ScheduleError(f"rank {r}'s order, restricted to stage {st}, is not stage {st}'s "
+                                        "list")
+            if stray := [a for a in acts if a.stage not in stages]:
+                raise ScheduleError(f"rank {r} holds stages {list(stages)}, but its order has {stray[0]}",
+                                    stray[:1])
+        validate_schedule(self.actions, self.num_microbatches, self.order)
 
     @property
     def num_stages(self) -> int:
         return len(self.actions)
+
+    @property
+    def num_ranks(self) -> int:
+        """The workers one replica of the pipeline takes (``num_stages`` unless stages share a rank)."""
+        return len(self.ranks) if self.ranks else len(self.actions)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` holds, in increasing order."""
+        return tuple(sorted(self.ranks[rank])) if self.ranks else (rank,)
+
+    def rank_of(self, stage: int) -> int:
+        """The rank holding ``stage``."""
+        if not self.ranks:
+            return stage
+        return next(r for r, stages in enumerate(self.ranks) if stage in stages)
+
+    def rank_actions(self, rank: int) -> tuple[Action, ...]:
+        """Everything rank ``rank`` runs, in order (its stage's list when it holds one)."""
+        return self.order[rank] if self.order else self.actions[rank]
 
     def _head(self) -> str:
         return f"{self.name}: {self.num_stages} stages x {self.num_microbatches} microbatches"

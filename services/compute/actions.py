@@ -9,8 +9,13 @@ runs, and :func:`validate_schedule` on every list). For stage ``s`` of ``p`` and
 microbatch ``i`` of the step's ``m``, with ``<`` the position in the list::
 
     RECV_F(i) < F(i) < SEND_F(i)          F: exactly once
-    F(i) < B(i)                           B: for every microbatch or for none
+    F(i) < B(i)                           a backward for every microbatch or for none
     RECV_B(i) < B(i) < SEND_B(i)
+    F(i) < I(i) < W(i), RECV_B(i) < I(i) < SEND_B(i)
+
+A microbatch's backward is either one ``B`` or its two halves: ``I`` (the input gradients,
+what ``SEND_B`` sends) then ``W`` (the weight gradients), as zero-bubble schedules split it;
+never both.
 
 Every action names stage ``s`` and a microbatch below ``m``, and none repeats.
 ``RECV_F``/``SEND_B`` exist exactly on stages with a previous stage, ``SEND_F``/``RECV_B``
@@ -46,9 +51,13 @@ __all__ = ["ScheduleError", "format_schedule", "play", "validate_schedule", "val
 
 # the kinds in the order their absence is reported
 _KINDS: tuple[ActionKind, ...] = ("F", "RECV_F", "SEND_F", "B", "RECV_B", "SEND_B")
-# kind -> the kinds of the same microbatch that must come earlier in the list (those the stage has)
+# the kinds only a list that trains has
+_BACKWARD: frozenset[ActionKind] = frozenset({"B", "I", "W", "RECV_B", "SEND_B"})
+# kind -> the kinds of the same microbatch that must come earlier in the list (those the stage has);
+# SEND_B needs the input gradients, from B or from I (see validate_stage)
 _NEEDS: dict[ActionKind, tuple[ActionKind, ...]] = {
-    "F": ("RECV_F",), "SEND_F": ("F",), "B": ("F", "RECV_B"), "SEND_B": ("B",), "RECV_F": (), "RECV_B": ()}
+    "F": ("RECV_F",), "SEND_F": ("F",), "B": ("F", "RECV_B"), "I": ("F", "RECV_B"), "W": ("I",),
+    "SEND_B": (), "RECV_F": (), "RECV_B": ()}
 # a transfer's kind -> the kind of its other end (on the peer)
 _PARTNER: dict[ActionKind, ActionKind] = {
     "SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}
@@ -83,7 +92,7 @@ def validate_stage(actions: Sequence[Action], *, stage: int, num_stages: int, nu
     s, m = stage, num_microbatches
     if not 0 <= s < num_stages:
         raise ScheduleError(f"stage {s} is not one of the pipeline's {num_stages} stages")
-    has: set[ActionKind] = {"F", "B"}
+    has: set[ActionKind] = {"F", "B", "I", "W"}
     if s > 0:
         has |= {"RECV_F", "SEND_B"}
     if s < num_stages - 1:
@@ -93,18 +102,30 @@ def validate_stage(actions: Sequence[Action], *, stage: int, num_stages: int, nu
         kind, i = a.kind, a.microbatch
         if a.stage != s or i >= m or kind not in has or (kind, i) in seen:
             raise _misplaced(k, a, s, num_stages, m, seen)
-        for need in _NEEDS[kind]:
+        needs = _NEEDS[kind]
+        if kind == "SEND_B" and ("I", i) not in seen and ("B", i) not in seen:
+            raise ScheduleError(f"stage {s}, action #{k} ({a}): {s}B{i} (or {s}I{i}) must come before it",
+                                [a, Action(stage=s, kind="B", microbatch=i)])
+        for need in needs:
             if need in has and (need, i) not in seen:
                 before = Action(stage=s, kind=need, microbatch=i)
                 raise ScheduleError(f"stage {s}, action #{k} ({a}): {before} must come before it",
                                     [a, before])
+        if kind in ("B", "I") and ({"B", "I"} - {kind}).pop() in {kd for kd, j in seen if j == i}:
+            raise ScheduleError(f"stage {s}, action #{k} ({a}): microbatch {i}'s backward is either B or "
+                                "I then W, not both", [a])
         seen[(kind, i)] = k
-    trains = any(kind == "B" for kind, _ in seen)
+    trains = any(kind in ("B", "I") for kind, _ in seen)
     for kind in _KINDS:
         if kind not in has:
             continue
-        if trains or kind not in ("B", "RECV_B", "SEND_B"):
-            missing = [Action(stage=s, kind=kind, microbatch=i) for i in range(m) if (kind, i) not in seen]
+        if trains or kind not in _BACKWARD:
+            if kind == "B":  # a microbatch's backward: B, or I and W
+                missing = [Action(stage=s, kind="B" if ("I", i) not in seen else "W", microbatch=i)
+                           for i in range(m) if ("B", i) not in seen and ("W", i) not in seen]
+            else:
+                missing = [Action(stage=s, kind=kind, microbatch=i) for i in range(m)
+                           if (kind, i) not in seen]
             if missing:
                 why = " (a step runs the backward of every microbatch or of none)" if trains else ""
                 raise ScheduleError(f"stage {s}: the list has no {', '.join(map(str, missing))}{why}",
@@ -134,12 +155,17 @@ def _misplaced(k: int, a: Action, s: int, p: int, m: int, seen: dict[tuple[Actio
     return ScheduleError(f"{where}: {side}", [a])
 
 
-def validate_schedule(actions: Sequence[Sequence[Action]], num_microbatches: int) -> None:
+def validate_schedule(actions: Sequence[Sequence[Action]], num_microbatches: int,
+                      order: Sequence[Sequence[Action]] | None = None) -> None:
     """Check a whole schedule: every stage's list (:func:`validate_stage`), then the rules across stages.
 
     Args:
         actions: ``actions[s]`` is stage ``s``'s ordered list.
         num_microbatches: The step's microbatches.
+        order: When a worker (a *rank*) runs several stages (virtual stages: interleaved and V
+            schedules), ``order[r]`` is every action rank ``r`` runs, in the order it runs them
+            (the stages' lists merged): the deadlock check plays these, one action at a time per
+            rank. None: each stage runs on a rank of its own.
 
     Raises:
         ScheduleError: Naming the first broken rule and its actions, followed by the
@@ -156,13 +182,15 @@ def validate_schedule(actions: Sequence[Sequence[Action]], num_microbatches: int
             for a in acts:
                 if a.peer is not None and (other := _other_end(a)) not in transfers:
                     raise ScheduleError(f"{a} has no other end: stage {a.peer}'s list has no {other}", [a])
-        ticks = play(actions)
-        stuck = [acts[t.index(None)] for acts, t in zip(actions, ticks, strict=True) if None in t]
+        lists = actions if order is None else order
+        ticks = play(lists)
+        stuck = [acts[t.index(None)] for acts, t in zip(lists, ticks, strict=True) if None in t]
         if stuck:
             waits = "; ".join(f"stage {a.stage} waits at {a}" for a in stuck)
             raise ScheduleError(f"deadlock: {waits}", stuck)
     except ScheduleError as exc:
-        raise ScheduleError(f"{exc}\n{format_schedule(actions, mark=exc.actions)}", exc.actions) from None
+        shown = actions if order is None else order
+        raise ScheduleError(f"{exc}\n{format_schedule(shown, mark=exc.actions)}", exc.actions) from None
 
 
 def _other_end(a: Action) -> Action:
@@ -174,7 +202,8 @@ def _other_end(a: Action) -> Action:
 def play(actions: Sequence[Sequence[Action]]) -> list[list[int | None]]:
     """The step at which each action runs when every action takes one step and sends are eager.
 
-    At each step every stage runs its next action, unless it is a receive whose send has
+    ``actions[r]`` is what rank ``r`` runs in order: one stage's list, or the merged lists of the
+    stages one rank holds. At each step every rank runs its next action, unless it is a receive whose send has
     not run at an earlier step; then the stage waits. Returns ``ticks[s][k]``, the step of
     stage ``s``'s action ``k``, or None for the actions a deadlock never reaches.
     """

@@ -20,9 +20,10 @@ MAX_NONFINITE_NAMED = 8  # parameters a StepReply names whose gradient is not fi
 # -- cell compute -----------------------------------------------------------------------
 # The pipeline action and the boundary metadata; see services/compute/service.py for the contract.
 
-ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-_PEER_STEP: dict[str, int] = {"F": 0, "B": 0, "SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
-_ACTION_TEXT = re.compile(r"(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
+ActionKind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+_PEER_STEP: dict[str, int] = {"F": 0, "B": 0, "I": 0, "W": 0, "SEND_F": 1, "RECV_F": -1, "SEND_B": -1,
+                              "RECV_B": 1}
+_ACTION_TEXT = re.compile(r"(\d+)(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
 FactoryKwargs = dict[str, str | int | float | bool | list[int] | list[float] | list[str]]
 Backend = Literal["zmq", "gloo", "nccl"]  # a group's concrete backend (comm/factory.py resolves "auto")
 # what a stage computes in: fp32, or bf16 / fp16 autocast over float32 master weights (see
@@ -192,7 +193,9 @@ class Action(Message):
     kind        stage ``s`` ...
     ==========  ===================================================================
     ``F``       runs the forward of the microbatch
-    ``B``       runs its backward
+    ``B``       runs its whole backward (input and weight gradients)
+    ``I``       runs the input-gradient half of its backward (what ``SEND_B`` sends)
+    ``W``       runs the weight-gradient half, after its ``I`` (zero-bubble schedules)
     ``SEND_F``  sends its forward's outputs (activations) to stage ``s + 1``
     ``RECV_F``  receives its inputs (activations) from stage ``s - 1``
     ``SEND_B``  sends its input gradients to stage ``s - 1``
@@ -214,13 +217,13 @@ class Action(Message):
 
     @property
     def peer(self) -> int | None:
-        """The stage a transfer goes to or comes from; None for ``F`` and ``B``."""
+        """The stage a transfer goes to or comes from; None for the compute kinds (F, B, I, W)."""
         step = _PEER_STEP[self.kind]
         return self.stage + step if step else None
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Reads the printed form back (``"0F3"``, ``"1B2"``, ``"0SEND_F3"``, ``"1RECV_B2"``...).
+        """Reads the printed form back (``"0F3"``, ``"1B2"``, ``"1I2"``, ``"0SEND_F3"``, ``"1RECV_B2"``...).
 
         Raises:
             ValueError: ``text`` is not one action.
@@ -228,7 +231,7 @@ class Action(Message):
         match = _ACTION_TEXT.fullmatch(text.strip())
         if match is None:
             raise ValueError(f"cannot parse action {text!r}: expected <stage><kind><microbatch> with kind "
-                             f"one of {', '.join(_PEER_STEP)}, e.g. 0F3, 1B2, 0SEND_F3, 1RECV_B2")
+                             f"one of {', '.join(_PEER_STEP)}, e.g. 0F3, 1B2, 1I2, 1W2, 0SEND_F3, 1RECV_B2")
         stage, kind, microbatch = match.groups()
         return cls.model_validate({"stage": int(stage), "kind": kind, "microbatch": int(microbatch)})
 

@@ -67,6 +67,13 @@ def test_a_list_without_backwards_is_an_evaluation_step() -> None:
     assert validate_stage(acts("1RECV_F0 1F0 1SEND_F0"), stage=1, num_stages=3, num_microbatches=1) is False
 
 
+def test_a_backward_split_into_input_and_weight_halves_trains() -> None:
+    # zero-bubble style: the gradients go out after I, W comes later; B and I/W may mix by microbatch
+    text = "1RECV_F0 1F0 1RECV_F1 1F1 1I0 1SEND_B0 1B1 1SEND_B1 1W0"
+    assert validate_stage(acts(text), stage=1, num_stages=2, num_microbatches=2) is True
+    assert validate_stage(acts("0F0 0SEND_F0 0RECV_B0 0I0 0W0"), stage=0, num_stages=2, num_microbatches=1)
+
+
 def test_gradient_receives_may_be_posted_before_the_forward() -> None:
     assert validate_stage(acts("0RECV_B0 0F0 0SEND_F0 0B0"), stage=0, num_stages=2, num_microbatches=1)
 
@@ -89,7 +96,7 @@ PER_STAGE = {
     "backward before its gradients": (0, "0F0 0SEND_F0 0B0 0RECV_B0", 1,
                                       r"action #2 \(0B0\): 0RECV_B0 must come before it"),
     "gradient send before its backward": (1, "1RECV_F0 1F0 1SEND_B0 1B0", 1,
-                                          r"action #2 \(1SEND_B0\): 1B0 must come before it"),
+                                          r"action #2 \(1SEND_B0\): 1B0 \(or 1I0\) must come before it"),
     "missing forward": (0, "0F0 0SEND_F0", 2, r"stage 0: the list has no 0F1(?:\n|$)"),
     "missing activation send": (0, "0F0 0F1 0SEND_F0", 2, r"stage 0: the list has no 0SEND_F1(?:\n|$)"),
     "backward of some microbatches": (1, "1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0", 2,
@@ -99,6 +106,16 @@ PER_STAGE = {
                                  r"action #5 \(0B0\): 0RECV_B0 must come before it"),
     "gradients in an evaluation step": (0, "0F0 0SEND_F0 0RECV_B0", 1,
                                         r"action #2 \(0RECV_B0\): a list without backwards is an evaluation"),
+    "weight half before its input half": (1, "1RECV_F0 1F0 1W0 1I0 1SEND_B0", 1,
+                                          r"action #2 \(1W0\): 1I0 must come before it"),
+    "input half before its forward": (1, "1RECV_F0 1I0 1F0", 1, r"action #1 \(1I0\): 1F0 must come before"),
+    "input half before its gradients": (0, "0F0 0SEND_F0 0I0 0RECV_B0", 1,
+                                        r"action #2 \(0I0\): 0RECV_B0 must come before it"),
+    "gradient send before the input half": (1, "1RECV_F0 1F0 1SEND_B0 1I0 1W0", 1,
+                                            r"action #2 \(1SEND_B0\): 1B0 \(or 1I0\) must come before it"),
+    "both B and I": (1, "1RECV_F0 1F0 1I0 1B0", 1, r"action #3 \(1B0\): microbatch 0's backward is either B"),
+    "input half without its weight half": (1, "1RECV_F0 1F0 1I0 1SEND_B0", 1,
+                                           r"stage 1: the list has no 1W0 \(a step runs the backward"),
 }
 
 
