@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from services.compute.actions import ScheduleError, format_schedule, validate_schedule
 from services.protocol import Action, ActionKind
 
-__all__ = ["SCHEDULES", "Schedule", "build_schedule", "gpipe", "one_f_one_b", "peak_in_flight"]
+__all__ = ["SCHEDULES", "Schedule", "build_schedule", "gpipe", "one_f_one_b", "peak_in_flight", "zb_h1"]
 
 _HEAD = re.compile(r"(\S+): (\d+) stages? x (\d+) microbatch(?:es)?")
 
@@ -138,9 +138,12 @@ def _forward(s: int, i: int, p: int) -> list[Action]:
     return _actions(s, i, (("RECV_F", s > 0), ("F", True), ("SEND_F", s < p - 1)))
 
 
-def _backward(s: int, i: int, p: int) -> list[Action]:
-    """Receive the gradients (but on the last stage), backward, send them on (but on stage 0)."""
-    return _actions(s, i, (("RECV_B", s < p - 1), ("B", True), ("SEND_B", s > 0)))
+def _backward(s: int, i: int, p: int, kind: ActionKind = "B") -> list[Action]:
+    """Receive the gradients (but on the last stage), backward, send them on (but on stage 0).
+
+    ``kind="I"``: only the input-gradient half (what ``SEND_B`` sends); its ``W`` comes apart.
+    """
+    return _actions(s, i, (("RECV_B", s < p - 1), (kind, True), ("SEND_B", s > 0)))
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -187,8 +190,44 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("1f1b", m, tuple(stages))
 
 
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (zero bubble, Qi et al. 2023): 1F1B with every backward split into ``I`` then ``W``.
+
+    Stage ``s`` warms up with ``min(p - s - 1, m)`` forwards as 1F1B does, then alternates a
+    forward with an ``I`` (``SEND_B`` right after it: the gradients reach the stage below
+    sooner); the ``W`` s follow their ``I`` s in order, each after the ``I`` that is ``s``
+    later, so stage ``s`` defers up to ``s`` of them; the rest run after the last ``I``, in
+    the drain, where 1F1B's later stages idle. Deferring more on later stages is the paper's
+    rule: their drain bubble is the larger.
+
+    Memory (activations held from ``F`` to ``W``): at most ``min(p, m)`` microbatches on every
+    stage, the paper's "same peak as 1F1B" (1F1B's stage 0 holds ``min(p, m)``); equal for
+    ``m >= p``.
+
+    Raises:
+        ValueError: If either count is < 1.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    stages = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        acts = [a for i in range(warmup) for a in _forward(s, i, p)]
+        weights = 0  # W's run so far (in microbatch order)
+        for i in range(m):  # the i-th input gradient, after the forward it alternates with (if any is left)
+            if i + warmup < m:
+                acts += _forward(s, i + warmup, p)
+            acts += _backward(s, i, p, "I")
+            if i >= s:
+                acts.append(Action(stage=s, kind="W", microbatch=weights))
+                weights += 1
+        acts += [Action(stage=s, kind="W", microbatch=j) for j in range(weights, m)]
+        stages.append(tuple(acts))
+    return Schedule("zb-h1", m, tuple(stages))
+
+
 ScheduleFn = Callable[[int, int], Schedule]
-SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
 
 
 @functools.lru_cache(maxsize=256)
@@ -206,12 +245,17 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedul
 
 
 def peak_in_flight(actions: Iterable[Action]) -> int:
-    """The most microbatches whose forward ran and backward did not yet, along one list."""
+    """The most microbatches whose forward ran and backward did not end yet, along one list.
+
+    A microbatch's activations are freed by its ``B``, or by its ``W`` when its backward is
+    split (the weight gradients need the layer inputs; ``I`` frees nothing). Along a rank's
+    merged order it counts the microbatches of all its stages.
+    """
     held = peak = 0
     for a in actions:
         if a.kind == "F":
             held += 1
             peak = max(peak, held)
-        elif a.kind == "B":
+        elif a.kind in ("B", "W"):
             held -= 1
     return peak

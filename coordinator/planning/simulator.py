@@ -3,23 +3,28 @@
 The model (the same one the cutter optimises, see [Note: transfer cost] in
 ``coordinator/planning/cutting.py``):
 
-- each stage runs its actions one after another, never two at once, from its start time
-  (``StageCosts.start_s``, 0 by default);
-- FORWARD and BACKWARD take the stage's per-microbatch compute time;
+- each rank (a worker of the pipeline: one stage, or the virtual stages of an interleaved
+  or V schedule) runs its merged order (``Schedule.rank_actions``) one action after
+  another, never two at once, from its start time (the ``StageCosts.start_s`` of its
+  stages, one after the other: the rank applies their updates in turn; 0 by default);
+- F, B, I and W take the stage's per-microbatch compute time (I and W: the two halves of
+  its backward, ``StageCosts.input_backward_s``/``weight_backward_s``);
 - a SEND keeps the sender busy for the transfer time of what crosses the cut; the
   tensors are available to the receiver when the send ends (eager sends, see
   [Note: send semantics] in ``services/compute/actions.py``);
 - a RECV waits (idle) until the matching send has ended, then keeps the receiver busy for
-  the same transfer time;
+  the same transfer time. A hand-over between two stages of one rank (the V's turn) is such
+  a pair too, costed as its cut says (a local copy: give it a small time);
 - a microbatch's activations are held from the start of its forward to the end of its
-  backward.
+  backward: its B, or its W when the backward is split (I frees nothing).
 
 A :class:`~coordinator.planning.schedules.Schedule` is valid by construction, deadlock
 freedom included, so every action gets played.
 
-Everything a stage spends waiting is idle; the bubble fraction is total idle time over
-``num_stages * step_time``. For equal stages and free transfers it is ``(p-1)/(m+p-1)``
-for GPipe and 1F1B alike.
+Everything a rank spends waiting is idle; the bubble fraction is total idle time over
+``num_ranks * step_time``. For equal stages and free transfers it is ``(p-1)/(m+p-1)``
+for GPipe and 1F1B alike. Results are per rank (``SimResult.ranks`` says which stages
+each holds); with one stage per rank, rank ``s`` is stage ``s``.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ from services.protocol import Action, ActionKind
 
 __all__ = ["SimResult", "StageCosts", "TimedAction", "draw_timeline", "simulate"]
 
+DEFAULT_WEIGHT_FRACTION = 0.5  # W's share of an unmeasured backward (the paper's T_W ~ T_F ~ T_B / 2)
+
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Per-microbatch times of a pipeline, in seconds.
+    """Per-microbatch times of a pipeline's (virtual) stages, in seconds.
 
     Args:
         forward_s: Forward time of each stage (length p).
-        backward_s: Backward time of each stage (length p).
+        backward_s: Whole-backward time of each stage (length p): a ``B``, or ``I`` plus ``W``.
         activation_transfer_s: ``[c]`` is the time to move one microbatch's activations
             across the cut between stage c and c+1 (length p-1); each endpoint pays it.
         gradient_transfer_s: The same for gradients flowing from c+1 back to c (length p-1).
@@ -47,9 +54,12 @@ class StageCosts:
             or empty when memory is not of interest).
         start_s: When each stage can begin its first action (length p, or empty: at 0),
             e.g. after applying the previous step's update.
+        weight_backward_s: The weight-gradient half (``W``) of each stage's backward (length p,
+            at most ``backward_s``), or empty: unmeasured, :data:`DEFAULT_WEIGHT_FRACTION` of
+            it. The input-gradient half ``I`` is the rest (:attr:`input_backward_s`).
 
     Raises:
-        ValueError: On inconsistent lengths or negative times.
+        ValueError: On inconsistent lengths, negative times or a W longer than its backward.
     """
 
     forward_s: tuple[float, ...]
@@ -58,29 +68,47 @@ class StageCosts:
     gradient_transfer_s: tuple[float, ...]
     activation_bytes: tuple[float, ...] = ()
     start_s: tuple[float, ...] = ()
+    weight_backward_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         p = len(self.forward_s)
         lengths = (len(self.backward_s), len(self.activation_transfer_s) + 1,
                    len(self.gradient_transfer_s) + 1)
-        if (p < 1 or any(n != p for n in lengths) or len(self.activation_bytes) not in (0, p)
-                or len(self.start_s) not in (0, p)):
+        if (p < 1 or any(n != p for n in lengths)
+                or any(len(t) not in (0, p) for t in (self.activation_bytes, self.start_s,
+                                                       self.weight_backward_s))):
             raise ValueError(f"inconsistent stage cost lengths for {p} stages: {lengths}")
         times = (*self.forward_s, *self.backward_s, *self.activation_transfer_s, *self.gradient_transfer_s,
-                 *self.start_s)
+                 *self.start_s, *self.weight_backward_s)
         if any(t < 0 for t in times):
             raise ValueError("stage costs must be >= 0")
+        if over := [s for s, (w, b) in enumerate(zip(self.weight_backward_s, self.backward_s, strict=False))
+                    if w > b]:
+            raise ValueError(f"stage {over[0]}: its W ({self.weight_backward_s[over[0]]} s) is part of its "
+                             f"backward ({self.backward_s[over[0]]} s), so cannot be longer")
 
     @property
     def num_stages(self) -> int:
         return len(self.forward_s)
 
+    @property
+    def weight_s(self) -> tuple[float, ...]:
+        """Each stage's ``W`` time: ``weight_backward_s``, or the default share of its backward."""
+        return self.weight_backward_s or tuple(b * DEFAULT_WEIGHT_FRACTION for b in self.backward_s)
+
+    @property
+    def input_backward_s(self) -> tuple[float, ...]:
+        """Each stage's ``I`` time: its backward less its ``W``."""
+        return tuple(b - w for b, w in zip(self.backward_s, self.weight_s, strict=True))
+
     @classmethod
     def uniform(cls, num_stages: int, forward_s: float, backward_s: float,
-                transfer_s: float = 0.0) -> StageCosts:
-        """Equal stages with one transfer time for every cut and direction."""
+                transfer_s: float = 0.0, weight_s: float | None = None) -> StageCosts:
+        """Equal stages with one transfer time for every cut and direction (``weight_s``: W's share)."""
         cuts = (transfer_s,) * (num_stages - 1)
-        return cls((forward_s,) * num_stages, (backward_s,) * num_stages, cuts, cuts)
+        weights = () if weight_s is None else (weight_s,) * num_stages
+        return cls((forward_s,) * num_stages, (backward_s,) * num_stages, cuts, cuts,
+                   weight_backward_s=weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,20 +122,23 @@ class TimedAction:
 
 @dataclass(frozen=True)
 class SimResult:
-    """What :func:`simulate` predicts for one step.
+    """What :func:`simulate` predicts for one step, per rank (a worker: one stage or several).
 
     Attributes:
-        step_time_s: When the last stage finishes its last action.
-        timeline: Per stage, its played actions in order.
-        busy_s: Per stage, time spent computing, sending or receiving.
-        idle_s: Per stage, ``step_time_s - busy_s`` (waiting, fill and drain included).
-        bubble_fraction: ``sum(idle_s) / (num_stages * step_time_s)``.
-        held: Per stage, ``(time, microbatches held)`` after every change.
-        peak_in_flight: Per stage, the most microbatches held at once.
-        peak_activation_bytes: Per stage, ``peak_in_flight * activation_bytes`` (0 if unknown).
+        ranks: The stages each rank holds (``(s,)`` for rank ``s`` when each has one).
+        step_time_s: When the last rank finishes its last action.
+        timeline: Per rank, its played actions in order.
+        busy_s: Per rank, time spent computing, sending or receiving.
+        idle_s: Per rank, ``step_time_s - busy_s`` (waiting, fill and drain included).
+        bubble_fraction: ``sum(idle_s) / (num_ranks * step_time_s)``.
+        held: Per rank, ``(time, microbatches held)`` after every change (a microbatch held by
+            two of its stages counts twice: two sets of activations).
+        peak_in_flight: Per rank, the most microbatches held at once.
+        peak_activation_bytes: Per rank, the most activation bytes held at once (0 if unknown).
     """
 
     schedule_name: str
+    ranks: tuple[tuple[int, ...], ...]
     step_time_s: float
     timeline: tuple[tuple[TimedAction, ...], ...]
     busy_s: tuple[float, ...]
@@ -117,22 +148,34 @@ class SimResult:
     peak_in_flight: tuple[int, ...]
     peak_activation_bytes: tuple[float, ...]
 
+    def track(self, rank: int) -> str:
+        """A rank's label: ``stage 3`` when it holds one stage, ``rank 1 (1,6)`` when several."""
+        stages = self.ranks[rank]
+        if len(stages) == 1 and all(len(r) == 1 for r in self.ranks):
+            return f"stage {stages[0]}"
+        return f"rank {rank} ({','.join(map(str, stages))})"
+
     def summary(self) -> str:
-        """A small table: one row per stage (busy, idle, peak microbatches held)."""
+        """A small table: one row per rank (busy, idle, peak microbatches held)."""
+        labels = [self.track(r) for r in range(len(self.ranks))]
+        width = max(5, *map(len, labels))
         rows = [f"{self.schedule_name}: step {self.step_time_s * 1e3:.3f} ms, "
                 f"bubble {self.bubble_fraction:.1%}",
-                f"{'stage':>5} {'busy ms':>10} {'idle ms':>10} {'peak held':>9}"]
-        for s, (busy, idle, peak) in enumerate(zip(self.busy_s, self.idle_s, self.peak_in_flight,
-                                                   strict=True)):
-            rows.append(f"{s:>5} {busy * 1e3:>10.3f} {idle * 1e3:>10.3f} {peak:>9}")
+                f"{'':>{width}} {'busy ms':>10} {'idle ms':>10} {'peak held':>9}"]
+        for label, busy, idle, peak in zip(labels, self.busy_s, self.idle_s, self.peak_in_flight,
+                                           strict=True):
+            rows.append(f"{label:>{width}} {busy * 1e3:>10.3f} {idle * 1e3:>10.3f} {peak:>9}")
         return "\n".join(rows)
 
 
-def _duration(a: Action, costs: StageCosts) -> float:
-    if a.kind == "F":
-        return costs.forward_s[a.stage]
-    if a.kind == "B":
-        return costs.backward_s[a.stage]
+def _durations(costs: StageCosts) -> dict[ActionKind, tuple[float, ...]]:
+    """Each compute kind's per-stage time."""
+    return {"F": costs.forward_s, "B": costs.backward_s, "I": costs.input_backward_s, "W": costs.weight_s}
+
+
+def _duration(a: Action, costs: StageCosts, compute: dict[ActionKind, tuple[float, ...]]) -> float:
+    if a.kind in compute:
+        return compute[a.kind][a.stage]
     assert a.peer is not None
     cut = min(a.stage, a.peer)
     gradient = a.kind in ("SEND_B", "RECV_B")
@@ -144,10 +187,10 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
 
     Args:
         schedule: The schedule (valid, so free of deadlocks).
-        costs: Times of as many stages as the schedule has.
+        costs: Times of as many (virtual) stages as the schedule has.
 
     Returns:
-        The predicted step, per-stage idle time, bubble fraction and activations held.
+        The predicted step, per-rank idle time, bubble fraction and activations held.
 
     Raises:
         ValueError: If the stage counts differ.
@@ -155,58 +198,68 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     p = schedule.num_stages
     if costs.num_stages != p:
         raise ValueError(f"schedule has {p} stages, costs describe {costs.num_stages}")
+    ranks = tuple(schedule.stages_of(r) for r in range(schedule.num_ranks))
+    lists = [schedule.rank_actions(r) for r in range(len(ranks))]
+    compute = _durations(costs)
+    act_bytes = costs.activation_bytes or (0.0,) * p
     arrival: dict[tuple[int, int, int], float] = {}  # (src, dst, microbatch) -> send end
-    clock = list(costs.start_s) if costs.start_s else [0.0] * p
-    pos = [0] * p
-    played: list[list[TimedAction]] = [[] for _ in range(p)]
+    clock = [sum(costs.start_s[s] for s in stages) if costs.start_s else 0.0 for stages in ranks]
+    pos = [0] * len(ranks)
+    played: list[list[TimedAction]] = [[] for _ in ranks]
     busy = list(clock)  # the time before the start counts as busy (applying an update)
-    held: list[list[tuple[float, int]]] = [[(0.0, 0)] for _ in range(p)]
+    held: list[list[tuple[float, int]]] = [[(0.0, 0)] for _ in ranks]
+    held_bytes = [0.0] * len(ranks)
+    peak_bytes = [0.0] * len(ranks)
     progress = True
     while progress:
         progress = False
-        for s, acts in enumerate(schedule.actions):
-            while pos[s] < len(acts):
-                a = acts[pos[s]]
-                start = clock[s]
+        for r, acts in enumerate(lists):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                start = clock[r]
                 if a.kind in ("RECV_F", "RECV_B"):
                     assert a.peer is not None
-                    key = (a.peer, s, a.microbatch)
+                    key = (a.peer, a.stage, a.microbatch)
                     if key not in arrival:
                         break
                     start = max(start, arrival[key])
-                end = start + _duration(a, costs)
+                end = start + _duration(a, costs, compute)
                 if a.kind in ("SEND_F", "SEND_B"):
                     assert a.peer is not None
-                    arrival[(s, a.peer, a.microbatch)] = end
+                    arrival[(a.stage, a.peer, a.microbatch)] = end
                 elif a.kind == "F":
-                    held[s].append((start, held[s][-1][1] + 1))
-                elif a.kind == "B":
-                    held[s].append((end, held[s][-1][1] - 1))
-                played[s].append(TimedAction(a, start, end))
-                busy[s] += end - start
-                clock[s] = end
-                pos[s] += 1
+                    held[r].append((start, held[r][-1][1] + 1))
+                    held_bytes[r] += act_bytes[a.stage]
+                    peak_bytes[r] = max(peak_bytes[r], held_bytes[r])
+                elif a.kind in ("B", "W"):
+                    held[r].append((end, held[r][-1][1] - 1))
+                    held_bytes[r] -= act_bytes[a.stage]
+                played[r].append(TimedAction(a, start, end))
+                busy[r] += end - start
+                clock[r] = end
+                pos[r] += 1
                 progress = True
-    assert pos == [len(acts) for acts in schedule.actions], "a Schedule is free of deadlocks by construction"
+    assert pos == [len(acts) for acts in lists], "a Schedule is free of deadlocks by construction"
     step = max(clock)
     idle = tuple(step - b for b in busy)
-    peaks = tuple(max(n for _, n in h) for h in held)
-    act_bytes = costs.activation_bytes or (0.0,) * p
     return SimResult(
         schedule_name=schedule.name,
+        ranks=ranks,
         step_time_s=step,
         timeline=tuple(tuple(t) for t in played),
         busy_s=tuple(busy),
         idle_s=idle,
-        bubble_fraction=sum(idle) / (p * step) if step > 0 else 0.0,
+        bubble_fraction=sum(idle) / (len(ranks) * step) if step > 0 else 0.0,
         held=tuple(tuple(h) for h in held),
-        peak_in_flight=peaks,
-        peak_activation_bytes=tuple(n * b for n, b in zip(peaks, act_bytes, strict=True)),
+        peak_in_flight=tuple(max(n for _, n in h) for h in held),
+        peak_activation_bytes=tuple(peak_bytes),
     )
 
 
-_COLOURS: dict[ActionKind, str] = {"F": "#4e79a7", "B": "#59a14f", "SEND_F": "#bab0ac", "SEND_B": "#bab0ac",
-                                   "RECV_F": "#d7d2cb", "RECV_B": "#d7d2cb"}
+_COLOURS: dict[ActionKind, str] = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b",
+                                   "SEND_F": "#bab0ac", "SEND_B": "#bab0ac", "RECV_F": "#d7d2cb",
+                                   "RECV_B": "#d7d2cb"}
+_COMPUTE: frozenset[ActionKind] = frozenset({"F", "B", "I", "W"})
 
 
 def _escape(text: str) -> str:
@@ -214,10 +267,12 @@ def _escape(text: str) -> str:
 
 
 def draw_timeline(result: SimResult, path: str | Path, *, title: str = "", width: int = 1200) -> Path:
-    """Draws the predicted timeline (stage x time, one box per action) as an SVG file, or with matplotlib.
+    """Draws the predicted timeline (rank x time, one box per action) as an SVG file, or with matplotlib.
 
-    Forward boxes are blue, backward green, sends and receives grey and thin; each compute
-    box is labelled with its microbatch. Gaps are idle time. A path ending in ``.svg`` is
+    One track per rank (labelled ``stage s``, or ``rank r (a,b)`` when ranks hold several
+    stages). Forward boxes are blue, backward green (a split one: I light green, W orange),
+    sends and receives grey and thin; each compute box is labelled with its kind and
+    microbatch (and stage, when ranks hold several). Gaps are idle time. A path ending in ``.svg`` is
     written here with no dependency; any other suffix (``.png``, ``.pdf``) by matplotlib
     (``coordinator/planning/timeline_plot.py``, the optional extra ``plot``).
 
@@ -241,28 +296,31 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str = "", width
 
         return plot_timeline(result, target, caption)
     rows = len(result.timeline)
-    left, top, row_h, gap = 70, 40, 28, 8
+    labels = [result.track(r) for r in range(rows)]
+    shared = any(len(stages) > 1 for stages in result.ranks)
+    left, top, row_h, gap = 15 + 7 * max(map(len, labels)), 40, 28, 8
     scale = (width - left - 20) / result.step_time_s if result.step_time_s > 0 else 0.0
     height = top + rows * (row_h + gap) + 30
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="monospace" font-size="11">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<text x="{left}" y="20" font-size="14">{_escape(caption)}</text>']
-    for s, played in enumerate(result.timeline):
-        y = top + s * (row_h + gap)
-        out.append(f'<text x="5" y="{y + row_h / 2 + 4}">stage {s}</text>')
+    for r, played in enumerate(result.timeline):
+        y = top + r * (row_h + gap)
+        out.append(f'<text x="5" y="{y + row_h / 2 + 4}">{labels[r]}</text>')
         out.append(f'<line x1="{left}" y1="{y + row_h}" x2="{width - 20}" y2="{y + row_h}" stroke="#ddd"/>')
         for t in played:
             x, w = left + t.start * scale, max((t.end - t.start) * scale, 0.5)
-            compute = t.action.kind in ("F", "B")
+            compute = t.action.kind in _COMPUTE
             h, dy = (row_h, 0) if compute else (row_h / 3, row_h * 2 / 3)
             out.append(f'<rect x="{x:.2f}" y="{y + dy:.2f}" width="{w:.2f}" height="{h:.2f}" '
                        f'fill="{_COLOURS[t.action.kind]}" stroke="white" stroke-width="0.5">'
                        f'<title>{_escape(str(t.action))} {t.start * 1e3:.3f}-{t.end * 1e3:.3f} ms'
                        '</title></rect>')
-            if compute and w > 14:
+            text = str(t.action) if shared else f"{t.action.kind}{t.action.microbatch}"
+            if compute and w > 7 * len(text):
                 out.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + 4}" text-anchor="middle" '
-                           f'fill="white">{t.action.kind}{t.action.microbatch}</text>')
+                           f'fill="white">{text}</text>')
     axis_y = top + rows * (row_h + gap) + 15
     out.append(f'<text x="{left}" y="{axis_y}">0 ms</text>')
     out.append(f'<text x="{width - 20}" y="{axis_y}" text-anchor="end">'

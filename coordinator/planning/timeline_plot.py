@@ -1,9 +1,9 @@
 """The predicted timeline as a raster or PDF picture (matplotlib), for ``cellmesh plan --timeline``.
 
 The same picture as the SVG of :func:`~coordinator.planning.simulator.draw_timeline` (which
-calls this for any suffix but ``.svg``): one row per stage, one box per action, forward blue,
-backward green, transfers grey and thin, gaps idle. matplotlib is the optional extra ``plot``
-(``pip install 'cellmesh[plot]'``); the SVG needs nothing.
+calls this for any suffix but ``.svg``): one row per rank, one box per action, forward blue,
+backward green (split: I light green, W orange), transfers grey and thin, gaps idle.
+matplotlib is the optional extra ``plot`` (``pip install 'cellmesh[plot]'``); the SVG needs nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["check_drawable", "plot_timeline"]
 
-_COLOURS = {"F": "#4e79a7", "B": "#59a14f"}
+_COLOURS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b"}
 _TRANSFER = "#bab0ac"
 
 
@@ -63,7 +63,7 @@ def plot_timeline(result: SimResult, path: Path, caption: str) -> Path:
                 if compute and result.step_time_s > 0 and (t.end - t.start) / result.step_time_s > 0.02:
                     ax.text((t.start + t.end) / 2 * 1e3, s, f"{t.action.kind}{t.action.microbatch}",
                             ha="center", va="center", color="white", fontsize=8)
-        ax.set_yticks(range(rows), [f"stage {s}" for s in range(rows)])
+        ax.set_yticks(range(rows), [result.track(r) for r in range(rows)])
         ax.invert_yaxis()
         ax.set_xlim(0, result.step_time_s * 1e3)
         ax.set_xlabel("ms")

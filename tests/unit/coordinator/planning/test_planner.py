@@ -135,7 +135,7 @@ def test_impossible_requests_say_why(kwargs: dict[str, object], message: str) ->
     (dict(balance=[2, 6], num_stages=3), r"balance has 2 stages but num_stages=3"),
     (dict(balance=[2, 6], strategy="data_parallel"),
      r"strategy='data_parallel' means one stage, but balance has 2"),
-    (dict(schedule="zigzag"), r"unknown schedule 'zigzag'; use one of \('gpipe', '1f1b'\)"),
+    (dict(schedule="zigzag"), r"unknown schedule 'zigzag'; use one of \('gpipe', '1f1b', "),
     (dict(num_microbatches=0), r"num_microbatches\n  Input should be greater than or equal to 1"),
 ])
 def test_contradicting_plan_fields_are_refused_by_the_config(kwargs: dict[str, object], message: str) -> None:

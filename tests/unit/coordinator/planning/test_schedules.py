@@ -1,4 +1,4 @@
-"""Schedules as data: GPipe and 1F1B are valid, print and parse back, and broken action lists are refused."""
+"""Schedules as data: GPipe, 1F1B, ZB-H1 are valid, print and parse back, broken action lists are refused."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from comm.codec import pack, unpack
-from coordinator.planning.schedules import Schedule, build_schedule, gpipe, one_f_one_b, peak_in_flight
+from coordinator.planning.schedules import Schedule, build_schedule, gpipe, one_f_one_b, peak_in_flight, zb_h1
 from services.compute.actions import ScheduleError, validate_stage
 from services.protocol import Action, RunStep
 
@@ -38,6 +38,8 @@ def test_peak_in_flight_gpipe_holds_m_1f1b_at_most_p(p: int, m: int) -> None:
         assert peak_in_flight(stage_list) == m
     for s, stage_list in enumerate(one_f_one_b(p, m).actions):
         assert peak_in_flight(stage_list) == min(p - s, m)
+    for stage_list in zb_h1(p, m).actions:  # held from F to W: the paper's "same peak as 1F1B" on every stage
+        assert peak_in_flight(stage_list) == min(p, m)
 
 
 def test_1f1b_by_hand() -> None:
@@ -49,7 +51,18 @@ def test_1f1b_by_hand() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_zb_h1_by_hand() -> None:
+    # 1F1B's order with each B split: I (then SEND_B at once), and stage s runs its W's s I's late,
+    # the last ones in the drain
+    assert [" ".join(map(str, stage_list)) for stage_list in zb_h1(3, 3).actions] == [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0RECV_B0 0I0 0W0 0RECV_B1 0I1 0W1 0RECV_B2 0I2 0W2",
+        "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 1RECV_B0 1I0 1SEND_B0 1RECV_F2 1F2 1SEND_F2 "
+        "1RECV_B1 1I1 1SEND_B1 1W0 1RECV_B2 1I2 1SEND_B2 1W1 1W2",
+        "2RECV_F0 2F0 2I0 2SEND_B0 2RECV_F1 2F1 2I1 2SEND_B1 2RECV_F2 2F2 2I2 2SEND_B2 2W0 2W1 2W2",
+    ]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
 def test_schedule_prints_parses_and_travels_in_run_steps(name: str) -> None:
     sched = build_schedule(name, 3, 4)
     assert Schedule.parse(str(sched)) == sched

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.planning.schedules import build_schedule, gpipe, one_f_one_b
+from coordinator.planning.schedules import build_schedule, gpipe, one_f_one_b, zb_h1
 from coordinator.planning.simulator import StageCosts, TimedAction, draw_timeline, simulate
 
 
@@ -58,6 +58,43 @@ def test_1f1b_two_stages_two_microbatches_by_hand() -> None:
     assert result.held[1] == ((0, 0), (2, 1), (5, 0), (6, 1), (9, 0))
 
 
+def test_zb_h1_two_stages_two_microbatches_by_hand() -> None:
+    # forward 1, backward 2 split into I 1 and W 1 (the default half), transfers 0.5; W frees the activations
+    result = simulate(zb_h1(2, 2), StageCosts.uniform(2, 1.0, 2.0, 0.5))
+    assert _spans(result.timeline[1]) == [
+        ("1RECV_F0", 1.5, 2), ("1F0", 2, 3), ("1I0", 3, 4), ("1SEND_B0", 4, 4.5), ("1RECV_F1", 4.5, 5),
+        ("1F1", 5, 6), ("1I1", 6, 7), ("1SEND_B1", 7, 7.5), ("1W0", 7.5, 8.5), ("1W1", 8.5, 9.5)]
+    assert _spans(result.timeline[0])[-6:] == [
+        ("0RECV_B0", 4.5, 5), ("0I0", 5, 6), ("0W0", 6, 7), ("0RECV_B1", 7.5, 8), ("0I1", 8, 9),
+        ("0W1", 9, 10)]
+    assert result.step_time_s == 10  # 1F1B: 12
+    assert result.held[1] == ((0, 0), (2, 1), (5, 2), (8.5, 1), (9.5, 0))
+    assert result.peak_in_flight == (2, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(2, 6), m=st.integers(1, 12), f=st.floats(0.01, 10), b=st.floats(0.01, 10))
+def test_zb_h1_beats_1f1b_and_matches_the_papers_bubble(p: int, m: int, f: float, b: float) -> None:
+    costs = StageCosts.uniform(p, f, b)  # W unmeasured: half the backward
+    zb, one = simulate(zb_h1(p, m), costs), simulate(one_f_one_b(p, m), costs)
+    assert zb.bubble_fraction < one.bubble_fraction
+    if m >= p and f >= b / 2:  # the paper's (p-1)(F + I - W) per rank, here I = W
+        assert zb.step_time_s == pytest.approx(m * (f + b) + (p - 1) * f, rel=1e-9)
+
+
+def test_weight_half_of_the_backward() -> None:
+    costs = StageCosts((1.0, 1.0), (3.0, 2.0), (0.0,), (0.0,), weight_backward_s=(1.0, 2.0))
+    assert costs.input_backward_s == (2.0, 0.0) and costs.weight_s == (1.0, 2.0)
+    assert StageCosts.uniform(2, 1.0, 3.0).weight_s == (1.5, 1.5)  # unmeasured: half
+    result = simulate(zb_h1(2, 1), costs)
+    assert [(str(t.action), t.end - t.start) for t in result.timeline[0] if t.action.kind in ("I", "W")] == [
+        ("0I0", 2.0), ("0W0", 1.0)]
+    with pytest.raises(ValueError, match=r"stage 1: its W \(3.0 s\) is part of its backward \(2.0 s\)"):
+        StageCosts((1.0, 1.0), (3.0, 2.0), (0.0,), (0.0,), weight_backward_s=(1.0, 3.0))
+    with pytest.raises(ValueError, match="inconsistent"):
+        StageCosts((1.0, 1.0), (3.0, 2.0), (0.0,), (0.0,), weight_backward_s=(1.0,))
+
+
 def test_slowest_stage_sets_the_pace() -> None:
     # stage 1 twice as slow: steady state runs at its pace, m microbatches of 3 + fill/drain of the others
     costs = StageCosts((1.0, 2.0, 1.0), (0.0, 0.0, 0.0), (0.0, 0.0), (0.0, 0.0))
@@ -97,6 +134,9 @@ def test_timeline_svg_has_one_box_per_action(tmp_path: Path) -> None:
     assert "1f1b: step" in svg and "stage 3" in svg
     assert "1F7" in svg  # labelled compute boxes
     print(result.summary())
+    zb = simulate(zb_h1(2, 2), StageCosts.uniform(2, 1.0, 2.0))
+    split = draw_timeline(zb, tmp_path / "zb.svg").read_text()
+    assert 'fill="#8cd17d"' in split and 'fill="#f28e2b"' in split  # I and W in their own colours
 
 
 def test_stages_start_after_their_start_time() -> None:
