@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: GPipe and 1F1B, one ordered list of actions per stage.
+"""Pipeline schedules as data: GPipe, 1F1B, ZB-H1 and interleaved 1F1B, one ordered list of actions per stage.
 
 A schedule holds, for every stage, the :class:`~services.protocol.Action` s it runs, in
 order: the very type a worker receives in ``RunStep`` (``0F3``, ``0SEND_F3``, ``1RECV_B2``...),
@@ -9,6 +9,13 @@ semantics ([Note: send semantics]) and the step-by-stage table are that module's
 
 Printed (``str``), a schedule is a header and one line per stage, and parses back
 (:meth:`Schedule.parse`); :meth:`Schedule.format` is the step-by-stage table.
+
+[Note: chunks] A schedule is built by name from ``(stages, microbatches, chunks)``
+(:func:`build_schedule`). ``chunks`` is how many stages each worker of the pipeline holds
+(virtual stages): 1 for every schedule but ``interleaved-1f1b``, which takes ``chunks >= 2``
+and puts ``p = chunks * R`` stages on ``R`` workers (rank ``r`` holds stages ``r, r + R, ...``).
+:func:`schedule_problem` says why a shape is refused (naming the fix), or None; the planner
+skips refused shapes and :func:`build_schedule` raises with that message.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ from dataclasses import dataclass
 from services.compute.actions import ScheduleError, format_schedule, validate_schedule
 from services.protocol import Action, ActionKind
 
-__all__ = ["SCHEDULES", "Schedule", "build_schedule", "gpipe", "one_f_one_b", "peak_in_flight", "zb_h1"]
+__all__ = ["CHUNKED", "SCHEDULES", "Schedule", "build_schedule", "gpipe", "interleaved_1f1b",
+           "interleaved_group", "one_f_one_b", "peak_in_flight", "schedule_problem", "zb_h1"]
 
 _HEAD = re.compile(r"(\S+): (\d+) stages? x (\d+) microbatch(?:es)?")
+_RANK = re.compile(r"rank (\d+) \((\d+(?:,\d+)*)\)")
 
 
 @dataclass(frozen=True)
@@ -96,13 +105,17 @@ class Schedule:
         return f"{self.name}: {self.num_stages} stages x {self.num_microbatches} microbatches"
 
     def __str__(self) -> str:
+        """The header, one line per stage, then (stages sharing ranks) one per rank: ``rank 0 (0,2): ...``."""
         width = len(str(self.num_stages - 1))
         lines = [f"stage {s:>{width}}: " + " ".join(map(str, acts)) for s, acts in enumerate(self.actions)]
+        lines += [f"rank {r} ({','.join(map(str, stages))}): " + " ".join(map(str, acts))
+                  for r, (stages, acts) in enumerate(zip(self.ranks, self.order, strict=True))]
         return "\n".join([self._head(), *lines])
 
     def format(self) -> str:
-        """The header, then the step-by-stage table (``services.compute.actions.format_schedule``)."""
-        return f"{self._head()}\n{format_schedule(self.actions)}"
+        """The header, then the step-by-stage table (``services.compute.actions.format_schedule``; by
+        rank when stages share ranks: column ``r`` is rank ``r``)."""
+        return f"{self._head()}\n{format_schedule(self.order or self.actions)}"
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
@@ -116,8 +129,20 @@ class Schedule:
         if head is None:
             raise ScheduleError("a schedule starts with '<name>: <p> stages x <m> microbatches'")
         stages: list[tuple[Action, ...]] = []
+        ranks: list[tuple[int, ...]] = []
+        order: list[tuple[Action, ...]] = []
         for line in lines[1:]:
             label, _, rest = line.partition(":")
+            rank = _RANK.fullmatch(label.strip())
+            if rank is not None:
+                if int(rank.group(1)) != len(ranks):
+                    raise ScheduleError(f"expected 'rank {len(ranks)} (<stages>): <actions>', got {line!r}")
+                ranks.append(tuple(int(s) for s in rank.group(2).split(",")))
+                try:
+                    order.append(tuple(Action.parse(word) for word in rest.split()))
+                except ValueError as exc:
+                    raise ScheduleError(f"{label.strip()}: {exc}") from None
+                continue
             if label.split() != ["stage", str(len(stages))]:
                 raise ScheduleError(f"expected 'stage {len(stages)}: <actions>', got {line!r}")
             try:
@@ -126,7 +151,7 @@ class Schedule:
                 raise ScheduleError(f"{label.strip()}: {exc}") from None
         if len(stages) != int(head.group(2)):
             raise ScheduleError(f"the header says {head.group(2)} stages, {len(stages)} follow")
-        return cls(head.group(1), int(head.group(3)), tuple(stages))
+        return cls(head.group(1), int(head.group(3)), tuple(stages), tuple(ranks), tuple(order))
 
 
 def _actions(s: int, i: int, steps: tuple[tuple[ActionKind, bool], ...]) -> list[Action]:
@@ -226,22 +251,113 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("zb-h1", m, tuple(stages))
 
 
+def interleaved_group(num_ranks: int, num_microbatches: int) -> int | None:
+    """The microbatches interleaved 1F1B runs per chunk in a row (its *group*), or None if ``m`` is refused.
+
+    Megatron runs them in groups of ``R`` (the ranks) and needs ``R | m``; as torch's
+    ``ScheduleInterleaved1F1B``, cellmesh splits ``m`` into ``max(1, m // R)`` equal groups: ``R``
+    when ``R`` divides ``m``, ``m`` when ``m < R`` (one group), and refuses ``m`` that does not split
+    (``R = 2``: 5, 7, 9...; ``R = 4``: 5..7, 9, 11...).
+    """
+    rounds = max(1, num_microbatches // num_ranks)
+    return None if num_microbatches % rounds else num_microbatches // rounds
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): ``chunks`` (``v``) stages per worker.
+
+    Rank ``r`` of ``R = p / v`` holds stages ``r, r + R, ..., r + (v - 1) R`` (its chunks) and runs
+    their actions merged into one order (``Schedule.order``). Forwards go through the chunks in
+    groups of ``g`` microbatches (:func:`interleaved_group`; ``g = R`` when ``R | m``): forward ``k``
+    of the rank is chunk ``(k // g) % v``'s microbatch ``(k // (g v)) g + k % g``; backwards go
+    through the chunks the other way round, last chunk first. Rank ``r`` warms up with
+    ``w_r = min((v - 1) g + 2 (R - 1 - r), v m)`` forwards, then alternates a forward and a
+    backward, then drains the backwards. Each forward is its ``RECV_F``, ``F``, ``SEND_F``; each
+    backward its ``RECV_B``, ``B``, ``SEND_B`` (those the stage has).
+
+    Bubble: with equal stages, free transfers and ``R | m``, ``(R - 1) / (v m + R - 1)``, the 1F1B
+    bubble of ``R`` workers shrunk by ``v``. Memory (Megatron's bound): rank ``r`` holds at most
+    ``min(w_r + 1, v m)`` chunk-microbatches of activations (each a ``1/v`` of the worker's layers), so
+    rank 0 holds ``(v - 1) g + 2R - 1``: ``(1 + (R - 1) / (v R)) R``-ish of its layers' microbatches, a
+    little more than 1F1B's ``R``.
+
+    Raises:
+        ValueError: The shape is refused (:func:`schedule_problem` names why and the fix).
+    """
+    problem = schedule_problem("interleaved-1f1b", num_stages, num_microbatches, chunks)
+    if problem is not None:
+        raise ValueError(problem)
+    p, m, v = num_stages, num_microbatches, chunks
+    num_ranks = p // v
+    g = interleaved_group(num_ranks, m)
+    assert g is not None
+    order: list[tuple[Action, ...]] = []
+    for r in range(num_ranks):
+        def forward(k: int, r: int = r) -> list[Action]:
+            return _forward((k // g) % v * num_ranks + r, k // (g * v) * g + k % g, p)
+
+        def backward(k: int, r: int = r) -> list[Action]:
+            return _backward((v - 1 - (k // g) % v) * num_ranks + r, k // (g * v) * g + k % g, p)
+
+        warmup = min((v - 1) * g + 2 * (num_ranks - 1 - r), v * m)
+        acts = [a for k in range(warmup) for a in forward(k)]
+        for k in range(v * m - warmup):  # steady state: the next forward, then the oldest backward
+            acts += forward(warmup + k) + backward(k)
+        acts += [a for k in range(v * m - warmup, v * m) for a in backward(k)]
+        order.append(tuple(acts))
+    ranks = tuple(tuple(range(r, p, num_ranks)) for r in range(num_ranks))
+    actions = tuple(tuple(a for a in order[s % num_ranks] if a.stage == s) for s in range(p))
+    return Schedule("interleaved-1f1b", m, actions, ranks, tuple(order))
+
+
 ScheduleFn = Callable[[int, int], Schedule]
-SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
+SCHEDULES: dict[str, ScheduleFn] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1,
+    # (stages, microbatches) -> two chunks per worker; build_schedule passes any other count
+    "interleaved-1f1b": lambda p, m: interleaved_1f1b(p, m, 2)}
+# the schedules whose workers hold several stages (see [Note: chunks]): built with their chunk count
+CHUNKED: dict[str, Callable[[int, int, int], Schedule]] = {"interleaved-1f1b": interleaved_1f1b}
+
+
+def schedule_problem(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> str | None:
+    """Why schedule ``name`` cannot run ``num_stages`` stages x ``num_microbatches`` with ``chunks`` stages
+    per worker, naming the fix; None if it can (see [Note: chunks])."""
+    p, m, v = num_stages, num_microbatches, chunks
+    if name not in SCHEDULES:
+        return f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}"
+    if p < 1 or m < 1 or v < 1:
+        return f"need >= 1 stage, microbatch and chunk, got {p}, {m} and {v}"
+    if name not in CHUNKED:
+        return None if v == 1 else (f"schedule {name!r} runs one stage per worker, not chunks={v}: use "
+                                    "interleaved-1f1b for several stages per worker, or chunks=1")
+    if v < 2:
+        return f"{name} needs chunks >= 2 stages per worker (with one, use 1f1b)"
+    if p % v:
+        return (f"{name} puts chunks={v} stages on each worker, so the stages must be a multiple of {v}, "
+                f"not {p}: use {p - p % v or v} or {p - p % v + v} stages, or chunks dividing {p}")
+    ranks = p // v
+    if interleaved_group(ranks, m) is None:
+        fits = [k for k in range(max(1, m - ranks), m + ranks + 1) if interleaved_group(ranks, k) is not None]
+        return (f"{name} on {ranks} workers runs the microbatches in max(1, m // {ranks}) equal groups, and "
+                f"num_microbatches={m} does not split into {m // ranks} equal groups: use a multiple of "
+                f"{ranks} (Megatron's rule) or fewer than {ranks}; nearby counts that work: {fits}")
+    return None
 
 
 @functools.lru_cache(maxsize=256)
-def build_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Builds a registered schedule by name (see :data:`SCHEDULES`); schedules are immutable, so cached.
+def build_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> Schedule:
+    """Builds a registered schedule by name with ``chunks`` stages per worker ([Note: chunks]); schedules
+    are immutable, so cached.
 
     Raises:
-        ValueError: If the name is unknown or a count is < 1.
+        ValueError: If the name is unknown or the shape is refused (:func:`schedule_problem`'s message).
     """
-    try:
-        fn = SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}") from None
-    return fn(num_stages, num_microbatches)
+    problem = schedule_problem(name, num_stages, num_microbatches, chunks)
+    if problem is not None:
+        raise ValueError(problem)
+    if name in CHUNKED:
+        return CHUNKED[name](num_stages, num_microbatches, chunks)
+    return SCHEDULES[name](num_stages, num_microbatches)
 
 
 def peak_in_flight(actions: Iterable[Action]) -> int:
