@@ -178,6 +178,9 @@ class PlanConfig(_Section):
     num_microbatches: Positive | None = Field(default=None,
                                               description="fix the microbatches per replica per step")
     schedule: str | None = Field(default=None, description="fix the pipeline schedule, by its name")
+    chunks: Positive | None = Field(default=None,
+                                    description="fix the stages each worker holds (interleaved-1f1b: >= 2; "
+                                                "1: a worker per stage)")
     balance: list[Positive] | None = Field(default=None, min_length=1,
                                            description="fix the cells per stage, e.g. [2, 3]")
     cutter: str = Field(default="minmax", description="the registered cutter that places stage boundaries")

@@ -80,7 +80,7 @@ class Plan(BaseModel):
 
     Attributes:
         data_parallel: Number of replicas ``d``.
-        num_stages: Pipeline stages ``p``; the plan uses ``d * p`` workers.
+        num_stages: Pipeline stages ``p``; the plan uses ``d * p / chunks`` workers.
         mode: Gradient path between replicas.
         schedule_name: A key of ``coordinator.planning.schedules.SCHEDULES``.
         num_microbatches: Microbatches ``m`` per replica per step.
@@ -90,6 +90,10 @@ class Plan(BaseModel):
         bounds: Stage boundaries over the profiled chain, ``(0, ..., n)``.
         stages: One entry per stage.
         placement: ``placement[r][s]`` is the worker running stage ``s`` of replica ``r``.
+        chunks: Stages each worker of a replica holds (``v``, the virtual stages of an interleaved
+            schedule; [Note: chunks] in ``coordinator/planning/schedules.py``): rank ``k`` of the
+            ``R = p / v`` workers of a replica holds stages ``k, k + R, ...``, so
+            ``placement[r][s] == placement[r][s % R]``. 1: a worker per stage.
         step_time_s: Predicted step: ``pipeline_time_s + sync_time_s + overhead_s``.
         pipeline_time_s: The simulated schedule (each stage's optimizer step, then
             forward, backward, transfers).
@@ -122,24 +126,36 @@ class Plan(BaseModel):
     bubble_fraction: float
     peak_memory_bytes: int
     precision: Precision = "fp32"
+    chunks: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
-        d, p = self.data_parallel, self.num_stages
+        d, p, v = self.data_parallel, self.num_stages, self.chunks
         if self.global_batch != d * self.num_microbatches * self.microbatch_size:
             raise ValueError("global_batch must equal data_parallel * num_microbatches * microbatch_size")
         if len(self.stages) != p or len(self.bounds) != p + 1:
             raise ValueError(f"{p} stages need {p} stage entries and {p + 1} bounds")
         if len(self.placement) != d or any(len(r) != p for r in self.placement):
             raise ValueError(f"placement must be {d} replicas x {p} stages")
-        names = [w for r in self.placement for w in r]
+        if p % v:
+            raise ValueError(f"{p} stages do not split into chunks={v} per worker")
+        ranks = p // v
+        if any(row[s] != row[s % ranks] for row in self.placement for s in range(p)):
+            raise ValueError(f"with chunks={v}, the worker of stage s holds stages s % {ranks} + {ranks} k: "
+                             f"{self.placement}")
+        names = [w for r in self.placement for w in r[:ranks]]
         if len(set(names)) != len(names):
             raise ValueError(f"a worker appears twice in the placement: {names}")
         return self
 
     @property
+    def num_ranks(self) -> int:
+        """The workers of one replica (``num_stages / chunks``)."""
+        return self.num_stages // self.chunks
+
+    @property
     def num_workers(self) -> int:
-        return self.data_parallel * self.num_stages
+        return self.data_parallel * self.num_ranks
 
     @property
     def dp_groups(self) -> tuple[tuple[str, ...], ...]:
@@ -147,7 +163,7 @@ class Plan(BaseModel):
         return tuple(tuple(r[s] for r in self.placement) for s in range(self.num_stages))
 
     def role(self, worker: str) -> tuple[int, int]:
-        """``(replica, stage)`` of ``worker``.
+        """``(replica, stage)`` of ``worker`` (its first stage when it holds several: :meth:`stages_of`).
 
         Raises:
             KeyError: If the plan does not use that worker.
@@ -157,9 +173,18 @@ class Plan(BaseModel):
                 return r, row.index(worker)
         raise KeyError(f"worker {worker!r} has no role in this plan")
 
+    def stages_of(self, worker: str) -> tuple[int, ...]:
+        """The stages ``worker`` holds (one, or ``chunks`` of them), in increasing order.
+
+        Raises:
+            KeyError: If the plan does not use that worker.
+        """
+        replica, _ = self.role(worker)
+        return tuple(s for s in range(self.num_stages) if self.placement[replica][s] == worker)
+
     def schedule(self) -> Schedule:
         """Every stage's action list (the same for every replica), validated; what ``RunStep`` carries."""
-        return build_schedule(self.schedule_name, self.num_stages, self.num_microbatches)
+        return build_schedule(self.schedule_name, self.num_stages, self.num_microbatches, self.chunks)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=1)
@@ -175,7 +200,8 @@ class Plan(BaseModel):
 
     def summary(self) -> str:
         """One line: shape and predicted cost."""
-        return (f"d={self.data_parallel} x p={self.num_stages} {self.schedule_name} "
+        chunks = f" ({self.chunks} per worker)" if self.chunks > 1 else ""
+        return (f"d={self.data_parallel} x p={self.num_stages}{chunks} {self.schedule_name} "
                 f"m={self.num_microbatches} (microbatch {self.microbatch_size}) "
                 f"{self.mode}{_PRECISION_TEXT[self.precision]}: step {self.step_time_s * 1e3:.2f} ms, "
                 f"peak {format_bytes(self.peak_memory_bytes)}")
@@ -183,7 +209,7 @@ class Plan(BaseModel):
     def __str__(self) -> str:
         lines = [
             f"plan: {self.data_parallel} replica(s) x {self.num_stages} stage(s) = "
-            f"{self.num_workers} worker(s), "
+            f"{self.num_workers} worker(s){self._chunks_text()}, "
             f"{self.schedule_name}, {self.num_microbatches} microbatches of {self.microbatch_size} "
             f"(global batch {self.global_batch}), {self.mode.replace('_', ' ')}, cut by {self.cutter}"
             f"{_PRECISION_TEXT[self.precision]}",
@@ -209,3 +235,11 @@ class Plan(BaseModel):
         if self.num_stages == 1:
             lines.append("  none (one stage)")
         return "\n".join(lines)
+
+    def _chunks_text(self) -> str:
+        """`` (2 stages per worker: 0,2 | 1,3)``: which stages each worker of a replica holds."""
+        if self.chunks == 1:
+            return ""
+        held = " | ".join(",".join(map(str, range(k, self.num_stages, self.num_ranks)))
+                          for k in range(self.num_ranks))
+        return f" ({self.chunks} stages per worker: {held})"

@@ -104,6 +104,7 @@ class Candidate:
     num_microbatches: int
     plan: Plan | None
     reason: str
+    chunks: int = 1  # stages per worker (interleaved-1f1b)
 
     @property
     def fits(self) -> bool:
@@ -216,21 +217,25 @@ ACTION_OVERHEAD_S = 3e-4
 def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None,
               precision: Precision = "fp32") -> Candidate:
-    d, p, mode, sched_name, m = shape
+    d, p, mode, sched_name, m, v = shape
+    ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
     mb = global_batch // (d * m)
     times = profile.node_times(mb)
-    placement = tuple(tuple(resources.workers[r * p + s].name for s in range(p)) for r in range(d))
+    placement = tuple(tuple(resources.workers[r * ranks + s % ranks].name for s in range(p))
+                      for r in range(d))
     workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
-    on_cpu = all(w.device == "cpu" for ws in workers for w in ws)
-    hosts = [w.host for ws in workers for w in ws if w.host is not None]
+    placed = {w.name: w for ws in workers for w in ws}  # each worker once (it may hold several stages)
+    on_cpu = all(w.device == "cpu" for w in placed.values())
+    hosts = [w.host for w in placed.values() if w.host is not None]
     shared = SHARED_HOST_SLOWDOWN if on_cpu and len(hosts) > len(set(hosts)) else 1.0
     speed = [min(w.speed for w in ws) for ws in workers]
-    bw, lat = resources.slowest_link([nm for row in placement for nm in row])
-    schedule = build_schedule(sched_name, p, m)
+    bw, lat = resources.slowest_link(list(placed))
+    schedule = build_schedule(sched_name, p, m, v)
     in_flight = tuple(peak_in_flight(acts) for acts in schedule.actions)
+    # a worker's stages share its memory: the cutter gives each its 1/v share, the fit is checked per worker
     problem = cut_problem(profile, p, microbatch_size=mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed),
                           data_parallel=d, mode=mode, in_flight=in_flight,
-                          memory_limit=[float(min(w.memory_bytes for w in ws)) for ws in workers])
+                          memory_limit=[float(min(w.memory_bytes for w in ws)) / v for ws in workers])
     metas, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
     cut_s, act, nodes = problem.cut_s, problem.activation_bytes or (), profile.nodes
     cut_error = ""  # why no cut fits memory, when only a cut ignoring memory exists
@@ -241,7 +246,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             free = dataclasses.replace(problem, memory_limit=None)
             bounds = free.check(balance_bounds(balance) if balance is not None else cutter(free))
         except CutError:
-            return Candidate(d, p, mode, sched_name, m, None, str(exc))
+            return Candidate(d, p, mode, sched_name, m, None, str(exc), v)
         cut_error = str(exc)
     spans = list(itertools.pairwise(bounds))
     fwd = tuple(sum(f for f, _ in times[a:b]) * shared / speed[s] + ACTION_OVERHEAD_S
@@ -275,20 +280,25 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             peak_memory_bytes=memory,
             incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
             outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
-        over = [w for w in workers[s] if memory > w.memory_bytes]
+    # per worker: its stages' memory (each at its own peak: an upper bound) and their unhidden syncs
+    held = [range(k, p, ranks) for k in range(ranks)]
+    rank_memory = [sum(stages[s].peak_memory_bytes for s in ss) for ss in held]
+    for k, ss in enumerate(held):
+        over = [w for w in workers[k] if rank_memory[k] > w.memory_bytes]
         if over and not reason:
-            reason = (f"stage {s} needs {format_bytes(memory)} per worker, "
+            what = f"stage {k}" if v == 1 else f"stages {', '.join(map(str, ss))}"
+            reason = (f"{what} need{'s' if v == 1 else ''} {format_bytes(rank_memory[k])} per worker, "
                       f"{over[0].name} has {format_bytes(over[0].memory_bytes)}")
     reason = reason or cut_error
-    sync_time = max(st.sync_s for st in stages)
+    sync_time = max(sum(stages[s].sync_s for s in ss) for ss in held)
     plan = Plan(data_parallel=d, num_stages=p, mode=mode, schedule_name=sched_name, num_microbatches=m,
                 microbatch_size=mb, global_batch=global_batch, cutter=cutter_name, bounds=bounds,
                 stages=tuple(stages), placement=placement,
                 step_time_s=sim.step_time_s + sync_time + 2 * CONTROL_MESSAGE_S,
                 pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, overhead_s=2 * CONTROL_MESSAGE_S,
                 bubble_fraction=sim.bubble_fraction,
-                peak_memory_bytes=max(st.peak_memory_bytes for st in stages), precision=precision)
-    return Candidate(d, p, mode, sched_name, m, plan, reason)
+                peak_memory_bytes=max(rank_memory), precision=precision, chunks=v)
+    return Candidate(d, p, mode, sched_name, m, plan, reason, v)
 
 
 @dataclass(frozen=True)
@@ -464,9 +474,10 @@ def format_candidates(cands: Sequence[Candidate], limit: int = 10) -> str:
     """The ``limit`` fastest candidates as a table (fitting ones first)."""
     ordered = sorted(cands, key=lambda c: (not c.fits, c.step_time_s))[:limit]
     rows = [f"{'d':>3} {'p':>3} {'mode':<16} {'sched':<6} {'m':>4} {'step ms':>10} {'peak mem':>10}  fits"]
+    label = {id(c): c.schedule_name + (f"/{c.chunks}" if c.chunks > 1 else "") for c in ordered}
     for c in ordered:
         step = f"{c.step_time_s * 1e3:.3f}" if c.plan else "-"
         mem = format_bytes(c.plan.peak_memory_bytes) if c.plan else "-"
-        rows.append(f"{c.data_parallel:>3} {c.num_stages:>3} {c.mode:<16} {c.schedule_name:<6} "
+        rows.append(f"{c.data_parallel:>3} {c.num_stages:>3} {c.mode:<16} {label[id(c)]:<6} "
                     f"{c.num_microbatches:>4} {step:>10} {mem:>10}  {'yes' if c.fits else c.reason}")
     return "\n".join(rows)

@@ -13,6 +13,15 @@ count of 2 or more replicas divides ``B``. When the planner chose, the batch may
 out the shapes that use every worker (33 samples on 2 workers: one replica);
 :func:`batch_note` says so in one line, the plan it chose and the batch that would use them.
 
+[Note: interleaved shapes] A schedule of ``CHUNKED`` (``interleaved-1f1b``) puts ``v`` (``chunks``)
+stages on each worker: ``p = v R`` stages on ``R`` workers per replica, so ``p`` may exceed the
+workers. Unless the request fixes them, ``v`` runs over ``2..MAX_SEARCHED_CHUNKS`` and ``R`` from 2
+(one worker holding every stage only adds transfers to one stage: only when asked for and a replica
+has one worker); the microbatch counts are those
+the schedule allows (``schedule_problem``: Megatron's ``R | m``, or ``m < R``, or ``m`` splitting
+into ``m // R`` groups). A request that fixes the schedule or ``chunks`` and leaves no shape is
+refused with the schedule's own reason and fix.
+
 Everything here needs only the model's node count, so :func:`check_batch` runs it before the
 model is profiled (``coordinator/runtime/preflight.py``), with the cells' count as an upper
 bound on the stages (the traced graph may forbid some cuts; the planner then checks again).
@@ -31,9 +40,10 @@ from dataclasses import dataclass
 from typing import get_args
 
 from coordinator.planning.config import Mode, PlanConfig
-from coordinator.planning.schedules import SCHEDULES
+from coordinator.planning.schedules import CHUNKED, SCHEDULES, schedule_problem
 
 __all__ = [
+    "MAX_SEARCHED_CHUNKS",
     "FixedCounts",
     "PlanningError",
     "Shape",
@@ -47,7 +57,9 @@ __all__ = [
     "resolve",
 ]
 
-Shape = tuple[int, int, Mode, str, int]  # (data_parallel, num_stages, mode, schedule, num_microbatches)
+# (data_parallel, num_stages, mode, schedule, num_microbatches, chunks)
+Shape = tuple[int, int, Mode, str, int, int]
+MAX_SEARCHED_CHUNKS = 4  # the most stages per worker the planner tries when the request does not fix it
 
 
 class PlanningError(ValueError):
@@ -73,6 +85,21 @@ class FixedCounts:
     num_stages: int | None
     max_stages: int  # stages the model's cuttable positions allow
     num_workers: int
+    chunks: int | None = None  # stages per worker (see [Note: interleaved shapes])
+    chunked: bool = False  # whether a schedule with several stages per worker may be chosen
+    asked: bool = False  # the request asks for them (the schedule or chunks): one worker may hold every stage
+
+    def chunk_counts(self) -> list[int]:
+        """The stages per worker to search: the fixed count, or 1 and (chunked) 2..MAX_SEARCHED_CHUNKS."""
+        if self.chunks is not None:
+            return [self.chunks]
+        return [1, *range(2, MAX_SEARCHED_CHUNKS + 1)] if self.chunked else [1]
+
+    def least_workers(self, num_stages: int) -> int:
+        """The fewest workers per replica ``num_stages`` stages take (several per worker only when asked)."""
+        fits = [num_stages // v for v in self.chunk_counts()
+                if num_stages % v == 0 and (self.asked or v == 1)]
+        return min(fits, default=num_stages)
 
 
 def resolve(request: PlanConfig, num_nodes: int, max_stages: int, num_workers: int) -> FixedCounts:
@@ -94,7 +121,15 @@ def resolve(request: PlanConfig, num_nodes: int, max_stages: int, num_workers: i
             raise PlanningError(f"balance {list(request.balance)} must be positive node counts summing to "
                                 f"the {num_nodes} nodes")
         p = len(request.balance)
-    fixed = FixedCounts(d, p, max_stages, num_workers)
+    chunked = request.schedule is None or request.schedule in CHUNKED
+    if request.chunks is not None and request.chunks > 1 and not chunked:
+        raise PlanningError(f"chunks={request.chunks} puts several stages on each worker, which schedule "
+                            f"{request.schedule!r} does not do: use schedule interleaved-1f1b, or chunks=1")
+    if request.chunks is not None and request.chunks > 1 and d is not None and p == 1:
+        raise PlanningError(f"chunks={request.chunks} needs a pipeline of at least {request.chunks} stages; "
+                            f"strategy={request.strategy!r} fixes one")
+    asked = request.schedule in CHUNKED or (request.chunks or 1) > 1
+    fixed = FixedCounts(d, p, max_stages, num_workers, request.chunks, chunked, asked)
     _check_counts(fixed, num_nodes)
     return fixed
 
@@ -111,14 +146,21 @@ def _check_counts(fixed: FixedCounts, num_nodes: int) -> None:
         if most < num_nodes:
             why += f" and {most - 1} cuttable positions"
         raise PlanningError(f"num_stages={p} is impossible: {why}; use 1..{most} stages")
-    if p is not None and p > workers:
-        raise PlanningError(f"num_stages={p} needs {p} workers, the resources have {workers}; use at "
-                            f"most {min(workers, most)} stages")
+    if p is not None and fixed.chunks is not None and p % fixed.chunks:
+        raise PlanningError(f"num_stages={p} does not split into chunks={fixed.chunks} stages per worker: "
+                            f"use a multiple of {fixed.chunks} stages")
+    need = fixed.least_workers(p) if p is not None else 1
+    chunked = f" ({need} with {p // need} stages per worker)" if p is not None and need < p else ""
+    if p is not None and need > workers:
+        raise PlanningError(f"num_stages={p} needs {need} workers{chunked}, the resources have {workers}; "
+                            f"use at most {min(workers, most)} stages, or interleaved-1f1b with several per "
+                            "worker")
     if d is not None and not 1 <= d <= workers:
         raise PlanningError(f"data_parallel={d} needs 1..{workers} workers; the resources have {workers}")
-    if d is not None and p is not None and d * p > workers:
-        raise PlanningError(f"data_parallel={d} x num_stages={p} needs {d * p} workers, the resources have "
-                            f"{workers}; with data_parallel={d} at most {workers // d} stages fit")
+    if d is not None and p is not None and d * need > workers:
+        raise PlanningError(f"data_parallel={d} x num_stages={p} needs {d * need} workers{chunked}, the "
+                            f"resources have {workers}; with data_parallel={d} at most {workers // d} "
+                            f"{'workers per replica' if chunked else 'stages'} fit")
 
 
 def _degrees(request: PlanConfig, fixed: FixedCounts, global_batch: int) -> list[int]:
@@ -158,6 +200,8 @@ def plan_shapes(request: PlanConfig, fixed: FixedCounts, global_batch: int) -> l
     """
     degrees = _degrees(request, fixed, global_batch)
     shapes = [shape for d in degrees for shape in _shapes_of_degree(request, fixed, global_batch, d)]
+    if not shapes and (request.schedule in CHUNKED or (request.chunks or 1) > 1):
+        raise PlanningError(_chunked_problem(request, fixed, global_batch, degrees))
     if not shapes:
         d_text = (f"data_parallel={fixed.data_parallel}" if fixed.data_parallel is not None
                   else "any data-parallel degree")
@@ -168,13 +212,19 @@ def plan_shapes(request: PlanConfig, fixed: FixedCounts, global_batch: int) -> l
     return shapes
 
 
-def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int, d: int) -> list[Shape]:
-    """The shapes of ``d`` replicas: stage counts, then modes, schedules and microbatch counts."""
+def _counts(request: PlanConfig, global_batch: int, d: int) -> list[int]:
+    """The microbatch counts of ``d`` replicas: the fixed one, or the divisors of a replica's share."""
     per_replica = global_batch // d
     counts = [request.num_microbatches] if request.num_microbatches is not None else divisors(
         per_replica, request.max_microbatches)
-    counts = [c for c in counts if per_replica % c == 0]
-    most = min(fixed.max_stages, fixed.num_workers // d)
+    return [c for c in counts if per_replica % c == 0]
+
+
+def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int, d: int) -> list[Shape]:
+    """The shapes of ``d`` replicas: stage counts, then modes, schedules, microbatch and chunk counts."""
+    counts = _counts(request, global_batch, d)
+    ranks = fixed.num_workers // d  # the most workers a replica may take
+    most = min(fixed.max_stages, ranks)
     stage_counts = range(1, most + 1) if fixed.num_stages is None else [fixed.num_stages]
     if request.strategy == "pipeline" and fixed.num_stages is None and most > 1:
         stage_counts = range(2, most + 1)  # stages, not one worker
@@ -182,8 +232,38 @@ def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int
     if request.mode is not None:
         modes = (request.mode,)
     schedules = list(SCHEDULES) if request.schedule is None else [request.schedule]
-    return [(d, p, mode, schedule, m) for p in stage_counts if d * p <= fixed.num_workers
-            for mode in modes for schedule in schedules for m in counts]
+    shapes: list[Shape] = []
+    for schedule in schedules:
+        if schedule not in CHUNKED:
+            if fixed.chunks in (None, 1):
+                shapes += [(d, p, mode, schedule, m, 1) for p in stage_counts if d * p <= fixed.num_workers
+                           for mode in modes for m in counts]
+            continue
+        for v in fixed.chunk_counts():
+            if v < 2:
+                continue
+            first = 1 if fixed.asked and ranks == 1 else 2  # see [Note: interleaved shapes]
+            all_stages = ([fixed.num_stages] if fixed.num_stages is not None
+                          else [v * r for r in range(first, ranks + 1) if v * r <= fixed.max_stages])
+            shapes += [(d, p, mode, schedule, m, v) for p in all_stages
+                       if p % v == 0 and d * (p // v) <= fixed.num_workers and p // v >= first
+                       for mode in modes for m in counts if schedule_problem(schedule, p, m, v) is None]
+    return shapes
+
+
+def _chunked_problem(request: PlanConfig, fixed: FixedCounts, global_batch: int, degrees: list[int]) -> str:
+    """Why a request for several stages per worker has no shape (the schedule's reason where it has one)."""
+    name = request.schedule or next(iter(CHUNKED))
+    for d in degrees:
+        for m in _counts(request, global_batch, d):
+            for v in [c for c in fixed.chunk_counts() if c > 1]:
+                p = fixed.num_stages if fixed.num_stages is not None else v * max(1, fixed.num_workers // d)
+                problem = schedule_problem(name, p, m, v)
+                if problem is not None:
+                    return problem
+    return (f"{name} has no plan here: it needs at least chunks x 1 stages the model can cut "
+            f"({fixed.max_stages} at most) on {fixed.num_workers} workers with microbatch counts that divide "
+            f"global_batch={global_batch} per replica")
 
 
 def check_batch(request: PlanConfig, num_nodes: int, num_workers: int, global_batch: int) -> None:

@@ -19,15 +19,17 @@ run in ONE ``run_step`` per stage, so:
 The action list of a step (:func:`accumulated_schedule`) is the plan's schedule over ``A M``
 microbatches when that keeps every stage's peak of microbatches in flight (1F1B: at most ``p - s``,
 whatever the count), which also shrinks the pipeline's bubble to ``(p - 1) / (A M + p - 1)``;
-otherwise (GPipe, whose peak is every microbatch of the list) the plan's list repeated ``A``
-times over consecutive microbatches, so the activations held stay those of one global batch:
-accumulation is how a model trains on a batch whose activations do not fit.
+otherwise (GPipe, whose peak is every microbatch of the list; an interleaved schedule whose
+``A M`` it refuses or whose groups grow) the plan's list repeated ``A`` times over consecutive
+microbatches, so the activations held stay those of one global batch: accumulation is how a
+model trains on a batch whose activations do not fit. Stages sharing a worker repeat their
+merged order the same way (``Schedule.order``).
 """
 
 from __future__ import annotations
 
 from coordinator.planning.data import BatchSampler, split_batch
-from coordinator.planning.schedules import Schedule, build_schedule, peak_in_flight
+from coordinator.planning.schedules import Schedule, build_schedule, peak_in_flight, schedule_problem
 from services.protocol import Action
 
 __all__ = ["accumulated_schedule", "step_batches"]
@@ -61,11 +63,16 @@ def accumulated_schedule(one: Schedule, accumulate: int) -> Schedule:
     if accumulate == 1:
         return one
     m = one.num_microbatches
-    longer = build_schedule(one.name, one.num_stages, m * accumulate)
-    if all(peak_in_flight(a) <= peak_in_flight(b) for a, b in zip(longer.actions, one.actions, strict=True)):
-        return longer
-    repeated = tuple(
-        tuple(Action(stage=act.stage, kind=act.kind, microbatch=act.microbatch + k * m)
-              for k in range(accumulate) for act in acts)
-        for acts in one.actions)
-    return Schedule(f"{one.name}x{accumulate}", m * accumulate, repeated)
+    chunks = one.num_stages // one.num_ranks  # stages per worker (interleaved schedules)
+    if schedule_problem(one.name, one.num_stages, m * accumulate, chunks) is None:
+        longer = build_schedule(one.name, one.num_stages, m * accumulate, chunks)
+        if all(peak_in_flight(a) <= peak_in_flight(b)
+               for a, b in zip(longer.actions, one.actions, strict=True)):
+            return longer
+
+    def repeat(lists: tuple[tuple[Action, ...], ...]) -> tuple[tuple[Action, ...], ...]:
+        return tuple(tuple(Action(stage=act.stage, kind=act.kind, microbatch=act.microbatch + k * m)
+                           for k in range(accumulate) for act in acts) for acts in lists)
+
+    return Schedule(f"{one.name}x{accumulate}", m * accumulate, repeat(one.actions), one.ranks,
+                    repeat(one.order))

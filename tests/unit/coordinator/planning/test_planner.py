@@ -233,3 +233,43 @@ def test_only_workers_sharing_a_host_slow_each_other_down() -> None:
     apart, unknown, together = step(("a", "b")), step((None, None)), step(("a", "a"))
     assert apart == unknown
     assert together == pytest.approx(apart * SHARED_HOST_SLOWDOWN, rel=0.05)
+
+
+def test_interleaved_plans_put_chunks_stages_on_each_worker_and_shrink_the_bubble() -> None:
+    prof, res = big_model(), workers(2, 1 << 40)
+    one = choose_plan(prof, res, PlanConfig(num_stages=2, schedule="1f1b", num_microbatches=4),
+                      global_batch=32)
+    plan = choose_plan(prof, res, PlanConfig(schedule="interleaved-1f1b", chunks=2, num_microbatches=4),
+                       global_batch=32)
+    assert (plan.num_stages, plan.chunks, plan.num_ranks, plan.num_workers) == (4, 2, 2, 2)
+    assert plan.placement == (("w0", "w1", "w0", "w1"),) and plan.stages_of("w1") == (1, 3)
+    assert plan.schedule().ranks == ((0, 2), (1, 3))
+    assert plan.bubble_fraction < one.bubble_fraction  # (R-1)/(vm+R-1) = 1/9 against 1/5, less overheads
+    assert Plan.from_json(plan.to_json()) == plan
+    text = str(plan)
+    assert "2 worker(s) (2 stages per worker: 0,2 | 1,3), interleaved-1f1b" in text, text
+    assert "(2 per worker) interleaved-1f1b" in plan.summary()
+    # memory per worker: its two stages', each at its own peak
+    assert plan.peak_memory_bytes == max(plan.stages[0].peak_memory_bytes + plan.stages[2].peak_memory_bytes,
+                                         plan.stages[1].peak_memory_bytes + plan.stages[3].peak_memory_bytes)
+    with pytest.raises(ValueError, match="with chunks=2, the worker of stage s"):
+        Plan.model_validate({**plan.model_dump(), "placement": (("w0", "w1", "w1", "w0"),)})
+
+
+def test_the_search_tries_interleaved_shapes_and_refuses_what_the_schedule_cannot_run() -> None:
+    prof, res = big_model(), workers(2, 1 << 40)
+    cands = candidate_plans(prof, res, PlanConfig(strategy="pipeline"), global_batch=32)
+    chunked = {(c.num_stages, c.chunks) for c in cands if c.schedule_name == "interleaved-1f1b"}
+    assert chunked == {(4, 2), (6, 3), (8, 4)}  # 2 workers, chunks 2..4, as far as the 8 nodes cut
+    assert all(c.num_microbatches % 2 == 0 or c.num_microbatches < 2
+               for c in cands if c.schedule_name == "interleaved-1f1b")
+    assert "interleaved-1f1b/2" in format_candidates(cands, limit=100)
+    with pytest.raises(PlanningError, match=r"num_microbatches=5 .* use a multiple of 2"):
+        choose_plan(prof, res, PlanConfig(strategy="pipeline", schedule="interleaved-1f1b", chunks=2,
+                                          num_microbatches=5), global_batch=40)
+    with pytest.raises(PlanningError, match="chunks=2 puts several stages on each worker, which schedule"):
+        choose_plan(prof, res, PlanConfig(schedule="1f1b", chunks=2), global_batch=32)
+    with pytest.raises(PlanningError, match=r"num_stages=6 needs 6 workers, .* or interleaved-1f1b"):
+        choose_plan(prof, res, PlanConfig(num_stages=6), global_batch=32)
+    fixed = choose_plan(prof, res, PlanConfig(num_stages=6, schedule="interleaved-1f1b"), global_batch=32)
+    assert (fixed.chunks, fixed.num_workers) == (3, 2)

@@ -118,6 +118,18 @@ def test_accumulated_action_lists_keep_every_stages_peak_of_activations(num_stag
         accumulated_schedule(build_schedule("gpipe", num_stages, 2), 0)
 
 
+@pytest.mark.parametrize(("m", "accumulate", "longer"), [(4, 2, True), (2, 3, False), (1, 5, False)])
+def test_accumulating_an_interleaved_plan_keeps_its_ranks_and_each_workers_peak(m: int, accumulate: int,
+                                                                                 longer: bool) -> None:
+    one = build_schedule("interleaved-1f1b", 4, m, 2)  # 2 workers x 2 chunks
+    many = accumulated_schedule(one, accumulate)  # validated with its ranks' orders: no deadlock
+    assert (many.name == "interleaved-1f1b") == longer  # m=1 x 5: 5 does not split in groups of 2
+    assert many.ranks == one.ranks and many.num_microbatches == m * accumulate
+    for r in range(2):
+        assert peak_in_flight(many.rank_actions(r)) <= peak_in_flight(one.rank_actions(r)) or longer
+        assert sum(a.kind == "F" for a in many.rank_actions(r)) == 2 * m * accumulate
+
+
 def _reply(stage: int, sq: float | None) -> StepReply:
     return StepReply(step=0, stage=stage, losses=[], starts=[], ends=[], grad_sq_norm=sq)
 
