@@ -13,7 +13,10 @@ saved into checkpoints with the stages (``coordinator/runtime/shards.py``).
 :meth:`Runtime.close` releases them all. Each stage runs on the device its worker's card allows
 (``cpu`` or ``cuda:LOCAL_RANK``) and each group talks over the backend those devices call for
 (``coordinator/runtime/devices.py``): refused before any step, naming the worker, when a stage is
-asked onto a GPU its worker does not have.
+asked onto a GPU its worker does not have. A plan with several stages per worker (``Plan.chunks``,
+interleaved schedules) places each stage as its own service on its rank's worker
+(``placement[r][s]`` is ``placement[r][s % R]``), and gives the services of one rank the rank's
+merged order (``ComputeOptions.turns``) to take turns in (``services/compute/turns.py``).
 
 A step is a transaction: parameters and optimizer state change only when the coordinator
 commits it, and it commits a step only once every stage of every replica finished it.
@@ -83,6 +86,7 @@ from services.protocol import (
     StepReply,
     TensorsReply,
     TiedOptions,
+    TurnsOptions,
     WorkerCard,
     WorkerStatus,
 )
@@ -128,7 +132,8 @@ class Runtime:
                                    clip_grad_norm=spec.clip_grad_norm)  # no shards in collective mode
         self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
         # per stage, validated, as RunStep carries them (a step runs `accumulate` global batches)
-        self._actions = accumulated_schedule(plan.schedule(), spec.accumulate).actions
+        self._schedule = accumulated_schedule(plan.schedule(), spec.accumulate)
+        self._actions = self._schedule.actions
         # each stage's action list as RunStep dumps it, built once: a step's request reuses it
         self._dumped_actions = [[a.model_dump(mode="python") for a in acts] for acts in self._actions]
         self.services = [_Service(plan.placement[r][s], f"{spec.run}/compute-r{r}-s{s}", r, s)
@@ -181,7 +186,7 @@ class Runtime:
                 eval_data=spec.eval_data, eval_data_kwargs=spec.eval_data_kwargs, metric=spec.metric,
                 leaves=list(spec.leaves), state_keys=keys,
                 tied=(TiedOptions(prefix=f"{gen}/tied/r{sv.replica}", params=tied[sv.stage])
-                      if tied[sv.stage] else None))
+                      if tied[sv.stage] else None), turns=self._turns(sv))
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
                                     nodes=[st.start, st.stop], seed=spec.seed,
                                     options=options.model_dump(mode="json"))
@@ -189,6 +194,14 @@ class Runtime:
         self._gather(ids, "placing the stages", spec.call_timeout, None)
         log.info("[coordinator %s] placed %d stages on %s", spec.run, len(self.services),
                  ", ".join(self.workers))
+
+    def _turns(self, sv: _Service) -> TurnsOptions | None:
+        """The turns ``sv`` takes with the other stages of its worker (None: it holds one stage)."""
+        if self.plan.chunks == 1:
+            return None
+        rank = self._schedule.rank_of(sv.stage)
+        return TurnsOptions(key=f"{self.spec.run}/r{sv.replica}/rank{rank}",
+                            order=list(self._schedule.rank_actions(rank)))
 
     def _place_shards(self, shards: ParamShards) -> list[list[ShardAddress]]:
         """Assign and set up the shards (restored from ``spec.restore``, if any); their addresses per stage.

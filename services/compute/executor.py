@@ -100,6 +100,7 @@ from services.compute.boundary import empty_buffers, flatten, transfer_tag, unfl
 from services.compute.precision import autocast, device_type
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, metric_sum, to_device
+from services.compute.turns import StepTurns
 from services.params.clipping import tensor_norms
 from services.params.grad_path import GradientPath
 from services.params.tied import TiedSync
@@ -161,12 +162,16 @@ class StepExecutor:
         precision: What the forwards compute in (``ComputeOptions.precision``).
         tied: The stage's parameters tied to other stages', if it holds any.
         randomness: Keys the forwards' random draws; None: they draw from torch's generators.
+        turns: The step's turns when the worker holds other stages of the pipeline too: action ``k``
+            waits for its turn in the worker's order and passes it on once run (``turns.py``).
     """
 
     def __init__(self, stage: Stage, comm: Communicator | None, request: RunStep,
                  trains: bool, deadline: float,
                  grad_path: GradientPath | None = None, precision: Precision = "fp32",
-                 tied: TiedSync | None = None, randomness: ModelRandomness | None = None) -> None:
+                 tied: TiedSync | None = None, randomness: ModelRandomness | None = None,
+                 turns: StepTurns | None = None) -> None:
+        self._turns = turns
         self._stage = stage
         self._autocast = (precision, device_type(p for _, p in stage.parameters()))
         self._randomness = randomness
@@ -226,10 +231,14 @@ class StepExecutor:
                     self._grad_path.arm()
                 if action.microbatch == 0 and action.kind in _FAULT_PHASES:
                     faults.at(self._request.step, _FAULT_PHASES[action.kind])
+                if self._turns is not None:
+                    self._turns.wait(k)
                 self._starts[k] = time.time()
                 handlers[action.kind](self._mbs[action.microbatch], action)
                 if action.kind in ("F", "B"):
                     self._ends[k] = time.time()
+                if self._turns is not None:
+                    self._turns.done(k)
                 self._poll_sends()
             action = None
             for k, work, _ in self._sends:

@@ -62,6 +62,9 @@ phase); a checkpoint holds them once, written by the owner. See [Note: tied para
 One thing at a time: while a step or optimizer step runs, every state-touching call is
 answered ``busy``.
 
+Stages sharing a worker (``ComputeOptions.turns``, interleaved schedules): a training step's
+actions take turns with theirs in the worker's order (``services/compute/turns.py``).
+
 Communicator. The stages of one pipeline form a communicator (rank = stage index) that
 meets under ``comm_prefix``; it is joined in the background from the moment of
 assignment (:class:`~services.link.PipelineLink`), and ``run_step`` waits for it, bounded
@@ -97,6 +100,7 @@ from services import faults
 from services.checkpoint.dcp import CheckpointFormatError
 from services.checkpoint.stage_state import Restored, apply_optimizer_state, load_stage, snapshot
 from services.checkpoint.writer import PartWriter
+from services.compute import turns
 from services.compute.actions import validate_stage
 from services.compute.batchnorm import BatchNormSync, batch_norm_layers
 from services.compute.executor import StepExecutor, StepFailed, evaluating
@@ -182,6 +186,7 @@ class CellComputeService(ServiceBase):
         self._replica, self._replicas = options.replica, options.num_replicas
         self._writer = PartWriter(before_write=lambda snap: faults.at(snap.step, "save"))  # fault injection
         self._restored = Restored()
+        self._turns = turns.acquire(options.turns.key, options.turns.order) if options.turns else None
 
     @classmethod
     def from_assignment(cls, assignment: Assignment, factories: FactoryAllowList) -> CellComputeService:
@@ -275,6 +280,7 @@ class CellComputeService(ServiceBase):
                 raise ValueError(f"{len(request.microbatches)} microbatches would each be normalised on "
                                  f"their own by BatchNorm layer {self._batch_norm[0]}: a step of a model "
                                  "with BatchNorm takes one microbatch per replica")
+            positions = turns.positions(self._turns, stage.index, request.actions, request.source)
         except ValueError as exc:  # a ScheduleError, a sample out of range, microbatches and BatchNorm
             raise RpcError("bad_request", f"step {request.step}: {exc}") from None
         timeout = timedelta(milliseconds=request.timeout_ms)
@@ -295,9 +301,14 @@ class CellComputeService(ServiceBase):
                                  transfers_posted=False) from exc
             start = time.monotonic()
             try:
-                with evaluating(stage.module) if request.source == "eval" else contextlib.nullcontext():
+                with (evaluating(stage.module) if request.source == "eval" else contextlib.nullcontext(),
+                      turns.taking(self._turns, request.step, stage.index, positions, deadline) as taking):
                     reply = StepExecutor(stage, comm, request, trains, deadline, self._path,
-                                         self._precision, self._tied, self._randomness).run()
+                                         self._precision, self._tied, self._randomness, taking).run()
+            except TimeoutError as exc:  # the worker's previous step did not end
+                self._path.abandon()
+                raise StepFailed(f"stage {stage.index}, step {request.step}: {exc}",
+                                 transfers_posted=False) from exc
             except StepFailed as exc:
                 self._path.abandon()
                 reduced = self._batch_norm_sync is not None and self._batch_norm_sync.reduced
@@ -485,6 +496,8 @@ class CellComputeService(ServiceBase):
             self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._writer.close()
+        if self._turns is not None:
+            turns.release(self._turns.key)
 
         # Closing a communicator waits for its in-flight operations (one to a dead peer waits
         # out its timeout): never on the host thread, which serves every service of the worker.

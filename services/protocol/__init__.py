@@ -35,6 +35,7 @@ from services.protocol.compute import (
     ShardAddress,
     StepReply,
     TensorsReply,
+    TurnsOptions,
     ZeroGradRequest,
 )
 from services.protocol.params import (
@@ -101,6 +102,7 @@ __all__ = [
     "TensorsReply",
     "TiedOptions",
     "TiedParam",
+    "TurnsOptions",
     "WorkerCard",
     "WorkerStatus",
     "ZeroGradRequest",

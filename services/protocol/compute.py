@@ -148,6 +148,9 @@ class ComputeOptions(Message):
     tied: TiedOptions | None = None
     # the model's submodules traced as one node each (model.leaves), as the coordinator traced it
     leaves: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=1 << 12)
+    # the worker holds other stages of this pipeline too (interleaved schedules): they take turns in its
+    # merged order (services/compute/turns.py); None: the stage runs its list alone
+    turns: TurnsOptions | None = None
 
     @property
     def data_parallel_backend(self) -> Backend:
@@ -171,6 +174,9 @@ class ComputeOptions(Message):
             "outgoing (stage < num_stages - 1)": last or self.outgoing is not None,
             "tied (held by this stage and others < num_stages)": self.tied is None or all(
                 self.stage in p.stages and p.stages[-1] < self.num_stages for p in self.tied.params),
+            "turns (an order with this stage's actions, of stages < num_stages)": self.turns is None or (
+                any(a.stage == self.stage for a in self.turns.order)
+                and all(a.stage < self.num_stages for a in self.turns.order)),
         }
         missing = [what for what, ok in needs.items() if not ok]
         if missing:
@@ -234,6 +240,21 @@ class Action(Message):
                              f"one of {', '.join(_PEER_STEP)}, e.g. 0F3, 1B2, 1I2, 1W2, 0SEND_F3, 1RECV_B2")
         stage, kind, microbatch = match.groups()
         return cls.model_validate({"stage": int(stage), "kind": kind, "microbatch": int(microbatch)})
+
+
+class TurnsOptions(Message):
+    """``ComputeOptions.turns``: the stages a worker holds of one pipeline run their actions in its order.
+
+    ``key`` names the worker's rank (the stages of one rank in one process share it); ``order`` is
+    every action the rank runs in a training step, in order (``Schedule.order``, as accumulated). A
+    training step's list must be the stage's part of it (``services/compute/turns.py``).
+    """
+
+    key: Annotated[str, Field(min_length=1, max_length=1024)]
+    order: list[Action] = Field(min_length=1, max_length=1 << 20)
+
+
+ComputeOptions.model_rebuild()
 
 
 class CommitStep(Message):

@@ -27,6 +27,12 @@ def mlp(dtype: str = "float64") -> list[nn.Module]:
                                        nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, OUT))]
 
 
+def deep_mlp(dtype: str = "float64") -> list[nn.Module]:
+    """Eight cells (an input layer, six tanh blocks, a head): enough for 4 workers x 2 chunks."""
+    blocks = [nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(6)]
+    return [m.to(_dt(dtype)) for m in (nn.Linear(IN, HIDDEN), *blocks, nn.Linear(HIDDEN, OUT))]
+
+
 class Stem(nn.Module):
     """x -> (h, skip): the skip connection starts here and crosses the next cuts."""
 

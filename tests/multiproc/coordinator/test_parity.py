@@ -28,6 +28,7 @@ TOL32 = 1e-6  # float32: sums reordered per microbatch and replica; measured <= 
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "sgd": ("SGD", {"lr": 0.1, "momentum": 0.9}),
     "adam": ("Adam", {"lr": 0.01}),
+    "adamw": ("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
 }
 PLANS: dict[str, dict[str, Any]] = {
     "dp2": dict(data_parallel=2, num_stages=1, num_microbatches=1),
@@ -36,14 +37,20 @@ PLANS: dict[str, dict[str, Any]] = {
     "pp2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b"),
     "ps2": dict(data_parallel=2, num_stages=1, num_microbatches=2, mode="parameter_server"),
 }
-DATA = {"mlp": ("regression", "mse"), "skip_model": ("regression", "mse"),
+# interleaved 1F1B: 2 stages on each worker (rank r holds stages r and r + R)
+INTERLEAVED: dict[str, dict[str, Any]] = {
+    "2x2": dict(data_parallel=1, num_stages=4, chunks=2, num_microbatches=4, schedule="interleaved-1f1b"),
+    "2x2xdp2": dict(data_parallel=2, num_stages=4, chunks=2, num_microbatches=2, schedule="interleaved-1f1b"),
+    "4x2": dict(data_parallel=1, num_stages=8, chunks=2, num_microbatches=4, schedule="interleaved-1f1b"),
+}
+DATA = {"mlp": ("regression", "mse"), "deep_mlp": ("regression", "mse"), "skip_model": ("regression", "mse"),
         "transformer": ("tokens", "token_loss")}
 
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    factories = [f"{M}:{name}" for name in ("mlp", "skip_model", "transformer", "regression", "tokens", "mse",
-                                            "token_loss", "failing_data")]  # every job of this module's
+    factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "skip_model", "transformer", "regression",
+                                            "tokens", "mse", "token_loss", "failing_data")]  # every job of it
     with LocalHarness([f"local-{i}" for i in range(4)], job="t-parity", lease_ttl=timedelta(seconds=2),
                       factories=factories) as h:
         yield h
@@ -120,6 +127,25 @@ def test_float32_transformer_with_adam_differs_only_where_the_gradient_is_zero(h
         if key.endswith("self_attn.in_proj_bias"):
             diff = torch.cat([diff[:width], diff[2 * width:]])  # query and value biases; not the key bias
         assert float(diff.max()) < TOL32, key
+
+
+@pytest.mark.parametrize(("model", "plan", "optimizer"), [
+    ("skip_model", "2x2", "sgd"), ("skip_model", "2x2", "adamw"),  # the skip crosses chunks: 0 -> 1 -> 2
+    ("deep_mlp", "2x2xdp2", "adamw"), ("deep_mlp", "4x2", "sgd")])
+def test_interleaved_1f1b_matches_one_process(harness: LocalHarness, model: str, plan: str,
+                                               optimizer: str) -> None:
+    result = fit_and_compare(harness, make_job(model, optimizer, **INTERLEAVED[plan]), TOL64)
+    shape = result.plan
+    assert shape is not None and shape.chunks == 2
+    assert shape.num_workers == shape.data_parallel * shape.num_ranks
+    schedule = shape.schedule()
+    for replica in range(shape.data_parallel):
+        for rank in range(shape.num_ranks):  # one worker ran its stages' actions one at a time, in its order
+            worker = shape.placement[replica][rank]
+            assert shape.stages_of(worker) == schedule.stages_of(rank)
+            ran = sorted((e for e in result.steps[-1].events if e.worker == worker and e.action is not None),
+                         key=lambda e: e.start)
+            assert [e.action for e in ran] == list(schedule.rank_actions(rank))
 
 
 def test_auto_trains_like_the_same_plan_fixed_by_hand(harness: LocalHarness) -> None:
