@@ -37,6 +37,9 @@ PLANS: dict[str, dict[str, Any]] = {
     "1f1b2x2": dict(data_parallel=1, num_stages=2, num_microbatches=2, schedule="1f1b"),
     "pp2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b"),
     "ps2": dict(data_parallel=2, num_stages=1, num_microbatches=2, mode="parameter_server"),
+    # 2 workers x 2 chunks (every stage with parameters: a stage of Tanh alone has none to optimize)
+    "interleaved2x2": dict(data_parallel=1, num_stages=4, chunks=2, num_microbatches=2,
+                           schedule="interleaved-1f1b", balance=[2, 1, 2, 1]),
 }
 
 
@@ -142,3 +145,16 @@ def test_a_resume_mid_schedule_on_another_plan_equals_an_uninterrupted_run(harne
     with pytest.raises(ValueError, match=r"optimizer\.accumulate is 1 here, 2 in the checkpoint"), \
             other.attach(harness, resume=True):
         pass
+
+
+def test_an_interleaved_run_resumes_on_another_plan(harness: LocalHarness, tmp_path: Path) -> None:
+    features = dict(scheduler=STEP_LR, accumulate=2, checkpoint_directory=str(tmp_path))
+    first = make_job("interleaved2x2", **features)
+    with first.attach(harness):
+        first.fit(2)
+    second = make_job("1f1b2x2", **features)  # the checkpoint is keyed by parameter name, not by stage
+    with second.attach(harness, resume=True):
+        resumed = second.fit(STEPS - 2)
+    ref = train_reference(second, STEPS)
+    assert [r.step for r in resumed.steps] == [2, 3, 4]
+    assert max_abs_diff(resumed.state_dict, ref.state_dict) < TOL
