@@ -86,6 +86,12 @@ def test_pipeline_evaluation_equals_one_process(harness: LocalHarness) -> None:
                                       num_microbatches=4, schedule="1f1b"))
 
 
+def test_interleaved_evaluation_equals_one_process(harness: LocalHarness) -> None:
+    # 2 stages on each worker: their training steps take turns, their evaluation steps run side by side
+    fit_and_compare(harness, make_job(f"{M}:mlp", data_parallel=1, num_stages=4, chunks=2, num_microbatches=2,
+                                      schedule="interleaved-1f1b", balance=[2, 1, 2, 1]))
+
+
 def test_batchnorm_and_dropout_evaluate_in_eval_mode_and_change_nothing(harness: LocalHarness,
                                                                         tmp_path: Path) -> None:
     # one microbatch: the BatchNorm's training statistics are the whole batch's, as in one process
