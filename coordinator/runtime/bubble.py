@@ -2,11 +2,13 @@
 
 The same quantity the simulator predicts (``coordinator/planning/simulator.py``), measured: for
 each replica, the step spans from its first action's start to its last action's end over all
-stages; a stage is busy while one of its actions runs (overlapping actions count once) and idle
-for the rest of that span, fill and drain included. The bubble is the idle time of all stages
-over ``stages x span``; a job of several replicas gets the mean of theirs. Phases (gradient
-all-reduce, optimizer, push/pull) are not actions: they fall outside the span or count as idle,
-as the simulator's pipeline time leaves them out too. :func:`predicted_bubble` applies the same
+stages; a worker is busy while one of its actions runs (overlapping actions count once; a worker
+holding several stages, as interleaved plans place them, while any of theirs runs) and idle for
+the rest of that span, fill and drain included. The bubble is the idle time of all workers over
+``workers x span`` (the simulator's ranks); a job of several replicas gets the mean of theirs.
+Phases (gradient all-reduce, optimizer, push/pull) are not actions: they fall outside the span
+or count as idle, as the simulator's pipeline time leaves them out too. :func:`predicted_bubble`
+applies the same
 arithmetic to the simulator's timeline (whose own ``bubble_fraction`` counts the optimizer before
 the first action as busy), so the two numbers of the run record compare like with like.
 """
@@ -53,10 +55,11 @@ def predicted_bubble(result: SimResult) -> float | None:
 
 def measured_bubble(record: StepRecord) -> float | None:
     """The idle fraction of ``record``'s pipeline (see the module docstring); None without actions."""
-    by_replica: dict[int, dict[int, list[ActionEvent]]] = defaultdict(lambda: defaultdict(list))
+    # per worker: a worker holding several stages (interleaved) is busy while any of them runs
+    by_replica: dict[int, dict[str, list[ActionEvent]]] = defaultdict(lambda: defaultdict(list))
     for e in record.events:
         if e.action is not None:
-            by_replica[e.replica][e.stage].append(e)
+            by_replica[e.replica][e.worker].append(e)
     fractions = [bubble_fraction([[(e.start, e.end) for e in acts] for acts in stages.values()])
                  for stages in by_replica.values()]
     kept = [f for f in fractions if f is not None]

@@ -39,7 +39,7 @@ def _predicted(records: list[StepRecord], predicted: SimResult, origin: float) -
     events: list[dict[str, object]] = []
     for s in range(len(predicted.timeline)):
         events.append({"name": "process_name", "ph": "M", "pid": PREDICTED_PID + s,
-                       "args": {"name": f"predicted: stage {s}"}})
+                       "args": {"name": f"predicted: {predicted.track(s)}"}})
         events.append({"name": "thread_name", "ph": "M", "pid": PREDICTED_PID + s, "tid": 0,
                        "args": {"name": f"{predicted.schedule_name} (simulated)"}})
     for record in records:
