@@ -16,8 +16,9 @@ out the shapes that use every worker (33 samples on 2 workers: one replica);
 [Note: interleaved shapes] A schedule of ``CHUNKED`` (``interleaved-1f1b``) puts ``v`` (``chunks``)
 stages on each worker: ``p = v R`` stages on ``R`` workers per replica, so ``p`` may exceed the
 workers. Unless the request fixes them, ``v`` runs over ``2..MAX_SEARCHED_CHUNKS`` and ``R`` from 2
-(one worker holding every stage only adds transfers to one stage: only when asked for and a replica
-has one worker); the microbatch counts are those
+(one worker holding every stage only adds transfers to one stage: only when the request asks for
+several stages per worker and a replica has one worker or ``num_stages`` says so); the microbatch
+counts are those
 the schedule allows (``schedule_problem``: Megatron's ``R | m``, or ``m < R``, or ``m`` splitting
 into ``m // R`` groups). A request that fixes the schedule or ``chunks`` and leaves no shape is
 refused with the schedule's own reason and fix.
@@ -242,7 +243,8 @@ def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int
         for v in fixed.chunk_counts():
             if v < 2:
                 continue
-            first = 1 if fixed.asked and ranks == 1 else 2  # see [Note: interleaved shapes]
+            alone = ranks == 1 or fixed.num_stages is not None  # see [Note: interleaved shapes]
+            first = 1 if fixed.asked and alone else 2
             all_stages = ([fixed.num_stages] if fixed.num_stages is not None
                           else [v * r for r in range(first, ranks + 1) if v * r <= fixed.max_stages])
             shapes += [(d, p, mode, schedule, m, v) for p in all_stages
@@ -261,8 +263,9 @@ def _chunked_problem(request: PlanConfig, fixed: FixedCounts, global_batch: int,
                 problem = schedule_problem(name, p, m, v)
                 if problem is not None:
                     return problem
-    return (f"{name} has no plan here: it needs at least chunks x 1 stages the model can cut "
-            f"({fixed.max_stages} at most) on {fixed.num_workers} workers with microbatch counts that divide "
+    return (f"{name} has no plan here: it needs chunks x R stages the model can cut "
+            f"({fixed.max_stages} at most) on R >= 2 workers per replica (of {fixed.num_workers}; R = 1 only "
+            "when num_stages fixes it or a replica has one worker), with microbatch counts that divide "
             f"global_batch={global_batch} per replica")
 
 

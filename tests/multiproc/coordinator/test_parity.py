@@ -42,6 +42,8 @@ INTERLEAVED: dict[str, dict[str, Any]] = {
     "2x2": dict(data_parallel=1, num_stages=4, chunks=2, num_microbatches=4, schedule="interleaved-1f1b"),
     "2x2xdp2": dict(data_parallel=2, num_stages=4, chunks=2, num_microbatches=2, schedule="interleaved-1f1b"),
     "4x2": dict(data_parallel=1, num_stages=8, chunks=2, num_microbatches=4, schedule="interleaved-1f1b"),
+    # each replica's one worker holds both stages: the transfers between them stay in its process
+    "1x2xdp2": dict(data_parallel=2, num_stages=2, chunks=2, num_microbatches=2, schedule="interleaved-1f1b"),
 }
 DATA = {"mlp": ("regression", "mse"), "deep_mlp": ("regression", "mse"), "skip_model": ("regression", "mse"),
         "transformer": ("tokens", "token_loss")}
@@ -131,7 +133,7 @@ def test_float32_transformer_with_adam_differs_only_where_the_gradient_is_zero(h
 
 @pytest.mark.parametrize(("model", "plan", "optimizer"), [
     ("skip_model", "2x2", "sgd"), ("skip_model", "2x2", "adamw"),  # the skip crosses chunks: 0 -> 1 -> 2
-    ("deep_mlp", "2x2xdp2", "adamw"), ("deep_mlp", "4x2", "sgd")])
+    ("deep_mlp", "2x2xdp2", "adamw"), ("deep_mlp", "4x2", "sgd"), ("deep_mlp", "1x2xdp2", "sgd")])
 def test_interleaved_1f1b_matches_one_process(harness: LocalHarness, model: str, plan: str,
                                                optimizer: str) -> None:
     result = fit_and_compare(harness, make_job(model, optimizer, **INTERLEAVED[plan]), TOL64)
