@@ -43,6 +43,13 @@ Where the plan runs more than one CPU worker on one host (``Worker.host``),
 :data:`SHARED_HOST_SLOWDOWN` scales compute: two busy processes on two cores share caches
 and memory bandwidth.
 
+[Note: several stages per worker] An interleaved shape (``chunks = v >= 2``, see [Note: interleaved
+shapes] in ``coordinator/planning/request.py``) places stage ``s`` of replica ``r`` on worker
+``r R + s % R``. The cutter gives each stage ``1/v`` of its worker's memory; the worker's peak is
+the sum of its stages' (each at its own peak of held activations: an upper bound, the peaks need
+not coincide), its unhidden gradient sync the sum of its stages', and the simulator plays its
+merged order (the stages one at a time), so transfers and per-action overheads count ``v`` times.
+
 ``strategy="auto"`` searches every shape the resources allow; ``"data_parallel"`` fixes
 ``p = 1`` and uses at least 2 replicas (a batch that splits into none is refused),
 ``"pipeline"`` fixes ``d = 1`` and uses at least 2 stages (where the workers and the model
