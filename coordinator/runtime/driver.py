@@ -158,6 +158,10 @@ class Runtime:
             placed = place_devices(plan, spec.devices, cards)
         except DeviceError as exc:
             raise JobFailed(f"placing the stages: {exc}") from None
+        if plan.chunks > 1 and "nccl" in placed.pipeline:  # two ranks of one NCCL communicator on one GPU
+            raise JobFailed(f"placing the stages: the plan puts {plan.chunks} stages on each worker, and "
+                            "NCCL takes one rank per GPU: set runtime.pipeline_backend to zmq or gloo, "
+                            "or use a schedule with one stage per worker")
         log.info("[coordinator %s] %s", spec.run, placed)
         shards = self._place_shards(self._shards)
         self.initial_params = {}  # the shards hold them now: no copy of the model stays here
