@@ -154,7 +154,7 @@ def test_auto_trains_like_the_same_plan_fixed_by_hand(harness: LocalHarness) -> 
     auto = make_job("mlp", "sgd", strategy="auto")
     chosen = auto.plan()
     fixed = make_job("mlp", "sgd", data_parallel=chosen.data_parallel, num_stages=chosen.num_stages,
-                     mode=chosen.mode, schedule=chosen.schedule_name,
+                     mode=chosen.mode, schedule=chosen.schedule_name, chunks=chosen.chunks,
                      num_microbatches=chosen.num_microbatches,
                      balance=[st.stop - st.start for st in chosen.stages])
     assert fixed.plan().placement == chosen.placement and fixed.plan().bounds == chosen.bounds
