@@ -18,10 +18,9 @@ stages on each worker: ``p = v R`` stages on ``R`` workers per replica, so ``p``
 workers. Unless the request fixes them, ``v`` runs over ``2..MAX_SEARCHED_CHUNKS`` and ``R`` from 2
 (one worker holding every stage only adds transfers to one stage: only when the request asks for
 several stages per worker and a replica has one worker or ``num_stages`` says so); the microbatch
-counts are those
-the schedule allows (``schedule_problem``: Megatron's ``R | m``, or ``m < R``, or ``m`` splitting
-into ``m // R`` groups). A request that fixes the schedule or ``chunks`` and leaves no shape is
-refused with the schedule's own reason and fix.
+counts are those the schedule allows (``schedule_problem``: Megatron's ``R | m``, or ``m < R``, or
+``m`` splitting into ``m // R`` groups). A request that fixes the schedule or ``chunks`` and
+leaves no shape is refused with the schedule's own reason and fix.
 
 Everything here needs only the model's node count, so :func:`check_batch` runs it before the
 model is profiled (``coordinator/runtime/preflight.py``), with the cells' count as an upper
@@ -250,7 +249,9 @@ def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int
             shapes += [(d, p, mode, schedule, m, v) for p in all_stages
                        if p % v == 0 and d * (p // v) <= fixed.num_workers and p // v >= first
                        for mode in modes for m in counts if schedule_problem(schedule, p, m, v) is None]
-    return shapes
+    # stages, modes, schedules, counts (the planner keeps the first of equally good plans), then chunks
+    return sorted(shapes, key=lambda sh: (sh[1], modes.index(sh[2]), schedules.index(sh[3]),
+                                          counts.index(sh[4]), sh[5]))
 
 
 def _chunked_problem(request: PlanConfig, fixed: FixedCounts, global_batch: int, degrees: list[int]) -> str:
