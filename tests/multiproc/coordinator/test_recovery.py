@@ -33,6 +33,8 @@ TOL = 1e-9
 DP: dict[str, Any] = dict(data_parallel=2, num_stages=1, num_microbatches=2)
 GPIPE: dict[str, Any] = dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="gpipe")
 ONE_F_ONE_B: dict[str, Any] = dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="1f1b")
+INTERLEAVED: dict[str, Any] = dict(data_parallel=1, num_stages=4, chunks=2, num_microbatches=4,
+                                   schedule="interleaved-1f1b", balance=[2, 1, 2, 1])  # local-1: stages 1, 3
 
 
 def _job(tmp_path: Path, plan: dict[str, Any], **extra: Any) -> Job:
@@ -64,6 +66,7 @@ def _assert_failure_free(job: Job, result: FitResult) -> None:
     pytest.param(ONE_F_ONE_B, "5:backward", id="1f1b-stage-backward"),
     pytest.param(ONE_F_ONE_B, "4:optimizer", id="1f1b-stage-optimizer"),
     pytest.param(DP, "6:save", id="dp-replica-checkpoint-save"),
+    pytest.param(INTERLEAVED, "5:backward", id="interleaved-worker-backward"),
 ])
 def test_a_worker_killed_inside_a_step_is_replaced_and_the_run_ends_failure_free(
         tmp_path: Path, plan: dict[str, Any], fault: str) -> None:
