@@ -62,6 +62,9 @@ PLANS: dict[str, dict[str, Any]] = {
     "1f1b2": dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="1f1b"),
     "pp2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b"),
     "ps2x2": dict(data_parallel=2, num_stages=2, num_microbatches=2, mode="parameter_server"),
+    # the embedding on stage 0 (worker 0, with stage 2), the head on stage 3 (worker 1, with stage 1)
+    "interleaved2x2": dict(data_parallel=1, num_stages=4, chunks=2, num_microbatches=2,
+                           schedule="interleaved-1f1b", balance=[1, 1, 1, 1]),
 }
 
 State = dict[str, torch.Tensor]
@@ -107,7 +110,8 @@ def check_against_one_process(job: Job, state: State, records: list[StepRecord])
 
 # every plan, each optimizer on a pipeline alone and with replicas (5 fits: the suite's time is shared)
 @pytest.mark.parametrize(("plan", "optimizer"), [("gpipe2", "sgd"), ("1f1b2", "adamw"), ("pp2xdp2", "sgd"),
-                                                 ("pp2xdp2", "adamw"), ("ps2x2", "adamw")])
+                                                 ("pp2xdp2", "adamw"), ("ps2x2", "adamw"),
+                                                 ("interleaved2x2", "adamw")])
 def test_tied_copies_train_as_one_parameter(harness: LocalHarness, plan: str, optimizer: str) -> None:
     job = make_job(optimizer, **PLANS[plan])
     records, state, _ = fit_both_copies(harness, job)
