@@ -480,11 +480,14 @@ def _explain(profile: Profile, resources: Resources, global_batch: int, cands: l
 def format_candidates(cands: Sequence[Candidate], limit: int = 10) -> str:
     """The ``limit`` fastest candidates as a table (fitting ones first)."""
     ordered = sorted(cands, key=lambda c: (not c.fits, c.step_time_s))[:limit]
-    rows = [f"{'d':>3} {'p':>3} {'mode':<16} {'sched':<6} {'m':>4} {'step ms':>10} {'peak mem':>10}  fits"]
+    # the schedule, and the stages per worker of an interleaved one: interleaved-1f1b/2
     label = {id(c): c.schedule_name + (f"/{c.chunks}" if c.chunks > 1 else "") for c in ordered}
+    width = max([6, *map(len, label.values())])
+    rows = [f"{'d':>3} {'p':>3} {'mode':<16} {'sched':<{width}} {'m':>4} {'step ms':>10} {'peak mem':>10}"
+            "  fits"]
     for c in ordered:
         step = f"{c.step_time_s * 1e3:.3f}" if c.plan else "-"
         mem = format_bytes(c.plan.peak_memory_bytes) if c.plan else "-"
-        rows.append(f"{c.data_parallel:>3} {c.num_stages:>3} {c.mode:<16} {label[id(c)]:<6} "
+        rows.append(f"{c.data_parallel:>3} {c.num_stages:>3} {c.mode:<16} {label[id(c)]:<{width}} "
                     f"{c.num_microbatches:>4} {step:>10} {mem:>10}  {'yes' if c.fits else c.reason}")
     return "\n".join(rows)
