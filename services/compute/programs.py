@@ -50,6 +50,7 @@ def check_program(stage: Stage, batch_norm: list[str], program: StepProgram, num
 class _Held:
     program: LoadProgram
     trains: bool
+    fields: dict[str, object]  # what a step naming it takes from it (PROGRAM_FIELDS)
 
 
 class Programs:
@@ -72,7 +73,7 @@ class Programs:
             raise ValueError(f"the stage holds {len(self._held)} programs already ({sorted(self._held)}), "
                              f"the most it keeps: load under one of those names to replace it")
         trains = check_program(self._stage, self._batch_norm, request, request.num_microbatches)
-        self._held[request.program] = _Held(request, trains)
+        self._held[request.program] = _Held(request, trains, {f: getattr(request, f) for f in PROGRAM_FIELDS})
 
     def resolve(self, request: RunStep) -> tuple[RunStep, bool]:
         """The step to run (``request`` with its program's fields, if it names one) and whether it trains.
@@ -92,4 +93,4 @@ class Programs:
         if len(request.microbatches) != held.program.num_microbatches:
             raise ValueError(f"program {request.program!r} runs {held.program.num_microbatches} "
                              f"microbatches, the step brings {len(request.microbatches)}")
-        return request.model_copy(update={f: getattr(held.program, f) for f in PROGRAM_FIELDS}), held.trains
+        return request.model_copy(update=held.fields), held.trains
