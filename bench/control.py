@@ -18,7 +18,7 @@ round runs both trees, each in a fresh process with its own workers (``PYTHONPAT
 workers run that tree too), their order swapped round by round; a ratio is after / before within
 each round, and the tables show the median over rounds and the spread (min-max).
 
-    python bench/control.py --before /tmp/base [--steps 20] [--warmup 3] [--rounds 3] [--quick]
+    python bench/control.py --before /tmp/base [--steps 20] [--warmup 3] [--rounds 3] [--quick] [--only L]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _measure(job: Any, harness: Any, counts: _Counts, steps: int, warmup: int) -
             "step_ms": statistics.median(r.seconds for r in recs) * 1e3, "loss": recs[-1].loss}
 
 
-def child(root: str, steps: int, warmup: int) -> None:
+def child(root: str, steps: int, warmup: int, labels: list[str]) -> None:
     """Measure every configuration with the code under ``root``; print the figures as one JSON line."""
     sys.path.insert(0, root)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -114,11 +114,11 @@ def child(root: str, steps: int, warmup: int) -> None:
                        optimizer="SGD", optimizer_kwargs={"lr": 0.01}, global_batch=GLOBAL_BATCH, seed=0,
                        resources=Resources.local(len(balance)), data_parallel=1, num_stages=len(balance),
                        num_microbatches=8, schedule="1f1b", balance=balance, step_timeout_s=120)
-            for label, balance in CONFIGS.items()}
+            for label, balance in CONFIGS.items() if label in labels}
     for job in jobs.values():
         job.plan()  # profiled before the workers start
     factories = sorted({f for job in jobs.values() for f in job_factories(job.config)})
-    workers = max(len(b) for b in CONFIGS.values())
+    workers = max(len(CONFIGS[label]) for label in labels)
     out: dict[str, dict[str, float]] = {}
     with LocalHarness([f"local-{i}" for i in range(workers)], job="bench-control", threads=1,
                       python_path=[root], lease_ttl=timedelta(seconds=5), factories=factories) as harness:
@@ -141,10 +141,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 round, 5 steps, 1 warm-up step")
+    parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations: "
+                        + ", ".join(CONFIGS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.steps, args.warmup)
+        child(args.child, args.steps, args.warmup, args.only.split(","))
         return
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 5, 1
@@ -156,7 +158,7 @@ def main() -> None:
         for name, root in order:
             env = {**os.environ, "PYTHONPATH": root}
             cmd = [sys.executable, os.path.abspath(__file__), "--child", root, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)]
+                   "--warmup", str(args.warmup), "--only", args.only]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
             if done.returncode != 0:
                 sys.exit(f"{name} ({root}) failed:\n{done.stderr[-4000:]}")
@@ -165,7 +167,7 @@ def main() -> None:
     lines = [f"`python bench/control.py{' --before DIR' if args.before else ''}` ({args.rounds} rounds, "
              f"{args.steps} steps after {args.warmup} warm-up), {time.strftime('%Y-%m-%d')}, load average "
              f"{load:.1f}-{os.getloadavg()[0]:.1f}, {time.monotonic() - started:.0f} s", ""]
-    for label in CONFIGS:
+    for label in args.only.split(","):
         head = "| metric | " + " | ".join(trees) + (" | after / before |" if args.before else " |")
         lines += [f"**{label}**", "", head, "|---" * (len(trees) + 1 + bool(args.before)) + "|"]
         for key, what, fmt in METRICS:
