@@ -73,6 +73,8 @@ def test_unknown_programs_wrong_microbatches_and_bad_programs_are_refused() -> N
         RunStep(step=0, microbatches=[[0]], program="p", actions=TRAIN)
     with pytest.raises(ValueError, match="has no actions"):
         _load(actions=[])
+    with pytest.raises(ValueError, match="program\n  String should match pattern"):
+        RunStep(step=0, microbatches=[[0]], program="../train; rm")
 
 
 def test_batch_norm_is_checked_when_the_program_is_loaded() -> None:
