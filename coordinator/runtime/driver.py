@@ -21,7 +21,14 @@ merged order (``ComputeOptions.turns``) to take turns in (``services/compute/tur
 A step is a transaction: parameters and optimizer state change only when the coordinator
 commits it, and it commits a step only once every stage of every replica finished it.
 :meth:`Runtime.run_step` sends one ``run_step`` to every stage of every replica at once
-and awaits them through the event loop; the request carries the commit of the previous
+and awaits them through the event loop. Each names the stage's training program, which
+:meth:`Runtime.place` sent once (``load_program``: the action list and the other per-plan
+fields, validated by the stage on receipt; [Note: step programs] in
+``services/protocol/compute.py``), so a step's request carries only the step, its samples, the
+commit riding on it, the loss scale and the deadline. Every runtime places its services anew
+(a new plan, a recovery's replacement, a resume) and so sends them their programs again; a
+reconnected stage keeps its own. Evaluation steps carry their (forward-only) lists themselves:
+they are rare, and their microbatch count varies. The request carries the commit of the previous
 step (``RunStep.commit``), which each stage applies before its first action. So a step
 costs one round trip, and the last stage's optimizer overlaps the first stage's. The last
 step of a run is committed by :meth:`Runtime.commit` (a ``commit`` round), which
@@ -77,6 +84,7 @@ from services.protocol import (
     CommitStep,
     ComputeOptions,
     Empty,
+    LoadProgram,
     Release,
     RunStep,
     SavedPart,
@@ -96,6 +104,7 @@ __all__ = ["Runtime"]
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = timedelta(seconds=2)
+TRAIN_PROGRAM = "train"  # the name of each stage's training program (RunStep.program)
 
 
 class Runtime:
@@ -131,11 +140,11 @@ class Runtime:
         self._shards = ParamShards(plan, spec.run, addresses, initial_params, spec.holders,
                                    clip_grad_norm=spec.clip_grad_norm)  # no shards in collective mode
         self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
-        # per stage, validated, as RunStep carries them (a step runs `accumulate` global batches)
+        # per stage, validated, as the training programs carry them (a step runs `accumulate` global batches)
         self._schedule = accumulated_schedule(plan.schedule(), spec.accumulate)
         self._actions = self._schedule.actions
-        # each stage's action list as RunStep dumps it, built once: a step's request reuses it
-        self._dumped_actions = [[a.model_dump(mode="python") for a in acts] for acts in self._actions]
+        self._programs = [LoadProgram(program=TRAIN_PROGRAM, num_microbatches=self._schedule.num_microbatches,
+                                      actions=list(acts)) for acts in self._actions]
         self.services = [_Service(plan.placement[r][s], f"{spec.run}/compute-r{r}-s{s}", r, s)
                          for r in range(plan.data_parallel) for s in range(plan.num_stages)]
         self.workers = sorted({sv.worker for sv in self.services})
@@ -196,6 +205,7 @@ class Runtime:
                                     options=options.model_dump(mode="json"))
             ids[self.loop.send(sv.worker, "worker", "assign", assignment, AssignmentReply)] = sv
         self._gather(ids, "placing the stages", spec.call_timeout, None)
+        self._load_programs()
         log.info("[coordinator %s] placed %d stages on %s", spec.run, len(self.services),
                  ", ".join(self.workers))
 
@@ -206,6 +216,16 @@ class Runtime:
         rank = self._schedule.rank_of(sv.stage)
         return TurnsOptions(key=f"{self.spec.run}/r{sv.replica}/rank{rank}",
                             order=list(self._schedule.rank_actions(rank)))
+
+    def _load_programs(self) -> None:
+        """Send every stage its training program (once per placement: a service placed anew holds none).
+
+        Raises:
+            JobFailed: A stage refused its program or vanished.
+        """
+        ids = {self.loop.send(sv.worker, sv.name, "load_program", self._programs[sv.stage], Empty): sv
+               for sv in self.services}
+        self._gather(ids, "loading the stages' programs", self.spec.call_timeout, None)
 
     def _place_shards(self, shards: ParamShards) -> list[list[ShardAddress]]:
         """Assign and set up the shards (restored from ``spec.restore``, if any); their addresses per stage.
@@ -253,16 +273,17 @@ class Runtime:
         assert save is None or commit is not None, "a save rides on a commit: check can_save first"
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         if self._first_request:  # the request's shape, checked once by building one
-            RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], actions=list(self._actions[0]),
+            RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], program=TRAIN_PROGRAM,
                     timeout_ms=timeout_ms, commit=commit, loss_scale=loss_scale)
             self._first_request = False
-        commit_body = commit.model_dump(mode="python") if commit is not None else None
+        # RunStep, dumped (the services validate it): what the step changes, and the program it runs
+        shared = {"step": step, "program": TRAIN_PROGRAM, "timeout_ms": timeout_ms, "loss_scale": loss_scale}
+        if commit is not None:
+            shared["commit"] = commit.model_dump(mode="python")
+        per_replica = [{**shared, "microbatches": [list(mb) for mb in mbs]} for mbs in batches]
         ids: dict[int, _Service] = {}
-        for sv in self.services:  # RunStep, dumped: the services validate it
-            body = {"step": step, "microbatches": [list(mb) for mb in batches[sv.replica]],
-                    "actions": self._dumped_actions[sv.stage], "zero_grad": True, "timeout_ms": timeout_ms,
-                    "commit": commit_body, "loss_scale": loss_scale}
-            ids[self.loop.send(sv.worker, sv.name, "run_step", body, StepReply)] = sv
+        for sv in self.services:
+            ids[self.loop.send(sv.worker, sv.name, "run_step", per_replica[sv.replica], StepReply)] = sv
         if commit is not None:
             self._shards.send_round(self.loop, commit, save, self.spec.step_timeout)
         replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)

@@ -4,14 +4,16 @@ One service runs nodes ``[start, stop)`` of a model as stage ``s`` of ``p`` (see
 :mod:`services.compute.stage` for the factories and :mod:`services.compute.executor` for how a step's
 action list runs). RPC surface (service kind ``compute``):
 
-* ``run_step(RunStep) -> StepReply``: validate the action list (:mod:`services.compute.actions`;
-  an invalid list is a ``bad_request`` and nothing runs), then run it on the service's
-  step thread; the reply (per-microbatch losses on the last stage, per-action timings)
-  is sent from that thread when the step ends, with the worker process's traffic counters
-  (``comm/traffic.py``) for the coordinator's metrics. ``step_failed`` if it fails. An
-  evaluation step (``source="eval"``) must have no backward; it reads the held-out data, runs
-  in eval mode with the RNG untouched (``executor.evaluating``) and leaves the gradients as
-  they are (the coordinator sends it with ``zero_grad`` off).
+* ``load_program(LoadProgram) -> Empty``: validate a step program once and hold it by name
+  (:mod:`services.compute.programs`; an invalid one is a ``bad_request``).
+* ``run_step(RunStep) -> StepReply``: resolve the step (a program the stage holds, else
+  ``bad_request`` saying to load it; or the action list it carries, validated: an invalid list is
+  a ``bad_request`` and nothing runs), then run it on the service's step thread; the reply
+  (per-microbatch losses on the last stage, per-action timings) is sent from that thread when
+  the step ends, with the worker's traffic counters (``comm/traffic.py``) for the coordinator's
+  metrics. ``step_failed`` if it fails. An evaluation step (``source="eval"``) must have no
+  backward; it reads the held-out data, runs in eval mode with the RNG untouched
+  (``executor.evaluating``) and leaves the gradients as they are (``zero_grad`` off).
 * ``parameters(Empty)`` / ``gradients(Empty) -> TensorsReply`` + tensors named
   as the model names them (copies; ``gradients`` sends zeros for, and lists as ``missing``,
   parameters without a gradient).
@@ -101,11 +103,11 @@ from services.checkpoint.dcp import CheckpointFormatError
 from services.checkpoint.stage_state import Restored, apply_optimizer_state, load_stage, snapshot
 from services.checkpoint.writer import PartWriter
 from services.compute import turns
-from services.compute.actions import validate_stage
 from services.compute.batchnorm import BatchNormSync, batch_norm_layers
 from services.compute.executor import StepExecutor, StepFailed, evaluating
+from services.compute.programs import Programs
 from services.compute.randomness import ModelRandomness
-from services.compute.stage import Stage, build_stage, check_eval, check_samples, make_optimizer
+from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
 from services.compute.update import local_update, scale_grads
 from services.factories import FactoryAllowList
 from services.link import PipelineLink
@@ -118,6 +120,7 @@ from services.protocol import (
     CommitStep,
     ComputeOptions,
     Empty,
+    LoadProgram,
     OptimizerSpec,
     OptimizerStepReply,
     OptimizerStepRequest,
@@ -187,6 +190,7 @@ class CellComputeService(ServiceBase):
         self._writer = PartWriter(before_write=lambda snap: faults.at(snap.step, "save"))  # fault injection
         self._restored = Restored()
         self._turns = turns.acquire(options.turns.key, options.turns.order) if options.turns else None
+        self._programs = Programs(stage, self._batch_norm)  # the host thread's alone
 
     @classmethod
     def from_assignment(cls, assignment: Assignment, factories: FactoryAllowList) -> CellComputeService:
@@ -271,17 +275,10 @@ class CellComputeService(ServiceBase):
                                               "under a new comm_prefix before the next step")
             optimizer = self._commit_optimizer(request.commit) if request.commit is not None else None
         try:
-            trains = validate_stage(request.actions, stage=stage.index, num_stages=stage.num_stages,
-                                    num_microbatches=len(request.microbatches))
-            if request.source == "eval":
-                check_eval(stage, trains)
+            request, trains = self._programs.resolve(request)
             check_samples(stage, request.microbatches, request.source)
-            if trains and self._batch_norm and len(request.microbatches) > 1:
-                raise ValueError(f"{len(request.microbatches)} microbatches would each be normalised on "
-                                 f"their own by BatchNorm layer {self._batch_norm[0]}: a step of a model "
-                                 "with BatchNorm takes one microbatch per replica")
             positions = turns.positions(self._turns, stage.index, request.actions, request.source)
-        except ValueError as exc:  # a ScheduleError, a sample out of range, microbatches and BatchNorm
+        except ValueError as exc:  # an unknown program, a ScheduleError, a sample out of range, BatchNorm
             raise RpcError("bad_request", f"step {request.step}: {exc}") from None
         timeout = timedelta(milliseconds=request.timeout_ms)
 
@@ -322,6 +319,14 @@ class CellComputeService(ServiceBase):
                                             "traffic": traffic.snapshot(), "saved": self._writer.finished()})
 
         self._submit(call, f"step {request.step}", timeout, run)
+
+    def rpc_load_program(self, request: LoadProgram, call: Call) -> Empty:
+        try:
+            self._programs.load(request)
+        except ValueError as exc:
+            raise RpcError("bad_request", f"stage {self._stage.index}, program {request.program}: "
+                                          f"{exc}") from None
+        return Empty()
 
     def rpc_parameters(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:

@@ -285,19 +285,74 @@ class CommitReply(Message):
     saved: list[SavedPart] = Field(default_factory=list, max_length=1 << 10)  # parts written since last reply
 
 
-class RunStep(Message):
-    """Run one step's action list on a stage; every stage of the pipeline gets the same samples.
+ProgramName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+MAX_PROGRAMS = 16  # programs one compute service holds at once (LoadProgram beyond them is refused)
 
-    ``microbatches[i]`` lists the sample indices of microbatch ``i`` (the data factory's
-    indices); ``actions`` is this stage's ordered list, every action naming this stage (the
-    stage checks it with ``services.compute.actions.validate_stage`` before it runs any).
-    ``zero_grad`` clears gradients first (so a replayed step gives the same gradients);
-    ``timeout_ms`` bounds the whole step.
+
+class StepProgram(Message):
+    """The per-plan part of a step: what a stage runs every step of a plan, the same each step.
+
+    ``actions`` is the stage's ordered list, every action naming this stage (the stage checks it
+    with ``services.compute.actions.validate_stage`` before it runs any). ``zero_grad`` clears
+    gradients first (so a replayed step gives the same gradients).
 
     ``source`` says which data the first and last stages read: the training data, or (``"eval"``)
     the held-out data of an evaluation step, whose list has no backward: the stage runs it with its
     modules in eval mode and its RNG untouched, and the last stage reports the metric too
     (``coordinator/runtime/evaluation.py``).
+
+    [Note: step programs]
+    These fields travel once per placement, not once per step: the coordinator sends each stage a
+    :class:`LoadProgram` (these fields, a name, the microbatch count) when it places it, the stage
+    validates it then and keeps it, and each :class:`RunStep` names it (``RunStep.program``),
+    carrying only what changes from step to step (the step, its samples, the commit riding on it,
+    the loss scale, the deadline). A :class:`RunStep` may still carry these fields itself instead
+    (no ``program``): the coordinator's evaluation steps do, and any client that sends one step.
+    A service placed anew holds no program, and a step naming one it does not hold is refused
+    (``bad_request``) naming the fix. The service runs a step naming a program as the
+    :class:`RunStep` with every field of this class copied from the program, so a per-plan field
+    added here (an optional per-action list beside ``actions``, say) travels once with the others
+    and reaches the step with no other change.
+    """
+
+    actions: list[Action] = Field(default_factory=list, max_length=1 << 20)
+    zero_grad: bool = True
+    source: Literal["train", "eval"] = "train"
+
+
+PROGRAM_FIELDS: tuple[str, ...] = tuple(StepProgram.model_fields)
+"""The per-plan fields a step naming a program takes from it (every field of :class:`StepProgram`)."""
+_PROGRAM_DEFAULTS = {name: info.get_default(call_default_factory=True)
+                     for name, info in StepProgram.model_fields.items()}
+
+
+class LoadProgram(StepProgram):
+    """Hold a :class:`StepProgram` under ``program`` for steps of ``num_microbatches`` microbatches.
+
+    Validated once, on receipt (``bad_request`` if it fails: then nothing is held under the name);
+    each :class:`RunStep` naming it must bring exactly ``num_microbatches`` microbatches. Loading
+    under a name already held replaces that program; a stage holds at most :data:`MAX_PROGRAMS`.
+    """
+
+    program: ProgramName
+    num_microbatches: int = Field(ge=1, le=1 << 16)
+
+    @model_validator(mode="after")
+    def _has_actions(self) -> LoadProgram:
+        if not self.actions:
+            raise ValueError(f"program {self.program!r} has no actions")
+        return self
+
+
+class RunStep(StepProgram):
+    """Run one step on a stage: a program it holds (``program``), or the action list it carries.
+
+    ``microbatches[i]`` lists the sample indices of microbatch ``i`` (the data factory's
+    indices); every stage of the pipeline gets the same samples. ``program`` names a
+    :class:`LoadProgram` the stage holds, whose per-plan fields (:class:`StepProgram`'s: the
+    action list, ``zero_grad``, ``source``) the step then runs with; a request naming one sets
+    none of them itself (each keeps its default). Without ``program`` the request carries them
+    (at least one action). See [Note: step programs]. ``timeout_ms`` bounds the whole step.
 
     ``commit`` carries the commit of the previous step (sent only once every stage of every
     replica finished it): the stage applies that update first, then runs this step, so a
@@ -314,12 +369,22 @@ class RunStep(Message):
     step: int = Field(ge=0)
     microbatches: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = Field(
         min_length=1, max_length=1 << 16)
-    actions: list[Action] = Field(min_length=1, max_length=1 << 20)
-    zero_grad: bool = True
+    program: ProgramName | None = None
     timeout_ms: int = Field(default=300_000, ge=1)
     commit: CommitStep | None = None
-    source: Literal["train", "eval"] = "train"
     loss_scale: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _program_or_actions(self) -> RunStep:
+        if self.program is None and not self.actions:
+            raise ValueError("a step names a program it loaded (program) or carries its actions; it has "
+                             "neither")
+        if self.program is not None:  # compared with the defaults: a dumped request reads back the same
+            own = [f for f in PROGRAM_FIELDS if getattr(self, f) != _PROGRAM_DEFAULTS[f]]
+            if own:
+                raise ValueError(f"a step naming program {self.program!r} takes {own} from it: send them "
+                                 "in load_program, or send the step without program")
+        return self
 
 
 class PhaseTiming(Message):

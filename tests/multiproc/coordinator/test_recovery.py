@@ -21,6 +21,7 @@ from coordinator.runtime.errors import JobFailed
 from coordinator.runtime.factories import job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import FitResult, Job
+from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from services.faults import ENV
 
@@ -59,6 +60,33 @@ def _assert_failure_free(job: Job, result: FitResult) -> None:
         assert abs(mine - theirs) < 1e-9
 
 
+def _record_sends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+    """Every request the coordinator's event loop sends from now on: (service, method, body)."""
+    sent: list[tuple[str, str, Any]] = []
+    send = EventLoop.send
+
+    def recording(loop: EventLoop, worker: str, service: str, method: str, request: Any, *args: Any,
+                  **kwargs: Any) -> int:
+        sent.append((service, method, request))
+        return send(loop, worker, service, method, request, *args, **kwargs)
+
+    monkeypatch.setattr(EventLoop, "send", recording)
+    return sent
+
+
+def _assert_programs_sent_once_per_placement(sent: list[tuple[str, str, Any]], placements: int) -> None:
+    """Each stage placed got its program once, before its first step; each step's request names it."""
+    loaded: dict[str, int] = {}
+    for service, method, body in sent:
+        if method == "load_program":
+            loaded[service] = loaded.get(service, 0) + 1
+        elif method == "run_step":
+            assert loaded.get(service) == 1, f"{service} ran a step before it held its program"
+            assert body["program"] == "train" and "actions" not in body, body
+    assert set(loaded.values()) == {1}, loaded
+    assert len({name.split("/")[0] for name in loaded}) == placements, sorted(loaded)  # {run}/compute-...
+
+
 @pytest.mark.parametrize(("plan", "fault"), [
     pytest.param(DP, "5:backward", id="dp-replica-backward"),
     pytest.param(DP, "4:sync", id="dp-replica-allreduce"),
@@ -69,11 +97,13 @@ def _assert_failure_free(job: Job, result: FitResult) -> None:
     pytest.param(INTERLEAVED, "5:backward", id="interleaved-worker-backward"),
 ])
 def test_a_worker_killed_inside_a_step_is_replaced_and_the_run_ends_failure_free(
-        tmp_path: Path, plan: dict[str, Any], fault: str) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: dict[str, Any], fault: str) -> None:
     job = _job(tmp_path, plan)
+    sent = _record_sends(monkeypatch)
     with _harness(job, tmp_path, worker_env={"local-1": {ENV: fault}}) as harness, job.attach(harness):
         result = job.fit(STEPS)
     [recovery] = result.recoveries
+    _assert_programs_sent_once_per_placement(sent, 2)  # the replacement's stages (all new) got theirs
     assert recovery.worker == "local-1" and recovery.action == "replaced worker local-1", recovery
     # the newest checkpoint taken before the failing step, or the one before it when the killed worker
     # died before its own part of the newest was on storage (its write runs behind the steps)

@@ -26,6 +26,7 @@ from services.protocol import (
     CommitReply,
     CommitStep,
     Empty,
+    LoadProgram,
     OptimizerSpec,
     OptimizerStepReply,
     OptimizerStepRequest,
@@ -254,6 +255,47 @@ def test_bad_input_then_valid(stages: list[str], server: RegistryServer) -> None
     # the service was not disturbed: a valid step works and is right
     run_step(stages, service, GPIPE)
     assert max_diff(fetch(stages, service, "gradients"), reference("mlp")[0]) < TOL
+
+
+def test_a_step_runs_the_program_it_names_and_one_the_stage_lacks_is_refused(
+        stages: list[str], server: RegistryServer) -> None:
+    service = _pipeline(stages, server, "mlp", 3, 5)
+    named = [RunStep(step=0, microbatches=MICROBATCHES, program="train", timeout_ms=20_000)] * 2
+    for r in call_stages(stages, service, "run_step", named, StepReply):  # nothing loaded yet
+        assert isinstance(r, RpcError) and r.code == "bad_request", r
+        assert "holds no program 'train'" in r.message and "load_program" in r.message, r
+    with RpcClient(stages[0]) as c:
+        junk = dict(program="train", num_microbatches=4, actions="junk")
+        frame = msgpack.packb(dict(v=PROTOCOL_VERSION, id=3, service=service, method="load_program",
+                                   body=junk, tensors=[]))
+        reply = msgpack.unpackb(c.send_raw([frame])[0])
+        assert reply["error"]["code"] == "bad_request" and "actions" in reply["error"]["message"], reply
+        with pytest.raises(RpcError, match=r"program train: .*action #0 \(1RECV_F0\): names stage 1") as bad:
+            c.call(service, "load_program", LoadProgram(program="train", num_microbatches=4,
+                                                        actions=parse_actions(GPIPE[1])), Empty)
+        assert bad.value.code == "bad_request"
+        with pytest.raises(RpcError, match="holds no program 'train'"):  # the invalid one is not held
+            c.call(service, "run_step", named[0], StepReply)
+    loads = [LoadProgram(program="train", num_microbatches=4, actions=parse_actions(GPIPE[s]))
+             for s in range(2)]
+    loaded = call_stages(stages, service, "load_program", loads, Empty)
+    assert all(not isinstance(r, Exception) for r in loaded), loaded
+    with RpcClient(stages[0]) as c:
+        with pytest.raises(RpcError, match="runs 4 microbatches, the step brings 2"):
+            c.call(service, "run_step", RunStep(step=0, microbatches=MICROBATCHES[:2], program="train"),
+                   StepReply)
+        frame = msgpack.packb(dict(v=PROTOCOL_VERSION, id=4, service=service, method="run_step", tensors=[],
+                                   body=dict(step=0, microbatches=MICROBATCHES, program="train",
+                                             actions=[{"stage": 0, "kind": "F", "microbatch": 0}])))
+        reply = msgpack.unpackb(c.send_raw([frame])[0])
+        error = reply["error"]
+        assert error["code"] == "bad_request" and "takes ['actions'] from it" in error["message"], reply
+    for _ in range(2):  # the service kept serving: the program runs, twice, as one process computes it
+        replies = [r for r, _ in call_stages(stages, service, "run_step", named, StepReply)]
+        assert [len(r.starts) for r in replies] == [len(GPIPE[s].split()) for s in range(2)]
+        grads_ref, _, losses_ref = reference("mlp")
+        assert max_diff(fetch(stages, service, "gradients"), grads_ref) < TOL
+        assert max(abs(a - b) for a, b in zip(replies[1].losses, losses_ref, strict=True)) < TOL
 
 
 def test_boundary_mismatch_names_stage_microbatch_and_tensor(stages: list[str], server: RegistryServer
