@@ -62,6 +62,8 @@ PLANS: dict[str, dict[str, Any]] = {
     "1f1b2": dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="1f1b"),
     "pp2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b"),
     "ps2x2": dict(data_parallel=2, num_stages=2, num_microbatches=2, mode="parameter_server"),
+    # the head's nn.Linear holds the tied matrix on stage 1: its gradient is deferred to the W's
+    "zb2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="zb-h1"),
 }
 
 State = dict[str, torch.Tensor]
@@ -105,9 +107,10 @@ def check_against_one_process(job: Job, state: State, records: list[StepRecord])
     assert max_abs_diff(initial, ref.state_dict) > 1e-3, "the reference did not move"
 
 
-# every plan, each optimizer on a pipeline alone and with replicas (5 fits: the suite's time is shared)
+# every plan, each optimizer on a pipeline alone and with replicas (6 fits: the suite's time is shared)
 @pytest.mark.parametrize(("plan", "optimizer"), [("gpipe2", "sgd"), ("1f1b2", "adamw"), ("pp2xdp2", "sgd"),
-                                                 ("pp2xdp2", "adamw"), ("ps2x2", "adamw")])
+                                                 ("pp2xdp2", "adamw"), ("ps2x2", "adamw"),
+                                                 ("zb2xdp2", "adamw")])
 def test_tied_copies_train_as_one_parameter(harness: LocalHarness, plan: str, optimizer: str) -> None:
     job = make_job(optimizer, **PLANS[plan])
     records, state, _ = fit_both_copies(harness, job)
