@@ -428,8 +428,10 @@ class StepExecutor:
         run = self._w_runs[k]
         if self._store is not None:
             assert self._last_backward is not None  # a list with W's has I's
-            last = k > self._last_backward
-            self._store.flush(None if last else [self._request.actions[j].microbatch for j in run])
+            if k > self._last_backward:  # the deferred parameters' last contribution: their hooks fire
+                self._store.flush(None, final=True)
+            else:
+                self._store.flush([self._request.actions[j].microbatch for j in run])
         start, share = self._starts[k], (time.time() - self._starts[k]) / len(run)
         for n, j in enumerate(run):
             self._w_times[j] = (start + n * share, start + (n + 1) * share)

@@ -158,9 +158,15 @@ class WeightGradStore:
         self._deferred.clear()
         self._outside.clear()
 
-    def flush(self, microbatches: Iterable[int] | None = None) -> None:
+    def flush(self, microbatches: Iterable[int] | None = None, *, final: bool = False) -> None:
         """``W`` of ``microbatches`` (None: of every queued one): per layer one product over their rows,
-        accumulated into the parameters' ``.grad`` through autograd (their hooks fire once).
+        accumulated into the parameters' ``.grad``.
+
+        ``final`` (the parameters' last contribution of the step) or a parameter without ``.grad``
+        yet: the gradient goes through autograd, and the parameter's hooks fire once. Otherwise it is
+        added in place (``addmm_``: no weight-sized temporary, one pass over ``.grad``) and no hook
+        fires, which is what a disarmed data-parallel hook would have done with a ``.grad`` it
+        already points at its bucket.
 
         Raises:
             RuntimeError: A deferred parameter also got a gradient outside its layer (see :meth:`check`).
@@ -177,11 +183,18 @@ class WeightGradStore:
                     continue
                 x = rows[0][0] if len(rows) == 1 else torch.cat([x for x, _ in rows])
                 g = rows[0][1] if len(rows) == 1 else torch.cat([g for _, g in rows])
-                params.append(layer.weight)
-                grads.append(g.t().mm(x))
-                if layer.bias is not None:
-                    params.append(layer.bias)
-                    grads.append(g.sum(0))
+                weight, bias = layer.weight, layer.bias
+                if final or weight.grad is None or (bias is not None and bias.grad is None):
+                    params.append(weight)
+                    grads.append(g.t().mm(x))
+                    if bias is not None:
+                        params.append(bias)
+                        grads.append(g.sum(0))
+                    continue
+                weight.grad.addmm_(g.t(), x)
+                if bias is not None:
+                    assert bias.grad is not None
+                    bias.grad.add_(g.sum(0))
         if params:
             self._flushing = True
             try:

@@ -75,8 +75,8 @@ def split(flushes: list[list[int] | None]) -> tuple[dict[str, torch.Tensor], Wei
         assert queued == [0, 1, 2, 3]
         assert net.a.weight.grad is None and net.norm.weight.grad is not None  # I left the deferred ones
         assert all(x.grad is not None for x in xs)  # ... and made every input gradient
-        for group in flushes:
-            store.flush(group)
+        for n, group in enumerate(flushes):
+            store.flush(group, final=n == len(flushes) - 1)
         assert store.pending() == []
     assert "forward" not in net.out.__dict__  # the layers' own forwards are back
     return grads(net, xs), store
@@ -101,7 +101,7 @@ def test_batched_and_per_microbatch_w_equal_plain_autograd(flushes: list[list[in
     assert max_diff(got, plain()) < TOL
 
 
-def test_a_flush_accumulates_through_autograd_and_fires_each_hook_once() -> None:
+def test_a_flush_adds_in_place_and_the_final_one_through_autograd_firing_each_hook_once() -> None:
     net, xs, gs = make()
     for p in net.parameters():  # gradients from an earlier batch
         p.grad = torch.ones_like(p) if p.requires_grad else None
@@ -116,7 +116,10 @@ def test_a_flush_accumulates_through_autograd_and_fires_each_hook_once() -> None
             store.microbatch = i
             net(x).backward(g)
         fired.clear()
-        store.flush(None)
+        held = net.a.weight.grad
+        store.flush([0, 1])  # into the gradients there are, in place, without hooks
+        assert fired == [] and net.a.weight.grad is held
+        store.flush([2, 3], final=True)  # the last contribution: through autograd
     assert sorted(fired) == ["a.bias", "a.weight", "b.weight", "out.bias", "out.weight"]
     expected = plain()
     for n, p in net.named_parameters():
