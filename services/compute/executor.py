@@ -26,7 +26,9 @@ runs the backward above with the stage's linear layers deferring their weight gr
 sends and every other parameter's gradient. A run of consecutive ``W`` s computes its microbatches'
 deferred gradients at once, one product per layer; the first ``W`` after the list's last ``I``
 computes all that are left. Under ``bf16``/``fp16`` nothing is deferred: ``I`` is the whole
-backward and ``W`` has nothing to do.
+backward and ``W`` has nothing to do. A GPipe list (every ``B`` after every ``F``) defers too: its
+last ``B`` ends with every microbatch's weight gradients, one product per layer
+(:func:`~services.compute.weight_grads.defers` says which lists do).
 
 Evaluation steps (``RunStep.source = "eval"``, a list without backwards). The first and last
 stages read the held-out samples, and the last reports each microbatch's loss and, with a
@@ -108,7 +110,7 @@ from services.compute.boundary import empty_buffers, flatten, transfer_tag, unfl
 from services.compute.precision import autocast, device_type
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, metric_sum, to_device
-from services.compute.weight_grads import WeightGradStore
+from services.compute.weight_grads import WeightGradStore, defers
 from services.params.clipping import tensor_norms
 from services.params.grad_path import GradientPath
 from services.params.tied import TiedSync
@@ -183,10 +185,9 @@ class StepExecutor:
         self._tied = tied
         backwards = [k for k, a in enumerate(request.actions) if a.kind in ("B", "I")]
         self._last_backward = backwards[-1] if backwards else None
-        # a backward split in I and W: the stage's linear layers defer their weight gradients to the W's
+        # a backward split in I and W, or GPipe's B's: the stage's linear layers defer their weight gradients
         # (fp32/fp64; under autocast I runs the whole backward and W has nothing left to do)
-        split = any(a.kind == "I" for a in request.actions)
-        self._store = _store(stage.module) if split and precision == "fp32" else None
+        self._store = _store(stage.module) if defers(request.actions) and precision == "fp32" else None
         self._w_runs = _weight_runs(request.actions)
         self._w_times: dict[int, tuple[float, float]] = {}  # a W the first of its run computed -> its share
         self._comm = comm  # activations (SEND_F, RECV_F)
@@ -414,6 +415,8 @@ class StepExecutor:
                 if spec.requires_grad
             ]
         mb.inputs, mb.outputs, mb.loss = [], [], None
+        if self._store is not None and action.kind == "B" and self._k == self._last_backward:
+            self._store.flush(None, final=True)  # GPipe: every microbatch's weight gradients at once
         self._ends[self._k] = time.time()
 
     def _weight(self, mb: _Microbatch, action: Action) -> None:

@@ -25,7 +25,13 @@ backward's do, in place, and every post-accumulate-grad hook fires (the data-par
 of ``services/params/grad_sync.py``), once per flush. What the gradient path needs is that a
 parameter's last contribution comes while it is armed and no earlier one does: the executor
 arms before the last ``I`` (the last contribution of every other parameter) and flushes every
-queued microbatch at the first ``W`` after it (the last contribution of the deferred ones).
+queued microbatch at the first ``W`` after it (the last contribution of the deferred ones). An
+earlier flush adds in place instead (see :meth:`WeightGradStore.flush`).
+
+GPipe runs every backward after every forward, so it holds all its microbatches' activations at
+its peak anyway; its ``B`` s defer too (:func:`defers`), and its last ``B`` ends with one flush of
+all of them. 1F1B does not: it would hold every microbatch's layer inputs and output gradients
+until the end, where it holds at most ``p - s`` microbatches' activations.
 
 A layer is deferred only if the module holds its parameters there alone: a weight tied to
 another module of the stage gets its gradient from plain autograd. A deferred weight that is
@@ -38,7 +44,7 @@ second part and :meth:`~WeightGradStore.check` raises, naming the parameter. Mix
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,9 +52,28 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["WeightGradStore", "eligible_layers"]
+from services.protocol import Action
+
+__all__ = ["WeightGradStore", "defers", "eligible_layers"]
 
 _DTYPES = (torch.float32, torch.float64)
+
+
+def defers(actions: Sequence[Action]) -> bool:
+    """Whether a stage running ``actions`` defers its linear layers' weight gradients (in fp32/fp64).
+
+    A split backward (``I`` and ``W``) does; so does a list of at least two ``B`` s that runs every
+    ``B`` after every ``F`` (GPipe's shape): it computes the weight gradients of all its microbatches
+    after its last ``B``, one product per layer, holding each microbatch's layer inputs and output
+    gradients until then (the planner counts them: ``NodeProfile.deferred_bytes``). A list that
+    interleaves them (1F1B) does not: it would hold them for more microbatches than its activations.
+    """
+    kinds = [a.kind for a in actions]
+    if "I" in kinds:
+        return True
+    if kinds.count("B") < 2:
+        return False
+    return max(k for k, kind in enumerate(kinds) if kind == "F") < kinds.index("B")
 
 
 def eligible_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
