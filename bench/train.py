@@ -381,12 +381,15 @@ def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, A
     stages = job.plan().num_stages
     durations = {kind: [[e.end - e.start for r in recs for e in r.events if e.replica == 0 and e.stage == s
                          and e.action is not None and e.action.kind == kind] for s in range(stages)]
-                 for kind in "FB"}
+                 for kind in "FBIW"}
+    # a split backward (zb-h1): a microbatch's backward is its I and its W
+    backward = [b or [i + w for i, w in zip(durations["I"][s], durations["W"][s], strict=True)]
+                for s, b in enumerate(durations["B"])]
     return {"step_s": wall / steps, "loss": recs[-1].loss,
             "coordinator_s": sum(r.coordinator_s for r in recs) / steps,
             "coordinator_frac": sum(r.coordinator_s for r in recs) / sum(r.seconds for r in recs),
             "coordinator_cpu_s": (cpu[-1] - cpu[0]) / steps,
-            "forward_s": durations["F"], "backward_s": durations["B"],
+            "forward_s": durations["F"], "backward_s": backward,
             "breakdowns": [breakdown(r, stages) for r in recs]}
 
 

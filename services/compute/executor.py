@@ -110,7 +110,7 @@ from services.compute.boundary import empty_buffers, flatten, transfer_tag, unfl
 from services.compute.precision import autocast, device_type
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, metric_sum, to_device
-from services.compute.weight_grads import WeightGradStore, defers
+from services.compute.weight_grads import WeightGradStore, defers, weight_runs
 from services.params.clipping import tensor_norms
 from services.params.grad_path import GradientPath
 from services.params.tied import TiedSync
@@ -187,8 +187,9 @@ class StepExecutor:
         self._last_backward = backwards[-1] if backwards else None
         # a backward split in I and W, or GPipe's B's: the stage's linear layers defer their weight gradients
         # (fp32/fp64; under autocast I runs the whole backward and W has nothing left to do)
-        self._store = _store(stage.module) if defers(request.actions) and precision == "fp32" else None
-        self._w_runs = _weight_runs(request.actions)
+        deferring = defers(request.actions) and precision == "fp32"
+        self._store = WeightGradStore.of(stage.module) if deferring else None
+        self._w_runs = weight_runs(request.actions)
         self._w_times: dict[int, tuple[float, float]] = {}  # a W the first of its run computed -> its share
         self._comm = comm  # activations (SEND_F, RECV_F)
         self._grad_comm = comm  # gradients (SEND_B, RECV_B): see run()
@@ -446,28 +447,6 @@ class StepExecutor:
 
 
 _GRADIENT_CHANNELS: weakref.WeakKeyDictionary[Communicator, Communicator] = weakref.WeakKeyDictionary()
-_STORES: weakref.WeakKeyDictionary[torch.nn.Module, WeightGradStore] = weakref.WeakKeyDictionary()
-
-
-def _store(module: torch.nn.Module) -> WeightGradStore:
-    """The weight-gradient store of a stage's module, made at its first step with a split backward."""
-    store = _STORES.get(module)
-    if store is None:
-        store = _STORES[module] = WeightGradStore(module)
-    return store
-
-
-def _weight_runs(actions: list[Action]) -> dict[int, list[int]]:
-    """The first ``W`` of each run of consecutive ``W`` s in ``actions`` -> the positions of the run."""
-    runs: dict[int, list[int]] = {}
-    for k, a in enumerate(actions):
-        if a.kind != "W":
-            continue
-        if k > 0 and actions[k - 1].kind == "W":
-            runs[next(reversed(runs))].append(k)
-        else:
-            runs[k] = [k]
-    return runs
 
 
 def _gradient_channel(comm: Communicator | None) -> Communicator | None:

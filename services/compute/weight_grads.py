@@ -44,6 +44,7 @@ second part and :meth:`~WeightGradStore.check` raises, naming the parameter. Mix
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -54,7 +55,7 @@ from torch.utils.hooks import RemovableHandle
 
 from services.protocol import Action
 
-__all__ = ["WeightGradStore", "defers", "eligible_layers"]
+__all__ = ["WeightGradStore", "defers", "eligible_layers", "weight_runs"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -74,6 +75,20 @@ def defers(actions: Sequence[Action]) -> bool:
     if kinds.count("B") < 2:
         return False
     return max(k for k, kind in enumerate(kinds) if kind == "F") < kinds.index("B")
+
+
+def weight_runs(actions: Sequence[Action]) -> dict[int, list[int]]:
+    """The position of the first ``W`` of each run of consecutive ``W`` s in ``actions`` -> the run's
+    positions (the executor computes a run with one flush)."""
+    runs: dict[int, list[int]] = {}
+    for k, a in enumerate(actions):
+        if a.kind != "W":
+            continue
+        if k > 0 and actions[k - 1].kind == "W":
+            runs[next(reversed(runs))].append(k)
+        else:
+            runs[k] = [k]
+    return runs
 
 
 def eligible_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -142,6 +157,14 @@ class WeightGradStore:
         self._deferred: set[int] = set()  # ids of parameters the step deferred
         self._outside: dict[int, str] = {}  # id -> name of deferred parameters autograd accumulated into
         self._anchor = torch.empty(0, requires_grad=True)  # see _DeferredLinear
+
+    @classmethod
+    def of(cls, module: nn.Module) -> WeightGradStore:
+        """The store of a stage's ``module``, made at its first step that defers (kept while it lives)."""
+        store = _STORES.get(module)
+        if store is None:
+            store = _STORES[module] = cls(module)
+        return store
 
     @property
     def layers(self) -> list[str]:
@@ -264,3 +287,6 @@ class WeightGradStore:
         self._queues[layer].setdefault(microbatch, []).append(
             (x.detach().reshape(-1, lin.in_features), grad.detach().reshape(-1, lin.out_features)))
         self._deferred.update(id(p) for p in lin.parameters())
+
+
+_STORES: weakref.WeakKeyDictionary[nn.Module, WeightGradStore] = weakref.WeakKeyDictionary()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from comm.rpc import RpcClient
-from services.compute import executor
+from services.compute import weight_grads
 from services.compute.weight_grads import WeightGradStore, eligible_layers
 from services.protocol import Empty, RunStep, StepReply, TensorsReply
 from tests.unit.services.compute.test_compute_parts import MICROBATCHES_4, one_stage, parse_actions, reference
@@ -165,7 +165,7 @@ def test_a_one_stage_zero_bubble_list_matches_one_process(one_stage: RpcClient) 
     reply, _ = one_stage.call("c", "run_step", RunStep(step=0, microbatches=MICROBATCHES_4,
                                                        actions=parse_actions(text)), StepReply)
     _, got = one_stage.call("c", "gradients", Empty(), TensorsReply)
-    stores = list(executor._STORES.values())  # the service runs in this process: its store deferred
+    stores = list(weight_grads._STORES.values())  # the service runs in this process: its store deferred
     assert stores and stores[-1].layers == ["stem.module.a", "stem.module.b", "mix.module.c",
                                            "merge.module.d", "head.module"]
     grads_ref, _, losses_ref = reference("skip_model")
