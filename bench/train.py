@@ -323,7 +323,7 @@ class Breakdown:
     """
 
     step: float  # the step's wall time
-    compute: list[float]  # per stage (replica 0): forward + backward
+    compute: list[float]  # per stage (replica 0): forward + backward (B, or I + W)
     dispatch: float  # step start -> the first event of any stage began (the run_step request)
     optimizer: float  # the slowest stage's optimizer step (the previous step's commit)
     run: float  # the first action -> the last action or all-reduce ended, any stage
@@ -338,7 +338,7 @@ def _stage_compute(b: Breakdown, stage: int) -> float:
 def breakdown(record: Any, num_stages: int) -> Breakdown:
     ev = record.events
     compute = [sum(e.end - e.start for e in ev if e.replica == 0 and e.stage == s and e.action is not None
-                   and e.action.kind in ("F", "B")) for s in range(num_stages)]
+                   and e.action.kind in ("F", "B", "I", "W")) for s in range(num_stages)]
     runs = [e for e in ev if e.name not in ("optimizer", "push_pull")]
     opts = [e for e in ev if e.name in ("optimizer", "push_pull")]
     first, run_end = min(e.start for e in runs), max(e.end for e in runs)

@@ -19,14 +19,15 @@ so a run of ``W`` s streams each weight gradient once instead of once per microb
 per-microbatch product of a small microbatch is bound by that stream, not by its arithmetic).
 The sums are the same as plain autograd's, in another order: float64 agrees to rounding.
 
-Accumulation. The flush hands its gradients to autograd on the parameters themselves
-(``torch.autograd.backward(params, grads)``): they accumulate into ``.grad`` exactly as a
-backward's do, in place, and every post-accumulate-grad hook fires (the data-parallel buckets
-of ``services/params/grad_sync.py``), once per flush. What the gradient path needs is that a
-parameter's last contribution comes while it is armed and no earlier one does: the executor
+Accumulation. The step's final flush (and one that finds no ``.grad`` yet) hands its gradients
+to autograd on the parameters themselves (``torch.autograd.backward(params, grads)``): they
+accumulate into ``.grad`` as a backward's do and every post-accumulate-grad hook fires once (the
+data-parallel buckets of ``services/params/grad_sync.py``). What the gradient path needs is that
+a parameter's last contribution comes while it is armed and no earlier one does: the executor
 arms before the last ``I`` (the last contribution of every other parameter) and flushes every
-queued microbatch at the first ``W`` after it (the last contribution of the deferred ones). An
-earlier flush adds in place instead (see :meth:`WeightGradStore.flush`).
+queued microbatch at the first ``W`` after it (the last contribution of the deferred ones).
+Earlier flushes add in place (``addmm_`` into ``.grad``: no weight-sized temporary, one pass over
+the gradient), which is what the disarmed hooks would have left.
 
 GPipe runs every backward after every forward, so it holds all its microbatches' activations at
 its peak anyway; its ``B`` s defer too (:func:`defers`), and its last ``B`` ends with one flush of
