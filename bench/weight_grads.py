@@ -22,11 +22,11 @@ median per variant and its ratio to ``B``, taken per repetition; and the bytes t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ def stage() -> nn.Module:
 def run(variant: str, net: nn.Module, store: WeightGradStore, xs: list[torch.Tensor]) -> float:
     """The backwards of one step (forwards untimed), in seconds."""
     net.zero_grad(set_to_none=True)
-    with store.deferring() if variant != "B" else _nothing():
+    with store.deferring() if variant != "B" else contextlib.nullcontext():
         outs = []
         for i, x in enumerate(xs):
             store.microbatch = i
@@ -62,14 +62,6 @@ def run(variant: str, net: nn.Module, store: WeightGradStore, xs: list[torch.Ten
         if variant == "I..I W":
             store.flush(None, final=True)
         return time.perf_counter() - start
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> None:
@@ -98,9 +90,8 @@ def main() -> None:
     print(f"stage: {LAYERS} x Linear({WIDTH}, {WIDTH}) + GELU, float32, {m} microbatches of "
           f"{BATCH // m} rows, 1 thread, {args.reps} repetitions")
     print(f"{'variant':<10} {'backwards ms':>13} {'vs B':>6}")
-    fmt: Callable[[list[float]], str] = lambda v: f"{statistics.median(v):.3f}"  # noqa: E731
     for v in variants:
-        print(f"{v:<10} {statistics.median(times[v]) * 1e3:>13.2f} {fmt(ratios[v]):>6}")
+        print(f"{v:<10} {statistics.median(times[v]) * 1e3:>13.2f} {statistics.median(ratios[v]):>6.3f}")
     print(f"the batched W holds {held / 2**20:.1f} MiB (inputs and output gradients of every layer and "
           "microbatch) until it runs")
 
