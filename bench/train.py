@@ -10,6 +10,8 @@ configuration on the same initial parameters and the same global batches:
 * data parallel 2: torch ``DistributedDataParallel`` (gloo) and cellmesh (``zmq``);
 * 2 stages x 8 microbatches, GPipe and 1F1B: ``torch.distributed.pipelining``
   (``PipelineStage`` built by splitting the model by hand, static shapes, gloo) and cellmesh;
+* cellmesh ZB-H1 2 x 8 (each backward split into I and W, the weight gradients deferred) against
+  cellmesh 1F1B;
 * cellmesh 1F1B 2 x 8 on a model with uneven layers (``bench.models:uneven``): the cut
   the planner's cutter chooses against the even split by cells.
 
@@ -290,6 +292,7 @@ def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, floa
         # the split torch's pipelining peers use: 4 blocks per stage
         "cm-gpipe": (MODEL, dict(schedule="gpipe", balance=[4, 4], **pipe)),
         "cm-1f1b": (MODEL, dict(schedule="1f1b", balance=[4, 4], **pipe)),
+        "cm-zbh1": (MODEL, dict(schedule="zb-h1", balance=[4, 4], **pipe)),
         "cm-even": (UNEVEN, dict(schedule="1f1b", balance=[4, 4], **pipe)),
         "cm-auto": (UNEVEN, dict(schedule="1f1b", **pipe)),  # the planner's cutter chooses the cut
     }
@@ -320,7 +323,7 @@ class Breakdown:
     """
 
     step: float  # the step's wall time
-    compute: list[float]  # per stage (replica 0): forward + backward
+    compute: list[float]  # per stage (replica 0): forward + backward (B, or I + W)
     dispatch: float  # step start -> the first event of any stage began (the run_step request)
     optimizer: float  # the slowest stage's optimizer step (the previous step's commit)
     run: float  # the first action -> the last action or all-reduce ended, any stage
@@ -335,7 +338,7 @@ def _stage_compute(b: Breakdown, stage: int) -> float:
 def breakdown(record: Any, num_stages: int) -> Breakdown:
     ev = record.events
     compute = [sum(e.end - e.start for e in ev if e.replica == 0 and e.stage == s and e.action is not None
-                   and e.action.kind in ("F", "B")) for s in range(num_stages)]
+                   and e.action.kind in ("F", "B", "I", "W")) for s in range(num_stages)]
     runs = [e for e in ev if e.name not in ("optimizer", "push_pull")]
     opts = [e for e in ev if e.name in ("optimizer", "push_pull")]
     first, run_end = min(e.start for e in runs), max(e.end for e in runs)
@@ -378,12 +381,15 @@ def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, A
     stages = job.plan().num_stages
     durations = {kind: [[e.end - e.start for r in recs for e in r.events if e.replica == 0 and e.stage == s
                          and e.action is not None and e.action.kind == kind] for s in range(stages)]
-                 for kind in "FB"}
+                 for kind in "FBIW"}
+    # a split backward (zb-h1): a microbatch's backward is its I and its W
+    backward = [b or [i + w for i, w in zip(durations["I"][s], durations["W"][s], strict=True)]
+                for s, b in enumerate(durations["B"])]
     return {"step_s": wall / steps, "loss": recs[-1].loss,
             "coordinator_s": sum(r.coordinator_s for r in recs) / steps,
             "coordinator_frac": sum(r.coordinator_s for r in recs) / sum(r.seconds for r in recs),
             "coordinator_cpu_s": (cpu[-1] - cpu[0]) / steps,
-            "forward_s": durations["F"], "backward_s": durations["B"],
+            "forward_s": durations["F"], "backward_s": backward,
             "breakdowns": [breakdown(r, stages) for r in recs]}
 
 
@@ -409,6 +415,7 @@ CONFIGS = (
     Config("cm-gpipe", "cellmesh GPipe 2x8", "cellmesh", "gpipe", 1.10),
     Config("1f1b", "torch pipelining 1F1B 2x8", "torch"),
     Config("cm-1f1b", "cellmesh 1F1B 2x8", "cellmesh", "1f1b", 1.10),
+    Config("cm-zbh1", "cellmesh ZB-H1 2x8 (backward split in I and W)", "cellmesh", "cm-1f1b"),
     Config("cm-even", "uneven model, even split [4, 4], 1F1B 2x8", "cellmesh"),
     Config("cm-auto", "uneven model, auto-cut, 1F1B 2x8", "cellmesh", "cm-even"),
 )
@@ -477,7 +484,7 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
         rate = [GLOBAL_BATCH / s for s in steps]
         vs_peer = f"{_cell(results.ratios(c.key, c.peer), '.2f', 'x')} vs {labels[c.peer]}" if c.peer else ""
         target = ""
-        if c.target is not None:
+        if c.target is not None and results.ratios(c.key, c.peer or ""):  # its peer ran (see --only)
             ok = statistics.median(results.ratios(c.key, c.peer or "")) >= c.target
             target = f">= {c.target:.2f}x: {'met' if ok else 'missed'}"
         base = _cell(results.ratios(c.key, "single"), ".2f", "x") if c.key != "single" else ""

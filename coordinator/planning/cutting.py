@@ -78,6 +78,11 @@ class CutProblem:
             gradients, optimizer state), length ``n``; None ignores memory.
         activation_bytes: Memory one microbatch's activations hold on each node, length ``n``.
         in_flight: Per stage, how many microbatches' activations it holds at its peak.
+        deferred_bytes: Memory one microbatch holds on each node from its backward to the
+            step's deferred weight gradients (length ``n``; None: nothing deferred).
+        defers: Per stage, whether it defers its weight gradients
+            (``services.compute.weight_grads.defers``); such a stage holds, per microbatch in
+            flight, the larger of the two on each node.
         memory_limit: Per stage, the bytes it may use; None means unlimited.
 
     Raises:
@@ -92,6 +97,8 @@ class CutProblem:
     activation_bytes: tuple[float, ...] | None = None
     in_flight: tuple[int, ...] | None = None
     memory_limit: tuple[float, ...] | None = None
+    deferred_bytes: tuple[float, ...] | None = None
+    defers: tuple[bool, ...] | None = None
     _prefix: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +118,10 @@ class CutProblem:
                 raise ValueError("static_bytes and activation_bytes need n entries")
             if len(self.memory_limit) != self.num_stages or len(self.in_flight) != self.num_stages:
                 raise ValueError("memory_limit and in_flight need one entry per stage")
+        if (self.deferred_bytes is None) != (self.defers is None) or (
+                self.deferred_bytes is not None and self.defers is not None
+                and (len(self.deferred_bytes) != n or len(self.defers) != self.num_stages)):
+            raise ValueError("deferred_bytes (n entries) and defers (one per stage) come together")
         object.__setattr__(self, "_prefix", np.concatenate([[0.0], np.cumsum(self.compute_s)]))
 
     @property
@@ -124,12 +135,21 @@ class CutProblem:
         outer = self.cut_s[stop] if stop < n else 0.0
         return float(self._prefix[stop] - self._prefix[start]) + inner + outer
 
+    def held_bytes(self, stage: int) -> tuple[float, ...] | None:
+        """What one microbatch in flight holds on each node if stage ``stage`` runs it: its activations,
+        or for a stage that defers its weight gradients the larger of those and its deferred bytes."""
+        if self.activation_bytes is None:
+            return None
+        if self.defers is None or self.deferred_bytes is None or not self.defers[stage]:
+            return self.activation_bytes
+        return tuple(max(a, d) for a, d in zip(self.activation_bytes, self.deferred_bytes, strict=True))
+
     def stage_memory(self, stage: int, start: int, stop: int) -> float:
         """Peak bytes of stage ``stage`` running nodes ``[start, stop)`` (0 without memory data)."""
-        if self.static_bytes is None or self.activation_bytes is None or self.in_flight is None:
+        held = self.held_bytes(stage)
+        if self.static_bytes is None or held is None or self.in_flight is None:
             return 0.0
-        held = sum(self.activation_bytes[start:stop]) * self.in_flight[stage]
-        return sum(self.static_bytes[start:stop]) + held
+        return sum(self.static_bytes[start:stop]) + sum(held[start:stop]) * self.in_flight[stage]
 
     def check(self, bounds: Sequence[int]) -> Bounds:
         """Validates boundaries against the problem and returns them as a tuple.
@@ -195,18 +215,22 @@ def cut_min_max(problem: CutProblem) -> Bounds:
         allowed[0] = allowed[n] = True
         invalid |= ~allowed[:, None] | ~allowed[None, :]
     cost = np.where(invalid, np.inf, cost)
-    mem_static = mem_act = None
+    mem_static = None
+    mem_act: dict[tuple[float, ...], np.ndarray] = {}  # per-node held bytes -> [i, j] of nodes [i, j)
     if problem.memory_limit is not None:
         assert problem.static_bytes is not None and problem.activation_bytes is not None
         ps = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
-        pa = np.concatenate([[0.0], np.cumsum(problem.activation_bytes)])
-        mem_static, mem_act = ps[None, :] - ps[:, None], pa[None, :] - pa[:, None]
+        mem_static = ps[None, :] - ps[:, None]
 
     def stage_cost(s: int) -> np.ndarray:
-        if mem_static is None or mem_act is None:
+        held = problem.held_bytes(s)
+        if mem_static is None or held is None:
             return cost
+        if held not in mem_act:
+            pa = np.concatenate([[0.0], np.cumsum(held)])
+            mem_act[held] = pa[None, :] - pa[:, None]
         assert problem.memory_limit is not None and problem.in_flight is not None
-        over = mem_static + mem_act * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
+        over = mem_static + mem_act[held] * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
         return np.where(over, np.inf, cost)
 
     best = stage_cost(0)[0].copy()  # best[j]: stage 0 covers [0, j)

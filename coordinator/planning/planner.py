@@ -88,6 +88,7 @@ from coordinator.planning.request import PlanningError, Shape, plan_shapes, reso
 from coordinator.planning.resources import Resources
 from coordinator.planning.schedules import build_schedule, peak_in_flight
 from coordinator.planning.simulator import StageCosts, simulate
+from services.compute.weight_grads import defers
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
 
 __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "OPTIMIZER_BANDWIDTH_BPS",
@@ -179,7 +180,8 @@ def _scaled_cuts(profile: Profile, size: int) -> tuple[list[tuple[TensorMeta, ..
 def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | None = None,
                 bandwidth_bps: float, latency_s: float, speed: float = 1.0, data_parallel: int = 1,
                 mode: Mode = "collective", in_flight: Sequence[int] | None = None,
-                memory_limit: Sequence[float] | None = None) -> CutProblem:
+                memory_limit: Sequence[float] | None = None, defers: Sequence[bool] | None = None
+                ) -> CutProblem:
     """The cutter's view of a profile (see [Note: transfer cost] in ``coordinator/planning/cutting.py``).
 
     Args:
@@ -194,6 +196,8 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
         mode: Gradient path; parameter-server mode shards optimizer state ``1/d``.
         in_flight: Microbatches each stage holds at its peak (with ``memory_limit``).
         memory_limit: Bytes each stage's worker may use; None ignores memory.
+        defers: Per stage, whether it defers its linear layers' weight gradients (its schedule's list:
+            ``services.compute.weight_grads.defers``); None: no stage does.
     """
     mb = microbatch_size or profile.microbatch_size
     scale = mb / profile.microbatch_size
@@ -211,7 +215,9 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
     return CutProblem(tuple((f + b) / speed for f, b in times), cut_s, num_stages,
                       tuple(c.cuttable for c in profile.cuts), static,
                       tuple(nd.activation_bytes * scale for nd in profile.nodes),
-                      tuple(in_flight) if in_flight is not None else (1,) * num_stages, limits)
+                      tuple(in_flight) if in_flight is not None else (1,) * num_stages, limits,
+                      None if defers is None else tuple(nd.deferred_bytes * scale for nd in profile.nodes),
+                      None if defers is None else tuple(defers))
 
 
 # [Note: action overhead] Every forward or backward action costs a fixed time on top of its
@@ -242,9 +248,10 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     # a worker's stages share its memory: the cutter gives each its 1/v share, the fit is checked per worker
     problem = cut_problem(profile, p, microbatch_size=mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed),
                           data_parallel=d, mode=mode, in_flight=in_flight,
-                          memory_limit=[float(min(w.memory_bytes for w in ws)) / v for ws in workers])
+                          memory_limit=[float(min(w.memory_bytes for w in ws)) / v for ws in workers],
+                          defers=[defers(acts) and precision == "fp32" for acts in schedule.actions])
     metas, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
-    cut_s, act, nodes = problem.cut_s, problem.activation_bytes or (), profile.nodes
+    cut_s, nodes = problem.cut_s, profile.nodes
     cut_error = ""  # why no cut fits memory, when only a cut ignoring memory exists
     try:
         bounds = problem.check(balance_bounds(balance) if balance is not None else cutter(problem))
@@ -267,7 +274,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     inner = bounds[1:-1]
     costs = StageCosts(fwd, bwd, tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
                        tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
-                       tuple(sum(act[a:b]) for a, b in spans), start_s=optimizer)
+                       tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans)),
+                       start_s=optimizer)
     sim = simulate(schedule, costs)
     stages = []
     reason = ""

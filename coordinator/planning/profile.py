@@ -37,6 +37,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
+from services.compute.weight_grads import eligible_layers
 
 __all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "SCALE_FACTOR", "NodeProfile", "Profile",
            "format_bytes", "profile_graph"]
@@ -63,6 +64,9 @@ class NodeProfile(BaseModel):
 
     ``forward_fixed_s`` / ``backward_fixed_s`` are the parts of ``forward_s`` / ``backward_s``
     that do not grow with the microbatch size (0: the time scales linearly).
+    ``activation_bytes`` is what autograd saves in the forward (held until the backward);
+    ``deferred_bytes`` what a stage that defers its linear layers' weight gradients holds from
+    the backward to the step's weight gradients (``services/compute/weight_grads.py``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -77,6 +81,7 @@ class NodeProfile(BaseModel):
     grad_bytes: int = Field(ge=0)
     optimizer_state_bytes: int = Field(ge=0)
     activation_bytes: int = Field(ge=0)
+    deferred_bytes: int = Field(default=0, ge=0)
 
     @property
     def compute_s(self) -> float:
@@ -150,7 +155,7 @@ class Profile(BaseModel):
     def synthetic(cls, forward_s: Sequence[float], *, backward_s: Sequence[float] | None = None,
                   param_bytes: Sequence[int] | None = None, activation_bytes: Sequence[int] | None = None,
                   cut_bytes: Sequence[int] | None = None, microbatch_size: int = 1,
-                  optimizer: str = "adam") -> Profile:
+                  optimizer: str = "adam", deferred_bytes: Sequence[int] | None = None) -> Profile:
         """A profile written by hand (for tests, examples and what-if planning).
 
         Args:
@@ -162,8 +167,10 @@ class Profile(BaseModel):
                 float32 tensor per cut that needs a gradient, batch dimension 0.
             microbatch_size: The microbatch size the numbers describe.
             optimizer: A key of :data:`OPTIMIZER_STATE_FACTORS`.
+            deferred_bytes: Bytes held per node for deferred weight gradients (default 0).
         """
         n = len(forward_s)
+        deferred = list(deferred_bytes) if deferred_bytes is not None else [0] * n
         bwd = list(backward_s) if backward_s is not None else [2 * f for f in forward_s]
         params = list(param_bytes) if param_bytes is not None else [0] * n
         acts = list(activation_bytes) if activation_bytes is not None else [0] * n
@@ -171,7 +178,8 @@ class Profile(BaseModel):
         factor = OPTIMIZER_STATE_FACTORS[optimizer]
         nodes = tuple(NodeProfile(name=f"n{i}", forward_s=forward_s[i], backward_s=bwd[i],
                                   param_bytes=params[i], grad_bytes=params[i],
-                                  optimizer_state_bytes=int(params[i] * factor), activation_bytes=acts[i])
+                                  optimizer_state_bytes=int(params[i] * factor), activation_bytes=acts[i],
+                                  deferred_bytes=deferred[i])
                       for i in range(n))
 
         def cut(c: int, nbytes: int) -> CutInfo:
@@ -194,9 +202,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _saved_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]) -> int:
+def _saved_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[int, int]:
+    """The bytes autograd saves for one forward of ``module``, and the bytes a stage deferring its
+    linear layers' weight gradients holds after the backward: each deferred layer call's input and
+    output (its output gradient's size; ``services/compute/weight_grads.py``)."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     storages: dict[int, int] = {}
+    deferred = [0]
+
+    def count(_: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        deferred[0] += sum(t.numel() * t.element_size() for t in _tensors([args, out]))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         try:
@@ -207,9 +222,14 @@ def _saved_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]) -> int:
             storages[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*inputs)
-    return sum(storages.values())
+    handles = [layer.register_forward_hook(count) for _, layer in eligible_layers(module)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(storages.values()), deferred[0]
 
 
 def _fresh(values: list[Any], names: tuple[str, ...], grad: set[str]) -> list[Any]:
@@ -409,13 +429,14 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 bwd, bwd_fixed = _affine(bwd, bwd_big, size, SCALE_FACTOR)
             params = list(t.module.parameters())
             trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            saved, deferred = _saved_bytes(t.module, _fresh(t.args, t.names, t.grad))
             nodes.append(NodeProfile(
                 name=node.name, forward_s=fwd, backward_s=bwd, forward_fixed_s=fwd_fixed,
                 backward_fixed_s=bwd_fixed,
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 buffer_bytes=sum(b.numel() * b.element_size() for b in t.module.buffers()),
                 grad_bytes=trainable, optimizer_state_bytes=int(trainable * factor),
-                activation_bytes=_saved_bytes(t.module, _fresh(t.args, t.names, t.grad)),
+                activation_bytes=saved, deferred_bytes=deferred,
             ))
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,

@@ -20,6 +20,16 @@ input did not reach the outputs). Tensors without gradients cross the cut too; n
 comes back for them. Parameter gradients accumulate over the step's microbatches. A
 list without backwards runs its forwards without autograd.
 
+A backward split in two (zero bubble: ``I`` then ``W``, see ``services/compute/actions.py``). ``I``
+runs the backward above with the stage's linear layers deferring their weight gradients
+(``services/compute/weight_grads.py``, [Note: splitting a backward]): it yields what ``SEND_B``
+sends and every other parameter's gradient. A run of consecutive ``W`` s computes its microbatches'
+deferred gradients at once, one product per layer; the first ``W`` after the list's last ``I``
+computes all that are left. Under ``bf16``/``fp16`` nothing is deferred: ``I`` is the whole
+backward and ``W`` has nothing to do. A GPipe list (every ``B`` after every ``F``) defers too: its
+last ``B`` ends with every microbatch's weight gradients, one product per layer
+(:func:`~services.compute.weight_grads.defers` says which lists do).
+
 Evaluation steps (``RunStep.source = "eval"``, a list without backwards). The first and last
 stages read the held-out samples, and the last reports each microbatch's loss and, with a
 metric, the sum of its per-sample values (``services.compute.stage.metric_sum``). The service
@@ -41,7 +51,7 @@ their data was waited for; sends from posting to the first action boundary (or t
 of the step) at which they were seen complete.
 
 Gradient path. With a :class:`~services.params.grad_path.GradientPath`, the executor arms it
-just before the list's last backward and finishes it after the sends (a collective path
+just before the list's last backward (``B`` or ``I``) and finishes it after the sends (a collective path
 then holds the gradients averaged over the stage's replicas); its timing is a phase of
 the reply. See [Note: microbatches and the all-reduce] in ``services/params/grad_path.py``.
 
@@ -101,6 +111,7 @@ from services.compute.precision import autocast, device_type
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, metric_sum, to_device
 from services.compute.turns import StepTurns
+from services.compute.weight_grads import WeightGradStore, defers, weight_runs
 from services.params.clipping import tensor_norms
 from services.params.grad_path import GradientPath
 from services.params.tied import TiedSync
@@ -116,7 +127,7 @@ from services.protocol import (
 
 __all__ = ["StepExecutor", "StepFailed", "check_grads", "evaluating"]
 
-_FAULT_PHASES: dict[str, faults.Phase] = {"F": "forward", "B": "backward"}
+_FAULT_PHASES: dict[str, faults.Phase] = {"F": "forward", "B": "backward", "I": "backward"}
 
 _Buffers = list[tuple[int, torch.Tensor]]  # (index in the boundary spec, tensor)
 
@@ -177,8 +188,14 @@ class StepExecutor:
         self._randomness = randomness
         self._grad_path = grad_path
         self._tied = tied
-        backwards = [k for k, a in enumerate(request.actions) if a.kind == "B"]
+        backwards = [k for k, a in enumerate(request.actions) if a.kind in ("B", "I")]
         self._last_backward = backwards[-1] if backwards else None
+        # a backward split in I and W, or GPipe's B's: the stage's linear layers defer their weight gradients
+        # (fp32/fp64; under autocast I runs the whole backward and W has nothing left to do)
+        deferring = defers(request.actions) and precision == "fp32"
+        self._store = WeightGradStore.of(stage.module) if deferring else None
+        self._w_runs = weight_runs(request.actions)
+        self._w_times: dict[int, tuple[float, float]] = {}  # a W the first of its run computed -> its share
         self._comm = comm  # activations (SEND_F, RECV_F)
         self._grad_comm = comm  # gradients (SEND_B, RECV_B): see run()
         self._request = request
@@ -205,7 +222,8 @@ class StepExecutor:
         Raises:
             StepFailed: an action raised, a transfer failed or the deadline passed.
         """
-        with _current(self._stage.device):
+        deferring = self._store.deferring() if self._store is not None else contextlib.nullcontext()
+        with _current(self._stage.device), deferring:
             return self._run()
 
     def _run(self) -> StepReply:
@@ -214,8 +232,9 @@ class StepExecutor:
                 p.grad = None
         if self._tied is not None and self._last_backward is not None:
             self._tied.begin(self._request.zero_grad)
-        handlers = {"F": self._forward, "B": self._backward, "SEND_F": self._send_act,
-                    "RECV_F": self._recv_act, "SEND_B": self._send_grad, "RECV_B": self._recv_grad}
+        handlers = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weight,
+                    "SEND_F": self._send_act, "RECV_F": self._recv_act, "SEND_B": self._send_grad,
+                    "RECV_B": self._recv_grad}
         action: Action | None = None
         phases: list[PhaseTiming] = []
         try:
@@ -333,7 +352,7 @@ class StepExecutor:
         if not tensors:
             self._ends[self._k] = time.time()
 
-    # -- the six kinds of action ------------------------------------------------------
+    # -- the eight kinds of action ----------------------------------------------------
 
     def _recv_act(self, mb: _Microbatch, action: Action) -> None:
         assert self._stage.incoming is not None
@@ -359,6 +378,8 @@ class StepExecutor:
             inputs = unflatten(stage.incoming, mb.inputs)
         keyed = (self._randomness.forward(self._request.step, mb.samples) if self._randomness is not None
                  else contextlib.nullcontext())
+        if self._store is not None:
+            self._store.microbatch = m  # the linear layers queue this microbatch's (input, gradient) in I
         with torch.set_grad_enabled(grad), autocast(*self._autocast), keyed:
             out = stage.module(inputs)
             if stage.last:
@@ -385,6 +406,7 @@ class StepExecutor:
             mb.outputs = []
 
     def _backward(self, mb: _Microbatch, action: Action) -> None:
+        """``B``, or ``I``: the same backward with the deferred layers' weight gradients queued for ``W``."""
         stage, m = self._stage, action.microbatch
         if stage.last:
             assert mb.loss is not None
@@ -403,6 +425,30 @@ class StepExecutor:
                 if spec.requires_grad
             ]
         mb.inputs, mb.outputs, mb.loss = [], [], None
+        if self._store is not None and action.kind == "B" and self._k == self._last_backward:
+            self._store.flush(None, final=True)  # GPipe: every microbatch's weight gradients at once
+        self._ends[self._k] = time.time()
+
+    def _weight(self, mb: _Microbatch, action: Action) -> None:
+        """``W``: the first ``W`` of a run of consecutive ones computes the run's microbatches at once (one
+        product per layer, :meth:`WeightGradStore.flush`); after the list's last ``I``, every queued one
+        (each parameter then gets its last contribution in one flush: see [Note: splitting a backward]).
+        Each ``W`` of the run is timed as an equal share of it."""
+        k = self._k
+        if k in self._w_times:  # computed by the first W of its run
+            self._starts[k], self._ends[k] = self._w_times.pop(k)
+            return
+        run = self._w_runs[k]
+        if self._store is not None:
+            assert self._last_backward is not None  # a list with W's has I's
+            if k > self._last_backward:  # the deferred parameters' last contribution: their hooks fire
+                self._store.flush(None, final=True)
+            else:
+                self._store.flush([self._request.actions[j].microbatch for j in run])
+        start, share = self._starts[k], (time.time() - self._starts[k]) / len(run)
+        for n, j in enumerate(run):
+            self._w_times[j] = (start + n * share, start + (n + 1) * share)
+        self._starts[k], self._ends[k] = self._w_times.pop(k)
 
     def _send_grad(self, mb: _Microbatch, action: Action) -> None:
         self._post_sends(action, mb.input_grads)

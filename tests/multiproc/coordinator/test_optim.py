@@ -36,6 +36,8 @@ PLANS: dict[str, dict[str, Any]] = {
     "dp2": dict(data_parallel=2, num_stages=1, num_microbatches=1),
     "1f1b2x2": dict(data_parallel=1, num_stages=2, num_microbatches=2, schedule="1f1b"),
     "pp2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b"),
+    # deferred weight gradients added to the ones the step starts with (accumulate), over replicas
+    "zb2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="zb-h1"),
     "ps2": dict(data_parallel=2, num_stages=1, num_microbatches=2, mode="parameter_server"),
     # 2 workers x 2 chunks (every stage with parameters: a stage of Tanh alone has none to optimize)
     "interleaved2x2": dict(data_parallel=1, num_stages=4, chunks=2, num_microbatches=2,

@@ -52,6 +52,7 @@ PLANS: dict[str, dict[str, Any]] = {
     "dp2": dict(data_parallel=2, num_stages=1, num_microbatches=1),
     "gpipe2x4": dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="gpipe"),
     "1f1b2x2": dict(data_parallel=1, num_stages=2, num_microbatches=2, schedule="1f1b"),
+    "zb2x2": dict(data_parallel=1, num_stages=2, num_microbatches=2, schedule="zb-h1"),  # I: whole backward
 }
 OVERFLOW_SAMPLE = 40  # in step 3 (index 2) without shuffling: samples 32..47
 

@@ -65,6 +65,8 @@ PLANS: dict[str, dict[str, Any]] = {
     # the embedding on stage 0 (worker 0, with stage 2), the head on stage 3 (worker 1, with stage 1)
     "interleaved2x2": dict(data_parallel=1, num_stages=4, chunks=2, num_microbatches=2,
                            schedule="interleaved-1f1b", balance=[1, 1, 1, 1]),
+    # the head's nn.Linear holds the tied matrix on stage 1: its gradient is deferred to the W's
+    "zb2xdp2": dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="zb-h1"),
 }
 
 State = dict[str, torch.Tensor]
@@ -108,10 +110,10 @@ def check_against_one_process(job: Job, state: State, records: list[StepRecord])
     assert max_abs_diff(initial, ref.state_dict) > 1e-3, "the reference did not move"
 
 
-# every plan, each optimizer on a pipeline alone and with replicas (5 fits: the suite's time is shared)
+# every plan, each optimizer on a pipeline alone and with replicas (7 fits: the suite's time is shared)
 @pytest.mark.parametrize(("plan", "optimizer"), [("gpipe2", "sgd"), ("1f1b2", "adamw"), ("pp2xdp2", "sgd"),
                                                  ("pp2xdp2", "adamw"), ("ps2x2", "adamw"),
-                                                 ("interleaved2x2", "adamw")])
+                                                 ("interleaved2x2", "adamw"), ("zb2xdp2", "adamw")])
 def test_tied_copies_train_as_one_parameter(harness: LocalHarness, plan: str, optimizer: str) -> None:
     job = make_job(optimizer, **PLANS[plan])
     records, state, _ = fit_both_copies(harness, job)
