@@ -362,6 +362,10 @@ def check_samples(stage: Stage, microbatches: Sequence[Sequence[int]], source: s
 def make_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer ``spec`` names, over ``params`` (list kwargs become tuples: betas).
 
+    A stage may hold no parameters (a cut that leaves an activation alone on a stage): torch's
+    optimizers refuse an empty list, so the optimizer then holds one empty placeholder, which never
+    gets a gradient and so is never updated; its learning rate still follows a scheduler.
+
     Raises:
         ValueError: Not a ``torch.optim`` optimizer class, or it refuses the keyword arguments.
     """
@@ -372,6 +376,6 @@ def make_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch
     kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.kwargs.items()}
     make: Callable[..., torch.optim.Optimizer] = cls
     try:
-        return make(list(params), **kwargs)
+        return make(list(params) or [nn.Parameter(torch.empty(0))], **kwargs)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"optimizer {spec.name}({spec.kwargs}): {exc}") from None

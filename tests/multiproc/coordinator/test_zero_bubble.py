@@ -48,8 +48,9 @@ def make_job(model: str, optimizer: str, plan: str, **fields: Any) -> Job:
     ("skip_model", "zb2x4", "adamw", {"balance": [2, 2]}),  # a tuple, then a dict, crosses the cut
     ("mlp", "zb2x4xdp2", "sgd", {}),
     ("transformer", "zb2x4xdp2", "adamw", {}),  # LayerNorm, attention (out_proj used functionally), replicas
+    ("mlp", "zb4x8", "adamw", {"balance": [1, 1, 2, 2]}),  # stage 1 is a lone Tanh: no parameters to update
 ], ids=["mlp-2x4-sgd", "mlp-2x4-adamw", "mlp-4x8-adamw", "skip-2x4-adamw", "mlp-2x4xdp2-sgd",
-        "transformer-2x4xdp2-adamw"])
+        "transformer-2x4xdp2-adamw", "mlp-4x8-paramless-stage"])
 def test_zero_bubble_matches_one_process(harness: LocalHarness, model: str, plan: str, optimizer: str,
                                          fields: dict[str, Any]) -> None:
     job = make_job(model, optimizer, plan, **fields)
