@@ -102,5 +102,5 @@ class ZmqGroup:
                 f"{dtype_name(t.dtype)}{list(t.shape)}"
             )
         if header.nbytes:
-            data[offset:offset + header.nbytes] = memoryview(body.buffer)
+            data[offset:offset + header.nbytes] = body.buffer
         self.release(peer, body)
