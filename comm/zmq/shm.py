@@ -58,6 +58,7 @@ a slot or allocate anything.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import mmap
 import os
@@ -138,14 +139,21 @@ def _sweep() -> None:
             pass
 
 
+def _address(buffer: mmap.mmap) -> int:
+    """The address of a mapping's first byte (valid while it stays mapped)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
 class ShmBody:
-    """A received body that lives in an inbox slot until :meth:`Inbox.release` (``buffer``: a uint8 view)."""
+    """A received body that lives in an inbox slot until :meth:`Inbox.release`: ``buffer`` is a uint8 view
+    of it, ``address`` where it starts (for a copy that needs no view)."""
 
-    __slots__ = ("buffer", "slot")
+    __slots__ = ("address", "buffer", "slot")
 
-    def __init__(self, buffer: np.ndarray[Any, Any], slot: int) -> None:
+    def __init__(self, buffer: np.ndarray[Any, Any], slot: int, address: int) -> None:
         self.buffer = buffer
         self.slot = slot
+        self.address = address
 
 
 class Inbox:
@@ -180,6 +188,7 @@ class Inbox:
         self._lengths = np.frombuffer(self._map, dtype=np.uint32, count=RING * RECORD // 4, offset=_RING_AT)
         self._view = memoryview(self._map)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self._base = _address(self._map)
         self._consumed = 0  # == head, kept here to skip a read of shared memory
 
     def pending(self) -> bool:
@@ -207,7 +216,7 @@ class Inbox:
     def drain_bell(self) -> None:
         """Empty the doorbell (before looking at the ring a last time and sleeping on it)."""
         with contextlib.suppress(BlockingIOError):
-            while os.read(self.bell, 4096):
+            while len(os.read(self.bell, 4096)) == 4096:  # a short read emptied it
                 pass
 
     def take(self, slot: int, nbytes: int) -> ShmBody:
@@ -226,7 +235,7 @@ class Inbox:
             raise ProtocolError(f"shared-memory slot {slot} is not marked full")
         if self._linked:
             self.unlink()
-        return ShmBody(self._bytes[start:start + nbytes], slot)
+        return ShmBody(self._bytes[start:start + nbytes], slot, self._base + start)
 
     def release(self, body: ShmBody) -> None:
         """The body has been read (no tensor over it is used any more): its slot is the sender's again."""
@@ -279,11 +288,13 @@ class Outbox:
         except BaseException:
             self._map.close()
             raise
-        self._state = np.frombuffer(self._map, dtype=np.uint8, count=SLOTS)
+        self._view = memoryview(self._map)
+        self._state = self._view[:SLOTS]  # one byte per slot; a memoryview reads and writes them fastest
         self._tail = np.frombuffer(self._map, dtype=np.int64, count=1, offset=_TAIL)
         self._head = np.frombuffer(self._map, dtype=np.int64, count=1, offset=_HEAD)
         self._lengths = np.frombuffer(self._map, dtype=np.uint32, count=RING * RECORD // 4, offset=_RING_AT)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self._base = _address(self._map)
         self._published = 0  # == tail, kept here to skip a read of shared memory
         self._next = [0, 0]  # where the search for a free large / small slot starts
 
@@ -291,6 +302,28 @@ class Outbox:
         """Copy ``body`` (uint8, at most one large slot) into a free slot of the smallest kind it fits
         (a small one, else a large one); its index, or None if none is free."""
         n = body.nbytes
+        found = self._free(n)
+        if found is None:
+            return None
+        slot, at = found
+        self._bytes[at:at + n] = body
+        self._state[slot] = _FULL
+        return slot
+
+    def put_from(self, address: int, n: int) -> int | None:
+        """:meth:`put` for ``n`` bytes at ``address`` (a contiguous CPU tensor's ``data_ptr()``, alive for
+        the call): one ``memmove``, no view to build."""
+        found = self._free(n)
+        if found is None:
+            return None
+        slot, at = found
+        if n:
+            ctypes.memmove(self._base + at, address, n)
+        self._state[slot] = _FULL
+        return slot
+
+    def _free(self, n: int) -> tuple[int, int] | None:
+        """A FREE slot of the smallest kind ``n`` bytes fit, and its offset in the file; None if none."""
         small = n <= SMALL_BYTES
         if small:
             first, count, base, size = LARGE_SLOTS, SMALL_SLOTS, _SMALL_AT, SMALL_BYTES
@@ -301,11 +334,8 @@ class Outbox:
         for i in range(count):
             k = (start + i) % count
             if state[first + k] == _FREE:
-                at = base + k * size
-                self._bytes[at:at + n] = body
-                state[first + k] = _FULL
                 self._next[small] = (k + 1) % count
-                return first + k
+                return first + k, base + k * size
         return None
 
     def unput(self, slot: int) -> None:
@@ -320,7 +350,7 @@ class Outbox:
             return False
         index = self._published % RING
         at = _RING_AT + index * RECORD
-        self._bytes[at + 4:at + 4 + n] = np.frombuffer(header, dtype=np.uint8)
+        self._view[at + 4:at + 4 + n] = header
         self._lengths[index * (RECORD // 4)] = n
         self._published += 1
         self._tail[0] = self._published  # publishes the record: x86-64 keeps the stores above before it
@@ -334,5 +364,7 @@ class Outbox:
             os.close(self.bell)
             self.bell = -1
         with contextlib.suppress(BufferError):
+            self._state.release()
             del self._state, self._tail, self._head, self._lengths, self._bytes
+            self._view.release()
             self._map.close()

@@ -60,7 +60,6 @@ from comm.wire import (
     decode_header,
     dtype_name,
     encode_header,
-    tensor_bytes,
 )
 from comm.zmq import shm
 
@@ -272,9 +271,9 @@ class Transport:
         if box is None or not self._ring or nbytes < shm.MIN_BYTES:
             return False
         dtype = dtype_name(t.dtype)
-        data = tensor_bytes(t)
+        assert t.is_cpu and t.is_contiguous(), "post needs a contiguous CPU tensor"
         with ch.send_lock:
-            slot = box.put(data)
+            slot = box.put_from(t.data_ptr(), nbytes)
             if slot is None:
                 return False
             header = encode_header(group, self.rank, kind, seq, tag, 0, dtype, t.shape, 0, nbytes, slot)
@@ -294,21 +293,32 @@ class Transport:
         Hand the body back with :meth:`release` once it has been read.
         """
         ch = self.channels[peer]
-        assert ch.pull is not None
+        pull = ch.pull
+        assert pull is not None
         closed_since: float | None = None
         while True:
             with ch.recv_lock:
                 got = self._find(ch, key)
                 if got is not None:
                     return got
-                if ch.inbox is not None and ch.poller is not None:
-                    ch.inbox.drain_bell()  # then one more look: see [Note: the shared-memory inbox]
+                inbox, poller = ch.inbox, ch.poller
+                slice_ms = min(_POLL_SLICE_MS, deadline.left_ms() + 1)
+                if inbox is not None and poller is not None:
+                    inbox.drain_bell()  # then one more look: see [Note: the shared-memory inbox]
                     got = self._find(ch, key)
                     if got is not None:
                         return got
-                    ready = bool(ch.poller.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1)))
+                    events = poller.poll(slice_ms)
+                    ready = bool(events)
+                    socket_ready = any(item is pull for item, _ in events)
                 else:
-                    ready = bool(ch.pull.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1), zmq.POLLIN))
+                    socket_ready = ready = bool(pull.poll(slice_ms, zmq.POLLIN))
+                if socket_ready:
+                    got = self._read_one(ch)
+                    if got is not None:
+                        if got[0].key == key:
+                            return got
+                        self._stash(ch, *got)
                 if ready:
                     continue
             # nothing arrived within a slice: is the peer still there, is time up?
@@ -323,9 +333,11 @@ class Transport:
                     raise
 
     def _find(self, ch: _Channel, key: MessageKey) -> tuple[TensorHeader, Body] | None:
-        """The message with ``key`` if it is here without waiting: stashed, in the ring or on the socket.
+        """The message with ``key`` if it is here without waiting: stashed or in the shared-memory ring.
 
-        Every other message read on the way is stashed for its owner. Call under the receive lock.
+        Every other message read from the ring on the way is stashed for its owner. The socket is
+        left to :meth:`recv`'s poll, which reports a queued message at once. Call under the receive
+        lock.
         """
         queue = ch.stash.get(key)
         if queue:
@@ -342,14 +354,6 @@ class Transport:
                     if got[0].key == key:
                         return got
                     self._stash(ch, *got)
-        pull = ch.pull
-        assert pull is not None
-        while int(pull.get(zmq.EVENTS)) & zmq.POLLIN:
-            got = self._read_one(ch)
-            if got is not None:
-                if got[0].key == key:
-                    return got
-                self._stash(ch, *got)
         return None
 
     def _read_record(self, ch: _Channel, inbox: shm.Inbox) -> tuple[TensorHeader, Body] | None:
