@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, NamedTuple
 
 import msgpack
 import numpy as np
@@ -56,6 +56,7 @@ __all__ = [
     "WireReason",
     "decode_header",
     "dtype_name",
+    "encode_header",
     "tensor_bytes",
     "tensor_nbytes",
 ]
@@ -80,6 +81,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+_packb = partial(msgpack.packb, use_bin_type=True)
 
 MessageKey = tuple[str, int, int, int, int]  # (group, kind, seq, tag, part)
 
@@ -136,8 +138,9 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
-@dataclass(frozen=True, slots=True)
-class TensorHeader:
+class TensorHeader(NamedTuple):
+    """A data message's header, as :func:`decode_header` accepted it (a tuple: cheap to build)."""
+
     group: str
     src: int
     kind: int
@@ -162,26 +165,19 @@ class TensorHeader:
     def total_bytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
-    def encode(self) -> bytes:
-        data = msgpack.packb(
-            [
-                PROTOCOL_VERSION,
-                self.group,
-                self.src,
-                self.kind,
-                self.seq,
-                self.tag,
-                self.part,
-                self.dtype,
-                list(self.shape),
-                self.offset,
-                self.nbytes,
-                self.slot,
-            ],
-            use_bin_type=True,
-        )
-        assert isinstance(data, bytes)
-        return data
+    def encode(self, slot: int | None = None) -> bytes:
+        """The msgpack header; ``slot`` overrides the header's own (the shared-memory slot the body took)."""
+        return encode_header(self.group, self.src, self.kind, self.seq, self.tag, self.part, self.dtype,
+                             self.shape, self.offset, self.nbytes, self.slot if slot is None else slot)
+
+
+def encode_header(group: str, src: int, kind: int, seq: int, tag: int, part: int, dtype: str,
+                  shape: Sequence[int], offset: int, nbytes: int, slot: int = -1) -> bytes:
+    """A data message's msgpack header (the fields of :class:`TensorHeader`, without building one)."""
+    data = _packb([PROTOCOL_VERSION, group, src, kind, seq, tag, part, dtype, list(shape), offset, nbytes,
+                   slot])
+    assert isinstance(data, bytes)
+    return data
 
 
 def _int(value: Any, field: str, lo: int = 0, hi: int = 1 << 62, reason: WireReason = "range") -> int:
@@ -219,7 +215,9 @@ def decode_header(frames_count: int, header: bytes, body_len: int) -> TensorHead
         raise WireError("dtype", f"tensor header: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise WireError("shape", f"tensor header: shape must be a list of at most {MAX_NDIM} dims")
-    dims = tuple(_int(d, "shape dim") for d in shape)
+    for d in shape:
+        _int(d, "shape dim")
+    dims = tuple(shape)
     try:
         total = tensor_nbytes(dtype, dims)
     except WireError as exc:
@@ -235,25 +233,15 @@ def decode_header(frames_count: int, header: bytes, body_len: int) -> TensorHead
                                   "memory comes without a body frame, any other with one)")
     if not in_shm and body_len != n:
         raise WireError("length", f"tensor body is {body_len} bytes but its header says {n}")
-    return TensorHeader(
-        group=group,
-        src=_int(src, "src", 0, 1 << 20),
-        kind=_int(kind, "kind", 0, 1),
-        seq=_int(seq, "seq"),
-        tag=_int(tag, "tag", -(1 << 62)),
-        part=_int(part, "part", 0, 1 << 40),
-        dtype=dtype,
-        shape=dims,
-        offset=off,
-        nbytes=n,
-        slot=slot,
-    )
+    return TensorHeader(group, _int(src, "src", 0, 1 << 20), _int(kind, "kind", 0, 1), _int(seq, "seq"),
+                        _int(tag, "tag", -(1 << 62)), _int(part, "part", 0, 1 << 40), dtype, dims, off, n,
+                        slot)
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """A uint8 numpy view of a contiguous CPU tensor's memory (keeps the tensor alive)."""
-    assert t.is_contiguous() and t.device.type == "cpu", "tensor_bytes needs a contiguous CPU tensor"
-    flat = t.reshape(-1)
+    assert t.is_contiguous() and t.is_cpu, "tensor_bytes needs a contiguous CPU tensor"
+    flat = t.view(-1)
     if flat.numel() <= 1 and flat.stride(0) != 1:
         # torch calls a tensor of 0 or 1 elements contiguous whatever its stride; the byte view needs 1
         flat = flat.as_strided((flat.numel(),), (1,))

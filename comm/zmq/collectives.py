@@ -212,7 +212,7 @@ def _chain_broadcast(g: ZmqGroup, work: torch.Tensor, src: int, seq: int, deadli
                     f"{deadline.op} on rank {r}: the root's tensor differs from this rank's "
                     f"({header.dtype}{list(header.shape)} vs {dtype_name(work.dtype)}{list(work.shape)})"
                 )
-            data[offset:offset + count] = memoryview(body.buffer)
+            data[offset:offset + count] = body.buffer
             g.release(left, body)
         if pos < n - 1:
             header = g.header(KIND_COLLECTIVE, seq, 0, part, work, offset, count)

@@ -31,6 +31,8 @@ from comm.zmq.work import FutureWork, RecvWork, SendWork
 
 __all__ = ["ZmqCommunicator"]
 
+_POSTED = CompletedWork()  # a send handed over in shared memory: nothing is left to wait for
+
 
 class ZmqCommunicator(Communicator):
     """A communicator on cellmesh's ZeroMQ transport. Build it with :meth:`create`.
@@ -136,9 +138,16 @@ class ZmqCommunicator(Communicator):
             return next(table.setdefault((peer, tag), itertools.count()))
 
     def isend(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> Work:
+        """Post a send; a same-host send of one part goes through shared memory and is complete on return
+        (its bytes are copied out), others complete once libzmq let go of the tensor's memory."""
         peer = self._peer(dst, "isend")
-        src = tensor.detach().contiguous()
         seq = self._next_seq(self._p2p_send_seq, peer, tag)
+        if (tensor.is_cpu and tensor.is_contiguous() and tensor.nbytes <= CHUNK_BYTES
+                and self._transport.post(peer, self._g.name, KIND_P2P, seq, tag, tensor)):
+            return _POSTED  # its bytes are in shared memory already: nothing refers to the tensor any more
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
         deadline = self._deadline(None, f"isend(dst={dst}, tag={tag})")
         trackers = self._g.send_tensor(peer, src, KIND_P2P, seq, tag, deadline)
         rendezvous = self._transport.rendezvous
@@ -154,6 +163,15 @@ class ZmqCommunicator(Communicator):
         op = f"recv(src={src}, tag={tag})"
         contiguous = tensor.is_contiguous()
         dst = tensor if contiguous else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        if dst.nbytes <= CHUNK_BYTES:  # one part: the common case, with the shortest path
+
+            def one(deadline: Deadline) -> bool:
+                self._g.recv_whole(peer, dst, KIND_P2P, seq, tag, deadline)
+                if not contiguous:
+                    tensor.copy_(dst)
+                return True
+
+            return RecvWork(one, self.timeout, op)
         data = tensor_bytes(dst)
         parts = max(1, -(-data.nbytes // CHUNK_BYTES))
         received = [0]

@@ -9,6 +9,7 @@ for zero copy and shared memory).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import zmq
 from comm.errors import CommError
 from comm.sockets import CHUNK_BYTES
 from comm.wire import TensorHeader, dtype_name, tensor_bytes
+from comm.zmq.shm import ShmBody
 from comm.zmq.transport import Body, Deadline, Transport, wait_trackers
 
 __all__ = ["ZmqGroup"]
@@ -94,13 +96,40 @@ class ZmqGroup:
         """Receive part ``part`` from ``peer`` into its place in ``data`` (``t``'s bytes)."""
         offset = part * CHUNK_BYTES
         header, body = self.recv(peer, kind, seq, tag, part, deadline)
-        if check_shape and (header.torch_dtype != t.dtype or header.total_bytes != data.nbytes
-                            or header.offset != offset):
-            raise CommError(
-                f"{deadline.op} on rank {self.rank}: rank {self.members.index(peer)} sent "
-                f"{header.dtype}{list(header.shape)}, but the receive buffer is "
-                f"{dtype_name(t.dtype)}{list(t.shape)}"
-            )
-        if header.nbytes:
-            data[offset:offset + header.nbytes] = memoryview(body.buffer)
-        self.release(peer, body)
+        try:
+            if check_shape and (header.torch_dtype != t.dtype or header.total_bytes != data.nbytes
+                                or header.offset != offset):
+                raise self._mismatch(peer, header, t, deadline)
+            if header.nbytes:
+                data[offset:offset + header.nbytes] = body.buffer
+        finally:
+            self.release(peer, body)
+
+    def recv_whole(self, peer: int, t: torch.Tensor, kind: int, seq: int, tag: int,
+                   deadline: Deadline) -> None:
+        """Receive a tensor of one part (at most ``CHUNK_BYTES``) from ``peer`` into ``t`` (contiguous,
+        CPU), checking it is ``t``'s dtype and size; a body in shared memory is copied by one ``memmove``.
+
+        Raises:
+            CommError: The sender's tensor is not ``t``'s dtype and size (its message is consumed).
+        """
+        header, body = self.recv(peer, kind, seq, tag, 0, deadline)
+        try:
+            n = t.nbytes
+            if (header.torch_dtype != t.dtype or header.total_bytes != n or header.offset != 0
+                    or header.nbytes != n):
+                raise self._mismatch(peer, header, t, deadline)
+            if isinstance(body, ShmBody):
+                if n:
+                    ctypes.memmove(t.data_ptr(), body.address, n)
+            elif n:
+                tensor_bytes(t)[:] = body.buffer
+        finally:
+            self.release(peer, body)
+
+    def _mismatch(self, peer: int, header: TensorHeader, t: torch.Tensor, deadline: Deadline) -> CommError:
+        return CommError(
+            f"{deadline.op} on rank {self.rank}: rank {self.members.index(peer)} sent "
+            f"{header.dtype}{list(header.shape)}, but the receive buffer is "
+            f"{dtype_name(t.dtype)}{list(t.shape)}"
+        )

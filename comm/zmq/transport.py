@@ -19,17 +19,19 @@ the tracker: a region must not be written until its tracker is done (see
 :meth:`Transport.send`). Receives hand back libzmq's frame, which callers reduce
 from or copy into place.
 
-Shared memory. Between two ranks on the same host a body of :data:`comm.zmq.shm.MIN_BYTES`
-or more goes through a slot of the receiver's shared-memory inbox when one is free
-(see [Note: the shared-memory inbox] in ``comm/zmq/shm.py``): the message is then the header
-alone, the send copies once and needs no tracker, and the receiver reads the slot and
-hands it back with :meth:`Transport.release` once it has reduced or copied it.
+Shared memory. Between two ranks on the same host a body goes through a slot of the
+receiver's shared-memory inbox when one is free, and its header through the inbox's ring
+(see [Note: the shared-memory inbox] in ``comm/zmq/shm.py``): the send copies once, needs
+no tracker and makes no socket call, and the receiver reads the header from the ring, the
+body from the slot, and hands the slot back with :meth:`Transport.release` once it has
+reduced or copied it. With a full ring the header goes by socket, naming the slot; with no
+free slot the whole message goes by socket. A reader looks at the ring first, then the
+socket, and sleeps on both (the socket and the inbox's doorbell).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -42,6 +44,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import numpy as np
+import torch
 import zmq
 
 from comm.base import timeout_error
@@ -50,7 +53,14 @@ from comm.refusals import peer_address, refuse
 from comm.rendezvous import Rendezvous
 from comm.sockets import SocketLimits, bind_port, default_host, make_socket
 from comm.traffic import SENT, ZMQ
-from comm.wire import MessageKey, TensorHeader, WireError, decode_header
+from comm.wire import (
+    MessageKey,
+    TensorHeader,
+    WireError,
+    decode_header,
+    dtype_name,
+    encode_header,
+)
 from comm.zmq import shm
 
 __all__ = ["Body", "Deadline", "Transport"]
@@ -116,8 +126,9 @@ class _Channel:
         self.stash: dict[MessageKey, deque[tuple[TensorHeader, Body]]] = {}
         self.stash_bytes = 0
         self.address = ""
-        self.inbox: shm.Inbox | None = None  # bodies from this peer in shared memory
-        self.outbox: shm.Outbox | None = None  # bodies to this peer in shared memory
+        self.inbox: shm.Inbox | None = None  # messages from this peer in shared memory
+        self.outbox: shm.Outbox | None = None  # messages to this peer in shared memory
+        self.poller: zmq.Poller | None = None  # the PULL socket and the inbox's doorbell, with an inbox
 
 
 class Transport:
@@ -140,6 +151,7 @@ class Transport:
         self.host = host or default_host()
         self.channels: dict[int, _Channel] = {}
         self.bad_messages = 0
+        self._ring = shm.ring_enabled()
         self._closed = False
 
     def bind(self) -> dict[str, Any]:
@@ -168,6 +180,9 @@ class Transport:
                     try:
                         ch.inbox = shm.Inbox()
                         inboxes[str(peer)] = ch.inbox.path
+                        ch.poller = zmq.Poller()
+                        ch.poller.register(ch.pull, zmq.POLLIN)
+                        ch.poller.register(ch.inbox.bell, zmq.POLLIN)
                     except OSError as exc:  # /dev/shm full or missing: bodies go through the socket
                         log.warning("[rank %d] no shared-memory inbox for rank %d (%s); using the socket",
                                     self.rank, peer, exc)
@@ -205,18 +220,27 @@ class Transport:
     ) -> zmq.MessageTracker | None:
         """Queue one message to ``peer``; return the tracker of a zero-copy body (None if copied).
 
-        Blocks only while the channel is at its high-water mark, bounded by ``deadline``. The
-        body's bytes count as sent by ``zmq`` (:data:`comm.traffic.SENT`) once libzmq took it.
+        Through shared memory (same host, a free slot and room in the ring) it never blocks
+        and never touches the socket. Otherwise it blocks only while the channel is at its
+        high-water mark, bounded by ``deadline``. The body's bytes count as sent by ``zmq``
+        (:data:`comm.traffic.SENT`) once shared memory or libzmq took them.
         """
         ch = self.channels[peer]
         assert ch.push is not None
-        frames: list[Any] = [header.encode(), body]
         size = body.nbytes if isinstance(body, np.ndarray) else len(body)
-        if ch.outbox is not None and isinstance(body, np.ndarray) and size >= shm.MIN_BYTES:
+        box = ch.outbox
+        frames: list[Any] | None = None
+        if box is not None and isinstance(body, np.ndarray) and size >= shm.MIN_BYTES:
             with ch.send_lock:
-                slot = ch.outbox.put(body)
-            if slot is not None:
-                frames = [dataclasses.replace(header, slot=slot).encode()]
+                slot = box.put(body)
+                if slot is not None:
+                    encoded = header.encode(slot)
+                    if self._ring and box.post(encoded):
+                        SENT.add(ZMQ, size)
+                        return None
+                    frames = [encoded]  # the ring is full: the header goes by socket, naming the slot
+        if frames is None:
+            frames = [header.encode(), body]
         # a tracked zero-copy send costs ~0.1 ms of pyzmq bookkeeping: only a large body is worth it
         zero_copy = len(frames) == 2 and size >= ZERO_COPY_MIN_BYTES
         with ch.send_lock:
@@ -233,6 +257,32 @@ class Transport:
         SENT.add(ZMQ, size)  # the body, by socket or shared memory alike (see comm/traffic.py)
         return tracker if isinstance(tracker, zmq.MessageTracker) else None
 
+    def post(self, peer: int, group: str, kind: int, seq: int, tag: int, t: torch.Tensor) -> bool:
+        """Hand the contiguous CPU tensor ``t`` (one part: at most ``CHUNK_BYTES``) to a same-host ``peer``
+        through shared memory: a slot and a ring record, no socket, never blocking.
+
+        Returns False, having sent nothing, when that is not possible (no outbox, the ring off or
+        full, no free slot, a body under ``shm.MIN_BYTES``): send it with :meth:`send` then.
+        Raises ValueError for a dtype the wire does not carry (nothing sent).
+        """
+        ch = self.channels[peer]
+        box = ch.outbox
+        nbytes = t.nbytes
+        if box is None or not self._ring or nbytes < shm.MIN_BYTES:
+            return False
+        dtype = dtype_name(t.dtype)
+        assert t.is_cpu and t.is_contiguous(), "post needs a contiguous CPU tensor"
+        with ch.send_lock:
+            slot = box.put_from(t.data_ptr(), nbytes)
+            if slot is None:
+                return False
+            header = encode_header(group, self.rank, kind, seq, tag, 0, dtype, t.shape, 0, nbytes, slot)
+            if not box.post(header):
+                box.unput(slot)
+                return False
+        SENT.add(ZMQ, nbytes)
+        return True
+
     # -- receiving --------------------------------------------------------------------
 
     def recv(
@@ -243,25 +293,33 @@ class Transport:
         Hand the body back with :meth:`release` once it has been read.
         """
         ch = self.channels[peer]
-        assert ch.pull is not None
+        pull = ch.pull
+        assert pull is not None
         closed_since: float | None = None
         while True:
             with ch.recv_lock:
-                queue = ch.stash.get(key)
-                if queue:
-                    header, body = queue.popleft()
-                    if not queue:
-                        del ch.stash[key]
-                    ch.stash_bytes -= header.nbytes
-                    return header, body
-                if ch.pull.poll(min(_POLL_SLICE_MS, deadline.left_ms() + 1), zmq.POLLIN):
+                got = self._find(ch, key)
+                if got is not None:
+                    return got
+                inbox, poller = ch.inbox, ch.poller
+                slice_ms = min(_POLL_SLICE_MS, deadline.left_ms() + 1)
+                if inbox is not None and poller is not None:
+                    inbox.drain_bell()  # then one more look: see [Note: the shared-memory inbox]
+                    got = self._find(ch, key)
+                    if got is not None:
+                        return got
+                    events = poller.poll(slice_ms)
+                    ready = bool(events)
+                    socket_ready = any(item is pull for item, _ in events)
+                else:
+                    socket_ready = ready = bool(pull.poll(slice_ms, zmq.POLLIN))
+                if socket_ready:
                     got = self._read_one(ch)
-                    if got is None:
-                        continue
-                    header, body = got
-                    if header.key == key:
-                        return header, body
-                    self._stash(ch, header, body)
+                    if got is not None:
+                        if got[0].key == key:
+                            return got
+                        self._stash(ch, *got)
+                if ready:
                     continue
             # nothing arrived within a slice: is the peer still there, is time up?
             try:
@@ -273,6 +331,50 @@ class Transport:
                 closed_since = closed_since or time.monotonic()
                 if time.monotonic() - closed_since > _CLOSED_GRACE_S:
                     raise
+
+    def _find(self, ch: _Channel, key: MessageKey) -> tuple[TensorHeader, Body] | None:
+        """The message with ``key`` if it is here without waiting: stashed or in the shared-memory ring.
+
+        Every other message read from the ring on the way is stashed for its owner. The socket is
+        left to :meth:`recv`'s poll, which reports a queued message at once. Call under the receive
+        lock.
+        """
+        queue = ch.stash.get(key)
+        if queue:
+            header, body = queue.popleft()
+            if not queue:
+                del ch.stash[key]
+            ch.stash_bytes -= header.nbytes
+            return header, body
+        inbox = ch.inbox
+        if inbox is not None:
+            while inbox.pending():
+                got = self._read_record(ch, inbox)
+                if got is not None:
+                    if got[0].key == key:
+                        return got
+                    self._stash(ch, *got)
+        return None
+
+    def _read_record(self, ch: _Channel, inbox: shm.Inbox) -> tuple[TensorHeader, Body] | None:
+        """The next message of the shared-memory ring (None: it was bad, and was dropped and counted)."""
+        try:
+            record = inbox.pop()
+        except ProtocolError as exc:
+            self._dropped(ch, "shared memory", WireError("size", str(exc)))
+            return None
+        try:
+            header = decode_header(1, record, -1)
+            if header.src != ch.peer:
+                raise WireError("source", f"message claims src={header.src} on the channel from rank "
+                                          f"{ch.peer}")
+            try:
+                return header, inbox.take(header.slot, header.nbytes)
+            except ProtocolError as exc:
+                raise WireError("slot", str(exc)) from None
+        except WireError as exc:
+            self._dropped(ch, "shared memory", exc)
+            return None
 
     def _read_one(self, ch: _Channel) -> tuple[TensorHeader, Body] | None:
         assert ch.pull is not None
@@ -295,17 +397,16 @@ class Transport:
             except ProtocolError as exc:
                 raise WireError("slot", str(exc)) from None
         except WireError as exc:
-            self._dropped(ch, frames[0], exc)
+            self._dropped(ch, peer_address(frames[0]) or "?", exc)
             return None
 
-    def _dropped(self, ch: _Channel, first: zmq.Frame, exc: WireError) -> None:
+    def _dropped(self, ch: _Channel, sender: str, exc: WireError) -> None:
         """Count a bad data message (here and in :data:`comm.refusals.REFUSALS`); warn once a minute.
 
         One warning per sender address and reason per minute: a peer that sends garbage at
         will must not flood the log, and the counts show how much there was.
         """
         self.bad_messages += 1
-        sender = peer_address(first) or "?"
         held_back = refuse("frame", f"data/{exc.reason}", (ch.peer, sender))
         if held_back is not None:
             more = (f"{held_back} more like it since the last warning" if held_back

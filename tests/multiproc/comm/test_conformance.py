@@ -20,10 +20,11 @@ CHECKS = "tests.multiproc.comm.checks"
 WORLD_SIZES = (1, 2, 3, 4)
 
 
-# the zmq backend's body paths between ranks on one host (comm/zmq/shm.py): the default (shared memory
-# for bodies of 64 KiB and more), every body through shared memory, and sockets only
+# the zmq backend's paths between ranks on one host (comm/zmq/shm.py): the default (bodies in shared-memory
+# slots, headers in the shared-memory ring), headers by socket naming their slots (the path a full ring
+# takes), and sockets only
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
-    "zmq-shm": ("zmq", {"CELLMESH_SHM_MIN_BYTES": "1"}),
+    "zmq-shm": ("zmq", {"CELLMESH_SHM_RING": "0"}),
     "zmq-sockets": ("zmq", {"CELLMESH_SHM": "0"}),
 }
 

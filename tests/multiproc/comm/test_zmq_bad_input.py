@@ -22,6 +22,7 @@ from comm import refusals
 from comm.codec import PROTOCOL_VERSION
 from comm.refusals import Refusals
 from comm.registry.memory import MemoryRegistry
+from comm.zmq import shm
 from comm.zmq.communicator import ZmqCommunicator
 
 TIMEOUT = timedelta(seconds=20)
@@ -203,3 +204,37 @@ def test_shape_mismatch_is_a_clear_error(pair: list[ZmqCommunicator]) -> None:
 
     _run_ranks([sender, receiver])
     assert seen and "float32[5]" in seen[0] and "float32[4]" in seen[0], seen
+
+
+# records a confused same-host peer could put in the shared-memory ring (comm/zmq/shm.py): the header
+# alone, checked exactly like one from the socket
+RING_GARBAGE: dict[str, tuple[bytes, str]] = {
+    "not msgpack": (b"\xc1\xc1\xc1 not msgpack", "encoding"),
+    "a body frame's header (no slot)": (_pack(*_good()), "frames"),
+    "claims another source": (_pack(*_good(src=1, slot=shm.LARGE_SLOTS)), "source"),
+    "slot that does not exist": (_pack(*_good(slot=shm.SLOTS)), "slot"),
+    "slot not marked full": (_pack(*_good(slot=shm.LARGE_SLOTS + 3)), "slot"),
+    "body larger than a small slot": (
+        _pack(*_good(shape=[1 << 20], nbytes=shm.SMALL_BYTES + 4, slot=shm.SLOTS - 1)), "slot"),
+}
+
+
+@pytest.mark.skipif(not shm.available(), reason="the shared-memory ring needs x86-64 and /dev/shm")
+def test_garbage_in_the_shared_memory_ring_is_dropped_and_the_rank_keeps_serving(
+    pair: list[ZmqCommunicator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c0, c1 = pair
+    counted = Refusals()
+    monkeypatch.setattr(refusals, "REFUSALS", counted)
+    channel = c0._transport.channels[1]
+    assert channel.outbox is not None
+    with channel.send_lock:
+        for record, _ in RING_GARBAGE.values():
+            assert channel.outbox.post(record)
+        channel.outbox._lengths[0] = 1 << 20  # the first record's length no longer fits a record
+    _serve_until_read(c0, c1, len(RING_GARBAGE))
+    assert c1.bad_messages == len(RING_GARBAGE)
+    # the first record's length was broken after it was written: it counts as a record too long
+    reasons = [reason for _, reason in RING_GARBAGE.values()]
+    expected = Counter(["data/size", *(f"data/{r}" for r in reasons[1:])])
+    assert {r: n for (k, r), n in counted.counts().items() if k == "frame"} == expected

@@ -1,0 +1,111 @@
+"""Point to point between same-host zmq ranks: through shared memory, complete on return, exact.
+
+The ranks run as threads of this process (each with its own sockets and shared-memory inboxes,
+as two processes on one host would have).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+
+from comm.registry.memory import MemoryRegistry
+from comm.zmq import shm
+from comm.zmq.communicator import ZmqCommunicator
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="shared memory needs x86-64 and /dev/shm")
+
+TIMEOUT = timedelta(seconds=20)
+
+
+def _run(fns: list[Callable[[], None]]) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a rank did not finish in time"
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture()
+def pair() -> Iterator[list[ZmqCommunicator]]:
+    registry = MemoryRegistry()
+    comms: list[ZmqCommunicator] = []
+
+    def make(rank: int) -> Callable[[], None]:
+        return lambda: comms.append(ZmqCommunicator.create(rank=rank, world_size=2, registry=registry,
+                                                           prefix="/t/p2p", timeout=TIMEOUT))
+
+    _run([make(0), make(1)])
+    comms.sort(key=lambda c: c.rank)
+    yield comms
+    for c in comms:
+        c.close()
+    registry.close()
+
+
+def test_a_send_is_complete_on_return_and_the_tensor_free_to_change(pair: list[ZmqCommunicator]) -> None:
+    c0, c1 = pair
+    x = torch.arange(8 * 1024, dtype=torch.float32).view(8, 1024)  # 32 KiB, a pipeline's activations
+    work = c0.isend(x, dst=1, tag=3)
+    assert work.is_completed()  # in shared memory already: no socket, no tracker
+    x.zero_()  # the next microbatch overwrites it at once
+    got = torch.empty(8, 1024)
+    c1.irecv(got, src=0, tag=3).wait(TIMEOUT)
+    assert torch.equal(got, torch.arange(8 * 1024, dtype=torch.float32).view(8, 1024))
+    assert c1.bad_messages == 0
+
+
+def test_more_sends_in_flight_than_slots_and_records_arrive_exact_and_in_order(
+    pair: list[ZmqCommunicator],
+) -> None:
+    """Past the small slots (and the ring) sends fall back to the socket; nothing is lost or reordered."""
+    c0, c1 = pair
+    count = shm.RING + 40
+    sizes = [(i * 37) % 3000 for i in range(count)]  # 0 B to ~12 KiB of float32, 0 among them
+    sent = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(sizes)]
+    works = [c0.isend(t, dst=1, tag=i % 3) for i, t in enumerate(sent)]  # nobody receives yet
+    assert all(w.is_completed() for w in works[:shm.SMALL_SLOTS])
+    # the receiver takes tag 2 first, then 0, then 1: the others are stashed meanwhile
+    for tag in (2, 0, 1):
+        for i in range(tag, count, 3):
+            got = torch.empty(sizes[i])
+            c1.irecv(got, src=0, tag=tag).wait(TIMEOUT)
+            assert torch.equal(got, sent[i]), i
+    for w in works:
+        w.wait(TIMEOUT)
+    assert c1.bad_messages == 0
+
+
+def test_a_pipeline_exchange_both_ways_is_exact(pair: list[ZmqCommunicator]) -> None:
+    """Two stages, 8 microbatches: activations forward, gradients back, receives posted early."""
+    microbatches = 8
+
+    def stage(c: ZmqCommunicator) -> Callable[[], None]:
+        def run() -> None:
+            peer = 1 - c.rank
+            posted = [(m, torch.empty(8, 1024, dtype=torch.float64)) for m in range(microbatches)]
+            works = [(m, buf, c.irecv(buf, src=peer, tag=m)) for m, buf in posted]
+            for m in range(microbatches):
+                c.isend(torch.full((8, 1024), float(100 * c.rank + m), dtype=torch.float64), dst=peer, tag=m)
+            for m, buf, work in works:
+                work.wait(TIMEOUT)
+                assert torch.equal(buf, torch.full((8, 1024), float(100 * peer + m), dtype=torch.float64))
+        return run
+
+    c0, c1 = pair
+    _run([stage(c0), stage(c1)])
