@@ -425,21 +425,18 @@ def breakdown(record: Any, num_stages: int) -> Breakdown:
                      all_reduce=max(reduce, default=0.0), tail=record.end - run_end)
 
 
-def replay(plan: Any, resources: Any, forward_s: list[float], backward_s: list[float]) -> float:
+def replay(plan: Any, forward_s: list[float], backward_s: list[float]) -> float:
     """The plan's predicted step with the profile's compute times replaced by measured ones.
 
     ``forward_s[s]`` / ``backward_s[s]``: stage ``s``'s measured time per microbatch. The
-    transfers and the gradient sync are the cost model's, as in the plan.
+    transfers, the optimizer, the gradient sync and the overheads are the cost model's, as in the plan.
     """
-    from coordinator.planning.simulator import StageCosts, simulate
+    import dataclasses
 
-    def transfer(nbytes: int) -> float:
-        return 0.0 if nbytes <= 0 else resources.latency_s + nbytes / resources.bandwidth_bps
+    from coordinator.planning.prediction import plan_costs
+    from coordinator.planning.simulator import simulate
 
-    cuts = [st.outgoing for st in plan.stages[:-1]]
-    costs = StageCosts(tuple(forward_s), tuple(backward_s), tuple(transfer(c.forward_bytes) for c in cuts),
-                       tuple(transfer(c.backward_bytes) for c in cuts),
-                       start_s=tuple(st.optimizer_s for st in plan.stages))
+    costs = dataclasses.replace(plan_costs(plan), forward_s=tuple(forward_s), backward_s=tuple(backward_s))
     return float(simulate(plan.schedule(), costs).step_time_s + plan.sync_time_s + plan.overhead_s)
 
 
@@ -690,7 +687,7 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
         wall = [v * 1e3 for v in results.values(c.key, "coordinator_s")]
         cpu = [v * 1e3 for v in results.values(c.key, "coordinator_cpu_s")]
         predicted, good = plan.step_time_s, careful[c.key]
-        replays = [replay(plan, jobs[c.key].resources, [statistics.median(f) for f in r[c.key]["forward_s"]],
+        replays = [replay(plan, [statistics.median(f) for f in r[c.key]["forward_s"]],
                           [statistics.median(b) for b in r[c.key]["backward_s"]])
                    for r in results.rounds if c.key in r and all(r[c.key]["forward_s"])]
         out.append(
