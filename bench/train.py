@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -348,7 +349,7 @@ CELLMESH_SHAPES: dict[str, tuple[str, int, dict[str, Any]]] = {
 }
 
 
-def _cellmesh_jobs(keys: list[str], careful_repeats: int
+def _cellmesh_jobs(keys: list[str], careful_repeats: int, save: str = ""
                    ) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
     """The cellmesh configurations ``keys`` as jobs with their plans fixed, a second prediction of each
     plan, and why each configuration without a job has none.
@@ -359,6 +360,8 @@ def _cellmesh_jobs(keys: list[str], careful_repeats: int
     second prediction plays the same plan against a careful profile: on the plan's own
     microbatch size (no scaling), at least ``careful_repeats`` runs. A plan that cannot be made
     (an unknown schedule, a shape the planner refuses) leaves its configuration out, with the reason.
+    ``save``: a directory to write the plans' profiles to (``profile-<model>.json``), so another
+    cost model can be played against the very profiles of this run.
     """
     from coordinator.planning.config import PlanConfig
     from coordinator.planning.planner import choose_plan
@@ -368,6 +371,10 @@ def _cellmesh_jobs(keys: list[str], careful_repeats: int
     sample = min(8, GLOBAL_BATCH // WORLD)  # as Job.plan()
     models = {CELLMESH_SHAPES[k][0] for k in keys}
     profiles = {(model, sample, 3): _profile(model, sample, 3) for model in sorted(models)}
+    if save:
+        os.makedirs(save, exist_ok=True)
+        for (model, _, _), prof in profiles.items():
+            prof.save(os.path.join(save, f"profile-{model.rsplit(':', 1)[1]}.json"))
     jobs, careful, refused = {}, {}, {}
     for key in keys:
         model, workers, fields = CELLMESH_SHAPES[key]
@@ -723,6 +730,8 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
 def main() -> None:
     parser = round_parser(__doc__, "configuration")
     parser.add_argument("--only", default="", help="comma-separated configuration keys (default: all)")
+    parser.add_argument("--save", default="", help="a directory for the run's profiles and measured steps "
+                                                   "(JSON), to play another cost model against them")
     args = parse_rounds(parser)
     from comm.allocator import tune_malloc
 
@@ -735,7 +744,7 @@ def main() -> None:
     results = Results()
     # profile and plan before anything else runs
     jobs, careful, results.failed = _cellmesh_jobs([c.key for c in configs if c.system == "cellmesh"],
-                                                   5 if args.quick else 15)
+                                                   5 if args.quick else 15, args.save)
     for key, job in jobs.items():
         print(f"[plan] {key}: {job.plan().summary()}, cut {list(job.plan().bounds)}; careful profile: "
               f"{careful[key] * 1e3:.1f} ms", file=sys.stderr)
@@ -772,6 +781,12 @@ def main() -> None:
         harness.close()
         for pool in pools.values():
             pool.close()
+    if args.save:
+        steps = {c.key: {"step_s": results.values(c.key, "step_s"),
+                         "predicted_s": jobs[c.key].plan().step_time_s if c.key in jobs else None}
+                 for c in CONFIGS if results.values(c.key, "step_s")}
+        with open(os.path.join(args.save, "steps.json"), "w", encoding="utf-8") as f:
+            json.dump(steps, f, indent=1)
     print(report(results, jobs, careful, args, time.monotonic() - started, (load, os.getloadavg()[0])))
 
 
