@@ -432,6 +432,24 @@ def breakdown(record: Any, num_stages: int) -> Breakdown:
                      all_reduce=max(reduce, default=0.0), tail=record.end - run_end)
 
 
+def compute_bubble(stages: list[list[tuple[float, float, str]]]) -> float | None:
+    """The idle share of a step's span when only compute (F, B, I, W) counts as busy.
+
+    ``stages[s]``: stage ``s``'s ``(start, end, kind)`` actions. run.json's bubble counts every
+    action as busy, a receive's wait for its data too; this one counts that wait as idle, as the
+    simulator plays it.
+    """
+    from coordinator.runtime.bubble import bubble_fraction
+
+    spans = [t for acts in stages for t in acts]
+    if not spans:
+        return None
+    first, last = min(t[0] for t in spans), max(t[1] for t in spans)
+    compute = [[(a, b) for a, b, kind in acts if kind in ("F", "B", "I", "W")] for acts in stages]
+    # the span is every action's; the busy time only compute's (a marker keeps each stage's span)
+    return bubble_fraction([[*acts, (first, first), (last, last)] for acts in compute])
+
+
 def replay(plan: Any, forward_s: list[float], backward_s: list[float]) -> float:
     """The plan's predicted step with the profile's compute times replaced by measured ones.
 
@@ -465,7 +483,10 @@ def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, A
     from coordinator.runtime.bubble import measured_bubble
 
     bubbles = [b for b in map(measured_bubble, recs) if b is not None]
-    return {"step_s": wall / steps, "loss": recs[-1].loss, "bubbles": bubbles,
+    idle = [b for b in (compute_bubble([[(e.start, e.end, e.action.kind) for e in r.events
+                                          if e.replica == 0 and e.stage == s and e.action is not None]
+                                         for s in range(stages)]) for r in recs) if b is not None]
+    return {"step_s": wall / steps, "loss": recs[-1].loss, "bubbles": bubbles, "compute_bubbles": idle,
             "coordinator_s": sum(r.coordinator_s for r in recs) / steps,
             "coordinator_frac": sum(r.coordinator_s for r in recs) / sum(r.seconds for r in recs),
             "coordinator_cpu_s": (cpu[-1] - cpu[0]) / steps,
@@ -621,9 +642,12 @@ def _bubbles(results: Results, jobs: dict[str, Any]) -> list[str]:
            "The idle share of each timed step's pipeline, from the actions the stages timed "
            "(`coordinator/runtime/bubble.py`, run.json's `bubbles`): median (min-max) over every timed "
            "step of every round; against the GPipe formula (p-1)/(m+p-1) (p: the workers of a replica's "
-           "pipeline) and the simulator's prediction for the plan (the same arithmetic on its timeline).", "",
-           "| configuration | p x m | (p-1)/(m+p-1) | predicted | measured | measured / predicted |",
-           "|---|---|---|---|---|---|"]
+           "pipeline) and the simulator's prediction for the plan (the same arithmetic on its timeline). "
+           "run.json's measure counts a receive's wait for its data as busy, the simulator as idle; the "
+           "compute-only columns count only F, B, I and W as busy, on both sides.", "",
+           "| configuration | p x m | (p-1)/(m+p-1) | predicted | measured | measured / predicted "
+           "| compute only: predicted | measured |",
+           "|---|---|---|---|---|---|---|---|"]
     for c in CONFIGS:
         if c.key not in jobs or not results.values(c.key, "bubbles"):
             continue
@@ -635,8 +659,11 @@ def _bubbles(results: Results, jobs: dict[str, Any]) -> list[str]:
         formula = _gpipe_bubble(ranks, plan.num_microbatches)
         predicted = predicted_bubble(predict(plan)) or 0.0
         ratio = _cell([b / predicted for b in measured], ".2f") if predicted > 0 else "-"
+        sim = predict(plan)
+        only = compute_bubble([[(t.start, t.end, t.action.kind) for t in played] for played in sim.timeline])
+        idle = [b for bs in results.values(c.key, "compute_bubbles") for b in bs]
         out.append(f"| {c.label} | {ranks} x {plan.num_microbatches} | {formula:.3f} | {predicted:.3f} "
-                   f"| {_cell(measured, '.3f')} | {ratio} |")
+                   f"| {_cell(measured, '.3f')} | {ratio} | {only or 0.0:.3f} | {_cell(idle, '.3f')} |")
     return out
 
 
