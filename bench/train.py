@@ -432,6 +432,23 @@ def breakdown(record: Any, num_stages: int) -> Breakdown:
                      all_reduce=max(reduce, default=0.0), tail=record.end - run_end)
 
 
+def fresh_prediction(job: Any) -> float:
+    """The job's plan predicted again from a profile taken now, as ``Job.plan()`` takes it.
+
+    Taken right before the configuration runs, so the profile sees the machine's load of that
+    minute (on a shared machine the load drifts between the run's first profile and its rounds).
+    """
+    from coordinator.planning.config import PlanConfig
+    from coordinator.planning.planner import choose_plan
+
+    plan = job.plan()
+    fields = dict(data_parallel=plan.data_parallel, num_stages=plan.num_stages, schedule=plan.schedule_name,
+                  num_microbatches=plan.num_microbatches, balance=[st.stop - st.start for st in plan.stages])
+    profile = _profile(job.config.model.factory, min(8, GLOBAL_BATCH // WORLD), 3)
+    fresh = choose_plan(profile, job.resources, PlanConfig(**fields), global_batch=GLOBAL_BATCH)
+    return float(fresh.step_time_s)
+
+
 def compute_bubble(stages: list[list[tuple[float, float, str]]]) -> float | None:
     """The idle share of a step's span when only compute (F, B, I, W) counts as busy.
 
@@ -706,13 +723,16 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
             "time per step (the same work without the time it waited for a core). Predicted: "
             "`Plan.step_time_s` (simulator + gradient sync + optimizer + messages) from the profile "
             "`Job.plan()` takes (8 and 32 samples, lower quartile of at least 3 runs per node and size; "
-            "target: within 15% of the measured step); careful: the same plan against a profile on "
+            "target: within 15% of the measured step); fresh: the same plan against a profile taken "
+            "as `Job.plan()` takes it right before the configuration ran in the round (the load of that "
+            "minute); careful: the same plan against a profile on "
             "the plan's own microbatch size, at least 15 runs; "
             "replay: the simulator fed the forward and backward times measured in the round (median per "
             "stage and microbatch), transfers and gradient sync from the cost model.", "",
             "| configuration | plan | coordinator ms/step | % of step | coordinator CPU ms/step | % of step "
-            "| measured ms | predicted ms | predicted / measured | careful / measured | replay / measured |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| measured ms | predicted ms | predicted / measured | fresh / measured | careful / measured "
+            "| replay / measured |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cellmesh:
         plan = jobs[c.key].plan()
         steps = results.values(c.key, "step_s")
@@ -721,6 +741,7 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
         wall = [v * 1e3 for v in results.values(c.key, "coordinator_s")]
         cpu = [v * 1e3 for v in results.values(c.key, "coordinator_cpu_s")]
         predicted, good = plan.step_time_s, careful[c.key]
+        fresh = results.values(c.key, "fresh_s")
         replays = [replay(plan, [statistics.median(f) for f in r[c.key]["forward_s"]],
                           [statistics.median(b) for b in r[c.key]["backward_s"]])
                    for r in results.rounds if c.key in r and all(r[c.key]["forward_s"])]
@@ -729,7 +750,9 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
             f"| {_cell([v * 100 for v in results.values(c.key, 'coordinator_frac')], '.2f')}% "
             f"| {_cell(cpu, '.2f')} | {_cell([v / s / 10 for v, s in zip(cpu, steps, strict=True)], '.2f')}% "
             f"| {_cell([s * 1e3 for s in steps])} | {predicted * 1e3:.1f} "
-            f"| {_cell([predicted / s for s in steps], '.2f')} | {_cell([good / s for s in steps], '.2f')} "
+            f"| {_cell([predicted / s for s in steps], '.2f')} "
+            f"| {_cell([f / s for f, s in zip(fresh, steps, strict=True)], '.2f')} "
+            f"| {_cell([good / s for s in steps], '.2f')} "
             f"| {_cell([p / s for p, s in zip(replays, steps, strict=False)], '.2f')} |")
     out += ["", "## cellmesh: where a step goes", "",
             "Medians over every timed step of every round, ms, from the step's event log: compute = "
@@ -794,7 +817,9 @@ def main() -> None:
                     if c.system == "torch":
                         measured[c.key] = pools[torch_ranks(c.key)].run(c.key, args.steps, args.warmup)
                     else:
+                        fresh = fresh_prediction(jobs[c.key])
                         measured[c.key] = run_cellmesh(jobs[c.key], harness, args.steps, args.warmup)
+                        measured[c.key]["fresh_s"] = fresh
                 except Exception as exc:  # reported; the configuration leaves the run
                     results.failed[c.key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     print(f"[round {i + 1}/{args.rounds}] {c.key}: failed: {results.failed[c.key]}",
@@ -810,6 +835,7 @@ def main() -> None:
             pool.close()
     if args.save:
         steps = {c.key: {"step_s": results.values(c.key, "step_s"),
+                         "fresh_s": results.values(c.key, "fresh_s"),
                          "predicted_s": jobs[c.key].plan().step_time_s if c.key in jobs else None}
                  for c in CONFIGS if results.values(c.key, "step_s")}
         with open(os.path.join(args.save, "steps.json"), "w", encoding="utf-8") as f:
