@@ -578,7 +578,7 @@ class Results:
     failed: dict[str, str] = field(default_factory=dict)  # key -> why it was not run (or stopped)
 
     def values(self, key: str, what: str) -> list[float]:
-        return [r[key][what] for r in self.rounds if key in r]
+        return [r[key][what] for r in self.rounds if key in r and what in r[key]]
 
     def ratios(self, key: str, peer: str) -> list[float]:
         return [r[peer]["step_s"] / r[key]["step_s"] for r in self.rounds if key in r and peer in r]
