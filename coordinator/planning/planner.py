@@ -60,6 +60,8 @@ a stage's weights and its gradients (read, accumulate, write), twice the forward
 two stages' weights and gradients do not fit the shared cache together.
 :data:`SHARED_HOST_FORWARD_SLOWDOWN` and :data:`SHARED_HOST_BACKWARD_SLOWDOWN` are those
 factors, measured as in-step times over the profile's on the development machine (2 cores).
+More busy workers than the host has cores (4 stages on 2 cores) is not modelled: the resource
+list does not say how many cores a host has.
 
 ``strategy="auto"`` searches every shape the resources allow; ``"data_parallel"`` fixes
 ``p = 1`` and uses at least 2 replicas (a batch that splits into none is refused),
@@ -154,8 +156,9 @@ OPTIMIZER_TRAFFIC: dict[str, float] = {"sgd": 3.0, "momentum": 5.0, "adam": 7.0,
 OPTIMIZER_BANDWIDTH_BPS = 25e9
 # Compute while another CPU worker of the host computes, against the profile taken by one
 # process alone (see [Note: contention on a shared host]): in two-process steps on the
-# development machine, forwards took 1.0-1.35x their profiled times and backwards 1.6-1.8x
-# (8-sample microbatches of bench/train.py: the in-step actions against the plan's profile).
+# development machine, forwards took 1.0-1.35x their profiled times and backwards 1.6-2.2x
+# (8-sample microbatches of bench/train.py: the in-step actions against the plan's profile,
+# measured at a load average of 4-5: to be checked on a quiet machine).
 SHARED_HOST_FORWARD_SLOWDOWN = 1.15
 SHARED_HOST_BACKWARD_SLOWDOWN = 1.6
 # Each endpoint's own cost of one transfer between stages, beyond the link's latency and
