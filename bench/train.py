@@ -8,25 +8,36 @@ configuration on the same initial parameters and the same global batches:
   any two-process plan on this machine, two torch processes each training that way at
   once without communicating (their joint samples/s);
 * data parallel 2: torch ``DistributedDataParallel`` (gloo) and cellmesh (``zmq``);
-* 2 stages x 8 microbatches, GPipe and 1F1B: ``torch.distributed.pipelining``
-  (``PipelineStage`` built by splitting the model by hand, static shapes, gloo) and cellmesh;
-* cellmesh ZB-H1 2 x 8 (each backward split into I and W, the weight gradients deferred) against
-  cellmesh 1F1B;
+* pipelines of 2 and of 4 stages x 8 microbatches (the 8 blocks split evenly), each
+  cellmesh schedule next to torch's same schedule (``torch.distributed.pipelining``,
+  ``PipelineStage`` built by splitting the model by hand, static shapes, gloo), one process
+  per rank: GPipe (``ScheduleGPipe``), 1F1B (``Schedule1F1B``), zero bubble (cellmesh's
+  ``zb-h1`` against ``ScheduleInterleavedZeroBubble`` with one stage per rank, torch's ZB-H1);
+  on 2 ranks holding 2 stages each (4 stages of 2 blocks), interleaved 1F1B (cellmesh's
+  :data:`INTERLEAVED` against ``ScheduleInterleaved1F1B``), and torch's
+  ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` (2 stages per rank, the V) on
+  their own. torch's multi-stage schedules need ``8 % max(1, 8 // ranks) == 0`` microbatches
+  (met for 2 and 4 ranks); ZBV needs exactly 2 stages per rank;
 * cellmesh 1F1B 2 x 8 on a model with uneven layers (``bench.models:uneven``): the cut
   the planner's cutter chooses against the even split by cells.
 
-torch's configurations run in two persistent spawned ranks (one gloo process group),
-cellmesh's on one ``LocalHarness`` of two workers (each job attaches, places its services,
-trains, releases them); their plans are fixed up front from one profile per model. Each
-configuration warms up, then times ``--steps`` steps (a step: the global batch, forward,
-backward, gradient sync, optimizer). Every round runs every configuration once, each next
-to its peer, pairs rotated and swapped round by round, so CPU steal hits them alike. The
-tables show the median over rounds and the spread (min-max); a ratio is taken within each
-round. The loss after the last step is printed for every configuration: exact modes end
-at the same value. For cellmesh they also show the coordinator's own time per step
-(``StepRecord.coordinator_s``, and its CPU time), the simulator's prediction
-(``Plan.step_time_s``) against the measured step, and where a step's time goes (from the
-step's event log).
+A cellmesh configuration whose plan cannot be made or run yet (a schedule not registered, or
+not executed by the workers) is reported as not run, with the reason, and dropped from the
+later rounds; the rest of the run goes on.
+
+torch's configurations run in persistent spawned ranks (one gloo process group of 2 and one
+of 4), cellmesh's on one ``LocalHarness`` of as many workers as the largest plan needs (each
+job attaches, places its services, trains, releases them); their plans are fixed up front
+from one profile per model. Each configuration warms up, then times ``--steps`` steps (a
+step: the global batch, forward, backward, gradient sync, optimizer). Every round runs every
+configuration once, each next to its peer, pairs rotated and swapped round by round, so CPU
+steal hits them alike. The tables show the median over rounds and the spread (min-max); a
+ratio is taken within each round. The loss after the last step is printed for every
+configuration: exact modes end at the same value. For cellmesh they also show the
+coordinator's own time per step (``StepRecord.coordinator_s``, and its CPU time), the
+simulator's prediction (``Plan.step_time_s``) against the measured step, the measured bubble
+of every step against the GPipe formula and the simulator's, and where a step's time goes
+(from the step's event log).
 
     python bench/train.py [--steps 10] [--warmup 3] [--rounds 3] [--quick] [--only ddp,cm-dp2]
 """
@@ -36,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -63,6 +75,9 @@ MICROBATCHES = 8
 SEED = 0
 LR = 0.01
 MODEL, UNEVEN, DATA = "bench.models:mlp", "bench.models:uneven", "bench.models:regression"
+# cellmesh's interleaved 1F1B, by the name it is registered under (coordinator/planning/schedules.py)
+INTERLEAVED = "interleaved-1f1b"
+PIPELINE_TARGET = 1.25  # the least samples/s ratio of a cellmesh pipeline schedule to torch's same one
 LOSS = "torch.nn:MSELoss"
 
 
@@ -147,105 +162,146 @@ def _ddp(rank: int, steps: int, warmup: int) -> dict[str, Any]:
     return out
 
 
-def _pipelining(rank: int, steps: int, warmup: int, schedule: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TorchPipe:
+    """A ``torch.distributed.pipelining`` configuration: its schedule class and how stages sit on ranks.
+
+    ``per_rank`` stages per rank (the model's 8 blocks split evenly over ``ranks * per_rank``
+    stages); ``style`` places them as torch's schedules expect: ``loop`` gives rank ``r`` the
+    stages ``r, r + R, ...`` (interleaved), ``v`` gives it ``r`` and ``2R - 1 - r`` (ZBV).
+    """
+
+    schedule: str  # a class of torch.distributed.pipelining
+    per_rank: int = 1
+    style: str = "loop"
+
+    def stage_ids(self, rank: int, ranks: int) -> list[int]:
+        if self.style == "v":
+            return [rank, 2 * ranks - 1 - rank]
+        return [rank + k * ranks for k in range(self.per_rank)]
+
+
+def _pipelining(rank: int, ranks: int, steps: int, warmup: int, spec: TorchPipe) -> dict[str, Any]:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
     model, x, y, sampler = _torch_setup(MODEL)
     blocks = list(model.children())
-    half = len(blocks) // WORLD
-    module = nn.Sequential(*blocks[rank * half:(rank + 1) * half])
+    num_stages = ranks * spec.per_rank
+    per = len(blocks) // num_stages
+    ids = spec.stage_ids(rank, ranks)
+    modules = [nn.Sequential(*blocks[i * per:(i + 1) * per]) for i in ids]
     mb = GLOBAL_BATCH // MICROBATCHES
     width = x.shape[1]
     # Static shapes up front (inferring them goes through object collectives, which need numpy).
     # requires_grad on the examples says which tensors carry gradients across the cut.
-    stage = PipelineStage(module, rank, WORLD, torch.device("cpu"),
-                          input_args=torch.empty(mb, width, requires_grad=rank > 0),
-                          output_args=torch.empty(mb, width, requires_grad=True))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = cls(stage, MICROBATCHES, loss_fn=nn.MSELoss())
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
-    last = rank == WORLD - 1
+    stages = [PipelineStage(m, i, num_stages, torch.device("cpu"),
+                            input_args=torch.empty(mb, width, requires_grad=i > 0),
+                            output_args=torch.empty(mb, width, requires_grad=True))
+              for m, i in zip(modules, ids, strict=True)]
+    cls = getattr(pipelining, spec.schedule)
+    sched = cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0], MICROBATCHES,
+                loss_fn=nn.MSELoss())
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
+    first, last = 0 in ids, num_stages - 1 in ids
 
     def step(k: int) -> float:
         idx = torch.tensor(sampler.indices(k))
         opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        if rank == 0:
-            sched.step(x[idx])
-        else:
-            sched.step(target=y[idx], losses=losses)
+        args = (x[idx],) if first else ()
+        kwargs: dict[str, Any] = {"target": y[idx], "losses": losses} if last else {}
+        sched.step(*args, **kwargs)
         opt.step()
         return float(torch.stack(losses).detach().mean()) if last else 0.0
 
     out = _timed(step, steps, warmup, dist.barrier)
     loss = torch.tensor([out["loss"]])
-    dist.all_reduce(loss)
+    dist.all_reduce(loss)  # only the rank holding the last stage adds its loss
     out["loss"] = float(loss)
     return out
 
 
-_TORCH_RUNNERS: dict[str, Callable[[int, int, int], dict[str, Any]]] = {
-    "single": _single,
-    "pair": _pair,
-    "ddp": _ddp,
-    "gpipe": lambda r, s, w: _pipelining(r, s, w, "gpipe"),
-    "1f1b": lambda r, s, w: _pipelining(r, s, w, "1f1b"),
+# key -> (ranks, what); the pipelines split the model evenly over their stages
+TORCH_PIPES: dict[str, tuple[int, TorchPipe]] = {
+    "gpipe": (2, TorchPipe("ScheduleGPipe")),
+    "1f1b": (2, TorchPipe("Schedule1F1B")),
+    "zb": (2, TorchPipe("ScheduleInterleavedZeroBubble")),
+    "interleaved": (2, TorchPipe("ScheduleInterleaved1F1B", 2)),
+    "zb-interleaved": (2, TorchPipe("ScheduleInterleavedZeroBubble", 2)),
+    "zbv": (2, TorchPipe("ScheduleZBVZeroBubble", 2, "v")),
+    "gpipe-4": (4, TorchPipe("ScheduleGPipe")),
+    "1f1b-4": (4, TorchPipe("Schedule1F1B")),
+    "zb-4": (4, TorchPipe("ScheduleInterleavedZeroBubble")),
+}
+_TORCH_RUNNERS: dict[str, Callable[[int, int, int, int], dict[str, Any]]] = {
+    "single": lambda r, n, s, w: _single(r, s, w),
+    "pair": lambda r, n, s, w: _pair(r, s, w),
+    "ddp": lambda r, n, s, w: _ddp(r, s, w),
+    **{key: functools.partial(_pipelining, spec=spec) for key, (_, spec) in TORCH_PIPES.items()},
 }
 
 
-def _torch_rank(rank: int, port: int, commands: Any, results: Any) -> None:
-    """Runs the configurations it is told to, until told None; rank 0 reports."""
+def _torch_rank(rank: int, ranks: int, port: int, commands: Any, results: Any) -> None:
+    """Runs the configurations it is told to, until told None; every rank answers each one.
+
+    A configuration that fails on a rank is reported as an error and the rank goes on with the
+    next command (a failure torch raises on every rank alike, as a schedule's own checks, leaves
+    the group usable).
+    """
     torch.set_num_threads(1)
     from comm.allocator import tune_malloc
 
     tune_malloc()
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    results.put(("ready", rank))
+    store = dist.TCPStore("127.0.0.1", port, ranks, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=timedelta(seconds=300))
+    results.put(("ready", rank, None))
     while (command := commands.get()) is not None:
         name, steps, warmup = command
         try:
-            out = _TORCH_RUNNERS[name](rank, steps, warmup)
-        except Exception as exc:
-            results.put(("error", f"rank {rank}, {name}: {type(exc).__name__}: {exc}"))
-            raise
-        if rank == 0:
-            results.put((name, out))
+            out: Any = _TORCH_RUNNERS[name](rank, ranks, steps, warmup)
+        except Exception as exc:  # reported; the driver drops the configuration
+            results.put(("error", rank, f"{name}: {type(exc).__name__}: {exc}"))
+            continue
+        results.put((name, rank, out))
     dist.destroy_process_group()
 
 
 class TorchPool:
-    """The two torch ranks; :meth:`run` runs one configuration on one or both of them."""
+    """``ranks`` torch processes in one gloo group; :meth:`run` runs one configuration on them."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: int) -> None:
         from comm.sockets import free_port
 
         ctx = mp.get_context("spawn")
+        self.ranks = ranks
         self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(WORLD)]
+        self.commands = [ctx.Queue() for _ in range(ranks)]
         port = free_port()
-        self.procs = [ctx.Process(target=_torch_rank, args=(r, port, self.commands[r], self.results),
-                                  daemon=True, name=f"torch-rank{r}") for r in range(WORLD)]
+        self.procs = [ctx.Process(target=_torch_rank, args=(r, ranks, port, self.commands[r], self.results),
+                                  daemon=True, name=f"torch-rank{r}") for r in range(ranks)]
         for p in self.procs:
             p.start()
-        for _ in range(WORLD):
-            self._get()
-
-    def _get(self) -> tuple[str, Any]:
-        tag, value = self.results.get(timeout=600)
-        if tag == "error":
-            raise RuntimeError(f"torch peer failed: {value}")
-        return tag, value
+        for _ in range(ranks):
+            self.results.get(timeout=600)
 
     def run(self, name: str, steps: int, warmup: int) -> dict[str, Any]:
-        ranks = 1 if name == "single" else WORLD
+        """Rank 0's figures for ``name``.
+
+        Raises:
+            RuntimeError: A rank failed (naming it and the error).
+        """
+        ranks = 1 if name == "single" else self.ranks
         for r in range(ranks):
             self.commands[r].put((name, steps, warmup))
-        _, out = self._get()
-        return dict(out)
+        answers = [self.results.get(timeout=600) for _ in range(ranks)]
+        if errors := [f"rank {r}, {msg}" for tag, r, msg in answers if tag == "error"]:
+            raise RuntimeError("; ".join(errors))
+        return dict(next(out for _, r, out in answers if r == 0))
 
     def close(self) -> None:
         for q in self.commands:
@@ -270,38 +326,65 @@ def _profile(model: str, size: int, repeats: int) -> Any:
     return profile_graph(build_graph(made, inputs), inputs, repeats=repeats, optimizer="sgd", num_threads=1)
 
 
-def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, float]]:
-    """Every cellmesh configuration as a job with its plan fixed, and a second prediction of each plan.
+def _pipe(stages: int, schedule: str, balance: list[int] | None) -> dict[str, Any]:
+    """The plan fields of a pipeline of ``stages`` stages x 8 microbatches (``balance``: blocks per stage)."""
+    return dict(data_parallel=1, num_stages=stages, num_microbatches=MICROBATCHES, schedule=schedule,
+                balance=balance)
+
+
+# key -> (model, workers, plan fields); the pipelines use the splits of their torch peers
+CELLMESH_SHAPES: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "cm-1": (MODEL, 1, dict(data_parallel=1, num_stages=1, num_microbatches=1)),
+    "cm-dp2": (MODEL, 2, dict(data_parallel=2, num_stages=1, num_microbatches=1)),
+    "cm-gpipe": (MODEL, 2, _pipe(2, "gpipe", [4, 4])),
+    "cm-1f1b": (MODEL, 2, _pipe(2, "1f1b", [4, 4])),
+    "cm-zbh1": (MODEL, 2, _pipe(2, "zb-h1", [4, 4])),
+    # 4 stages on 2 workers, each holding 2 (the schedule says which: Schedule.ranks)
+    "cm-interleaved": (MODEL, 2, _pipe(4, INTERLEAVED, [2, 2, 2, 2])),
+    "cm-gpipe-4": (MODEL, 4, _pipe(4, "gpipe", [2, 2, 2, 2])),
+    "cm-1f1b-4": (MODEL, 4, _pipe(4, "1f1b", [2, 2, 2, 2])),
+    "cm-zbh1-4": (MODEL, 4, _pipe(4, "zb-h1", [2, 2, 2, 2])),
+    "cm-even": (UNEVEN, 2, _pipe(2, "1f1b", [4, 4])),
+    "cm-auto": (UNEVEN, 2, _pipe(2, "1f1b", None)),  # the planner's cutter chooses the cut
+}
+
+
+def _cellmesh_jobs(keys: list[str], careful_repeats: int, save: str = ""
+                   ) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
+    """The cellmesh configurations ``keys`` as jobs with their plans fixed, a second prediction of each
+    plan, and why each configuration without a job has none.
 
     The plans come from one profile per model taken as ``Job.plan()`` takes it (8 samples,
     at least 3 runs per node and size, see coordinator/planning/profile.py), shared by the model's
     jobs, so their predictions (and the even and the auto cut) differ only by the plan. The
     second prediction plays the same plan against a careful profile: on the plan's own
-    microbatch size (no scaling), at least ``careful_repeats`` runs.
+    microbatch size (no scaling), at least ``careful_repeats`` runs. A plan that cannot be made
+    (an unknown schedule, a shape the planner refuses) leaves its configuration out, with the reason.
+    ``save``: a directory to write the plans' profiles to (``profile-<model>.json``), so another
+    cost model can be played against the very profiles of this run.
     """
     from coordinator.planning.config import PlanConfig
     from coordinator.planning.planner import choose_plan
     from coordinator.planning.resources import Resources
     from coordinator.runtime.job import Job
 
-    resources = Resources.local(WORLD)
-    pipe = dict(data_parallel=1, num_stages=2, num_microbatches=MICROBATCHES)
-    shapes: dict[str, tuple[str, dict[str, Any]]] = {
-        "cm-1": (MODEL, dict(data_parallel=1, num_stages=1, num_microbatches=1)),
-        "cm-dp2": (MODEL, dict(data_parallel=2, num_stages=1, num_microbatches=1)),
-        # the split torch's pipelining peers use: 4 blocks per stage
-        "cm-gpipe": (MODEL, dict(schedule="gpipe", balance=[4, 4], **pipe)),
-        "cm-1f1b": (MODEL, dict(schedule="1f1b", balance=[4, 4], **pipe)),
-        "cm-zbh1": (MODEL, dict(schedule="zb-h1", balance=[4, 4], **pipe)),
-        "cm-even": (UNEVEN, dict(schedule="1f1b", balance=[4, 4], **pipe)),
-        "cm-auto": (UNEVEN, dict(schedule="1f1b", **pipe)),  # the planner's cutter chooses the cut
-    }
     sample = min(8, GLOBAL_BATCH // WORLD)  # as Job.plan()
-    profiles = {(model, sample, 3): _profile(model, sample, 3) for model in (MODEL, UNEVEN)}
-    jobs, careful = {}, {}
-    for key, (model, fields) in shapes.items():
-        plan = choose_plan(profiles[(model, sample, 3)], resources, PlanConfig(**fields),
-                           global_batch=GLOBAL_BATCH)
+    models = {CELLMESH_SHAPES[k][0] for k in keys}
+    profiles = {(model, sample, 3): _profile(model, sample, 3) for model in sorted(models)}
+    if save:
+        os.makedirs(save, exist_ok=True)
+        for (model, _, _), prof in profiles.items():
+            prof.save(os.path.join(save, f"profile-{model.rsplit(':', 1)[1]}.json"))
+    jobs, careful, refused = {}, {}, {}
+    for key in keys:
+        model, workers, fields = CELLMESH_SHAPES[key]
+        resources = Resources.local(max(WORLD, workers))
+        try:
+            request = PlanConfig(**fields)
+            plan = choose_plan(profiles[(model, sample, 3)], resources, request, global_batch=GLOBAL_BATCH)
+        except Exception as exc:  # reported: the configuration is not run
+            refused[key] = f"no plan: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            continue
         jobs[key] = Job(model=model, loss=LOSS, data=DATA, optimizer="SGD", optimizer_kwargs={"lr": LR},
                         resources=resources, global_batch=GLOBAL_BATCH, seed=SEED, plan=plan,
                         step_timeout_s=120)
@@ -311,7 +394,7 @@ def _cellmesh_jobs(careful_repeats: int) -> tuple[dict[str, Any], dict[str, floa
         fixed = {**fields, "balance": [st.stop - st.start for st in plan.stages]}
         careful[key] = choose_plan(profiles[index], resources, PlanConfig(**fixed),
                                    global_batch=GLOBAL_BATCH).step_time_s
-    return jobs, careful
+    return jobs, careful, refused
 
 
 @dataclass
@@ -349,21 +432,53 @@ def breakdown(record: Any, num_stages: int) -> Breakdown:
                      all_reduce=max(reduce, default=0.0), tail=record.end - run_end)
 
 
-def replay(plan: Any, resources: Any, forward_s: list[float], backward_s: list[float]) -> float:
+def fresh_prediction(job: Any) -> float:
+    """The job's plan predicted again from a profile taken now, as ``Job.plan()`` takes it.
+
+    Taken right before the configuration runs, so the profile sees the machine's load of that
+    minute (on a shared machine the load drifts between the run's first profile and its rounds).
+    """
+    from coordinator.planning.config import PlanConfig
+    from coordinator.planning.planner import choose_plan
+
+    plan = job.plan()
+    fields = dict(data_parallel=plan.data_parallel, num_stages=plan.num_stages, schedule=plan.schedule_name,
+                  num_microbatches=plan.num_microbatches, balance=[st.stop - st.start for st in plan.stages])
+    profile = _profile(job.config.model.factory, min(8, GLOBAL_BATCH // WORLD), 3)
+    fresh = choose_plan(profile, job.resources, PlanConfig(**fields), global_batch=GLOBAL_BATCH)
+    return float(fresh.step_time_s)
+
+
+def compute_bubble(stages: list[list[tuple[float, float, str]]]) -> float | None:
+    """The idle share of a step's span when only compute (F, B, I, W) counts as busy.
+
+    ``stages[s]``: stage ``s``'s ``(start, end, kind)`` actions. run.json's bubble counts every
+    action as busy, a receive's wait for its data too; this one counts that wait as idle, as the
+    simulator plays it.
+    """
+    from coordinator.runtime.bubble import bubble_fraction
+
+    spans = [t for acts in stages for t in acts]
+    if not spans:
+        return None
+    first, last = min(t[0] for t in spans), max(t[1] for t in spans)
+    compute = [[(a, b) for a, b, kind in acts if kind in ("F", "B", "I", "W")] for acts in stages]
+    # the span is every action's; the busy time only compute's (a marker keeps each stage's span)
+    return bubble_fraction([[*acts, (first, first), (last, last)] for acts in compute])
+
+
+def replay(plan: Any, forward_s: list[float], backward_s: list[float]) -> float:
     """The plan's predicted step with the profile's compute times replaced by measured ones.
 
     ``forward_s[s]`` / ``backward_s[s]``: stage ``s``'s measured time per microbatch. The
-    transfers and the gradient sync are the cost model's, as in the plan.
+    transfers, the optimizer, the gradient sync and the overheads are the cost model's, as in the plan.
     """
-    from coordinator.planning.simulator import StageCosts, simulate
+    import dataclasses
 
-    def transfer(nbytes: int) -> float:
-        return 0.0 if nbytes <= 0 else resources.latency_s + nbytes / resources.bandwidth_bps
+    from coordinator.planning.prediction import plan_costs
+    from coordinator.planning.simulator import simulate
 
-    cuts = [st.outgoing for st in plan.stages[:-1]]
-    costs = StageCosts(tuple(forward_s), tuple(backward_s), tuple(transfer(c.forward_bytes) for c in cuts),
-                       tuple(transfer(c.backward_bytes) for c in cuts),
-                       start_s=tuple(st.optimizer_s for st in plan.stages))
+    costs = dataclasses.replace(plan_costs(plan), forward_s=tuple(forward_s), backward_s=tuple(backward_s))
     return float(simulate(plan.schedule(), costs).step_time_s + plan.sync_time_s + plan.overhead_s)
 
 
@@ -385,7 +500,13 @@ def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, A
     # a split backward (zb-h1): a microbatch's backward is its I and its W
     backward = [b or [i + w for i, w in zip(durations["I"][s], durations["W"][s], strict=True)]
                 for s, b in enumerate(durations["B"])]
-    return {"step_s": wall / steps, "loss": recs[-1].loss,
+    from coordinator.runtime.bubble import measured_bubble
+
+    bubbles = [b for b in map(measured_bubble, recs) if b is not None]
+    idle = [b for b in (compute_bubble([[(e.start, e.end, e.action.kind) for e in r.events
+                                          if e.replica == 0 and e.stage == s and e.action is not None]
+                                         for s in range(stages)]) for r in recs) if b is not None]
+    return {"step_s": wall / steps, "loss": recs[-1].loss, "bubbles": bubbles, "compute_bubbles": idle,
             "coordinator_s": sum(r.coordinator_s for r in recs) / steps,
             "coordinator_frac": sum(r.coordinator_s for r in recs) / sum(r.seconds for r in recs),
             "coordinator_cpu_s": (cpu[-1] - cpu[0]) / steps,
@@ -403,6 +524,7 @@ class Config:
     system: str  # "torch" or "cellmesh"
     peer: str | None = None  # the configuration this one is compared with
     target: float | None = None  # the least samples/s ratio to the peer the issue asks
+    pipeline: int = 0  # a pipeline of the baseline model on this many processes (best against best)
 
 
 CONFIGS = (
@@ -411,14 +533,32 @@ CONFIGS = (
     Config("pair", "torch, 2 independent processes at once (2-process ceiling)", "torch", "single"),
     Config("ddp", "torch DDP, 2 processes", "torch"),
     Config("cm-dp2", "cellmesh data parallel 2", "cellmesh", "ddp", 1.05),
-    Config("gpipe", "torch pipelining GPipe 2x8", "torch"),
-    Config("cm-gpipe", "cellmesh GPipe 2x8", "cellmesh", "gpipe", 1.10),
-    Config("1f1b", "torch pipelining 1F1B 2x8", "torch"),
-    Config("cm-1f1b", "cellmesh 1F1B 2x8", "cellmesh", "1f1b", 1.10),
-    Config("cm-zbh1", "cellmesh ZB-H1 2x8 (backward split in I and W)", "cellmesh", "cm-1f1b"),
+    Config("gpipe", "torch pipelining GPipe 2x8", "torch", pipeline=2),
+    Config("cm-gpipe", "cellmesh GPipe 2x8", "cellmesh", "gpipe", PIPELINE_TARGET, 2),
+    Config("1f1b", "torch pipelining 1F1B 2x8", "torch", pipeline=2),
+    Config("cm-1f1b", "cellmesh 1F1B 2x8", "cellmesh", "1f1b", PIPELINE_TARGET, 2),
+    Config("zb", "torch pipelining InterleavedZeroBubble 2x8 (1 stage/rank: ZB-H1)", "torch", pipeline=2),
+    Config("cm-zbh1", "cellmesh zb-h1 2x8", "cellmesh", "zb", PIPELINE_TARGET, 2),
+    Config("interleaved", "torch pipelining Interleaved1F1B 2 ranks x 2 stages x 8", "torch", pipeline=2),
+    Config("cm-interleaved", f"cellmesh {INTERLEAVED} 2 workers x 2 stages x 8", "cellmesh", "interleaved",
+           PIPELINE_TARGET, 2),
+    Config("zb-interleaved", "torch pipelining InterleavedZeroBubble 2 ranks x 2 stages x 8", "torch",
+           pipeline=2),
+    Config("zbv", "torch pipelining ZBVZeroBubble 2 ranks x 2 stages (V) x 8", "torch", pipeline=2),
+    Config("gpipe-4", "torch pipelining GPipe 4x8", "torch", pipeline=4),
+    Config("cm-gpipe-4", "cellmesh GPipe 4x8", "cellmesh", "gpipe-4", PIPELINE_TARGET, 4),
+    Config("1f1b-4", "torch pipelining 1F1B 4x8", "torch", pipeline=4),
+    Config("cm-1f1b-4", "cellmesh 1F1B 4x8", "cellmesh", "1f1b-4", PIPELINE_TARGET, 4),
+    Config("zb-4", "torch pipelining InterleavedZeroBubble 4x8 (1 stage/rank: ZB-H1)", "torch", pipeline=4),
+    Config("cm-zbh1-4", "cellmesh zb-h1 4x8", "cellmesh", "zb-4", PIPELINE_TARGET, 4),
     Config("cm-even", "uneven model, even split [4, 4], 1F1B 2x8", "cellmesh"),
     Config("cm-auto", "uneven model, auto-cut, 1F1B 2x8", "cellmesh", "cm-even"),
 )
+
+
+def torch_ranks(key: str) -> int:
+    """The processes torch's configuration ``key`` runs on (its pool)."""
+    return TORCH_PIPES[key][0] if key in TORCH_PIPES else WORLD
 
 
 def round_order(configs: list[Config], index: int) -> list[Config]:
@@ -438,11 +578,24 @@ def round_order(configs: list[Config], index: int) -> list[Config]:
 class Results:
     rounds: list[dict[str, dict[str, Any]]] = field(default_factory=list)
 
+    failed: dict[str, str] = field(default_factory=dict)  # key -> why it was not run (or stopped)
+
     def values(self, key: str, what: str) -> list[float]:
-        return [r[key][what] for r in self.rounds if key in r]
+        return [r[key][what] for r in self.rounds if key in r and what in r[key]]
 
     def ratios(self, key: str, peer: str) -> list[float]:
         return [r[peer]["step_s"] / r[key]["step_s"] for r in self.rounds if key in r and peer in r]
+
+    def best(self, keys: list[str]) -> tuple[list[float], str]:
+        """Per round, the smallest step of ``keys`` (those run in it); and the key fastest in most rounds."""
+        steps, wins = [], []
+        for r in self.rounds:
+            ran = [k for k in keys if k in r]
+            if ran:
+                fastest = min(ran, key=lambda k: r[k]["step_s"])
+                steps.append(r[fastest]["step_s"])
+                wins.append(fastest)
+        return steps, max(set(wins), key=wins.count) if wins else ""
 
 
 def _cell(values: list[float], fmt: str = ".1f", unit: str = "") -> str:
@@ -464,9 +617,79 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _gpipe_bubble(p: int, m: int) -> float:
+    """The GPipe formula: the idle share of equal stages with free transfers."""
+    return (p - 1) / (m + p - 1)
+
+
+def _targets(results: Results, labels: dict[str, str]) -> list[str]:
+    """The targets' table: each cellmesh configuration with a target against its peer, then the best
+    cellmesh pipeline against the best torch one per process count."""
+    out = ["", "## Against the targets", "",
+           "Ratios of samples/s (the peer's step over cellmesh's), taken within each round: median "
+           "(min-max); a verdict on the median.", "",
+           "| comparison | ratio | target | verdict |", "|---|---|---|---|"]
+    for c in CONFIGS:
+        if c.target is None or c.peer is None:
+            continue
+        ratios = results.ratios(c.key, c.peer)
+        if not ratios:
+            why = results.failed.get(c.key) or results.failed.get(c.peer) or "not run"
+            out.append(f"| {c.label} vs {labels[c.peer]} | - | >= {c.target:.2f}x | not measured: {why} |")
+            continue
+        ok = statistics.median(ratios) >= c.target
+        out.append(f"| {c.label} vs {labels[c.peer]} | {_cell(ratios, '.2f', 'x')} | >= {c.target:.2f}x "
+                   f"| {'met' if ok else 'missed'} |")
+    for n in sorted({c.pipeline for c in CONFIGS if c.pipeline}):
+        cm, cm_key = results.best([c.key for c in CONFIGS if c.pipeline == n and c.system == "cellmesh"])
+        pt, pt_key = results.best([c.key for c in CONFIGS if c.pipeline == n and c.system == "torch"])
+        if not cm or not pt:
+            continue
+        ratios = [t / c for c, t in zip(cm, pt, strict=False)]
+        ok = statistics.median(ratios) >= PIPELINE_TARGET
+        out.append(f"| best cellmesh pipeline on {n} processes ({labels[cm_key]}) vs best torch one "
+                   f"({labels[pt_key]}) | {_cell(ratios, '.2f', 'x')} | >= {PIPELINE_TARGET:.2f}x "
+                   f"| {'met' if ok else 'missed'} |")
+    return out
+
+
+def _bubbles(results: Results, jobs: dict[str, Any]) -> list[str]:
+    """Per cellmesh pipeline: each timed step's measured bubble against the formula and the simulator."""
+    from coordinator.planning.prediction import predict
+    from coordinator.runtime.bubble import predicted_bubble
+
+    out = ["", "## cellmesh: the bubble", "",
+           "The idle share of each timed step's pipeline, from the actions the stages timed "
+           "(`coordinator/runtime/bubble.py`, run.json's `bubbles`): median (min-max) over every timed "
+           "step of every round; against the GPipe formula (p-1)/(m+p-1) (p: the workers of a replica's "
+           "pipeline) and the simulator's prediction for the plan (the same arithmetic on its timeline). "
+           "run.json's measure counts a receive's wait for its data as busy, the simulator as idle; the "
+           "compute-only columns count only F, B, I and W as busy, on both sides.", "",
+           "| configuration | p x m | (p-1)/(m+p-1) | predicted | measured | measured / predicted "
+           "| compute only: predicted | measured |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c in CONFIGS:
+        if c.key not in jobs or not results.values(c.key, "bubbles"):
+            continue
+        plan = jobs[c.key].plan()
+        if plan.num_stages == 1:
+            continue
+        measured = [b for bs in results.values(c.key, "bubbles") for b in bs]
+        ranks = plan.schedule().num_ranks
+        formula = _gpipe_bubble(ranks, plan.num_microbatches)
+        predicted = predicted_bubble(predict(plan)) or 0.0
+        ratio = _cell([b / predicted for b in measured], ".2f") if predicted > 0 else "-"
+        sim = predict(plan)
+        only = compute_bubble([[(t.start, t.end, t.action.kind) for t in played] for played in sim.timeline])
+        idle = [b for bs in results.values(c.key, "compute_bubbles") for b in bs]
+        out.append(f"| {c.label} | {ranks} x {plan.num_microbatches} | {formula:.3f} | {predicted:.3f} "
+                   f"| {_cell(measured, '.3f')} | {ratio} | {only or 0.0:.3f} | {_cell(idle, '.3f')} |")
+    return out
+
+
 def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], args: argparse.Namespace,
            elapsed: float, load: tuple[float, float]) -> str:
-    out = [f"# training throughput: cellmesh against torch, {WORLD} processes on loopback", "",
+    out = ["# training throughput: cellmesh against torch, 2 and 4 processes on loopback", "",
            f"date {dt.date.today()}, {platform.node()}, {os.cpu_count()} cores ({_cpu_model()}), "
            f"torch {torch.__version__}, Python {platform.python_version()}",
            f"8 x Linear(1024, 1024) + GELU, global batch {GLOBAL_BATCH}, float32, SGD, 1 thread per process; "
@@ -480,30 +703,39 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
     for c in CONFIGS:
         steps = results.values(c.key, "step_s")
         if not steps:
+            if c.key in results.failed:
+                out.append(f"| {c.label} | not run: {results.failed[c.key]} | | | | | |")
             continue
         rate = [GLOBAL_BATCH / s for s in steps]
         vs_peer = f"{_cell(results.ratios(c.key, c.peer), '.2f', 'x')} vs {labels[c.peer]}" if c.peer else ""
         target = ""
-        if c.target is not None and results.ratios(c.key, c.peer or ""):  # its peer ran (see --only)
+        if c.target is not None and results.ratios(c.key, c.peer or ""):
             ok = statistics.median(results.ratios(c.key, c.peer or "")) >= c.target
             target = f">= {c.target:.2f}x: {'met' if ok else 'missed'}"
         base = _cell(results.ratios(c.key, "single"), ".2f", "x") if c.key != "single" else ""
         loss = _cell(results.values(c.key, "loss"), ".6f")
-        out.append(f"| {c.label} | {_cell(rate)} | {_cell([s * 1e3 for s in steps])} | {vs_peer} | {target} "
-                   f"| {base} | {loss} |")
+        stopped = f" (stopped: {results.failed[c.key]})" if c.key in results.failed else ""
+        out.append(f"| {c.label}{stopped} | {_cell(rate)} | {_cell([s * 1e3 for s in steps])} | {vs_peer} "
+                   f"| {target} | {base} | {loss} |")
+    out += _targets(results, labels)
+    out += _bubbles(results, jobs)
     cellmesh = [c for c in CONFIGS if c.system == "cellmesh" and results.values(c.key, "step_s")]
     out += ["", "## cellmesh: the coordinator's time and the predicted step", "",
             "Coordinator ms/step: `StepRecord.coordinator_s`, the step's wall time less the coordinator's "
-            "waits in its poller; CPU ms/step: the coordinator thread's CPU time per step (the same work "
-            "without the time it waited for a core). Predicted: `Plan.step_time_s` (simulator + gradient "
-            "sync + optimizer + messages) from the profile `Job.plan()` takes (8 and 32 samples, lower "
-            "quartile of at least 3 runs per node and size); careful: the same plan against a profile on "
+            "waits in its poller (target < 0.5% of the step); CPU ms/step: the coordinator thread's CPU "
+            "time per step (the same work without the time it waited for a core). Predicted: "
+            "`Plan.step_time_s` (simulator + gradient sync + optimizer + messages) from the profile "
+            "`Job.plan()` takes (8 and 32 samples, lower quartile of at least 3 runs per node and size; "
+            "target: within 15% of the measured step); fresh: the same plan against a profile taken "
+            "as `Job.plan()` takes it right before the configuration ran in the round (the load of that "
+            "minute); careful: the same plan against a profile on "
             "the plan's own microbatch size, at least 15 runs; "
             "replay: the simulator fed the forward and backward times measured in the round (median per "
             "stage and microbatch), transfers and gradient sync from the cost model.", "",
             "| configuration | plan | coordinator ms/step | % of step | coordinator CPU ms/step | % of step "
-            "| measured ms | predicted ms | predicted / measured | careful / measured | replay / measured |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| measured ms | predicted ms | predicted / measured | fresh / measured | careful / measured "
+            "| replay / measured |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cellmesh:
         plan = jobs[c.key].plan()
         steps = results.values(c.key, "step_s")
@@ -512,16 +744,19 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
         wall = [v * 1e3 for v in results.values(c.key, "coordinator_s")]
         cpu = [v * 1e3 for v in results.values(c.key, "coordinator_cpu_s")]
         predicted, good = plan.step_time_s, careful[c.key]
-        replays = [replay(plan, jobs[c.key].resources, [statistics.median(f) for f in r[c.key]["forward_s"]],
+        fresh = results.values(c.key, "fresh_s")
+        replays = [replay(plan, [statistics.median(f) for f in r[c.key]["forward_s"]],
                           [statistics.median(b) for b in r[c.key]["backward_s"]])
-                   for r in results.rounds if c.key in r]
+                   for r in results.rounds if c.key in r and all(r[c.key]["forward_s"])]
         out.append(
             f"| {c.label} | {shape} | {_cell(wall, '.2f')} "
             f"| {_cell([v * 100 for v in results.values(c.key, 'coordinator_frac')], '.2f')}% "
             f"| {_cell(cpu, '.2f')} | {_cell([v / s / 10 for v, s in zip(cpu, steps, strict=True)], '.2f')}% "
             f"| {_cell([s * 1e3 for s in steps])} | {predicted * 1e3:.1f} "
-            f"| {_cell([predicted / s for s in steps], '.2f')} | {_cell([good / s for s in steps], '.2f')} "
-            f"| {_cell([p / s for p, s in zip(replays, steps, strict=True)], '.2f')} |")
+            f"| {_cell([predicted / s for s in steps], '.2f')} "
+            f"| {_cell([f / s for f, s in zip(fresh, steps, strict=True)], '.2f')} "
+            f"| {_cell([good / s for s in steps], '.2f')} "
+            f"| {_cell([p / s for p, s in zip(replays, steps, strict=False)], '.2f')} |")
     out += ["", "## cellmesh: where a step goes", "",
             "Medians over every timed step of every round, ms, from the step's event log: compute = "
             "forward + backward per stage; dispatch = step start to the first event on a stage (the "
@@ -548,6 +783,8 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
 def main() -> None:
     parser = round_parser(__doc__, "configuration")
     parser.add_argument("--only", default="", help="comma-separated configuration keys (default: all)")
+    parser.add_argument("--save", default="", help="a directory for the run's profiles and measured steps "
+                                                   "(JSON), to play another cost model against them")
     args = parse_rounds(parser)
     from comm.allocator import tune_malloc
 
@@ -557,34 +794,55 @@ def main() -> None:
 
     configs = [c for c in CONFIGS if not args.only or c.key in args.only.split(",")]
     started, load = time.monotonic(), os.getloadavg()[0]
-    jobs, careful = _cellmesh_jobs(5 if args.quick else 15)  # profile and plan before anything else runs
+    results = Results()
+    # profile and plan before anything else runs
+    jobs, careful, results.failed = _cellmesh_jobs([c.key for c in configs if c.system == "cellmesh"],
+                                                   5 if args.quick else 15, args.save)
     for key, job in jobs.items():
         print(f"[plan] {key}: {job.plan().summary()}, cut {list(job.plan().bounds)}; careful profile: "
               f"{careful[key] * 1e3:.1f} ms", file=sys.stderr)
-    results = Results()
-    pool = TorchPool() if any(c.system == "torch" for c in configs) else None
+    for key, why in results.failed.items():
+        print(f"[plan] {key}: not run: {why}", file=sys.stderr)
+    configs = [c for c in configs if c.key not in results.failed]
+    pools = {n: TorchPool(n) for n in sorted({torch_ranks(c.key) for c in configs if c.system == "torch"})}
     factories = sorted({name for job in jobs.values() for name in job_factories(job.config)})
-    harness = LocalHarness([f"local-{i}" for i in range(WORLD)], job="bench-train", threads=1,
+    workers = max((job.resources.num_workers for job in jobs.values()), default=WORLD)
+    harness = LocalHarness([f"local-{i}" for i in range(workers)], job="bench-train", threads=1,
                            python_path=[ROOT], lease_ttl=timedelta(seconds=5), factories=factories)
     try:
-        if any(c.system == "cellmesh" for c in configs):
+        if jobs:
             harness.start()
         for i in range(args.rounds):
             measured: dict[str, dict[str, Any]] = {}
             for c in round_order(configs, i):
                 t0 = time.monotonic()
-                if c.system == "torch":
-                    assert pool is not None
-                    measured[c.key] = pool.run(c.key, args.steps, args.warmup)
-                else:
-                    measured[c.key] = run_cellmesh(jobs[c.key], harness, args.steps, args.warmup)
+                try:
+                    if c.system == "torch":
+                        measured[c.key] = pools[torch_ranks(c.key)].run(c.key, args.steps, args.warmup)
+                    else:
+                        fresh = fresh_prediction(jobs[c.key])
+                        measured[c.key] = run_cellmesh(jobs[c.key], harness, args.steps, args.warmup)
+                        measured[c.key]["fresh_s"] = fresh
+                except Exception as exc:  # reported; the configuration leaves the run
+                    results.failed[c.key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    print(f"[round {i + 1}/{args.rounds}] {c.key}: failed: {results.failed[c.key]}",
+                          file=sys.stderr)
+                    continue
                 print(f"[round {i + 1}/{args.rounds}] {c.key}: {measured[c.key]['step_s'] * 1e3:.1f} ms/step "
                       f"({time.monotonic() - t0:.1f} s)", file=sys.stderr)
             results.rounds.append(measured)
+            configs = [c for c in configs if c.key not in results.failed]
     finally:
         harness.close()
-        if pool is not None:
+        for pool in pools.values():
             pool.close()
+    if args.save:
+        steps = {c.key: {"step_s": results.values(c.key, "step_s"),
+                         "fresh_s": results.values(c.key, "fresh_s"),
+                         "predicted_s": jobs[c.key].plan().step_time_s if c.key in jobs else None}
+                 for c in CONFIGS if results.values(c.key, "step_s")}
+        with open(os.path.join(args.save, "steps.json"), "w", encoding="utf-8") as f:
+            json.dump(steps, f, indent=1)
     print(report(results, jobs, careful, args, time.monotonic() - started, (load, os.getloadavg()[0])))
 
 

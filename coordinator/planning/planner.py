@@ -37,11 +37,31 @@ less memory.
 [Note: step overheads] Around the schedule, a step also pays: each stage's optimizer step
 (the previous step's update, applied before the first action, see
 ``coordinator/runtime/driver.py``), modelled as the memory traffic of a fused update
-(:data:`OPTIMIZER_TRAFFIC`) at :data:`OPTIMIZER_BANDWIDTH_BPS`; and two control messages
-(:data:`CONTROL_MESSAGE_S` each: the request to every stage, the replies back).
-Where the plan runs more than one CPU worker on one host (``Worker.host``),
-:data:`SHARED_HOST_SLOWDOWN` scales compute: two busy processes on two cores share caches
-and memory bandwidth.
+(:data:`OPTIMIZER_TRAFFIC`) at :data:`OPTIMIZER_BANDWIDTH_BPS`; two control messages
+(:data:`CONTROL_MESSAGE_S` each: the request to every stage, the replies back); and, before
+a stage replies, one read of its gradients (the check that they are finite, which also gives
+the clipping norm) at :data:`GRADIENT_CHECK_BANDWIDTH_BPS`, the largest stage's. These are
+``Plan.overhead_s``. Every transfer between stages costs each endpoint
+:data:`TRANSFER_OVERHEAD_S` on top of the link's latency and bandwidth (posting the send or
+receive, the transport's bookkeeping, seeing it complete: 0.2-0.4 ms per 32 KB transfer
+measured, against the link's 0.11 ms).
+
+[Note: contention on a shared host] Two busy CPU workers of one host (``Worker.host``) slow
+each other down: they share the caches and the memory bandwidth. The profile is taken by one
+process alone, so where the plan runs more than one CPU worker on a host, a stage's compute
+is scaled by the slowdown for the share of it that runs while another worker of the host
+computes too (:func:`~coordinator.planning.simulator.compute_overlap` on the schedule played
+with the profile's times, then played again with the scaled ones). Replicas of a stage run
+the same timeline, so a stage with two replicas on one host is always contended; a pipeline's
+light stage is contended for all its compute, its heavy one only while the light one is not
+waiting (which is why balancing a pipeline's stages gains less on a shared host than the
+profile says). The backward suffers more than the forward: on 8-sample microbatches it streams
+a stage's weights and its gradients (read, accumulate, write), twice the forward's bytes, and
+two stages' weights and gradients do not fit the shared cache together.
+:data:`SHARED_HOST_FORWARD_SLOWDOWN` and :data:`SHARED_HOST_BACKWARD_SLOWDOWN` are those
+factors, measured as in-step times over the profile's on the development machine (2 cores).
+More busy workers than the host has cores (4 stages on 2 cores) is not modelled: the resource
+list does not say how many cores a host has.
 
 [Note: several stages per worker] An interleaved shape (``chunks = v >= 2``, see [Note: interleaved
 shapes] in ``coordinator/planning/request.py``) places stage ``s`` of replica ``r`` on worker
@@ -85,16 +105,17 @@ from coordinator.planning.graph import TensorMeta
 from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
-from coordinator.planning.resources import Resources
+from coordinator.planning.resources import Resources, Worker
 from coordinator.planning.schedules import build_schedule, peak_in_flight
-from coordinator.planning.simulator import StageCosts, simulate
+from coordinator.planning.simulator import SimResult, StageCosts, compute_overlap, simulate
 from services.compute.weight_grads import defers
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
 
-__all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "OPTIMIZER_BANDWIDTH_BPS",
-           "OPTIMIZER_TRAFFIC", "SHARED_HOST_SLOWDOWN", "Candidate", "CellBytes",
-           "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "cut_problem",
-           "format_candidates", "memory_floor"]
+__all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWIDTH_BPS",
+           "OPTIMIZER_BANDWIDTH_BPS", "OPTIMIZER_TRAFFIC", "SHARED_HOST_BACKWARD_SLOWDOWN",
+           "SHARED_HOST_FORWARD_SLOWDOWN", "TRANSFER_OVERHEAD_S", "Candidate", "CellBytes",
+           "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "contended_share",
+           "cut_problem", "format_candidates", "memory_floor"]
 
 _SEARCH_ALL = PlanConfig()  # nothing fixed
 # how the search runs and what every plan computes in, not a shape it is asked to fix
@@ -124,7 +145,8 @@ class Candidate:
 
 
 def _transfer(nbytes: float, bandwidth: float, latency: float) -> float:
-    return 0.0 if nbytes <= 0 else latency + nbytes / bandwidth
+    """What moving ``nbytes`` between two stages costs each endpoint (see [Note: step overheads])."""
+    return 0.0 if nbytes <= 0 else TRANSFER_OVERHEAD_S + latency + nbytes / bandwidth
 
 
 # The all-reduce's bandwidth over the link bandwidth of the resource list: a process sends and
@@ -141,12 +163,21 @@ CONTROL_MESSAGE_S = 6e-4
 # parameter and state written); at 25 GB/s it matched the 1.7-4.1 ms of SGD over 17-34 MB.
 OPTIMIZER_TRAFFIC: dict[str, float] = {"sgd": 3.0, "momentum": 5.0, "adam": 7.0, "adamw": 7.0}
 OPTIMIZER_BANDWIDTH_BPS = 25e9
-# Compute of a plan with more than one busy CPU worker, against the profile taken by one
-# process alone (see [Note: step overheads]): in two-process steps on the development
-# machine, forwards and backwards took 1.1-1.35x their profiled times (the most on 8-sample
-# microbatches, which stream weights from memory; bench/train.py "replay"). It applies where
-# two placed CPU workers name the same host.
-SHARED_HOST_SLOWDOWN = 1.25
+# Compute while another CPU worker of the host computes, against the profile taken by one
+# process alone (see [Note: contention on a shared host]): in two-process steps on the
+# development machine, forwards took 1.0-1.35x their profiled times and backwards 1.6-2.2x
+# (8-sample microbatches of bench/train.py: the in-step actions against the plan's profile,
+# measured at a load average of 4-5: to be checked on a quiet machine).
+SHARED_HOST_FORWARD_SLOWDOWN = 1.15
+SHARED_HOST_BACKWARD_SLOWDOWN = 1.6
+# Each endpoint's own cost of one transfer between stages, beyond the link's latency and
+# bandwidth (see [Note: step overheads]): the executor posts it, the transport tracks it and
+# the next action boundary sees it complete; 0.2-0.4 ms per 32 KB transfer measured on the
+# development machine against the 0.11 ms the link figures give.
+TRANSFER_OVERHEAD_S = 2e-4
+# The read of a stage's gradients before it replies (finite? and their squared norm), in bytes
+# per second: 1.2-1.4 ms for 17 MB measured (the step's tail grew by that much when it came).
+GRADIENT_CHECK_BANDWIDTH_BPS = 14e9
 
 
 def _sync(mode: Mode, grad_bytes: float, d: int, hidden: float, bw: float, lat: float) -> float:
@@ -220,6 +251,26 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
                       None if defers is None else tuple(defers))
 
 
+def contended_share(sim: SimResult, workers: Sequence[Sequence[Worker]]) -> list[float]:
+    """Per stage, the share of its compute that runs while another CPU worker of its host computes.
+
+    ``workers[s]``: the workers of stage ``s``'s replicas; ``sim``: the schedule played with
+    the profile's (uncontended) times. Replicas play the same timeline, so a stage with two
+    replicas on one host is contended throughout (1.0); otherwise it is the simulated overlap
+    with the ranks holding stages on its hosts (stages sharing a rank never compete). See
+    [Note: contention on a shared host].
+    """
+    hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
+    twins = [len([w for w in ws if w.device == "cpu" and w.host is not None]) > len(hosts[s])
+             for s, ws in enumerate(workers)]
+    rank_hosts = [set().union(*(hosts[s] for s in stages)) for stages in sim.ranks]
+    neighbours = [[n for n, other in enumerate(rank_hosts) if n != r and other & mine]
+                  for r, mine in enumerate(rank_hosts)]
+    overlap = compute_overlap(sim, neighbours)
+    rank_of = {s: r for r, stages in enumerate(sim.ranks) for s in stages}
+    return [1.0 if twins[s] else overlap[rank_of[s]] for s in range(len(workers))]
+
+
 # [Note: action overhead] Every forward or backward action costs a fixed time on top of its
 # compute, whatever the microbatch size: the step executor's dispatch, autograd's graph
 # bookkeeping and the boundary handling, measured at 0.1-0.5 ms per action on the development
@@ -240,7 +291,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     placed = {w.name: w for ws in workers for w in ws}  # each worker once (it may hold several stages)
     on_cpu = all(w.device == "cpu" for w in placed.values())
     hosts = [w.host for w in placed.values() if w.host is not None]
-    shared = SHARED_HOST_SLOWDOWN if on_cpu and len(hosts) > len(set(hosts)) else 1.0
+    shared_host = on_cpu and len(hosts) > len(set(hosts))  # see [Note: contention on a shared host]
     speed = [min(w.speed for w in ws) for ws in workers]
     bw, lat = resources.slowest_link(list(placed))
     schedule = build_schedule(sched_name, p, m, v)
@@ -263,27 +314,38 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             return Candidate(d, p, mode, sched_name, m, None, str(exc), v)
         cut_error = str(exc)
     spans = list(itertools.pairwise(bounds))
-    fwd = tuple(sum(f for f, _ in times[a:b]) * shared / speed[s] + ACTION_OVERHEAD_S
-                for s, (a, b) in enumerate(spans))
-    bwd = tuple(sum(b_ for _, b_ in times[a:b]) * shared / speed[s] + ACTION_OVERHEAD_S
-                for s, (a, b) in enumerate(spans))
+    alone_f = [sum(f for f, _ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
+    alone_b = [sum(b_ for _, b_ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     share = 1.0 if mode == "collective" else 1.0 / d  # a parameter shard updates 1/d of the stage
     optimizer = tuple(sum(nd.grad_bytes for nd in nodes[a:b]) * share * traffic / OPTIMIZER_BANDWIDTH_BPS
                       / speed[s] for s, (a, b) in enumerate(spans))
     inner = bounds[1:-1]
-    costs = StageCosts(fwd, bwd, tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
-                       tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
-                       tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans)),
-                       start_s=optimizer)
-    sim = simulate(schedule, costs)
+
+    def play(slow_f: Sequence[float], slow_b: Sequence[float]) -> tuple[StageCosts, SimResult]:
+        costs = StageCosts(tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_f, slow_f, strict=True)),
+                           tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_b, slow_b, strict=True)),
+                           tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
+                           tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
+                           tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans)),
+                           start_s=optimizer)
+        return costs, simulate(schedule, costs)
+
+    slow_f = slow_b = [1.0] * p
+    costs, sim = play(slow_f, slow_b)
+    if shared_host:  # played again with each stage's compute slowed for its contended share
+        contended = contended_share(sim, workers)
+        slow_f = [1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * c for c in contended]
+        slow_b = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * c for c in contended]
+        costs, sim = play(slow_f, slow_b)
+    fwd, bwd = costs.forward_s, costs.backward_s
     stages = []
     reason = ""
     for s, (a, b) in enumerate(spans):
         names = [w.name for w in workers[s]]
         grad = sum(nd.grad_bytes for nd in nodes[a:b])
         hidden = _after_first_bucket([nd.grad_bytes for nd in nodes[a:b]],
-                                     [b_ * shared / speed[s] for _, b_ in times[a:b]])
+                                     [b_ * slow_b[s] / speed[s] for _, b_ in times[a:b]])
         sync = _sync(mode, grad, d, hidden, *resources.slowest_link(names))
         memory = int(problem.stage_memory(s, a, b))
         xfer = (cut_s[a] if s > 0 else 0.0) + (cut_s[b] if s < p - 1 else 0.0)
@@ -306,11 +368,14 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                       f"{over[0].name} has {format_bytes(over[0].memory_bytes)}")
     reason = reason or cut_error
     sync_time = max(sum(stages[s].sync_s for s in ss) for ss in held)
+    check = max(sum(nd.grad_bytes for nd in nodes[a:b]) / speed[s]
+                for s, (a, b) in enumerate(spans)) / GRADIENT_CHECK_BANDWIDTH_BPS
+    overhead = 2 * CONTROL_MESSAGE_S + check  # see [Note: step overheads]
     plan = Plan(data_parallel=d, num_stages=p, mode=mode, schedule_name=sched_name, num_microbatches=m,
                 microbatch_size=mb, global_batch=global_batch, cutter=cutter_name, bounds=bounds,
                 stages=tuple(stages), placement=placement,
-                step_time_s=sim.step_time_s + sync_time + 2 * CONTROL_MESSAGE_S,
-                pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, overhead_s=2 * CONTROL_MESSAGE_S,
+                step_time_s=sim.step_time_s + sync_time + overhead,
+                pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, overhead_s=overhead,
                 bubble_fraction=sim.bubble_fraction,
                 peak_memory_bytes=max(rank_memory), precision=precision, chunks=v)
     return Candidate(d, p, mode, sched_name, m, plan, reason, v)

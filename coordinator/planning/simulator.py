@@ -29,13 +29,14 @@ each holds); with one stage per rank, rank ``s`` is stage ``s``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.planning.schedules import Schedule
 from services.protocol import Action, ActionKind
 
-__all__ = ["SimResult", "StageCosts", "TimedAction", "draw_timeline", "simulate"]
+__all__ = ["SimResult", "StageCosts", "TimedAction", "compute_overlap", "draw_timeline", "simulate"]
 
 DEFAULT_WEIGHT_FRACTION = 0.5  # W's share of an unmeasured backward (the paper's T_W ~ T_F ~ T_B / 2)
 
@@ -254,6 +255,42 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
         peak_in_flight=tuple(max(n for _, n in h) for h in held),
         peak_activation_bytes=tuple(peak_bytes),
     )
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` as disjoint ones, in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        elif end > start:
+            out.append((start, end))
+    return out
+
+
+def compute_overlap(result: SimResult, neighbours: Sequence[Sequence[int]]) -> tuple[float, ...]:
+    """Per rank, the share of its compute time (F, B, I, W) during which a neighbour computes too.
+
+    ``neighbours[r]``: the other ranks whose compute competes with rank ``r``'s (CPU workers of
+    one host: see [Note: contention on a shared host] in ``coordinator/planning/planner.py``).
+    A rank that computes nothing gets 0. Reads the played timeline only: the costs it was
+    played with decide it.
+    """
+    spans = [[(t.start, t.end) for t in played if t.action.kind in _COMPUTE] for played in result.timeline]
+    shares = []
+    for r, own in enumerate(spans):
+        total = sum(end - start for start, end in own)
+        others = _merged([iv for n in neighbours[r] if n != r for iv in spans[n]])
+        covered, k = 0.0, 0
+        for start, end in _merged(own):
+            while k < len(others) and others[k][1] <= start:
+                k += 1
+            j = k
+            while j < len(others) and others[j][0] < end:
+                covered += min(end, others[j][1]) - max(start, others[j][0])
+                j += 1
+        shares.append(covered / total if total > 0 else 0.0)
+    return tuple(shares)
 
 
 _COLOURS: dict[ActionKind, str] = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b",

@@ -14,15 +14,22 @@ from coordinator.planning.graph import build_graph
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import (
     COLLECTIVE_EFFICIENCY,
-    SHARED_HOST_SLOWDOWN,
+    CONTROL_MESSAGE_S,
+    GRADIENT_CHECK_BANDWIDTH_BPS,
+    SHARED_HOST_BACKWARD_SLOWDOWN,
+    SHARED_HOST_FORWARD_SLOWDOWN,
+    TRANSFER_OVERHEAD_S,
     candidate_plans,
     choose_plan,
+    contended_share,
     cut_problem,
     format_candidates,
 )
 from coordinator.planning.profile import Profile, profile_graph
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources, Worker
+from coordinator.planning.schedules import gpipe
+from coordinator.planning.simulator import StageCosts, simulate
 from services.compute.actions import validate_schedule
 from services.compute.cell import Cell
 
@@ -204,7 +211,9 @@ def test_strategies_use_more_than_one_worker() -> None:
 def test_step_pays_the_optimizer_and_the_messages() -> None:
     prof = Profile.synthetic([1e-3] * 2, param_bytes=[64 * MiB] * 2, microbatch_size=4, optimizer="sgd")
     plan = choose_plan(prof, workers(1, 10_000 * MiB), global_batch=4)
-    assert plan.stages[0].optimizer_s > 0 and plan.overhead_s > 0
+    assert plan.stages[0].optimizer_s > 0
+    # the request and the replies, and the read of the stage's 128 MiB of gradients before it replies
+    assert plan.overhead_s == pytest.approx(2 * CONTROL_MESSAGE_S + 128 * MiB / GRADIENT_CHECK_BANDWIDTH_BPS)
     compute = plan.stages[0].forward_s + plan.stages[0].backward_s
     assert plan.step_time_s == pytest.approx(plan.stages[0].optimizer_s + compute + plan.overhead_s)
 
@@ -217,22 +226,75 @@ def test_only_backward_after_the_first_bucket_hides_the_all_reduce() -> None:
                        global_batch=8)
     res = workers(2, 10_000 * MiB)
     allreduce = 64 * MiB / (COLLECTIVE_EFFICIENCY * res.bandwidth_bps) + 2 * res.latency_s
-    assert plan.sync_time_s == pytest.approx(max(0.0, allreduce - 2.0 * SHARED_HOST_SLOWDOWN))
+    # two replicas on one host compete all the time: their backwards run at the shared-host pace
+    assert plan.sync_time_s == pytest.approx(max(0.0, allreduce - 2.0 * SHARED_HOST_BACKWARD_SLOWDOWN))
 
 
 def test_only_workers_sharing_a_host_slow_each_other_down() -> None:
     prof = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
 
-    def step(hosts: tuple[str | None, str | None]) -> float:
+    def step(hosts: tuple[str | None, str | None]) -> Plan:
         res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1000 * MiB, host=h)
                                       for i, h in enumerate(hosts)))
         fixed = PlanConfig(num_stages=2, data_parallel=1, num_microbatches=2, schedule="gpipe")
-        plan = choose_plan(prof, res, fixed, global_batch=8)
-        return plan.pipeline_time_s
+        return choose_plan(prof, res, fixed, global_batch=8)
 
     apart, unknown, together = step(("a", "b")), step((None, None)), step(("a", "a"))
-    assert apart == unknown
-    assert together == pytest.approx(apart * SHARED_HOST_SLOWDOWN, rel=0.05)
+    assert apart.pipeline_time_s == unknown.pipeline_time_s
+    # slower, but not by the whole factor: the fill and the drain compute alone
+    slowest = apart.pipeline_time_s * SHARED_HOST_BACKWARD_SLOWDOWN
+    assert apart.pipeline_time_s < together.pipeline_time_s < slowest
+    for a, t in zip(apart.stages, together.stages, strict=True):
+        assert a.forward_s < t.forward_s < a.forward_s * SHARED_HOST_FORWARD_SLOWDOWN + 1e-12
+        assert a.backward_s < t.backward_s < a.backward_s * SHARED_HOST_BACKWARD_SLOWDOWN + 1e-12
+
+
+def test_contended_share_follows_the_hosts() -> None:
+    result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0))
+
+    def cpu(name: str, host: str | None) -> Worker:
+        return Worker(name=name, memory_bytes=MiB, host=host)
+
+    assert contended_share(result, [[cpu("a", "h")], [cpu("b", "h")]]) == pytest.approx([0.5, 0.5])
+    assert contended_share(result, [[cpu("a", "h")], [cpu("b", "g")]]) == [0.0, 0.0]
+    assert contended_share(result, [[cpu("a", None)], [cpu("b", None)]]) == [0.0, 0.0]
+    # a replica of stage 0 beside it on its host: stage 0 always competes
+    assert contended_share(result, [[cpu("a", "h"), cpu("c", "h")], [cpu("b", "g")]]) == [1.0, 0.0]
+    gpu = Worker(name="d", device="cuda", gpus=1, memory_bytes=MiB, host="h")
+    assert contended_share(result, [[cpu("a", "h")], [gpu]]) == [0.0, 0.0]  # a GPU stage is no CPU rival
+
+
+def test_balancing_a_pipeline_gains_less_on_a_shared_host() -> None:
+    # 12 layers in 8 nodes, the heavy ones last (bench.models:uneven): [4, 4] puts 4 and 8 layers on the
+    # stages, [6, 2] 6 and 6. On one host the light stage of the even split competes with the heavy one
+    # all the time, the heavy one only while the light one computes: balancing gains less there.
+    layers = [1, 1, 1, 1, 1, 1, 3, 3]
+    prof = Profile.synthetic([1e-3 * n for n in layers], cut_bytes=[4096] * 7, microbatch_size=8)
+
+    def gain(hosts: tuple[str, str]) -> float:
+        res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1000 * MiB, host=h)
+                                      for i, h in enumerate(hosts)))
+
+        def step(balance: list[int]) -> float:
+            fixed = PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8, schedule="1f1b",
+                               balance=balance)
+            return choose_plan(prof, res, fixed, global_batch=64).step_time_s
+
+        return step([4, 4]) / step([6, 2])
+
+    apart, together = gain(("a", "b")), gain(("a", "a"))
+    print(f"\n[6, 2] gains {apart:.3f}x over [4, 4] on two hosts, {together:.3f}x on one")
+    assert apart > 1.2 and 1.0 < together < apart - 0.05
+
+
+def test_every_transfer_pays_its_endpoints_overhead() -> None:
+    prof = Profile.synthetic([1e-3] * 2, cut_bytes=[MiB], microbatch_size=4)
+    res = workers(2, 1000 * MiB)
+    plan = choose_plan(prof, res, PlanConfig(num_stages=2, data_parallel=1, num_microbatches=1),
+                       global_batch=4)
+    one_way = TRANSFER_OVERHEAD_S + res.latency_s + MiB / res.bandwidth_bps
+    # the activations out and their gradients back, on both stages
+    assert [st.transfer_s for st in plan.stages] == pytest.approx([2 * one_way, 2 * one_way])
 
 
 def test_interleaved_plans_put_chunks_stages_on_each_worker_and_shrink_the_bubble() -> None:
