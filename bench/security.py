@@ -8,7 +8,7 @@ Two measurements, two processes each:
 - zmq ``all_reduce`` of 16 and 64 MiB float32, security off, on with the data plane
   ``encrypted`` (CURVE, the default) and on with it ``authenticated`` (PLAIN with the job's
   token; see docs/security.md). Once as a local run does it (same-host bodies through shared
-  memory, ``comm/zmq/shm.py``: only the headers cross the socket) and once with
+  memory, ``comm/zmq/shm.py``: at most the headers cross the socket) and once with
   ``CELLMESH_SHM=0``, every body through the socket, as between two hosts (loopback TCP
   stands in for the network).
 
