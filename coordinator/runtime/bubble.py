@@ -2,9 +2,11 @@
 
 The same quantity the simulator predicts (``coordinator/planning/simulator.py``), measured: for
 each replica, the step spans from its first action's start to its last action's end over all
-stages; a worker is busy while one of its actions runs (overlapping actions count once; a worker
-holding several stages, as interleaved plans place them, while any of theirs runs) and idle for
-the rest of that span, fill and drain included. The bubble is the idle time of all workers over
+stages; a worker is busy while one of its compute actions (F, B, I, W) runs (overlapping actions
+count once; a worker holding several stages, as interleaved plans place them, while any of theirs
+runs) and idle for the rest of that span, fill and drain included. Transfers count as idle: a
+receive's time is mostly the wait for its peer, the very bubble measured, and posting a send or
+a receive takes microseconds. The bubble is the idle time of all workers over
 ``workers x span`` (the simulator's ranks); a job of several replicas gets the mean of theirs.
 Phases (gradient all-reduce, optimizer, push/pull) are not actions: they fall outside the span
 or count as idle, as the simulator's pipeline time leaves them out too. :func:`predicted_bubble`
@@ -24,6 +26,7 @@ from coordinator.runtime.records import ActionEvent, StepRecord
 __all__ = ["bubble_fraction", "measured_bubble", "predicted_bubble"]
 
 Interval = tuple[float, float]
+_COMPUTE = frozenset({"F", "B", "I", "W"})  # the kinds that keep a worker busy
 
 
 def _busy(intervals: Sequence[Interval]) -> float:
@@ -50,7 +53,8 @@ def bubble_fraction(stages: Sequence[Sequence[Interval]]) -> float | None:
 
 def predicted_bubble(result: SimResult) -> float | None:
     """:func:`bubble_fraction` of the simulator's played actions."""
-    return bubble_fraction([[(t.start, t.end) for t in played] for played in result.timeline])
+    return bubble_fraction([[(t.start, t.end) for t in played if t.action.kind in _COMPUTE]
+                            for played in result.timeline])
 
 
 def measured_bubble(record: StepRecord) -> float | None:
@@ -58,7 +62,7 @@ def measured_bubble(record: StepRecord) -> float | None:
     # per worker: a worker holding several stages (interleaved) is busy while any of them runs
     by_replica: dict[int, dict[str, list[ActionEvent]]] = defaultdict(lambda: defaultdict(list))
     for e in record.events:
-        if e.action is not None:
+        if e.action is not None and e.action.kind in _COMPUTE:
             by_replica[e.replica][e.worker].append(e)
     fractions = [bubble_fraction([[(e.start, e.end) for e in acts] for acts in stages.values()])
                  for stages in by_replica.values()]

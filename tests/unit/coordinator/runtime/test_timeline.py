@@ -50,6 +50,19 @@ def test_the_measured_bubble_by_hand() -> None:
     assert bubble_fraction([]) is None and bubble_fraction([[(1.0, 1.0)]]) is None
 
 
+def test_a_receive_waiting_for_its_peer_counts_as_idle() -> None:
+    # stage 1 posts its receive at 0 and gets the activations at 2, when stage 0's forward (0..2) and send
+    # are done; it computes 2..3. Busy: stage 0 for 2 s, stage 1 for 1 s, of 2 x 3 s: the bubble is 0.5
+    # (0 had the receive counted as work)
+    def act(stage: int, kind: str, start: float, end: float) -> ActionEvent:
+        action = Action(stage=stage, kind=kind, microbatch=0)  # type: ignore[arg-type]  # a literal kind
+        return ActionEvent(f"w{stage}", 0, stage, str(action), start, end, action)
+
+    events = [act(0, "F", 0.0, 2.0), act(0, "SEND_F", 2.0, 2.0),
+              act(1, "RECV_F", 0.0, 2.0), act(1, "F", 2.0, 3.0)]
+    assert measured_bubble(_record(events)) == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("schedule", [gpipe(3, 4), one_f_one_b(3, 4)], ids=["gpipe", "1f1b"])
 def test_the_predicted_bubble_is_the_simulators_on_its_played_actions(schedule: Any) -> None:
     result = simulate(schedule, StageCosts.uniform(3, 1.0, 2.0))
