@@ -105,6 +105,8 @@ SEEDS: list[Message] = [
     protocol.ShardSave(save=_SAVE, version=3, part="ps-s0-0", timeout_ms=1000),
     _TIED,
     protocol.TiedOptions(prefix="/t", params=[_TIED]),
+    protocol.TurnsOptions(key="run/r0/rank0", order=[protocol.Action(stage=0, kind="F", microbatch=0),
+                                                     protocol.Action(stage=2, kind="F", microbatch=0)]),
     protocol.SchedulerSpec(name="StepLR", kwargs={"step_size": 2, "gamma": 0.5}),
     protocol.RoundNormRequest(version=3, timeout_ms=1000),
     protocol.RoundNorm(version=3, sq_norm=0.25),
