@@ -8,7 +8,6 @@ confused or hostile peer would send it.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -24,27 +23,10 @@ from comm.refusals import Refusals
 from comm.registry.memory import MemoryRegistry
 from comm.zmq import shm
 from comm.zmq.communicator import ZmqCommunicator
+from tests.harness.threads import run_ranks
 
 TIMEOUT = timedelta(seconds=20)
 
-
-def _run_ranks(fns: list[Callable[[], None]], timeout: float = 30.0) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank did not finish in time"
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture()
@@ -58,7 +40,7 @@ def pair() -> Iterator[list[ZmqCommunicator]]:
                                                 prefix="/t/bad", timeout=TIMEOUT))
         return run
 
-    _run_ranks([make(0), make(1)])
+    run_ranks([make(0), make(1)])
     comms.sort(key=lambda c: c.rank)
     yield comms
     for c in comms:
@@ -130,7 +112,7 @@ def _all_reduce_and_p2p(c0: ZmqCommunicator, c1: ZmqCommunicator) -> None:
                 assert torch.equal(got, torch.full((4,), 7.0))
         return run
 
-    _run_ranks([rank(c0), rank(c1)])
+    run_ranks([rank(c0), rank(c1)])
     expected = torch.arange(1000, dtype=torch.float64) * 3
     assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
 
@@ -202,7 +184,7 @@ def test_shape_mismatch_is_a_clear_error(pair: list[ZmqCommunicator]) -> None:
         except Exception as exc:
             seen.append(str(exc))
 
-    _run_ranks([sender, receiver])
+    run_ranks([sender, receiver])
     assert seen and "float32[5]" in seen[0] and "float32[4]" in seen[0], seen
 
 

@@ -6,7 +6,6 @@ as two processes on one host would have).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -16,29 +15,12 @@ import torch
 from comm.registry.memory import MemoryRegistry
 from comm.zmq import shm
 from comm.zmq.communicator import ZmqCommunicator
+from tests.harness.threads import run_ranks
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="shared memory needs x86-64 and /dev/shm")
 
 TIMEOUT = timedelta(seconds=20)
 
-
-def _run(fns: list[Callable[[], None]]) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a rank did not finish in time"
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture()
@@ -50,7 +32,7 @@ def pair() -> Iterator[list[ZmqCommunicator]]:
         return lambda: comms.append(ZmqCommunicator.create(rank=rank, world_size=2, registry=registry,
                                                            prefix="/t/p2p", timeout=TIMEOUT))
 
-    _run([make(0), make(1)])
+    run_ranks([make(0), make(1)])
     comms.sort(key=lambda c: c.rank)
     yield comms
     for c in comms:
@@ -108,4 +90,4 @@ def test_a_pipeline_exchange_both_ways_is_exact(pair: list[ZmqCommunicator]) -> 
         return run
 
     c0, c1 = pair
-    _run([stage(c0), stage(c1)])
+    run_ranks([stage(c0), stage(c1)])
