@@ -28,7 +28,10 @@ deferred gradients at once, one product per layer; the first ``W`` after the lis
 computes all that are left. Under ``bf16``/``fp16`` nothing is deferred: ``I`` is the whole
 backward and ``W`` has nothing to do. A GPipe list (every ``B`` after every ``F``) defers too: its
 last ``B`` ends with every microbatch's weight gradients, one product per layer
-(:func:`~services.compute.weight_grads.defers` says which lists do).
+(:func:`~services.compute.weight_grads.defers` says which lists do). Any other list (1F1B,
+interleaved 1F1B) runs each ``B`` between its first and its last as ``I`` and at once that
+microbatch's ``W``, added into ``.grad`` in place (fp32/fp64; [Note: a backward's weight gradients in
+place] in ``services/compute/weight_grads.py``): nothing is held across actions.
 
 Evaluation steps (``RunStep.source = "eval"``, a list without backwards). The first and last
 stages read the held-out samples, and the last reports each microbatch's loss and, with a
@@ -111,7 +114,7 @@ from services.compute.precision import autocast, device_type
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, metric_sum, to_device
 from services.compute.turns import StepTurns
-from services.compute.weight_grads import WeightGradStore, defers, weight_runs
+from services.compute.weight_grads import WeightGradStore, defers, in_place_backwards, weight_runs
 from services.params.clipping import tensor_norms
 from services.params.grad_path import GradientPath
 from services.params.tied import TiedSync
@@ -192,8 +195,11 @@ class StepExecutor:
         self._last_backward = backwards[-1] if backwards else None
         # a backward split in I and W, or GPipe's B's: the stage's linear layers defer their weight gradients
         # (fp32/fp64; under autocast I runs the whole backward and W has nothing left to do)
-        deferring = defers(request.actions) and precision == "fp32"
-        self._store = WeightGradStore.of(stage.module) if deferring else None
+        self._defers = deferring = defers(request.actions) and precision == "fp32"
+        # any other list: the B's in between run I and at once their W, in place (none under autocast)
+        self._in_place = (in_place_backwards(request.actions, request.zero_grad)
+                          if precision == "fp32" and not deferring else set())
+        self._store = WeightGradStore.of(stage.module) if deferring or self._in_place else None
         self._w_runs = weight_runs(request.actions)
         self._w_times: dict[int, tuple[float, float]] = {}  # a W the first of its run computed -> its share
         self._comm = comm  # activations (SEND_F, RECV_F)
@@ -378,8 +384,8 @@ class StepExecutor:
             inputs = unflatten(stage.incoming, mb.inputs)
         keyed = (self._randomness.forward(self._request.step, mb.samples) if self._randomness is not None
                  else contextlib.nullcontext())
-        if self._store is not None:
-            self._store.microbatch = m  # the linear layers queue this microbatch's (input, gradient) in I
+        if self._store is not None:  # the linear layers queue this microbatch's (input, gradient) in I
+            self._store.microbatch = m if not self._in_place or m in self._in_place else None
         with torch.set_grad_enabled(grad), autocast(*self._autocast), keyed:
             out = stage.module(inputs)
             if stage.last:
@@ -425,7 +431,11 @@ class StepExecutor:
                 if spec.requires_grad
             ]
         mb.inputs, mb.outputs, mb.loss = [], [], None
-        if self._store is not None and action.kind == "B" and self._k == self._last_backward:
+        if m in self._in_place:  # a B in between: its own W, in place, at once
+            assert self._store is not None
+            self._store.flush([m], check=False)
+        elif self._defers and action.kind == "B" and self._k == self._last_backward:
+            assert self._store is not None
             self._store.flush(None, final=True)  # GPipe: every microbatch's weight gradients at once
         self._ends[self._k] = time.time()
 

@@ -34,6 +34,29 @@ its peak anyway; its ``B`` s defer too (:func:`defers`), and its last ``B`` ends
 all of them. 1F1B does not: it would hold every microbatch's layer inputs and output gradients
 until the end, where it holds at most ``p - s`` microbatches' activations.
 
+[Note: a backward's weight gradients in place]
+A list that does not defer (1F1B, interleaved 1F1B: any ``B`` s that are not GPipe's) still runs
+some of its ``B`` s split: ``I`` and at once the ``W`` of that microbatch alone (:func:`in_place_backwards`
+says which), holding nothing across actions (one microbatch's ``(x, g)``, while the ``B`` runs,
+which autograd holds for a plain ``B`` too). The gain is the accumulation: plain autograd makes
+each weight gradient as a new tensor and ``AccumulateGrad`` adds it into ``.grad`` in a second
+pass, where ``addmm_`` into ``.grad`` does both in one (``bench/weight_grads.py``: per-B
+``W`` in place, measured against plain ``B`` s). So only a ``B`` that finds ``.grad`` there gains, and
+it is the ``B`` s in between that split:
+
+* not the first ``B`` of a step that starts from no gradients (``zero_grad``): autograd would hand
+  its new tensor over as ``.grad`` without an addition, as the flush would (through autograd);
+* not the last ``B``: it is the parameters' last contribution, and a flush through autograd (the
+  hooks must fire, armed) computes what a plain ``B`` computes. Left plain, it fires every hook once
+  while armed, so the data-parallel path needs nothing from the store;
+* a microbatch's ``W`` adds in place, firing no hook, while the path is disarmed (what a disarmed
+  hook would have left; one that finds no ``.grad`` goes through autograd, its hook disarmed).
+
+Both parts of a deferred weight also used outside its layer (see below) then come in ``B`` s that
+are not the last one, while the hooks are disarmed: the sum is right and no bucket waits for it,
+so such a list does not :meth:`~WeightGradStore.check`. A single ``B`` (or two, from no gradients)
+leaves nothing to split, and autocast falls back as below.
+
 A layer is deferred only if the module holds its parameters there alone: a weight tied to
 another module of the stage gets its gradient from plain autograd. A deferred weight that is
 also used outside its layer's forward (a functional use inside another leaf module) would get
@@ -56,7 +79,7 @@ from torch.utils.hooks import RemovableHandle
 
 from services.protocol import Action
 
-__all__ = ["WeightGradStore", "defers", "eligible_layers", "weight_runs"]
+__all__ = ["WeightGradStore", "defers", "eligible_layers", "in_place_backwards", "weight_runs"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -76,6 +99,17 @@ def defers(actions: Sequence[Action]) -> bool:
     if kinds.count("B") < 2:
         return False
     return max(k for k, kind in enumerate(kinds) if kind == "F") < kinds.index("B")
+
+
+def in_place_backwards(actions: Sequence[Action], zero_grad: bool) -> set[int]:
+    """The microbatches whose ``B`` computes its weight gradients in place, right after its input
+    gradients ([Note: a backward's weight gradients in place]): in a list that does not :func:`defers`,
+    every ``B`` but the last one and, when the step starts from no gradients (``zero_grad``), the first.
+    """
+    if defers(actions):
+        return set()
+    backwards = [a.microbatch for a in actions if a.kind == "B"]
+    return set(backwards[1 if zero_grad else 0:-1])
 
 
 def weight_runs(actions: Sequence[Action]) -> dict[int, list[int]]:
@@ -207,7 +241,8 @@ class WeightGradStore:
         self._deferred.clear()
         self._outside.clear()
 
-    def flush(self, microbatches: Iterable[int] | None = None, *, final: bool = False) -> None:
+    def flush(self, microbatches: Iterable[int] | None = None, *, final: bool = False,
+              check: bool = True) -> None:
         """``W`` of ``microbatches`` (None: of every queued one): per layer one product over their rows,
         accumulated into the parameters' ``.grad``.
 
@@ -216,6 +251,9 @@ class WeightGradStore:
         added in place (``addmm_``: no weight-sized temporary, one pass over ``.grad``) and no hook
         fires, which is what a disarmed data-parallel hook would have done with a ``.grad`` it
         already points at its bucket.
+
+        ``check``: False for a ``B`` that computes its own weight gradients in place, where a weight's
+        gradient in two parts is harmless ([Note: a backward's weight gradients in place]).
 
         Raises:
             RuntimeError: A deferred parameter also got a gradient outside its layer (see :meth:`check`).
@@ -250,7 +288,8 @@ class WeightGradStore:
                 torch.autograd.backward(params, grads)
             finally:
                 self._flushing = False
-        self.check()
+        if check:
+            self.check()
 
     def check(self) -> None:
         """Raise if a deferred parameter also got a gradient from plain autograd in this step.

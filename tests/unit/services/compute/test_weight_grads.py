@@ -1,8 +1,9 @@
 """The weight-gradient store: I then W (batched or per microbatch) gives what plain autograd gives.
 
 The reference is plain autograd on the same module and microbatches (float64): each microbatch's
-backward accumulating into ``.grad``. A one-stage compute service runs a zb-h1 list through the
-executor and matches the same reference as its GPipe list.
+backward accumulating into ``.grad``. A one-stage compute service runs a zb-h1 list and a 1F1B list
+(its B's in between computing their weight gradients in place) through the executor and matches
+the same reference as its GPipe list.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from torch import nn
 
 from comm.rpc import RpcClient
 from services.compute import weight_grads
-from services.compute.weight_grads import WeightGradStore, eligible_layers
-from services.protocol import Empty, RunStep, StepReply, TensorsReply
+from services.compute.weight_grads import WeightGradStore, eligible_layers, in_place_backwards
+from services.protocol import Action, Empty, RunStep, StepReply, TensorsReply
 from tests.unit.services.compute.test_compute_parts import MICROBATCHES_4, one_stage, parse_actions, reference
 
 __all__ = ["one_stage"]  # the fixture, used here too
@@ -175,3 +176,106 @@ def test_a_one_stage_zero_bubble_list_matches_one_process(one_stage: RpcClient) 
     assert reply.starts[10] <= reply.ends[10] == reply.starts[11] <= reply.ends[11]
     assert reply.ends[11] - reply.starts[11] == pytest.approx(reply.ends[10] - reply.starts[10], abs=1e-6)
 
+
+
+def actions(text: str) -> list[Action]:
+    return [Action.parse(t) for t in text.split()]
+
+
+@pytest.mark.parametrize(("text", "zero_grad", "expected"), [
+    ("0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", True, {1, 2}),  # 1F1B: the B's between the first and the last
+    ("0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", False, {0, 1, 2}),  # gradients there already: the first one too
+    ("0F0 0B0 0F1 0B1", True, set()),  # nothing in between
+    ("0F0 0B0", False, set()),  # one B: the step's last
+    ("0F0 0F1 0F2 0B2 0B1 0B0", False, set()),  # GPipe defers all of them
+    ("0F0 0I0 0W0 0F1 0I1 0W1", False, set()),  # zb-h1 splits its own
+])
+def test_the_b_s_in_between_compute_their_weight_gradients_in_place(text: str, zero_grad: bool,
+                                                                      expected: set[int]) -> None:
+    assert in_place_backwards(actions(text), zero_grad) == expected
+
+
+def one_f_one_b(net: nn.Module, xs: list[torch.Tensor], gs: list[torch.Tensor], zero_grad: bool,
+                outside_use: bool = False) -> None:
+    """What the executor runs for a 1F1B list of 4 microbatches: the in-between B's are I and at once their
+    W; a parameter's .grad stays the same tensor across an in-place W and no hook fires for it (unless the
+    weight is also used outside its layer: that part comes through autograd, as in a plain B)."""
+    fired: list[str] = []
+    for n, p in net.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p, n=n: fired.append(n))  # type: ignore[misc]
+    text = "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    in_place = in_place_backwards(actions(text), zero_grad)
+    assert in_place == ({1, 2} if zero_grad else {0, 1, 2})
+    store = WeightGradStore(net)
+    outs: dict[int, torch.Tensor] = {}
+    with store.deferring():
+        for a in actions(text):
+            m = a.microbatch
+            if a.kind == "F":
+                store.microbatch = m if m in in_place else None
+                outs[m] = net(xs[m])
+                continue
+            held = net.a.weight.grad
+            fired.clear()
+            outs.pop(m).backward(gs[m])
+            if m in in_place:
+                store.flush([m], check=False)
+                assert store.pending() == []  # nothing held across actions
+                if held is not None:
+                    assert net.a.weight.grad is held  # added in place
+                    assert outside_use or "a.weight" not in fired  # no hook
+            else:
+                assert "a.weight" in fired  # plain autograd: the hook fires (the last B: armed)
+
+
+@pytest.mark.parametrize("zero_grad", [True, False], ids=["from-none", "onto-earlier-gradients"])
+def test_b_s_in_place_equal_plain_autograd(zero_grad: bool) -> None:
+    net, xs, gs = make()
+    before = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+    if not zero_grad:
+        for n, p in net.named_parameters():  # gradients from an earlier batch
+            if p.requires_grad:
+                before[n] = torch.full_like(p, 0.5)
+                p.grad = before[n].clone()
+    one_f_one_b(net, xs, gs, zero_grad)
+    expected = plain()
+    got = grads(net, xs)
+    assert got.keys() == expected.keys()
+    assert max(float((got[k] - before.get(k, 0) - expected[k]).abs().max()) for k in expected) < TOL
+
+
+def test_b_s_in_place_take_a_weight_also_used_outside_its_layer() -> None:
+    class Reuse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(5, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) + x @ self.a.weight  # a functional use of the layer's weight
+
+    def run(split: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        net = Reuse().double()
+        xs = [torch.randn(3, 5, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+        gs = [torch.randn(3, 5, dtype=torch.float64) for _ in range(4)]
+        if split:
+            one_f_one_b(net, xs, gs, True, outside_use=True)
+        else:
+            for x, g in zip(xs, gs, strict=True):
+                net(x).backward(g)
+        return grads(net, xs)
+
+    assert max_diff(run(True), run(False)) < TOL
+
+
+def test_a_one_stage_1f1b_list_matches_one_process(one_stage: RpcClient) -> None:
+    text = "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    weight_grads._STORES.clear()
+    reply, _ = one_stage.call("c", "run_step", RunStep(step=0, microbatches=MICROBATCHES_4,
+                                                       actions=parse_actions(text)), StepReply)
+    _, got = one_stage.call("c", "gradients", Empty(), TensorsReply)
+    assert len(weight_grads._STORES) == 1  # the B's in between split
+    grads_ref, _, losses_ref = reference("skip_model")
+    assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
+    assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
