@@ -663,8 +663,9 @@ def _bubbles(results: Results, jobs: dict[str, Any]) -> list[str]:
            "(`coordinator/runtime/bubble.py`, run.json's `bubbles`): median (min-max) over every timed "
            "step of every round; against the GPipe formula (p-1)/(m+p-1) (p: the workers of a replica's "
            "pipeline) and the simulator's prediction for the plan (the same arithmetic on its timeline). "
-           "run.json's measure counts a receive's wait for its data as busy, the simulator as idle; the "
-           "compute-only columns count only F, B, I and W as busy, on both sides.", "",
+           "Both count a worker busy while it computes (F, B, I, W). The compute-only columns are this "
+           "script's own arithmetic per stage, as a cross-check (a worker holding two stages, as interleaved "
+           "plans place them, counts them apart there, so its bubble looks larger).", "",
            "| configuration | p x m | (p-1)/(m+p-1) | predicted | measured | measured / predicted "
            "| compute only: predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]
