@@ -20,32 +20,17 @@ import zmq
 from comm import refusals
 from comm.codec import PROTOCOL_VERSION
 from comm.refusals import Refusals
-from comm.registry.memory import MemoryRegistry
 from comm.zmq import shm
 from comm.zmq.communicator import ZmqCommunicator
-from tests.harness.threads import run_ranks
+from tests.harness.threads import run_ranks, zmq_pair
 
 TIMEOUT = timedelta(seconds=20)
 
 
-
 @pytest.fixture()
 def pair() -> Iterator[list[ZmqCommunicator]]:
-    registry = MemoryRegistry()
-    comms: list[ZmqCommunicator] = []
-
-    def make(rank: int) -> Callable[[], None]:
-        def run() -> None:
-            comms.append(ZmqCommunicator.create(rank=rank, world_size=2, registry=registry,
-                                                prefix="/t/bad", timeout=TIMEOUT))
-        return run
-
-    run_ranks([make(0), make(1)])
-    comms.sort(key=lambda c: c.rank)
-    yield comms
-    for c in comms:
-        c.close()
-    registry.close()
+    with zmq_pair("/t/bad", TIMEOUT) as comms:
+        yield comms
 
 
 def _pack(*fields: object) -> bytes:

@@ -12,32 +12,19 @@ from datetime import timedelta
 import pytest
 import torch
 
-from comm.registry.memory import MemoryRegistry
 from comm.zmq import shm
 from comm.zmq.communicator import ZmqCommunicator
-from tests.harness.threads import run_ranks
+from tests.harness.threads import run_ranks, zmq_pair
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="shared memory needs x86-64 and /dev/shm")
 
 TIMEOUT = timedelta(seconds=20)
 
 
-
 @pytest.fixture()
 def pair() -> Iterator[list[ZmqCommunicator]]:
-    registry = MemoryRegistry()
-    comms: list[ZmqCommunicator] = []
-
-    def make(rank: int) -> Callable[[], None]:
-        return lambda: comms.append(ZmqCommunicator.create(rank=rank, world_size=2, registry=registry,
-                                                           prefix="/t/p2p", timeout=TIMEOUT))
-
-    run_ranks([make(0), make(1)])
-    comms.sort(key=lambda c: c.rank)
-    yield comms
-    for c in comms:
-        c.close()
-    registry.close()
+    with zmq_pair("/t/p2p", TIMEOUT) as comms:
+        yield comms
 
 
 def test_a_send_is_complete_on_return_and_the_tensor_free_to_change(pair: list[ZmqCommunicator]) -> None:
