@@ -46,7 +46,7 @@ from pydantic.fields import FieldInfo
 __all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "EvalConfig",
            "FactoryKwargs", "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig",
            "OptimizerConfig", "PlanConfig", "Precision", "RuntimeConfig", "SchedulerConfig",
-           "SchedulerKwargs", "Strategy", "apply_settings", "describe_validation", "from_flat",
+           "SchedulerKwargs", "Strategy", "ZeroStage", "apply_settings", "describe_validation", "from_flat",
            "parse_config", "section_of", "settable_fields", "setting_value"]
 
 Mode = Literal["collective", "parameter_server"]
@@ -55,6 +55,8 @@ CommBackend = Literal["auto", "zmq", "gloo", "nccl"]  # comm/factory.py: [Note: 
 Device = Literal["auto", "cpu", "cuda"]  # coordinator/planning/devices.py: [Note: where a stage runs]
 # the same values as services.protocol.Precision (a unit test keeps them equal; that module imports torch)
 Precision = Literal["fp32", "bf16", "fp16"]
+# what a stage's replicas shard: nothing; the optimizer state; + the gradients; + the parameters
+ZeroStage = Literal[0, 1, 2, 3]
 NonFinite = Literal["stop", "skip"]  # see coordinator/runtime/nonfinite.py: [Note: a step that is not finite]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 # the same union as services.protocol.FactoryKwargs (a unit test keeps them equal; that module imports torch)
@@ -190,6 +192,21 @@ class PlanConfig(_Section):
     precision: Precision = Field(default="fp32",
                                  description="fp32; or bf16 / fp16 autocast over float32 master weights "
                                              "(fp16 with a dynamic loss scale)")
+    # memory (docs/running.md, "Sharding, offload and recompute"): None leaves the choice to the planner
+    zero: ZeroStage | None = Field(default=None,
+                                   description="fix the ZeRO stage of collective mode: 0 replicates; 1 "
+                                               "shards the optimizer state, 2 also the gradients, 3 also "
+                                               "the parameters across a stage's replicas")
+    shard_factor: Positive | None = Field(default=None,
+                                          description="replicas per sharding group (hybrid sharding: shard "
+                                                      "inside a group, replicate across groups); None: all "
+                                                      "replicas of a stage")
+    recompute: bool | None = Field(default=None, description="recompute each cell's activations in the "
+                                                             "backward (torch.utils.checkpoint)")
+    offload: bool | None = Field(default=None, description="keep the optimizer state and master parameters "
+                                                           "in host memory and step them there")
+    staleness: int = Field(default=0, ge=0, description="parameter-server mode: the most steps a replica "
+                                                        "may run ahead of the slowest (0: synchronous)")
 
     @field_validator("schedule")
     @classmethod
@@ -211,6 +228,16 @@ class PlanConfig(_Section):
         if self.strategy == "data_parallel" and self.balance is not None and len(self.balance) != 1:
             raise ValueError(f"strategy='data_parallel' means one stage, but balance has "
                              f"{len(self.balance)}: change plan.strategy or plan.balance")
+        if self.zero and self.mode == "parameter_server":
+            raise ValueError(f"plan.zero={self.zero} shards state across collective replicas; "
+                             "parameter-server mode shards it on its servers already: drop plan.zero or "
+                             "plan.mode")
+        if self.shard_factor is not None and self.zero == 0:
+            raise ValueError("plan.shard_factor sizes the sharding groups of plan.zero 1, 2 or 3, and "
+                             "plan.zero is 0: drop one of them")
+        if self.staleness and self.mode != "parameter_server":
+            raise ValueError(f"plan.staleness={self.staleness} bounds the asynchronous parameter server: "
+                             "set plan.mode: parameter_server, or plan.staleness: 0")
         if self.balance is not None and self.num_stages not in (None, len(self.balance)):
             raise ValueError(f"balance has {len(self.balance)} stages but num_stages={self.num_stages}: "
                              "change plan.balance or plan.num_stages")

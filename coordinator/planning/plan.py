@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from coordinator.planning.config import Mode, Precision
+from coordinator.planning.config import Mode, Precision, ZeroStage
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.schedules import Schedule, build_schedule
@@ -103,6 +103,13 @@ class Plan(BaseModel):
         peak_memory_bytes: The largest per-worker peak.
         precision: What every stage computes in: ``fp32``, or ``bf16``/``fp16`` autocast over float32
             master weights (the cut tensors' dtypes are autocast's: see ``docs/running.md``).
+        zero_stage: What each stage's replicas shard among ``shard_factor`` of them (0: nothing;
+            1: optimizer state; 2: + gradients; 3: + parameters), collective mode only.
+        shard_factor: Replicas per sharding group (``data_parallel``: one group; fewer: hybrid
+            sharding, replicated across the ``data_parallel / shard_factor`` groups); 1 without ZeRO.
+        recompute: Each cell's activations are recomputed in the backward instead of held.
+        offload: The optimizer state and master parameters live in host memory, stepped there.
+        staleness: Parameter-server mode: how many steps a replica may run ahead (0: synchronous).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -127,10 +134,23 @@ class Plan(BaseModel):
     peak_memory_bytes: int
     precision: Precision = "fp32"
     chunks: int = Field(default=1, ge=1)
+    zero_stage: ZeroStage = 0
+    shard_factor: int = Field(default=1, ge=1)
+    recompute: bool = False
+    offload: bool = False
+    staleness: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
         d, p, v = self.data_parallel, self.num_stages, self.chunks
+        if self.zero_stage == 0 and self.shard_factor != 1:
+            raise ValueError(f"shard_factor={self.shard_factor} without sharding (zero_stage=0): use 1")
+        if self.zero_stage and (self.mode != "collective" or self.shard_factor < 2 or d % self.shard_factor):
+            raise ValueError(f"zero_stage={self.zero_stage} shards across groups of shard_factor >= 2 "
+                             f"collective replicas dividing data_parallel={d}; got shard_factor="
+                             f"{self.shard_factor}, mode {self.mode}")
+        if self.staleness and self.mode != "parameter_server":
+            raise ValueError(f"staleness={self.staleness} needs parameter-server mode, not {self.mode}")
         if self.global_batch != d * self.num_microbatches * self.microbatch_size:
             raise ValueError("global_batch must equal data_parallel * num_microbatches * microbatch_size")
         if len(self.stages) != p or len(self.bounds) != p + 1:
@@ -203,7 +223,8 @@ class Plan(BaseModel):
         chunks = f" ({self.chunks} per worker)" if self.chunks > 1 else ""
         return (f"d={self.data_parallel} x p={self.num_stages}{chunks} {self.schedule_name} "
                 f"m={self.num_microbatches} (microbatch {self.microbatch_size}) "
-                f"{self.mode}{_PRECISION_TEXT[self.precision]}: step {self.step_time_s * 1e3:.2f} ms, "
+                f"{self.mode}{self._memory_text()}{_PRECISION_TEXT[self.precision]}: "
+                f"step {self.step_time_s * 1e3:.2f} ms, "
                 f"peak {format_bytes(self.peak_memory_bytes)}")
 
     def __str__(self) -> str:
@@ -211,8 +232,8 @@ class Plan(BaseModel):
             f"plan: {self.data_parallel} replica(s) x {self.num_stages} stage(s) = "
             f"{self.num_workers} worker(s){self._chunks_text()}, "
             f"{self.schedule_name}, {self.num_microbatches} microbatches of {self.microbatch_size} "
-            f"(global batch {self.global_batch}), {self.mode.replace('_', ' ')}, cut by {self.cutter}"
-            f"{_PRECISION_TEXT[self.precision]}",
+            f"(global batch {self.global_batch}), {self.mode.replace('_', ' ')}{self._memory_text()}, "
+            f"cut by {self.cutter}{_PRECISION_TEXT[self.precision]}",
             f"predicted step {self.step_time_s * 1e3:.3f} ms = pipeline {self.pipeline_time_s * 1e3:.3f} "
             f"+ gradient sync {self.sync_time_s * 1e3:.3f} + messages {self.overhead_s * 1e3:.3f}; "
             f"bubble {self.bubble_fraction:.1%}; "
@@ -235,6 +256,20 @@ class Plan(BaseModel):
         if self.num_stages == 1:
             lines.append("  none (one stage)")
         return "\n".join(lines)
+
+    def _memory_text(self) -> str:
+        """``, ZeRO-2 over 2 of 4 replicas, recompute``: what the plan does to save memory ("" if nothing)."""
+        parts = []
+        if self.zero_stage:
+            groups = "" if self.shard_factor == self.data_parallel else f" in groups of {self.shard_factor}"
+            parts.append(f"ZeRO-{self.zero_stage} over {self.data_parallel} replicas{groups}")
+        if self.recompute:
+            parts.append("recompute")
+        if self.offload:
+            parts.append("optimizer offloaded")
+        if self.staleness:
+            parts.append(f"asynchronous (staleness {self.staleness})")
+        return "".join(f", {p}" for p in parts)
 
     def _chunks_text(self) -> str:
         """`` (2 stages per worker: 0,2 | 1,3)``: which stages each worker of a replica holds."""

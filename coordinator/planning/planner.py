@@ -97,7 +97,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import get_args
+from typing import Any, get_args
 
 from coordinator.planning.config import Mode, PlanConfig, Precision
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
@@ -278,9 +278,26 @@ def contended_share(sim: SimResult, workers: Sequence[Sequence[Worker]]) -> list
 # sample for a single stage (4-16x more actions for the same work).
 ACTION_OVERHEAD_S = 3e-4
 
+def _memory_fields(request: PlanConfig, d: int, mode: Mode) -> dict[str, Any]:
+    """The plan's memory fields for a shape of ``d`` replicas in ``mode``, as the request fixes them."""
+    zero = (request.zero or 0) if mode == "collective" and d > 1 else 0
+    return {"zero_stage": zero, "shard_factor": (request.shard_factor or d) if zero else 1,
+            "recompute": bool(request.recompute), "offload": bool(request.offload),
+            "staleness": request.staleness if mode == "parameter_server" else 0}
+
+
+def _shards_as_asked(request: PlanConfig, shape: Shape) -> bool:
+    """Whether a shape can shard as the request fixes it (``plan.zero``, ``plan.shard_factor``)."""
+    d, mode = shape[0], shape[2]
+    if not request.zero:
+        return True
+    factor = request.shard_factor or d
+    return mode == "collective" and d >= 2 and factor >= 2 and d % factor == 0
+
+
 def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None,
-              precision: Precision = "fp32") -> Candidate:
+              precision: Precision = "fp32", fields: dict[str, Any] | None = None) -> Candidate:
     d, p, mode, sched_name, m, v = shape
     ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
     mb = global_batch // (d * m)
@@ -377,7 +394,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                 step_time_s=sim.step_time_s + sync_time + overhead,
                 pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, overhead_s=overhead,
                 bubble_fraction=sim.bubble_fraction,
-                peak_memory_bytes=max(rank_memory), precision=precision, chunks=v)
+                peak_memory_bytes=max(rank_memory), precision=precision, chunks=v, **(fields or {}))
     return Candidate(d, p, mode, sched_name, m, plan, reason, v)
 
 
@@ -486,8 +503,15 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
     max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
     fixed = resolve(request, profile.num_nodes, max_stages, resources.num_workers)
     shapes = plan_shapes(request, fixed, global_batch)
+    sharded = [sh for sh in shapes if _shards_as_asked(request, sh)]
+    if shapes and not sharded:
+        factor = f" in groups of plan.shard_factor={request.shard_factor}" if request.shard_factor else ""
+        raise PlanningError(f"plan.zero={request.zero} shards a stage's state across 2 or more collective "
+                            f"replicas{factor}, and no plan the request allows has them (replicas: "
+                            f"{sorted({sh[0] for sh in shapes})}): give more workers, fix plan.data_parallel "
+                            "to a multiple of the factor, or drop plan.zero")
     return [_evaluate(profile, resources, sh, global_batch, cut_fn, request.cutter, request.balance,
-                      request.precision) for sh in shapes]
+                      request.precision, _memory_fields(request, sh[0], sh[2])) for sh in sharded]
 
 
 def _rank(c: Candidate) -> tuple[float, int, int, float]:

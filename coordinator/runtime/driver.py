@@ -68,7 +68,7 @@ from coordinator.planning.plan import Plan
 from coordinator.runtime.accumulation import accumulated_schedule
 from coordinator.runtime.clipping import global_norm, grad_scale
 from coordinator.runtime.devices import place_devices
-from coordinator.runtime.errors import JobFailed
+from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.evaluation import forward_actions
 from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
 from coordinator.runtime.nonfinite import first_nonfinite, overflowed, refuse
@@ -177,6 +177,11 @@ class Runtime:
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         tied = tied_per_stage(spec.tied, [(st.start, st.stop) for st in plan.stages])
         ids: dict[int, _Service] = {}
+        unbuilt = [f"{k}={getattr(plan, k)}" for k in ("zero_stage", "recompute", "offload", "staleness")
+                   if getattr(plan, k)]
+        if unbuilt:  # the plan fields the services do not run yet
+            raise JobError(f"this version of cellmesh cannot run plan {', '.join(unbuilt)} yet: drop "
+                           "plan.zero, plan.recompute, plan.offload and plan.staleness from the job")
         for sv in self.services:
             st = plan.stages[sv.stage]
             # the stage's tensors' keys (a tied copy another stage writes is restored from the same keys)
@@ -199,7 +204,9 @@ class Runtime:
                 eval_data=spec.eval_data, eval_data_kwargs=spec.eval_data_kwargs, metric=spec.metric,
                 leaves=list(spec.leaves), state_keys=keys,
                 tied=(TiedOptions(prefix=f"{gen}/tied/r{sv.replica}", params=tied[sv.stage])
-                      if tied[sv.stage] else None), turns=self._turns(sv))
+                      if tied[sv.stage] else None), turns=self._turns(sv),
+                zero_stage=plan.zero_stage, shard_factor=plan.shard_factor, recompute=plan.recompute,
+                offload=plan.offload)
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
                                     nodes=[st.start, st.stop], seed=spec.seed,
                                     options=options.model_dump(mode="json"))

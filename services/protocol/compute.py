@@ -151,6 +151,23 @@ class ComputeOptions(Message):
     # the worker holds other stages of this pipeline too (interleaved schedules): they take turns in its
     # merged order (services/compute/turns.py); None: the stage runs its list alone
     turns: TurnsOptions | None = None
+    # memory (coordinator/planning/plan.py: Plan.zero_stage and what follows): the replicas shard their state
+    # in groups of shard_factor consecutive replicas (0: nothing sharded; 1: optimizer state; 2: + gradients;
+    # 3: + parameters); recompute: each cell's activations recomputed in the backward; offload: optimizer
+    # state and master parameters in host memory
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    shard_factor: int = Field(default=1, ge=1)
+    recompute: bool = False
+    offload: bool = False
+
+    @model_validator(mode="after")
+    def _sharding(self) -> ComputeOptions:
+        if self.zero_stage and (self.shard_factor < 2 or self.num_replicas % self.shard_factor
+                                or self.grad_path != "collective"):
+            raise ValueError(f"zero_stage={self.zero_stage} needs collective replicas in groups of "
+                             f"shard_factor >= 2 dividing num_replicas={self.num_replicas}, got "
+                             f"{self.shard_factor}")
+        return self
 
     @property
     def data_parallel_backend(self) -> Backend:
