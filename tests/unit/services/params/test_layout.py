@@ -1,0 +1,93 @@
+"""The dim-0 shard layout: chunks, packing rank-major, and the collectives' view of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.params.layout import ShardLayout, chunk_rows, row_range, rows_of
+
+SHAPES = [(3, 2), (), (5,), (4, 3), (1, 7), (0, 2)]
+
+
+def _tensors(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+
+
+def test_rows_and_ranges_follow_ceil_division() -> None:
+    assert rows_of(()) == 1 and rows_of((7, 3)) == 7
+    assert chunk_rows(7, 4) == 2
+    assert [row_range(7, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert [row_range(3, 4, r) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 3)]
+    with pytest.raises(ValueError, match="outside"):
+        row_range(3, 2, 2)
+
+
+def test_worked_example_of_the_docstring() -> None:
+    w = torch.arange(6, dtype=torch.float64).view(3, 2)
+    b = torch.tensor(9.0, dtype=torch.float64)
+    layout = ShardLayout([w.shape, b.shape], 2)
+    assert layout.segment_numel == 5
+    assert layout.pack([w, b]).tolist() == [0, 1, 2, 3, 9, 4, 5, 0, 0, 0]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_pack_unpack_round_trip_and_segments_are_the_shards(world: int) -> None:
+    tensors = _tensors(SHAPES)
+    layout = ShardLayout([t.shape for t in tensors], world)
+    packed = layout.pack(tensors)
+    assert packed.numel() == world * layout.segment_numel
+    for rank in range(world):
+        segment = packed.view(world, -1)[rank]
+        for i, view in enumerate(layout.segment_views(segment.clone(), rank)):
+            assert torch.equal(view, layout.shard_of(tensors[i], i, rank))
+    out = [torch.full_like(t, -1.0) for t in tensors]
+    layout.unpack(packed, out)
+    for t, o in zip(tensors, out, strict=True):
+        assert torch.equal(t, o)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shards_cover_each_parameter_once(world: int) -> None:
+    for t in _tensors(SHAPES):
+        layout = ShardLayout([t.shape], world)
+        parts = [layout.shard_of(t, 0, r) for r in range(world)]
+        whole = torch.cat([p.reshape(-1) for p in parts])
+        assert torch.equal(whole, t.reshape(-1))
+
+
+def test_reduce_scatter_of_packed_buffers_is_the_shard_of_the_sum() -> None:
+    world = 3
+    ranks = [_tensors(SHAPES) for _ in range(world)]
+    for k, ts in enumerate(ranks):
+        for t in ts:
+            t.mul_(k + 1)
+    layout = ShardLayout([t.shape for t in ranks[0]], world)
+    total = sum(layout.pack(ts) for ts in ranks)
+    assert isinstance(total, torch.Tensor)
+    for rank in range(world):
+        segment = total.view(world, -1)[rank].clone()  # what reduce_scatter leaves on rank
+        for i, view in enumerate(layout.segment_views(segment, rank)):
+            expected = layout.shard_of(sum(ts[i] for ts in ranks), i, rank)  # type: ignore[arg-type]
+            assert torch.allclose(view, expected)
+
+
+def test_shard_of_is_a_view_and_pack_pads_with_zeros() -> None:
+    t = torch.zeros(5, 2)
+    layout = ShardLayout([t.shape], 2)
+    layout.shard_of(t, 0, 1).fill_(1.0)
+    assert t[3:].sum() == 4 and t[:3].sum() == 0
+    buffer = torch.full((layout.numel,), 7.0)
+    layout.pack([t], out=buffer)
+    assert buffer.view(2, -1)[1, 4:].eq(0).all()  # rows 3, 4 and one row of padding
+
+
+def test_bad_input_names_what_is_wrong() -> None:
+    layout = ShardLayout([(3, 2)], 2)
+    with pytest.raises(ValueError, match="expected shape"):
+        layout.shard_of(torch.zeros(2, 3), 0, 0)
+    with pytest.raises(ValueError, match="1 parameters, got 2"):
+        layout.pack([torch.zeros(3, 2), torch.zeros(1)])
+    with pytest.raises(ValueError, match="segment has"):
+        layout.segment_views(torch.zeros(3), 0)
