@@ -52,7 +52,11 @@ group; parameter-server mode with replicas is refused at assignment.
 Data parallelism. Replicas of one stage synchronise gradients through the stage's
 gradient path (:mod:`services.params.grad_path`): ``run_step`` begins it (waiting for the
 data-parallel group, bounded by the step's deadline) and the executor arms and finishes
-it around the last backward.
+it around the last backward. With ``zero_stage`` 1 or 2 (:mod:`services.params.zero`) the
+optimizer steps this replica's rows of each parameter and the commit all-gathers the rows
+(an ``all_gather`` phase); a checkpoint still holds whole optimizer state by name. A ZeRO-2
+replica holds only its gradient shards after a step, so ``gradients`` lists every parameter as
+missing then. Each step reply carries the bytes the stage holds (``StepReply.held_bytes``).
 
 Tied parameters (``ComputeOptions.tied``: a Parameter other stages hold too, such as an
 embedding tied to the output head). The executor sums their gradients over the holding

@@ -214,8 +214,9 @@ class ZeroPath(CollectivePath):
     # -- the update ---------------------------------------------------------------------
 
     def optimizer_params(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
-        """What the stage's optimizer steps: this rank's rows of each of ``params``, by name."""
-        return [(n, self._shards[id(p)]) for n, p in params]
+        """What the stage's optimizer steps: this rank's rows of each of ``params``, by name (a frozen
+        parameter as it is: it never gets a gradient)."""
+        return [(n, self._shards.get(id(p), p)) for n, p in params]
 
     def attach_grads(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
         """Point each shard's ``.grad`` at its rows of the step's averaged gradient (None: no gradient)."""
