@@ -85,6 +85,13 @@ def test_data_parallel_sharding_matches_one_process(harness: LocalHarness, zero:
     assert {"all_gather", "all_reduce" if zero == 1 else "reduce_scatter"} <= phases(result)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_hybrid_sharding_over_gloo_matches_one_process(harness: LocalHarness, zero: int) -> None:
+    """torch's gloo process groups: the sub-groups are process groups of their own."""
+    result = fit_and_compare(harness, make_job("mixed", "adamw", comm_backend="gloo", **dp(zero, 4, 2)))
+    assert result.plan is not None and result.plan.shard_factor == 2
+
+
 @pytest.mark.parametrize("plan", [dp(2, 2), dp(1, 4, 2)])
 def test_mixed_dtypes_shard_in_buckets_of_one_dtype(harness: LocalHarness, plan: dict[str, Any]) -> None:
     """A float32 layer among float64 ones: its gradient travels in a float32 bucket of its own."""
