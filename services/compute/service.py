@@ -20,7 +20,7 @@ action list runs). RPC surface (service kind ``compute``):
 * ``zero_grad(ZeroGradRequest) -> Empty``.
 * ``optimizer_step(OptimizerStepRequest) -> OptimizerStepReply``: a ``torch.optim``
   class by name; built on the first call and kept (its state lives with the stage), run
-  on the step thread.
+  on the step thread (refused when the replicas shard the optimizer: ``commit`` runs theirs).
 * ``reconnect(Reconnect) -> Empty``: replace the communicator (a new generation prefix).
 * ``commit(CommitStep) -> CommitReply``: apply the step's update, on the step thread: the
   gradients multiplied by ``grad_scale`` first (fp16's loss scale undone, clipping by the global
@@ -373,6 +373,10 @@ class CellComputeService(ServiceBase):
         return Empty()
 
     def rpc_optimizer_step(self, request: OptimizerStepRequest, call: Call) -> None:
+        if self._zero is not None:
+            raise RpcError("bad_request", f"stage {self._stage.index}: its replicas shard the optimizer "
+                                          f"(plan.zero={self._zero.stage}), whose step all-gathers the "
+                                          "parameters: apply updates with commit")
         with self._lock:
             self._check_idle("apply an optimizer step")
             optimizer = self._optimizer or self._build_optimizer(request.optimizer)
