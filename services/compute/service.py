@@ -95,6 +95,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from pydantic import BaseModel, ValidationError
@@ -147,6 +148,8 @@ from services.protocol import (
 __all__ = ["CellComputeService"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The host answers `timeout` this long after a step's own deadline, if the step thread has
 # not answered by then (it normally does: every wait inside a step is bounded by the deadline).
@@ -443,7 +446,9 @@ class CellComputeService(ServiceBase):
             self._update(optimizer, commit)
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
             if self._zero is not None:
-                phases.append(self._gather_params(commit, timeout))
+                zero = self._zero
+                phases.append(self._in_group(commit, "all-gathering the parameters",
+                                             lambda: zero.gather_params(timeout)))
         else:
             faults.at(step, "push_pull")
             owned = [(n, p) for n, p in self._stage.parameters() if n not in self._mirrors]
@@ -467,7 +472,9 @@ class CellComputeService(ServiceBase):
             start = time.time()
             state: OptimizerState | None = optimizer
             if self._zero is not None and optimizer is not None:  # whole tensors, as every plan saves them
-                state = FullState(self._zero.full_state(optimizer, timeout))
+                zero, held = self._zero, optimizer
+                state = FullState(self._in_group(commit, "all-gathering the optimizer state",
+                                                 lambda: zero.full_state(held, timeout)))
             snap = snapshot(commit.save.step, self._part, self._stage.state(), self._stage.parameters(),
                             state, self._state_keys, share=(self._replica, self._replicas),
                             skip=self._mirrors)
@@ -491,16 +498,15 @@ class CellComputeService(ServiceBase):
             raise StepFailed(f"stage {self._stage.index}, commit of step {commit.train_step + 1}: {exc}",
                              transfers_posted=False) from exc
 
-    def _gather_params(self, commit: CommitStep, timeout: timedelta) -> PhaseTiming:
-        """ZeRO: the updated rows all-gathered in the group (a failure leaves the group to reconnect)."""
-        assert self._zero is not None
+    def _in_group(self, commit: CommitStep, what: str, run: Callable[[], T]) -> T:
+        """ZeRO: a collective of the commit in the sharding group (on failure the group must reconnect)."""
         try:
-            return self._zero.gather_params(timeout)
+            return run()
         except Exception as exc:
-            what = f"stage {self._stage.index}, commit of step {commit.step}: all-gathering the parameters"
+            where = f"stage {self._stage.index}, commit of step {commit.step}: {what}"
             with self._lock:
-                self._poisoned = f"{what} failed"
-            raise StepFailed(f"{what}: {type(exc).__name__}: {exc}", transfers_posted=True) from exc
+                self._poisoned = f"{where} failed"
+            raise StepFailed(f"{where}: {type(exc).__name__}: {exc}", transfers_posted=True) from exc
 
     def _held_bytes(self) -> int:
         """Bytes of the stage's parameters, the gradients it holds and its optimizer state."""
