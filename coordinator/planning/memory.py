@@ -106,7 +106,8 @@ def memory_options(request: PlanConfig, data_parallel: int, mode: Mode, on_cuda:
     """The options to evaluate for a shape of ``data_parallel`` replicas in ``mode``, replicated first.
 
     A fixed field is the only value of its option; an open one runs over what ``automatic`` allows
-    (ZeRO only for 2 or more collective replicas, offload only on CUDA workers).
+    (ZeRO only for 2 or more collective replicas, offload only on CUDA workers in collective mode:
+    parameter servers step their shards themselves).
     """
     factor = request.shard_factor or data_parallel
     shards = mode == "collective" and data_parallel > 1 and factor >= 2 and data_parallel % factor == 0
@@ -117,7 +118,7 @@ def memory_options(request: PlanConfig, data_parallel: int, mode: Mode, on_cuda:
     recompute = ([request.recompute] if request.recompute is not None
                  else [False, True][:1 + automatic.recompute])
     offload = ([request.offload] if request.offload is not None
-               else [False, True][:1 + (automatic.offload and on_cuda)])
+               else [False, True][:1 + (automatic.offload and on_cuda and mode == "collective")])
     return [MemoryOption(z, factor if z else 1, r, o) for r in recompute for z in zeros for o in offload]
 
 

@@ -17,7 +17,7 @@ import pytest
 from coordinator.planning.config import PlanConfig
 from coordinator.planning.cutting import CutProblem, cut_min_max
 from coordinator.planning.memory import AUTOMATIC, Automatic
-from coordinator.planning.plan import MemoryUse
+from coordinator.planning.plan import MemoryUse, Plan
 from coordinator.planning.planner import (
     COLLECTIVE_EFFICIENCY,
     CellBytes,
@@ -89,6 +89,7 @@ def test_one_stage_per_worker_memory_by_hand(d: int, zero: int, factor: int | No
     assert plan.stages[0].memory == expected
     assert plan.peak_memory_bytes == plan.stages[0].peak_memory_bytes == expected.total
     assert plan.fullest_memory() == (0, expected)
+    assert Plan.from_json(plan.to_json()) == plan
 
 
 # two stages (nodes 0-1: P 3, A 2, inputs 0.25; nodes 2-3: P 7, A 3, inputs 0.625 MiB), 2 replicas, GPipe
