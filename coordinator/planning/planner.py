@@ -607,7 +607,19 @@ def check_memory_floor(cells: Sequence[CellBytes], resources: Resources, optimiz
         f"({format_bytes(state)}) need at least {format_bytes(need)} on one worker even spread over "
         f"{resources.num_workers} workers ({shape}), and the largest worker has {format_bytes(budget)}; "
         "give the workers more memory, add workers, or train a smaller model or with an optimizer that "
-        "keeps less state (SGD)")
+        f"keeps less state (SGD){_sharded_floor(cells, resources, optimizer, zero, budget)}")
+
+
+def _sharded_floor(cells: Sequence[CellBytes], resources: Resources, optimizer: str, counted: Sequence[int],
+                   budget: float) -> str:
+    """``; ZeRO-3 would bring it to ...``: when a ZeRO stage the floor did not count would fit."""
+    if 3 in counted:
+        return ""
+    need, shape = memory_floor(cells, resources.num_workers, optimizer, (0, 1, 2, 3))
+    if need > budget + MEMORY_SLACK * max(1.0, budget):
+        return ""
+    return (f"; sharding its state (plan.zero) would bring it to {format_bytes(need)} per worker ({shape}), "
+            "which this version of cellmesh does not run yet")
 
 
 def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
