@@ -84,6 +84,9 @@ class CutProblem:
             (``services.compute.weight_grads.defers``); such a stage holds, per microbatch in
             flight, the larger of the two on each node.
         memory_limit: Per stage, the bytes it may use; None means unlimited.
+        transient_bytes: Memory a node needs only while it runs (ZeRO-3's gathered parameters, a
+            recomputed cell's activations: ``coordinator/planning/memory.py``), length ``n``; a stage
+            adds its largest node's. None: nothing.
 
     Raises:
         ValueError: On inconsistent lengths, negative costs or ``num_stages`` outside 1..n.
@@ -99,6 +102,7 @@ class CutProblem:
     memory_limit: tuple[float, ...] | None = None
     deferred_bytes: tuple[float, ...] | None = None
     defers: tuple[bool, ...] | None = None
+    transient_bytes: tuple[float, ...] | None = None
     _prefix: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +126,8 @@ class CutProblem:
                 self.deferred_bytes is not None and self.defers is not None
                 and (len(self.deferred_bytes) != n or len(self.defers) != self.num_stages)):
             raise ValueError("deferred_bytes (n entries) and defers (one per stage) come together")
+        if self.transient_bytes is not None and len(self.transient_bytes) != n:
+            raise ValueError("transient_bytes needs n entries")
         object.__setattr__(self, "_prefix", np.concatenate([[0.0], np.cumsum(self.compute_s)]))
 
     @property
@@ -149,7 +155,8 @@ class CutProblem:
         held = self.held_bytes(stage)
         if self.static_bytes is None or held is None or self.in_flight is None:
             return 0.0
-        return sum(self.static_bytes[start:stop]) + sum(held[start:stop]) * self.in_flight[stage]
+        transient = max(self.transient_bytes[start:stop]) if self.transient_bytes is not None else 0.0
+        return sum(self.static_bytes[start:stop]) + sum(held[start:stop]) * self.in_flight[stage] + transient
 
     def check(self, bounds: Sequence[int]) -> Bounds:
         """Validates boundaries against the problem and returns them as a tuple.
@@ -189,6 +196,16 @@ class Cutter(Protocol):
     def __call__(self, problem: CutProblem, /) -> Bounds: ...
 
 
+def _range_max(values: Sequence[float]) -> np.ndarray:
+    """``out[i, j] = max(values[i:j])`` for ``i < j`` (0 elsewhere), for ``n + 1`` bounds."""
+    n = len(values)
+    out = np.zeros((n + 1, n + 1))
+    v = np.asarray(values, dtype=np.float64)
+    for i in range(n):
+        out[i, i + 1:] = np.maximum.accumulate(v[i:])
+    return out
+
+
 def cut_min_max(problem: CutProblem) -> Bounds:
     """The exact min-max cut: no other boundaries give a faster slowest stage.
 
@@ -221,6 +238,8 @@ def cut_min_max(problem: CutProblem) -> Bounds:
         assert problem.static_bytes is not None and problem.activation_bytes is not None
         ps = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
         mem_static = ps[None, :] - ps[:, None]
+        if problem.transient_bytes is not None and any(problem.transient_bytes):
+            mem_static = mem_static + _range_max(problem.transient_bytes)
 
     def stage_cost(s: int) -> np.ndarray:
         held = problem.held_bytes(s)

@@ -21,10 +21,40 @@ from coordinator.planning.graph import CutInfo
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.schedules import Schedule, build_schedule
 
-__all__ = ["Plan", "StagePlan"]
+__all__ = ["MemoryUse", "Plan", "StagePlan"]
 
 # how the plan's precision reads after its shape (fp32, the default, reads as nothing)
 _PRECISION_TEXT = {"fp32": "", "bf16": ", bf16 autocast", "fp16": ", fp16 autocast + loss scaling"}
+
+
+class MemoryUse(BaseModel):
+    """A worker's predicted peak bytes, by what holds them (``coordinator/planning/memory.py``).
+
+    ``params`` counts buffers and, under ZeRO-3, the cells gathered at once; ``activations`` the
+    microbatches in flight (or their inputs, with recompute), deferred weight gradients and the
+    recomputed cell.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    params: int = Field(default=0, ge=0)
+    grads: int = Field(default=0, ge=0)
+    optimizer: int = Field(default=0, ge=0)
+    activations: int = Field(default=0, ge=0)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def __add__(self, other: MemoryUse) -> MemoryUse:
+        return MemoryUse(params=self.params + other.params, grads=self.grads + other.grads,
+                         optimizer=self.optimizer + other.optimizer,
+                         activations=self.activations + other.activations)
+
+    def text(self) -> str:
+        """``parameters 8 MiB + gradients 8 MiB + optimizer state 16 MiB + activations 1 MiB``."""
+        return (f"parameters {format_bytes(self.params)} + gradients {format_bytes(self.grads)} + optimizer "
+                f"state {format_bytes(self.optimizer)} + activations {format_bytes(self.activations)}")
 
 
 class StagePlan(BaseModel):
@@ -34,8 +64,9 @@ class StagePlan(BaseModel):
     ``start``) and sends ``outgoing`` (cut ``stop``) once per microbatch, shapes at the
     plan's microbatch size (stage 0's incoming are the model inputs, the last stage's
     outgoing its outputs; neither travels between stages). Times are per microbatch on
-    the stage's slowest worker. ``devices[i]`` is the kind of device ``workers[i]`` runs the
-    stage on (``coordinator/planning/devices.py``; empty: all on the CPU).
+    the stage's slowest worker; ``memory`` is ``peak_memory_bytes`` by part. ``devices[i]`` is the
+    kind of device ``workers[i]`` runs the stage on (``coordinator/planning/devices.py``; empty: all on
+    the CPU).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -53,6 +84,7 @@ class StagePlan(BaseModel):
     optimizer_s: float = 0.0
     in_flight: int
     peak_memory_bytes: int
+    memory: MemoryUse = MemoryUse()
     incoming: CutInfo
     outgoing: CutInfo
     devices: tuple[Literal["cpu", "cuda"], ...] = ()
@@ -202,6 +234,13 @@ class Plan(BaseModel):
         replica, _ = self.role(worker)
         return tuple(s for s in range(self.num_stages) if self.placement[replica][s] == worker)
 
+    def fullest_memory(self) -> tuple[int, MemoryUse]:
+        """The rank (a replica's worker) whose stages hold the most, and what they hold by part."""
+        held = [sum((self.stages[s].memory for s in range(k, self.num_stages, self.num_ranks)), MemoryUse())
+                for k in range(self.num_ranks)]
+        rank = max(range(self.num_ranks), key=lambda k: held[k].total)
+        return rank, held[rank]
+
     def schedule(self) -> Schedule:
         """Every stage's action list (the same for every replica), validated; what ``RunStep`` carries."""
         return build_schedule(self.schedule_name, self.num_stages, self.num_microbatches, self.chunks)
@@ -247,7 +286,7 @@ class Plan(BaseModel):
             lines.append(f"{st.index:>5}  {span:<24} {st.forward_s * 1e3:>8.3f} {st.backward_s * 1e3:>8.3f} "
                          f"{st.transfer_s * 1e3:>8.3f} {st.sync_s * 1e3:>8.3f} {st.in_flight:>4} "
                          f"{format_bytes(st.peak_memory_bytes):>10} {st.device:>8}  {', '.join(st.workers)}")
-        lines += ["", "crossing tensors per microbatch:"]
+        lines += [self._fullest_text(), "", "crossing tensors per microbatch:"]
         for st in self.stages[:-1]:
             tensors = ", ".join(f"{t.name}{list(t.shape)} {t.dtype}{'' if t.requires_grad else ' (no grad)'}"
                                 for t in st.outgoing.tensors)
@@ -256,6 +295,13 @@ class Plan(BaseModel):
         if self.num_stages == 1:
             lines.append("  none (one stage)")
         return "\n".join(lines)
+
+    def _fullest_text(self) -> str:
+        """``memory of the fullest worker (w1, stage 1): parameters ... + activations ...``."""
+        rank, use = self.fullest_memory()
+        stages = ", ".join(map(str, range(rank, self.num_stages, self.num_ranks)))
+        return (f"memory of the fullest worker ({self.placement[0][rank]}, stage{'s' * (self.chunks > 1)} "
+                f"{stages}): {use.text()}")
 
     def _memory_text(self) -> str:
         """``, ZeRO-2 over 2 of 4 replicas, recompute``: what the plan does to save memory ("" if nothing)."""

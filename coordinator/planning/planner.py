@@ -80,33 +80,64 @@ resolves the request against the model, the workers and the batch (which fixed c
 possible, which shapes exist: ``coordinator/planning/request.py``), then evaluates each shape.
 A request that nothing satisfies raises :class:`PlanningError` saying why and what fits.
 
+[Note: choosing the memory options] Each shape is evaluated under the memory options the request
+leaves open (``coordinator/planning/memory.py``: ZeRO stage, recompute, offload), within
+:data:`~coordinator.planning.memory.AUTOMATIC` (what the runtime runs), and under those it fixes.
+The options share the shape's work: the schedule, and per recompute setting the cut that ignores
+memory and its simulation. An option takes that cut when it fits its memory (each option has its
+own: the cutter's limit depends on it), else the cutter's best cut within its memory; each cut is
+simulated once, with the replicated optimizer steps at the start of each stage. An option that
+shrinks (ZeRO: ``1/F``) or moves (offload) a stage's optimizer step starts the stage earlier: the
+step is the simulation's minus the least any rank saves (its stages' steps run before its first
+action), plus the option's unhidden sync (``coordinator/planning/sharding.py``) and the messages.
+So ZeRO and offload cost a shape no simulation when its compute-optimal cut fits, and recompute
+(which changes the stage times: each backward pays its forward again) one more cut and simulation,
+only for a shape where no option without recompute fits with the compute-optimal cut (recompute
+adds compute there and frees memory nobody needs). ``exhaustive=True`` evaluates recompute
+everywhere: the tests check that both choose the same plan.
+
 [Note: the memory floor] Before a model is profiled (or even allocated), its cells' bytes
 (parameters, buffers, and the gradients and optimizer state of the trainable ones) tell
 the least static memory any plan puts on its fullest worker: :func:`memory_floor` takes,
 over every replica count ``d`` and the most stages ``p`` the workers and cells allow, the
 best contiguous split of the cells' static bytes as :func:`cut_problem` counts them
-(parameter-server mode shards ``1/d`` of the optimizer state and a master copy). Activations
+(parameter-server mode shards ``1/d`` of the optimizer state and a master copy; the ZeRO stages
+the planner may use shard over all ``d`` replicas, ZeRO-3 with its gathered cells on one stage;
+offload, where it may be used, takes the optimizer state out). Activations
 only add to it, so a model whose floor exceeds the largest worker fits no plan:
 :func:`check_memory_floor` refuses it in seconds instead of after profiling it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import get_args
 
-from coordinator.planning.config import Mode, PlanConfig, Precision
+from coordinator.planning import memory
+from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
 from coordinator.planning.graph import TensorMeta
+from coordinator.planning.memory import (
+    AUTOMATIC,
+    REPLICATED,
+    ZERO3_GATHERED_UNITS,
+    Automatic,
+    MemoryOption,
+    memory_options,
+    node_memory,
+    offload_problem,
+)
 from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
 from coordinator.planning.schedules import build_schedule, peak_in_flight
+from coordinator.planning.sharding import optimizer_s, sharded_sync
 from coordinator.planning.simulator import SimResult, StageCosts, compute_overlap, simulate
 from services.compute.weight_grads import defers
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
@@ -134,6 +165,7 @@ class Candidate:
     plan: Plan | None
     reason: str
     chunks: int = 1  # stages per worker (interleaved-1f1b)
+    option: MemoryOption = REPLICATED  # how its workers save memory
 
     @property
     def fits(self) -> bool:
@@ -211,7 +243,8 @@ def _scaled_cuts(profile: Profile, size: int) -> tuple[list[tuple[TensorMeta, ..
 def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | None = None,
                 bandwidth_bps: float, latency_s: float, speed: float = 1.0, data_parallel: int = 1,
                 mode: Mode = "collective", in_flight: Sequence[int] | None = None,
-                memory_limit: Sequence[float] | None = None, defers: Sequence[bool] | None = None
+                memory_limit: Sequence[float] | None = None, defers: Sequence[bool] | None = None,
+                option: MemoryOption = REPLICATED, num_microbatches: int = 1, on_cuda: bool = False
                 ) -> CutProblem:
     """The cutter's view of a profile (see [Note: transfer cost] in ``coordinator/planning/cutting.py``).
 
@@ -229,6 +262,10 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
         memory_limit: Bytes each stage's worker may use; None ignores memory.
         defers: Per stage, whether it defers its linear layers' weight gradients (its schedule's list:
             ``services.compute.weight_grads.defers``); None: no stage does.
+        option: How the workers save memory (``coordinator/planning/memory.py``); recompute makes
+            each backward pay its forward again.
+        num_microbatches: Per step (sharded gradients accumulate whole over several).
+        on_cuda: Whether the workers run on CUDA (offload saves only there).
     """
     mb = microbatch_size or profile.microbatch_size
     scale = mb / profile.microbatch_size
@@ -236,19 +273,18 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
     _, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
     cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
                   for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
-    # parameter server: the worker keeps 1/d of the optimizer state and a 1/d master copy
-    ps_share = 1.0 / data_parallel if mode == "parameter_server" else None
-    static = tuple(nd.param_bytes + nd.buffer_bytes + nd.grad_bytes
-                   + (nd.optimizer_state_bytes if ps_share is None
-                      else (nd.optimizer_state_bytes + nd.param_bytes) * ps_share)
-                   for nd in profile.nodes)
+    memory = node_memory(profile.nodes, option, mode=mode, data_parallel=data_parallel,
+                         num_microbatches=num_microbatches,
+                         activation_bytes=[nd.activation_bytes * scale for nd in profile.nodes],
+                         input_bytes=fwd_bytes[:-1], on_cuda=on_cuda)
     limits = tuple(memory_limit) if memory_limit is not None else None
-    return CutProblem(tuple((f + b) / speed for f, b in times), cut_s, num_stages,
-                      tuple(c.cuttable for c in profile.cuts), static,
-                      tuple(nd.activation_bytes * scale for nd in profile.nodes),
+    recompute = 2 if option.recompute else 1  # the backward pays the forward again
+    return CutProblem(tuple((recompute * f + b) / speed for f, b in times), cut_s, num_stages,
+                      tuple(c.cuttable for c in profile.cuts), memory.static, memory.held,
                       tuple(in_flight) if in_flight is not None else (1,) * num_stages, limits,
                       None if defers is None else tuple(nd.deferred_bytes * scale for nd in profile.nodes),
-                      None if defers is None else tuple(defers))
+                      None if defers is None else tuple(defers),
+                      memory.transient if any(memory.transient) else None)
 
 
 def contended_share(sim: SimResult, workers: Sequence[Sequence[Worker]]) -> list[float]:
@@ -278,14 +314,6 @@ def contended_share(sim: SimResult, workers: Sequence[Sequence[Worker]]) -> list
 # sample for a single stage (4-16x more actions for the same work).
 ACTION_OVERHEAD_S = 3e-4
 
-def _memory_fields(request: PlanConfig, d: int, mode: Mode) -> dict[str, Any]:
-    """The plan's memory fields for a shape of ``d`` replicas in ``mode``, as the request fixes them."""
-    zero = (request.zero or 0) if mode == "collective" and d > 1 else 0
-    return {"zero_stage": zero, "shard_factor": (request.shard_factor or d) if zero else 1,
-            "recompute": bool(request.recompute), "offload": bool(request.offload),
-            "staleness": request.staleness if mode == "parameter_server" else 0}
-
-
 def _shards_as_asked(request: PlanConfig, shape: Shape) -> bool:
     """Whether a shape can shard as the request fixes it (``plan.zero``, ``plan.shard_factor``)."""
     d, mode = shape[0], shape[2]
@@ -295,107 +323,192 @@ def _shards_as_asked(request: PlanConfig, shape: Shape) -> bool:
     return mode == "collective" and d >= 2 and factor >= 2 and d % factor == 0
 
 
+@dataclass(frozen=True)
+class _Played:
+    """A cut of a shape played in the simulator (shared by the memory options with that cut)."""
+
+    costs: StageCosts
+    sim: SimResult
+    slow_b: tuple[float, ...]  # each stage's backward slowdown on a shared host
+
+
 def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None,
-              precision: Precision = "fp32", fields: dict[str, Any] | None = None) -> Candidate:
+              request: PlanConfig = _SEARCH_ALL, automatic: Automatic = AUTOMATIC,
+              exhaustive: bool = False) -> list[Candidate]:
+    """The candidates of one shape: one per memory option evaluated (see [Note: choosing the memory
+    options]), the replicated option first."""
     d, p, mode, sched_name, m, v = shape
+    precision = request.precision
     ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
     mb = global_batch // (d * m)
-    times = profile.node_times(mb)
     placement = tuple(tuple(resources.workers[r * ranks + s % ranks].name for s in range(p))
                       for r in range(d))
     workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
     placed = {w.name: w for ws in workers for w in ws}  # each worker once (it may hold several stages)
     on_cpu = all(w.device == "cpu" for w in placed.values())
+    on_cuda = all(w.device == "cuda" for w in placed.values())
     hosts = [w.host for w in placed.values() if w.host is not None]
     shared_host = on_cpu and len(hosts) > len(set(hosts))  # see [Note: contention on a shared host]
     speed = [min(w.speed for w in ws) for ws in workers]
     bw, lat = resources.slowest_link(list(placed))
     schedule = build_schedule(sched_name, p, m, v)
     in_flight = tuple(peak_in_flight(acts) for acts in schedule.actions)
+    defer = [defers(acts) and precision == "fp32" for acts in schedule.actions]
     # a worker's stages share its memory: the cutter gives each its 1/v share, the fit is checked per worker
-    problem = cut_problem(profile, p, microbatch_size=mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed),
-                          data_parallel=d, mode=mode, in_flight=in_flight,
-                          memory_limit=[float(min(w.memory_bytes for w in ws)) / v for ws in workers],
-                          defers=[defers(acts) and precision == "fp32" for acts in schedule.actions])
+    limit = [float(min(w.memory_bytes for w in ws)) / v for ws in workers]
     metas, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
-    cut_s, nodes = problem.cut_s, profile.nodes
-    cut_error = ""  # why no cut fits memory, when only a cut ignoring memory exists
-    try:
-        bounds = problem.check(balance_bounds(balance) if balance is not None else cutter(problem))
-    except CutError as exc:
-        try:  # the best cut ignoring memory tells how much memory the shape needs (reason set below)
-            free = dataclasses.replace(problem, memory_limit=None)
-            bounds = free.check(balance_bounds(balance) if balance is not None else cutter(free))
-        except CutError:
-            return Candidate(d, p, mode, sched_name, m, None, str(exc), v)
-        cut_error = str(exc)
-    spans = list(itertools.pairwise(bounds))
-    alone_f = [sum(f for f, _ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
-    alone_b = [sum(b_ for _, b_ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
+    nodes = profile.nodes
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
-    share = 1.0 if mode == "collective" else 1.0 / d  # a parameter shard updates 1/d of the stage
-    optimizer = tuple(sum(nd.grad_bytes for nd in nodes[a:b]) * share * traffic / OPTIMIZER_BANDWIDTH_BPS
-                      / speed[s] for s, (a, b) in enumerate(spans))
-    inner = bounds[1:-1]
+    fields = {"staleness": request.staleness if mode == "parameter_server" else 0}
+    offload_reason = offload_problem(request, on_cuda)
+    played: dict[tuple[tuple[int, ...], bool], _Played] = {}
+    free_cuts: dict[bool, tuple[int, ...] | str] = {}  # per recompute: the cut ignoring memory, or why none
 
-    def play(slow_f: Sequence[float], slow_b: Sequence[float]) -> tuple[StageCosts, SimResult]:
-        costs = StageCosts(tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_f, slow_f, strict=True)),
-                           tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_b, slow_b, strict=True)),
-                           tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
-                           tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
-                           tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans)),
-                           start_s=optimizer)
-        return costs, simulate(schedule, costs)
+    def problem_of(option: MemoryOption) -> CutProblem:
+        return cut_problem(profile, p, microbatch_size=mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed),
+                           data_parallel=d, mode=mode, in_flight=in_flight, memory_limit=limit, defers=defer,
+                           option=option, num_microbatches=m, on_cuda=on_cuda)
 
-    slow_f = slow_b = [1.0] * p
-    costs, sim = play(slow_f, slow_b)
-    if shared_host:  # played again with each stage's compute slowed for its contended share
-        contended = contended_share(sim, workers)
-        slow_f = [1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * c for c in contended]
-        slow_b = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * c for c in contended]
-        costs, sim = play(slow_f, slow_b)
-    fwd, bwd = costs.forward_s, costs.backward_s
-    stages = []
-    reason = ""
-    for s, (a, b) in enumerate(spans):
-        names = [w.name for w in workers[s]]
-        grad = sum(nd.grad_bytes for nd in nodes[a:b])
-        hidden = _after_first_bucket([nd.grad_bytes for nd in nodes[a:b]],
-                                     [b_ * slow_b[s] / speed[s] for _, b_ in times[a:b]])
-        sync = _sync(mode, grad, d, hidden, *resources.slowest_link(names))
-        memory = int(problem.stage_memory(s, a, b))
-        xfer = (cut_s[a] if s > 0 else 0.0) + (cut_s[b] if s < p - 1 else 0.0)
-        stages.append(StagePlan(
-            index=s, start=a, stop=b, nodes=tuple(nd.name for nd in nodes[a:b]), workers=tuple(names),
-            forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
-            param_bytes=sum(nd.param_bytes for nd in nodes[a:b]), optimizer_s=optimizer[s],
-            in_flight=in_flight[s],
-            peak_memory_bytes=memory,
-            incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
-            outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
-    # per worker: its stages' memory (each at its own peak: an upper bound) and their unhidden syncs
-    held = [range(k, p, ranks) for k in range(ranks)]
-    rank_memory = [sum(stages[s].peak_memory_bytes for s in ss) for ss in held]
-    for k, ss in enumerate(held):
-        over = [w for w in workers[k] if rank_memory[k] > w.memory_bytes]
-        if over and not reason:
-            what = f"stage {k}" if v == 1 else f"stages {', '.join(map(str, ss))}"
-            reason = (f"{what} need{'s' if v == 1 else ''} {format_bytes(rank_memory[k])} per worker, "
-                      f"{over[0].name} has {format_bytes(over[0].memory_bytes)}")
-    reason = reason or cut_error
-    sync_time = max(sum(stages[s].sync_s for s in ss) for ss in held)
-    check = max(sum(nd.grad_bytes for nd in nodes[a:b]) / speed[s]
-                for s, (a, b) in enumerate(spans)) / GRADIENT_CHECK_BANDWIDTH_BPS
-    overhead = 2 * CONTROL_MESSAGE_S + check  # see [Note: step overheads]
-    plan = Plan(data_parallel=d, num_stages=p, mode=mode, schedule_name=sched_name, num_microbatches=m,
-                microbatch_size=mb, global_batch=global_batch, cutter=cutter_name, bounds=bounds,
-                stages=tuple(stages), placement=placement,
-                step_time_s=sim.step_time_s + sync_time + overhead,
-                pipeline_time_s=sim.step_time_s, sync_time_s=sync_time, overhead_s=overhead,
-                bubble_fraction=sim.bubble_fraction,
-                peak_memory_bytes=max(rank_memory), precision=precision, chunks=v, **(fields or {}))
-    return Candidate(d, p, mode, sched_name, m, plan, reason, v)
+    def free_cut(problem: CutProblem, recompute: bool) -> tuple[int, ...] | str:
+        if recompute not in free_cuts:
+            free = dataclasses.replace(problem, memory_limit=None)
+            try:
+                free_cuts[recompute] = free.check(balance_bounds(balance) if balance is not None
+                                                  else cutter(free))
+            except CutError as exc:
+                free_cuts[recompute] = str(exc)
+        return free_cuts[recompute]
+
+    def reference_optimizer(a: int, b: int, s: int) -> float:
+        """The stage's replicated optimizer step (the simulation's start; ZeRO shrinks it, see
+        [Note: choosing the memory options])."""
+        share = 1.0 if mode == "collective" else 1.0 / d  # a parameter shard updates 1/d of the stage
+        return sum(nd.grad_bytes for nd in nodes[a:b]) * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed[s]
+
+    def play(bounds: tuple[int, ...], recompute: bool, problem: CutProblem) -> _Played:
+        if (bounds, recompute) in played:
+            return played[bounds, recompute]
+        spans = list(itertools.pairwise(bounds))
+        times = profile.node_times(mb)
+        alone_f = [sum(f for f, _ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
+        alone_b = [sum(b_ + f * recompute for f, b_ in times[a:b]) / speed[s]
+                   for s, (a, b) in enumerate(spans)]
+        start = tuple(reference_optimizer(a, b, s) for s, (a, b) in enumerate(spans))
+        inner = bounds[1:-1]
+        held = tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans))
+
+        def run(slow_f: Sequence[float], slow_b: Sequence[float]) -> tuple[StageCosts, SimResult]:
+            costs = StageCosts(tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_f, slow_f, strict=True)),
+                               tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_b, slow_b, strict=True)),
+                               tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
+                               tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
+                               held, start_s=start)
+            return costs, simulate(schedule, costs)
+
+        slow_f = slow_b = [1.0] * p
+        costs, sim = run(slow_f, slow_b)
+        if shared_host:  # played again with each stage's compute slowed for its contended share
+            contended = contended_share(sim, workers)
+            slow_f = [1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * c for c in contended]
+            slow_b = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * c for c in contended]
+            costs, sim = run(slow_f, slow_b)
+        played[bounds, recompute] = _Played(costs, sim, tuple(slow_b))
+        return played[bounds, recompute]
+
+    def evaluate(option: MemoryOption) -> tuple[Candidate, bool]:
+        """The option's candidate, and whether it fits with the cut that ignores memory."""
+        problem = problem_of(option)
+        free = free_cut(problem, option.recompute)
+        if isinstance(free, str):
+            return Candidate(d, p, mode, sched_name, m, None, free, v, option), False
+        cut_error = ""  # why no cut fits memory, when only a cut ignoring memory exists
+        try:  # the compute-optimal cut when it fits (shared by the options), else the cutter within memory
+            bounds = problem.check(free)
+        except CutError as exc:
+            bounds, cut_error = free, str(exc)
+            if balance is None:
+                with contextlib.suppress(CutError):
+                    bounds, cut_error = problem.check(cutter(problem)), ""
+        game = play(bounds, option.recompute, problem)
+        return _candidate(option, bounds, problem, game, cut_error), bounds == free
+
+    def _candidate(option: MemoryOption, bounds: tuple[int, ...], problem: CutProblem, game: _Played,
+                   cut_error: str) -> Candidate:
+        spans = list(itertools.pairwise(bounds))
+        memory = node_memory(nodes, option, mode=mode, data_parallel=d, num_microbatches=m,
+                             activation_bytes=[nd.activation_bytes * mb / profile.microbatch_size
+                                               for nd in nodes], input_bytes=fwd_bytes[:-1],
+                             on_cuda=on_cuda)
+        times = profile.node_times(mb)
+        fwd, bwd = game.costs.forward_s, game.costs.backward_s
+        stages = []
+        saved = []  # per stage: the optimizer time the option saves against the simulation's start
+        for s, (a, b) in enumerate(spans):
+            names = [w.name for w in workers[s]]
+            grad = sum(nd.grad_bytes for nd in nodes[a:b])
+            params = sum(nd.param_bytes for nd in nodes[a:b])
+            hidden = _after_first_bucket([nd.grad_bytes for nd in nodes[a:b]],
+                                         [(b_ + f * option.recompute) * game.slow_b[s] / speed[s]
+                                          for f, b_ in times[a:b]])
+            link_bw, link_lat = resources.slowest_link(names)
+            if mode == "collective":
+                sync = sharded_sync(option, d, grad, params, hidden=hidden, compute_s=m * (fwd[s] + bwd[s]),
+                                    num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
+                                    latency=link_lat)
+                step = optimizer_s(option, grad, params, traffic=traffic,
+                                   device_bandwidth=OPTIMIZER_BANDWIDTH_BPS * speed[s], on_cuda=on_cuda)
+            else:
+                sync = _sync(mode, grad, d, hidden, link_bw, link_lat)
+                step = game.costs.start_s[s]
+            saved.append(game.costs.start_s[s] - step)
+            held = problem.held_bytes(s) or ()
+            use = memory.stage(a, b, held, in_flight[s])
+            xfer = (problem.cut_s[a] if s > 0 else 0.0) + (problem.cut_s[b] if s < p - 1 else 0.0)
+            stages.append(StagePlan(
+                index=s, start=a, stop=b, nodes=tuple(nd.name for nd in nodes[a:b]),
+                workers=tuple(names), forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
+                param_bytes=params, optimizer_s=step, in_flight=in_flight[s],
+                peak_memory_bytes=int(problem.stage_memory(s, a, b)), memory=use,
+                incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
+                outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
+        # per worker: its stages' memory (each at its own peak: an upper bound) and their unhidden syncs
+        held_by = [range(k, p, ranks) for k in range(ranks)]
+        rank_memory = [sum(stages[s].peak_memory_bytes for s in ss) for ss in held_by]
+        reason = offload_reason
+        for k, ss in enumerate(held_by):
+            over = [w for w in workers[k] if rank_memory[k] > w.memory_bytes]
+            if over and not reason:
+                what = f"stage {k}" if v == 1 else f"stages {', '.join(map(str, ss))}"
+                reason = (f"{what} need{'s' if v == 1 else ''} {format_bytes(rank_memory[k])} per worker, "
+                          f"{over[0].name} has {format_bytes(over[0].memory_bytes)}")
+        reason = reason or cut_error
+        sync_time = max(sum(stages[s].sync_s for s in ss) for ss in held_by)
+        # a rank starts after its stages' optimizer steps: the step moves by the least a rank saves
+        pipeline = game.sim.step_time_s - min(sum(saved[s] for s in ss) for ss in held_by)
+        check = max(sum(nd.grad_bytes for nd in nodes[a:b]) / speed[s]
+                    for s, (a, b) in enumerate(spans)) / GRADIENT_CHECK_BANDWIDTH_BPS
+        overhead = 2 * CONTROL_MESSAGE_S + check  # see [Note: step overheads]
+        plan = Plan(data_parallel=d, num_stages=p, mode=mode, schedule_name=sched_name, num_microbatches=m,
+                    microbatch_size=mb, global_batch=global_batch, cutter=cutter_name, bounds=bounds,
+                    stages=tuple(stages), placement=placement,
+                    step_time_s=pipeline + sync_time + overhead,
+                    pipeline_time_s=pipeline, sync_time_s=sync_time, overhead_s=overhead,
+                    bubble_fraction=game.sim.bubble_fraction,
+                    peak_memory_bytes=max(rank_memory), precision=precision, chunks=v,
+                    zero_stage=option.zero, shard_factor=option.shard_factor, recompute=option.recompute,
+                    offload=option.offload, **fields)
+        return Candidate(d, p, mode, sched_name, m, plan, reason, v, option)
+
+    cands: list[Candidate] = []
+    fits_free = False  # an option without recompute fits with the cut that ignores memory
+    for option in memory_options(request, d, mode, on_cuda, automatic):
+        if option.recompute and fits_free and not exhaustive:
+            continue  # recompute only adds compute (see [Note: choosing the memory options])
+        cand, free = evaluate(option)
+        fits_free |= cand.fits and free and not option.recompute
+        cands.append(cand)
+    return cands
 
 
 @dataclass(frozen=True)
@@ -428,23 +541,34 @@ def _min_max_split(sizes: Sequence[float], parts: int) -> float:
     return split(high)[1]
 
 
-def memory_floor(cells: Sequence[CellBytes], num_workers: int, optimizer: str) -> tuple[float, str]:
+def memory_floor(cells: Sequence[CellBytes], num_workers: int, optimizer: str,
+                 zero: Sequence[int] = (0,), offload: bool = False) -> tuple[float, str]:
     """The least static bytes any plan puts on one worker, and the shape that reaches it.
 
-    See [Note: the memory floor]; ``optimizer`` is a key of ``OPTIMIZER_STATE_FACTORS``.
+    See [Note: the memory floor]; ``optimizer`` is a key of ``OPTIMIZER_STATE_FACTORS``; ``zero``: the
+    ZeRO stages plans may use (sharded over all of a stage's replicas); ``offload``: whether the
+    optimizer state may leave the workers' memory (CUDA workers).
     """
     factor = OPTIMIZER_STATE_FACTORS.get(optimizer, OPTIMIZER_STATE_FACTORS["adam"])
     best, shape = math.inf, ""
     for d in range(1, num_workers + 1):
         p = max(1, min(num_workers // d, len(cells)))
-        for mode in get_args(Mode) if d > 1 else ("collective",):
+        options = [(m, z) for m in get_args(Mode) for z in sorted(set(zero) | {0})
+                   if (m == "collective" or z == 0) and (d > 1 or (m == "collective" and z == 0))]
+        for mode, z in options:
+            f = d if z else 1
             share = 1.0 / d if mode == "parameter_server" else None
-            static = [c.param_bytes + c.buffer_bytes + c.trainable_bytes
-                      + (int(c.trainable_bytes * factor) if share is None
-                         else (int(c.trainable_bytes * factor) + c.param_bytes) * share) for c in cells]
-            need = _min_max_split(static, p)
+            state = [0.0 if offload else int(c.trainable_bytes * factor) / f if share is None
+                     else (int(c.trainable_bytes * factor) + c.param_bytes) * share for c in cells]
+            params = [c.param_bytes / (f if z >= 3 else 1) + c.buffer_bytes for c in cells]
+            static = [pb + c.trainable_bytes / (f if z >= 2 else 1) + st
+                      for pb, c, st in zip(params, cells, state, strict=True)]
+            # one stage holds every cell: ZeRO-3 gathers its largest (a floor of more stages leaves it out)
+            gathered = ZERO3_GATHERED_UNITS * max((c.param_bytes for c in cells), default=0)
+            need = _min_max_split(static, p) + (gathered if z >= 3 and p == 1 else 0)
             if need < best:
-                best, shape = need, f"{d} replica(s) x {p} stage(s), {mode}"
+                sharded = f", ZeRO-{z}" if z else ""
+                best, shape = need, f"{d} replica(s) x {p} stage(s), {mode}{sharded}"
     return best, shape
 
 
@@ -456,13 +580,21 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def check_memory_floor(cells: Sequence[CellBytes], resources: Resources, optimizer: str) -> None:
+def check_memory_floor(cells: Sequence[CellBytes], resources: Resources, optimizer: str,
+                       request: PlanConfig | None = None) -> None:
     """Refuse a model no plan over ``resources`` holds (see [Note: the memory floor]).
+
+    The plan section ``request`` (None: nothing fixed) says which ZeRO stages and whether offload
+    count: those it fixes, else those the planner may choose (``memory.AUTOMATIC``).
 
     Raises:
         PlanningError: Naming the model's bytes, the least per worker, the largest worker and the fixes.
     """
-    need, shape = memory_floor(cells, resources.num_workers, optimizer)
+    request = request or _SEARCH_ALL
+    zero = (request.zero,) if request.zero is not None else memory.AUTOMATIC.zero
+    offload = (request.offload if request.offload is not None else memory.AUTOMATIC.offload) and any(
+        w.device == "cuda" for w in resources.workers)
+    need, shape = memory_floor(cells, resources.num_workers, optimizer, zero, offload)
     budget = max(w.memory_bytes for w in resources.workers)
     if need <= budget + MEMORY_SLACK * max(1.0, budget):
         return
@@ -475,7 +607,19 @@ def check_memory_floor(cells: Sequence[CellBytes], resources: Resources, optimiz
         f"({format_bytes(state)}) need at least {format_bytes(need)} on one worker even spread over "
         f"{resources.num_workers} workers ({shape}), and the largest worker has {format_bytes(budget)}; "
         "give the workers more memory, add workers, or train a smaller model or with an optimizer that "
-        "keeps less state (SGD)")
+        f"keeps less state (SGD){_sharded_floor(cells, resources, optimizer, zero, budget)}")
+
+
+def _sharded_floor(cells: Sequence[CellBytes], resources: Resources, optimizer: str, counted: Sequence[int],
+                   budget: float) -> str:
+    """``; ZeRO-3 would bring it to ...``: when a ZeRO stage the floor did not count would fit."""
+    if 3 in counted:
+        return ""
+    need, shape = memory_floor(cells, resources.num_workers, optimizer, (0, 1, 2, 3))
+    if need > budget + MEMORY_SLACK * max(1.0, budget):
+        return ""
+    return (f"; sharding its state (plan.zero) would bring it to {format_bytes(need)} per worker ({shape}), "
+            "which this version of cellmesh does not run yet")
 
 
 def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
@@ -487,11 +631,18 @@ def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
 
 
 def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
-                    global_batch: int) -> list[Candidate]:
+                    global_batch: int, automatic: Automatic | None = None,
+                    exhaustive: bool = False) -> list[Candidate]:
     """Evaluates every plan shape the request allows (see :func:`choose_plan` for the arguments).
 
+    Args:
+        automatic: The memory options the search may choose (default: ``memory.AUTOMATIC``).
+        exhaustive: Evaluate every memory option of every shape, recompute included where an option
+            without it fits (see [Note: choosing the memory options]).
+
     Returns:
-        One :class:`Candidate` per shape, fitting or not, in enumeration order.
+        Per shape, one :class:`Candidate` per memory option evaluated, fitting or not, in enumeration
+        order.
 
     Raises:
         PlanningError: If the fixed fields contradict the model or the resources, or the cutter is unknown.
@@ -500,6 +651,9 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
         cut_fn = get_cutter(request.cutter)
     except ValueError as exc:
         raise PlanningError(str(exc)) from None
+    if request.offload and not any(w.device == "cuda" for w in resources.workers):
+        raise PlanningError(offload_problem(request, on_cuda=False))
+    automatic = automatic or memory.AUTOMATIC  # read when called: a merge or a test may widen it
     max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
     fixed = resolve(request, profile.num_nodes, max_stages, resources.num_workers)
     shapes = plan_shapes(request, fixed, global_batch)
@@ -510,19 +664,22 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
                             f"replicas{factor}, and no plan the request allows has them (replicas: "
                             f"{sorted({sh[0] for sh in shapes})}): give more workers, fix plan.data_parallel "
                             "to a multiple of the factor, or drop plan.zero")
-    return [_evaluate(profile, resources, sh, global_batch, cut_fn, request.cutter, request.balance,
-                      request.precision, _memory_fields(request, sh[0], sh[2])) for sh in sharded]
+    return [c for sh in sharded for c in _evaluate(profile, resources, sh, global_batch, cut_fn,
+                                                   request.cutter, request.balance, request, automatic,
+                                                   exhaustive)]
 
 
-def _rank(c: Candidate) -> tuple[float, int, int, float]:
-    """Fastest first (to 9 significant digits); then fewer workers, collective mode, less memory."""
+def _rank(c: Candidate) -> tuple[float, int, int, tuple[int, int, int], float]:
+    """Fastest first (to 9 significant digits); then fewer workers, collective mode, the least sharding,
+    recompute and offload, less memory."""
     assert c.plan is not None
     step = float(f"{c.plan.step_time_s:.9g}")
-    return step, c.plan.num_workers, c.mode != "collective", c.plan.peak_memory_bytes
+    option = (c.option.zero, c.option.recompute, c.option.offload)
+    return step, c.plan.num_workers, c.mode != "collective", option, c.plan.peak_memory_bytes
 
 
 def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
-                global_batch: int) -> Plan:
+                global_batch: int, automatic: Automatic | None = None, exhaustive: bool = False) -> Plan:
     """The fastest plan that fits every worker's memory, among those the request allows.
 
     Args:
@@ -534,22 +691,26 @@ def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _S
             candidate's (the profile's cut tensors already have its dtypes); see
             :class:`~coordinator.planning.config.PlanConfig`.
         global_batch: Samples per training step over all replicas.
+        automatic: The memory options the planner may choose where the request leaves them open
+            (default: ``coordinator.planning.memory.AUTOMATIC``, what the runtime runs).
+        exhaustive: Evaluate every memory option (the reference the pruned search must match).
 
     Raises:
         PlanningError: If the request is impossible or no plan fits in memory; the message
             says why and names a plan that would fit when one exists.
     """
-    cands = candidate_plans(profile, resources, request, global_batch=global_batch)
+    cands = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
+                            exhaustive=exhaustive)
     fitting = [c for c in cands if c.fits]
     if fitting:
         best = min(fitting, key=_rank)
         assert best.plan is not None
         return best.plan
-    raise PlanningError(_explain(profile, resources, global_batch, cands, request))
+    raise PlanningError(_explain(profile, resources, global_batch, cands, request, automatic))
 
 
 def _explain(profile: Profile, resources: Resources, global_batch: int, cands: list[Candidate],
-             request: PlanConfig) -> str:
+             request: PlanConfig, automatic: Automatic | None = None) -> str:
     fixed = request.model_dump(exclude_defaults=True, exclude=_SEARCH_FIELDS)
     asked = ", ".join(f"{k}={v!r}" for k, v in fixed.items()) or "no fixed fields"
     planned = [c for c in cands if c.plan is not None]
@@ -563,28 +724,59 @@ def _explain(profile: Profile, resources: Resources, global_batch: int, cands: l
            f"{least.reason}); the largest worker has {format_bytes(budget)}.")
     if fixed:
         search_only = PlanConfig(**request.model_dump(include=_SEARCH_FIELDS))
-        free = [c for c in candidate_plans(profile, resources, search_only, global_batch=global_batch)
-                if c.fits]
+        free = [c for c in candidate_plans(profile, resources, search_only, global_batch=global_batch,
+                                           automatic=automatic) if c.fits]
         if free:
             best = min(free, key=_rank)
             assert best.plan is not None
             return f"{msg} Without fixing {', '.join(fixed)}, this plan fits: {best.plan.summary()}."
+    unbuilt = _unbuilt_fit(profile, resources, global_batch, request, automatic or memory.AUTOMATIC)
     return (f"{msg} Give the workers at least {format_bytes(least.plan.peak_memory_bytes)} each, add "
             "workers (more pipeline stages split the parameters), use parameter-server mode or a smaller "
-            "global batch.")
+            f"global batch.{unbuilt}")
+
+
+_EVERY_OPTION = Automatic(zero=(0, 1, 2, 3), recompute=True, offload=True)
+
+
+def _unbuilt_fit(profile: Profile, resources: Resources, global_batch: int, request: PlanConfig,
+                 automatic: Automatic) -> str:
+    """`` A plan with ZeRO-3 would fit ...``: when a memory option the search may not choose would fit."""
+    if automatic == _EVERY_OPTION:
+        return ""
+    wider = [c for c in candidate_plans(profile, resources, request, global_batch=global_batch,
+                                        automatic=_EVERY_OPTION) if c.fits]
+    if not wider:
+        return ""
+    best = min(wider, key=_rank)
+    assert best.plan is not None
+    return (f" A plan saving memory in ways this version of cellmesh does not run yet would fit: "
+            f"{best.plan.summary()}.")
 
 
 def format_candidates(cands: Sequence[Candidate], limit: int = 10) -> str:
-    """The ``limit`` fastest candidates as a table (fitting ones first)."""
+    """The ``limit`` fastest candidates as a table (fitting ones first).
+
+    ``memory`` is how the workers save it (``Z2/4``: ZeRO-2 in groups of 4, ``rc``: recompute, ``off``:
+    optimizer offloaded, ``-``: nothing); the fullest worker's peak follows by part: parameters,
+    gradients, optimizer state, activations.
+    """
     ordered = sorted(cands, key=lambda c: (not c.fits, c.step_time_s))[:limit]
     # the schedule, and the stages per worker of an interleaved one: interleaved-1f1b/2
     label = {id(c): c.schedule_name + (f"/{c.chunks}" if c.chunks > 1 else "") for c in ordered}
     width = max([6, *map(len, label.values())])
-    rows = [f"{'d':>3} {'p':>3} {'mode':<16} {'sched':<{width}} {'m':>4} {'step ms':>10} {'peak mem':>10}"
+    options = {id(c): c.option.label() for c in ordered}
+    owidth = max([6, *map(len, options.values())])
+    rows = [f"{'d':>3} {'p':>3} {'mode':<16} {'sched':<{width}} {'m':>4} {'memory':<{owidth}} "
+            f"{'step ms':>10} {'peak mem':>10} {'params':>10} {'grads':>10} {'opt state':>10} {'activ':>10}"
             "  fits"]
     for c in ordered:
         step = f"{c.step_time_s * 1e3:.3f}" if c.plan else "-"
         mem = format_bytes(c.plan.peak_memory_bytes) if c.plan else "-"
+        use = c.plan.fullest_memory()[1] if c.plan else None
+        parts = ([format_bytes(n) for n in (use.params, use.grads, use.optimizer, use.activations)] if use
+                 else ["-"] * 4)
         rows.append(f"{c.data_parallel:>3} {c.num_stages:>3} {c.mode:<16} {label[id(c)]:<{width}} "
-                    f"{c.num_microbatches:>4} {step:>10} {mem:>10}  {'yes' if c.fits else c.reason}")
+                    f"{c.num_microbatches:>4} {options[id(c)]:<{owidth}} {step:>10} {mem:>10} "
+                    + " ".join(f"{x:>10}" for x in parts) + f"  {'yes' if c.fits else c.reason}")
     return "\n".join(rows)

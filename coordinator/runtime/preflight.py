@@ -213,7 +213,7 @@ def batch_norm_of(chain: Chain) -> tuple[str, ...]:
 def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any, chain: Chain) -> None:
     """Checks 1-3 on the model ``made`` (on the meta device or real): stages, memory floor, batch."""
     _check_stages(config, made, chain)
-    check_memory_floor(node_bytes(chain), resources, optimizer)
+    check_memory_floor(node_bytes(chain), resources, optimizer, config.plan)
     check_batch(config.plan, len(chain), resources.num_workers, config.data.global_batch)
     layers = batch_norm_of(chain)
     batch_norm_request(config.plan, layers)
