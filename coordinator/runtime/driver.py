@@ -177,11 +177,11 @@ class Runtime:
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         tied = tied_per_stage(spec.tied, [(st.start, st.stop) for st in plan.stages])
         ids: dict[int, _Service] = {}
-        unbuilt = [f"{k}={getattr(plan, k)}" for k in ("zero_stage", "recompute", "offload", "staleness")
+        unbuilt = [f"{k}={getattr(plan, k)}" for k in ("zero_stage", "offload", "staleness")
                    if getattr(plan, k)]
         if unbuilt:  # the plan fields the services do not run yet
             raise JobError(f"this version of cellmesh cannot run plan {', '.join(unbuilt)} yet: drop "
-                           "plan.zero, plan.recompute, plan.offload and plan.staleness from the job")
+                           "plan.zero, plan.offload and plan.staleness from the job")
         for sv in self.services:
             st = plan.stages[sv.stage]
             # the stage's tensors' keys (a tied copy another stage writes is restored from the same keys)

@@ -163,6 +163,10 @@ class CellComputeService(ServiceBase):
             raise ValueError(f"BatchNorm layer {self._batch_norm[0]} needs the statistics of every replica, "
                              "and parameter-server mode has no data-parallel group to share them: use "
                              "collective mode")
+        if self._batch_norm and stage.pieces is not None:
+            raise ValueError(f"BatchNorm layer {self._batch_norm[0]} updates its running statistics in each "
+                             "training forward, and recompute runs its forward twice: drop plan.recompute, "
+                             "or freeze the layer (eval mode)")
         self._stage = stage
         self._randomness = ModelRandomness(stage.module, seed)
         self._tag = f"[stage {stage.index}/{stage.num_stages}]"
