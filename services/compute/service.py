@@ -319,7 +319,8 @@ class CellComputeService(ServiceBase):
                 raise
             log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
                       time.monotonic() - start)
-            return reply.model_copy(update={"phases": [*phases, *reply.phases],
+            lead = self._path.lead if request.commit is not None else None  # async parameter server
+            return reply.model_copy(update={"phases": [*phases, *reply.phases], "lead": lead,
                                             "traffic": traffic.snapshot(), "saved": self._writer.finished()})
 
         self._submit(call, f"step {request.step}", timeout, run)

@@ -445,6 +445,10 @@ class StepReply(Message):
     # all-reduce: every replica's is the same), for clipping by the global norm; None on the
     # parameter-server path (the shards hold the averaged gradient) and in a step without backwards
     grad_sq_norm: float | None = None
+    # parameter server: how many steps this replica's clock led the slowest replica's as the shards served
+    # the pull of the commit this step applied (the most over the stage's shards; at most the plan's
+    # staleness, 0 in sync mode); None on the collective path and in a step without a commit
+    lead: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:
