@@ -37,6 +37,7 @@ there (:func:`to_device`), as the executor does with what it receives.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -321,6 +322,9 @@ def build_stage(assignment: Assignment, options: ComputeOptions, factories: Fact
     pieces: list[nn.Module] | None = None
     if options.recompute:
         pieces = [chain.stage_module(i, i + 1).to(device) for i in range(start, stop)]
+        # torch.utils.checkpoint imports torch._dynamo on its first call (seconds on a loaded CPU):
+        # here, at assignment, rather than inside the first step's deadline
+        importlib.import_module("torch._dynamo")
     return Stage(index=options.stage, num_stages=options.num_stages, start=start, stop=stop, nodes=names,
                  module=module, tensors=chain.stage_tensors(start, stop), samples=samples, loss_fn=loss_fn,
                  loss_reduction=options.loss_reduction, incoming=options.incoming, outgoing=options.outgoing,
