@@ -31,6 +31,8 @@ PLANS: dict[str, dict[str, Any]] = {
     "gpipe2x4": dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="gpipe"),
     "1f1b2x4": dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="1f1b"),
     "zb2x4": dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="zb-h1"),
+    "interleaved2x2": dict(data_parallel=1, num_stages=4, chunks=2, num_microbatches=4,
+                           schedule="interleaved-1f1b"),
 }
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "sgd": ("SGD", {"lr": 0.1, "momentum": 0.9}),
@@ -47,13 +49,15 @@ def harness() -> Iterator[LocalHarness]:
         yield h
 
 
-def make_job(plan: str, optimizer: str, *, recompute: bool = True, p: float = 0.3) -> Job:
+def make_job(plan: str, optimizer: str, *, recompute: bool = True, p: float = 0.3, dtype: str = "float64",
+             **extra: Any) -> Job:
     name, kwargs = OPTIMIZERS[optimizer]
     fields = dict(PLANS[plan])
     workers = fields.pop("workers", 2)
     return Job(model=f"{R}:dropout_mlp", loss=f"{M}:mse", data=f"{M}:regression", optimizer=name,
-               optimizer_kwargs=kwargs, model_kwargs={"p": p}, global_batch=16, seed=7, recompute=recompute,
-               resources=Resources.local(workers=workers), step_timeout_s=30, **fields)
+               optimizer_kwargs=kwargs, model_kwargs={"p": p, "dtype": dtype}, data_kwargs={"dtype": dtype},
+               global_batch=16, seed=7, recompute=recompute, resources=Resources.local(workers=workers),
+               step_timeout_s=30, **fields, **extra)
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
@@ -69,6 +73,19 @@ def test_every_plan_recomputing_trains_as_one_process(harness: LocalHarness, pla
     diff = max_abs_diff(result.state_dict, ref.state_dict)
     assert diff < TOL, f"{plan} {optimizer}: max abs diff {diff:.3g} from one process"
     assert max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)) < 1e-12
+
+
+@pytest.mark.parametrize("plan", ["gpipe2x4", "1f1b2x4"])
+def test_bf16_autocast_recomputes_what_its_forward_computed(harness: LocalHarness, plan: str) -> None:
+    """bf16 autocast (float32 model): with recompute the run ends where the same run without ends, to the
+    last bit, and far from float32 (autocast applied, in the recomputation too)."""
+    results = {}
+    for recompute, precision in ((True, "bf16"), (False, "bf16"), (True, "fp32")):
+        job = make_job(plan, "sgd", recompute=recompute, dtype="float32", precision=precision)
+        with job.attach(harness):
+            results[recompute, precision] = job.fit(STEPS).state_dict
+    assert max_abs_diff(results[True, "bf16"], results[False, "bf16"]) == 0.0
+    assert max_abs_diff(results[True, "bf16"], results[True, "fp32"]) > 1e-4
 
 
 def test_the_dropout_mattered() -> None:
