@@ -37,6 +37,18 @@ the step's clipping coefficient (``coordinator/runtime/clipping.py``) and its tr
 where the learning-rate schedulers stand (``services/params/scheduling.py``); a step runs
 ``accumulate`` global batches (``coordinator/runtime/accumulation.py``).
 
+Asynchronous parameter server (``plan.staleness = S > 0``): the shards apply each replica's push
+on arrival and hold a replica's pull until it is within ``S`` steps of the slowest, so the replicas
+need not move together. The smallest sound change to the lock step above: the runtime keeps each
+replica's progress (``coordinator/runtime/async_steps.py``) and sends a replica its next step, with
+its own commit riding on it, as soon as every stage of that replica answered its last one, within
+``S`` steps of the oldest step not finished everywhere; :meth:`Runtime.run_step` still returns
+one record per step (once every replica finished it), and requests of later steps stay in flight
+across calls. The session gives it the later steps' batches (``upcoming``) and the end of the
+``fit`` call. Each replica decides its own commit; what needs every replica's step together
+(schedulers, clipping, fp16, skipping, checkpoints, evaluation) is refused before any worker
+starts. See [Note: replicas at their own pace].
+
 A step whose loss or gradients are not finite is dropped or stops the job: see
 ``coordinator/runtime/nonfinite.py``. :meth:`Runtime.evaluate` runs an evaluation step on the
 held-out data (see [Note: how a job evaluates] in ``coordinator/runtime/evaluation.py``). Under
@@ -56,7 +68,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -66,6 +78,7 @@ from comm.traffic import TrafficCounts, latest_by
 from coordinator.planning.devices import DeviceError
 from coordinator.planning.plan import Plan
 from coordinator.runtime.accumulation import accumulated_schedule
+from coordinator.runtime.async_steps import AsyncProgress
 from coordinator.runtime.clipping import global_norm, grad_scale
 from coordinator.runtime.devices import place_devices
 from coordinator.runtime.errors import JobError, JobFailed
@@ -106,6 +119,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = timedelta(seconds=2)
 TRAIN_PROGRAM = "train"  # the name of each stage's training program (RunStep.program)
+Batches = Sequence[Sequence[Sequence[int]]]  # [replica][microbatch] -> sample indices
 
 
 class Runtime:
@@ -141,6 +155,10 @@ class Runtime:
         self._shards = ParamShards(plan, spec.run, addresses, initial_params, spec.holders,
                                    clip_grad_norm=spec.clip_grad_norm)  # no shards in collective mode
         self.traffic: dict[str, TrafficCounts] = {}  # each worker's latest counters (see StepRecord)
+        # plan.staleness > 0: each replica's progress, made at the first step ([Note: replicas at their own
+        # pace] in coordinator/runtime/async_steps.py); its requests not answered yet outlive a run_step
+        self._async: AsyncProgress | None = None
+        self._async_ids: dict[int, _Service] = {}
         # per stage, validated, as the training programs carry them (a step runs `accumulate` global batches)
         self._schedule = accumulated_schedule(plan.schedule(), spec.accumulate)
         self._actions = self._schedule.actions
@@ -178,12 +196,11 @@ class Runtime:
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         tied = tied_per_stage(spec.tied, [(st.start, st.stop) for st in plan.stages])
         ids: dict[int, _Service] = {}
-        unbuilt = [f"{k}={getattr(plan, k)}" for k in ("recompute", "offload", "staleness")
-                   if getattr(plan, k)]
+        unbuilt = [f"offload={plan.offload}"] if plan.offload else []
         unbuilt += [f"zero_stage={plan.zero_stage}"] if plan.zero_stage > 2 else []
         if unbuilt:  # the plan fields the services do not run yet
             raise JobError(f"this version of cellmesh cannot run plan {', '.join(unbuilt)} yet: drop "
-                           "plan.zero 3, plan.recompute, plan.offload and plan.staleness from the job")
+                           "plan.zero 3 and plan.offload from the job")
         if plan.zero_stage:
             try:
                 check_elementwise(spec.optimizer.name)
@@ -267,10 +284,15 @@ class Runtime:
         """Whether the next :meth:`run_step` or :meth:`commit` carries a commit (a save rides on it)."""
         return self._uncommitted
 
-    def run_step(self, step: int, batches: Sequence[Sequence[Sequence[int]]],
-                 save: SaveRequest | None = None) -> StepRecord:
+    def run_step(self, step: int, batches: Batches, save: SaveRequest | None = None, *,
+                 upcoming: Callable[[int], Batches] | None = None, end: int | None = None) -> StepRecord:
         """Run one step, carrying the previous step's commit; ``batches[r][m]``: replica r, microbatch m
         (``accumulate`` global batches: ``coordinator/runtime/accumulation.py``'s ``step_batches``).
+
+        Asynchronous plans (``plan.staleness > 0``) run each replica at its own pace: later steps
+        (below ``end``, with the batches ``upcoming(step)`` gives) may go to a replica that finished
+        this one; the record is this step's, once every replica finished it (see [Note: replicas at
+        their own pace] in ``coordinator/runtime/async_steps.py``).
 
         ``save`` rides on that commit (see ``coordinator/runtime/checkpoints.py``; the shards get theirs
         at once: [Note: a shard's part of a checkpoint]); give it only when :attr:`can_save`.
@@ -281,6 +303,9 @@ class Runtime:
         Raises:
             JobFailed: Naming the worker, the service and the step.
         """
+        if self.plan.staleness:
+            assert save is None, "an asynchronous plan takes no checkpoint"
+            return self._run_async(step, batches, upcoming, step + 1 if end is None else end)
         start, polled = time.time(), self.loop.poll_seconds
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
         commit = self._commit_request(save) if self._uncommitted else None
@@ -324,13 +349,92 @@ class Runtime:
             self._pending = (step, grad_scale(bodies, self.spec.clip_grad_norm, loss_scale))
         elif bad is not None and not overflow:
             refuse(self.spec.run, self.spec.nonfinite, step, *bad, last_good=self._last_good)
-        end = time.time()
-        return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
-                          coordinator_s=max(0.0, (end - start) - (self.loop.poll_seconds - polled)),
+        ended = time.time()
+        return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=ended,
+                          coordinator_s=max(0.0, (ended - start) - (self.loop.poll_seconds - polled)),
                           skipped=skipped, loss_scale=loss_scale, grad_norm=global_norm(bodies, loss_scale),
                           replies=bodies, actions=self._actions,
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))
+
+    def _run_async(self, step: int, batches: Batches, upcoming: Callable[[int], Batches] | None,
+                   last: int) -> StepRecord:
+        """:meth:`run_step` of an asynchronous plan: send each replica its steps as it finishes the last,
+        within the window; return once every replica finished ``step``."""
+        start, polled = time.time(), self.loop.poll_seconds
+        if self._async is None:
+            self._async = AsyncProgress(self.plan.data_parallel, self.plan.staleness, step)
+        progress, ids = self._async, self._async_ids
+        timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
+
+        def send(r: int, j: int) -> None:
+            assert j == step or upcoming is not None, "an asynchronous plan sends ahead: give upcoming"
+            mbs = (batches if j == step else upcoming(j))[r]  # type: ignore[misc]  # upcoming: checked
+            rep = progress.replicas[r]
+            request: dict[str, object] = {"step": j, "program": TRAIN_PROGRAM, "timeout_ms": timeout_ms,
+                                          "loss_scale": 1.0, "microbatches": [list(mb) for mb in mbs]}
+            if rep.uncommitted is not None:  # its own last step's push and pull
+                request["commit"] = CommitStep(step=rep.commits, optimizer=self.spec.optimizer,
+                                               timeout_ms=timeout_ms, train_step=rep.uncommitted
+                                               ).model_dump(mode="python")
+            sent = []
+            for sv in self.services:
+                if sv.replica == r:
+                    sent.append(rid := self.loop.send(sv.worker, sv.name, "run_step", request, StepReply))
+                    ids[rid] = sv
+            progress.sent(r, j, sent, committing="commit" in request)
+
+        def dispatch() -> None:
+            for r, j in progress.sendable(step, last):
+                send(r, j)
+
+        def on_reply(reply: Reply) -> None:
+            sv = ids.pop(reply.id)
+            assert isinstance(reply.body, StepReply)
+            done = progress.answered(sv.replica, reply.id, sv, reply.body)
+            if done is not None:
+                bad = first_nonfinite(done)
+                if bad is not None:  # runtime.nonfinite is stop (skip is refused): raises
+                    refuse(self.spec.run, self.spec.nonfinite, reply.body.step, *bad,
+                           last_good=self._last_good)
+                dispatch()
+
+        dispatch()
+        # a replica's request may wait in its pull for the slowest, up to its own bound
+        bound = (self.spec.step_timeout + timedelta(seconds=10)) * (self.plan.staleness + 1)
+        self._gather(ids, f"step {step}", bound, step, on_reply=on_reply,
+                     until=lambda: progress.complete(step))
+        bodies = [pair for r in range(self.plan.data_parallel) for pair in progress.finished[step][r]]
+        del progress.finished[step]
+        total = sum(len(mb) for per in batches for mb in per)
+        loss = sum(value * len(batches[sv.replica][m]) / total
+                   for sv, body in bodies for m, value in enumerate(body.losses))
+        self.traffic.update(latest_by((sv.worker, body.traffic) for sv, body in bodies))
+        self._last_good = (step, loss)
+        end_time = time.time()
+        return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end_time,
+                          coordinator_s=max(0.0, (end_time - start) - (self.loop.poll_seconds - polled)),
+                          replies=bodies, actions=self._actions, traffic=dict(self.traffic))
+
+    def _commit_async(self) -> None:
+        """Commit each replica's last step (asynchronous plans), once none runs one."""
+        progress = self._async
+        if progress is None:
+            return
+        assert progress.idle(), "every step sent was collected"
+        timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
+        ids: dict[int, _Service] = {}
+        for r, rep in enumerate(progress.replicas):
+            if rep.uncommitted is None:
+                continue
+            commit = CommitStep(step=rep.commits, optimizer=self.spec.optimizer, timeout_ms=timeout_ms,
+                                train_step=rep.uncommitted)
+            ids.update({self.loop.send(sv.worker, sv.name, "commit", commit, CommitReply): sv
+                        for sv in self.services if sv.replica == r})
+            rep.commits, rep.uncommitted = rep.commits + 1, None
+        if ids:
+            bound = (self.spec.step_timeout + timedelta(seconds=10)) * (self.plan.staleness + 1)
+            self._gather(ids, "the replicas' last commits", bound, None)
 
     def evaluate(self, step: int, batches: Sequence[Sequence[Sequence[int]]]
                  ) -> tuple[list[tuple[int, StepReply]], list[SavedPart]]:
@@ -365,6 +469,10 @@ class Runtime:
         Raises:
             JobFailed: A stage could not apply the update (names the worker and the service).
         """
+        if self.plan.staleness:
+            assert save is None, "an asynchronous plan takes no checkpoint"
+            self._commit_async()
+            return []
         if not self._uncommitted:
             return []
         commit = self._commit_request(save)
@@ -411,6 +519,8 @@ class Runtime:
         out: dict[str, torch.Tensor] = {}
         for reply in self._gather(ids, "collecting the final state", self.spec.call_timeout, None).values():
             out.update({k: v.clone() for k, v in reply.tensors.items()})
+        if self.plan.staleness:  # the shards hold every replica's pushes; replica 0 pulled before the last
+            out.update(self._shards.values(self.spec.call_timeout))
         return out
 
     def close(self, timeout: timedelta = timedelta(seconds=10), *, skip: str = "") -> None:
@@ -428,17 +538,22 @@ class Runtime:
     # -- waiting ------------------------------------------------------------------------
 
     def _gather(self, ids: dict[int, _Service], what: str, timeout: timedelta,
-                step: int | None, *, saves: bool = False) -> dict[int, Reply]:
+                step: int | None, *, saves: bool = False, on_reply: Callable[[Reply], None] | None = None,
+                until: Callable[[], bool] | None = None) -> dict[int, Reply]:
         """The replies to ``ids`` (and, with ``saves``, every shard save's answer), bounded by ``timeout``.
 
         A shard save's answer is kept whenever it comes (:meth:`ParamShards.take`), never a failure.
+        With ``until`` (asynchronous plans), gather until it holds instead, handing each reply to
+        ``on_reply`` (which may add requests to ``ids``); the requests still unanswered then are kept.
         """
         deadline = time.monotonic() + timeout.total_seconds()
         replies: dict[int, Reply] = {}
         saving = self._shards.saving if saves else {}
         rounds = self._shards.rounds  # a held round's norm and apply requests (clipping; shards.py)
+        done = until if until is not None else (lambda: len(replies) >= len(ids))
+        completed = False
         try:
-            while len(replies) < len(ids) or saving or rounds:
+            while not done() or saving or rounds:
                 event = self.loop.next_event(timedelta(seconds=max(0.0, deadline - time.monotonic())))
                 if event is None:
                     missing = [*(ids[i] for i in ids if i not in replies), *(sv for sv, _ in saving.values()),
@@ -461,10 +576,14 @@ class Runtime:
                     if not event.ok:
                         raise self._failure(event, ids[event.id], what, step)
                     replies[event.id] = event
+                    if on_reply is not None:
+                        on_reply(event)
+            completed = True
         finally:
-            for i in ids:
-                if i not in replies:
-                    self.loop.forget(i)
+            if until is None or not completed:
+                for i in list(ids):
+                    if i not in replies:
+                        self.loop.forget(i)
         return replies
 
     def _hosted(self, worker: str) -> list[str]:

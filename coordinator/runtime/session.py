@@ -59,6 +59,7 @@ from coordinator.planning.plan import Plan
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources
 from coordinator.runtime.accumulation import step_batches
+from coordinator.runtime.async_steps import refuse_unsupported
 from coordinator.runtime.checkpoints import (
     Checkpointer,
     TrainerState,
@@ -104,6 +105,7 @@ class Session:
         self.job = job
         check_optimizer(job.config)  # a fixed plan skips the preflight: its cheapest check still runs
         self.plan = job.plan()
+        refuse_unsupported(job.config, self.plan)  # what an asynchronous plan cannot run
         self.sampler = job.sampler()
         self.accumulate = job.config.optimizer.accumulate  # global batches per step
         self.resume = resume
@@ -262,9 +264,12 @@ class Session:
             save = None
             if ckpt is not None and runtime.can_save and ckpt.due(k):
                 save = ckpt.begin(self.trainer_state(k), runtime.parts)
-            batches = step_batches(self.sampler, k, self.accumulate, plan.data_parallel,
-                                   plan.num_microbatches)
-            record = runtime.run_step(k, batches, save)
+            def batches_of(j: int, plan: Plan = plan) -> list[list[list[int]]]:
+                return step_batches(self.sampler, j, self.accumulate, plan.data_parallel,
+                                    plan.num_microbatches)
+
+            # an asynchronous plan may send a replica later steps' batches ahead (async_steps.py)
+            record = runtime.run_step(k, batches_of(k), save, upcoming=batches_of, end=end)
             if ckpt is not None:
                 self._announce(ckpt.record(record.saved))
             self.job.steps_done += 1

@@ -24,6 +24,10 @@ update's state. Each shard writes part ``ps-s{s}-{i}`` (``train/`` only: the sta
 once the part is written; the driver hands that answer to the checkpointer with the next
 step's parts, and ``flush_saves`` waits for every answer still due.
 
+Asynchronous plans (``plan.staleness > 0``) set the shards up in ``async`` mode with that bound (see
+[Note: replicas at their own pace] in ``coordinator/runtime/async_steps.py``); :meth:`ParamShards.values`
+reads the final parameters from them.
+
 [Note: a held round]
 Clipping by the global norm (``optimizer.clip_grad_norm``) needs the norm of the averaged
 gradient over every shard of every stage before any shard steps. So the shards are set up to
@@ -44,10 +48,11 @@ from datetime import timedelta
 
 import torch
 
+from comm.wire import DTYPES
 from coordinator.planning.plan import Plan
 from coordinator.runtime.loop import EventLoop, Reply
 from coordinator.runtime.records import _Service
-from services.params.client import ShardRef, setup_shards
+from services.params.client import PushPullClient, ShardRef, setup_shards
 from services.params.clipping import clip_coefficient
 from services.protocol import (
     ApplyRound,
@@ -126,13 +131,33 @@ class ParamShards:
         for s, (refs, params) in enumerate(self._stages):
             if refs:
                 keys = {n: state_keys[n][0] for n in params if state_keys.get(n)}
-                setup_shards(refs, params, mode="sync", replicas=self.plan.data_parallel, optimizer=optimizer,
+                setup_shards(refs, params, mode="async" if self.plan.staleness else "sync",
+                             replicas=self.plan.data_parallel, optimizer=optimizer,
+                             staleness=self.plan.staleness,
                              timeout=timeout, keys=keys, restore=restore,
                              hold_rounds=self.clip_grad_norm is not None)
                 lines.append(f"stage {s}: {len(params)} parameters on {len(refs)} shards"
                              + (" (optimizer state restored)" if restore else ""))
         self._stages = [(refs, {}) for refs, _ in self._stages]
         return lines
+
+    def values(self, timeout: timedelta) -> dict[str, torch.Tensor]:
+        """Every shard's current parameter values, by the stages' names (pulled as replica 0: call once
+        every replica pushed its last step, so the bound keeps no pull waiting).
+
+        Raises:
+            RpcError: A shard refused or its pull's wait ran out.
+            TimeoutError: A shard did not answer within ``timeout``.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for refs, _ in self._stages:
+            if not refs:
+                continue
+            with PushPullClient(refs, 0, timeout=timeout, retries=0) as client:
+                into = {n: torch.empty(p.shape, dtype=DTYPES[p.dtype]) for n, p in client.params.items()}
+                client.pull(into, timeout=timeout)
+            out.update(into)
+        return out
 
     @property
     def addresses(self) -> list[list[ShardAddress]]:

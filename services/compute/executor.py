@@ -68,6 +68,11 @@ the loss) runs keyed by the step and the microbatch's sample indices, so dropout
 random op draw what one process draws for those samples (see [Note: randomness that survives
 the cut] in ``services/compute/randomness/mode.py``).
 
+Recompute. A stage built with ``ComputeOptions.recompute`` runs a training forward node by node,
+each under ``torch.utils.checkpoint``; its recomputation in the backward replays the keyed draws
+and the deferring layers' microbatch (see [Note: recompute per cell] in
+``services/compute/recompute.py``).
+
 Non-finite values. The reply names the parameters whose gradient (after the gradient path:
 averaged over the replicas in collective mode; a tied one summed over its stages) holds a NaN
 or Inf, as AMP's ``GradScaler`` checks; with the losses it reports, the coordinator decides
@@ -111,7 +116,8 @@ from comm.factory import wire_device
 from services import faults
 from services.compute.boundary import empty_buffers, flatten, transfer_tag, unflatten
 from services.compute.precision import autocast, device_type
-from services.compute.randomness import ModelRandomness
+from services.compute.randomness import ModelRandomness, replaying
+from services.compute.recompute import Replay, attribute_replay, recomputed_forward
 from services.compute.stage import Stage, metric_sum, to_device
 from services.compute.turns import StepTurns
 from services.compute.weight_grads import WeightGradStore, defers, in_place_backwards, weight_runs
@@ -201,6 +207,10 @@ class StepExecutor:
                           if precision == "fp32" and not deferring else set())
         self._store = WeightGradStore.of(stage.module) if deferring or self._in_place else None
         self._w_runs = weight_runs(request.actions)
+        # recompute: what a node's recomputation must see as its forward did ([Note: recompute per cell])
+        self._replays: list[Replay] = [replaying]
+        if self._store is not None:
+            self._replays.append(attribute_replay(self._store, "microbatch"))
         self._w_times: dict[int, tuple[float, float]] = {}  # a W the first of its run computed -> its share
         self._comm = comm  # activations (SEND_F, RECV_F)
         self._grad_comm = comm  # gradients (SEND_B, RECV_B): see run()
@@ -391,7 +401,10 @@ class StepExecutor:
         if self._store is not None:  # the linear layers queue this microbatch's (input, gradient) in I
             self._store.microbatch = m if not self._in_place or m in self._in_place else None
         with torch.set_grad_enabled(grad), autocast(*self._autocast), keyed:
-            out = stage.module(inputs)
+            if stage.pieces is not None and grad:  # recompute: each node checkpointed
+                out = recomputed_forward(stage.pieces, inputs, self._replays)
+            else:
+                out = stage.module(inputs)
             if stage.last:
                 assert stage.loss_fn is not None
                 loss = stage.loss_fn(out, mb.targets)

@@ -178,6 +178,10 @@ class CellComputeService(ServiceBase):
             raise ValueError(f"BatchNorm layer {self._batch_norm[0]} needs the statistics of every replica, "
                              "and parameter-server mode has no data-parallel group to share them: use "
                              "collective mode")
+        if self._batch_norm and stage.pieces is not None:
+            raise ValueError(f"BatchNorm layer {self._batch_norm[0]} updates its running statistics in each "
+                             "training forward, and recompute runs its forward twice: drop plan.recompute, "
+                             "or freeze the layer (eval mode)")
         self._stage = stage
         self._randomness = ModelRandomness(stage.module, seed)
         self._tag = f"[stage {stage.index}/{stage.num_stages}]"
@@ -336,7 +340,8 @@ class CellComputeService(ServiceBase):
                 raise
             log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
                       time.monotonic() - start)
-            return reply.model_copy(update={"phases": [*phases, *reply.phases],
+            lead = self._path.lead if request.commit is not None else None  # async parameter server
+            return reply.model_copy(update={"phases": [*phases, *reply.phases], "lead": lead,
                                             "held_bytes": self._held_bytes(), "traffic": traffic.snapshot(),
                                             "saved": self._writer.finished()})
 

@@ -15,6 +15,8 @@ refused before anything is imported. Contracts:
   what it does not run: simple and deterministic, at the cost of building it (not keeping
   it) on each worker. The stage checks its boundary specs against its own trace, so a
   factory that builds another model on a worker is refused at assignment, not trained.
+  With ``ComputeOptions.recompute`` it also keeps each node as a module of its own
+  (:attr:`Stage.pieces`), which the executor runs checkpointed (``services/compute/recompute.py``).
 * data factory ``f(**data_kwargs)`` (seeded the same way) returns either a pair
   ``(inputs, targets)``, each a tensor, tuple, list or dict of tensors with the samples
   along dim 0 (every tensor as many rows: a target per input, checked by
@@ -35,6 +37,7 @@ there (:func:`to_device`), as the executor does with what it receives.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -237,6 +240,9 @@ class Stage:
     device: torch.device = _CPU  # where the cells live (the samples are moved there)
     eval_samples: SampleSource | None = None
     metric_fn: LossFn | None = None
+    # recompute (ComputeOptions.recompute): the stage's nodes one module each, run in a row in place of
+    # ``module``, each checkpointed (services/compute/recompute.py); None: ``module`` runs
+    pieces: list[nn.Module] | None = None
 
     @property
     def first(self) -> bool:
@@ -312,10 +318,17 @@ def build_stage(assignment: Assignment, options: ComputeOptions, factories: Fact
         metric_fn = metric_fn.to(device)
     names = tuple(nd.name for nd in chain.nodes[start:stop])
     module = chain.stage_module(start, stop).to(device)  # moves the model's own modules: tensors after it
+    # recompute: one module per node, sharing the stage module's (see [Note: recompute per cell])
+    pieces: list[nn.Module] | None = None
+    if options.recompute:
+        pieces = [chain.stage_module(i, i + 1).to(device) for i in range(start, stop)]
+        # torch.utils.checkpoint imports torch._dynamo on its first call (seconds on a loaded CPU):
+        # here, at assignment, rather than inside the first step's deadline
+        importlib.import_module("torch._dynamo")
     return Stage(index=options.stage, num_stages=options.num_stages, start=start, stop=stop, nodes=names,
                  module=module, tensors=chain.stage_tensors(start, stop), samples=samples, loss_fn=loss_fn,
                  loss_reduction=options.loss_reduction, incoming=options.incoming, outgoing=options.outgoing,
-                 device=device, eval_samples=eval_samples, metric_fn=metric_fn)
+                 device=device, eval_samples=eval_samples, metric_fn=metric_fn, pieces=pieces)
 
 
 def _eval_parts(seed: int, options: ComputeOptions, factories: FactoryAllowList

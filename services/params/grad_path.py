@@ -55,6 +55,7 @@ class GradientPath:
 
     def __init__(self) -> None:
         self.launched = False
+        self.lead: int | None = None  # async parameter server: see ServerPath
 
     def begin(self, timeout: timedelta) -> None:
         """Prepare for a step (collective: wait for the group to form, bounded by ``timeout``)."""
@@ -179,6 +180,11 @@ class ServerPath(GradientPath):
     order (the coordinator's commit count). The client is built on the first exchange: the
     coordinator sets the shards up after assigning the stage.
 
+    Asynchronous shards (``plan.staleness``) take the same push and pull: each push is applied on
+    arrival and the pull waits until this replica is within the staleness bound of the slowest;
+    :attr:`lead` is then how far ahead of the slowest this replica's clock was as its last pull was
+    served (the most over the shards; 0 in sync mode, whose pulls wait for the whole round).
+
     Args:
         shards: This stage's shards (empty: the stage has no parameters; exchange does nothing).
         replica: This replica's index.
@@ -204,6 +210,8 @@ class ServerPath(GradientPath):
                 for name, p in params}  # a CPU parameter is pulled into in place
         self._client.push_pull(grads, step, into, min_version=step + 1, timeout=timeout,
                                train_step=train_step)
+        clocks = [r.clocks for r in self._client.last_pull if r is not None and r.clocks]
+        self.lead = max(c[self._replica] - min(c) for c in clocks) if clocks else None
         with torch.no_grad():
             for name, p in params:
                 if p.device.type != "cpu":  # pulled into a CPU copy: onto the parameter's device

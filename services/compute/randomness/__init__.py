@@ -3,6 +3,6 @@
 See [Note: randomness that survives the cut] in ``services/compute/randomness/mode.py``.
 """
 
-from services.compute.randomness.mode import Drawn, ModelRandomness, check_draws, reproducible
+from services.compute.randomness.mode import Drawn, ModelRandomness, check_draws, replaying, reproducible
 
-__all__ = ["Drawn", "ModelRandomness", "check_draws", "reproducible"]
+__all__ = ["Drawn", "ModelRandomness", "check_draws", "replaying", "reproducible"]

@@ -28,7 +28,10 @@ cells placed on different stages counts its calls per stage and then differs fro
 
 Activation checkpointing inside the model (``torch.utils.checkpoint``) recomputes forwards during
 backward, outside the keyed forward: their draws would not be the keyed ones, so do not combine
-it with random layers.
+it with random layers. cellmesh's own recompute (``plan.recompute``, ``services/compute/recompute.py``)
+does replay them: :func:`replaying`, called as a cell's forward starts, notes the keyed forward's
+module stack and counters, and the recomputation of that cell draws inside a keyed forward started
+from them again, so it draws the keys, and so the values, the forward drew.
 
 Cost. The mode adds a Python call to every op of the forward (see docs/benchmarks.md); a model
 that draws nothing runs without it: :class:`ModelRandomness` runs its first training-mode
@@ -38,6 +41,8 @@ one of torch's random layers (dropout, RReLU, attention or recurrent layers with
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -52,7 +57,7 @@ from services.compute.randomness import ops
 from services.compute.randomness.keys import DrawKey, sample_hashes
 from services.compute.randomness.names import module_names
 
-__all__ = ["Drawn", "ModelRandomness", "check_draws", "reproducible"]
+__all__ = ["Drawn", "ModelRandomness", "check_draws", "replaying", "reproducible"]
 
 
 
@@ -215,6 +220,34 @@ class ModelRandomness:
             _local.forward = previous
         if self.keyed is None and self._root.training:  # an evaluation forward draws nothing anyway
             self.keyed = forward.draws > 0
+
+
+def replaying() -> contextlib.AbstractContextManager[None]:
+    """Called as a recomputed cell's forward starts: a context in which its recomputation draws again
+    what that forward draws (a no-op when no keyed forward runs on this thread).
+
+    The context runs a keyed forward of the same seed, step and samples whose module stack and
+    counters are those of this moment, so the recomputed modules count their draws from where the
+    forward's counted them (see [Note: randomness that survives the cut]). It may be entered on
+    another thread (the backward's): it sets that thread's forward, and puts it back on the way out.
+    """
+    forward = _current()
+    if forward is None:
+        return contextlib.nullcontext()
+    start = dataclasses.replace(forward, record=None, stack=list(forward.stack),
+                                counters=dict(forward.counters), draws=0)
+    return _again(start)
+
+
+@contextmanager
+def _again(start: _Forward) -> Iterator[None]:
+    forward = dataclasses.replace(start, stack=list(start.stack), counters=dict(start.counters))
+    previous, _local.forward = _current(), forward
+    try:
+        with _stack_hooks(), _KeyedMode(forward):
+            yield
+    finally:
+        _local.forward = previous
 
 
 def _random_layer(module: nn.Module) -> bool:
