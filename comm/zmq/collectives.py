@@ -20,11 +20,12 @@ these on the caller's thread or its worker thread.
 [Note: choosing an all-reduce]
 A small all-reduce is paid in round trips: the ring's 2(n-1) dependent steps cost more than
 its bytes save. Measured on one host (``bench/colls.py``, docs/benchmarks.md), recursive
-doubling took half the ring's time up to 64 KiB on 2, 3 and 4 ranks, the two were even
-around 128 KiB, and the ring was 2-4x faster from 512 KiB (doubling sends log2(n) * S
-bytes per rank, the ring 2(n-1)/n * S). Direct and doubling were within noise of each other
-up to 16 KiB, doubling ahead above (it reduces in place; direct copies n inputs). So
-``DOUBLING_MAX_BYTES`` is 64 KiB for every world size. The two orders differ: the ring
+doubling took half the ring's time from 16 B to 64 KiB on 2, 3 and 4 ranks, the two were
+about even at 128-256 KiB, and the ring was up to 3x faster from 512 KiB (doubling sends
+log2(n) * S bytes per rank, the ring 2(n-1)/n * S). Direct and doubling are the same
+messages on 2 ranks; on 4, direct took 1.03-1.8x doubling's time (n-1 messages each way
+per rank, and a copy of every input). So ``DOUBLING_MAX_BYTES`` is 64 KiB for every world
+size. The two orders differ: the ring
 sums segment s along the chain s, s+1, ..., doubling along a fixed tree (see
 [Note: recursive doubling for any n]); both give every rank bitwise the same tensor.
 
