@@ -43,8 +43,8 @@ class ZmqCommunicator(Communicator):
 
     backend = "zmq"
     all_reduce_algorithm: collectives.Algorithm = "auto"
-    """``"auto"`` picks by size and world size (``collectives.choose``); benchmarks and tests pin one of
-    ``"direct"``, ``"doubling"``, ``"ring"`` to compare them. Every rank must set the same."""
+    """``"auto"`` picks by size (``collectives.choose``: doubling up to 64 KiB, the ring above); benchmarks
+    and tests pin ``"direct"``, ``"doubling"`` or ``"ring"`` to compare them. Every rank must set the same."""
 
     def __init__(
         self,
@@ -116,7 +116,7 @@ class ZmqCommunicator(Communicator):
     def _in_group(self, call: str) -> str:
         """A collective's name for its errors: the call, and on a sub-group the group and its global ranks
         (several groups run the same collective at once; a timeout must say which one waited)."""
-        if self._owns:
+        if self._owns:  # the world communicator (it owns the transport)
             return call
         return f"{call} in group {self._g.name!r} of ranks {list(self._members)}"
 
