@@ -14,8 +14,10 @@ RPC traffic are not counted):
 * ``zmq``: the bodies :class:`comm.zmq.transport.Transport` sent, through its sockets and
   its shared-memory inboxes alike (one count: the path is the transport's choice, the
   bytes are the algorithm's). So a collective counts what its algorithm sends from this
-  rank: an all-reduce of S bytes over n ranks sends 2(n-1)/n * S on the ring and (n-1) * S
-  on the direct path (tensors up to ``comm.zmq.collectives.SMALL_BYTES``);
+  rank: an all-reduce of S bytes over n ranks sends 2(n-1)/n * S on the ring and, on
+  recursive doubling (tensors up to ``comm.zmq.collectives.DOUBLING_MAX_BYTES``), log2(p) * S
+  (p the largest power of two <= n), one S more on a rank that sends a folded partner the
+  result, and just S on the folded rank itself (``comm/zmq/doubling.py``);
 * ``gloo`` and ``nccl``: the algorithm is the library's, so a call counts the size of what
   this rank contributes as issued: S for an all-reduce, a send or the root's broadcast,
   the input of an all-gather or a reduce-scatter; nothing for a receive, a non-root

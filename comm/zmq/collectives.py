@@ -2,19 +2,32 @@
 
 Algorithms (n ranks, a tensor of S bytes, chunks of ``CHUNK_BYTES``):
 
-* ``all_reduce``: tensors up to ``SMALL_BYTES`` take the direct path (everyone sends
-  everything to everyone; each rank reduces the n inputs in rank order, so every rank
-  gets bitwise the same result). Larger ones take the ring: reduce-scatter then
-  all-gather, each rank sending 2(n-1)/n * S bytes. The ring is pipelined chunk by
-  chunk: a chunk received in step s is reduced and forwarded in step s+1 at once,
-  without waiting for the rest of its segment.
+* ``all_reduce``: tensors up to ``DOUBLING_MAX_BYTES`` take recursive doubling
+  (``comm/zmq/doubling.py``: log2(n) exchanges of the whole tensor, every rank bitwise the
+  same result); larger ones take the ring: reduce-scatter then all-gather, each rank
+  sending 2(n-1)/n * S bytes. The ring is pipelined chunk by chunk: a chunk received in
+  step s is reduced and forwarded in step s+1 at once, without waiting for the rest of its
+  segment. The direct path (everyone sends everything to everyone; each rank reduces the n
+  inputs in rank order) is kept for comparison (``algorithm="direct"``).
 * ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are the ring's two halves.
-* ``broadcast``: small tensors go directly from the root; large ones down a pipelined
-  chain root -> root+1 -> ... so the root sends S bytes, not (n-1) * S.
+* ``broadcast``: tensors up to ``SMALL_BYTES`` go directly from the root; large ones down a
+  pipelined chain root -> root+1 -> ... so the root sends S bytes, not (n-1) * S.
 
 Every function works in place on a flat, contiguous tensor; the communicator
 (``comm/zmq/communicator.py``) checks arguments, stages non-contiguous tensors and runs
 these on the caller's thread or its worker thread.
+
+[Note: choosing an all-reduce]
+A small all-reduce is paid in round trips: the ring's 2(n-1) dependent steps cost more than
+its bytes save. Measured on one host (``bench/colls.py``, docs/benchmarks.md), recursive
+doubling took half the ring's time from 16 B to 64 KiB on 2, 3 and 4 ranks, the two were
+about even at 128-256 KiB, and the ring was up to 3x faster from 512 KiB (doubling sends
+log2(n) * S bytes per rank, the ring 2(n-1)/n * S). Direct and doubling are the same
+messages on 2 ranks; on 4, direct took 1.03-1.8x doubling's time (n-1 messages each way
+per rank, and a copy of every input). So ``DOUBLING_MAX_BYTES`` is 64 KiB for every world
+size. The two orders differ: the ring
+sums segment s along the chain s, s+1, ..., doubling along a fixed tree (see
+[Note: recursive doubling for any n]); both give every rank bitwise the same tensor.
 
 [Note: the ring walk]
 Segment indices are taken mod n. In step s (s = 0 .. steps-1) rank r sends segment
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import zmq
@@ -38,12 +52,17 @@ from comm.base import ReduceOp
 from comm.errors import CommError
 from comm.sockets import CHUNK_BYTES
 from comm.wire import KIND_COLLECTIVE, TensorHeader, dtype_name, tensor_bytes
+from comm.zmq import doubling
 from comm.zmq.group import ZmqGroup
 from comm.zmq.transport import Body, Deadline
 
-__all__ = ["SMALL_BYTES", "Reduce", "all_reduce", "broadcast", "reducer", "ring"]
+__all__ = ["ALGORITHMS", "DOUBLING_MAX_BYTES", "SMALL_BYTES", "Algorithm", "Reduce", "all_reduce",
+           "broadcast", "choose", "reducer", "ring"]
 
 SMALL_BYTES = 64 << 10
+DOUBLING_MAX_BYTES = 64 << 10
+Algorithm = Literal["auto", "direct", "doubling", "ring"]
+ALGORITHMS: tuple[Algorithm, ...] = ("auto", "direct", "doubling", "ring")
 
 Reduce = Callable[[torch.Tensor, torch.Tensor], object]
 """``reduce(acc, x)`` folds ``x`` into ``acc`` in place."""
@@ -72,14 +91,27 @@ def reducer(op: ReduceOp, dtype: torch.dtype) -> Reduce:
     raise ValueError(f"unknown reduce op {op!r}")
 
 
-def all_reduce(g: ZmqGroup, flat: torch.Tensor, reduce: Reduce, seq: int, deadline: Deadline) -> None:
-    """Reduce ``flat`` across the group in place: direct up to SMALL_BYTES, else the ring."""
+def choose(n: int, nbytes: int) -> Algorithm:
+    """The all-reduce algorithm for ``nbytes`` over ``n`` ranks (see [Note: choosing an all-reduce])."""
+    return "doubling" if nbytes <= DOUBLING_MAX_BYTES else "ring"
+
+
+def all_reduce(g: ZmqGroup, flat: torch.Tensor, reduce: Reduce, seq: int, deadline: Deadline,
+               algorithm: Algorithm = "auto") -> None:
+    """Reduce ``flat`` across the group in place by ``algorithm`` (``"auto"``: :func:`choose`'s)."""
     n = len(g.members)
-    if n > 1 and flat.numel() > 0:
-        if flat.numel() * flat.element_size() <= SMALL_BYTES:
-            _direct_all_reduce(g, flat, reduce, seq, deadline)
-        else:
-            ring(g, flat, seq, deadline, d=0, steps=2 * (n - 1), reduce_steps=n - 1, reduce=reduce)
+    if n == 1 or flat.numel() == 0:
+        return
+    if algorithm == "auto":
+        algorithm = choose(n, flat.numel() * flat.element_size())
+    if algorithm == "direct":
+        _direct_all_reduce(g, flat, reduce, seq, deadline)
+    elif algorithm == "doubling":
+        doubling.all_reduce(g, flat, reduce, seq, deadline)
+    elif algorithm == "ring":
+        ring(g, flat, seq, deadline, d=0, steps=2 * (n - 1), reduce_steps=n - 1, reduce=reduce)
+    else:
+        raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
 
 
 def _direct_all_reduce(g: ZmqGroup, flat: torch.Tensor, reduce: Reduce, seq: int,

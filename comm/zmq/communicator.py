@@ -42,6 +42,9 @@ class ZmqCommunicator(Communicator):
     """
 
     backend = "zmq"
+    all_reduce_algorithm: collectives.Algorithm = "auto"
+    """``"auto"`` picks by size (``collectives.choose``: doubling up to 64 KiB, the ring above); benchmarks
+    and tests pin ``"direct"``, ``"doubling"`` or ``"ring"`` to compare them. Every rank must set the same."""
 
     def __init__(
         self,
@@ -109,6 +112,13 @@ class ZmqCommunicator(Communicator):
     def bad_messages(self) -> int:
         """How many malformed data messages this rank has dropped (counted by reason in comm.refusals)."""
         return self._transport.bad_messages
+
+    def _in_group(self, call: str) -> str:
+        """A collective's name for its errors: the call, and on a sub-group the group and its global ranks
+        (several groups run the same collective at once; a timeout must say which one waited)."""
+        if self._owns:  # the world communicator (it owns the transport)
+            return call
+        return f"{call} in group {self._g.name!r} of ranks {list(self._members)}"
 
     def _deadline(self, timeout: timedelta | None, op: str) -> Deadline:
         return Deadline(bound(timeout, self.timeout), op)
@@ -194,13 +204,14 @@ class ZmqCommunicator(Communicator):
                    timeout: timedelta | None = None, async_op: bool = False) -> Work:
         reduce = collectives.reducer(ReduceOp(op), tensor.dtype)
         seq = next(self._coll_seq)
-        deadline_op = f"all_reduce({ReduceOp(op).value}, {dtype_name(tensor.dtype)}{list(tensor.shape)})"
+        deadline_op = self._in_group(
+            f"all_reduce({ReduceOp(op).value}, {dtype_name(tensor.dtype)}{list(tensor.shape)})")
 
         def run() -> None:
             deadline = self._deadline(timeout, deadline_op)
             work = tensor if tensor.is_contiguous() else tensor.contiguous()
             flat = work.view(-1)
-            collectives.all_reduce(self._g, flat, reduce, seq, deadline)
+            collectives.all_reduce(self._g, flat, reduce, seq, deadline, self.all_reduce_algorithm)
             if ReduceOp(op) is ReduceOp.MEAN:
                 flat.div_(self.world_size)
             if work is not tensor:
@@ -215,7 +226,8 @@ class ZmqCommunicator(Communicator):
         check_sizes("reduce_scatter_tensor", "tensor", tensor, "output", output, n)
         reduce = collectives.reducer(ReduceOp(op), tensor.dtype)
         seq = next(self._coll_seq)
-        deadline_op = f"reduce_scatter_tensor({ReduceOp(op).value}, {dtype_name(tensor.dtype)})"
+        deadline_op = self._in_group(
+            f"reduce_scatter_tensor({ReduceOp(op).value}, {dtype_name(tensor.dtype)})")
 
         def run() -> None:
             deadline = self._deadline(timeout, deadline_op)
@@ -250,7 +262,8 @@ class ZmqCommunicator(Communicator):
         n = self.world_size
         check_sizes("all_gather_into_tensor", "output", output, "tensor", tensor, n)
         seq = next(self._coll_seq)
-        deadline_op = f"all_gather_into_tensor({dtype_name(tensor.dtype)}{list(tensor.shape)})"
+        deadline_op = self._in_group(
+            f"all_gather_into_tensor({dtype_name(tensor.dtype)}{list(tensor.shape)})")
 
         def run() -> None:
             deadline = self._deadline(timeout, deadline_op)
@@ -271,7 +284,8 @@ class ZmqCommunicator(Communicator):
                   async_op: bool = False) -> Work:
         self._check_root(src, "broadcast")
         seq = next(self._coll_seq)
-        deadline_op = f"broadcast(src={src}, {dtype_name(tensor.dtype)}{list(tensor.shape)})"
+        deadline_op = self._in_group(
+            f"broadcast(src={src}, {dtype_name(tensor.dtype)}{list(tensor.shape)})")
 
         def run() -> None:
             if self.world_size == 1:

@@ -368,15 +368,17 @@ def check_argument_errors(comm: Communicator) -> list[str]:
 def check_bytes_sent(comm: Communicator, *, numels: Sequence[int] = (96, 49152)) -> list[str]:
     """Each call counts the bytes sent that [Note: what "bytes sent" counts] (comm/traffic.py) says.
 
-    The expectation is each algorithm's, as documented: for zmq, the direct all-reduce (up to
-    ``SMALL_BYTES``) sends the tensor to every other rank, the ring 2(n-1)/n of it, a small
+    The expectation is each algorithm's, as documented: for zmq, recursive doubling (up to
+    ``DOUBLING_MAX_BYTES``) sends the tensor log2(p) times (p the largest power of two <= n), a rank
+    folding in a partner once more and the folded rank once; the ring 2(n-1)/n of it, a small
     broadcast goes from the root to every rank and a large one down a chain (every rank but the
     last sends it once), all-gather and reduce-scatter walk n-1 ring steps of one shard; for gloo
     and nccl a call counts what this rank contributes. ``numels`` are float32 sizes divisible by
-    12 (equal shards for 2, 3 and 4 ranks), one below and one above ``SMALL_BYTES``.
+    12 (equal shards for 2, 3 and 4 ranks), one below and one above ``SMALL_BYTES`` and
+    ``DOUBLING_MAX_BYTES``.
     """
     from comm.traffic import SENT
-    from comm.zmq.collectives import SMALL_BYTES
+    from comm.zmq.collectives import DOUBLING_MAX_BYTES, SMALL_BYTES
 
     failures: list[str] = []
     n, me, zmq = comm.world_size, comm.rank, comm.backend == "zmq"
@@ -393,8 +395,11 @@ def check_bytes_sent(comm: Communicator, *, numels: Sequence[int] = (96, 49152))
         x = torch.ones(numel, device=_device(comm))
         size, shard = numel * 4, numel // n * 4
         large = size > SMALL_BYTES
+        p = 1 << (n.bit_length() - 1)
+        folded = me < 2 * (n - p)
+        doubling = size if folded and me % 2 == 0 else (p.bit_length() - 1 + folded) * size
         expect(f"all_reduce of {size} bytes",
-               (2 * (n - 1) * size // n if large else (n - 1) * size) if zmq else size,
+               (2 * (n - 1) * size // n if size > DOUBLING_MAX_BYTES else doubling) if zmq else size,
                comm.all_reduce, x)
         if zmq:
             root = size if large and me != (src - 1) % n else (n - 1) * size if not large and me == src else 0

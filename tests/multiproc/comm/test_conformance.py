@@ -17,6 +17,7 @@ import torch
 from tests.harness.procs import RankGroup
 
 CHECKS = "tests.multiproc.comm.checks"
+SHARD_CHECKS = "tests.multiproc.comm.shard_checks"
 WORLD_SIZES = (1, 2, 3, 4)
 
 
@@ -72,8 +73,9 @@ def group(request: pytest.FixtureRequest) -> RankGroup:
     return ranks
 
 
-def _expect_clean(group: RankGroup, check: str, *, wait_s: float = 90, **kwargs: Any) -> None:
-    results = group.run(f"{CHECKS}:{check}", timeout=timedelta(seconds=wait_s), **kwargs)
+def _expect_clean(group: RankGroup, check: str, *, wait_s: float = 90, module: str = CHECKS,
+                  **kwargs: Any) -> None:
+    results = group.run(f"{module}:{check}", timeout=timedelta(seconds=wait_s), **kwargs)
     failures = [f"rank {r}: {f}" for r, found in enumerate(results) for f in found]
     shown = "\n".join(failures[:40])
     more = f"\n... and {len(failures) - 40} more" if len(failures) > 40 else ""
@@ -130,6 +132,33 @@ def test_p2p_polling(group: RankGroup) -> None:
 def test_subgroups(group: RankGroup) -> None:
     """Disjoint groups reduce concurrently, each to its own answer; ranks renumber in order."""
     _expect_clean(group, "check_subgroups", seed=5)
+
+
+@pytest.mark.parametrize("group", P2P_GROUPS, indirect=True)
+def test_uneven_groups_shard(group: RankGroup) -> None:
+    """reduce_scatter_tensor and all_gather_into_tensor, every case, on groups [w-1, 0, 2, ..] and [1]
+    at once."""
+    _expect_clean(group, "check_uneven_groups", module=SHARD_CHECKS, seed=13)
+
+
+@pytest.mark.parametrize("group", _groups((2, 4)), indirect=True)
+def test_hybrid_sharding(group: RankGroup) -> None:
+    """Reduce-scatter in strided shard groups, all-reduce across replicate groups, at once: the world's
+    sum."""
+    _expect_clean(group, "check_hybrid_sharding", module=SHARD_CHECKS, seed=17)
+
+
+@pytest.mark.parametrize("group", P2P_GROUPS, indirect=True)
+def test_subgroup_timeouts(group: RankGroup) -> None:
+    """A reduce-scatter or all-gather one member of a sub-group never calls: the timeout names the op and
+    the group."""
+    _expect_clean(group, "check_subgroup_timeouts", module=SHARD_CHECKS, timeout_s=0.5)
+
+
+@pytest.mark.parametrize("group", GROUPS, indirect=True)
+def test_async_shards(group: RankGroup) -> None:
+    """Two reduce-scatters and two all-gathers in flight at once: issued without waiting, in order, exact."""
+    _expect_clean(group, "check_async_shards", module=SHARD_CHECKS, seed=19)
 
 
 @pytest.mark.parametrize("group", P2P_GROUPS, indirect=True)
