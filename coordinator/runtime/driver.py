@@ -77,6 +77,7 @@ from coordinator.runtime.runspec import RunSpec, boundary_spec
 from coordinator.runtime.scaler import LossScaler
 from coordinator.runtime.shards import ParamShards
 from coordinator.runtime.tied import tied_per_stage
+from services.params.zero import check_elementwise
 from services.protocol import (
     Assignment,
     AssignmentReply,
@@ -177,11 +178,17 @@ class Runtime:
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         tied = tied_per_stage(spec.tied, [(st.start, st.stop) for st in plan.stages])
         ids: dict[int, _Service] = {}
-        unbuilt = [f"{k}={getattr(plan, k)}" for k in ("zero_stage", "recompute", "offload", "staleness")
+        unbuilt = [f"{k}={getattr(plan, k)}" for k in ("recompute", "offload", "staleness")
                    if getattr(plan, k)]
+        unbuilt += [f"zero_stage={plan.zero_stage}"] if plan.zero_stage > 2 else []
         if unbuilt:  # the plan fields the services do not run yet
             raise JobError(f"this version of cellmesh cannot run plan {', '.join(unbuilt)} yet: drop "
-                           "plan.zero, plan.recompute, plan.offload and plan.staleness from the job")
+                           "plan.zero 3, plan.recompute, plan.offload and plan.staleness from the job")
+        if plan.zero_stage:
+            try:
+                check_elementwise(spec.optimizer.name)
+            except ValueError as exc:
+                raise JobError(str(exc)) from None
         for sv in self.services:
             st = plan.stages[sv.stage]
             # the stage's tensors' keys (a tied copy another stage writes is restored from the same keys)

@@ -28,14 +28,15 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from services.checkpoint import dcp
 
-__all__ = ["OPTIM", "RNG", "TRAIN", "Restored", "Snapshot", "apply_optimizer_state", "load_optimizer_state",
-           "load_stage", "optimizer_entries", "snapshot"]
+__all__ = ["OPTIM", "RNG", "TRAIN", "FullState", "OptimizerState", "Restored", "Snapshot",
+           "apply_optimizer_state", "load_optimizer_state", "load_stage", "optimizer_entries", "snapshot"]
 
 TRAIN = "train"  # the training state's subdirectory of a checkpoint
 OPTIM = "optim."
@@ -69,8 +70,22 @@ def replica_share(num_entries: int, replica: int, replicas: int) -> range:
     return range(replica, num_entries, replicas)
 
 
+class OptimizerState(Protocol):
+    """What a snapshot reads of an optimizer: its per-parameter state (a ``torch.optim`` optimizer is one)."""
+
+    @property
+    def state(self) -> Mapping[Any, Mapping[str, Any]]: ...
+
+
+@dataclass
+class FullState:
+    """A sharded optimizer's state made whole, keyed by the whole parameters (``services/params/zero.py``)."""
+
+    state: Mapping[Any, Mapping[str, Any]]
+
+
 def snapshot(step: int, part: str, state: Sequence[tuple[str, torch.Tensor]],
-             params: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
+             params: Sequence[tuple[str, nn.Parameter]], optimizer: OptimizerState | None,
              state_keys: Mapping[str, Sequence[str]], *, share: tuple[int, int] = (0, 1),
              skip: Collection[str] = ()) -> Snapshot:
     """Copy a stage's training state: this replica's share (``share`` = (replica, replicas):
@@ -91,7 +106,7 @@ def snapshot(step: int, part: str, state: Sequence[tuple[str, torch.Tensor]],
     return snap
 
 
-def optimizer_entries(params: Sequence[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+def optimizer_entries(params: Sequence[tuple[str, torch.Tensor]], optimizer: OptimizerState,
                       state_keys: Mapping[str, Sequence[str]]) -> dict[str, torch.Tensor]:
     """Copies of ``optimizer``'s state of each of ``params`` (the stage's names) as ``optim.{key}.{entry}``
     (``key``: the parameter's first model key; a number entry as a float64 scalar)."""

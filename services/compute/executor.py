@@ -294,10 +294,14 @@ class StepExecutor:
     def _check_grads(self) -> tuple[list[str], float | None]:
         """The parameters whose gradient holds a NaN or Inf (the first ``MAX_NONFINITE_NAMED``), and the
         gradients' squared norm (None on a path whose gradients are not final: the parameter server's)."""
-        grads = [(name, p.grad) for name, p in self._stage.parameters() if p.grad is not None]
+        params = self._stage.parameters()
+        grads = (self._grad_path.held_grads(params) if self._grad_path is not None
+                 else [(name, p.grad) for name, p in params if p.grad is not None])
         bad, sq_norm = check_grads(grads)
         if self._tied is not None and self._tied.mirrors:  # another stage owns them: counted there, once
             sq_norm = check_grads([(n, g) for n, g in grads if n not in self._tied.mirrors])[1]
+        if self._grad_path is not None:  # ZeRO-2: each replica holds a shard; the group's parts added
+            sq_norm = self._grad_path.group_sq_norm(sq_norm, self._left("adding the gradient norm's parts"))
         final = self._grad_path is None or self._grad_path.updates_locally
         return bad[:MAX_NONFINITE_NAMED], sq_norm if final else None
 

@@ -100,7 +100,14 @@ from comm.codec import describe_validation_error
 from comm.rpc import Call, RpcError, ServiceBase
 from services import faults
 from services.checkpoint.dcp import CheckpointFormatError
-from services.checkpoint.stage_state import Restored, apply_optimizer_state, load_stage, snapshot
+from services.checkpoint.stage_state import (
+    FullState,
+    OptimizerState,
+    Restored,
+    apply_optimizer_state,
+    load_stage,
+    snapshot,
+)
 from services.checkpoint.writer import PartWriter
 from services.compute import turns
 from services.compute.batchnorm import BatchNormSync, batch_norm_layers
@@ -114,6 +121,7 @@ from services.link import PipelineLink
 from services.params import scheduling
 from services.params.grad_path import build_path
 from services.params.tied import TiedSync
+from services.params.zero import ZeroPath, check_elementwise, state_bytes
 from services.protocol import (
     Assignment,
     CommitReply,
@@ -178,7 +186,13 @@ class CellComputeService(ServiceBase):
         self._link = PipelineLink(backend=options.comm_backend, rank=stage.index, world_size=stage.num_stages,
                                   registry_url=options.registry, prefix=options.comm_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
+        if options.zero_stage == 2 and options.tied is not None:
+            raise ValueError(f"stage {stage.index} holds parameters tied to other stages "
+                             f"({', '.join(t.name for t in options.tied.params)}), whose gradients are "
+                             "summed over the stages after the step, and plan.zero=2 keeps only a shard "
+                             "of each gradient: use plan.zero=1")
         self._path = build_path(stage.module, options)
+        self._zero = self._path if isinstance(self._path, ZeroPath) else None
         self._tied = TiedSync.build(stage.parameters(), options)
         self._mirrors = self._tied.mirrors if self._tied is not None else frozenset()
         self._batch_norm_sync = (BatchNormSync(stage.module, self._path.group)
@@ -316,7 +330,8 @@ class CellComputeService(ServiceBase):
             log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
                       time.monotonic() - start)
             return reply.model_copy(update={"phases": [*phases, *reply.phases],
-                                            "traffic": traffic.snapshot(), "saved": self._writer.finished()})
+                                            "held_bytes": self._held_bytes(), "traffic": traffic.snapshot(),
+                                            "saved": self._writer.finished()})
 
         self._submit(call, f"step {request.step}", timeout, run)
 
@@ -370,14 +385,20 @@ class CellComputeService(ServiceBase):
         self._submit(call, "an optimizer step", OPTIMIZER_STEP_TIMEOUT, run)
 
     def _build_optimizer(self, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        params: list[tuple[str, torch.Tensor]] = list(self._stage.parameters())
+        restored = self._restored.optimizer_state
         try:
-            optimizer = make_optimizer(spec, [p for _, p in self._stage.parameters()])
+            if self._zero is not None:  # the optimizer steps this replica's rows of each parameter
+                check_elementwise(spec.name)
+                restored = self._zero.shard_restored(self._stage.parameters(), restored)
+                params = self._zero.optimizer_params(self._stage.parameters())
+            optimizer = make_optimizer(spec, [p for _, p in params])
             # on the initial rate, before any restored state: [Note: a scheduler's position]
             self._scheduler = (scheduling.build_scheduler(spec.scheduler, optimizer)
                                if spec.scheduler is not None else None)
         except ValueError as exc:
             raise RpcError("bad_request", f"stage {self._stage.index}: {exc}") from None
-        apply_optimizer_state(optimizer, self._stage.parameters(), self._restored)
+        apply_optimizer_state(optimizer, params, Restored(restored))
         self._restored = Restored()  # applied: the checkpoint's tensors are not kept
         self._optimizer, self._optimizer_spec = optimizer, spec
         return optimizer
@@ -413,6 +434,8 @@ class CellComputeService(ServiceBase):
             start = time.time()
             self._update(optimizer, commit)
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
+            if self._zero is not None:
+                phases.append(self._gather_params(commit, timeout))
         else:
             faults.at(step, "push_pull")
             owned = [(n, p) for n, p in self._stage.parameters() if n not in self._mirrors]
@@ -434,8 +457,11 @@ class CellComputeService(ServiceBase):
         self._optimizer_steps += 1
         if commit.save is not None:
             start = time.time()
+            state: OptimizerState | None = optimizer
+            if self._zero is not None and optimizer is not None:  # whole tensors, as every plan saves them
+                state = FullState(self._zero.full_state(optimizer, timeout))
             snap = snapshot(commit.save.step, self._part, self._stage.state(), self._stage.parameters(),
-                            optimizer, self._state_keys, share=(self._replica, self._replicas),
+                            state, self._state_keys, share=(self._replica, self._replicas),
                             skip=self._mirrors)
             self._writer.submit(snap, Path(commit.save.directory))
             phases.append(PhaseTiming(name="snapshot", start=start, end=time.time()))
@@ -447,11 +473,35 @@ class CellComputeService(ServiceBase):
         Raises:
             StepFailed: The scheduler cannot step (OneCycleLR past its ``total_steps``) or is past the step.
         """
+        params: list[tuple[str, torch.Tensor]] = list(self._stage.parameters())
+        if self._zero is not None:
+            self._zero.attach_grads(self._stage.parameters())
+            params = self._zero.optimizer_params(self._stage.parameters())
         try:
-            local_update(self._stage.parameters(), optimizer, self._scheduler, commit)
+            local_update(params, optimizer, self._scheduler, commit)
         except ValueError as exc:
             raise StepFailed(f"stage {self._stage.index}, commit of step {commit.train_step + 1}: {exc}",
                              transfers_posted=False) from exc
+
+    def _gather_params(self, commit: CommitStep, timeout: timedelta) -> PhaseTiming:
+        """ZeRO: the updated rows all-gathered in the group (a failure leaves the group to reconnect)."""
+        assert self._zero is not None
+        try:
+            return self._zero.gather_params(timeout)
+        except Exception as exc:
+            what = f"stage {self._stage.index}, commit of step {commit.step}: all-gathering the parameters"
+            with self._lock:
+                self._poisoned = f"{what} failed"
+            raise StepFailed(f"{what}: {type(exc).__name__}: {exc}", transfers_posted=True) from exc
+
+    def _held_bytes(self) -> int:
+        """Bytes of the stage's parameters, the gradients it holds and its optimizer state."""
+        if self._zero is not None:
+            return self._zero.held_bytes(self._optimizer)
+        params = [p for _, p in self._stage.parameters()]
+        grads = [p.grad for p in params if p.grad is not None]
+        return (sum(t.numel() * t.element_size() for t in [*params, *grads])
+                + (state_bytes(self._optimizer) if self._optimizer is not None else 0))
 
     def rpc_commit(self, request: CommitStep, call: Call) -> None:
         with self._lock:

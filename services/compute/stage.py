@@ -359,7 +359,7 @@ def check_samples(stage: Stage, microbatches: Sequence[Sequence[int]], source: s
                              f"of the {'held-out ' if source == 'eval' else ''}data")
 
 
-def make_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(spec: OptimizerSpec, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer ``spec`` names, over ``params`` (list kwargs become tuples: betas).
 
     A stage may hold no parameters (a cut that leaves an activation alone on a stage): torch's

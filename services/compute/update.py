@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from services.params import scheduling
 from services.protocol import CommitStep
@@ -20,7 +19,7 @@ from services.protocol import CommitStep
 __all__ = ["local_update", "scale_grads"]
 
 
-def scale_grads(params: Sequence[tuple[str, nn.Parameter]], factor: float) -> None:
+def scale_grads(params: Sequence[tuple[str, torch.Tensor]], factor: float) -> None:
     """Multiply every gradient of ``params`` by ``factor`` in place (nothing to do for 1.0)."""
     grads = [p.grad for _, p in params if p.grad is not None]
     if factor != 1.0 and grads:
@@ -28,7 +27,7 @@ def scale_grads(params: Sequence[tuple[str, nn.Parameter]], factor: float) -> No
             torch._foreach_mul_(grads, factor)
 
 
-def local_update(params: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
+def local_update(params: Sequence[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, commit: CommitStep) -> None:
     """The scheduler brought to the commit's step, the gradients scaled by ``grad_scale``, the optimizer
     step, one scheduler step.

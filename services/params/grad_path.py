@@ -70,6 +70,16 @@ class GradientPath:
         """After the action list: the gradients are final (averaged over replicas) on return."""
         return None
 
+    def held_grads(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
+        """After :meth:`finish`: the gradients of ``params`` this replica holds, by name (a ZeRO-2
+        replica: its shards; otherwise each ``.grad`` that is not None)."""
+        return [(n, p.grad) for n, p in params if p.grad is not None]
+
+    def group_sq_norm(self, sq_norm: float, timeout: timedelta) -> float:
+        """The squared norm of the whole gradient from this replica's ``sq_norm`` of :meth:`held_grads`
+        (ZeRO-2: the group's parts added up, a collective; otherwise ``sq_norm`` itself)."""
+        return sq_norm
+
     def exchange(self, step: int, params: Sequence[tuple[str, nn.Parameter]],
                  timeout: timedelta, *, train_step: int) -> PhaseTiming | None:
         """Parameter server: push this step's gradients, pull the updated values into ``params``.
@@ -211,4 +221,8 @@ def build_path(module: nn.Module, options: ComputeOptions) -> GradientPath:
         return ServerPath(options.shards, options.replica)
     if options.num_replicas == 1:
         return GradientPath()
+    if options.zero_stage in (1, 2):
+        from services.params.zero import ZeroPath  # it builds on CollectivePath
+
+        return ZeroPath(module, options)
     return CollectivePath(module, options)

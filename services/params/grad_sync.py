@@ -19,10 +19,15 @@ hooks fire in a slightly different order. A parameter that got no gradient in a 
 contributes zeros (as DDP with ``find_unused_parameters``).
 
 The reduce-scatter path (``mode="reduce_scatter"``) is the one a sharded optimizer
-(ZeRO) uses: gradients are copied into the buckets (``param.grad`` stays a tensor of its
-own), :meth:`GradSync.finish` then leaves each replica with the averaged gradient of its
-own contiguous shard of every bucket, returned as :class:`Shard` views, and the full
-gradients are not written back.
+(ZeRO-2, ``services/params/zero.py``) uses: each bucket is packed in the dim-0 layout of
+``services/params/layout.py`` (every parameter's rows cut into ``F`` chunks, rank-major), a
+parameter's gradient is copied into its bucket once its hook fired armed and ``param.grad`` is
+then dropped (set to None), and one reduce-scatter per bucket leaves each replica with the
+averaged gradient of its own rows of every parameter: :meth:`GradSync.finish` returns them as
+:class:`Shard` views. A bucket's buffer lives from its first gradient to :meth:`finish`, so
+after a step a replica holds only its shards. With ``across`` (hybrid sharding: ``comm`` is
+one group of ``F`` replicas, ``across`` the replicas holding the same shard in the other
+groups) each shard is then all-reduced (MEAN) across the groups.
 
 Pipeline stages run one backward per microbatch and gradients accumulate over them;
 only the last backward of a step may launch buckets. :attr:`GradSync.armed` says whether
@@ -50,6 +55,7 @@ from torch import nn
 
 from comm.base import Communicator, ReduceOp, Work
 from comm.factory import wire_device
+from services.params.layout import ShardLayout
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "GradSync", "Shard", "assign_buckets"]
 
@@ -71,16 +77,20 @@ class Bucket:
     work: Work | None = None
     shard: torch.Tensor | None = None  # reduce_scatter mode: this rank's part
     staged: torch.Tensor | None = None  # the CPU copy a CPU backend reduces, for a buffer on a GPU
+    layout: ShardLayout | None = None  # reduce_scatter mode: the dim-0 layout of the buffer
 
 
 @dataclass(frozen=True)
 class Shard:
-    """reduce_scatter mode: this replica's slice ``[start, stop)`` of a bucket's flat gradient."""
+    """reduce_scatter mode: this replica's part of a bucket's averaged gradient.
+
+    ``segment`` is the flat part (``layout.segment_numel`` elements); ``grads`` maps each parameter
+    name of the bucket to its rows' gradient, a view of ``segment`` shaped as the parameter's shard.
+    """
 
     bucket: int
-    start: int
-    stop: int
-    grad: torch.Tensor
+    segment: torch.Tensor
+    grads: dict[str, torch.Tensor]
 
 
 def assign_buckets(sizes: list[tuple[str, int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
@@ -114,6 +124,7 @@ class GradSync:
             becomes a view into the bucket buffer) or ``"reduce_scatter"`` (each gets its
             shard; for sharded optimizers).
         timeout: bound on waiting for each bucket's collective.
+        across: reduce_scatter mode, hybrid sharding: the group the shards are then averaged over.
 
     Usage::
 
@@ -134,12 +145,14 @@ class GradSync:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         mode: Literal["all_reduce", "reduce_scatter"] = "all_reduce",
         timeout: timedelta | None = None,
+        across: Communicator | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.comm = comm
         self.mode = mode
         self.timeout = timeout
+        self.across = across
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         sizes = [(n, p.numel() * p.element_size(), p.dtype) for n, p in named]
         self.buckets: list[Bucket] = []
@@ -151,9 +164,14 @@ class GradSync:
             for p in params:
                 offsets.append(total)
                 total += p.numel()
-            padded = -(-total // world) * world if mode == "reduce_scatter" else total
-            buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-            self.buckets.append(Bucket(b, params, [named[i][0] for i in indices], offsets, buffer))
+            names = [named[i][0] for i in indices]
+            if mode == "reduce_scatter":  # allocated by the step's first gradient, freed by finish
+                layout = ShardLayout([p.shape for p in params], world)
+                buffer = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
+                self.buckets.append(Bucket(b, params, names, offsets, buffer, layout=layout))
+            else:
+                buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+                self.buckets.append(Bucket(b, params, names, offsets, buffer))
             for pos, p in enumerate(params):
                 self._where[id(p)] = (b, pos)
         self._next_launch = 0
@@ -171,8 +189,15 @@ class GradSync:
         return bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + p.numel()].view_as(p)
 
     def _gather(self, bucket: Bucket, pos: int) -> None:
-        """Bring parameter ``pos``'s gradient into the bucket (all_reduce: make ``.grad`` the view)."""
+        """Bring parameter ``pos``'s gradient into the bucket (all_reduce: make ``.grad`` the view;
+        reduce_scatter: pack it, then drop ``.grad``)."""
         p = bucket.params[pos]
+        if bucket.layout is not None:
+            if bucket.buffer.numel() != bucket.layout.numel:
+                bucket.buffer = torch.empty(bucket.layout.numel, dtype=p.dtype, device=p.device)
+            bucket.layout.pack_one(bucket.buffer, pos, p.grad)
+            p.grad = None
+            return
         view = self._view(bucket, pos)
         grad = p.grad
         if grad is None:
@@ -209,7 +234,8 @@ class GradSync:
         if self.mode == "all_reduce":
             bucket.work = self.comm.all_reduce(wire, ReduceOp.MEAN, timeout=self.timeout, async_op=True)
         else:
-            n = wire.numel() // self.comm.world_size
+            assert bucket.layout is not None
+            n = bucket.layout.segment_numel
             bucket.shard = torch.empty(n, dtype=wire.dtype, device=wire.device)
             bucket.work = self.comm.reduce_scatter_tensor(bucket.shard, wire, ReduceOp.MEAN,
                                                           timeout=self.timeout, async_op=True)
@@ -230,21 +256,35 @@ class GradSync:
                     bucket.ready.add(pos)
         self._launch_ready()
         shards: list[Shard] = []
+        crossing: list[Work] = []
         for bucket in self.buckets:
             assert bucket.work is not None
             bucket.work.wait(self.timeout)
-            if self.mode == "reduce_scatter":  # all_reduce: param.grad is the view, averaged in place
+            if bucket.layout is not None:  # all_reduce: param.grad is the view, averaged in place
                 assert bucket.shard is not None
-                n = bucket.shard.numel()
-                start = self.comm.rank * n
-                shards.append(Shard(bucket.index, start, start + n, bucket.shard.to(bucket.buffer.device)))
+                if self.across is not None:  # hybrid: the same rows of the other groups
+                    crossing.append(self.across.all_reduce(bucket.shard, ReduceOp.MEAN, timeout=self.timeout,
+                                                           async_op=True))
+                shards.append(self._shard(bucket, bucket.shard))
+                bucket.buffer = bucket.buffer.new_empty(0)  # the full gradients are gone
+                bucket.shard = None
             elif bucket.staged is not None:  # reduced on the CPU: back into the GPU bucket param.grad views
                 bucket.buffer.copy_(bucket.staged)
             bucket.ready.clear()
             bucket.work = None
             bucket.staged = None
+        for work in crossing:
+            work.wait(self.timeout)
+        if shards and shards[0].segment.device != self.buckets[0].buffer.device:  # reduced on the CPU
+            shards = [self._shard(self.buckets[s.bucket], s.segment.to(self.buckets[s.bucket].buffer.device))
+                      for s in shards]
         self._next_launch = 0
         return shards
+
+    def _shard(self, bucket: Bucket, segment: torch.Tensor) -> Shard:
+        assert bucket.layout is not None
+        views = bucket.layout.segment_views(segment, self.comm.rank)
+        return Shard(bucket.index, segment, dict(zip(bucket.names, views, strict=True)))
 
     def reset(self) -> None:
         """Forget a step abandoned midway (buckets gathered but not finished)."""
@@ -253,6 +293,8 @@ class GradSync:
             bucket.work = None
             bucket.shard = None
             bucket.staged = None
+            if bucket.layout is not None:
+                bucket.buffer = bucket.buffer.new_empty(0)
         self._next_launch = 0
 
     def close(self) -> None:

@@ -445,6 +445,9 @@ class StepReply(Message):
     # all-reduce: every replica's is the same), for clipping by the global norm; None on the
     # parameter-server path (the shards hold the averaged gradient) and in a step without backwards
     grad_sq_norm: float | None = None
+    # bytes of the stage's parameters, the gradients it holds and its optimizer state as the step ends
+    # (before the step's own update: ZeRO-2 holds its gradient shards then), for memory reports
+    held_bytes: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:

@@ -84,7 +84,7 @@ def train_replica(comm: Communicator, *, optimizer: str, steps: int, seed: int, 
 
 
 def reduce_scatter_grads(comm: Communicator, *, seed: int, bucket_bytes: int) -> dict[str, Any]:
-    """One backward in reduce_scatter mode: this rank's shards of the averaged flat gradients."""
+    """One backward in reduce_scatter mode: this rank's rows of every averaged gradient; no ``.grad`` left."""
     model = make_model(seed)
     sync = GradSync(model, comm, bucket_bytes=bucket_bytes, mode="reduce_scatter")
     share = GLOBAL_BATCH // comm.world_size
@@ -92,6 +92,5 @@ def reduce_scatter_grads(comm: Communicator, *, seed: int, bucket_bytes: int) ->
     x, y = batch(0, seed)
     nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
     shards = sync.finish()
-    layout = [[b.names, [p.numel() for p in b.params]] for b in sync.buckets]
-    return {"layout": layout,
-            "shards": [[s.bucket, s.start, s.stop, s.grad.numpy().tobytes()] for s in shards]}
+    return {"left": [n for n, p in model.named_parameters() if p.grad is not None],
+            "shards": {n: [list(g.shape), g.numpy().tobytes()] for s in shards for n, g in s.grads.items()}}

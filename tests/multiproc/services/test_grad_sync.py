@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from services.params.grad_sync import assign_buckets
+from services.params.layout import ShardLayout
 from tests.harness.procs import RankGroup
 from tests.multiproc.services import dp_checks
 
@@ -63,16 +64,16 @@ def test_reduce_scatter_shards_are_the_averaged_gradient(pair: RankGroup) -> Non
     model = dp_checks.make_model(SEED)
     x, y = dp_checks.batch(0, SEED)
     nn.functional.mse_loss(model(x), y).backward()
-    grads = dict(model.named_parameters())
-    layout = results[0]["layout"]
     for rank, result in enumerate(results):
-        for bucket, start, stop, data in result["shards"]:
-            names, _ = layout[bucket]
-            flat = torch.cat([grads[n].grad.reshape(-1) for n in names])  # type: ignore[union-attr]
-            flat = torch.cat([flat, flat.new_zeros(-(-flat.numel() // 2) * 2 - flat.numel())])
-            shard = torch.frombuffer(bytearray(data), dtype=torch.float64)
-            assert stop - start == shard.numel() and start == rank * shard.numel()
-            assert (shard - flat[start:stop]).abs().max().item() < 1e-12
+        assert result["left"] == []  # the full gradients were dropped once packed
+        assert set(result["shards"]) == {n for n, _ in model.named_parameters()}
+        for name, p in model.named_parameters():
+            assert p.grad is not None
+            shape, data = result["shards"][name]
+            expected = ShardLayout([p.shape], 2).shard_of(p.grad, 0, rank)
+            shard = torch.frombuffer(bytearray(data), dtype=torch.float64).view(shape)
+            assert shard.shape == expected.shape
+            assert (shard - expected).abs().max().item() < 1e-12 if shard.numel() else True
 
 
 def test_assign_buckets_reverse_order_and_capacity() -> None:

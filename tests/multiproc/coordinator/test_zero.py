@@ -1,0 +1,146 @@
+"""ZeRO-1, ZeRO-2 and hybrid sharding train to the parameters one process reaches (float64, 5 steps).
+
+One harness of four worker processes serves every job (``Job.attach``). The models' dim 0 (12, 7, 5,
+3 and a 0-dim scale) leave short and empty shards in groups of 2 and 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.planning.resources import Resources
+from coordinator.runtime.harness import LocalHarness
+from coordinator.runtime.job import FitResult, Job
+from coordinator.runtime.reference import max_abs_diff, train_reference
+
+pytestmark = pytest.mark.timeout(120)
+
+M = "tests.multiproc.coordinator.models"
+Z = "tests.multiproc.coordinator.zero_models"
+STEPS = 5
+TOL64 = 1e-9
+OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sgd": ("SGD", {"lr": 0.1, "momentum": 0.9}),
+    "adamw": ("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
+}
+MODELS = {"mlp": f"{M}:mlp", "mixed": f"{Z}:mixed", "deep_mlp": f"{M}:deep_mlp"}
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[LocalHarness]:
+    factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "regression", "mse")] + [f"{Z}:mixed"]
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero", lease_ttl=timedelta(seconds=2),
+                      factories=factories) as h:
+        yield h
+
+
+def make_job(model: str, optimizer: str, **plan: Any) -> Job:
+    name, kwargs = OPTIMIZERS[optimizer]
+    return Job(model=MODELS[model], loss=f"{M}:mse", data=f"{M}:regression", optimizer=name,
+               optimizer_kwargs=kwargs, model_kwargs={"dtype": "float64"}, data_kwargs={"dtype": "float64"},
+               global_batch=16, seed=5, resources=Resources.local(workers=4), step_timeout_s=30, **plan)
+
+
+def dp(zero: int, d: int, factor: int | None = None) -> dict[str, Any]:
+    """``d`` replicas of one stage, sharding in groups of ``factor`` (``d``: one group); zero 0: plain."""
+    plain = dict(data_parallel=d, num_stages=1, num_microbatches=1)
+    return plain | dict(zero=zero, shard_factor=factor or d) if zero else plain
+
+
+def fit_and_compare(harness: LocalHarness, job: Job) -> FitResult:
+    with job.attach(harness):
+        result = job.fit(STEPS)
+    ref = train_reference(job, STEPS)
+    diff = max_abs_diff(result.state_dict, ref.state_dict)
+    assert diff < TOL64, f"{job.plan().summary()}: max abs diff {diff:.3g}"
+    assert max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)) < 1e-10
+    assert max_abs_diff(job.build_model().state_dict(), ref.state_dict) > 1e-3, "the reference did not move"
+    return result
+
+
+def phases(result: FitResult) -> set[str]:
+    return {e.name for e in result.steps[-1].events}
+
+
+@pytest.mark.parametrize(("zero", "d", "factor", "model", "optimizer"), [
+    (1, 2, 2, "mlp", "sgd"), (1, 4, 4, "mixed", "adamw"), (2, 2, 2, "mixed", "sgd"),
+    (2, 2, 2, "mlp", "adamw"), (2, 4, 4, "mixed", "adamw"), (2, 4, 4, "mlp", "sgd"),
+    (2, 4, 2, "mixed", "adamw"), (1, 4, 2, "mixed", "sgd")])  # hybrid: 2 groups of 2
+def test_data_parallel_sharding_matches_one_process(harness: LocalHarness, zero: int, d: int, factor: int,
+                                                    model: str, optimizer: str) -> None:
+    result = fit_and_compare(harness, make_job(model, optimizer, **dp(zero, d, factor)))
+    assert result.plan is not None and (result.plan.zero_stage, result.plan.shard_factor) == (zero, factor)
+    assert {"all_gather", "all_reduce" if zero == 1 else "reduce_scatter"} <= phases(result)
+
+
+@pytest.mark.parametrize("plan", [
+    dict(schedule="gpipe", num_microbatches=4), dict(schedule="1f1b", num_microbatches=4),
+    dict(schedule="zb-h1", num_microbatches=4),
+    dict(schedule="interleaved-1f1b", chunks=2, num_microbatches=2)])
+def test_zero2_in_a_pipeline_matches_one_process(harness: LocalHarness, plan: dict[str, Any]) -> None:
+    """2 stages x 2 replicas: gradients accumulate over microbatches, the last backward reduce-scatters."""
+    job = make_job("deep_mlp", "adamw", data_parallel=2, num_stages=2, zero=2, shard_factor=2, **plan)
+    result = fit_and_compare(harness, job)
+    assert result.plan is not None and result.plan.num_stages == 2 and result.plan.zero_stage == 2
+
+
+def test_clipping_with_zero2_is_one_process_clipping(harness: LocalHarness) -> None:
+    job = make_job("mixed", "sgd", clip_grad_norm=0.05, **dp(2, 4, 2))
+    result = fit_and_compare(harness, job)
+    ref = train_reference(job, STEPS)
+    norms = [r.grad_norm for r in result.steps]
+    assert all(n is not None and n > 0.05 for n in norms), norms  # every step clipped
+    assert max(abs(a - b) for a, b in zip(norms, ref.grad_norms, strict=True)) < 1e-9  # type: ignore[operator]
+
+
+def test_a_checkpoint_goes_from_zero2_to_plain_data_parallel_and_back(harness: LocalHarness,
+                                                                       tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+
+    def job(**plan: Any) -> Job:
+        return make_job("mixed", "adamw", checkpoint_directory=str(ckpt), checkpoint_keep=10, **plan)
+
+    with job(**dp(2, 4)).attach(harness) as first:
+        first.fit(2)
+    with job(**dp(0, 2)).attach(harness, resume=True) as second:
+        assert [r.step for r in second.fit(2).steps] == [2, 3]
+    third = job(**dp(2, 4, 2))
+    with third.attach(harness, resume=True):
+        final = third.fit(STEPS - 4)
+    assert [r.step for r in final.steps] == [4]
+    ref = train_reference(third, STEPS)
+    assert max_abs_diff(final.state_dict, ref.state_dict) < TOL64
+
+
+def held(result: FitResult) -> list[int]:
+    return [body.held_bytes or 0 for _, body in sorted(result.steps[-1].replies, key=lambda r: r[0].replica)]
+
+
+def test_memory_per_worker_shrinks_with_the_group(harness: LocalHarness) -> None:
+    """Parameters + held gradients + AdamW state (exp_avg, exp_avg_sq and a float32 step count per
+    parameter) as each replica ends a step, against the replicated plan."""
+    model = make_job("mlp", "adamw", **dp(0, 2)).build_model()
+    params = sum(p.numel() * 8 for p in model.parameters())
+    steps = 4 * len(list(model.parameters()))
+    figures: dict[str, list[int]] = {}
+    for name, plan in {"dp2": dp(0, 2), "zero1x2": dp(1, 2), "zero2x2": dp(2, 2), "zero1x4": dp(1, 4),
+                       "zero2x4": dp(2, 4)}.items():
+        job = make_job("mlp", "adamw", **plan)
+        with job.attach(harness):
+            figures[name] = held(job.fit(2))
+    print(f"parameters {params} B; held bytes per replica: {figures}")
+    assert figures["dp2"] == [4 * params + steps] * 2  # parameters, gradients, exp_avg, exp_avg_sq
+    row = 8 * 12  # the widest row of the model: a ceil chunk holds at most one more
+    for n in (2, 4):
+        one, two = figures[f"zero1x{n}"], figures[f"zero2x{n}"]
+        assert all(abs(b - (2 * params + 2 * params / n + steps)) <= 2 * 4 * row for b in one), one
+        assert sum(one) == n * (2 * params + steps) + 2 * params  # the state's shards cover it once
+        # ZeRO-2's gradient shards are the reduce-scatter's segments: a few padding rows more
+        assert all(b < a for a, b in zip(one, two, strict=True))
+        least = n * (params + steps) + 3 * params
+        assert least <= sum(two) <= least + n * 4 * row, two
