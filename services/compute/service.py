@@ -120,6 +120,7 @@ from services.factories import FactoryAllowList
 from services.link import PipelineLink
 from services.params import scheduling
 from services.params.grad_path import build_path
+from services.params.sharded_path import FullyShardedPath
 from services.params.tied import TiedSync
 from services.params.zero import ZeroPath, check_elementwise, state_bytes
 from services.protocol import (
@@ -172,6 +173,7 @@ class CellComputeService(ServiceBase):
                              "and parameter-server mode has no data-parallel group to share them: use "
                              "collective mode")
         self._stage = stage
+        self._comm_timeout = timedelta(milliseconds=options.comm_timeout_ms)
         self._randomness = ModelRandomness(stage.module, seed)
         self._tag = f"[stage {stage.index}/{stage.num_stages}]"
         self._lock = threading.Lock()  # guards the fields below
@@ -186,13 +188,13 @@ class CellComputeService(ServiceBase):
         self._link = PipelineLink(backend=options.comm_backend, rank=stage.index, world_size=stage.num_stages,
                                   registry_url=options.registry, prefix=options.comm_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
-        if options.zero_stage == 2 and options.tied is not None:
+        if options.zero_stage in (2, 3) and options.tied is not None:
             raise ValueError(f"stage {stage.index} holds parameters tied to other stages "
                              f"({', '.join(t.name for t in options.tied.params)}), whose gradients are "
-                             "summed over the stages after the step, and plan.zero=2 keeps only a shard "
-                             "of each gradient: use plan.zero=1")
+                             "summed over the stages after the step, and plan.zero="
+                             f"{options.zero_stage} keeps only a shard of each gradient: use plan.zero=1")
         self._path = build_path(stage.module, options)
-        self._zero = self._path if isinstance(self._path, ZeroPath) else None
+        self._zero = self._path if isinstance(self._path, ZeroPath | FullyShardedPath) else None
         self._tied = TiedSync.build(stage.parameters(), options)
         self._mirrors = self._tied.mirrors if self._tied is not None else frozenset()
         self._batch_norm_sync = (BatchNormSync(stage.module, self._path.group)
@@ -435,7 +437,8 @@ class CellComputeService(ServiceBase):
             self._update(optimizer, commit)
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
             if self._zero is not None:
-                phases.append(self._gather_params(commit, timeout))
+                gathered = self._gather_params(commit, timeout)
+                phases += [gathered] if gathered is not None else []
         else:
             faults.at(step, "push_pull")
             owned = [(n, p) for n, p in self._stage.parameters() if n not in self._mirrors]
@@ -460,9 +463,9 @@ class CellComputeService(ServiceBase):
             state: OptimizerState | None = optimizer
             if self._zero is not None and optimizer is not None:  # whole tensors, as every plan saves them
                 state = FullState(self._zero.full_state(optimizer, timeout))
-            snap = snapshot(commit.save.step, self._part, self._stage.state(), self._stage.parameters(),
-                            state, self._state_keys, share=(self._replica, self._replicas),
-                            skip=self._mirrors)
+            snap = snapshot(commit.save.step, self._part, self._whole_state(timeout),
+                            self._stage.parameters(), state, self._state_keys,
+                            share=(self._replica, self._replicas), skip=self._mirrors)
             self._writer.submit(snap, Path(commit.save.directory))
             phases.append(PhaseTiming(name="snapshot", start=start, end=time.time()))
         return phases
@@ -483,8 +486,9 @@ class CellComputeService(ServiceBase):
             raise StepFailed(f"stage {self._stage.index}, commit of step {commit.train_step + 1}: {exc}",
                              transfers_posted=False) from exc
 
-    def _gather_params(self, commit: CommitStep, timeout: timedelta) -> PhaseTiming:
-        """ZeRO: the updated rows all-gathered in the group (a failure leaves the group to reconnect)."""
+    def _gather_params(self, commit: CommitStep, timeout: timedelta) -> PhaseTiming | None:
+        """ZeRO-1/2: the updated rows all-gathered in the group (a failure leaves the group to reconnect);
+        ZeRO-3 gathers each unit before its next forward instead (None)."""
         assert self._zero is not None
         try:
             return self._zero.gather_params(timeout)
@@ -519,8 +523,16 @@ class CellComputeService(ServiceBase):
     def rpc_state(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:
             self._check_idle("send its state")
-            call.tensors_out = [(name, t.detach().clone()) for name, t in self._stage.state()]
+            # ZeRO-3: an all-gather per unit, so the coordinator asks every replica of the group
+            tensors = self._whole_state(self._comm_timeout)
+            call.tensors_out = [(name, t.detach().clone()) for name, t in tensors]
         return TensorsReply(names=[name for name, _ in call.tensors_out])
+
+    def _whole_state(self, timeout: timedelta) -> list[tuple[str, torch.Tensor]]:
+        """The stage's parameters and buffers, a fully sharded stage's gathered whole (a collective)."""
+        if isinstance(self._path, FullyShardedPath):
+            return self._path.whole(self._stage.state(), timeout)
+        return self._stage.state()
 
     def rpc_flush_saves(self, request: Empty, call: Call) -> None:
         call.defer(FLUSH_TIMEOUT + _REPLY_GRACE, lambda: ("timeout", f"stage {self._stage.index}: checkpoint "

@@ -240,8 +240,9 @@ class FullyShard:
         return [(n, s) for u in self.units for n, s in zip(u.names, u.shards, strict=True)]
 
     def finish(self) -> None:
-        """After the step's last backward: reduce-scatter what is left, wait for every unit, and add each
-        segment's mean gradient into its shards' ``.grad``. Full ``.grad`` s are dropped; unarmed again.
+        """After the step's last backward: reduce-scatter what is left, wait for every unit, and point its
+        shards' ``.grad`` at the segment's mean gradient (the step's: a gradient accumulates over the
+        microbatches of a step, not across steps). Full ``.grad`` s are dropped; unarmed again.
 
         A parameter that got no gradient contributes zeros.
         """
@@ -257,10 +258,7 @@ class FullyShard:
                 self._wait(unit, work, "all-reducing its gradient segment across the sharding groups")
             out = out.to(unit.segment.device)
             for shard, grad in zip(unit.shards, unit.layout.segment_views(out, self.comm.rank), strict=True):
-                if shard.grad is None:
-                    shard.grad = grad
-                else:
-                    shard.grad.add_(grad)
+                shard.grad = grad
             unit.reduce_in = unit.reduce_out = unit.reduce_work = None
             unit.ready.clear()
         self._next_launch = 0

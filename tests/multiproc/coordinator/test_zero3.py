@@ -1,0 +1,76 @@
+"""ZeRO-3 (fully sharded parameters) trains through the coordinator to the parameters one process reaches
+(float64, 5 steps): data parallel in one group, hybrid groups, and in a pipeline.
+
+One harness of four worker processes serves every job (``Job.attach``), as in ``test_zero.py``, whose jobs
+and comparison these reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from coordinator.runtime.errors import JobError
+from coordinator.runtime.harness import LocalHarness
+from tests.multiproc.coordinator.test_zero import M, Z, dp, fit_and_compare, make_job, phases
+
+pytestmark = pytest.mark.timeout(120)
+
+HELD_OUT = "tests.multiproc.coordinator.eval_models:heldout"
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[LocalHarness]:
+    factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "regression", "mse")]
+    factories += [f"{Z}:mixed", HELD_OUT]
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero3", lease_ttl=timedelta(seconds=2),
+                      factories=factories) as h:
+        yield h
+
+
+@pytest.mark.parametrize(("d", "factor", "model", "optimizer"), [
+    (2, 2, "mixed", "adamw"), (4, 4, "mixed", "sgd"), (4, 2, "mixed", "adamw")])  # hybrid: 2 groups of 2
+def test_fully_sharded_replicas_match_one_process(harness: LocalHarness, d: int, factor: int, model: str,
+                                                  optimizer: str) -> None:
+    result = fit_and_compare(harness, make_job(model, optimizer, **dp(3, d, factor)))
+    assert result.plan is not None and (result.plan.zero_stage, result.plan.shard_factor) == (3, factor)
+    assert "reduce_scatter" in phases(result)
+
+
+@pytest.mark.parametrize("plan", [
+    dict(schedule="gpipe", num_microbatches=4), dict(schedule="1f1b", num_microbatches=4),
+    dict(schedule="zb-h1", num_microbatches=4),
+    dict(schedule="interleaved-1f1b", chunks=2, num_microbatches=2)])
+def test_fully_sharded_pipeline_matches_one_process(harness: LocalHarness, plan: dict[str, Any]) -> None:
+    """2 stages x 2 replicas: full gradients accumulate over the microbatches, the last backward
+    reduce-scatters each unit."""
+    job = make_job("deep_mlp", "adamw", data_parallel=2, num_stages=2, zero=3, shard_factor=2, **plan)
+    result = fit_and_compare(harness, job)
+    assert result.plan is not None and result.plan.num_stages == 2 and result.plan.zero_stage == 3
+
+
+def test_memory_per_worker_holds_a_shard_of_the_parameters(harness: LocalHarness) -> None:
+    """Parameters, gradients and AdamW state as each replica ends a step: ZeRO-3 over 2 holds about half of
+    what ZeRO-2 over 2 holds for its parameters (ZeRO-2 keeps them whole)."""
+    model = make_job("mlp", "adamw", **dp(0, 2)).build_model()
+    params = sum(p.numel() * 8 for p in model.parameters())
+    figures: dict[str, list[int]] = {}
+    for name, plan in {"zero2x2": dp(2, 2), "zero3x2": dp(3, 2)}.items():
+        job = make_job("mlp", "adamw", **plan)
+        with job.attach(harness):
+            result = job.fit(2)
+        figures[name] = [body.held_bytes or 0 for _, body in sorted(result.steps[-1].replies,
+                                                                     key=lambda r: r[0].replica)]
+    print(f"parameters {params} B; held bytes per replica: {figures}")
+    for two, three in zip(figures["zero2x2"], figures["zero3x2"], strict=True):
+        assert two - three >= params / 2 - 8 * 12, (two, three)  # the other half of the parameters
+
+
+def test_evaluation_is_refused_naming_the_fix(harness: LocalHarness) -> None:
+    job = make_job("mixed", "sgd", eval=HELD_OUT, eval_every_steps=2, **dp(3, 2))
+    with (pytest.raises(JobError, match=r"cannot evaluate under plan\.zero=3.*drop the job's eval section"),
+          job.attach(harness)):
+        job.fit(1)
