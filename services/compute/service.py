@@ -348,6 +348,7 @@ class CellComputeService(ServiceBase):
     def rpc_parameters(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:
             self._check_idle("send its parameters")
+            self._check_whole("send its parameters")
             # copies: the reply's frames are sent zero-copy after this returns
             call.tensors_out = [(name, p.detach().clone()) for name, p in self._stage.parameters()]
         return TensorsReply(names=[name for name, _ in call.tensors_out])
@@ -355,10 +356,18 @@ class CellComputeService(ServiceBase):
     def rpc_gradients(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:
             self._check_idle("send its gradients")
+            self._check_whole("send its gradients")
             params = self._stage.parameters()
             call.tensors_out = [(n, p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                                 for n, p in params]
         return TensorsReply(names=[n for n, _ in params], missing=[n for n, p in params if p.grad is None])
+
+    def _check_whole(self, what: str) -> None:
+        """Raise RpcError if the stage's parameters are spread over its group (ZeRO-3, after a step)."""
+        if isinstance(self._path, FullyShardedPath) and self._path.sharded:
+            raise RpcError("bad_request", f"stage {self._stage.index}: its parameters are fully sharded "
+                                          f"(plan.zero=3) over its data-parallel group, so it cannot {what} "
+                                          "alone: ask every replica for its state (the job's final state)")
 
     def rpc_zero_grad(self, request: ZeroGradRequest, call: Call) -> Empty:
         with self._lock:

@@ -99,6 +99,11 @@ class FullyShardedPath(CollectivePath):
         self._shard_comm: Communicator | None = None
         self._across: Communicator | None = None
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters are sharded yet (from the first :meth:`begin` on)."""
+        return self._fs is not None
+
     # -- the step -----------------------------------------------------------------------
 
     def begin(self, timeout: timedelta) -> None:

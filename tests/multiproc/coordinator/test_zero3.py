@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.harness import LocalHarness
-from tests.multiproc.coordinator.test_zero import M, Z, dp, fit_and_compare, make_job, phases
+from coordinator.runtime.job import Job
+from coordinator.runtime.reference import max_abs_diff, train_reference
+from tests.multiproc.coordinator.test_zero import STEPS, TOL64, M, Z, dp, fit_and_compare, make_job, phases
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,6 +53,34 @@ def test_fully_sharded_pipeline_matches_one_process(harness: LocalHarness, plan:
     job = make_job("deep_mlp", "adamw", data_parallel=2, num_stages=2, zero=3, shard_factor=2, **plan)
     result = fit_and_compare(harness, job)
     assert result.plan is not None and result.plan.num_stages == 2 and result.plan.zero_stage == 3
+
+
+def test_clipping_with_zero3_is_one_process_clipping(harness: LocalHarness) -> None:
+    job = make_job("mixed", "sgd", clip_grad_norm=0.05, **dp(3, 4, 2))
+    result = fit_and_compare(harness, job)
+    ref = train_reference(job, STEPS)
+    norms = [r.grad_norm for r in result.steps]
+    assert all(n is not None and n > 0.05 for n in norms), norms  # every step clipped
+    assert max(abs(a - b) for a, b in zip(norms, ref.grad_norms, strict=True)) < 1e-9  # type: ignore[operator]
+
+
+def test_a_checkpoint_goes_from_zero3_to_plain_data_parallel_and_back(harness: LocalHarness,
+                                                                       tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+
+    def job(**plan: Any) -> Job:
+        return make_job("mixed", "adamw", checkpoint_directory=str(ckpt), checkpoint_keep=10, **plan)
+
+    with job(**dp(3, 4)).attach(harness) as first:
+        first.fit(2)
+    with job(**dp(0, 2)).attach(harness, resume=True) as second:
+        assert [r.step for r in second.fit(2).steps] == [2, 3]
+    third = job(**dp(3, 4, 2))
+    with third.attach(harness, resume=True):
+        final = third.fit(STEPS - 4)
+    assert [r.step for r in final.steps] == [4]
+    ref = train_reference(third, STEPS)
+    assert max_abs_diff(final.state_dict, ref.state_dict) < TOL64
 
 
 def test_memory_per_worker_holds_a_shard_of_the_parameters(harness: LocalHarness) -> None:
