@@ -73,6 +73,7 @@ from services.compute.randomness import Drawn, ModelRandomness, check_draws
 from services.compute.stage import SampleError, SampleSource, make_optimizer, metric_sum
 from services.factories import resolve
 from services.params import scheduling
+from services.params.zero import check_elementwise
 from services.protocol import OptimizerSpec, SchedulerSpec
 
 __all__ = ["Checked", "batch_norm_of", "check_job", "check_optimizer", "model_structure", "node_bytes",
@@ -176,9 +177,15 @@ def check_optimizer(config: JobConfig) -> None:
     step both once.
 
     Raises:
-        JobError: The optimizer or the scheduler is unknown, unsupported or refuses its arguments.
+        JobError: The optimizer or the scheduler is unknown, unsupported (not elementwise, with
+            ``plan.zero`` 1 or 2) or refuses its arguments.
     """
     section = config.optimizer
+    if config.plan.zero in (1, 2):  # [Note: elementwise optimizers] in services/params/zero.py
+        try:
+            check_elementwise(section.name)
+        except ValueError as exc:
+            raise JobError(f"optimizer: {exc}") from None
     optimizer_spec = OptimizerSpec(name=section.name, kwargs=dict(section.kwargs))
     param = nn.Parameter(torch.zeros(1))
     try:

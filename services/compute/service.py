@@ -20,7 +20,7 @@ action list runs). RPC surface (service kind ``compute``):
 * ``zero_grad(ZeroGradRequest) -> Empty``.
 * ``optimizer_step(OptimizerStepRequest) -> OptimizerStepReply``: a ``torch.optim``
   class by name; built on the first call and kept (its state lives with the stage), run
-  on the step thread.
+  on the step thread (refused when the replicas shard the optimizer: ``commit`` runs theirs).
 * ``reconnect(Reconnect) -> Empty``: replace the communicator (a new generation prefix).
 * ``commit(CommitStep) -> CommitReply``: apply the step's update, on the step thread: the
   gradients multiplied by ``grad_scale`` first (fp16's loss scale undone, clipping by the global
@@ -52,7 +52,11 @@ group; parameter-server mode with replicas is refused at assignment.
 Data parallelism. Replicas of one stage synchronise gradients through the stage's
 gradient path (:mod:`services.params.grad_path`): ``run_step`` begins it (waiting for the
 data-parallel group, bounded by the step's deadline) and the executor arms and finishes
-it around the last backward.
+it around the last backward. With ``zero_stage`` 1 or 2 (:mod:`services.params.zero`) the
+optimizer steps this replica's rows of each parameter and the commit all-gathers the rows
+(an ``all_gather`` phase); a checkpoint still holds whole optimizer state by name. A ZeRO-2
+replica holds only its gradient shards after a step, so ``gradients`` lists every parameter as
+missing then. Each step reply carries the bytes the stage holds (``StepReply.held_bytes``).
 
 Tied parameters (``ComputeOptions.tied``: a Parameter other stages hold too, such as an
 embedding tied to the output head). The executor sums their gradients over the holding
@@ -380,6 +384,10 @@ class CellComputeService(ServiceBase):
         return Empty()
 
     def rpc_optimizer_step(self, request: OptimizerStepRequest, call: Call) -> None:
+        if self._zero is not None:
+            raise RpcError("bad_request", f"stage {self._stage.index}: its replicas shard the optimizer "
+                                          f"(plan.zero={self._zero.stage}), whose step all-gathers the "
+                                          "parameters: apply updates with commit")
         with self._lock:
             self._check_idle("apply an optimizer step")
             optimizer = self._optimizer or self._build_optimizer(request.optimizer)

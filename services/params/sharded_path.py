@@ -89,6 +89,7 @@ class FullyShardedPath(CollectivePath):
         if options.zero_stage != 3:
             raise ValueError(f"FullyShardedPath runs plan.zero 3, not {options.zero_stage}")
         super().__init__(module, options)
+        self.stage = 3  # the ZeRO stage, as ZeroPath.stage
         self.factor = options.shard_factor
         self.rank = options.replica % self.factor
         self._replicas = options.num_replicas
@@ -195,9 +196,10 @@ class FullyShardedPath(CollectivePath):
     # -- the update ---------------------------------------------------------------------
 
     def optimizer_params(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
-        """What the stage's optimizer steps: this rank's rows of each of ``params``, by name."""
+        """What the stage's optimizer steps: this rank's rows of each of ``params``, by name (a frozen
+        parameter, which no unit shards, as it is: it gets no gradient, so no update)."""
         self._require_shards()
-        return [(n, self._shards[id(p)]) for n, p in params]
+        return [(n, self._shards.get(id(p), p)) for n, p in params]
 
     def attach_grads(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
         """Nothing to do: :meth:`finish` pointed the shards' ``.grad`` at the reduce-scattered segments."""
@@ -235,7 +237,7 @@ class FullyShardedPath(CollectivePath):
         out: dict[nn.Parameter, dict[str, Any]] = {}
         for p in self._params:
             one = ShardLayout([p.shape], self.factor)
-            shard = self._shards[id(p)]
+            shard = self._shards[id(p)]  # every trainable parameter is a unit's
             mine = optimizer.state.get(shard, {})
             out[p] = {key: _gather_rows(comm, one, mine[key], p.shape, self.rank, timeout)
                       if _per_element(key, mine[key], shard.shape) else mine[key] for key in sorted(mine)}

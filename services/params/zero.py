@@ -58,7 +58,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from comm.base import Communicator, ReduceOp
+from comm.base import Communicator, ReduceOp, Work
+from comm.factory import wire_device
 from services.params.grad_path import CollectivePath
 from services.params.grad_sync import GradSync, assign_buckets
 from services.params.layout import ShardLayout
@@ -194,7 +195,8 @@ class ZeroPath(CollectivePath):
         if self.stage == 1:
             return sq_norm
         assert self._shard_comm is not None, "begin() first"
-        total = torch.tensor([sq_norm], dtype=torch.float64)
+        device = wire_device(self._shard_comm.backend, self._params[0].device if self._params else "cpu")
+        total = torch.tensor([sq_norm], dtype=torch.float64, device=device)
         self._shard_comm.all_reduce(total, ReduceOp.SUM, timeout=timeout)
         return float(total[0])
 
@@ -214,8 +216,9 @@ class ZeroPath(CollectivePath):
     # -- the update ---------------------------------------------------------------------
 
     def optimizer_params(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
-        """What the stage's optimizer steps: this rank's rows of each of ``params``, by name."""
-        return [(n, self._shards[id(p)]) for n, p in params]
+        """What the stage's optimizer steps: this rank's rows of each of ``params``, by name (a frozen
+        parameter as it is: it never gets a gradient)."""
+        return [(n, self._shards.get(id(p), p)) for n, p in params]
 
     def attach_grads(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
         """Point each shard's ``.grad`` at its rows of the step's averaged gradient (None: no gradient)."""
@@ -228,19 +231,28 @@ class ZeroPath(CollectivePath):
                     shard.grad = None if p.grad is None else group.layout.shard_of(p.grad, i, self.rank)
 
     def gather_params(self, timeout: timedelta) -> PhaseTiming:
-        """All-gather the updated rows in the group: every replica's parameters are whole again."""
+        """All-gather the updated rows in the group: every replica's parameters are whole again.
+
+        One all-gather per bucket, all in flight together; on the device the backend moves
+        (``comm.factory.wire_device``: a CPU copy for zmq or gloo with a stage on a GPU).
+        """
         shard_comm = self._groups_ready(timeout)
         start = time.time()
+        pending: list[tuple[_Group, torch.Tensor, Work]] = []
         for group in self._groups:
             layout = group.layout
             first = group.params[0]
-            segment = torch.empty(layout.segment_numel, dtype=first.dtype, device=first.device)
+            device = wire_device(shard_comm.backend, first.device)
+            segment = torch.empty(layout.segment_numel, dtype=first.dtype, device=device)
             for view, p in zip(layout.segment_views(segment, self.rank), group.params, strict=True):
                 view.copy_(self._shards[id(p)])
-            full = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
-            shard_comm.all_gather_into_tensor(full, segment, timeout=timeout)
+            full = torch.empty(layout.numel, dtype=first.dtype, device=device)
+            pending.append((group, full, shard_comm.all_gather_into_tensor(full, segment, timeout=timeout,
+                                                                           async_op=True)))
+        for group, full, work in pending:
+            work.wait(timeout)
             with torch.no_grad():
-                layout.unpack(full, [p.detach() for p in group.params])
+                group.layout.unpack(full, [p.detach() for p in group.params])
         return PhaseTiming(name="all_gather", start=start, end=time.time())
 
     # -- checkpoints --------------------------------------------------------------------
@@ -262,11 +274,12 @@ class ZeroPath(CollectivePath):
 
     def _gather_one(self, comm: Communicator, one: ShardLayout, value: torch.Tensor, p: nn.Parameter,
                     timeout: timedelta) -> torch.Tensor:
-        segment = torch.zeros(one.segment_numel, dtype=value.dtype, device=value.device)
+        device = wire_device(comm.backend, value.device)
+        segment = torch.zeros(one.segment_numel, dtype=value.dtype, device=device)
         segment[:value.numel()].copy_(value.reshape(-1))
-        full = torch.empty(one.numel, dtype=value.dtype, device=value.device)
+        full = torch.empty(one.numel, dtype=value.dtype, device=device)
         comm.all_gather_into_tensor(full, segment, timeout=timeout)
-        whole = torch.empty(p.shape, dtype=value.dtype, device=value.device)
+        whole = torch.empty(p.shape, dtype=value.dtype, device=device)
         one.unpack(full, [whole])
         return whole
 

@@ -10,18 +10,38 @@ from tests.multiproc.coordinator.models import IN, OUT
 
 
 class Scale(nn.Module):
-    """``x * s`` with a learnable 0-dim ``s``."""
+    """``x * s * g`` with a learnable 0-dim ``s`` and a frozen parameter ``g``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.s = nn.Parameter(torch.tensor(0.9))
+        self.g = nn.Parameter(torch.tensor(1.1), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.s
+        return x * self.s * self.g
+
+
+class Cast(nn.Module):
+    """Its input in ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
 
 
 def mixed(dtype: str = "float64") -> list[nn.Module]:
-    """Six cells: Linear(6, 7), tanh, a scalar scale, Linear(7, 5), tanh, Linear(5, 3)."""
+    """Six cells: Linear(6, 7), tanh, a scalar scale (and a frozen one), Linear(7, 5), tanh, Linear(5, 3)."""
     dt = {"float64": torch.float64, "float32": torch.float32}[dtype]
     return [m.to(dt) for m in (nn.Linear(IN, 7), nn.Tanh(), Scale(), nn.Linear(7, 5), nn.Tanh(),
                                nn.Linear(5, OUT))]
+
+
+def mixed_dtypes(dtype: str = "float64") -> list[nn.Module]:
+    """float64 layers around a float32 one: Linear(6, 7), tanh, to float32, Linear(7, 5) in float32,
+    to float64, Linear(5, 3). ``dtype`` is the outer layers'."""
+    dt = {"float64": torch.float64, "float32": torch.float32}[dtype]
+    return [nn.Linear(IN, 7).to(dt), nn.Tanh(), Cast(torch.float32), nn.Linear(7, 5), Cast(dt),
+            nn.Linear(5, OUT).to(dt)]
