@@ -28,7 +28,7 @@ HELD_OUT = "tests.multiproc.coordinator.eval_models:heldout"
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "regression", "mse")]
-    factories += [f"{Z}:mixed", HELD_OUT]
+    factories += [f"{Z}:mixed", f"{Z}:mixed_dtypes", HELD_OUT]
     with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero3", lease_ttl=timedelta(seconds=2),
                       factories=factories) as h:
         yield h
@@ -41,6 +41,22 @@ def test_fully_sharded_replicas_match_one_process(harness: LocalHarness, d: int,
     result = fit_and_compare(harness, make_job(model, optimizer, **dp(3, d, factor)))
     assert result.plan is not None and (result.plan.zero_stage, result.plan.shard_factor) == (3, factor)
     assert "reduce_scatter" in phases(result)
+
+
+def test_hybrid_over_gloo_matches_one_process(harness: LocalHarness) -> None:
+    """torch's gloo process groups: the groups and the replicas across them are process groups too."""
+    result = fit_and_compare(harness, make_job("mixed", "adamw", comm_backend="gloo", **dp(3, 4, 2)))
+    assert result.plan is not None and result.plan.shard_factor == 2
+
+
+def test_a_float32_cell_among_float64_ones_is_a_unit_of_its_own(harness: LocalHarness) -> None:
+    job = make_job("mixed_dtypes", "adamw", **dp(3, 2))
+    with job.attach(harness):
+        result = job.fit(STEPS)
+    ref = train_reference(job, STEPS)
+    dtypes = {k: v.dtype for k, v in result.state_dict.items()}
+    assert dtypes == {k: v.dtype for k, v in ref.state_dict.items()} and len(set(dtypes.values())) == 2
+    assert max_abs_diff(result.state_dict, ref.state_dict) < 1e-6  # float32's sums in another order
 
 
 @pytest.mark.parametrize("plan", [
