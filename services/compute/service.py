@@ -95,6 +95,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from pydantic import BaseModel, ValidationError
@@ -148,6 +149,8 @@ from services.protocol import (
 __all__ = ["CellComputeService"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The host answers `timeout` this long after a step's own deadline, if the step thread has
 # not answered by then (it normally does: every wait inside a step is bounded by the deadline).
@@ -454,7 +457,9 @@ class CellComputeService(ServiceBase):
             self._update(optimizer, commit)
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
             if self._zero is not None:
-                gathered = self._gather_params(commit, timeout)
+                zero = self._zero
+                gathered = self._in_group(commit, "all-gathering the parameters",
+                                          lambda: zero.gather_params(timeout))
                 phases += [gathered] if gathered is not None else []
         else:
             faults.at(step, "push_pull")
@@ -479,10 +484,14 @@ class CellComputeService(ServiceBase):
             start = time.time()
             state: OptimizerState | None = optimizer
             if self._zero is not None and optimizer is not None:  # whole tensors, as every plan saves them
-                state = FullState(self._zero.full_state(optimizer, timeout))
-            snap = snapshot(commit.save.step, self._part, self._whole_state(timeout),
-                            self._stage.parameters(), state, self._state_keys,
-                            share=(self._replica, self._replicas), skip=self._mirrors)
+                zero, held = self._zero, optimizer
+                state = FullState(self._in_group(commit, "all-gathering the optimizer state",
+                                                 lambda: zero.full_state(held, timeout)))
+            whole = self._in_group(commit, "gathering the parameters whole",  # ZeRO-3's: a collective
+                                   lambda: self._whole_state(timeout))
+            snap = snapshot(commit.save.step, self._part, whole, self._stage.parameters(),
+                            state, self._state_keys, share=(self._replica, self._replicas),
+                            skip=self._mirrors)
             self._writer.submit(snap, Path(commit.save.directory))
             phases.append(PhaseTiming(name="snapshot", start=start, end=time.time()))
         return phases
@@ -503,17 +512,15 @@ class CellComputeService(ServiceBase):
             raise StepFailed(f"stage {self._stage.index}, commit of step {commit.train_step + 1}: {exc}",
                              transfers_posted=False) from exc
 
-    def _gather_params(self, commit: CommitStep, timeout: timedelta) -> PhaseTiming | None:
-        """ZeRO-1/2: the updated rows all-gathered in the group (a failure leaves the group to reconnect);
-        ZeRO-3 gathers each unit before its next forward instead (None)."""
-        assert self._zero is not None
+    def _in_group(self, commit: CommitStep, what: str, run: Callable[[], T]) -> T:
+        """ZeRO: a collective of the commit in the sharding group (on failure the group must reconnect)."""
         try:
-            return self._zero.gather_params(timeout)
+            return run()
         except Exception as exc:
-            what = f"stage {self._stage.index}, commit of step {commit.step}: all-gathering the parameters"
+            where = f"stage {self._stage.index}, commit of step {commit.step}: {what}"
             with self._lock:
-                self._poisoned = f"{what} failed"
-            raise StepFailed(f"{what}: {type(exc).__name__}: {exc}", transfers_posted=True) from exc
+                self._poisoned = f"{where} failed"
+            raise StepFailed(f"{where}: {type(exc).__name__}: {exc}", transfers_posted=True) from exc
 
     def _held_bytes(self) -> int:
         """Bytes of the stage's parameters, the gradients it holds and its optimizer state."""

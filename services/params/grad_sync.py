@@ -24,8 +24,9 @@ The reduce-scatter path (``mode="reduce_scatter"``) is the one a sharded optimiz
 parameter's gradient is copied into its bucket once its hook fired armed and ``param.grad`` is
 then dropped (set to None), and one reduce-scatter per bucket leaves each replica with the
 averaged gradient of its own rows of every parameter: :meth:`GradSync.finish` returns them as
-:class:`Shard` views. A bucket's buffer lives from its first gradient to :meth:`finish`, so
-after a step a replica holds only its shards. With ``across`` (hybrid sharding: ``comm`` is
+:class:`Shard` views. A bucket's buffer lives from its first gradient until its reduce-scatter
+is seen finished (at a later hook's launch, or in :meth:`finish`), so after a step a replica
+holds only its shards. With ``across`` (hybrid sharding: ``comm`` is
 one group of ``F`` replicas, ``across`` the replicas holding the same shard in the other
 groups) each shard is then all-reduced (MEAN) across the groups.
 
@@ -224,9 +225,13 @@ class GradSync:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
             if len(bucket.ready) < len(bucket.params):
-                return
+                break
             self._launch(bucket)
             self._next_launch += 1
+        if self.mode == "reduce_scatter":  # a finished reduce-scatter's input is not needed any more
+            for done in self.buckets[:self._next_launch]:
+                if done.work is not None and done.buffer.numel() and done.work.is_completed():
+                    done.buffer, done.staged = done.buffer.new_empty(0), None
 
     def _launch(self, bucket: Bucket) -> None:
         wire = bucket.buffer.to(wire_device(self.comm.backend, bucket.buffer.device))  # a CPU copy, or itself

@@ -37,10 +37,11 @@ A stage runs one backward per microbatch and its gradients accumulate in ``param
 size) until the last one, whose hooks pack and reduce-scatter them: so a pipeline stage's
 ZeRO-2 peak still holds one full gradient during the step (reduce-scattering each microbatch
 would cost ``m`` times the traffic), and the saving is what stays between steps (``1 / F`` of
-the gradient) plus the optimizer state. Every schedule arms the path before its last backward
-(``B`` or ``I``), and zb-h1's deferred weight gradients fire their hooks in the final flush,
-armed (``services/compute/weight_grads.py``), so GPipe, 1F1B, interleaved and zb-h1 all pack the
-gradient of every microbatch.
+the gradient) plus the optimizer state. (Without a pipeline too, a packed bucket is held until
+its reduce-scatter is seen finished, so buckets in flight add up: nothing bounds them yet.)
+Every schedule arms the path before its last backward (``B`` or ``I``), and zb-h1's deferred
+weight gradients fire their hooks in the final flush, armed (``services/compute/weight_grads.py``),
+so GPipe, 1F1B, interleaved and zb-h1 all pack the gradient of every microbatch.
 
 Checkpoints hold whole tensors by parameter name (as every plan's): a save all-gathers each
 optimizer state tensor in the group (:meth:`ZeroPath.full_state`); a restore cuts each saved
