@@ -196,11 +196,13 @@ class Runtime:
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         tied = tied_per_stage(spec.tied, [(st.start, st.stop) for st in plan.stages])
         ids: dict[int, _Service] = {}
-        unbuilt = [f"offload={plan.offload}"] if plan.offload else []
-        unbuilt += [f"zero_stage={plan.zero_stage}"] if plan.zero_stage > 2 else []
-        if unbuilt:  # the plan fields the services do not run yet
-            raise JobError(f"this version of cellmesh cannot run plan {', '.join(unbuilt)} yet: drop "
-                           "plan.zero 3 and plan.offload from the job")
+        if plan.offload:  # the plan fields the services do not run yet
+            raise JobError(f"this version of cellmesh cannot run plan offload={plan.offload} yet: drop "
+                           "plan.offload from the job")
+        if plan.zero_stage == 3 and spec.eval_data:  # a replica may sit an evaluation out; ZeRO-3 gathers
+            raise JobError("this version of cellmesh cannot evaluate under plan.zero=3 (every replica of a "
+                           "group gathers the parameters of each forward, and an evaluation may leave some "
+                           "without samples): drop the job's eval section, or use plan.zero 1 or 2")
         if plan.zero_stage:
             try:
                 check_elementwise(spec.optimizer.name)
@@ -514,11 +516,14 @@ class Runtime:
             JobFailed: A stage did not answer or vanished.
         """
         self.commit()
+        # ZeRO-3: each replica gathers its stage's parameters with its group, so every replica is asked
         ids = {self.loop.send(sv.worker, sv.name, "state", Empty(), TensorsReply): sv
-               for sv in self.services if sv.replica == 0}
+               for sv in self.services if sv.replica == 0 or self.plan.zero_stage == 3}
         out: dict[str, torch.Tensor] = {}
-        for reply in self._gather(ids, "collecting the final state", self.spec.call_timeout, None).values():
-            out.update({k: v.clone() for k, v in reply.tensors.items()})
+        replies = self._gather(ids, "collecting the final state", self.spec.call_timeout, None)
+        for rid, reply in replies.items():
+            if ids[rid].replica == 0:
+                out.update({k: v.clone() for k, v in reply.tensors.items()})
         if self.plan.staleness:  # the shards hold every replica's pushes; replica 0 pulled before the last
             out.update(self._shards.values(self.spec.call_timeout))
         return out

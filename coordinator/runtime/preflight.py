@@ -178,10 +178,10 @@ def check_optimizer(config: JobConfig) -> None:
 
     Raises:
         JobError: The optimizer or the scheduler is unknown, unsupported (not elementwise, with
-            ``plan.zero`` 1 or 2) or refuses its arguments.
+            ``plan.zero`` 1, 2 or 3) or refuses its arguments.
     """
     section = config.optimizer
-    if config.plan.zero in (1, 2):  # [Note: elementwise optimizers] in services/params/zero.py
+    if config.plan.zero:  # [Note: elementwise optimizers] in services/params/zero.py
         try:
             check_elementwise(section.name)
         except ValueError as exc:

@@ -125,6 +125,7 @@ from services.factories import FactoryAllowList
 from services.link import PipelineLink
 from services.params import scheduling
 from services.params.grad_path import build_path
+from services.params.sharded_path import FullyShardedPath
 from services.params.tied import TiedSync
 from services.params.zero import ZeroPath, check_elementwise, state_bytes
 from services.protocol import (
@@ -183,6 +184,7 @@ class CellComputeService(ServiceBase):
                              "training forward, and recompute runs its forward twice: drop plan.recompute, "
                              "or freeze the layer (eval mode)")
         self._stage = stage
+        self._comm_timeout = timedelta(milliseconds=options.comm_timeout_ms)
         self._randomness = ModelRandomness(stage.module, seed)
         self._tag = f"[stage {stage.index}/{stage.num_stages}]"
         self._lock = threading.Lock()  # guards the fields below
@@ -197,13 +199,13 @@ class CellComputeService(ServiceBase):
         self._link = PipelineLink(backend=options.comm_backend, rank=stage.index, world_size=stage.num_stages,
                                   registry_url=options.registry, prefix=options.comm_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
-        if options.zero_stage == 2 and options.tied is not None:
+        if options.zero_stage in (2, 3) and options.tied is not None:
             raise ValueError(f"stage {stage.index} holds parameters tied to other stages "
                              f"({', '.join(t.name for t in options.tied.params)}), whose gradients are "
-                             "summed over the stages after the step, and plan.zero=2 keeps only a shard "
-                             "of each gradient: use plan.zero=1")
+                             "summed over the stages after the step, and plan.zero="
+                             f"{options.zero_stage} keeps only a shard of each gradient: use plan.zero=1")
         self._path = build_path(stage.module, options)
-        self._zero = self._path if isinstance(self._path, ZeroPath) else None
+        self._zero = self._path if isinstance(self._path, ZeroPath | FullyShardedPath) else None
         self._tied = TiedSync.build(stage.parameters(), options)
         self._mirrors = self._tied.mirrors if self._tied is not None else frozenset()
         self._batch_norm_sync = (BatchNormSync(stage.module, self._path.group)
@@ -358,6 +360,7 @@ class CellComputeService(ServiceBase):
     def rpc_parameters(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:
             self._check_idle("send its parameters")
+            self._check_whole("send its parameters")
             # copies: the reply's frames are sent zero-copy after this returns
             call.tensors_out = [(name, p.detach().clone()) for name, p in self._stage.parameters()]
         return TensorsReply(names=[name for name, _ in call.tensors_out])
@@ -365,10 +368,18 @@ class CellComputeService(ServiceBase):
     def rpc_gradients(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:
             self._check_idle("send its gradients")
+            self._check_whole("send its gradients")
             params = self._stage.parameters()
             call.tensors_out = [(n, p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                                 for n, p in params]
         return TensorsReply(names=[n for n, _ in params], missing=[n for n, p in params if p.grad is None])
+
+    def _check_whole(self, what: str) -> None:
+        """Raise RpcError if the stage's parameters are spread over its group (ZeRO-3, after a step)."""
+        if isinstance(self._path, FullyShardedPath) and self._path.sharded:
+            raise RpcError("bad_request", f"stage {self._stage.index}: its parameters are fully sharded "
+                                          f"(plan.zero=3) over its data-parallel group, so it cannot {what} "
+                                          "alone: ask every replica for its state (the job's final state)")
 
     def rpc_zero_grad(self, request: ZeroGradRequest, call: Call) -> Empty:
         with self._lock:
@@ -452,8 +463,9 @@ class CellComputeService(ServiceBase):
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
             if self._zero is not None:
                 zero = self._zero
-                phases.append(self._in_group(commit, "all-gathering the parameters",
-                                             lambda: zero.gather_params(timeout)))
+                gathered = self._in_group(commit, "all-gathering the parameters",
+                                          lambda: zero.gather_params(timeout))
+                phases += [gathered] if gathered is not None else []
         else:
             faults.at(step, "push_pull")
             owned = [(n, p) for n, p in self._stage.parameters() if n not in self._mirrors]
@@ -480,7 +492,9 @@ class CellComputeService(ServiceBase):
                 zero, held = self._zero, optimizer
                 state = FullState(self._in_group(commit, "all-gathering the optimizer state",
                                                  lambda: zero.full_state(held, timeout)))
-            snap = snapshot(commit.save.step, self._part, self._stage.state(), self._stage.parameters(),
+            whole = self._in_group(commit, "gathering the parameters whole",  # ZeRO-3's: a collective
+                                   lambda: self._whole_state(timeout))
+            snap = snapshot(commit.save.step, self._part, whole, self._stage.parameters(),
                             state, self._state_keys, share=(self._replica, self._replicas),
                             skip=self._mirrors)
             self._writer.submit(snap, Path(commit.save.directory))
@@ -538,8 +552,16 @@ class CellComputeService(ServiceBase):
     def rpc_state(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:
             self._check_idle("send its state")
-            call.tensors_out = [(name, t.detach().clone()) for name, t in self._stage.state()]
+            # ZeRO-3: an all-gather per unit, so the coordinator asks every replica of the group
+            tensors = self._whole_state(self._comm_timeout)
+            call.tensors_out = [(name, t.detach().clone()) for name, t in tensors]
         return TensorsReply(names=[name for name, _ in call.tensors_out])
+
+    def _whole_state(self, timeout: timedelta) -> list[tuple[str, torch.Tensor]]:
+        """The stage's parameters and buffers, a fully sharded stage's gathered whole (a collective)."""
+        if isinstance(self._path, FullyShardedPath):
+            return self._path.whole(self._stage.state(), timeout)
+        return self._stage.state()
 
     def rpc_flush_saves(self, request: Empty, call: Call) -> None:
         call.defer(FLUSH_TIMEOUT + _REPLY_GRACE, lambda: ("timeout", f"stage {self._stage.index}: checkpoint "

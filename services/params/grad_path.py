@@ -233,4 +233,8 @@ def build_path(module: nn.Module, options: ComputeOptions) -> GradientPath:
         from services.params.zero import ZeroPath  # it builds on CollectivePath
 
         return ZeroPath(module, options)
+    if options.zero_stage == 3:
+        from services.params.sharded_path import FullyShardedPath  # it builds on CollectivePath
+
+        return FullyShardedPath(module, options)
     return CollectivePath(module, options)
