@@ -38,8 +38,14 @@ offload saves nothing there; the planner never picks it for a plan with a CPU wo
 fixed ``plan.offload: true`` on CPU workers.
 
 [Note: what the automatic search may pick] :data:`AUTOMATIC` limits the options the planner picks by
-itself to those the runtime runs; the plan section's fixed fields pass through whatever it says (the
-runtime then names what it does not run). Widen it as the services land.
+itself to those the runtime runs (every ZeRO stage and recompute; not offload, which no service runs
+yet); the plan section's fixed fields pass through whatever it says (the runtime then names what it
+does not run). A job narrows it further where its model or its sections rule an option out
+(``coordinator/runtime/job.py``: no ZeRO-3 with an evaluation section, no recompute over BatchNorm
+layers). Among the plans that fit, the planner takes a replicated one without recompute whenever
+one fits (``choose_plan``): sharding and recompute buy memory with time on the machines measured
+(``docs/benchmarks.md``), and their time model is not yet checked against measurement, so they are
+what a plan reaches for when memory runs out, not what it tries first.
 """
 
 from __future__ import annotations
@@ -70,8 +76,8 @@ class Automatic:
     offload: bool = False
 
 
-# What the runtime runs today: replicated state only (the driver refuses the rest).
-AUTOMATIC = Automatic()
+# What the runtime runs today: every ZeRO stage and recompute (the driver refuses offload).
+AUTOMATIC = Automatic(zero=(0, 1, 2, 3), recompute=True)
 
 
 @dataclass(frozen=True)

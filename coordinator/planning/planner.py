@@ -618,8 +618,8 @@ def _sharded_floor(cells: Sequence[CellBytes], resources: Resources, optimizer: 
     need, shape = memory_floor(cells, resources.num_workers, optimizer, (0, 1, 2, 3))
     if need > budget + MEMORY_SLACK * max(1.0, budget):
         return ""
-    return (f"; sharding its state (plan.zero) would bring it to {format_bytes(need)} per worker ({shape}), "
-            "which this version of cellmesh does not run yet")
+    return (f"; sharding its state would bring it to {format_bytes(need)} per worker ({shape}): leave "
+            "plan.zero open or set it to 3")
 
 
 def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
@@ -702,8 +702,9 @@ def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _S
     cands = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
                             exhaustive=exhaustive)
     fitting = [c for c in cands if c.fits]
-    if fitting:
-        best = min(fitting, key=_rank)
+    if fitting:  # a replicated plan without recompute when one fits ([Note: what the automatic search...])
+        plain = [c for c in fitting if c.option == REPLICATED]
+        best = min(plain or fitting, key=_rank)
         assert best.plan is not None
         return best.plan
     raise PlanningError(_explain(profile, resources, global_batch, cands, request, automatic))
@@ -750,8 +751,10 @@ def _unbuilt_fit(profile: Profile, resources: Resources, global_batch: int, requ
         return ""
     best = min(wider, key=_rank)
     assert best.plan is not None
-    return (f" A plan saving memory in ways this version of cellmesh does not run yet would fit: "
-            f"{best.plan.summary()}.")
+    return (f" A plan saving memory in a way the search may not choose for this job would fit: "
+            f"{best.plan.summary()} (offload is not run by this version; a job does not get ZeRO-3 with an "
+            "eval section, recompute over BatchNorm layers, or sharding with an optimizer that is not "
+            "elementwise).")
 
 
 def format_candidates(cands: Sequence[Candidate], limit: int = 10) -> str:

@@ -35,6 +35,7 @@ float64 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,6 +53,7 @@ from coordinator.planning.config import JobConfig, SchedulerConfig, from_flat
 from coordinator.planning.data import BatchSampler
 from coordinator.planning.devices import with_devices
 from coordinator.planning.graph import build_graph
+from coordinator.planning.memory import AUTOMATIC, Automatic
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, profile_graph
@@ -71,6 +73,7 @@ from coordinator.runtime.session import Session
 from services.compute.chain import Chain
 from services.compute.precision import autocast, device_type
 from services.compute.stage import to_device
+from services.params.zero import NOT_ELEMENTWISE
 from services.protocol import OptimizerSpec, SchedulerSpec
 
 __all__ = ["FitResult", "Job", "StepCallback", "optimizer_spec", "state_dict_of"]
@@ -293,7 +296,8 @@ class Job:
                 graph.module.to("cpu")
             request = batch_norm_request(config.plan, self._batch_norm)  # exact plans only
             self._plan = self._placed(choose_plan(profile, self.resources, request,
-                                                  global_batch=config.data.global_batch))
+                                                  global_batch=config.data.global_batch,
+                                                  automatic=self._automatic()))
             self._checked = None  # the model built for the checks is not needed any more
             note = batch_note(self._plan.data_parallel, self._plan.num_stages, config.plan,
                               self.resources.num_workers, config.data.global_batch)
@@ -320,7 +324,7 @@ class Job:
         layers = self._batch_norm or ()
         try:
             plan = choose_plan(self._profile, resources, batch_norm_request(config.plan, layers),
-                               global_batch=batch)
+                               global_batch=batch, automatic=self._automatic())
         except PlanningError as exc:
             shape = {"data_parallel": None, "num_stages": None, "balance": None, "strategy": "auto"}
             fixed = [k for k in shape if getattr(config.plan, k) not in (None, "auto")]
@@ -329,8 +333,22 @@ class Job:
             log.warning("the plan section's %s do not fit %d workers (%s); planning without them",
                         ", ".join(f"plan.{k}" for k in fixed), resources.num_workers, exc)
             request = batch_norm_request(config.plan.model_copy(update=shape), layers)
-            plan = choose_plan(self._profile, resources, request, global_batch=batch)
+            plan = choose_plan(self._profile, resources, request, global_batch=batch,
+                               automatic=self._automatic())
         return self._placed(plan, resources)
+
+    def _automatic(self) -> Automatic:
+        """The memory options the planner may pick for this job ([Note: what the automatic search may
+        pick] in ``coordinator/planning/memory.py``): no sharding for an optimizer that is not elementwise,
+        no ZeRO-3 with an evaluation section (a replica may sit an evaluation out, and every ZeRO-3
+        forward gathers), no recompute over BatchNorm layers (their statistics would update twice)."""
+        zero = AUTOMATIC.zero
+        if self.optimizer.name in NOT_ELEMENTWISE:
+            zero = (0,)
+        elif self.config.eval is not None:
+            zero = tuple(z for z in zero if z != 3)
+        recompute = AUTOMATIC.recompute and not self._batch_norm
+        return dataclasses.replace(AUTOMATIC, zero=zero, recompute=recompute)
 
     def _placed(self, plan: Plan, resources: Resources | None = None) -> Plan:
         """``plan`` with the kind of device of each stage's workers (``coordinator/planning/devices.py``)."""
