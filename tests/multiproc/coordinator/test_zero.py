@@ -212,3 +212,16 @@ def test_a_killed_zero2_replica_is_replaced_and_the_run_ends_failure_free(tmp_pa
     assert [r.step for r in result.steps] == list(range(steps))
     ref = train_reference(job, steps)
     assert max_abs_diff(result.state_dict, ref.state_dict) < TOL64
+
+
+def test_a_model_too_big_to_replicate_gets_a_sharded_plan_that_trains_as_one_process(
+        harness: LocalHarness) -> None:
+    fixed = dict(strategy="data_parallel", data_parallel=2, num_microbatches=1, recompute=False)
+    replicated = make_job("mixed", "adamw", **fixed).plan()
+    assert replicated.zero_stage == 0  # a replicated plan that fits is taken first
+    budget = int(replicated.peak_memory_bytes * 0.8)  # too little to replicate, enough to shard
+    job = make_job("mixed", "adamw", **fixed)
+    job.resources = Resources.local(workers=4, memory_bytes=budget)
+    plan = job.plan()
+    assert plan.zero_stage >= 1 and plan.peak_memory_bytes <= budget, plan.summary()
+    fit_and_compare(harness, job)
