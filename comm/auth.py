@@ -27,7 +27,12 @@ address to a key callback). The ZAP wire protocol it speaks is small and stable.
 
 A process is one role of one job: it installs its :class:`Credentials` once at start
 (:func:`install`), and :func:`comm.sockets.make_socket` makes every server or client socket
-speak CURVE from then on.
+speak CURVE from then on. The one exception is a process that runs local jobs one after
+another (a test session, a notebook: ``coordinator/runtime/harness.py``), whose embedded registry
+of an earlier job may still serve that job's workers while a later job runs: its ZAP handler
+admits the keys of every job the process serves (:func:`ensure_zap_handler` adds a job's keys,
+:func:`release_keys` removes them when the job's harness closes), each key with its own job's
+role, so a job's workers are never refused by its own registry because another job started.
 
 [Note: the data plane's two modes]
 The tensor stream between workers (the zmq backend's data channels) follows
@@ -98,6 +103,7 @@ __all__ = [
     "installed",
     "is_curve_server",
     "load_credentials",
+    "release_keys",
     "secure_client",
     "secure_data_client",
     "secure_data_server",
@@ -313,11 +319,13 @@ class ZapHandler:
     """Answers the ZAP requests of one ZeroMQ context with the job's keys (see module docstring).
 
     ``keys`` may be replaced at any time (:meth:`set_keys`): a revoked key is refused from
-    the next handshake on. Start it before any server socket of the context binds.
+    the next handshake on. Start it before any server socket of the context binds. ``others``
+    are the keys of the other jobs this process serves (see the module docstring), admitted too.
     """
 
     context: zmq.Context[zmq.Socket[bytes]]
     keys: JobKeys | None = None
+    others: list[JobKeys] = field(default_factory=list)
     rejections: Counter[tuple[str, str]] = field(default_factory=Counter)
     admitted: Counter[str] = field(default_factory=Counter)
     _warned: dict[tuple[str, str], float] = field(default_factory=dict)
@@ -342,8 +350,31 @@ class ZapHandler:
             self._thread.join(timeout)
 
     def set_keys(self, keys: JobKeys | None) -> None:
+        """Admit ``keys`` only (a new generation: every other key is refused from now on)."""
         with self._lock:
             self.keys = keys
+            self.others = []
+
+    def add_keys(self, keys: JobKeys) -> None:
+        """Admit ``keys`` too (another job of this process); the newest added are the current ``keys``."""
+        with self._lock:
+            if self.keys is not None and self.keys != keys and self.keys not in self.others:
+                self.others.append(self.keys)
+            if keys in self.others:
+                self.others.remove(keys)
+            self.keys = keys
+
+    def remove_keys(self, keys: JobKeys) -> None:
+        """Stop admitting ``keys`` (their job ended); the latest other job's become the current ones."""
+        with self._lock:
+            if keys in self.others:
+                self.others.remove(keys)
+            elif self.keys == keys:
+                self.keys = self.others.pop() if self.others else None
+
+    def _all_keys(self) -> list[JobKeys]:
+        with self._lock:
+            return [k for k in (self.keys, *self.others) if k is not None]
 
     def rejected(self) -> int:
         with self._lock:
@@ -378,19 +409,22 @@ class ZapHandler:
         peer = address.decode("utf-8", "replace") or "?"
         if version != _ZAP_VERSION:
             return [_ZAP_VERSION, request_id, b"500", b"unsupported ZAP version", b"", b""]
-        with self._lock:
-            keys = self.keys
+        every = self._all_keys()
         role: Role | Literal["data"] | None = None
         if mechanism == b"PLAIN" and domain == DATA_ZAP_DOMAIN.encode():
-            role, reason = self._data_member(keys, request)
+            role, reason = None, "no job keys loaded yet"
+            for keys in every:
+                role, reason = self._data_member(keys, request)
+                if role is not None:
+                    break
         elif mechanism != b"CURVE":
             reason = f"mechanism {mechanism.decode('ascii', 'replace')} (the job speaks CURVE only)"
         elif len(request) < 7 or len(request[6]) != 32:
             reason = "malformed CURVE credentials"
-        elif keys is None:
+        elif not every:
             reason = "no job keys loaded yet"
         else:
-            role = keys.role_of(request[6])
+            role = next((r for keys in every if (r := keys.role_of(request[6])) is not None), None)
             reason = "a key that is not the job's"
         if role is None:
             self._refuse(peer, reason)
@@ -429,7 +463,7 @@ _handlers_lock = threading.Lock()
 
 
 def ensure_zap_handler(context: zmq.Context[zmq.Socket[bytes]], keys: JobKeys) -> ZapHandler:
-    """The context's ZAP handler, started on first use, holding ``keys``."""
+    """The context's ZAP handler, started on first use, admitting ``keys`` (and the process's other jobs')."""
     with _handlers_lock:
         handler = _handlers.get(id(context))
         if handler is None or handler.context is not context or handler.context.closed:
@@ -437,8 +471,15 @@ def ensure_zap_handler(context: zmq.Context[zmq.Socket[bytes]], keys: JobKeys) -
             handler.start()
             _handlers[id(context)] = handler
         else:
-            handler.set_keys(keys)
+            handler.add_keys(keys)
         return handler
+
+
+def release_keys(keys: JobKeys) -> None:
+    """No ZAP handler of this process admits ``keys`` any more (their job ended: see the module docstring)."""
+    with _handlers_lock:
+        for handler in _handlers.values():
+            handler.remove_keys(keys)
 
 
 def secure_server(sock: zmq.Socket[bytes], credentials: Credentials) -> None:

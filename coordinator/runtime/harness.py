@@ -129,6 +129,7 @@ class LocalHarness:
         self.secure = secure
         self._keys_dir: Path | None = None
         self._previous_credentials: auth.Credentials | None = None
+        self._keys: auth.JobKeys | None = None  # this job's, admitted by the ZAP handler while it runs
         self.worker_env = {name: dict(env) for name, env in (worker_env or {}).items()}
         self.replacements = replacements
         self._env: dict[str, str] = {}
@@ -191,6 +192,7 @@ class LocalHarness:
         self._keys_dir = Path(tempfile.mkdtemp(prefix=f"cellmesh-{self.job}-keys-"))  # mode 0700
         keys.for_workers().save(self._keys_dir)
         self._previous_credentials = auth.installed()
+        self._keys = keys
         auth.install(auth.Credentials(keys, "coordinator"))
         return {auth.KEYS_DIR_ENV: str(self._keys_dir)}
 
@@ -349,6 +351,9 @@ class LocalHarness:
                 self._server.shutdown(timeout=timedelta(seconds=5))
         if self._keys_dir is not None:
             auth.install(self._previous_credentials)
+            if self._keys is not None:  # the registry is down: nothing of this job is served any more
+                auth.release_keys(self._keys)
+                self._keys = None
             shutil.rmtree(self._keys_dir, ignore_errors=True)
             self._keys_dir = None
         if self._temporary_logs and self.log_dir is not None:

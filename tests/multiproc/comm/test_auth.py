@@ -20,6 +20,7 @@ from comm.auth import (
     KeyPair,
     ZapHandler,
     ensure_zap_handler,
+    release_keys,
     secure_client,
     secure_server,
 )
@@ -195,6 +196,32 @@ def test_revoked_keys_are_refused_from_the_next_handshake(
     finally:
         handler.set_keys(keys)
         _close(ctx, client)
+
+
+def test_the_keys_of_another_job_of_the_process_are_admitted_until_it_releases_them(
+        server: tuple[zmq.Socket[bytes], str, ZapHandler], keys: JobKeys) -> None:
+    """A process serving two local jobs one after the other (two harnesses) admits both jobs' keys."""
+    sock, address, handler = server
+    other = JobKeys.generate()
+    # the other job's coordinator key, speaking to this server (its public key is no secret)
+    theirs = Credentials(JobKeys(server=keys.server, coordinator=other.coordinator, worker=other.worker),
+                         "coordinator")
+
+    def served(credentials: Credentials, timeout_ms: int = WAIT_MS) -> bool:
+        ctx, client = _client(address, lambda s: secure_client(s, credentials))
+        try:
+            client.send(b"hello")
+            return _echo_once(sock, timeout_ms) is not None
+        finally:
+            _close(ctx, client)
+
+    assert not served(theirs, REFUSED_MS)
+    ensure_zap_handler(handler.context, other)  # the other job starts: its keys are admitted too
+    assert served(theirs) and served(Credentials(keys, "worker"))
+    release_keys(other)  # and ends: refused again, this job's keys still admitted
+    assert not served(theirs, REFUSED_MS) and served(Credentials(keys, "worker"))
+    handler.set_keys(keys)  # a new generation replaces every key
+    assert handler.others == []
 
 
 def test_keys_round_trip_through_a_private_file(tmp_path: Path, keys: JobKeys) -> None:
