@@ -56,7 +56,7 @@ def _close_groups() -> Iterator[None]:
     groups = list(_live.values())
     _live.clear()
     for ranks in groups:
-        ranks.close()
+        ranks.close(timedelta(seconds=15))  # a loaded machine (2 cores) has taken over 5 s to stop 4 ranks
     for ranks in groups:
         where = f"{ranks.backend} world {ranks.world_size}"
         assert ranks.exitcodes == [0] * ranks.world_size, f"{where}: ranks exited with {ranks.exitcodes}"
