@@ -323,16 +323,11 @@ class Worker:
         else:
             log.info("[worker %s] drained", self.name)
 
-    def serve_forever(self) -> str | None:
-        """Serve until SIGTERM/SIGINT (main thread only), :meth:`drain` from elsewhere, or the coordinator
-        is gone, and drain. Returns why the coordinator is gone, or None when the worker was stopped."""
-        stop = threading.Event()
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            stop.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+    def serve_forever(self, stop: threading.Event | None = None) -> str | None:
+        """Serve until ``stop`` is set (default: on SIGTERM/SIGINT, :func:`stop_on_signals`), :meth:`drain`
+        from elsewhere, or the coordinator is gone, and drain. Returns why the coordinator is gone, or None
+        when the worker was stopped."""
+        stop = stop or stop_on_signals()
         while not stop.wait(0.2):
             if self.stopped.is_set():
                 return None
@@ -342,6 +337,19 @@ class Worker:
                 return gone
         self.drain()
         return None
+
+
+def stop_on_signals() -> threading.Event:
+    """An event SIGTERM and SIGINT set (main thread only). Installed before the worker registers, so a
+    signal sent as soon as its card shows still drains it rather than killing it."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
 
 
 def allowed_factories(job_spec: str | None, names: Sequence[str]) -> FactoryAllowList:
@@ -442,11 +450,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("[worker %s] cannot start: %s", name, exc)
         return 1
     try:
+        stop = stop_on_signals()
         worker.start()
         where = f" (probes at {health.url})" if health is not None else ""
         log.info("cellmesh worker %s of job %s serving at %s%s; builds %s", name, job, worker.host.address,
                  where, ", ".join(sorted(factories.names)) or "no factory")
-        worker.serve_forever()
+        worker.serve_forever(stop)
     except Exception:
         log.exception("[worker %s] failed", name)
         worker.drain()
