@@ -313,7 +313,8 @@ def make_job(key: str) -> Any:
 
 @dataclass(frozen=True)
 class Phases:
-    """Where one cellmesh step went (seconds), the slowest replica's figure of each part.
+    """Where one cellmesh step went (seconds), on its critical replica: the one with the most compute and
+    optimizer time (the other one's gradient sync includes waiting for it).
 
     ``compute``: forward + backward actions (under ZeRO-3 they include waiting for the cells'
     all-gathers); ``sync``: the gradients' all-reduce or reduce-scatter after the last backward;
@@ -334,18 +335,16 @@ class Phases:
 
 
 def phases(record: Any) -> Phases:
-    def slowest(pick: Callable[[Any], bool]) -> float:
-        per: dict[int, float] = {}
-        for e in record.events:
-            if pick(e):
-                per[e.replica] = per.get(e.replica, 0.0) + e.end - e.start
-        return max(per.values(), default=0.0)
-
-    return Phases(step=record.seconds,
-                  compute=slowest(lambda e: e.action is not None and e.action.kind in ("F", "B", "I", "W")),
-                  sync=slowest(lambda e: e.name in ("all_reduce", "reduce_scatter")),
-                  optimizer=slowest(lambda e: e.name == "optimizer"),
-                  gather=slowest(lambda e: e.name == "all_gather"))
+    parts: dict[int, list[float]] = {}  # replica -> [compute, sync, optimizer, gather]
+    for e in record.events:
+        if e.action is not None:
+            slot = 0 if e.action.kind in ("F", "B", "I", "W") else None
+        else:
+            slot = {"all_reduce": 1, "reduce_scatter": 1, "optimizer": 2, "all_gather": 3}.get(e.name)
+        if slot is not None:
+            parts.setdefault(e.replica, [0.0] * 4)[slot] += e.end - e.start
+    compute, sync, optimizer, gather = max(parts.values(), key=lambda p: p[0] + p[2], default=[0.0] * 4)
+    return Phases(step=record.seconds, compute=compute, sync=sync, optimizer=optimizer, gather=gather)
 
 
 def run_cellmesh(job: Any, steps: int, warmup: int) -> dict[str, Any]:
@@ -428,11 +427,11 @@ def _suite_tables(suite: str, results: Results, jobs: Mapping[str, Any], predict
         ok = max(shares) <= limit
         out.append(f"| cellmesh ZeRO-3 / data parallel state per worker | {_cell(shares, '.3f')} "
                    f"| <= {limit:.3f} (1/{WORLD} + 5%) | {'met' if ok else 'missed'} |")
-    out += ["", "Where a cellmesh step goes (ms, median over every timed step of every round; the "
-            "slowest replica's figure of each part): compute = forward + backward actions (ZeRO-3: with the "
-            "waits for its gathers); sync = the gradients' all-reduce (zero 0, 1) or reduce-scatter (2, 3) "
-            "after the last backward; optimizer and all-gather = the previous step's commit; other = the "
-            "rest (request, replies, coordinator).", "",
+    out += ["", "Where a cellmesh step goes (ms, median over every timed step of every round, on the "
+            "step's critical replica: the most compute + optimizer time): compute = forward + backward "
+            "actions (ZeRO-3: with the waits for its gathers); sync = the gradients' all-reduce (zero 0, "
+            "1) or reduce-scatter (2, 3) after the last backward; optimizer and all-gather = the previous "
+            "step's commit; other = the rest (request, replies, coordinator).", "",
             "| configuration | step | compute | sync | optimizer | all-gather | other |",
             "|---|---|---|---|---|---|---|"]
     for c in cs:
