@@ -10,8 +10,8 @@ batches, float32, one torch thread per process, 2 processes:
 
 Models (:data:`MODELS`): the training benchmark's MLP (``bench.models:mlp``, 8 x Linear(1024, 1024)
 + GELU, global batch 64) and a GPT of 8 transformer blocks (``examples.gpt:model``, width 128, 4
-heads, sequence 64, global batch 16: one step 100-300 ms here). Optimizers: AdamW on both (its two
-state tensors per parameter are what ZeRO shards), SGD on the MLP.
+heads, sequence 64, global batch 16: one step 100-300 ms on a quiet machine). Optimizers: AdamW on
+both (its two state tensors per parameter are what ZeRO shards), SGD on the MLP.
 
 [Note: how memory is measured] Two figures per rank, the same way for torch's processes and
 cellmesh's workers:
