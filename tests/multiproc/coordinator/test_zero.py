@@ -195,7 +195,7 @@ def test_fp16_with_zero2_skips_the_overflowing_step_as_grad_scaler(harness: Loca
     assert max_abs_diff(result.state_dict, ref.state_dict) < 4e-4  # fp16 forwards: test_precision's bound
 
 
-@pytest.mark.parametrize("fault", ["5:backward", "4:optimizer"])
+@pytest.mark.parametrize("fault", ["5:backward"])  # test_zero3 kills one at the optimizer
 def test_a_killed_zero2_replica_is_replaced_and_the_run_ends_failure_free(tmp_path: Path, fault: str) -> None:
     """Adam (stateful: a lost shard of its moments would show), a checkpoint every 3 steps, 8 steps."""
     steps, lease = 8, timedelta(seconds=2)

@@ -139,7 +139,7 @@ def test_fp16_with_zero3_skips_the_overflowing_step_as_grad_scaler(harness: Loca
     assert max_abs_diff(result.state_dict, ref.state_dict) < 4e-4  # fp16 forwards: test_precision's bound
 
 
-@pytest.mark.parametrize("fault", ["5:backward", "4:optimizer"])
+@pytest.mark.parametrize("fault", ["4:optimizer"])  # test_zero kills one in a backward
 def test_a_killed_zero3_replica_is_replaced_and_the_run_ends_failure_free(tmp_path: Path, fault: str) -> None:
     """Adam (stateful: a lost shard of its moments would show), a checkpoint every 3 steps, 8 steps."""
     steps, lease = 8, timedelta(seconds=2)
