@@ -573,9 +573,16 @@ class CellComputeService(ServiceBase):
     def rpc_state(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:
             self._check_idle("send its state")
-            # ZeRO-3: an all-gather per unit, so the coordinator asks every replica of the group
-            tensors = self._whole_state(self._comm_timeout)
-            call.tensors_out = [(name, t.detach().clone()) for name, t in tensors]
+            try:
+                # ZeRO-3: an all-gather per unit, so the coordinator asks every replica of the group
+                tensors = self._whole_state(self._comm_timeout)
+                call.tensors_out = [(name, t.detach().clone()) for name, t in tensors]
+            except Exception as exc:
+                if not is_allocation_failure(exc):
+                    raise
+                call.tensors_out = []
+                failed = f"stage {self._stage.index}: copying its state to send: {type(exc).__name__}: {exc}"
+                raise RpcError("out_of_memory", out_of_memory_message(failed)) from None
         return TensorsReply(names=[name for name, _ in call.tensors_out])
 
     def _whole_state(self, timeout: timedelta) -> list[tuple[str, torch.Tensor]]:
