@@ -26,6 +26,7 @@ M = "tests.multiproc.coordinator.models"
 W = "tests.multiproc.coordinator.memory_models"
 MiB = 1 << 20
 TOLERANCE = 0.2  # measured within 20% of predicted
+WIDTH = 2048  # 4 x 16 MiB layers: 64 MiB of parameters
 
 
 def make_job(width: int, depth: int, **plan: Any) -> Job:
@@ -60,19 +61,20 @@ def test_an_allocation_beyond_the_cap_fails_the_step_naming_worker_and_cap() -> 
         assert all(p.poll() is None for p in harness.procs.values())
 
 
-# Measured (2 workers, 16.1 MiB of float32 parameters, Adam, batch 16): peaks of 195-230 MiB against
-# predictions of 40-64 MiB, ratios 3.0 (recompute) to 5.7 (ZeRO-2). A model of 16 KiB peaks at 43 MiB
-# (the runtime's own: communicators, threads, imports after the assignment); the rest grows over the
-# first three steps (92, 184, 217 MiB), the same with glibc's defaults (not the heap's retention).
-# The planner's model misses it: see the report of this branch.
-@pytest.mark.xfail(strict=True, reason="the planner's memory model misses ~7x the parameters of transients "
-                                       "and the runtime's ~43 MiB; not found in time")
+# Measured (2 workers, 64 MiB of float32 parameters, Adam, batch 16): the replicated plan peaks at
+# 495 MiB against 289 MiB predicted (1.71; 1.99 before the optimizer step's temporaries were counted),
+# ZeRO-1 at 2.2-2.4 x. Not counted yet: ~43 MiB the runtime maps after the assignment (communicators,
+# threads), the gradient bucket in flight, and under ZeRO-1/2 the commit's all-gather buffer and the
+# shard copies of parameters and gradients the sharded optimizer steps. At 130-200 M parameters the
+# replicated plan is within 8% (bench/largest.py), ZeRO-1 is not (1.5 x).
+@pytest.mark.xfail(strict=True, reason="the planner's memory model misses the runtime's fixed bytes and the "
+                                       "sharded paths' buffers (see above)")
 @pytest.mark.parametrize("plan", [{}, {"zero": 1}, {"zero": 2}, {"zero": 3}, {"recompute": True},
                                   {"zero": 3, "recompute": True}],
                          ids=["replicated", "zero1", "zero2", "zero3", "recompute", "zero3-recompute"])
 def test_predicted_peak_is_within_20_percent_of_the_measured(plan: dict[str, Any]) -> None:
     extra = {"shard_factor": 2} if plan.get("zero") else {}
-    job = make_job(1024, 4, **plan, **extra)
+    job = make_job(WIDTH, 4, **plan, **extra)
     names = ["local-0", "local-1"]
     with LocalHarness(names, job="t-mempeak", lease_ttl=timedelta(seconds=2), factories=factories()) as h, \
             job.attach(h):
