@@ -4,7 +4,7 @@ The model: ``Linear(64, w)``, ``DEPTH`` blocks ``Linear(w, w), Tanh``, ``Linear(
 Adam, global batch 16 (8 samples a replica), one stage on 2 data-parallel workers, each started with
 ``--memory-limit`` 4 GiB (``comm/memcap.py``). Per configuration (replicated, ZeRO-1, ZeRO-2, ZeRO-3,
 ZeRO-3 with recompute; offload is CUDA-only: a CPU worker's host memory is its memory, so it is not
-measured), the width ``w`` is bracketed by doubling and then bisected to a multiple of ``STEP``: a
+measured), the width ``w`` is bracketed (by x1.4 from a guess) and then bisected to a multiple of ``STEP``: a
 trial trains 2 steps on a fresh harness and counts as fitting if both steps end. The planner is
 given the plan's fields fixed and resources it cannot fill, so that it never refuses: its predicted
 per-worker peak is reported against the cap, for the largest width that trained and the one after.
@@ -35,6 +35,7 @@ if __name__ == "__main__":  # run as a script: the repository, not bench/ (bench
 IN, OUT, SAMPLES = 64, 8, 64
 DEPTH = 4
 STEP = 128  # widths are multiples of this
+GROWTH = 1.4  # the bracket grows by this factor (the width's square is what the state grows with)
 NAMES = ["local-0", "local-1"]
 CONFIGS: dict[str, dict[str, Any]] = {
     "replicated": {},
@@ -111,7 +112,7 @@ def trial(width: int, fields: dict[str, Any], cap: int) -> Trial:
 
 def search(name: str, fields: dict[str, Any], cap: int, start: int, log: list[Trial],
            tolerance: float) -> tuple[Trial, Trial]:
-    """The widest trial that trained and the narrowest that did not (bracket by doubling, then bisect)."""
+    """The widest trial that trained and the narrowest that did not (bracket, then bisect)."""
     def run(width: int) -> Trial:
         t = trial(width, fields, cap)
         log.append(t)
@@ -128,10 +129,10 @@ def search(name: str, fields: dict[str, Any], cap: int, start: int, log: list[Tr
         assert bad is not None
         if bad.width <= STEP:
             raise RuntimeError(f"{name}: even width {STEP} does not train under the cap: {bad.error}")
-        t = run(max(STEP, bad.width // 2 // STEP * STEP))
+        t = run(max(STEP, int(bad.width / GROWTH) // STEP * STEP))
         good, bad = (t, bad) if t.trained else (None, t)
     while bad is None:
-        t = run(good.width * 2)
+        t = run(int(good.width * GROWTH) // STEP * STEP)
         good, bad = (t, None) if t.trained else (good, t)
     while bad.width - good.width > STEP and (bad.width - good.width) > tolerance * good.width:
         t = run((good.width + bad.width) // 2 // STEP * STEP)
