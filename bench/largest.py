@@ -9,6 +9,9 @@ trial trains 2 steps on a fresh harness and counts as fitting if both steps end.
 given the plan's fields fixed and resources it cannot fill, so that it never refuses: its predicted
 per-worker peak is reported against the cap, for the largest width that trained and the one after.
 
+The process itself keeps ~2 GiB per trial of 200 M parameters (not found why): run one
+configuration at a time.
+
     python bench/largest.py [--cap-gib 4] [--configs replicated,zero3] [--tolerance 0.03] [--json FILE]
 """
 
