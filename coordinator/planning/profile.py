@@ -39,8 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
 from services.compute.weight_grads import eligible_layers
 
-__all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "SCALE_FACTOR", "NodeProfile", "Profile",
-           "format_bytes", "profile_graph"]
+__all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "OPTIMIZER_STEP_TEMPORARY_FACTORS",
+           "SCALE_FACTOR", "NodeProfile", "Profile", "format_bytes", "profile_graph"]
 
 SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
 MIN_TIMED_S = 0.05  # timed runs per node and size last at least this long in total...
@@ -48,6 +48,10 @@ MAX_REPEATS = 50  # ...but no more runs than this
 
 # Optimizer state per byte of trainable parameter: Adam keeps two moments, momentum SGD one.
 OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+# What the optimizer's step allocates at once, per byte of the parameter it is stepping: torch's
+# per-parameter Adam computes ``exp_avg_sq.sqrt() / bias_correction`` (two temporaries of the
+# parameter's size; measured: 2.0 x the largest parameter above the state); SGD steps in place.
+OPTIMIZER_STEP_TEMPORARY_FACTORS: dict[str, float] = {"sgd": 0.0, "momentum": 0.0, "adam": 2.0, "adamw": 2.0}
 
 
 def format_bytes(n: float) -> str:
@@ -66,7 +70,9 @@ class NodeProfile(BaseModel):
     that do not grow with the microbatch size (0: the time scales linearly).
     ``activation_bytes`` is what autograd saves in the forward (held until the backward);
     ``deferred_bytes`` what a stage that defers its linear layers' weight gradients holds from
-    the backward to the step's weight gradients (``services/compute/weight_grads.py``).
+    the backward to the step's weight gradients (``services/compute/weight_grads.py``);
+    ``step_temporary_bytes`` what the optimizer's step allocates at once for the node's largest
+    trainable parameter (:data:`OPTIMIZER_STEP_TEMPORARY_FACTORS`; 0 in a profile written before it).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -82,6 +88,7 @@ class NodeProfile(BaseModel):
     optimizer_state_bytes: int = Field(ge=0)
     activation_bytes: int = Field(ge=0)
     deferred_bytes: int = Field(default=0, ge=0)
+    step_temporary_bytes: int = Field(default=0, ge=0)
 
     @property
     def compute_s(self) -> float:
@@ -429,6 +436,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 bwd, bwd_fixed = _affine(bwd, bwd_big, size, SCALE_FACTOR)
             params = list(t.module.parameters())
             trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            largest = max((p.numel() * p.element_size() for p in params if p.requires_grad), default=0)
             saved, deferred = _saved_bytes(t.module, _fresh(t.args, t.names, t.grad))
             nodes.append(NodeProfile(
                 name=node.name, forward_s=fwd, backward_s=bwd, forward_fixed_s=fwd_fixed,
@@ -437,6 +445,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 buffer_bytes=sum(b.numel() * b.element_size() for b in t.module.buffers()),
                 grad_bytes=trainable, optimizer_state_bytes=int(trainable * factor),
                 activation_bytes=saved, deferred_bytes=deferred,
+                step_temporary_bytes=int(largest * OPTIMIZER_STEP_TEMPORARY_FACTORS[optimizer]),
             ))
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,

@@ -35,6 +35,10 @@ incarnation and address. ``replacements=False`` makes the harness behave like a 
 for good: :meth:`replace` then only kills and returns None, and :meth:`restart` brings the
 worker back later (a node that returns).
 
+Memory caps (``memory_limits``): each named worker is started with ``--memory-limit`` (see [Note: the
+memory cap] in ``comm/memcap.py``); a session caps the local CPU workers it starts at their resource's
+``memory_bytes`` unless ``runtime.memory_cap`` is off.
+
 Teardown (:meth:`LocalHarness.close`, also on errors inside ``with``, at interpreter exit
 and from a test's fixture) asks every worker to drain (SIGTERM), waits ``grace``, then
 kills what is left (SIGKILL) and reaps it, then stops the registry: every process the
@@ -65,10 +69,11 @@ from comm.codec import unpack
 from comm.logs import child_env
 from comm.registry import RegistryServer
 from comm.registry.base import Registry
+from coordinator.planning.resources import Resources
 from services.host.worker import worker_key
 from services.protocol import WorkerCard
 
-__all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_START_TIMEOUT", "LocalHarness"]
+__all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_START_TIMEOUT", "LocalHarness", "memory_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,12 @@ DEFAULT_START_TIMEOUT = timedelta(seconds=90)
 LOG_TAIL_LINES = 20  # of a worker's log, in the error when it exits before registering
 
 _live: weakref.WeakSet[LocalHarness] = weakref.WeakSet()
+
+
+def memory_limits(resources: Resources) -> dict[str, int]:
+    """The cap of each CPU worker of ``resources``: its ``memory_bytes`` (a GPU worker's is device memory,
+    which the process cap does not bound)."""
+    return {w.name: w.memory_bytes for w in resources.workers if w.device == "cpu"}
 
 
 class LocalHarness:
@@ -100,6 +111,8 @@ class LocalHarness:
         worker_env: Extra environment of one worker's first process, by name (fault injection:
             ``services/faults.py``); a replacement does not get it.
         replacements: Whether :meth:`replace` starts a new process (False: a node gone for good).
+        memory_limits: Each named worker's memory cap in bytes (``--memory-limit``: an allocation beyond
+            it fails the step; ``comm/memcap.py``), e.g. :func:`memory_limits` of the resource list.
     """
 
     def __init__(self, names: Sequence[str], *, job: str, lease_ttl: timedelta = DEFAULT_LEASE_TTL,
@@ -108,7 +121,7 @@ class LocalHarness:
                  grace: timedelta = timedelta(seconds=5), log_dir: Path | None = None,
                  secure: bool = True, factories: Iterable[str] = (),
                  worker_env: Mapping[str, Mapping[str, str]] | None = None,
-                 replacements: bool = True) -> None:
+                 replacements: bool = True, memory_limits: Mapping[str, int] | None = None) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"worker names must be non-empty and unique, got {list(names)}")
         self.names = list(names)
@@ -132,6 +145,7 @@ class LocalHarness:
         self._keys: auth.JobKeys | None = None  # this job's, admitted by the ZAP handler while it runs
         self.worker_env = {name: dict(env) for name, env in (worker_env or {}).items()}
         self.replacements = replacements
+        self.memory_limits = dict(memory_limits or {})
         self._env: dict[str, str] = {}
         self._allowed: list[str] = []
 
@@ -197,11 +211,13 @@ class LocalHarness:
         return {auth.KEYS_DIR_ENV: str(self._keys_dir)}
 
     def _spawn(self, name: str, extra_env: Mapping[str, str], port: int = 0) -> None:
+        limit = self.memory_limits.get(name)
+        cap = ["--memory-limit", str(limit)] if limit is not None else []
         with open(self.log_path(name), "ab") as output:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
                  "--job", self.job, "--name", name, "--port", str(port),
-                 "--lease-ttl", str(self.lease_ttl.total_seconds()), *self._allowed],
+                 "--lease-ttl", str(self.lease_ttl.total_seconds()), *cap, *self._allowed],
                 env={**self._env, **extra_env}, stdin=subprocess.DEVNULL, stdout=output,
                 stderr=subprocess.STDOUT, start_new_session=True)
         proc = self.procs[name]

@@ -74,7 +74,7 @@ from coordinator.runtime.driver import Runtime
 from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.evaluation import Evaluation
 from coordinator.runtime.factories import build_chain, job_factories
-from coordinator.runtime.harness import LocalHarness
+from coordinator.runtime.harness import LocalHarness, memory_limits
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import check_optimizer, model_structure
 from coordinator.runtime.records import EvalRecord, Recovery, StepRecord
@@ -120,7 +120,9 @@ class Session:
             lease_ttl = timedelta(seconds=config.runtime.lease_ttl_s)
             pool = self.local = LocalHarness(names, job=job.name, lease_ttl=lease_ttl, threads=threads,
                                              python_path=code_dir, log_dir=job.log_dir,
-                                             factories=job_factories(config))
+                                             factories=job_factories(config),
+                                             memory_limits=(memory_limits(job.resources)
+                                                            if config.runtime.memory_cap else None))
         self.harness: WorkerPool = pool
         missing = sorted({w for r in self.plan.placement for w in r} - set(self.harness.names))
         if missing:

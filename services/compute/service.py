@@ -56,7 +56,10 @@ it around the last backward. With ``zero_stage`` 1 or 2 (:mod:`services.params.z
 optimizer steps this replica's rows of each parameter and the commit all-gathers the rows
 (an ``all_gather`` phase); a checkpoint still holds whole optimizer state by name. A ZeRO-2
 replica holds only its gradient shards after a step, so ``gradients`` lists every parameter as
-missing then. Each step reply carries the bytes the stage holds (``StepReply.held_bytes``).
+missing then. Each step reply carries the bytes the stage holds (``StepReply.held_bytes``) and the
+worker's peak since the stage's assignment (``peak_bytes``: :class:`comm.memcap.PeakProbe`). A step
+or commit whose allocation fails (the worker's ``--memory-limit``: [Note: the memory cap] in
+``comm/memcap.py``) fails with ``out_of_memory``, naming the worker, its cap and the action.
 
 Tied parameters (``ComputeOptions.tied``: a Parameter other stages hold too, such as an
 embedding tied to the output head). The executor sums their gradients over the holding
@@ -88,6 +91,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import logging
 import threading
 import time
@@ -102,6 +106,7 @@ from pydantic import BaseModel, ValidationError
 
 from comm import traffic
 from comm.codec import describe_validation_error
+from comm.memcap import PeakProbe, is_allocation_failure, out_of_memory_message
 from comm.rpc import Call, RpcError, ServiceBase
 from services import faults
 from services.checkpoint.dcp import CheckpointFormatError
@@ -218,6 +223,7 @@ class CellComputeService(ServiceBase):
         self._restored = Restored()
         self._turns = turns.acquire(options.turns.key, options.turns.order) if options.turns else None
         self._programs = Programs(stage, self._batch_norm)  # the host thread's alone
+        self._probe = PeakProbe()
 
     @classmethod
     def from_assignment(cls, assignment: Assignment, factories: FactoryAllowList) -> CellComputeService:
@@ -232,6 +238,9 @@ class CellComputeService(ServiceBase):
             options = ComputeOptions.model_validate(assignment.options)
         except ValidationError as exc:
             raise RpcError("bad_request", f"compute options: {describe_validation_error(exc)}") from None
+        if options.recompute:  # imported at assignment (stage.py): the runtime's bytes, not the stage's
+            importlib.import_module("torch._dynamo")
+        probe = PeakProbe().start()  # the worker's peak from here: the stage's tensors and what runs them
         try:
             stage = build_stage(assignment, options, factories)
             restored = Restored()
@@ -240,6 +249,7 @@ class CellComputeService(ServiceBase):
                                       stage.state(), stage.parameters(), options.state_keys)
             service = cls(stage, options, assignment.seed)
             service._restored = restored
+            service._probe = probe
         except CheckpointFormatError as exc:
             raise RpcError("bad_request", f"stage {options.stage}: restoring: {exc}") from None
         except ValueError as exc:  # a factory, the trace, the node range or the registry URL
@@ -273,14 +283,14 @@ class CellComputeService(ServiceBase):
             error: tuple[str, str] | None = None
             try:
                 reply = work()
-            except StepFailed as exc:
-                log.error("%s %s failed: %s", self._tag, what, exc)
-                error = ("step_failed", str(exc))
-            except RpcError as exc:
-                error = (exc.code, exc.message)
             except Exception as exc:
-                log.exception("%s %s failed", self._tag, what)
-                error = ("internal", f"stage {self._stage.index}: {what}: {type(exc).__name__}: {exc}")
+                if not is_allocation_failure(exc):
+                    error = self._error(what, exc)
+                else:  # the worker's memory cap, or the machine's: the job cannot go on as planned
+                    failed = (str(exc) if isinstance(exc, StepFailed)
+                              else f"stage {self._stage.index}: {what}: {type(exc).__name__}: {exc}")
+                    error = ("out_of_memory", out_of_memory_message(failed))
+                    log.error("%s %s", self._tag, error[1])
             finally:
                 with self._lock:
                     self._busy = None  # before answering: the caller may send the next request at once
@@ -290,6 +300,16 @@ class CellComputeService(ServiceBase):
                 call.reply(reply)
 
         self._pool.submit(contextvars.copy_context().run, run)  # the step thread logs the request's context
+
+    def _error(self, what: str, exc: Exception) -> tuple[str, str]:
+        """The error reply for ``exc`` raised by ``what`` on the step thread."""
+        if isinstance(exc, StepFailed):
+            log.error("%s %s failed: %s", self._tag, what, exc)
+            return "step_failed", str(exc)
+        if isinstance(exc, RpcError):
+            return exc.code, exc.message
+        log.error("%s %s failed", self._tag, what, exc_info=exc)
+        return "internal", f"stage {self._stage.index}: {what}: {type(exc).__name__}: {exc}"
 
     # -- RPCs -----------------------------------------------------------------------------
 
@@ -344,7 +364,8 @@ class CellComputeService(ServiceBase):
                       time.monotonic() - start)
             lead = self._path.lead if request.commit is not None else None  # async parameter server
             return reply.model_copy(update={"phases": [*phases, *reply.phases], "lead": lead,
-                                            "held_bytes": self._held_bytes(), "traffic": traffic.snapshot(),
+                                            "held_bytes": self._held_bytes(),
+                                            "peak_bytes": self._probe.peak(), "traffic": traffic.snapshot(),
                                             "saved": self._writer.finished()})
 
         self._submit(call, f"step {request.step}", timeout, run)
@@ -552,9 +573,16 @@ class CellComputeService(ServiceBase):
     def rpc_state(self, request: Empty, call: Call) -> TensorsReply:
         with self._lock:
             self._check_idle("send its state")
-            # ZeRO-3: an all-gather per unit, so the coordinator asks every replica of the group
-            tensors = self._whole_state(self._comm_timeout)
-            call.tensors_out = [(name, t.detach().clone()) for name, t in tensors]
+            try:
+                # ZeRO-3: an all-gather per unit, so the coordinator asks every replica of the group
+                tensors = self._whole_state(self._comm_timeout)
+                call.tensors_out = [(name, t.detach().clone()) for name, t in tensors]
+            except Exception as exc:
+                if not is_allocation_failure(exc):
+                    raise
+                call.tensors_out = []
+                failed = f"stage {self._stage.index}: copying its state to send: {type(exc).__name__}: {exc}"
+                raise RpcError("out_of_memory", out_of_memory_message(failed)) from None
         return TensorsReply(names=[name for name, _ in call.tensors_out])
 
     def _whole_state(self, timeout: timedelta) -> list[tuple[str, torch.Tensor]]:

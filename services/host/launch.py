@@ -21,7 +21,8 @@ it among the job's workers, and the world size tells the coordinator how many to
 An etcd rendezvous (``PET_RDZV_BACKEND=etcd`` or ``etcd-v2`` with ``PET_RDZV_ENDPOINT``)
 is the worker's registry and ``PET_RDZV_ID`` its job, unless ``CELLMESH_REGISTRY`` and
 ``CELLMESH_JOB`` say otherwise. ``CELLMESH_CPUS`` and ``CELLMESH_MEMORY_BYTES`` (a pod's
-limits, through the downward API) are what the worker reports it may use.
+limits, through the downward API) are what the worker reports it may use; ``CELLMESH_MEMORY_LIMIT``
+is ``--memory-limit``'s default (the cap the worker enforces: ``comm/memcap.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ REGISTRY_ENV = "CELLMESH_REGISTRY"
 JOB_ENV = "CELLMESH_JOB"
 CPUS_ENV = "CELLMESH_CPUS"
 MEMORY_ENV = "CELLMESH_MEMORY_BYTES"
+MEMORY_LIMIT_ENV = "CELLMESH_MEMORY_LIMIT"
 ETCD_RDZV_BACKENDS = ("etcd", "etcd-v2")
 
 
@@ -58,6 +60,7 @@ class LaunchEnv(BaseModel):
     job: str | None = None
     cpus: int | None = Field(default=None, ge=1)
     memory_bytes: int | None = Field(default=None, ge=1)
+    memory_limit: int | None = Field(default=None, ge=1)
 
     def default_name(self) -> str | None:
         """``worker-{rank}`` when the rank is known."""
@@ -151,4 +154,5 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     job = environ.get(JOB_ENV, "").strip() or environ.get("PET_RDZV_ID", "").strip() or None
     return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
                      master_port=master_port, registry=_registry(environ), job=job,
-                     cpus=_int(environ, CPUS_ENV, low=1), memory_bytes=_int(environ, MEMORY_ENV, low=1))
+                     cpus=_int(environ, CPUS_ENV, low=1), memory_bytes=_int(environ, MEMORY_ENV, low=1),
+                     memory_limit=_int(environ, MEMORY_LIMIT_ENV, low=1))

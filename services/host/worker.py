@@ -39,6 +39,10 @@ binds the pod's address (``CELLMESH_HOST``) on a fixed ``--port``, and serves it
 on ``--health-port`` (``services/host/health.py``): ``/readyz`` once its card is published,
 ``/healthz`` until its coordinator is gone (never for a registry outage alone).
 
+``--memory-limit BYTES`` (or ``CELLMESH_MEMORY_LIMIT``) caps what the process may allocate beyond
+what it holds at start, torch imported (see [Note: the memory cap] in ``comm/memcap.py``); its card
+then reports the cap as its memory.
+
 It logs to stderr through ``comm/logs.py``: ``CELLMESH_LOG_LEVEL`` (default INFO) and
 ``CELLMESH_LOG_FORMAT`` (``human`` or ``json``), every record carrying the worker's name and
 rank, and the service and step of the request being served. A local run's harness sends
@@ -67,6 +71,7 @@ from comm.allocator import tune_malloc
 from comm.codec import pack
 from comm.errors import LeaseExpiredError
 from comm.logs import configure_logging, set_process_context
+from comm.memcap import apply_cap
 from comm.registry import connect_registry, follows_presence
 from comm.registry.base import Lease, Registry
 from comm.registry.keepalive import KeepAlive
@@ -373,8 +378,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="The environment of torchrun and Kubeflow Trainer is honoured: RANK, WORLD_SIZE, LOCAL_RANK, "
                "MASTER_ADDR, MASTER_PORT and PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR, "
                "PET_MASTER_PORT, PET_RDZV_BACKEND=etcd, PET_RDZV_ENDPOINT, PET_RDZV_ID; also "
-               "CELLMESH_REGISTRY, CELLMESH_JOB, CELLMESH_HOST, CELLMESH_CPUS, CELLMESH_MEMORY_BYTES "
-               "(see docs/kubernetes.md).")
+               "CELLMESH_REGISTRY, CELLMESH_JOB, CELLMESH_HOST, CELLMESH_CPUS, CELLMESH_MEMORY_BYTES, "
+               "CELLMESH_MEMORY_LIMIT (see docs/kubernetes.md).")
     parser.add_argument("--registry", default=None,
                         help="memory://, tcp://host:port or etcd://host:port (default: $CELLMESH_REGISTRY, "
                              "else the etcd of PET_RDZV_ENDPOINT)")
@@ -401,6 +406,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="run without keys: serve anyone who reaches the ports (trusted networks only)")
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /healthz, /readyz and /metrics over HTTP on this port (0: any free one)")
+    parser.add_argument("--memory-limit", type=int, default=None, metavar="BYTES",
+                        help="cap what the process may allocate beyond what it holds at start (RLIMIT_DATA; "
+                             "default: $CELLMESH_MEMORY_LIMIT, else none): an allocation beyond it fails the "
+                             "step naming the cap, and the card reports it as the worker's memory")
     parser.add_argument("--health-host", default=None,
                         help="interface of the HTTP endpoint (default: as --host, where the kubelet probes)")
     return parser
@@ -433,6 +442,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch.export()  # RANK, WORLD_SIZE, ... for torch.distributed code in the job's factories
     tune_malloc()
     name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"
+    limit = args.memory_limit if args.memory_limit is not None else launch.memory_limit
+    if limit is not None:
+        _gpus()  # torch imported first: its libraries are the process's baseline, not the plan's budget
+        try:
+            apply_cap(name, limit)
+        except ValueError as exc:
+            parser.error(str(exc))
+        launch = launch.model_copy(update={"memory_bytes": limit})
     job = args.job or launch.job or "default"
     set_process_context(worker=name, rank=launch.rank)
     lease_ttl = timedelta(seconds=args.lease_ttl)

@@ -448,6 +448,9 @@ class StepReply(Message):
     # bytes of the stage's parameters, the gradients it holds and its optimizer state as the step ends
     # (before the step's own update: ZeRO-2 holds its gradient shards then), for memory reports
     held_bytes: int | None = Field(default=None, ge=0)
+    # the worker's peak resident bytes since the stage was assigned, less what it held then
+    # (comm/memcap.py's PeakProbe): the stage's tensors, transients and buffers, for memory reports
+    peak_bytes: int | None = Field(default=None, ge=0)
     # parameter server: how many steps this replica's clock led the slowest replica's as the shards served
     # the pull of the commit this step applied (the most over the stage's shards; at most the plan's
     # staleness, 0 in sync mode); None on the collective path and in a step without a commit

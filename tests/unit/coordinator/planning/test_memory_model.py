@@ -303,3 +303,33 @@ def test_the_memory_floor_counts_the_zero_stages_the_planner_may_use() -> None:
         check_memory_floor(cells(2, 16 * MiB), res, "adam", PlanConfig(zero=0))
     check_memory_floor(cells(2, 16 * MiB), res, "adam")  # the planner may shard it: not refused
     check_memory_floor(cells(2, 16 * MiB), res, "adam", PlanConfig(zero=3))  # a sharded plan, not an error
+
+
+def test_the_optimizer_steps_temporaries_are_a_transient_sharded_with_the_state() -> None:
+    """Adam's step needs twice its largest parameter at once: counted as a node's transient (the larger
+    of it and ZeRO-3's gathered cells), on this worker's rows under ZeRO, nowhere when offloaded."""
+    from coordinator.planning.memory import MemoryOption, node_memory
+    from coordinator.planning.profile import NodeProfile
+
+    def node(name: str, p: int, largest: int) -> NodeProfile:
+        return NodeProfile(name=name, forward_s=1e-3, backward_s=2e-3, param_bytes=p, grad_bytes=p,
+                           optimizer_state_bytes=2 * p, activation_bytes=100,
+                           step_temporary_bytes=2 * largest)
+
+    def b(params: int, grads: int, optimizer: int, activations: int) -> MemoryUse:
+        return MemoryUse(params=params, grads=grads, optimizer=optimizer, activations=activations)
+
+    nodes = [node("a", 1000, 600), node("b", 3000, 1000)]
+
+    def peak(option: MemoryOption, on_cuda: bool = False) -> MemoryUse:
+        mem = node_memory(nodes, option, mode="collective", data_parallel=2, num_microbatches=1,
+                          activation_bytes=[100, 100], input_bytes=[10, 10], on_cuda=on_cuda)
+        return mem.stage(0, 2, mem.held, 1)
+
+    assert peak(MemoryOption()) == b(4000, 4000, 8000 + 2000, 200)
+    assert peak(MemoryOption(zero=1, shard_factor=2)) == b(4000, 4000, 4000 + 1000, 200)
+    assert peak(MemoryOption(zero=2, shard_factor=2)) == b(4000, 2000, 4000 + 1000, 200)
+    # ZeRO-3 gathers two of the largest cell (6000 B): more than its step's 1000
+    assert peak(MemoryOption(zero=3, shard_factor=2)) == b(2000 + 6000, 2000, 4000, 200)
+    assert peak(MemoryOption(offload=True), on_cuda=True) == b(4000, 4000, 0, 200)
+    assert peak(MemoryOption(offload=True), on_cuda=True).total < peak(MemoryOption()).total

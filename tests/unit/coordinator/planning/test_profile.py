@@ -29,6 +29,9 @@ def test_profile_measures_every_node() -> None:
     assert [n.param_bytes for n in prof.nodes] == [(16 * 64 + 64) * 4, 0, (64 * 64 + 64) * 4,
                                                    (64 * 4 + 4) * 4]
     assert all(n.optimizer_state_bytes == 2 * n.grad_bytes for n in prof.nodes)
+    # Adam's step: two temporaries the size of the node's largest parameter (its weight)
+    assert [n.step_temporary_bytes for n in prof.nodes] == [2 * 16 * 64 * 4, 0, 2 * 64 * 64 * 4,
+                                                            2 * 64 * 4 * 4]
     # Linear(16, 64) saves its input (no grad needed for x, but the weight gradient needs it);
     # ReLU saves its output; the weights themselves are not activations
     assert prof.nodes[0].activation_bytes == 8 * 16 * 4
