@@ -320,9 +320,9 @@ class RuntimeConfig(_Section):
                                                              "stop the job there, or skip its update")
     code_dir: str | None = Field(default=None, description="where the job's own modules are found "
                                                            "(default: the job file's directory)")
-    memory_cap: bool = Field(default=True, description="cap each local CPU worker's process at its "
-                                                       "resource's memory_bytes: an allocation beyond it "
-                                                       "fails the step")
+    memory_cap: bool = Field(default=False, description="cap each local CPU worker's process at its "
+                                                        "resource's memory_bytes: an allocation beyond it "
+                                                        "fails the step")
 
 
 class JobConfig(_Section):

@@ -37,7 +37,7 @@ worker back later (a node that returns).
 
 Memory caps (``memory_limits``): each named worker is started with ``--memory-limit`` (see [Note: the
 memory cap] in ``comm/memcap.py``); a session caps the local CPU workers it starts at their resource's
-``memory_bytes`` unless ``runtime.memory_cap`` is off.
+``memory_bytes`` when ``runtime.memory_cap`` is on (off by default).
 
 Teardown (:meth:`LocalHarness.close`, also on errors inside ``with``, at interpreter exit
 and from a test's fixture) asks every worker to drain (SIGTERM), waits ``grace``, then

@@ -52,7 +52,6 @@ def test_an_allocation_beyond_the_cap_fails_the_step_naming_worker_and_cap() -> 
         with job.attach(harness), pytest.raises(JobFailed) as failed:
             job.fit(2)
         message = str(failed.value)
-        print(message)
         assert "out_of_memory" in message and f"--memory-limit {cap}" in message, message
         assert "worker local-" in message and "can't allocate memory" in message, message
         assert "step" in message and "Fix:" in message, message
@@ -69,9 +68,7 @@ def test_an_allocation_beyond_the_cap_fails_the_step_naming_worker_and_cap() -> 
 # replicated plan is within 8% (bench/largest.py), ZeRO-1 is not (1.5 x).
 @pytest.mark.xfail(strict=True, reason="the planner's memory model misses the runtime's fixed bytes and the "
                                        "sharded paths' buffers (see above)")
-@pytest.mark.parametrize("plan", [{}, {"zero": 1}, {"zero": 2}, {"zero": 3}, {"recompute": True},
-                                  {"zero": 3, "recompute": True}],
-                         ids=["replicated", "zero1", "zero2", "zero3", "recompute", "zero3-recompute"])
+@pytest.mark.parametrize("plan", [{}, {"zero": 1}], ids=["replicated", "zero1"])  # the rest: bench/largest.py
 def test_predicted_peak_is_within_20_percent_of_the_measured(plan: dict[str, Any]) -> None:
     extra = {"shard_factor": 2} if plan.get("zero") else {}
     job = make_job(WIDTH, 4, **plan, **extra)
