@@ -41,6 +41,7 @@ from comm.base import Communicator, ReduceOp
 from services.params.fully_sharded import FullyShard, storage_bytes
 from services.params.grad_path import CollectivePath
 from services.params.layout import ShardLayout
+from services.params.zero import per_element, restored_rows
 from services.protocol import ComputeOptions, PhaseTiming
 
 __all__ = ["FullyShardedPath", "stage_units"]
@@ -240,20 +241,13 @@ class FullyShardedPath(CollectivePath):
             shard = self._shards[id(p)]  # every trainable parameter is a unit's
             mine = optimizer.state.get(shard, {})
             out[p] = {key: _gather_rows(comm, one, mine[key], p.shape, self.rank, timeout)
-                      if _per_element(key, mine[key], shard.shape) else mine[key] for key in sorted(mine)}
+                      if per_element(key, mine[key], shard.shape) else mine[key] for key in sorted(mine)}
         return out
 
     def shard_restored(self, params: Sequence[tuple[str, nn.Parameter]],
                        state: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """A checkpoint's per-parameter optimizer state (whole tensors, by name) cut to this rank's rows."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for name, p in params:
-            entries = state.get(name)
-            if entries:
-                one = ShardLayout([p.shape], self.factor)
-                out[name] = {k: one.shard_of(v, 0, self.rank).clone() if _per_element(k, v, p.shape) else v
-                             for k, v in entries.items()}
-        return out
+        return restored_rows(params, state, self.factor, self.rank)
 
     def held_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
         """Bytes of parameters (shards, and any unit left gathered), gradients and optimizer state here."""
@@ -267,10 +261,6 @@ class FullyShardedPath(CollectivePath):
             total += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor))
         return total
-
-
-def _per_element(key: str, value: object, shape: torch.Size) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == shape and key != "step"
 
 
 def _gather_rows(comm: Communicator, one: ShardLayout, value: torch.Tensor, shape: torch.Size, rank: int,

@@ -66,7 +66,7 @@ from services.params.grad_sync import GradSync, assign_buckets
 from services.params.layout import ShardLayout
 from services.protocol import ComputeOptions, PhaseTiming
 
-__all__ = ["NOT_ELEMENTWISE", "ZeroPath", "check_elementwise"]
+__all__ = ["NOT_ELEMENTWISE", "ZeroPath", "check_elementwise", "per_element", "restored_rows"]
 
 NOT_ELEMENTWISE = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
 
@@ -270,7 +270,7 @@ class ZeroPath(CollectivePath):
             shard = self._shards[id(p)]
             mine = optimizer.state.get(shard, {})
             out[p] = {key: self._gather_one(shard_comm, one, mine[key], p, timeout)
-                      if _per_element(key, mine[key], shard.shape) else mine[key] for key in sorted(mine)}
+                      if per_element(key, mine[key], shard.shape) else mine[key] for key in sorted(mine)}
         return out
 
     def _gather_one(self, comm: Communicator, one: ShardLayout, value: torch.Tensor, p: nn.Parameter,
@@ -287,15 +287,7 @@ class ZeroPath(CollectivePath):
     def shard_restored(self, params: Sequence[tuple[str, nn.Parameter]],
                        state: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """A checkpoint's per-parameter optimizer state (whole tensors, by name) cut to this rank's rows."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for name, p in params:
-            entries = state.get(name)
-            if not entries:
-                continue
-            one = ShardLayout([p.shape], self.factor)
-            out[name] = {key: one.shard_of(v, 0, self.rank).clone() if _per_element(key, v, p.shape) else v
-                         for key, v in entries.items()}
-        return out
+        return restored_rows(params, state, self.factor, self.rank)
 
     def held_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
         """Bytes of parameters, gradients (held after the step) and optimizer state on this replica."""
@@ -309,7 +301,22 @@ class ZeroPath(CollectivePath):
         return total
 
 
-def _per_element(key: str, value: object, shape: torch.Size) -> bool:
+def restored_rows(params: Sequence[tuple[str, nn.Parameter]], state: Mapping[str, Mapping[str, torch.Tensor]],
+                  factor: int, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Per-parameter optimizer state saved whole, by name, cut to rank ``rank``'s rows of ``factor`` (the
+    scalars, such as the step count, kept as they are): what a sharded path restores a checkpoint into."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in params:
+        entries = state.get(name)
+        if not entries:
+            continue
+        one = ShardLayout([p.shape], factor)
+        out[name] = {key: one.shard_of(v, 0, rank).clone() if per_element(key, v, p.shape) else v
+                     for key, v in entries.items()}
+    return out
+
+
+def per_element(key: str, value: object, shape: torch.Size) -> bool:
     """Whether an optimizer state entry has one value per element of the parameter (``shape``: the
     parameter's or the shard's): a tensor of that shape that is not the step count."""
     return isinstance(value, torch.Tensor) and value.shape == shape and key != "step"
