@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from comm.sockets import SocketLimits, make_socket
 from comm.traffic import TrafficCounts, snapshot
@@ -41,6 +42,7 @@ from tests.multiproc.security.running import targets_of
 pytestmark = pytest.mark.timeout(120)
 
 STEPS = 10  # the garbage is read as the replicas receive: about one frame per channel a step
+HANDSHAKE_S = 20.0  # how long the insider's CURVE handshake with a replica's socket may take
 GARBAGE = 3  # malformed frames to each replica's data socket
 REPLICAS = 2
 FLOAT64 = 8  # bytes per gradient element: the spec's MLP is float64
@@ -49,6 +51,23 @@ FLOAT64 = 8  # bytes per gradient element: the spec's MLP is float64
 def _samples(body: str, name: str, label: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2))
             for m in re.finditer(rf'^{name}{{{label}="([^"]*)"}} (\S+)$', body, re.MULTILINE)}
+
+
+def _connect_after_handshake(sock: zmq.Socket[bytes], address: str) -> None:
+    """Connect ``sock`` and wait until its CURVE handshake is done, so what it sends next is
+    queued at the replica before the next step rather than some steps later on a loaded machine."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    try:
+        sock.connect(address)
+        if not monitor.poll(int(HANDSHAKE_S * 1000)):
+            raise TimeoutError(f"no CURVE handshake with the replica's data socket {address} "
+                               f"in {HANDSHAKE_S}s")
+        event = recv_monitor_message(monitor)["event"]
+        assert event == zmq.EVENT_HANDSHAKE_SUCCEEDED, f"handshake with {address} failed: {event}"
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
 
 
 def test_the_run_metrics_show_the_bytes_sent_and_the_frames_refused(tmp_path: Path) -> None:
@@ -72,7 +91,7 @@ def test_the_run_metrics_show_the_bytes_sent_and_the_frames_refused(tmp_path: Pa
                 outsider = make_socket(zmq.PUSH, SocketLimits.data())
                 stranger(targets.server_public_key)(outsider)
                 sockets.extend([insider, outsider])
-                insider.connect(port.address)
+                _connect_after_handshake(insider, port.address)
                 outsider.connect(port.address)
                 for k in range(GARBAGE):
                     insider.send_multipart([b"\xc1 not a header %d" % k, b"body"])
