@@ -39,6 +39,11 @@ Memory caps (``memory_limits``): each named worker is started with ``--memory-li
 memory cap] in ``comm/memcap.py``); a session caps the local CPU workers it starts at their resource's
 ``memory_bytes`` when ``runtime.memory_cap`` is on (off by default).
 
+Starting: each worker is forked from the coordinator process's fork server, which imported torch once
+([Note: the fork server] in ``coordinator/runtime/forkserver.py``), so a worker or a replacement is up
+in a fraction of a second rather than the seconds a fresh interpreter takes to import; ``fork=False``
+or ``CELLMESH_FORK_SERVER=0`` starts fresh interpreters (``python -m services.host.worker``).
+
 Teardown (:meth:`LocalHarness.close`, also on errors inside ``with``, at interpreter exit
 and from a test's fixture) asks every worker to drain (SIGTERM), waits ``grace``, then
 kills what is left (SIGKILL) and reaps it, then stops the registry: every process the
@@ -70,8 +75,13 @@ from comm.logs import child_env
 from comm.registry import RegistryServer
 from comm.registry.base import Registry
 from coordinator.planning.resources import Resources
+from coordinator.runtime import forkserver
 from services.host.worker import worker_key
 from services.protocol import WorkerCard
+
+WORKER_TARGET = "services.host.worker:run"
+WorkerProcess = subprocess.Popen[bytes] | forkserver.ForkedProcess
+"""A worker's process: forked from the fork server, or a fresh interpreter."""
 
 __all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_START_TIMEOUT", "LocalHarness", "memory_limits"]
 
@@ -111,6 +121,9 @@ class LocalHarness:
         worker_env: Extra environment of one worker's first process, by name (fault injection:
             ``services/faults.py``); a replacement does not get it.
         replacements: Whether :meth:`replace` starts a new process (False: a node gone for good).
+        fork: Whether workers are forked from this process's fork server (torch already imported: see
+            [Note: the fork server] in ``coordinator/runtime/forkserver.py``; ``CELLMESH_FORK_SERVER=0``
+            turns it off everywhere) rather than started as fresh interpreters.
         memory_limits: Each named worker's memory cap in bytes (``--memory-limit``: an allocation beyond
             it fails the step; ``comm/memcap.py``), e.g. :func:`memory_limits` of the resource list.
     """
@@ -121,7 +134,8 @@ class LocalHarness:
                  grace: timedelta = timedelta(seconds=5), log_dir: Path | None = None,
                  secure: bool = True, factories: Iterable[str] = (),
                  worker_env: Mapping[str, Mapping[str, str]] | None = None,
-                 replacements: bool = True, memory_limits: Mapping[str, int] | None = None) -> None:
+                 replacements: bool = True, memory_limits: Mapping[str, int] | None = None,
+                 fork: bool = True) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"worker names must be non-empty and unique, got {list(names)}")
         self.names = list(names)
@@ -135,7 +149,7 @@ class LocalHarness:
         self.grace = grace
         self.log_dir = log_dir
         self._temporary_logs = log_dir is None
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, WorkerProcess] = {}
         self.cards: dict[str, WorkerCard] = {}
         self._server: RegistryServer | None = None
         self._closed = False
@@ -146,6 +160,7 @@ class LocalHarness:
         self.worker_env = {name: dict(env) for name, env in (worker_env or {}).items()}
         self.replacements = replacements
         self.memory_limits = dict(memory_limits or {})
+        self.fork = fork
         self._env: dict[str, str] = {}
         self._allowed: list[str] = []
 
@@ -213,18 +228,28 @@ class LocalHarness:
     def _spawn(self, name: str, extra_env: Mapping[str, str], port: int = 0) -> None:
         limit = self.memory_limits.get(name)
         cap = ["--memory-limit", str(limit)] if limit is not None else []
-        with open(self.log_path(name), "ab") as output:  # the child keeps its own descriptor
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.host.worker", "--registry", self.registry_url,
-                 "--job", self.job, "--name", name, "--port", str(port),
-                 "--lease-ttl", str(self.lease_ttl.total_seconds()), *cap, *self._allowed],
-                env={**self._env, **extra_env}, stdin=subprocess.DEVNULL, stdout=output,
-                stderr=subprocess.STDOUT, start_new_session=True)
+        argv = ["--registry", self.registry_url, "--job", self.job, "--name", name, "--port", str(port),
+                "--lease-ttl", str(self.lease_ttl.total_seconds()), *cap, *self._allowed]
+        env = {**self._env, **extra_env}
+        server = forkserver.shared() if self.fork else None
+        forked: WorkerProcess | None = None
+        if server is not None:
+            try:
+                forked = server.spawn(WORKER_TARGET, argv, env=env, log_path=str(self.log_path(name)))
+            except (RuntimeError, TimeoutError) as exc:
+                log.warning("[harness %s] worker %s starts as a fresh interpreter: %s", self.job, name, exc)
+        if forked is not None:
+            self.procs[name] = forked
+        else:
+            with open(self.log_path(name), "ab") as output:  # the child keeps its own descriptor
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "services.host.worker", *argv], env=env, stdin=subprocess.DEVNULL,
+                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         proc = self.procs[name]
         threading.Thread(target=self._watch_exit, args=(name, proc), daemon=True,
                          name=f"harness-{self.job}-{name}").start()
 
-    def _watch_exit(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+    def _watch_exit(self, name: str, proc: WorkerProcess) -> None:
         """When ``proc`` exits on its own, delete its card at once: the coordinator then learns of the loss
         now rather than when the lease lapses. (A frozen process still needs the lease.)"""
         proc.wait()

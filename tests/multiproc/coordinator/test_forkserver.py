@@ -1,0 +1,89 @@
+"""The fork server (coordinator/runtime/forkserver.py) starts what ``Popen(start_new_session=True)`` would.
+
+One server for the module; each case forks children running ``forked_targets`` and checks what they
+saw (their own environment, even what a module reads at import; working directory, session, threads,
+stdin) and what the parent learns (pid, exit code, a signal's negative code, a wait that times out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.runtime.forkserver import ForkServer
+
+pytestmark = pytest.mark.timeout(120)
+TARGETS = "tests.multiproc.coordinator.forked_targets"
+ROOT = str(Path(__file__).resolve().parents[3])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    fork_server = ForkServer()
+    try:
+        yield fork_server
+    finally:
+        fork_server.close()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": ROOT, **extra}
+
+
+def test_a_child_runs_in_its_own_environment_session_and_directory(server: ForkServer,
+                                                                   tmp_path: Path) -> None:
+    children = []
+    for k, threads in ((0, 1), (3, 2)):
+        log = tmp_path / f"child{k}.log"
+        child = server.spawn(f"{TARGETS}:report", [str(k), "x"], log_path=str(log), cwd=str(tmp_path),
+                             env=_env(FORKED_TARGET_VALUE=f"value-{k}", OMP_NUM_THREADS=str(threads)))
+        children.append((child, log, k, threads))
+    for child, log, k, threads in children:
+        assert child.wait(30) == k and child.returncode == k and child.poll() == k
+        seen = json.loads(log.read_text().splitlines()[-1])
+        assert seen["argv"] == [str(k), "x"]
+        assert seen["value"] == f"value-{k}"  # imported in the child, after its environment was set
+        assert seen["cwd"] == str(tmp_path) and seen["pid"] == child.pid
+        assert seen["sid"] == child.pid  # a session of its own, as start_new_session gives
+        assert seen["threads"] == threads
+        assert seen["stdin"] == ""  # /dev/null
+    assert children[0][0].pid != children[1][0].pid
+
+
+def test_a_signal_ends_a_child_with_a_negative_code_and_wait_times_out_before(server: ForkServer,
+                                                                             tmp_path: Path) -> None:
+    child = server.spawn(f"{TARGETS}:sleep", ["60"], env=_env(), log_path=str(tmp_path / "sleep.log"))
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.2)
+    assert child.poll() is None
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(30) == -signal.SIGTERM
+    child.kill()  # an ended child is left alone, as Popen leaves it
+
+
+def test_a_failing_target_exits_1_with_its_traceback_in_the_log(server: ForkServer, tmp_path: Path) -> None:
+    log = tmp_path / "fail.log"
+    child = server.spawn(f"{TARGETS}:fail", ["a"], env=_env(), log_path=str(log))
+    assert child.wait(30) == 1
+    assert "ValueError: failing on purpose with ['a']" in log.read_text()
+    missing = server.spawn("tests.no_such_module:run", [], env=_env(), log_path=str(tmp_path / "missing.log"))
+    assert missing.wait(30) == 1
+    assert "No module named 'tests.no_such_module'" in (tmp_path / "missing.log").read_text()
+
+
+def test_a_bad_request_is_refused_and_the_server_keeps_forking(server: ForkServer, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="could not start"):
+        server.spawn(f"{TARGETS}:report", ["0"], env=_env(), log_path=str(tmp_path / "nowhere" / "x.log"),
+                     cwd=str(tmp_path / "no-such-directory"))
+    with server._requests:  # garbage on the server's own pipe
+        server._stdin.write(b"\xc1 not json\n")
+        server._stdin.flush()
+        assert "error" in server._next_reply(10, "the garbage's reply")
+    child = server.spawn(f"{TARGETS}:report", ["5"], env=_env(), log_path=str(tmp_path / "after.log"))
+    assert child.wait(30) == 5 and server.alive
