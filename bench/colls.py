@@ -35,6 +35,8 @@ import torch
 if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shadowing the comm package
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from bench.comm import _spawn  # after the path fix above
+
 MIB = 1 << 20
 LATENCY_BYTES = (*(4 ** k for k in range(1, 9)), *(64 << (10 + k) for k in range(1, 7)))  # 4 B .. 4 MiB
 BANDWIDTH_MIB = (1, 4, 16, 64)
@@ -125,18 +127,6 @@ def _gloo_rank(rank: int, world: int, port: int, reps: int, bandwidth: bool, q: 
         q.put(times)
 
 
-def _spawn(ctx: Any, targets: list[tuple[Any, tuple[Any, ...]]], timeout: float = 900) -> None:
-    procs = [ctx.Process(target=fn, args=args) for fn, args in targets]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-        if p.exitcode != 0:
-            for other in procs:
-                other.kill()
-            raise RuntimeError(f"benchmark process failed (exit code {p.exitcode})")
-
-
 def run_round(ctx: Any, reps: int, index: int, worlds: tuple[int, ...],
               bandwidth: bool) -> dict[int, dict[str, float]]:
     from comm.registry import RegistryServer
@@ -150,10 +140,11 @@ def run_round(ctx: Any, reps: int, index: int, worlds: tuple[int, ...],
         for world in worlds:
             prefix = f"/bench/colls/{index}/{world}"
             args = (world, server.address, prefix, reps, bandwidth, q)
-            _spawn(ctx, [(_zmq_rank, (r, *args)) for r in range(world)])
+            _spawn(ctx, [(_zmq_rank, (r, *args)) for r in range(world)], timeout=900)
             times = dict(q.get(timeout=10))
             port = free_port()
-            _spawn(ctx, [(_gloo_rank, (r, world, port, reps, bandwidth, q)) for r in range(world)])
+            gloo = [(_gloo_rank, (r, world, port, reps, bandwidth, q)) for r in range(world)]
+            _spawn(ctx, gloo, timeout=900)
             times.update({f"gloo:{k}": v for k, v in q.get(timeout=10).items()})
             results[world] = times
     finally:
