@@ -172,6 +172,14 @@ def _check_stages(config: JobConfig, made: Any, chain: Chain) -> None:
                        f"(cellmesh.Cell) or ask for at most {len(chain)} stage(s)")
 
 
+def _keeps_no_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> bool:
+    """Whether ``optimizer`` (over the throwaway ``param``) holds no tensor after a step (plain SGD)."""
+    param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return not any(isinstance(v, torch.Tensor) for state in optimizer.state.values() for v in state.values())
+
+
 def check_optimizer(config: JobConfig) -> None:
     """Check 0: build the optimizer and its scheduler as the workers will, over a throwaway parameter, and
     step both once.
@@ -192,6 +200,11 @@ def check_optimizer(config: JobConfig) -> None:
         optimizer = make_optimizer(optimizer_spec, [param])
     except ValueError as exc:
         raise JobError(f"optimizer: {exc}; fix optimizer.name or optimizer.kwargs") from None
+    if config.plan.zero == 1 and _keeps_no_state(optimizer, param):
+        log.warning("plan.zero 1 shards the optimizer's state, but %s with %s keeps none: every step pays "
+                    "an all-gather of the parameters for no memory saved; drop plan.zero, or use plan.zero 2 "
+                    "or 3 (they shard the gradients and the parameters too)", section.name,
+                    dict(section.kwargs))
     if section.scheduler is None:
         return
     spec = SchedulerSpec(name=section.scheduler.name, kwargs=dict(section.scheduler.kwargs))

@@ -29,3 +29,16 @@ def test_elementwise_optimizers_pass(name: str) -> None:
 
 def test_without_zero_any_optimizer_is_checked_as_before() -> None:
     check_optimizer(Job(**BASE, optimizer="LBFGS", optimizer_kwargs={"lr": 0.1}).config)
+
+
+@pytest.mark.parametrize(("kwargs", "zero", "warned"), [
+    ({"lr": 0.01}, 1, True),  # plain SGD keeps no state: ZeRO-1 would only add an all-gather
+    ({"lr": 0.01, "momentum": 0.9}, 1, False),  # a momentum buffer per parameter: worth sharding
+    ({"lr": 0.01}, 2, False),  # ZeRO-2 still shards the gradients
+])
+def test_zero1_with_an_optimizer_that_keeps_no_state_is_warned(caplog: pytest.LogCaptureFixture,
+                                                               kwargs: dict[str, float], zero: int,
+                                                               warned: bool) -> None:
+    with caplog.at_level("WARNING", logger="coordinator.runtime.preflight"):
+        check_optimizer(Job(**BASE, optimizer="SGD", optimizer_kwargs=kwargs, zero=zero).config)
+    assert any("keeps none" in r.getMessage() for r in caplog.records) == warned, caplog.text
