@@ -25,7 +25,10 @@ terms on the links the resource list gives (:func:`layout_cost`, from :class:`Tr
 shape's microbatches, the profile's mean cut bytes and a stage's gradient bytes) and keeps the
 cheaper; a tie keeps the pipelines inside hosts (the list's order when a host holds whole
 replicas). Activations dominate for small models run with many or large microbatches, gradients
-for parameter-heavy stages with few microbatches.
+for parameter-heavy stages with few microbatches. A layout's links are taken as the planner takes
+them, a group's slowest (lowest bandwidth, highest latency); the two layouts and their links are
+built once per (replicas, ranks, chunks) of a resource list, in O(workers + hosts), so the
+planner's many microbatch counts of a shape price them in O(distinct links) each.
 
 The planner today charges every pipeline transfer at the slowest link among all the
 placement's workers (``resources.slowest_link(list(placed))``): its predicted step credits a
@@ -100,37 +103,81 @@ def _hops(ranks: int, chunks: int) -> list[tuple[int, int]]:
     return [*hops, (ranks - 1, 0)] if chunks > 1 and ranks > 1 else hops
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A grid and the links its two cost terms cross (see :func:`layout_cost`)."""
+
+    grid: Grid
+    pipe_link: Speed | None  # the slowest link a stage boundary crosses; None: no boundary
+    group_links: tuple[Speed, ...]  # each stage group's slowest link, once each
+
+    @classmethod
+    def of(cls, resources: Resources, grid: Grid, chunks: int) -> _Layout:
+        hops = _hops(len(grid[0]), chunks)
+        pipe = resources.slowest_of_pairs((row[a], row[b]) for row in grid for a, b in hops) if hops else None
+        groups = {resources.slowest_link([row[k] for row in grid]) for k in range(len(grid[0]))}
+        return cls(grid, pipe, tuple(sorted(groups)))
+
+    def cost(self, traffic: Traffic, chunks: int) -> float:
+        pipe = _transfer(traffic.boundary_bytes, self.pipe_link) if self.pipe_link is not None else 0.0
+        replicas, nbytes = len(self.grid), traffic.gradient_bytes * chunks
+        sync = max(_all_reduce(nbytes, replicas, link) for link in self.group_links)
+        return traffic.microbatches * chunks * pipe + sync
+
+
 def layout_cost(resources: Resources, grid: Sequence[Sequence[str]], traffic: Traffic,
                 chunks: int = 1) -> float:
     """The two placement-dependent terms of a step for ``grid[r][k]`` (see [Note: placing replicas and
-    stages on hosts]): the slowest boundary's transfers times the crossings per rank, plus the slowest
-    stage group's all-reduce."""
-    replicas, ranks = len(grid), len(grid[0])
-    hops = _hops(ranks, chunks)
-    pipe = max((_transfer(traffic.boundary_bytes, resources.link(row[a], row[b]))
-                for row in grid for a, b in hops), default=0.0)
-    sync = max((_all_reduce(traffic.gradient_bytes * chunks, replicas,
-                            resources.slowest_link([row[k] for row in grid]))
-                for k in range(ranks)), default=0.0)
-    return traffic.microbatches * chunks * pipe + sync
+    stages on hosts]): a boundary's transfers over the slowest link a boundary crosses (its lowest
+    bandwidth and highest latency, as the planner takes links) times the crossings per rank, plus the
+    slowest stage group's all-reduce."""
+    return _Layout.of(resources, [list(row) for row in grid], chunks).cost(traffic, chunks)
+
+
+# per resource list (by id, the list kept so the id stays its own): (replicas, ranks, chunks) -> layouts
+_LAYOUTS: dict[int, tuple[Resources, dict[tuple[int, int, int], tuple[_Layout, ...]]]] = {}
+
+
+def _layouts(resources: Resources, replicas: int, ranks: int, chunks: int) -> tuple[_Layout, ...]:
+    """The pipelines-inside-hosts layout and, when it differs, the replica-groups-inside-hosts one, with their
+    links: built once per shape of a resource list (the planner asks again for every microbatch count)."""
+    cached = _LAYOUTS.get(id(resources))
+    if cached is None or cached[0] is not resources:
+        if len(_LAYOUTS) > 8:
+            _LAYOUTS.clear()
+        cached = _LAYOUTS[id(resources)] = (resources, {})
+    key = (replicas, ranks, chunks)
+    if key not in cached[1]:
+        groups = resources.host_groups
+        pipelines = _blocks(groups, replicas, ranks)
+        by_stage = _blocks(groups, ranks, replicas)
+        replica_groups = [[by_stage[k][r] for k in range(ranks)] for r in range(replicas)]
+        grids = [pipelines] if pipelines == replica_groups else [pipelines, replica_groups]
+        cached[1][key] = tuple(_Layout.of(resources, g, chunks) for g in grids)
+    return cached[1][key]
 
 
 def _blocks(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
     """``count`` blocks of ``size`` workers: each inside the first host with room for it, else the free
-    workers in order."""
-    free = [list(g) for g in groups]
+    workers in order. O(hosts + workers): a host's room only shrinks, so the scan for room resumes
+    where the last one stopped."""
+    used = [0] * len(groups)  # workers taken from each host, from its front
     blocks: Grid = []
+    fits = 0  # hosts before it have no room for a block
     for _ in range(count):
-        host = next((h for h in free if len(h) >= size), None)
-        if host is not None:
-            blocks.append(host[:size])
-            del host[:size]
+        while fits < len(groups) and len(groups[fits]) - used[fits] < size:
+            fits += 1
+        if fits < len(groups):
+            blocks.append(list(groups[fits][used[fits]:used[fits] + size]))
+            used[fits] += size
             continue
         block: list[str] = []
-        for h in free:
-            take = min(size - len(block), len(h))
-            block += h[:take]
-            del h[:take]
+        for h, names in enumerate(groups):
+            take = min(size - len(block), len(names) - used[h])
+            block += names[used[h]:used[h] + take]
+            used[h] += take
+            if len(block) == size:
+                break
         blocks.append(block)
     return blocks
 
@@ -173,13 +220,11 @@ def place(resources: Resources, replicas: int, stages: int, ranks: int, *,
         names = [w.name for w in resources.workers]
         grid: Grid = [names[r * ranks:(r + 1) * ranks] for r in range(replicas)]
     else:
-        pipelines = _blocks(groups, replicas, ranks)
-        by_stage = _blocks(groups, ranks, replicas)
-        replica_groups = [[by_stage[k][r] for k in range(ranks)] for r in range(replicas)]
-        if pipelines == replica_groups:
-            grid = pipelines
+        chunks = stages // ranks
+        layouts = _layouts(resources, replicas, ranks, chunks)
+        if len(layouts) == 1:
+            grid = layouts[0].grid
         else:
             shape = traffic() if traffic is not None else Traffic(1.0, 1, 1.0)
-            chunks = stages // ranks
-            grid = min((pipelines, replica_groups), key=lambda g: layout_cost(resources, g, shape, chunks))
+            grid = min(layouts, key=lambda layout: layout.cost(shape, chunks)).grid
     return tuple(tuple(row[s % ranks] for s in range(stages)) for row in grid)

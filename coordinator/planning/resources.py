@@ -38,7 +38,7 @@ import functools
 import os
 import platform
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -250,6 +250,23 @@ class Resources(BaseModel):
         if a in index.host_of and b in index.host_of:
             return self._class_link(index.host_of[a], index.host_of[b])
         return self.default_link
+
+    def slowest_of_pairs(self, pairs: Iterable[tuple[str, str]]) -> Speed:
+        """The lowest bandwidth and highest latency among the links of ``pairs`` (the defaults for none),
+        each pair of hosts looked up once."""
+        index = self._index
+        classes: set[tuple[HostKey, HostKey]] = set()
+        speeds: list[Speed] = []
+        for a, b in pairs:
+            own = index.pairs.get(frozenset((a, b))) if index.pairs else None
+            if own is not None:
+                speeds.append(own)
+                continue
+            classes.add((index.host_of.get(a, ("alone", a)), index.host_of.get(b, ("alone", b))))
+        speeds += [self._class_link(ha, hb) for ha, hb in classes]
+        if not speeds:
+            return self.default_link
+        return min(bw for bw, _ in speeds), max(lat for _, lat in speeds)
 
     def slowest_link(self, names: Sequence[str]) -> Speed:
         """The lowest bandwidth and highest latency among all pairs of ``names`` (the defaults for

@@ -91,6 +91,9 @@ def test_slowest_link_matches_every_pair_on_random_clusters() -> None:
             if group and rng.random() < 0.2:
                 group.append(rng.choice(group))
             assert res.slowest_link(group) == _pairwise(res, group), (res, group)
+            pairs = [(rng.choice(names), rng.choice(names)) for _ in range(rng.randint(0, 6))]
+            links = [res.link(a, b) for a, b in pairs] or [(res.bandwidth_bps, res.latency_s)]
+            assert res.slowest_of_pairs(pairs) == (min(bw for bw, _ in links), max(lat for _, lat in links))
 
 
 def test_which_link_joins_two_workers() -> None:
