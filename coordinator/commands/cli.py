@@ -159,6 +159,11 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plan.add_argument("--timeline", type=Path, metavar="FILE",
                       help="draw the predicted step here: .svg, or .png/.pdf with matplotlib "
                            "(pip install 'cellmesh[plot]')")
+    plan.add_argument("--resources", type=Path, metavar="FILE",
+                      help="plan for the workers this resource file lists (YAML/JSON: hosts of several "
+                           "workers and their links) instead of this machine's; see docs/running.md")
+    plan.add_argument("--runners-up", type=int, default=5, metavar="N",
+                      help="print the N fastest plans the planner weighed (default 5; 0: none)")
     plan.add_argument("--traceback", action="store_true", help="print the traceback of an error too")
 
 
@@ -293,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             from coordinator.commands.plan import plan_command
 
-            return plan_command(args.job, settings, args.timeline, show_traceback=args.traceback)
+            return plan_command(args.job, settings, args.timeline, show_traceback=args.traceback,
+                                resources=args.resources, runners_up=args.runners_up)
         return _train(args, settings) if args.command != "coordinator" else _coordinator(args, settings)
     if args.command == "k8s" and args.k8s_command == "keys":
         from coordinator.commands.k8s.keys import keys_command

@@ -132,6 +132,7 @@ from coordinator.planning.memory import (
     node_memory,
     offload_problem,
 )
+from coordinator.planning.placement import place, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
@@ -342,8 +343,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     precision = request.precision
     ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
     mb = global_batch // (d * m)
-    placement = tuple(tuple(resources.workers[r * ranks + s % ranks].name for s in range(p))
-                      for r in range(d))
+    placement = place(resources, d, p, ranks, traffic=lambda: step_traffic(profile, p, m, mb))
     workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
     placed = {w.name: w for ws in workers for w in ws}  # each worker once (it may hold several stages)
     on_cpu = all(w.device == "cpu" for w in placed.values())

@@ -7,19 +7,45 @@ worker processes.
 
 Bandwidth and latency follow [Note: transfer cost] in ``coordinator/planning/cutting.py``: moving
 ``B`` bytes between two workers costs each of them ``latency_s + B / bandwidth_bps``.
+
+[Note: which link joins two workers]
+A cluster's links differ inside a host and between hosts, with a few exceptions. The link of
+two workers is the first that applies of:
+
+1. a :class:`Link` naming the two workers (``links``, the first one listed wins);
+2. both on one host (``Worker.host``, not None): ``intra_host`` if given;
+3. on two hosts with a :class:`HostLink` naming them (``host_links``, the first one wins);
+4. the defaults ``bandwidth_bps`` and ``latency_s`` (between hosts, or anywhere when the list gives
+   no more).
+
+A resource list without ``intra_host`` and ``host_links`` has today's flat links (the defaults and
+the per-pair exceptions); ``coordinator/planning/resource_file.py`` writes a cluster compactly as
+hosts of several workers and expands it to this.
+
+[Note: the slowest link without visiting every pair]
+:meth:`Resources.slowest_link` answers for a group of workers (a placement of 1,024, a stage's
+replicas) what the pairwise minimum over :meth:`Resources.link` would, in O(n + exceptions):
+the pairs fall into classes, one per host holding two or more of the names (its intra-host
+link), one per pair of hosts named by a ``HostLink``, and the rest (the defaults), whose pair
+counts follow from the number of names per host. A class's link counts when it has a pair that
+no per-worker ``Link`` overrides (the overriding links are counted per class); each
+overriding link present counts itself. The lookups are indexed once per (frozen) list.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["CLUSTER_BANDWIDTH_BPS", "CLUSTER_LATENCY_S", "LOCAL_BANDWIDTH_BPS", "LOCAL_LATENCY_S", "Link",
-           "Resources", "Worker"]
+__all__ = ["CLUSTER_BANDWIDTH_BPS", "CLUSTER_LATENCY_S", "LOCAL_BANDWIDTH_BPS", "LOCAL_LATENCY_S", "HostLink",
+           "Link", "LinkSpeed", "Resources", "Worker"]
 
 # Between two processes of the development machine (docs/benchmarks.md): large bodies cross in
 # shared memory (comm/zmq/shm.py), a 34 MB all-reduce inside a data-parallel step in ~11 ms
@@ -76,6 +102,44 @@ class Link(BaseModel):
     latency_s: float = Field(ge=0)
 
 
+class LinkSpeed(BaseModel):
+    """Bandwidth and latency of a kind of link (inside a host, between hosts)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bandwidth_bps: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+class HostLink(BaseModel):
+    """Bandwidth and latency between any worker of host ``a`` and any of host ``b`` (both directions)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    a: str
+    b: str
+    bandwidth_bps: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+Speed = tuple[float, float]  # (bandwidth_bps, latency_s)
+HostKey = tuple[str, str]  # ("host", name) or, for a worker without a host, ("alone", worker name)
+
+
+@dataclass(frozen=True)
+class _Index:
+    """A resource list's lookups, built once (see [Note: the slowest link without visiting every pair])."""
+
+    by_name: dict[str, Worker]
+    host_of: dict[str, HostKey]
+    pairs: dict[frozenset[str], Speed]  # per-worker links, the first listed per pair
+    host_pairs: dict[frozenset[HostKey], Speed]  # per-host-pair links, the first listed per pair
+
+
+def _host_key(w: Worker) -> HostKey:
+    return ("host", w.host) if w.host is not None else ("alone", w.name)
+
+
 class Resources(BaseModel):
     """Workers and the network between them.
 
@@ -83,10 +147,14 @@ class Resources(BaseModel):
         workers: At least one worker, names unique.
         bandwidth_bps: Bytes per second between any two workers without a :class:`Link`.
         latency_s: Seconds per message between any two workers without a :class:`Link`.
-        links: Exceptions to the defaults for particular pairs.
+        links: Exceptions to the defaults for particular pairs of workers.
+        intra_host: Between two workers of one host (``Worker.host``); None: the defaults.
+        host_links: Exceptions to the defaults for particular pairs of hosts.
+
+    See [Note: which link joins two workers].
 
     Raises:
-        pydantic.ValidationError: On duplicate names, links to unknown workers, or bad values.
+        pydantic.ValidationError: On duplicate names, links to unknown workers or hosts, or bad values.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -95,17 +163,54 @@ class Resources(BaseModel):
     bandwidth_bps: float = Field(default=LOCAL_BANDWIDTH_BPS, gt=0)
     latency_s: float = Field(default=LOCAL_LATENCY_S, ge=0)
     links: tuple[Link, ...] = ()
+    intra_host: LinkSpeed | None = None
+    host_links: tuple[HostLink, ...] = ()
 
     @model_validator(mode="after")
     def _names(self) -> Resources:
-        names = [w.name for w in self.workers]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        counts = Counter(w.name for w in self.workers)
+        seen = set(counts)
+        dupes = sorted(n for n, k in counts.items() if k > 1)
         if dupes:
             raise ValueError(f"duplicate worker names: {dupes}")
-        unknown = sorted({x for link in self.links for x in (link.a, link.b)} - set(names))
+        unknown = sorted({x for link in self.links for x in (link.a, link.b)} - seen)
         if unknown:
             raise ValueError(f"links name unknown workers: {unknown}")
+        hosts = {w.host for w in self.workers if w.host is not None}
+        unknown = sorted({x for link in self.host_links for x in (link.a, link.b)} - hosts)
+        if unknown:
+            raise ValueError(f"host_links name unknown hosts: {unknown} (hosts: {sorted(hosts)[:8]})")
         return self
+
+    @functools.cached_property
+    def _index(self) -> _Index:
+        pairs: dict[frozenset[str], Speed] = {}
+        for link in self.links:
+            pairs.setdefault(frozenset((link.a, link.b)), (link.bandwidth_bps, link.latency_s))
+        host_pairs: dict[frozenset[HostKey], Speed] = {}
+        for hl in self.host_links:
+            ends = frozenset((("host", hl.a), ("host", hl.b)))
+            host_pairs.setdefault(ends, (hl.bandwidth_bps, hl.latency_s))
+        return _Index({w.name: w for w in self.workers}, {w.name: _host_key(w) for w in self.workers},
+                      pairs, host_pairs)
+
+    @functools.cached_property
+    def host_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The workers' names by host, hosts in the order of their first worker, workers in list order
+        (a worker without a host is a group of its own)."""
+        groups: dict[HostKey, list[str]] = {}
+        for w in self.workers:
+            groups.setdefault(_host_key(w), []).append(w.name)
+        return tuple(tuple(names) for names in groups.values())
+
+    @property
+    def host_dependent_links(self) -> bool:
+        """Whether a link depends on the hosts of its workers (``intra_host`` or ``host_links`` given)."""
+        return self.intra_host is not None or bool(self.host_links)
+
+    def host_of(self, name: str) -> HostKey:
+        """The host of worker ``name`` as a key: ``("host", h)``, or ``("alone", name)`` without one."""
+        return self._index.host_of[name]
 
     @property
     def num_workers(self) -> int:
@@ -117,24 +222,96 @@ class Resources(BaseModel):
         Raises:
             KeyError: If there is none.
         """
-        for w in self.workers:
-            if w.name == name:
-                return w
-        raise KeyError(f"no worker {name!r}; workers: {[w.name for w in self.workers]}")
+        found = self._index.by_name.get(name)
+        if found is None:
+            names = [w.name for w in self.workers]
+            raise KeyError(f"no worker {name!r}; workers: {names[:16]}{' ...' if len(names) > 16 else ''}")
+        return found
 
-    def link(self, a: str, b: str) -> tuple[float, float]:
-        """``(bandwidth_bps, latency_s)`` between workers ``a`` and ``b``."""
-        for link in self.links:
-            if {link.a, link.b} == {a, b}:
-                return link.bandwidth_bps, link.latency_s
+    @property
+    def default_link(self) -> Speed:
+        """``(bandwidth_bps, latency_s)`` between workers nothing more specific joins."""
         return self.bandwidth_bps, self.latency_s
 
-    def slowest_link(self, names: list[str] | tuple[str, ...]) -> tuple[float, float]:
-        """The lowest bandwidth and highest latency among all pairs of ``names``."""
-        pairs = [self.link(x, y) for i, x in enumerate(names) for y in names[i + 1:]]
-        if not pairs:
-            return self.bandwidth_bps, self.latency_s
-        return min(bw for bw, _ in pairs), max(lat for _, lat in pairs)
+    def _class_link(self, ha: HostKey, hb: HostKey) -> Speed:
+        """The link of two workers on hosts ``ha`` and ``hb`` that no per-worker link names."""
+        if ha == hb and ha[0] == "host":
+            return ((self.intra_host.bandwidth_bps, self.intra_host.latency_s) if self.intra_host is not None
+                    else self.default_link)
+        return self._index.host_pairs.get(frozenset((ha, hb)), self.default_link)
+
+    def link(self, a: str, b: str) -> Speed:
+        """``(bandwidth_bps, latency_s)`` between workers ``a`` and ``b`` (see [Note: which link joins
+        two workers])."""
+        index = self._index
+        found = index.pairs.get(frozenset((a, b)))
+        if found is not None:
+            return found
+        if a in index.host_of and b in index.host_of:
+            return self._class_link(index.host_of[a], index.host_of[b])
+        return self.default_link
+
+    def slowest_of_pairs(self, pairs: Iterable[tuple[str, str]]) -> Speed:
+        """The lowest bandwidth and highest latency among the links of ``pairs`` (the defaults for none),
+        each pair of hosts looked up once."""
+        index = self._index
+        classes: set[tuple[HostKey, HostKey]] = set()
+        speeds: list[Speed] = []
+        for a, b in pairs:
+            own = index.pairs.get(frozenset((a, b))) if index.pairs else None
+            if own is not None:
+                speeds.append(own)
+                continue
+            classes.add((index.host_of.get(a, ("alone", a)), index.host_of.get(b, ("alone", b))))
+        speeds += [self._class_link(ha, hb) for ha, hb in classes]
+        if not speeds:
+            return self.default_link
+        return min(bw for bw, _ in speeds), max(lat for _, lat in speeds)
+
+    def slowest_link(self, names: Sequence[str]) -> Speed:
+        """The lowest bandwidth and highest latency among all pairs of ``names`` (the defaults for
+        fewer than two), in O(len(names) + exceptions): see [Note: the slowest link without
+        visiting every pair]. A name given twice counts its pair with itself."""
+        if len(names) < 2:
+            return self.default_link
+        index = self._index
+        unique = set(names)
+        host_of = {n: index.host_of.get(n, ("alone", n)) for n in unique}  # unknown names: as link() does
+        speeds: list[Speed] = []
+        if len(unique) < len(names):  # today's pairwise answer pairs a repeated name with itself
+            repeated = [n for n, k in Counter(names).items() if k > 1]
+            speeds += [self.link(n, n) for n in repeated]
+        per_host = Counter(host_of.values())
+        # pairs per class: a host's own pairs, a named host pair's, and the rest (the defaults)
+        pairs: dict[frozenset[HostKey], int] = {}
+        for host, k in per_host.items():
+            if k > 1:
+                pairs[frozenset((host,))] = k * (k - 1) // 2
+        cross = len(unique) * (len(unique) - 1) // 2 - sum(pairs.values())
+        for key in index.host_pairs:
+            ends = tuple(key)
+            if len(ends) == 2 and ends[0] in per_host and ends[1] in per_host:
+                pairs[key] = per_host[ends[0]] * per_host[ends[1]]
+                cross -= pairs[key]
+        overridden: Counter[frozenset[HostKey]] = Counter()
+        defaults_overridden = 0
+        for named, speed in index.pairs.items():
+            a, b = (*named, *named)[:2]  # a link of a worker with itself pairs no two of them
+            if a == b or a not in unique or b not in unique:
+                continue
+            speeds.append(speed)
+            hosts = frozenset((host_of[a], host_of[b]))
+            if hosts in pairs:  # it overrides one pair of a host's own or of a named host pair
+                overridden[hosts] += 1
+            else:
+                defaults_overridden += 1
+        for key, count in pairs.items():
+            if count > overridden[key]:
+                ends = tuple(key)
+                speeds.append(self._class_link(ends[0], ends[-1]))
+        if cross > defaults_overridden:
+            speeds.append(self.default_link)
+        return min(bw for bw, _ in speeds), max(lat for _, lat in speeds)
 
     @classmethod
     def local(cls, workers: int = 2, *, memory_bytes: int | None = None,
@@ -171,9 +348,30 @@ class Resources(BaseModel):
         return cls(workers=tuple(Worker(name=f"local-{i}", cpus=cpus, memory_bytes=memory_bytes, host=host)
                                  for i in range(workers)))
 
+    def summary(self) -> str:
+        """One line: how many workers on how many hosts, and the links."""
+        sizes = Counter(len(g) for g in self.host_groups)
+        per = ", ".join(f"{n} of {k}" for k, n in sorted(sizes.items(), reverse=True))
+        kinds = Counter(w.device for w in self.workers)
+        devices = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+
+        def speed(bw: float, lat: float) -> str:
+            return f"{bw / 1e9:.3g} GB/s, {lat * 1e6:.3g} us"
+
+        inside = (f"{speed(self.intra_host.bandwidth_bps, self.intra_host.latency_s)} inside a host, "
+                  if self.intra_host is not None else "")
+        exceptions = len(self.links) + len(self.host_links)
+        return (f"{self.num_workers} workers ({devices}) on {len(self.host_groups)} host(s) ({per}); links "
+                f"{inside}{speed(*self.default_link)}{' between hosts' if inside else ''}"
+                + (f", {exceptions} exception(s)" if exceptions else ""))
+
     def __str__(self) -> str:
+        inside = self.intra_host
         rows = [f"{len(self.workers)} workers, links {self.bandwidth_bps / 1e9:.2f} GB/s, "
-                f"{self.latency_s * 1e6:.0f} us ({len(self.links)} exceptions)"]
+                f"{self.latency_s * 1e6:.0f} us"
+                + (f" ({inside.bandwidth_bps / 1e9:.2f} GB/s, {inside.latency_s * 1e6:.0f} us inside a host)"
+                   if inside is not None else "")
+                + f" ({len(self.links) + len(self.host_links)} exceptions)"]
         rows += [f"  {w.name}: {w.device} x{max(w.gpus, w.cpus)}, {w.memory_bytes / 2**30:.2f} GiB, "
                  f"speed {w.speed:g}" for w in self.workers]
         return "\n".join(rows)

@@ -55,7 +55,7 @@ from coordinator.planning.devices import with_devices
 from coordinator.planning.graph import build_graph
 from coordinator.planning.memory import AUTOMATIC, Automatic
 from coordinator.planning.plan import Plan
-from coordinator.planning.planner import choose_plan
+from coordinator.planning.planner import Candidate, candidate_plans, choose_plan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, profile_graph
 from coordinator.planning.request import PlanningError, batch_norm_request, batch_note, check_batch_norm_plan
 from coordinator.planning.resources import Resources
@@ -308,6 +308,16 @@ class Job:
             check_batch_norm_plan(self._batch_norm, self._plan.num_microbatches, self._plan.data_parallel,
                                   self._plan.mode)
         return self._plan
+
+    def candidates(self) -> list[Candidate]:
+        """Every plan :meth:`plan` weighed, fitting or not (``cellmesh plan`` prints the fastest as the
+        runners-up): the search run again on the kept profile; empty for a plan given whole."""
+        self.plan()
+        if self._profile is None:
+            return []
+        request = batch_norm_request(self.config.plan, self._batch_norm or ())
+        return candidate_plans(self._profile, self.resources, request,
+                               global_batch=self.config.data.global_batch, automatic=self._automatic())
 
     def replan(self, resources: Resources) -> Plan:
         """A plan for other resources (the workers left after a failure, or back), with the same global batch.

@@ -318,3 +318,45 @@ def test_the_command_writes_a_directory(tmp_path: Path, capsys: pytest.CaptureFi
         main(["k8s", "render", str(REPO / "examples" / "charlm.py"), "--workers", "1", "-o", str(out)]) == 2
     )
     assert "takes a job spec" in capsys.readouterr().err
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """The paths where two manifests differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(a.keys() | b.keys())
+        return [d for k in keys for d in _differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        pairs = enumerate(zip(a, b, strict=True))
+        return [d for i, (x, y) in pairs for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path]
+
+
+def test_1024_workers_render_the_shape_of_2(tmp_path: Path) -> None:
+    """The same objects as for 2 workers (one StatefulSet, not 1,024 pods' worth), differing only in the
+    counts; they validate, lint and build at that size; the pods start in parallel and find each other
+    through the headless service before they are ready."""
+    def named(files: dict[str, list[Manifest]]) -> dict[tuple[str, str], Manifest]:
+        return {(o["kind"], o["metadata"]["name"]): o for o in _objects(files)}
+
+    files = render(RenderOptions(job=CHARLM, workers=1024))
+    small, large = named(render(RenderOptions(job=CHARLM, workers=2))), named(files)
+    assert sorted(large) == sorted(small) and len(large) == 14
+    changed = {key: _differences(small[key], large[key]) for key in small}
+    worker_set = ("StatefulSet", "charlm-worker")
+    env = ".spec.template.spec.containers[0].env"
+    assert {k: v for k, v in changed.items() if v} == {
+        ("ConfigMap", "charlm-job"): [".data.job.yaml"],  # runtime.workers: 1024
+        ("Deployment", "charlm-coordinator"): [".spec.template.spec.containers[0].args[3]"],  # --workers 1024
+        worker_set: [".spec.replicas", f"{env}[3].value", f"{env}[7].value"],  # WORLD_SIZE, PET_NNODES
+    }
+    workers = large[worker_set]
+    assert workers["spec"]["replicas"] == 1024 and workers["spec"]["podManagementPolicy"] == "Parallel"
+    args = large[("Deployment", "charlm-coordinator")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[2:4] == ["--workers", "1024"]
+    headless = large[("Service", "charlm-workers")]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert lint(list(large.values()), Expect(workers=1024, gpus_per_worker=0)) == []
+    paths = write(files, tmp_path, None)
+    _validate_strict([p for p in paths if p.parent.name == "manifests"])
+    if KUBECTL is not None:
+        assert len(_kustomize(tmp_path)) == 14

@@ -59,3 +59,58 @@ def test_plan_draws_a_png_with_matplotlib(spec: Path, tmp_path: Path) -> None:
     png = tmp_path / "timeline.png"
     assert cli.main(["plan", str(spec), *ARGS, "--timeline", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _stage_rows(out: str) -> list[list[str]]:
+    """Each stage row's workers, from the plan's table (its last column, comma-separated)."""
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("stage  nodes"))
+    rows = []
+    for line in lines[head + 1:]:
+        if not line.strip() or not line.split()[0].isdigit():
+            break
+        rows.append(line.split(" cpu ")[1].strip().split(", "))
+    return rows
+
+
+def test_plan_dry_runs_a_two_host_resource_file(spec: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """2 hosts x 4 workers with a slow network between them: 2 replicas x 2 stages fit in one host, and the
+    runners-up are printed; no worker starts."""
+    resources = tmp_path / "cluster.yaml"
+    resources.write_text("hosts: [{name: node, count: 2, workers: 4, memory: 1GiB}]\n"
+                         "inter_host: {bandwidth_bps: 1.25e8, latency_s: 2e-4}\n")
+    args = ["--data-parallel", "2", "--stages", "2", "--schedule", "1f1b", "--runners-up", "3"]
+    assert cli.main(["plan", str(spec), "--resources", str(resources), *args]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("resources: 8 workers (8 cpu) on 2 host(s) (2 of 4); links 3.5 GB/s, 100 us "
+                          "inside a host, 0.125 GB/s, 200 us between hosts\n")
+    assert "plan: 2 replica(s) x 2 stage(s) = 4 worker(s), 1f1b" in out
+    rows = _stage_rows(out)
+    assert len(rows) == 2 and sorted(w for row in rows for w in row) == [f"node-0-{i}" for i in range(4)]
+    runners = out.split("runners-up (the 3 fastest plans weighed, fitting ones first):\n")[1].splitlines()
+    assert runners[0].split()[:4] == ["d", "p", "mode", "sched"] and len(runners) == 4
+    assert all(r.split()[:2] == ["2", "2"] for r in runners[1:])  # the fixed shape
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_dry_runs_256_workers(spec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    resources = tmp_path / "cluster.json"
+    resources.write_text(json.dumps({"hosts": [{"name": "n", "count": 32, "workers": 8, "memory": "1GiB"}]}))
+    args = ["--set", "data.global_batch=256", "--data-parallel", "64", "--stages", "4", "--runners-up", "0"]
+    assert cli.main(["plan", str(spec), "--resources", str(resources), *args]) == 0
+    out = capsys.readouterr().out
+    assert "resources: 256 workers (256 cpu) on 32 host(s) (32 of 8)" in out
+    assert "plan: 64 replica(s) x 4 stage(s) = 256 worker(s)" in out and "runners-up" not in out
+    rows = _stage_rows(out)
+    assert len({w for row in rows for w in row}) == 256 and all(len(row) == 64 for row in rows)
+
+
+def test_plan_names_a_bad_resource_file_before_profiling(spec: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    resources = tmp_path / "cluster.yaml"
+    resources.write_text("hosts: [{name: node, workers: 4}]\n")
+    assert cli.main(["plan", str(spec), "--resources", str(resources)]) == 2
+    captured = capsys.readouterr()
+    assert f"resource file {resources} is invalid: hosts.0.memory: Field required" in captured.err
+    assert "plan:" not in captured.out

@@ -1,0 +1,230 @@
+"""Placement: which worker holds each stage of each replica of a plan shape.
+
+:func:`place` answers for the planner (``_evaluate`` in ``coordinator/planning/planner.py``) with
+``placement[r][s]``, the worker of replica ``r``'s stage ``s``; stage ``s`` runs on the replica's
+rank ``s % ranks`` (``ranks = stages / chunks``, see [Note: chunks] in
+``coordinator/planning/schedules.py``), so a worker of an interleaved schedule holds several stages.
+
+[Note: placing replicas and stages on hosts]
+Where the links do not depend on hosts (a resource list without ``intra_host`` or
+``host_links``: this machine's local workers, a cluster's pods each a host of its own), or all
+the workers are on one host, the placement is the list's order: replica ``r``'s rank ``k`` is
+worker ``r * ranks + k``. Otherwise two terms of the step's cost model change with it:
+
+- the transfers between neighbouring stages: per microbatch, one cut's activations forward and
+  their gradients back (``_transfer`` of the planner), ``m`` times a step on every rank's critical
+  path (``m * chunks`` crossings per rank in an interleaved schedule);
+- each stage's gradient sync among its ``d`` replicas: once a step, a ring all-reduce of the
+  stage's gradients, ``2 (d - 1) / d`` of their bytes over the group's slowest link plus
+  ``2 (d - 1)`` latencies (``_sync`` and ``sharding.sharded_sync`` of the planner).
+
+A host can hold a replica's whole pipeline (the first term inside the host, the second across
+hosts) or a stage's whole replica group (the other way round), and when neither fits, blocks as
+close to those as first fit gives. :func:`place` builds both layouts, prices each with the two
+terms on the links the resource list gives (:func:`layout_cost`, from :class:`Traffic`: the
+shape's microbatches, the profile's mean cut bytes and a stage's gradient bytes) and keeps the
+cheaper; a tie keeps the pipelines inside hosts (the list's order when a host holds whole
+replicas). Activations dominate for small models run with many or large microbatches, gradients
+for parameter-heavy stages with few microbatches. A layout's links are taken as the planner takes
+them, a group's slowest (lowest bandwidth, highest latency); the two layouts and their links are
+built once per (replicas, ranks, chunks) of a resource list, in O(workers + hosts), so the
+planner's many microbatch counts of a shape price them in O(distinct links) each.
+
+The planner today charges every pipeline transfer at the slowest link among all the
+placement's workers (``resources.slowest_link(list(placed))``): its predicted step credits a
+replica group inside a host but not a pipeline inside one, which :func:`neighbour_link` (the
+slowest link the pipeline's transfers cross) would.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from coordinator.planning.profile import Profile
+from coordinator.planning.resources import Resources, Speed
+
+__all__ = ["Placement", "Traffic", "layout_cost", "neighbour_link", "place", "step_traffic"]
+
+Placement = tuple[tuple[str, ...], ...]  # placement[r][s]: the worker of replica r's stage s
+Grid = list[list[str]]  # grid[r][k]: the worker of replica r's rank k
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What a plan shape moves per step (see [Note: placing replicas and stages on hosts]).
+
+    Attributes:
+        boundary_bytes: Across one stage boundary per microbatch: the activations forward and their
+            gradients back.
+        microbatches: Microbatches per step.
+        gradient_bytes: One stage's gradients, synchronised among its replicas once per step.
+    """
+
+    boundary_bytes: float
+    microbatches: int
+    gradient_bytes: float
+
+
+_CUT_TOTALS: dict[int, tuple[Profile, float, float]] = {}  # id(profile) -> (profile, mean cut bytes, grads)
+
+
+def step_traffic(profile: Profile, stages: int, microbatches: int, microbatch_size: int) -> Traffic:
+    """A shape's :class:`Traffic`: the mean of the profile's cuttable cuts (a stage boundary is one of
+    them) at ``microbatch_size``, and the model's gradient bytes over ``stages``."""
+    cached = _CUT_TOTALS.get(id(profile))
+    if cached is None or cached[0] is not profile:
+        inner = [c for c in profile.cuts[1:-1] if c.cuttable]
+        mean = (sum(t.nbytes * (1 + t.requires_grad) for c in inner for t in c.tensors) / len(inner)
+                if inner else 0.0)
+        if len(_CUT_TOTALS) > 16:  # a few profiles at a time: the planner asks of one
+            _CUT_TOTALS.clear()
+        cached = _CUT_TOTALS[id(profile)] = (profile, mean, float(sum(nd.grad_bytes for nd in profile.nodes)))
+    _, mean, grads = cached
+    return Traffic(mean * microbatch_size / profile.microbatch_size, microbatches, grads / stages)
+
+
+def _transfer(nbytes: float, link: Speed) -> float:
+    bandwidth, latency = link
+    return 0.0 if nbytes <= 0 else 2 * latency + nbytes / bandwidth  # forward and backward
+
+
+def _all_reduce(nbytes: float, replicas: int, link: Speed) -> float:
+    bandwidth, latency = link
+    if replicas < 2 or nbytes <= 0:
+        return 0.0
+    return 2 * (replicas - 1) / replicas * nbytes / bandwidth + 2 * (replicas - 1) * latency
+
+
+def _hops(ranks: int, chunks: int) -> list[tuple[int, int]]:
+    """The rank pairs a replica's stage boundaries cross (interleaved: also the last rank to rank 0)."""
+    hops = [(k, k + 1) for k in range(ranks - 1)]
+    return [*hops, (ranks - 1, 0)] if chunks > 1 and ranks > 1 else hops
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A grid and the links its two cost terms cross (see :func:`layout_cost`)."""
+
+    grid: Grid
+    pipe_link: Speed | None  # the slowest link a stage boundary crosses; None: no boundary
+    group_links: tuple[Speed, ...]  # each stage group's slowest link, once each
+
+    @classmethod
+    def of(cls, resources: Resources, grid: Grid, chunks: int) -> _Layout:
+        hops = _hops(len(grid[0]), chunks)
+        pipe = resources.slowest_of_pairs((row[a], row[b]) for row in grid for a, b in hops) if hops else None
+        groups = {resources.slowest_link([row[k] for row in grid]) for k in range(len(grid[0]))}
+        return cls(grid, pipe, tuple(sorted(groups)))
+
+    def cost(self, traffic: Traffic, chunks: int) -> float:
+        pipe = _transfer(traffic.boundary_bytes, self.pipe_link) if self.pipe_link is not None else 0.0
+        replicas, nbytes = len(self.grid), traffic.gradient_bytes * chunks
+        sync = max(_all_reduce(nbytes, replicas, link) for link in self.group_links)
+        return traffic.microbatches * chunks * pipe + sync
+
+
+def layout_cost(resources: Resources, grid: Sequence[Sequence[str]], traffic: Traffic,
+                chunks: int = 1) -> float:
+    """The two placement-dependent terms of a step for ``grid[r][k]`` (see [Note: placing replicas and
+    stages on hosts]): a boundary's transfers over the slowest link a boundary crosses (its lowest
+    bandwidth and highest latency, as the planner takes links) times the crossings per rank, plus the
+    slowest stage group's all-reduce."""
+    return _Layout.of(resources, [list(row) for row in grid], chunks).cost(traffic, chunks)
+
+
+# per resource list (by id, the list kept so the id stays its own): (replicas, ranks, chunks) -> layouts
+_LAYOUTS: dict[int, tuple[Resources, dict[tuple[int, int, int], tuple[_Layout, ...]]]] = {}
+
+
+def _layouts(resources: Resources, replicas: int, ranks: int, chunks: int) -> tuple[_Layout, ...]:
+    """The pipelines-inside-hosts layout and, when it differs, the replica-groups-inside-hosts one, with their
+    links: built once per shape of a resource list (the planner asks again for every microbatch count)."""
+    cached = _LAYOUTS.get(id(resources))
+    if cached is None or cached[0] is not resources:
+        if len(_LAYOUTS) > 8:
+            _LAYOUTS.clear()
+        cached = _LAYOUTS[id(resources)] = (resources, {})
+    key = (replicas, ranks, chunks)
+    if key not in cached[1]:
+        groups = resources.host_groups
+        pipelines = _blocks(groups, replicas, ranks)
+        by_stage = _blocks(groups, ranks, replicas)
+        replica_groups = [[by_stage[k][r] for k in range(ranks)] for r in range(replicas)]
+        grids = [pipelines] if pipelines == replica_groups else [pipelines, replica_groups]
+        cached[1][key] = tuple(_Layout.of(resources, g, chunks) for g in grids)
+    return cached[1][key]
+
+
+def _blocks(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
+    """``count`` blocks of ``size`` workers: each inside the first host with room for it, else the free
+    workers in order. O(hosts + workers): a host's room only shrinks, so the scan for room resumes
+    where the last one stopped."""
+    used = [0] * len(groups)  # workers taken from each host, from its front
+    blocks: Grid = []
+    fits = 0  # hosts before it have no room for a block
+    for _ in range(count):
+        while fits < len(groups) and len(groups[fits]) - used[fits] < size:
+            fits += 1
+        if fits < len(groups):
+            blocks.append(list(groups[fits][used[fits]:used[fits] + size]))
+            used[fits] += size
+            continue
+        block: list[str] = []
+        for h, names in enumerate(groups):
+            take = min(size - len(block), len(names) - used[h])
+            block += names[used[h]:used[h] + take]
+            used[h] += take
+            if len(block) == size:
+                break
+        blocks.append(block)
+    return blocks
+
+
+def neighbour_link(resources: Resources, placement: Placement) -> Speed:
+    """The lowest bandwidth and highest latency between the workers of neighbouring stages of any replica
+    (the links a pipeline's transfers cross); the defaults for single-stage replicas."""
+    links = [resources.link(a, b) for row in placement for a, b in itertools.pairwise(row) if a != b]
+    if not links:
+        return resources.default_link
+    return min(bw for bw, _ in links), max(lat for _, lat in links)
+
+
+def place(resources: Resources, replicas: int, stages: int, ranks: int, *,
+          traffic: Callable[[], Traffic] | None = None) -> Placement:
+    """Where each replica's stages run (see [Note: placing replicas and stages on hosts]).
+
+    Args:
+        resources: The workers.
+        replicas: Data-parallel replicas ``d``.
+        stages: Stages per replica ``p`` (a multiple of ``ranks``).
+        ranks: Workers per replica; stage ``s`` runs on rank ``s % ranks``.
+        traffic: The shape's :class:`Traffic`, asked only when the hosts leave a choice; None prices
+            a boundary's bytes and a stage's gradients alike, once per step.
+
+    Returns:
+        ``placement[r][s]``: the worker of replica ``r``'s stage ``s``.
+
+    Raises:
+        ValueError: Fewer than ``replicas * ranks`` workers, or ``stages`` not a multiple of ``ranks``.
+    """
+    if replicas < 1 or ranks < 1 or stages % ranks:
+        raise ValueError(f"place: {stages} stages on {ranks} ranks per replica x {replicas} replicas: the "
+                         "stages must be a multiple of the ranks, each at least 1")
+    if replicas * ranks > resources.num_workers:
+        raise ValueError(f"place: {replicas} replicas x {ranks} workers need {replicas * ranks} workers, the "
+                         f"resource list has {resources.num_workers}")
+    groups = resources.host_groups
+    if not resources.host_dependent_links or len(groups) == 1:
+        names = [w.name for w in resources.workers]
+        grid: Grid = [names[r * ranks:(r + 1) * ranks] for r in range(replicas)]
+    else:
+        chunks = stages // ranks
+        layouts = _layouts(resources, replicas, ranks, chunks)
+        if len(layouts) == 1:
+            grid = layouts[0].grid
+        else:
+            shape = traffic() if traffic is not None else Traffic(1.0, 1, 1.0)
+            grid = min(layouts, key=lambda layout: layout.cost(shape, chunks)).grid
+    return tuple(tuple(row[s % ranks] for s in range(stages)) for row in grid)

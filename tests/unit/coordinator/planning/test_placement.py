@@ -1,0 +1,124 @@
+"""Placement: the list's order on one host; on several, pipelines or replica groups inside hosts by the
+cost model's terms; the planner's predicted step gains from it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.planning import planner
+from coordinator.planning.config import PlanConfig
+from coordinator.planning.placement import (
+    Placement,
+    Traffic,
+    layout_cost,
+    neighbour_link,
+    place,
+    step_traffic,
+)
+from coordinator.planning.profile import Profile
+from coordinator.planning.resource_file import ClusterFile, HostGroup
+from coordinator.planning.resources import LinkSpeed, Resources, Worker
+
+MiB = 2**20
+INTRA = LinkSpeed(bandwidth_bps=100e9, latency_s=2e-6)
+INTER = LinkSpeed(bandwidth_bps=1e9, latency_s=5e-5)
+
+
+def cluster(hosts: int, per_host: int, *, device: str = "cpu") -> Resources:
+    group = HostGroup(name="n", count=hosts, workers=per_host, device=device, gpus=int(device == "cuda"),
+                      memory=80 * 2**30)
+    return ClusterFile(hosts=(group,), intra_host=INTRA, inter_host=INTER).resources()
+
+
+def todays(res: Resources, d: int, p: int, ranks: int) -> Placement:
+    return tuple(tuple(res.workers[r * ranks + s % ranks].name for s in range(p)) for r in range(d))
+
+
+def shapes(n: int) -> list[tuple[int, int, int]]:
+    """Every (replicas, stages, ranks) that fits ``n`` workers, interleaved ones (2 chunks) too."""
+    return [(d, ranks * v, ranks) for d in range(1, n + 1) for ranks in range(1, n // d + 1) for v in (1, 2)]
+
+
+def test_one_host_is_the_list_order() -> None:
+    for res in (Resources.local(8, memory_bytes=MiB), cluster(1, 8)):
+        for d, p, ranks in shapes(8):
+            assert place(res, d, p, ranks, traffic=lambda: Traffic(1e6, 4, 1e6)) == todays(res, d, p, ranks)
+
+
+def test_links_that_ignore_hosts_keep_the_list_order() -> None:
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1, host=f"h{i % 2}") for i in range(8)))
+    for d, p, ranks in shapes(8):
+        assert place(res, d, p, ranks) == todays(res, d, p, ranks)
+
+
+def hosts_of(res: Resources, names: tuple[str, ...]) -> set[tuple[str, str]]:
+    return {res.host_of(n) for n in names}
+
+
+def test_activations_keep_pipelines_in_a_host_and_gradients_keep_replica_groups() -> None:
+    res = cluster(2, 4)
+    activations, gradients = Traffic(64 * MiB, 8, 1024), Traffic(1024, 8, 512 * MiB)
+    piped = place(res, 2, 4, 4, traffic=lambda: activations)
+    assert all(len(hosts_of(res, row)) == 1 for row in piped) and piped == todays(res, 2, 4, 4)
+    grouped = place(res, 2, 4, 4, traffic=lambda: gradients)
+    assert all(len(hosts_of(res, (grouped[0][s], grouped[1][s]))) == 1 for s in range(4))
+    assert sorted(n for row in grouped for n in row) == sorted(w.name for w in res.workers)
+    for traffic, chosen, other in ((activations, piped, grouped), (gradients, grouped, piped)):
+        assert layout_cost(res, chosen, traffic) < layout_cost(res, other, traffic)
+    assert neighbour_link(res, piped) == (INTRA.bandwidth_bps, INTRA.latency_s)
+    assert neighbour_link(res, grouped) == (INTER.bandwidth_bps, INTER.latency_s)
+
+
+def test_interleaved_stages_share_their_rank_s_worker() -> None:
+    gradients = Traffic(1024, 4, 256 * MiB)
+    placed = place(cluster(2, 4), 4, 4, 2, traffic=lambda: gradients)  # 2 chunks per worker
+    assert all(row[s] == row[s % 2] for row in placed for s in range(4))
+    assert all(len(hosts_of(cluster(2, 4), tuple(row[k] for row in placed))) == 1 for k in range(2))
+    # hosts of 2 hold no group of 4 replicas: its sync crosses hosts either way, so the pipelines stay inside
+    placed = place(cluster(4, 2), 4, 4, 2, traffic=lambda: gradients)
+    assert all(len(hosts_of(cluster(4, 2), row)) == 1 for row in placed)
+
+
+def test_every_placement_uses_distinct_workers_on_random_clusters() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        groups = tuple(HostGroup(name=f"h{i}", workers=rng.randint(1, 5), memory=1)
+                       for i in range(rng.randint(1, 4)))
+        res = ClusterFile(hosts=groups, intra_host=INTRA, inter_host=INTER).resources()
+        d, p, ranks = rng.choice(shapes(res.num_workers))
+        traffic = Traffic(rng.choice([0, 1e3, 1e8]), rng.randint(1, 8), rng.choice([0, 1e3, 1e8]))
+        placed = place(res, d, p, ranks, traffic=lambda t=traffic: t)
+        grid = [row[:ranks] for row in placed]
+        assert len({n for row in grid for n in row}) == d * ranks
+        assert all(row[s] == row[s % ranks] for row in placed for s in range(p))
+
+
+def test_place_refuses_a_shape_it_cannot_place() -> None:
+    with pytest.raises(ValueError, match="need 9 workers, the resource list has 8"):
+        place(cluster(2, 4), 3, 3, 3)
+    with pytest.raises(ValueError, match="multiple of the ranks"):
+        place(cluster(2, 4), 1, 3, 2)
+
+
+def test_step_traffic_scales_the_cuts_with_the_microbatch() -> None:
+    prof = Profile.synthetic([1e-3] * 4, param_bytes=[MiB] * 4, cut_bytes=[1000, 2000, 3000],
+                             microbatch_size=2)
+    # the mean cut, forward and back, at twice the profiled size; half the gradients per stage
+    assert step_traffic(prof, 2, 8, 4) == Traffic(2 * 2 * 2000, 8, 2 * MiB)
+
+
+def test_the_planner_syncs_replica_groups_inside_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameter-heavy stages with small cuts on 2 hosts x 4 GPUs: each stage's replicas share a host, and the
+    predicted step beats the list's order (pipelines inside hosts, replica groups across)."""
+    prof = Profile.synthetic([1e-3] * 8, param_bytes=[64 * MiB] * 8, activation_bytes=[MiB] * 8,
+                             cut_bytes=[16 * 1024] * 7, microbatch_size=4)
+    res, request = cluster(2, 4, device="cuda"), PlanConfig(data_parallel=2, num_stages=4, schedule="1f1b")
+    plan = planner.choose_plan(prof, res, request, global_batch=64)
+    assert all(len(hosts_of(res, st.workers)) == 1 for st in plan.stages)
+    monkeypatch.setattr(planner, "place", lambda r, d, p, ranks, traffic=None: todays(r, d, p, ranks))
+    listed = planner.choose_plan(prof, res, request, global_batch=64)
+    assert all(len(hosts_of(res, st.workers)) == 2 for st in listed.stages)
+    assert plan.step_time_s < listed.step_time_s
+    assert max(st.sync_s for st in plan.stages) < max(st.sync_s for st in listed.stages) / 10
