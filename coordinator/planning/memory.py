@@ -72,11 +72,12 @@ bucket): the all-reduce and the reduce-scatter each left 95-96 MiB more resident
 (:data:`TRANSPORT_FRAMES_PER_BUCKET`); four 64 MiB buckets launched during the backward left 44 MiB.
 
 [Note: what the model does not see] Freed tensors below the 32 MiB mmap threshold stay in the heap
-too, and a thread's freed memory serves its own arena only: on a model of 16 MiB layers the workers
-peaked at 1.2-3.5 x the live bytes this model counts, as the transients of every phase (the first
-backward's gradients before they land in their buckets, the frames, ZeRO-3's gathered units) add up
-instead of taking turns. Above it (the test's 64 MiB layer, the benchmark's 100-200 MiB layers) a
-freed tensor goes back to the kernel and the model holds within 20% (``docs/benchmarks.md``).
+too, and a thread's freed memory serves its own arena only: on 64 MiB of parameters in four 16 MiB
+layers the workers peaked at 1.3-1.6 x this model (replicated, ZeRO-1/2) and 2.0 x (ZeRO-3), as
+the transients of every phase (the first backward's gradients before they land in their buckets, the
+frames, ZeRO-3's gathered units) add up instead of taking turns. Above it (the test's 64 MiB layer,
+the benchmark's 64-100 MiB layers) a freed tensor goes back to the kernel and the model holds within
+20% (``docs/benchmarks.md``).
 
 [Note: sharded gradients while accumulating] A sharded gradient exists only after its
 reduce-scatter, which runs once a step, in the last microbatch's backward: a step of several

@@ -67,7 +67,7 @@ def test_an_allocation_beyond_the_cap_fails_the_step_naming_worker_and_cap() -> 
 # Measured (2 workers under load, 64 MiB of float32 parameters in one layer, Adam, batch 16), worker peak
 # / prediction: replicated 1.03 (537 / 519 MiB), ZeRO-1 0.92 (449 / 487), ZeRO-2 1.09 (498 / 455),
 # ZeRO-3 1.02 (531 / 519). The same 64 MiB in four 16 MiB layers peaked at 462-579 MiB whatever the plan
-# (1.2-1.3 x replicated, up to 2.0 x ZeRO-3): the heap keeps those layers' transients.
+# (1.3-1.6 x replicated and ZeRO-1/2, 2.0 x ZeRO-3): the heap keeps those layers' transients.
 PLANS = {"replicated": {}, "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3}}
 
 
