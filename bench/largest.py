@@ -13,6 +13,10 @@ The process itself keeps ~2 GiB per trial of 200 M parameters (not found why): r
 configuration at a time.
 
     python bench/largest.py [--cap-gib 4] [--configs replicated,zero3] [--tolerance 0.03] [--json FILE]
+
+``--width W`` trains each configuration once at width ``W`` instead of searching, and prints the
+planner's prediction against the workers' peak (``measured / predicted``): the check of the memory
+model at the sizes the search found.
 """
 
 from __future__ import annotations
@@ -184,6 +188,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write every trial here")
     parser.add_argument("--tolerance", type=float, default=0.03,
                         help="bisect until the failing width is within this fraction of the training one")
+    parser.add_argument("--width", type=int, default=None,
+                        help="train each configuration once at this width (no search): predicted vs measured")
     args = parser.parse_args()
     from comm.allocator import tune_malloc
     from comm.logs import configure_logging
@@ -194,6 +200,14 @@ def main() -> None:
     started, load = time.monotonic(), os.getloadavg()[0]
     results: dict[str, tuple[Trial, Trial]] = {}
     log: list[Trial] = []
+    if args.width is not None:
+        for name in args.configs.split(","):
+            t = trial(args.width, CONFIGS[name], cap)
+            ratio = t.measured_peak_bytes / t.predicted_bytes if t.predicted_bytes else 0.0
+            print(f"| {name} | {t.width} | {t.params / 1e6:.1f} M | {'yes' if t.trained else 'no'} | "
+                  f"{t.predicted_bytes / 2**30:.2f} GiB | {t.measured_peak_bytes / 2**30:.2f} GiB | "
+                  f"{ratio:.2f} | {t.seconds:.0f} s | {t.error[:120]}", flush=True)
+        return
     for name in args.configs.split(","):
         fields = CONFIGS[name]
         results[name] = search(name, fields, cap, start_width(fields, cap), log, args.tolerance)

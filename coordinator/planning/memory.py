@@ -6,9 +6,9 @@ microbatch size):
 =====================  ==========================  =============================================
 part                   replicated (ZeRO-0)         saved by
 =====================  ==========================  =============================================
-parameters             ``P`` (+ buffers)           ZeRO-3: ``P / F``, plus the cells gathered at
-                                                   once (:data:`ZERO3_GATHERED_UNITS` x the
-                                                   stage's largest cell, while it runs)
+parameters             ``P`` (+ buffers)           ZeRO-3: ``P / F``, plus the units gathered at
+                                                   once (below: ``2 P + max(P_prev, P_next)``
+                                                   of the stage's largest, while it runs)
 gradients              ``G``                       ZeRO-2/3: ``G / F`` -- but not while a step of
                                                    several microbatches accumulates them (below)
 optimizer state        ``S``                       ZeRO-1/2/3: ``S / F``; offload (CUDA): 0;
@@ -19,6 +19,35 @@ activations            ``A x in flight``           recompute: the node's inputs 
                                                    plus one cell's ``A`` during its backward
 deferred weight grads  ``max(A, D) x in flight``   (a stage that defers: see ``cutting.py``)
 =====================  ==========================  =============================================
+
+The gradient path's buffers (``MemoryUse.comm``), with ``d > 1`` collective replicas; ``L`` the node's
+largest trainable parameter, ``B`` its gradient bucket ``max(L, min(G, bucket_bytes))`` (25 MiB
+buckets, ``services/params/grad_sync.py``):
+
+=====================  ==============================================================================
+buffer                 bytes (``P``, ``G`` of the node)
+=====================  ==============================================================================
+transport frames       ``1.5 B``, every option, the stage's largest (with its transients): see
+                       [Note: the transport's frames]
+ZeRO-1/2 commit        ``P / F + P``, summed over the stage: the all-gather of the updated rows
+                       packs a segment and receives the whole bucket, every bucket in flight at once
+                       (``services/params/zero.py``); the optimizer step's temporaries count only
+                       beyond them (the step has freed its own when the gather allocates)
+ZeRO-2 backward        ``G``, summed: the packed reduce-scatter inputs, held until their reduce-scatter
+                       is seen finished (nothing bounds the buckets in flight), the larger of this
+                       and the commit's per node (they are not held at once); plus, transient, ``L``
+                       (the gradient autograd makes before it is packed)
+ZeRO-3 units           transient: ``2 P + max(P_prev, P_next)`` gathered (the packed all-gather
+                       buffer and the storages it is copied into, the neighbour prefetched) plus, in
+                       the backward, ``2 G + G_next`` (the unit's whole gradient, its packed
+                       reduce-scatter input, the later unit's reduce-scatter still in flight)
+=====================  ==============================================================================
+
+The runtime (``MemoryUse.runtime``, ``Profile.runtime_bytes``): what a worker maps after its
+assignment besides tensors (its step thread's arena, autograd's engine, the optimizer's modules
+loaded on the first step), measured once per coordinator process in a fresh interpreter
+(:func:`coordinator.planning.profile.runtime_bytes`); the planner adds it to each stage's peak and
+gives the cutter a worker's memory less it.
 
 ``F`` is the shard factor (replicas per sharding group, ``Plan.shard_factor``), ``d`` the replicas.
 Padding of the dim-0 chunks a sharded tensor splits into is ignored (at most ``F - 1`` elements per
@@ -35,6 +64,20 @@ upper bound, since the step runs once the activations are freed, that keeps the 
 (``CutProblem.transient_bytes``) and the plan's breakdown one formula. Measured (``bench/largest.py``, an MLP
 of 4 x ``w x w`` float32 layers with Adam on 2 workers): without this term the workers' peaks
 were 1.20-1.24 x the prediction at 130-185 M parameters.
+
+[Note: the transport's frames] The zmq transport receives a collective's chunks as frames of up to
+4 MiB, which ``comm/allocator.py`` keeps in the heap (below its 32 MiB mmap threshold) for reuse: the
+frames of the bucket in flight stay with the process. Measured (2 workers, one 64 MiB float32
+bucket): the all-reduce and the reduce-scatter each left 95-96 MiB more resident, 1.5 x the bucket
+(:data:`TRANSPORT_FRAMES_PER_BUCKET`); four 64 MiB buckets launched during the backward left 44 MiB.
+
+[Note: what the model does not see] Freed tensors below the 32 MiB mmap threshold stay in the heap
+too, and a thread's freed memory serves its own arena only: on 64 MiB of parameters in four 16 MiB
+layers the workers peaked at 1.3-1.6 x this model (replicated, ZeRO-1/2) and 2.0 x (ZeRO-3), as
+the transients of every phase (the first backward's gradients before they land in their buckets, the
+frames, ZeRO-3's gathered units) add up instead of taking turns. Above it (the test's 64 MiB layer,
+the benchmark's 64-100 MiB layers) a freed tensor goes back to the kernel and the model holds within
+20% (``docs/benchmarks.md``).
 
 [Note: sharded gradients while accumulating] A sharded gradient exists only after its
 reduce-scatter, which runs once a step, in the last microbatch's backward: a step of several
@@ -69,14 +112,20 @@ from coordinator.planning.config import Mode, PlanConfig, ZeroStage
 from coordinator.planning.plan import MemoryUse
 from coordinator.planning.profile import NodeProfile
 
-__all__ = ["AUTOMATIC", "REPLICATED", "SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING", "ZERO3_GATHERED_UNITS",
-           "Automatic", "MemoryOption", "NodeMemory", "memory_options", "node_memory", "offload_problem"]
+__all__ = ["AUTOMATIC", "BUCKET_BYTES", "REPLICATED", "SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING",
+           "TRANSPORT_FRAMES_PER_BUCKET", "ZERO3_GATHERED_UNITS", "Automatic", "MemoryOption", "NodeMemory",
+           "memory_options", "node_memory", "offload_problem"]
 
 # ZeRO-3 gathers a cell's parameters whole before it runs (forward, and again for its backward) and
 # frees them after; with prefetch the next cell's gather is in flight meanwhile: two cells at once.
 ZERO3_GATHERED_UNITS = 2
 # See [Note: sharded gradients while accumulating].
 SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING = True
+# The gradient path's bucket (``ComputeOptions.bucket_bytes``' default, services/params/grad_sync.py).
+BUCKET_BYTES = 25 << 20
+# Resident bytes the transport's frames leave per byte of the bucket in flight (see [Note: the
+# transport's frames]).
+TRANSPORT_FRAMES_PER_BUCKET = 1.5
 
 
 @dataclass(frozen=True)
@@ -144,10 +193,12 @@ def memory_options(request: PlanConfig, data_parallel: int, mode: Mode, on_cuda:
 class NodeMemory:
     """Per node, the bytes one worker of a stage holds under an option (see the module docstring).
 
-    ``params``, ``grads``, ``optimizer`` do not depend on the microbatches; ``held`` is what one
-    microbatch in flight holds (activations, or with recompute the node's inputs); ``gathered`` and
-    ``recomputed`` are transient (a stage holds its largest node's sum of the two), and so is
-    ``stepped``, the optimizer step's temporaries (a node's transient is the larger of the two).
+    ``params``, ``grads``, ``optimizer`` and ``buffers`` (the sharded paths', summed over a stage) do
+    not depend on the microbatches; ``held`` is what one microbatch in flight holds (activations, or
+    with recompute the node's inputs); ``gathered``, ``flight`` (ZeRO-3's gradient buffers) and
+    ``recomputed`` are transient (a stage holds its largest node's sum of the three), and so is
+    ``stepped``, the optimizer step's temporaries (a node's transient is the larger of the two), on
+    top of which a node holds its ``frames`` (see [Note: the transport's frames]).
     """
 
     params: tuple[float, ...]
@@ -157,15 +208,23 @@ class NodeMemory:
     gathered: tuple[float, ...]
     recomputed: tuple[float, ...]
     stepped: tuple[float, ...] = ()
+    buffers: tuple[float, ...] = ()
+    flight: tuple[float, ...] = ()
+    frames: tuple[float, ...] = ()
+
+    def _or_zeros(self, part: tuple[float, ...]) -> tuple[float, ...]:
+        return part or (0.0,) * len(self.params)
 
     @property
     def static(self) -> tuple[float, ...]:
-        return tuple(p + g + o for p, g, o in zip(self.params, self.grads, self.optimizer, strict=True))
+        return tuple(p + g + o + b for p, g, o, b in zip(self.params, self.grads, self.optimizer,
+                                                         self._or_zeros(self.buffers), strict=True))
 
     @property
     def transient(self) -> tuple[float, ...]:
-        steps = self.stepped or (0.0,) * len(self.gathered)
-        return tuple(max(g + r, t) for g, r, t in zip(self.gathered, self.recomputed, steps, strict=True))
+        return tuple(max(g + f + r, t) + fr for g, f, r, t, fr in zip(
+            self.gathered, self._or_zeros(self.flight), self.recomputed, self._or_zeros(self.stepped),
+            self._or_zeros(self.frames), strict=True))
 
     def stage(self, start: int, stop: int, held: Sequence[float], in_flight: int) -> MemoryUse:
         """A stage's peak over nodes ``[start, stop)``, ``held`` per node per microbatch (the cutter's
@@ -175,12 +234,15 @@ class NodeMemory:
         node = start + peak if peak is not None else None
         gathered = self.gathered[node] if node is not None else 0.0
         recomputed = self.recomputed[node] if node is not None else 0.0
+        flight = self._or_zeros(self.flight)[node] if node is not None else 0.0
+        frames = self._or_zeros(self.frames)[node] if node is not None else 0.0
         # the step's temporaries where they exceed the node's other transients ([Note: the optimizer's step])
-        stepping = transient[peak] - gathered - recomputed if peak is not None else 0.0
+        stepping = transient[peak] - frames - gathered - flight - recomputed if peak is not None else 0.0
         return MemoryUse(
             params=int(sum(self.params[start:stop]) + gathered), grads=int(sum(self.grads[start:stop])),
             optimizer=int(sum(self.optimizer[start:stop]) + stepping),
-            activations=int(sum(held[start:stop]) * in_flight + recomputed))
+            activations=int(sum(held[start:stop]) * in_flight + recomputed),
+            comm=int(sum(self._or_zeros(self.buffers)[start:stop]) + flight + frames))
 
 
 def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mode, data_parallel: int,
@@ -213,15 +275,37 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
             return (nd.optimizer_state_bytes + nd.param_bytes) / data_parallel
         return nd.optimizer_state_bytes / f
 
-    def step(nd: NodeProfile) -> float:  # the step's temporaries, on this worker's rows (ZeRO)
-        return 0.0 if offloaded or ps else nd.step_temporary_bytes / f
+    collective = mode == "collective" and data_parallel > 1
+    zero = option.zero if collective else 0
 
+    def gather(nd: NodeProfile) -> float:  # ZeRO-1/2's commit (see the module docstring)
+        return nd.param_bytes / f + nd.param_bytes if zero in (1, 2) else 0.0
+
+    def buffers(nd: NodeProfile) -> float:  # ZeRO-2's packed gradients, or the commit's buffers
+        return max(gather(nd), float(nd.grad_bytes)) if zero == 2 else gather(nd)
+
+    def step(nd: NodeProfile) -> float:  # the step's temporaries, on this worker's rows (ZeRO), beyond the
+        # gather's buffers, which the commit allocates once the step freed them
+        return 0.0 if offloaded or ps else max(0.0, nd.step_temporary_bytes / f - gather(nd))
+
+    def frames(nd: NodeProfile) -> float:  # [Note: the transport's frames]
+        if not collective or not nd.grad_bytes:
+            return 0.0
+        return TRANSPORT_FRAMES_PER_BUCKET * max(nd.largest_param_bytes, min(nd.grad_bytes, BUCKET_BYTES))
+
+    def around(i: int) -> float:  # ZeRO-3: the neighbour prefetched while node i computes
+        return float(max((nodes[j].param_bytes for j in (i - 1, i + 1) if 0 <= j < len(nodes)), default=0))
+
+    three = zero >= 3
     return NodeMemory(
         params=tuple(nd.param_bytes * param_share + nd.buffer_bytes for nd in nodes),
         grads=tuple(nd.grad_bytes * grad_share for nd in nodes),
         optimizer=tuple(state(nd) for nd in nodes),
         held=tuple(input_bytes) if option.recompute else tuple(activation_bytes),
-        gathered=tuple(float(ZERO3_GATHERED_UNITS * nd.param_bytes) if option.zero >= 3 else 0.0
-                       for nd in nodes),
+        gathered=tuple(2.0 * nd.param_bytes + around(i) if three else 0.0 for i, nd in enumerate(nodes)),
         recomputed=tuple(activation_bytes) if option.recompute else (0.0,) * len(nodes),
-        stepped=tuple(step(nd) for nd in nodes))
+        stepped=tuple(step(nd) for nd in nodes),
+        buffers=tuple(buffers(nd) for nd in nodes),
+        flight=tuple(2.0 * nd.grad_bytes + (nodes[i + 1].grad_bytes if i + 1 < len(nodes) else 0) if three
+                     else float(nd.largest_param_bytes) if zero == 2 else 0.0 for i, nd in enumerate(nodes)),
+        frames=tuple(frames(nd) for nd in nodes))

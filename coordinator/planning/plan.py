@@ -32,7 +32,9 @@ class MemoryUse(BaseModel):
 
     ``params`` counts buffers and, under ZeRO-3, the cells gathered at once; ``activations`` the
     microbatches in flight (or their inputs, with recompute), deferred weight gradients and the
-    recomputed cell.
+    recomputed cell; ``comm`` the gradient path's buffers (buckets in flight, received frames, the
+    sharded paths' gather and scatter buffers); ``runtime`` what the worker's runtime maps besides
+    tensors (threads, libraries loaded on first use: ``Profile.runtime_bytes``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -41,20 +43,26 @@ class MemoryUse(BaseModel):
     grads: int = Field(default=0, ge=0)
     optimizer: int = Field(default=0, ge=0)
     activations: int = Field(default=0, ge=0)
+    comm: int = Field(default=0, ge=0)
+    runtime: int = Field(default=0, ge=0)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.comm + self.runtime
 
     def __add__(self, other: MemoryUse) -> MemoryUse:
         return MemoryUse(params=self.params + other.params, grads=self.grads + other.grads,
                          optimizer=self.optimizer + other.optimizer,
-                         activations=self.activations + other.activations)
+                         activations=self.activations + other.activations, comm=self.comm + other.comm,
+                         runtime=self.runtime + other.runtime)
 
     def text(self) -> str:
-        """``parameters 8 MiB + gradients 8 MiB + optimizer state 16 MiB + activations 1 MiB``."""
+        """``parameters 8 MiB + gradients 8 MiB + optimizer state 16 MiB + activations 1 MiB`` (then the
+        communication buffers and the runtime, where there are any)."""
+        extra = (f" + communication buffers {format_bytes(self.comm)}" * bool(self.comm)
+                 + f" + runtime {format_bytes(self.runtime)}" * bool(self.runtime))
         return (f"parameters {format_bytes(self.params)} + gradients {format_bytes(self.grads)} + optimizer "
-                f"state {format_bytes(self.optimizer)} + activations {format_bytes(self.activations)}")
+                f"state {format_bytes(self.optimizer)} + activations {format_bytes(self.activations)}{extra}")
 
 
 class StagePlan(BaseModel):
@@ -236,8 +244,11 @@ class Plan(BaseModel):
 
     def fullest_memory(self) -> tuple[int, MemoryUse]:
         """The rank (a replica's worker) whose stages hold the most, and what they hold by part."""
-        held = [sum((self.stages[s].memory for s in range(k, self.num_stages, self.num_ranks)), MemoryUse())
-                for k in range(self.num_ranks)]
+        ranks = [[self.stages[s].memory for s in range(k, self.num_stages, self.num_ranks)]
+                 for k in range(self.num_ranks)]
+        # one runtime per worker, whatever the stages it holds
+        held = [sum(uses, MemoryUse()).model_copy(update={"runtime": max(u.runtime for u in uses)})
+                for uses in ranks]
         rank = max(range(self.num_ranks), key=lambda k: held[k].total)
         return rank, held[rank]
 

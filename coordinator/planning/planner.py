@@ -355,8 +355,10 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     schedule = build_schedule(sched_name, p, m, v)
     in_flight = tuple(peak_in_flight(acts) for acts in schedule.actions)
     defer = [defers(acts) and precision == "fp32" for acts in schedule.actions]
-    # a worker's stages share its memory: the cutter gives each its 1/v share, the fit is checked per worker
-    limit = [float(min(w.memory_bytes for w in ws)) / v for ws in workers]
+    # a worker's stages share its memory less its runtime's (host memory: not a GPU's): the cutter gives
+    # each its 1/v share, the fit is checked per worker
+    runtime = 0 if on_cuda else profile.runtime_bytes
+    limit = [float(min(w.memory_bytes for w in ws) - runtime) / v for ws in workers]
     metas, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
     nodes = profile.nodes
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
@@ -463,18 +465,19 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                 step = game.costs.start_s[s]
             saved.append(game.costs.start_s[s] - step)
             held = problem.held_bytes(s) or ()
-            use = memory.stage(a, b, held, in_flight[s])
+            use = memory.stage(a, b, held, in_flight[s]).model_copy(update={"runtime": runtime})
             xfer = (problem.cut_s[a] if s > 0 else 0.0) + (problem.cut_s[b] if s < p - 1 else 0.0)
             stages.append(StagePlan(
                 index=s, start=a, stop=b, nodes=tuple(nd.name for nd in nodes[a:b]),
                 workers=tuple(names), forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
                 param_bytes=params, optimizer_s=step, in_flight=in_flight[s],
-                peak_memory_bytes=int(problem.stage_memory(s, a, b)), memory=use,
+                peak_memory_bytes=int(problem.stage_memory(s, a, b)) + runtime, memory=use,
                 incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
                 outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
         # per worker: its stages' memory (each at its own peak: an upper bound) and their unhidden syncs
         held_by = [range(k, p, ranks) for k in range(ranks)]
-        rank_memory = [sum(stages[s].peak_memory_bytes for s in ss) for ss in held_by]
+        rank_memory = [sum(stages[s].peak_memory_bytes for s in ss) - (len(ss) - 1) * runtime  # one runtime
+                       for ss in held_by]
         reason = offload_reason
         for k, ss in enumerate(held_by):
             over = [w for w in workers[k] if rank_memory[k] > w.memory_bytes]

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from coordinator.planning import runtime_bytes as runtime
 from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
 from services.compute.weight_grads import eligible_layers
 
@@ -72,7 +73,8 @@ class NodeProfile(BaseModel):
     ``deferred_bytes`` what a stage that defers its linear layers' weight gradients holds from
     the backward to the step's weight gradients (``services/compute/weight_grads.py``);
     ``step_temporary_bytes`` what the optimizer's step allocates at once for the node's largest
-    trainable parameter (:data:`OPTIMIZER_STEP_TEMPORARY_FACTORS`; 0 in a profile written before it).
+    trainable parameter (:data:`OPTIMIZER_STEP_TEMPORARY_FACTORS`; 0 in a profile written before it);
+    ``largest_param_bytes`` that parameter's bytes (its gradient is the smallest bucket it travels in).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -89,6 +91,7 @@ class NodeProfile(BaseModel):
     activation_bytes: int = Field(ge=0)
     deferred_bytes: int = Field(default=0, ge=0)
     step_temporary_bytes: int = Field(default=0, ge=0)
+    largest_param_bytes: int = Field(default=0, ge=0)
 
     @property
     def compute_s(self) -> float:
@@ -107,7 +110,11 @@ class NodeProfile(BaseModel):
 
 
 class Profile(BaseModel):
-    """A profiled chain: ``n`` nodes and ``n + 1`` cuts (see ``coordinator/planning/graph.py``)."""
+    """A profiled chain: ``n`` nodes and ``n + 1`` cuts (see ``coordinator/planning/graph.py``).
+
+    ``runtime_bytes``: what a worker's runtime maps besides tensors
+    (``coordinator/planning/runtime_bytes.py``; 0 in a profile written by hand or before it was measured).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -116,6 +123,7 @@ class Profile(BaseModel):
     repeats: int = Field(ge=1)
     optimizer: str
     device: str = "cpu"  # where it was measured ("cpu", "cuda:0"): its times hold for workers of that kind
+    runtime_bytes: int = Field(default=0, ge=0)
     nodes: tuple[NodeProfile, ...] = Field(min_length=1)
     cuts: tuple[CutInfo, ...]
 
@@ -371,6 +379,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if optimizer not in OPTIMIZER_STATE_FACTORS:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_FACTORS)}")
+    runtime.start()  # a fresh interpreter measures it meanwhile (see [Note: the runtime's bytes])
     inputs = sample if isinstance(sample, tuple) else (sample,)
     placeholders = [nd for nd in graph.module.graph.nodes if nd.op == "placeholder"]
     values: dict[str, Any] = {}
@@ -446,7 +455,8 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 grad_bytes=trainable, optimizer_state_bytes=int(trainable * factor),
                 activation_bytes=saved, deferred_bytes=deferred,
                 step_temporary_bytes=int(largest * OPTIMIZER_STEP_TEMPORARY_FACTORS[optimizer]),
+                largest_param_bytes=largest,
             ))
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,
-                   nodes=tuple(nodes), cuts=graph.cuts)
+                   nodes=tuple(nodes), cuts=graph.cuts, runtime_bytes=runtime.runtime_bytes())

@@ -54,26 +54,28 @@ def cuda(num: int, memory: int = 1 << 40) -> Resources:
                                    for i in range(num)))
 
 
-def use(params: float, grads: float, optimizer: float, activations: float) -> MemoryUse:
+def use(params: float, grads: float, optimizer: float, activations: float, comm: float = 0) -> MemoryUse:
     """A breakdown given in MiB."""
     return MemoryUse(params=int(params * MiB), grads=int(grads * MiB), optimizer=int(optimizer * MiB),
-                     activations=int(activations * MiB))
+                     activations=int(activations * MiB), comm=int(comm * MiB))
 
 
-# one stage of all four nodes: P = G = 10, S = 20, A = 5 MiB, inputs 0.875 MiB; the largest cell 4 MiB
-# (2 gathered at once: 8 MiB), the largest activations 2 MiB (node 3 both)
+# one stage of all four nodes: P = G = 10, S = 20, A = 5 MiB, inputs 0.875 MiB; the largest cell 4 MiB,
+# the largest activations 2 MiB (node 3 both). The transport's frames: 1.5 x the largest bucket (node 3's
+# gradient): 6 MiB. ZeRO-1/2's gather buffers P / F + P; ZeRO-3 at node 3: gathered 2 x 4 + 3 (node 2
+# prefetched), its gradient buffers 2 x 4 (no node after it)
 ONE_STAGE = [
     # (replicas, zero, shard factor, recompute) -> the worker's breakdown
-    (2, 0, None, False, use(10, 10, 20, 5)),
-    (2, 1, None, False, use(10, 10, 20 / 2, 5)),
-    (2, 2, None, False, use(10, 10 / 2, 20 / 2, 5)),
-    (2, 3, None, False, use(10 / 2 + 8, 10 / 2, 20 / 2, 5)),
-    (2, 0, None, True, use(10, 10, 20, 0.875 + 2)),
-    (2, 3, None, True, use(10 / 2 + 8, 10 / 2, 20 / 2, 0.875 + 2)),
-    (4, 1, None, False, use(10, 10, 20 / 4, 5)),
-    (4, 2, None, False, use(10, 10 / 4, 20 / 4, 5)),
-    (4, 3, None, False, use(10 / 4 + 8, 10 / 4, 20 / 4, 5)),
-    (4, 2, 2, False, use(10, 10 / 2, 20 / 2, 5)),  # hybrid: groups of 2, replicated across 2 groups
+    (2, 0, None, False, use(10, 10, 20, 5, 6)),
+    (2, 1, None, False, use(10, 10, 20 / 2, 5, 10 / 2 + 10 + 6)),
+    (2, 2, None, False, use(10, 10 / 2, 20 / 2, 5, 10 / 2 + 10 + 6)),
+    (2, 3, None, False, use(10 / 2 + 11, 10 / 2, 20 / 2, 5, 8 + 6)),
+    (2, 0, None, True, use(10, 10, 20, 0.875 + 2, 6)),
+    (2, 3, None, True, use(10 / 2 + 11, 10 / 2, 20 / 2, 0.875 + 2, 8 + 6)),
+    (4, 1, None, False, use(10, 10, 20 / 4, 5, 10 / 4 + 10 + 6)),
+    (4, 2, None, False, use(10, 10 / 4, 20 / 4, 5, 10 / 4 + 10 + 6)),
+    (4, 3, None, False, use(10 / 4 + 11, 10 / 4, 20 / 4, 5, 8 + 6)),
+    (4, 2, 2, False, use(10, 10 / 2, 20 / 2, 5, 10 / 2 + 10 + 6)),  # hybrid: groups of 2, replicated across 2
 ]
 
 
@@ -93,13 +95,16 @@ def test_one_stage_per_worker_memory_by_hand(d: int, zero: int, factor: int | No
 
 
 # two stages (nodes 0-1: P 3, A 2, inputs 0.25; nodes 2-3: P 7, A 3, inputs 0.625 MiB), 2 replicas, GPipe
-# of 2 microbatches (2 in flight); the gradients accumulate whole over the microbatches
+# of 2 microbatches (2 in flight); the gradients accumulate whole over the microbatches. Frames: 1.5 x the
+# stage's largest gradient (3 and 6 MiB); ZeRO-3's peak nodes 1 and 3 count their model neighbours (node 2
+# for node 1, across the stage's edge: an upper bound)
 PIPELINE = [
-    (0, False, [use(3, 3, 6, 2 * 2), use(7, 7, 14, 3 * 2)]),
-    (1, False, [use(3, 3, 6 / 2, 4), use(7, 7, 14 / 2, 6)]),
-    (2, False, [use(3, 3, 6 / 2, 4), use(7, 7, 14 / 2, 6)]),  # as ZeRO-1: whole while accumulating
-    (3, False, [use(3 / 2 + 2 * 2, 3, 6 / 2, 4), use(7 / 2 + 2 * 4, 7, 14 / 2, 6)]),
-    (0, True, [use(3, 3, 6, 0.25 * 2 + 1), use(7, 7, 14, 0.625 * 2 + 2)]),
+    (0, False, [use(3, 3, 6, 2 * 2, 3), use(7, 7, 14, 3 * 2, 6)]),
+    (1, False, [use(3, 3, 6 / 2, 4, 4.5 + 3), use(7, 7, 14 / 2, 6, 10.5 + 6)]),
+    (2, False, [use(3, 3, 6 / 2, 4, 4.5 + 3), use(7, 7, 14 / 2, 6, 10.5 + 6)]),  # as ZeRO-1: whole grads
+    (3, False, [use(3 / 2 + 2 * 2 + 3, 3, 6 / 2, 4, 2 * 2 + 3 + 3),
+                use(7 / 2 + 2 * 4 + 3, 7, 14 / 2, 6, 8 + 6)]),
+    (0, True, [use(3, 3, 6, 0.25 * 2 + 1, 3), use(7, 7, 14, 0.625 * 2 + 2, 6)]),
 ]
 
 
@@ -119,7 +124,7 @@ def test_offload_empties_the_device_of_optimizer_state_on_cuda_workers_only() ->
     request = PlanConfig(data_parallel=2, num_stages=1, num_microbatches=1, schedule="gpipe",
                          mode="collective", zero=1, offload=True)
     plan = choose_plan(model(), cuda(2), request, global_batch=8)
-    assert plan.offload and plan.stages[0].memory == use(10, 10, 0, 5)
+    assert plan.offload and plan.stages[0].memory == use(10, 10, 0, 5, 10 / 2 + 10 + 6)
     # the step: gradients down and parameters up (a shard each), the update on the host
     kept = choose_plan(model(), cuda(2), request.model_copy(update={"offload": False}), global_batch=8)
     assert plan.stages[0].optimizer_s > kept.stages[0].optimizer_s
@@ -154,20 +159,28 @@ def test_sharding_shrinks_the_optimizer_step_and_moves_the_sync_bytes() -> None:
 
 
 def one_cell(params: int) -> Profile:
-    """A model that cannot be cut: one cell of ``params`` bytes, Adam."""
-    return Profile.synthetic([1e-3], param_bytes=[params], activation_bytes=[MiB], microbatch_size=4)
+    """A model that cannot be cut: one cell holding one parameter of ``params`` bytes, Adam (its step's
+    temporaries twice the parameter)."""
+    made = Profile.synthetic([1e-3], param_bytes=[params], activation_bytes=[MiB], microbatch_size=4)
+    node = made.nodes[0].model_copy(update={"step_temporary_bytes": 2 * params,
+                                            "largest_param_bytes": params})
+    return made.model_copy(update={"nodes": (node,)})
 
 
 def test_a_model_too_big_to_replicate_gets_a_zero_plan() -> None:
-    # 64 MiB of parameters: 256 MiB replicated, 224 in parameter-server mode over 2; ZeRO-1 193, ZeRO-2 161
-    res = cpu(2, 205 * MiB)
-    plan = choose_plan(one_cell(64 * MiB), res, global_batch=8, automatic=Automatic(zero=(0, 1, 2, 3)))
+    # 64 MiB of parameters over 2 collective replicas, with the frames (96 MiB) and Adam's temporaries:
+    # 481 MiB replicated, ZeRO-1 385 and ZeRO-2 417 (their gather buffers 96, the step's temporaries within
+    # them; ZeRO-2's gradient before it is packed 64), ZeRO-3 481 (its unit and gradient buffers, 256)
+    res = cpu(2, 440 * MiB)
+    collective = PlanConfig(mode="collective", data_parallel=2)
+    plan = choose_plan(one_cell(64 * MiB), res, collective, global_batch=8,
+                       automatic=Automatic(zero=(0, 1, 2, 3)))
     assert plan.zero_stage in (1, 2) and plan.data_parallel == 2 and plan.shard_factor == 2
-    assert plan.peak_memory_bytes <= 205 * MiB
-    assert choose_plan(one_cell(64 * MiB), res, global_batch=8) == plan  # what the runtime runs: AUTOMATIC
-    # a search limited to replicated state cannot hold it: refused, naming the plan that would fit
-    with pytest.raises(PlanningError, match=r"may not choose for this job would fit: d=2 x p=1 .*ZeRO-"):
-        choose_plan(one_cell(64 * MiB), res, global_batch=8, automatic=Automatic())
+    assert plan.peak_memory_bytes <= 440 * MiB
+    assert choose_plan(one_cell(64 * MiB), res, collective, global_batch=8) == plan  # AUTOMATIC
+    # a search limited to replicated state cannot hold it: refused, naming the least it needs
+    with pytest.raises(PlanningError, match=r"no plan fits in memory .* needs is 48\d MiB per worker"):
+        choose_plan(one_cell(64 * MiB), res, collective, global_batch=8, automatic=Automatic())
 
 
 def test_a_model_that_fits_keeps_the_fastest_plan() -> None:
@@ -208,7 +221,7 @@ def test_the_candidates_table_shows_the_option_and_the_breakdown() -> None:
     table = format_candidates(cands, limit=20)
     assert "opt state" in table.splitlines()[0]
     row = next(line for line in table.splitlines() if " Z3/2 " in line)
-    assert "13 MiB" in row and "5 MiB" in row and "10 MiB" in row  # parameters, gradients, optimizer state
+    assert "16 MiB" in row and "5 MiB" in row and "10 MiB" in row  # parameters, gradients, optimizer state
 
 
 GRID = [(prof, res, budget, batch)
@@ -307,7 +320,9 @@ def test_the_memory_floor_counts_the_zero_stages_the_planner_may_use() -> None:
 
 def test_the_optimizer_steps_temporaries_are_a_transient_sharded_with_the_state() -> None:
     """Adam's step needs twice its largest parameter at once: counted as a node's transient (the larger
-    of it and ZeRO-3's gathered cells), on this worker's rows under ZeRO, nowhere when offloaded."""
+    of it and ZeRO-3's gathered cells), on this worker's rows under ZeRO, nowhere when offloaded; the
+    transport's frames (1.5 x the largest gradient, 4500 B) on top, ZeRO-1/2's gather buffers (1.5 x P)
+    with the stage."""
     from coordinator.planning.memory import MemoryOption, node_memory
     from coordinator.planning.profile import NodeProfile
 
@@ -316,8 +331,8 @@ def test_the_optimizer_steps_temporaries_are_a_transient_sharded_with_the_state(
                            optimizer_state_bytes=2 * p, activation_bytes=100,
                            step_temporary_bytes=2 * largest)
 
-    def b(params: int, grads: int, optimizer: int, activations: int) -> MemoryUse:
-        return MemoryUse(params=params, grads=grads, optimizer=optimizer, activations=activations)
+    def b(params: int, grads: int, optimizer: int, activations: int, comm: int) -> MemoryUse:
+        return MemoryUse(params=params, grads=grads, optimizer=optimizer, activations=activations, comm=comm)
 
     nodes = [node("a", 1000, 600), node("b", 3000, 1000)]
 
@@ -326,10 +341,12 @@ def test_the_optimizer_steps_temporaries_are_a_transient_sharded_with_the_state(
                           activation_bytes=[100, 100], input_bytes=[10, 10], on_cuda=on_cuda)
         return mem.stage(0, 2, mem.held, 1)
 
-    assert peak(MemoryOption()) == b(4000, 4000, 8000 + 2000, 200)
-    assert peak(MemoryOption(zero=1, shard_factor=2)) == b(4000, 4000, 4000 + 1000, 200)
-    assert peak(MemoryOption(zero=2, shard_factor=2)) == b(4000, 2000, 4000 + 1000, 200)
-    # ZeRO-3 gathers two of the largest cell (6000 B): more than its step's 1000
-    assert peak(MemoryOption(zero=3, shard_factor=2)) == b(2000 + 6000, 2000, 4000, 200)
-    assert peak(MemoryOption(offload=True), on_cuda=True) == b(4000, 4000, 0, 200)
+    assert peak(MemoryOption()) == b(4000, 4000, 8000 + 2000, 200, 4500)
+    # ZeRO-1/2: the step's temporaries (1000) fit in the gather's buffers (4500 at b)
+    assert peak(MemoryOption(zero=1, shard_factor=2)) == b(4000, 4000, 4000, 200, 6000 + 4500)
+    assert peak(MemoryOption(zero=2, shard_factor=2)) == b(4000, 2000, 4000, 200, 6000 + 4500)
+    # ZeRO-3 gathers two of the largest cell and its neighbour (7000 B) and holds its gradient twice
+    # (6000 B): more than its step's 1000
+    assert peak(MemoryOption(zero=3, shard_factor=2)) == b(2000 + 7000, 2000, 4000, 200, 6000 + 4500)
+    assert peak(MemoryOption(offload=True), on_cuda=True) == b(4000, 4000, 0, 200, 4500)
     assert peak(MemoryOption(offload=True), on_cuda=True).total < peak(MemoryOption()).total
