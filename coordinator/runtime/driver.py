@@ -167,6 +167,7 @@ class Runtime:
         self.services = [_Service(plan.placement[r][s], f"{spec.run}/compute-r{r}-s{s}", r, s)
                          for r in range(plan.data_parallel) for s in range(plan.num_stages)]
         self.workers = sorted({sv.worker for sv in self.services})
+        self._placed = frozenset(self.workers)  # what each membership event is checked against
         for w in self.workers:
             loop.connect(w, self.addresses[w])
         # the process each worker is (a loss reported for an earlier one, replaced since, is stale)
@@ -574,7 +575,7 @@ class Runtime:
                     continue
                 # a card gone, or put by another process under the name (a container restarted in place
                 # before its predecessor's lease lapsed): the process this runtime placed is gone
-                if isinstance(event, WorkerLost | WorkerJoined) and event.name in self.workers and self._gone(
+                if isinstance(event, WorkerLost | WorkerJoined) and event.name in self._placed and self._gone(
                         event.name):
                     raise self._lost(event.name, what, step)
                 if isinstance(event, Reply) and event.id in ids:

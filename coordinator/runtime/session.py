@@ -333,6 +333,7 @@ class Session:
         self.failures.append(failure)
         budget = self.job.config.runtime.max_restarts
         if len(self.failures) > budget:
+            self._drop_runtime(lost=failure.worker)  # now, without waiting on the lost worker to release
             lines = "\n".join(f"  {i + 1}. step {f.step}: {f}" for i, f in enumerate(self.failures))
             raise JobFailed(f"the job lost workers {len(self.failures)} times, more than "
                             f"runtime.max_restarts={budget}; it stopped. Each failure:\n{lines}",

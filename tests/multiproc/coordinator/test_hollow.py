@@ -61,6 +61,6 @@ def test_a_crashed_worker_stops_the_session_naming_it(fleet: HollowPool) -> None
     with job.attach(fleet):
         job.fit(1)
         threading.Timer(0.2, fleet.crash, args=("local-2",)).start()
-        with pytest.raises(JobFailed, match="local-2 .*lost its registry lease") as failed:
+        with pytest.raises(JobFailed, match=r"local-2 .*lost its registry lease") as failed:
             job.fit(10_000)
     assert failed.value.worker == "local-2"
