@@ -118,8 +118,15 @@ __all__ = ["Runtime"]
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = timedelta(seconds=2)
+NAMED = 8  # workers a message names before it counts the rest (a line per message, not per worker)
 TRAIN_PROGRAM = "train"  # the name of each stage's training program (RunStep.program)
 Batches = Sequence[Sequence[Sequence[int]]]  # [replica][microbatch] -> sample indices
+
+
+def _some(items: Sequence[str]) -> str:
+    """The first :data:`NAMED` of ``items``, then how many more."""
+    shown = ", ".join(items[:NAMED])
+    return shown if len(items) <= NAMED else f"{shown} and {len(items) - NAMED} more"
 
 
 class Runtime:
@@ -241,7 +248,7 @@ class Runtime:
         self._gather(ids, "placing the stages", spec.call_timeout, None)
         self._load_programs()
         log.info("[coordinator %s] placed %d stages on %s", spec.run, len(self.services),
-                 ", ".join(self.workers))
+                 _some(self.workers))
 
     def _turns(self, sv: _Service) -> TurnsOptions | None:
         """The turns ``sv`` takes with the other stages of its worker (None: it holds one stage)."""
@@ -566,7 +573,7 @@ class Runtime:
                                *rounds.values()]
                     sv = missing[0]
                     raise JobFailed(f"{what}: no reply within {timeout.total_seconds():.0f}s from "
-                                    + ", ".join(f"worker {m.worker} (service {m.name})" for m in missing),
+                                    + _some([f"worker {m.worker} (service {m.name})" for m in missing]),
                                     worker=sv.worker, service=sv.name, step=step)
                 if isinstance(event, Reply) and self._shards.take(event, self.loop):
                     if self._shards.refused is not None:
