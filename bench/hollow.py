@@ -164,7 +164,7 @@ def registry_url(kind: str) -> Iterator[str | None]:
     from tests.harness.etcd import EtcdServer
 
     with EtcdServer() as etcd:
-        yield etcd.client_url
+        yield etcd.url
 
 
 def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, lease_ttl: float,
