@@ -50,7 +50,8 @@ class HollowPool:
         lease_ttl: The workers' leases.
         action_ms: How long a hollow forward takes (a backward twice).
         start_timeout: Bounds the start until every card is registered.
-        log: Where the fleet's stderr goes (default: a temporary file, named in errors).
+        log: Where the fleet's stderr goes (default: a temporary file, named in errors, removed at close
+            when the fleet exited cleanly).
     """
 
     def __init__(self, count: int, job: str, *, registry: str | None = None, factories: Sequence[str] = (),
@@ -64,6 +65,7 @@ class HollowPool:
         self._action_ms = action_ms
         self._start_timeout = start_timeout
         self._log = log
+        self._temporary_log = log is None  # removed at close when the fleet exited cleanly
         self._server: RegistryServer | None = None
         self._registry: Registry | None = None
         self._keys: auth.JobKeys | None = None
@@ -208,6 +210,8 @@ class HollowPool:
                 if stream is not None:
                     with contextlib.suppress(OSError, ValueError):
                         stream.close()
+            if self._temporary_log and self._proc.returncode == 0 and self._log is not None:
+                shutil.rmtree(self._log.parent, ignore_errors=True)
             self._proc = None
         if self._server is not None:
             with contextlib.suppress(Exception):
