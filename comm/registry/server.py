@@ -11,6 +11,11 @@ Watches are long polls: a ``watch_poll`` with nothing to report yet is *parked* 
 call of the host) until an event under its prefix arrives or its ``wait_ms`` passes, then
 answered. At most ``max_parked`` polls wait at once; beyond that a poll is answered at once.
 
+A re-check reads the keys changed since the last one once, and polls again only the parked polls
+whose prefix one of them is under. (Polling every parked poll on every change cost parked polls x
+events since each one's cursor per write: with a watch per pipeline rank, the rendezvous of 64
+pipelines of 4 starved this thread past its callers' 10 s bounds, and the workers' leases lapsed.)
+
 Synchronization::
 
     clients                host thread                              registry writers
@@ -78,6 +83,7 @@ class RegistryService(ServiceBase):
         self._max_parked = max_parked
         self._parked: dict[Call, WatchPollRequest] = {}  # host thread only
         self._recheck_queued = False
+        self._rechecked = registry.revision()  # the revision the last re-check covered
         self._unsubscribe = registry.subscribe(self._on_change)
 
     @property
@@ -166,10 +172,30 @@ class RegistryService(ServiceBase):
             self._recheck_queued = True
             self._host.call_soon(self._recheck)
 
+    def _changed_keys(self) -> set[str] | None:
+        """The keys changed since the last re-check (None: not known, the history was compacted)."""
+        keys: set[str] = set()
+        try:
+            while True:
+                events, through = self._registry.events_since("", self._rechecked + 1, timeout=timedelta(0))
+                keys.update(e.key for e in events)
+                if not events or through <= self._rechecked:
+                    return keys
+                self._rechecked = through
+        except RegistryError:
+            self._rechecked = self._registry.revision()
+            return None
+
     def _recheck(self) -> None:
         """Answer the parked polls that now have events (on the host thread)."""
         self._recheck_queued = False  # first: a change committed from here on queues another
+        keys = self._changed_keys()
+        if keys is not None:
+            prefixes = {request.prefix for request in self._parked.values()}
+            touched = {p for p in prefixes if any(k.startswith(p) for k in keys)}
         for call, request in list(self._parked.items()):
+            if keys is not None and request.prefix not in touched:
+                continue
             try:
                 reply = self._poll_once(request)
             except RegistryError as exc:  # compacted, or the registry closed

@@ -118,8 +118,15 @@ __all__ = ["Runtime"]
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = timedelta(seconds=2)
+NAMED = 8  # workers a message names before it counts the rest (a line per message, not per worker)
 TRAIN_PROGRAM = "train"  # the name of each stage's training program (RunStep.program)
 Batches = Sequence[Sequence[Sequence[int]]]  # [replica][microbatch] -> sample indices
+
+
+def _some(items: Sequence[str]) -> str:
+    """The first :data:`NAMED` of ``items``, then how many more."""
+    shown = ", ".join(items[:NAMED])
+    return shown if len(items) <= NAMED else f"{shown} and {len(items) - NAMED} more"
 
 
 class Runtime:
@@ -167,6 +174,7 @@ class Runtime:
         self.services = [_Service(plan.placement[r][s], f"{spec.run}/compute-r{r}-s{s}", r, s)
                          for r in range(plan.data_parallel) for s in range(plan.num_stages)]
         self.workers = sorted({sv.worker for sv in self.services})
+        self._placed = frozenset(self.workers)  # what each membership event is checked against
         for w in self.workers:
             loop.connect(w, self.addresses[w])
         # the process each worker is (a loss reported for an earlier one, replaced since, is stale)
@@ -240,7 +248,7 @@ class Runtime:
         self._gather(ids, "placing the stages", spec.call_timeout, None)
         self._load_programs()
         log.info("[coordinator %s] placed %d stages on %s", spec.run, len(self.services),
-                 ", ".join(self.workers))
+                 _some(self.workers))
 
     def _turns(self, sv: _Service) -> TurnsOptions | None:
         """The turns ``sv`` takes with the other stages of its worker (None: it holds one stage)."""
@@ -565,7 +573,7 @@ class Runtime:
                                *rounds.values()]
                     sv = missing[0]
                     raise JobFailed(f"{what}: no reply within {timeout.total_seconds():.0f}s from "
-                                    + ", ".join(f"worker {m.worker} (service {m.name})" for m in missing),
+                                    + _some([f"worker {m.worker} (service {m.name})" for m in missing]),
                                     worker=sv.worker, service=sv.name, step=step)
                 if isinstance(event, Reply) and self._shards.take(event, self.loop):
                     if self._shards.refused is not None:
@@ -574,7 +582,7 @@ class Runtime:
                     continue
                 # a card gone, or put by another process under the name (a container restarted in place
                 # before its predecessor's lease lapsed): the process this runtime placed is gone
-                if isinstance(event, WorkerLost | WorkerJoined) and event.name in self.workers and self._gone(
+                if isinstance(event, WorkerLost | WorkerJoined) and event.name in self._placed and self._gone(
                         event.name):
                     raise self._lost(event.name, what, step)
                 if isinstance(event, Reply) and event.id in ids:

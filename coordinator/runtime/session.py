@@ -142,6 +142,7 @@ class Session:
         self.failures: list[JobFailed] = []
         # workers lost for good (no replacement came), with the incarnation that was lost
         self.gone: dict[str, str | None] = {}
+        self._stopped_on = ""  # the lost worker the job stopped on (over its restart budget)
         model, chain = model_structure(config)  # names only: the values are the stages'
         self.model, self.chain = model, chain
         self._state_keys = state_keys(model, chain.named_tensors())
@@ -165,8 +166,8 @@ class Session:
         return self
 
     def close(self) -> None:
-        if self.runtime is not None and self.local is None:
-            self.runtime.close()
+        if self.runtime is not None and self.local is None:  # not on the worker the job stopped on
+            self.runtime.close(skip=self._stopped_on)
         if self.loop is not None:
             self.loop.close()
         if self.local is not None:
@@ -333,6 +334,7 @@ class Session:
         self.failures.append(failure)
         budget = self.job.config.runtime.max_restarts
         if len(self.failures) > budget:
+            self._stopped_on = failure.worker  # lost: close() does not wait for it to release its services
             lines = "\n".join(f"  {i + 1}. step {f.step}: {f}" for i, f in enumerate(self.failures))
             raise JobFailed(f"the job lost workers {len(self.failures)} times, more than "
                             f"runtime.max_restarts={budget}; it stopped. Each failure:\n{lines}",

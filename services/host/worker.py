@@ -58,7 +58,7 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -149,7 +149,7 @@ class _Control(ServiceBase):
     def rpc_assign(self, request: Assignment, call: Call) -> AssignmentReply:
         if self.worker.draining.is_set():
             raise RpcError("draining", f"worker {self.worker.name} is shutting down")
-        builder = SERVICE_BUILDERS.get(request.kind)
+        builder = self.worker.builders.get(request.kind)
         if builder is None:
             raise RpcError("bad_request", f"unknown service kind {request.kind!r}")
         if request.service in self.worker.host.names():
@@ -188,13 +188,17 @@ class Worker:
         factories: the factories assignments may name (:func:`allowed_factories`); default none.
         follows_presence: learn that the coordinator is gone from its presence key (etcd) rather
             than from the registry going silent (the embedded registry); see the module docstring.
+        builders: what builds each kind of service an assignment names (:data:`SERVICE_BUILDERS`; a hollow
+            worker's compute does no tensor work: ``services/host/hollow.py``).
     """
 
     def __init__(self, registry: Registry, job: str, name: str, *,
                  lease_ttl: timedelta = DEFAULT_LEASE_TTL, host: str | None = None, port: int = 0,
                  launch: LaunchEnv | None = None, factories: FactoryAllowList | None = None,
-                 follows_presence: bool = False) -> None:
+                 follows_presence: bool = False,
+                 builders: Mapping[str, ServiceBuilder] | None = None) -> None:
         self.registry = registry
+        self.builders = dict(SERVICE_BUILDERS if builders is None else builders)
         self.job = job
         self.name = name
         self.lease_ttl = lease_ttl

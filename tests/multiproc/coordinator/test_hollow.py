@@ -1,0 +1,66 @@
+"""32 hollow workers (``services/host/hollow.py``) in one process, driven by the real coordinator.
+
+One fleet serves every job of the module; each job fixes its plan (data parallel, a pipeline, both)
+and trains a few steps. Every step must finish with a reply from every stage of every replica, every
+worker must take part, and the pipelines' stages must have moved their boundary tensors over the
+real communicator. A crashed worker (its lease left to lapse, as ``kill -9`` leaves it) stops a
+session with ``runtime.max_restarts=0`` naming it (the last test: that worker stays down).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from bench.hollow import FACTORIES, make_job, plan_fields
+from coordinator.runtime.errors import JobFailed
+from services.host.hollow import HOLLOW_LOSS
+from services.host.hollow_pool import HollowPool
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKERS = 32
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[HollowPool]:
+    with HollowPool(WORKERS, "t-hollow", factories=FACTORIES, lease_ttl=timedelta(seconds=3)) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("kind", ["dp", "pp", "both"])
+def test_every_worker_answers_every_step(fleet: HollowPool, kind: str) -> None:
+    job = make_job(kind, WORKERS, f"t-hollow-{kind}", step_timeout_s=30)
+    fields = plan_fields(kind, WORKERS)
+    services = fields["data_parallel"] * fields["num_stages"]
+    assert services == WORKERS
+    with job.attach(fleet):
+        result = job.fit(STEPS)
+    assert [r.step for r in result.steps] == list(range(STEPS))
+    assert result.losses == [HOLLOW_LOSS] * STEPS
+    for record in result.steps:
+        assert len(record.replies) == services, f"step {record.step}: {len(record.replies)} replies"
+        assert {sv.worker for sv, _ in record.replies} == set(fleet.names)
+        assert {(sv.replica, sv.stage) for sv, _ in record.replies} == {
+            (r, s) for r in range(fields["data_parallel"]) for s in range(fields["num_stages"])}
+        for _, body in record.replies:
+            assert len(body.starts) == len(body.ends) > 0
+    sent = sum(t.bytes_sent.get("zmq", 0) for t in result.steps[-1].traffic.values())
+    if fields["num_stages"] > 1:  # activations and gradients crossed the cuts over the pipelines
+        assert sent > 0
+    assert set(result.state_dict) == set(job.build_model().state_dict())
+
+
+def test_a_crashed_worker_stops_the_session_naming_it(fleet: HollowPool) -> None:
+    """The module's last test: the fleet's worker local-2 stays crashed."""
+    job = make_job("dp", 4, "t-hollow-lost", step_timeout_s=30)  # on local-0..3
+    with job.attach(fleet):
+        job.fit(1)
+        threading.Timer(0.2, fleet.crash, args=("local-2",)).start()
+        with pytest.raises(JobFailed, match=r"local-2 .*lost its registry lease") as failed:
+            job.fit(10_000)
+    assert failed.value.worker == "local-2"
