@@ -3,11 +3,12 @@
 The model: ``Linear(64, w)``, ``DEPTH`` blocks ``Linear(w, w), Tanh``, ``Linear(w, 8)``, float32,
 Adam, global batch 16 (8 samples a replica), one stage on 2 data-parallel workers, each started with
 ``--memory-limit`` 4 GiB (``comm/memcap.py``). Per configuration (replicated, ZeRO-1, ZeRO-2, ZeRO-3,
-ZeRO-3 with recompute; offload is CUDA-only: a CPU worker's host memory is its memory, so it is not
-measured), the width ``w`` is bracketed (by x1.4 from a guess) and then bisected to a multiple of ``STEP``: a
-trial trains 2 steps on a fresh harness and counts as fitting if both steps end. The planner is
-given the plan's fields fixed and resources it cannot fill, so that it never refuses: its predicted
-per-worker peak is reported against the cap, for the largest width that trained and the one after.
+ZeRO-3 with recompute, and replicated and ZeRO-3 with offload: on a CPU worker the host is the device,
+so offload's master copy costs memory there instead of saving it), the width ``w`` is bracketed (by
+x1.4 from a guess) and then bisected to a multiple of ``STEP``: a trial trains 2 steps on a fresh
+harness and counts as fitting if both steps end. The planner is given the plan's fields fixed and
+resources it cannot fill, so that it never refuses: its predicted per-worker peak is reported against
+the cap, for the largest width that trained and the one after.
 
 The process itself keeps ~2 GiB per trial of 200 M parameters (not found why): run one
 configuration at a time.
@@ -50,6 +51,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "zero2": {"zero": 2, "shard_factor": 2},
     "zero3": {"zero": 3, "shard_factor": 2},
     "zero3+recompute": {"zero": 3, "shard_factor": 2, "recompute": True},
+    "replicated+offload": {"offload": True},
+    "zero3+offload": {"zero": 3, "shard_factor": 2, "offload": True},
 }
 
 
@@ -151,6 +154,7 @@ def start_width(fields: dict[str, Any], cap: int) -> int:
     """A first guess: the width whose state (the bytes a replica holds per parameter) fills half the cap."""
     zero = fields.get("zero", 0)
     per_param = 4 * (1 + (1 if zero < 2 else 0.5) + (2 if zero < 1 else 1)) if zero < 3 else 4 * 2
+    per_param += 4 / (2 if zero else 1) * fields.get("offload", False)  # the master copy
     width = int((cap / 2 / per_param / DEPTH) ** 0.5)
     return max(STEP, width // STEP * STEP)
 
@@ -176,8 +180,8 @@ def report(results: dict[str, tuple[Trial, Trial]], cap: int, seconds: float,
                     f"| {good.measured_peak_bytes / gib:.2f} GiB | "
                     f"{'yes' if good.predicted_bytes <= cap else 'no'} | {bad.width} | "
                     f"{bad.predicted_bytes / gib:.2f} GiB |")
-    rows += ["", "Offload is not measured: it moves optimizer state to host memory, which on a CPU worker "
-             "is the memory it is capped in (the planner refuses it there)."]
+    rows += ["", "Offload on these CPU workers moves nothing off the capped memory (the host is the device) "
+             "and adds the master copy of the parameters, so it cannot train a larger model here."]
     return "\n".join(rows)
 
 

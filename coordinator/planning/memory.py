@@ -11,10 +11,11 @@ parameters             ``P`` (+ buffers)           ZeRO-3: ``P / F``, plus the u
                                                    of the stage's largest, while it runs)
 gradients              ``G``                       ZeRO-2/3: ``G / F`` -- but not while a step of
                                                    several microbatches accumulates them (below)
-optimizer state        ``S``                       ZeRO-1/2/3: ``S / F``; offload (CUDA): 0;
-                                                   parameter server: ``(S + P) / d``
-step temporaries       ``T`` (largest parameter)   ZeRO-1/2/3: ``T / F``; offload and the
-                                                   parameter server: 0 (they step elsewhere)
+optimizer state        ``S``                       ZeRO-1/2/3: ``S / F``; offload (CUDA): 0 (CPU:
+                                                   ``+ P / F``, the master copy); parameter server:
+                                                   ``(S + P) / d``
+step temporaries       ``T`` (largest parameter)   ZeRO-1/2/3: ``T / F``; offload (CUDA) and
+                                                   the parameter server: 0 (they step elsewhere)
 activations            ``A x in flight``           recompute: the node's inputs ``I x in flight``,
                                                    plus one cell's ``A`` during its backward
 deferred weight grads  ``max(A, D) x in flight``   (a stage that defers: see ``cutting.py``)
@@ -86,16 +87,20 @@ until then, so its peak keeps the gradients whole under ZeRO-2 and ZeRO-3 alike.
 :data:`SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING` says so; set it False if the services
 reduce-scatter every microbatch's gradients instead (more traffic, ``G / F`` held).
 
-[Note: offload] Offloading moves the optimizer state (with the fp32 master weights of mixed
-precision, which cellmesh's autocast keeps as the parameters themselves) to the host and steps it
-there. Only a CUDA worker's device memory gains: a CPU worker's host memory *is* its memory, so
-offload saves nothing there; the planner never picks it for a plan with a CPU worker, and refuses a
-fixed ``plan.offload: true`` on CPU workers.
+[Note: offload] Offloading moves the optimizer state and a master copy of the parameters it steps
+(this worker's rows under ZeRO; ``services/params/offload.py``) to the host and steps them there.
+A worker's budget (``Worker.memory_bytes``) is its device's, so on a CUDA worker the state, the
+masters and the step's temporaries leave it: 0 here (host memory is not budgeted). A CPU worker's
+device *is* the host: there the state and the temporaries stay where they were and the masters come
+on top (``P / F`` more under ``optimizer``; the gradients are read where they are), so offload costs
+memory there. The planner never picks it for a plan with a CPU worker; a fixed ``plan.offload:
+true`` on CPU workers is planned with that cost and runs, with the driver's warning.
 
 [Note: what the automatic search may pick] :data:`AUTOMATIC` limits the options the planner picks by
-itself to those the runtime runs (every ZeRO stage and recompute; not offload, which no service runs
-yet); the plan section's fixed fields pass through whatever it says (the runtime then names what it
-does not run). A job narrows it further where its model or its sections rule an option out
+itself to every ZeRO stage and recompute; not offload, whose cost in time (``sharding.py``: the
+host's step and the copies over PCIe) is not checked against a GPU's measurement yet. The plan
+section's fixed fields pass through whatever it says (the runtime then names what it does not run).
+A job narrows it further where its model or its sections rule an option out
 (``coordinator/runtime/job.py``: no ZeRO-3 with an evaluation section, no recompute over BatchNorm
 layers). Among the plans that fit, the planner takes a replicated one without recompute whenever
 one fits (``choose_plan``): sharding and recompute buy memory with time on the machines measured
@@ -114,7 +119,7 @@ from coordinator.planning.profile import NodeProfile
 
 __all__ = ["AUTOMATIC", "BUCKET_BYTES", "REPLICATED", "SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING",
            "TRANSPORT_FRAMES_PER_BUCKET", "ZERO3_GATHERED_UNITS", "Automatic", "MemoryOption", "NodeMemory",
-           "memory_options", "node_memory", "offload_problem"]
+           "memory_options", "node_memory"]
 
 # ZeRO-3 gathers a cell's parameters whole before it runs (forward, and again for its backward) and
 # frees them after; with prefetch the next cell's gather is in flight meanwhile: two cells at once.
@@ -137,7 +142,7 @@ class Automatic:
     offload: bool = False
 
 
-# What the runtime runs today: every ZeRO stage and recompute (the driver refuses offload).
+# What the planner picks by itself: every ZeRO stage and recompute (offload only when asked for).
 AUTOMATIC = Automatic(zero=(0, 1, 2, 3), recompute=True)
 
 
@@ -158,14 +163,6 @@ class MemoryOption:
 
 
 REPLICATED = MemoryOption()  # every worker of a stage holds all of its state and activations
-
-
-def offload_problem(request: PlanConfig, on_cuda: bool) -> str:
-    """Why a fixed ``plan.offload: true`` cannot hold on these workers ("" if it can)."""
-    if not request.offload or on_cuda:
-        return ""
-    return ("plan.offload moves the optimizer state to host memory, which saves nothing on CPU workers "
-            "(their memory is the host's): drop plan.offload, or give the plan CUDA workers")
 
 
 def memory_options(request: PlanConfig, data_parallel: int, mode: Mode, on_cuda: bool,
@@ -259,13 +256,15 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
             while accumulating]).
         activation_bytes: Saved activations per node at the plan's microbatch size.
         input_bytes: The bytes crossing each node's input cut at that size (what recompute keeps).
-        on_cuda: Whether the stage's workers run on CUDA (offload saves their device memory).
+        on_cuda: Whether the stage's workers run on CUDA (offload saves their device memory; on the CPU
+            it adds the master copy: [Note: offload]).
     """
     f = option.shard_factor if option.zero else 1
     whole_grads = num_microbatches > 1 and SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING
     grad_share = 1.0 / f if option.zero >= 2 and not whole_grads else 1.0
     param_share = 1.0 / f if option.zero >= 3 else 1.0
     offloaded = option.offload and on_cuda
+    masters = option.offload and not on_cuda  # the host copy, in the same memory ([Note: offload])
     ps = mode == "parameter_server" and data_parallel > 1
 
     def state(nd: NodeProfile) -> float:
@@ -273,7 +272,7 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
             return 0.0
         if ps:
             return (nd.optimizer_state_bytes + nd.param_bytes) / data_parallel
-        return nd.optimizer_state_bytes / f
+        return (nd.optimizer_state_bytes + nd.param_bytes * masters) / f
 
     collective = mode == "collective" and data_parallel > 1
     zero = option.zero if collective else 0

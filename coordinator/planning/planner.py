@@ -82,7 +82,8 @@ A request that nothing satisfies raises :class:`PlanningError` saying why and wh
 
 [Note: choosing the memory options] Each shape is evaluated under the memory options the request
 leaves open (``coordinator/planning/memory.py``: ZeRO stage, recompute, offload), within
-:data:`~coordinator.planning.memory.AUTOMATIC` (what the runtime runs), and under those it fixes.
+:data:`~coordinator.planning.memory.AUTOMATIC` (what the planner picks by itself), and under those it
+fixes.
 The options share the shape's work: the schedule, and per recompute setting the cut that ignores
 memory and its simulation. An option takes that cut when it fits its memory (each option has its
 own: the cutter's limit depends on it), else the cutter's best cut within its memory; each cut is
@@ -130,7 +131,6 @@ from coordinator.planning.memory import (
     MemoryOption,
     memory_options,
     node_memory,
-    offload_problem,
 )
 from coordinator.planning.placement import place, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
@@ -363,7 +363,6 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     nodes = profile.nodes
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     fields = {"staleness": request.staleness if mode == "parameter_server" else 0}
-    offload_reason = offload_problem(request, on_cuda)
     played: dict[tuple[tuple[int, ...], bool], _Played] = {}
     free_cuts: dict[bool, tuple[int, ...] | str] = {}  # per recompute: the cut ignoring memory, or why none
 
@@ -478,7 +477,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         held_by = [range(k, p, ranks) for k in range(ranks)]
         rank_memory = [sum(stages[s].peak_memory_bytes for s in ss) - (len(ss) - 1) * runtime  # one runtime
                        for ss in held_by]
-        reason = offload_reason
+        reason = ""
         for k, ss in enumerate(held_by):
             over = [w for w in workers[k] if rank_memory[k] > w.memory_bytes]
             if over and not reason:
@@ -654,8 +653,6 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
         cut_fn = get_cutter(request.cutter)
     except ValueError as exc:
         raise PlanningError(str(exc)) from None
-    if request.offload and not any(w.device == "cuda" for w in resources.workers):
-        raise PlanningError(offload_problem(request, on_cuda=False))
     automatic = automatic or memory.AUTOMATIC  # read when called: a merge or a test may widen it
     max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
     fixed = resolve(request, profile.num_nodes, max_stages, resources.num_workers)
@@ -706,7 +703,8 @@ def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _S
                             exhaustive=exhaustive)
     fitting = [c for c in cands if c.fits]
     if fitting:  # a replicated plan without recompute when one fits ([Note: what the automatic search...])
-        plain = [c for c in fitting if c.option == REPLICATED]
+        replicated = MemoryOption(offload=bool(request.offload))  # a fixed offload is asked for, not picked
+        plain = [c for c in fitting if c.option == replicated]
         best = min(plain or fitting, key=_rank)
         assert best.plan is not None
         return best.plan
@@ -755,9 +753,9 @@ def _unbuilt_fit(profile: Profile, resources: Resources, global_batch: int, requ
     best = min(wider, key=_rank)
     assert best.plan is not None
     return (f" A plan saving memory in a way the search may not choose for this job would fit: "
-            f"{best.plan.summary()} (offload is not run by this version; a job does not get ZeRO-3 with an "
-            "eval section, recompute over BatchNorm layers, or sharding with an optimizer that is not "
-            "elementwise).")
+            f"{best.plan.summary()} (offload is chosen only when asked for: plan.offload; a job does not "
+            "get ZeRO-3 with an eval section, recompute over BatchNorm layers, or sharding with an optimizer "
+            "that is not elementwise).")
 
 
 def format_candidates(cands: Sequence[Candidate], limit: int = 10) -> str:

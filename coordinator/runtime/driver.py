@@ -204,9 +204,16 @@ class Runtime:
         gen = f"/cellmesh/{spec.job}/runs/{spec.run}"
         tied = tied_per_stage(spec.tied, [(st.start, st.stop) for st in plan.stages])
         ids: dict[int, _Service] = {}
-        if plan.offload:  # the plan fields the services do not run yet
-            raise JobError(f"this version of cellmesh cannot run plan offload={plan.offload} yet: drop "
-                           "plan.offload from the job")
+        if plan.offload and plan.mode != "collective":
+            raise JobError("plan.offload moves the optimizer of collective mode to host memory; in "
+                           "parameter-server mode the shards run the optimizer: drop plan.offload, or set "
+                           "plan.mode: collective")
+        on_cpu = sorted(w for w in self.workers if not placed.devices[w].startswith("cuda"))
+        if plan.offload and on_cpu:  # it runs (services/params/offload.py: [Note: offload on a CPU worker])
+            log.warning("[coordinator %s] plan.offload saves no memory on CPU workers (%s): their device is "
+                        "the host, so the optimizer's host copy only adds a copy of the parameters and the "
+                        "time to copy; drop plan.offload unless the workers run on CUDA", spec.run,
+                        ", ".join(on_cpu))
         if plan.zero_stage == 3 and spec.eval_data:  # a replica may sit an evaluation out; ZeRO-3 gathers
             raise JobError("this version of cellmesh cannot evaluate under plan.zero=3 (every replica of a "
                            "group gathers the parameters of each forward, and an evaluation may leave some "

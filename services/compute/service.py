@@ -56,7 +56,9 @@ it around the last backward. With ``zero_stage`` 1 or 2 (:mod:`services.params.z
 optimizer steps this replica's rows of each parameter and the commit all-gathers the rows
 (an ``all_gather`` phase); a checkpoint still holds whole optimizer state by name. A ZeRO-2
 replica holds only its gradient shards after a step, so ``gradients`` lists every parameter as
-missing then. Each step reply carries the bytes the stage holds (``StepReply.held_bytes``) and the
+missing then. With ``offload`` the optimizer is built over host-memory masters of what it would
+step (``services/params/offload.py``): the commit copies the gradients there, steps, copies back.
+Each step reply carries the bytes the stage holds (``StepReply.held_bytes``) and the
 worker's peak since the stage's assignment (``peak_bytes``: :class:`comm.memcap.PeakProbe`). A step
 or commit whose allocation fails (the worker's ``--memory-limit``: [Note: the memory cap] in
 ``comm/memcap.py``) fails with ``out_of_memory``, naming the worker, its cap and the action.
@@ -130,6 +132,7 @@ from services.factories import FactoryAllowList
 from services.link import PipelineLink
 from services.params import scheduling
 from services.params.grad_path import build_path
+from services.params.offload import HostCopy
 from services.params.sharded_path import FullyShardedPath
 from services.params.tied import TiedSync
 from services.params.zero import ZeroPath, check_elementwise, state_bytes
@@ -201,6 +204,8 @@ class CellComputeService(ServiceBase):
         self._scheduler: scheduling.Scheduler | None = None  # the optimizer's, if the job has one
         self._optimizer_spec: OptimizerSpec | None = None
         self._optimizer_steps = 0
+        self._offload = options.offload  # the optimizer steps host masters (services/params/offload.py)
+        self._host: HostCopy | None = None  # made with the optimizer
         self._link = PipelineLink(backend=options.comm_backend, rank=stage.index, world_size=stage.num_stages,
                                   registry_url=options.registry, prefix=options.comm_prefix,
                                   timeout=timedelta(milliseconds=options.comm_timeout_ms))
@@ -426,7 +431,11 @@ class CellComputeService(ServiceBase):
                                           "the stage to change it)")
 
         def run() -> BaseModel:
+            if self._host is not None:
+                self._host.pull_grads()
             optimizer.step()
+            if self._host is not None:
+                self._host.push_params()
             self._optimizer_steps += 1
             return OptimizerStepReply(steps=self._optimizer_steps)
 
@@ -440,6 +449,9 @@ class CellComputeService(ServiceBase):
                 check_elementwise(spec.name)
                 restored = self._zero.shard_restored(self._stage.parameters(), restored)
                 params = self._zero.optimizer_params(self._stage.parameters())
+            if self._offload:  # the optimizer's tensors are host masters of the device's
+                self._host = HostCopy(params)
+                params = self._host.masters()
             optimizer = make_optimizer(spec, [p for _, p in params])
             # on the initial rate, before any restored state: [Note: a scheduler's position]
             self._scheduler = (scheduling.build_scheduler(spec.scheduler, optimizer)
@@ -509,8 +521,10 @@ class CellComputeService(ServiceBase):
         if commit.save is not None:
             start = time.time()
             state: OptimizerState | None = optimizer
-            if self._zero is not None and optimizer is not None:  # whole tensors, as every plan saves them
-                zero, held = self._zero, optimizer
+            if self._host is not None and optimizer is not None:  # the masters' state, by the device tensors
+                state = self._host.device_state(optimizer)
+            if self._zero is not None and state is not None:  # whole tensors, as every plan saves them
+                zero, held = self._zero, state
                 state = FullState(self._in_group(commit, "all-gathering the optimizer state",
                                                  lambda: zero.full_state(held, timeout)))
             whole = self._in_group(commit, "gathering the parameters whole",  # ZeRO-3's: a collective
@@ -533,7 +547,7 @@ class CellComputeService(ServiceBase):
             self._zero.attach_grads(self._stage.parameters())
             params = self._zero.optimizer_params(self._stage.parameters())
         try:
-            local_update(params, optimizer, self._scheduler, commit)
+            local_update(params, optimizer, self._scheduler, commit, self._host)
         except ValueError as exc:
             raise StepFailed(f"stage {self._stage.index}, commit of step {commit.train_step + 1}: {exc}",
                              transfers_posted=False) from exc
@@ -549,12 +563,14 @@ class CellComputeService(ServiceBase):
             raise StepFailed(f"{where}: {type(exc).__name__}: {exc}", transfers_posted=True) from exc
 
     def _held_bytes(self) -> int:
-        """Bytes of the stage's parameters, the gradients it holds and its optimizer state."""
+        """Bytes of the stage's parameters, the gradients it holds and its optimizer state (offloaded: with
+        the host's masters and their gradients)."""
+        host = self._host.host_bytes() if self._host is not None else 0
         if self._zero is not None:
-            return self._zero.held_bytes(self._optimizer)
+            return self._zero.held_bytes(self._optimizer) + host
         params = [p for _, p in self._stage.parameters()]
         grads = [p.grad for p in params if p.grad is not None]
-        return (sum(t.numel() * t.element_size() for t in [*params, *grads])
+        return (sum(t.numel() * t.element_size() for t in [*params, *grads]) + host
                 + (state_bytes(self._optimizer) if self._optimizer is not None else 0))
 
     def rpc_commit(self, request: CommitStep, call: Call) -> None:

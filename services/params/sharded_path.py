@@ -38,6 +38,8 @@ import torch
 from torch import fx, nn
 
 from comm.base import Communicator, ReduceOp
+from comm.factory import wire_device
+from services.checkpoint.stage_state import OptimizerState
 from services.params.fully_sharded import FullyShard, storage_bytes
 from services.params.grad_path import CollectivePath
 from services.params.layout import ShardLayout
@@ -229,7 +231,7 @@ class FullyShardedPath(CollectivePath):
         names = {id(p): n for u in self._fs.units for n, p in zip(u.names, u.params, strict=True)}
         return [(n, full[names[id(t)]] if id(t) in names else t) for n, t in named]
 
-    def full_state(self, optimizer: torch.optim.Optimizer,
+    def full_state(self, optimizer: OptimizerState,
                    timeout: timedelta) -> dict[nn.Parameter, dict[str, Any]]:
         """The optimizer's state as one process holds it, keyed by the whole parameters (each tensor of a
         shard's shape all-gathered in the group). Every replica of the group must call it."""
@@ -240,7 +242,8 @@ class FullyShardedPath(CollectivePath):
             one = ShardLayout([p.shape], self.factor)
             shard = self._shards[id(p)]  # every trainable parameter is a unit's
             mine = optimizer.state.get(shard, {})
-            out[p] = {key: _gather_rows(comm, one, mine[key], p.shape, self.rank, timeout)
+            out[p] = {key: _gather_rows(comm, one, mine[key].to(wire_device(comm.backend, p.device)),
+                                        p.shape, self.rank, timeout)
                       if per_element(key, mine[key], shard.shape) else mine[key] for key in sorted(mine)}
         return out
 

@@ -61,6 +61,7 @@ from torch import nn
 
 from comm.base import Communicator, ReduceOp, Work
 from comm.factory import wire_device
+from services.checkpoint.stage_state import OptimizerState
 from services.params.grad_path import CollectivePath
 from services.params.grad_sync import GradSync, assign_buckets
 from services.params.layout import ShardLayout
@@ -258,7 +259,7 @@ class ZeroPath(CollectivePath):
 
     # -- checkpoints --------------------------------------------------------------------
 
-    def full_state(self, optimizer: torch.optim.Optimizer,
+    def full_state(self, optimizer: OptimizerState,
                    timeout: timedelta) -> dict[nn.Parameter, dict[str, Any]]:
         """The optimizer's state as one process holds it, keyed by the whole parameters: each tensor of a
         shard's shape all-gathered in the group, other entries (``step``) as they are. Every replica of
@@ -275,7 +276,7 @@ class ZeroPath(CollectivePath):
 
     def _gather_one(self, comm: Communicator, one: ShardLayout, value: torch.Tensor, p: nn.Parameter,
                     timeout: timedelta) -> torch.Tensor:
-        device = wire_device(comm.backend, value.device)
+        device = wire_device(comm.backend, p.device)  # the parameter's: offloaded state is in host memory
         segment = torch.zeros(one.segment_numel, dtype=value.dtype, device=device)
         segment[:value.numel()].copy_(value.reshape(-1))
         full = torch.empty(one.numel, dtype=value.dtype, device=device)
