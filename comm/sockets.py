@@ -28,7 +28,9 @@ High-water-mark policy (messages, per peer connection):
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -72,13 +74,29 @@ Plane = Literal["control", "data"]
 """What a socket carries: control messages (always CURVE) or tensors (the data-plane mode)."""
 
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
+MAX_SOCKETS = 1 << 16  # the most a context is given (libzmq's default: 1,023)
+
+
+def _socket_budget() -> int:
+    """How many sockets the process's context may hold: libzmq's default is 1,023, which a coordinator of
+    about a thousand workers (one socket each, and its registry's) runs out of. Each socket needs at
+    least one descriptor, so the budget is the descriptor limit, raised to its hard limit first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, MAX_SOCKETS)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, MAX_SOCKETS), hard))
+            soft = min(wanted, MAX_SOCKETS)
+    return max(1023, min(MAX_SOCKETS, soft if soft != resource.RLIM_INFINITY else MAX_SOCKETS))
 
 
 def shared_context() -> zmq.Context[zmq.Socket[bytes]]:
-    """The process-wide ZeroMQ context (two I/O threads: one per core here)."""
+    """The process-wide ZeroMQ context (two I/O threads: one per core here), with room for as many
+    sockets as the process has descriptors (:func:`_socket_budget`)."""
     global _context
     if _context is None or _context.closed:
         _context = zmq.Context(io_threads=2)
+        _context.set(zmq.MAX_SOCKETS, _socket_budget())
     return _context
 
 
