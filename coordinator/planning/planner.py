@@ -114,20 +114,21 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import get_args
+from typing import TypeVar, cast, get_args
 
 from coordinator.planning import memory
 from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
-from coordinator.planning.graph import TensorMeta
+from coordinator.planning.graph import CutInfo, TensorMeta
 from coordinator.planning.memory import (
     AUTOMATIC,
     REPLICATED,
     ZERO3_GATHERED_UNITS,
     Automatic,
     MemoryOption,
+    NodeMemory,
     memory_options,
     node_memory,
     offload_problem,
@@ -136,11 +137,12 @@ from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import build_schedule, peak_in_flight
+from coordinator.planning.schedules import peak_in_flight, schedule_steps
 from coordinator.planning.sharding import optimizer_s, sharded_sync
-from coordinator.planning.simulator import SimResult, StageCosts, compute_overlap, simulate
+from coordinator.planning.simulator import SimResult, StageCosts, Timing, compute_overlap, play
 from services.compute.weight_grads import defers
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
+from services.protocol import Action
 
 __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWIDTH_BPS",
            "OPTIMIZER_BANDWIDTH_BPS", "OPTIMIZER_TRAFFIC", "SHARED_HOST_BACKWARD_SLOWDOWN",
@@ -148,6 +150,7 @@ __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWID
            "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "contended_share",
            "cut_problem", "format_candidates", "memory_floor"]
 
+T = TypeVar("T")
 _SEARCH_ALL = PlanConfig()  # nothing fixed
 # how the search runs and what every plan computes in, not a shape it is asked to fix
 _SEARCH_FIELDS = {"cutter", "max_microbatches", "precision"}
@@ -267,27 +270,121 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
         num_microbatches: Per step (sharded gradients accumulate whole over several).
         on_cuda: Whether the workers run on CUDA (offload saves only there).
     """
-    mb = microbatch_size or profile.microbatch_size
-    scale = mb / profile.microbatch_size
-    times = profile.node_times(mb)
-    _, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
-    cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
-                  for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
-    memory = node_memory(profile.nodes, option, mode=mode, data_parallel=data_parallel,
-                         num_microbatches=num_microbatches,
-                         activation_bytes=[nd.activation_bytes * scale for nd in profile.nodes],
-                         input_bytes=fwd_bytes[:-1], on_cuda=on_cuda)
-    limits = tuple(memory_limit) if memory_limit is not None else None
-    recompute = 2 if option.recompute else 1  # the backward pays the forward again
-    return CutProblem(tuple((recompute * f + b) / speed for f, b in times), cut_s, num_stages,
-                      tuple(c.cuttable for c in profile.cuts), memory.static, memory.held,
-                      tuple(in_flight) if in_flight is not None else (1,) * num_stages, limits,
-                      None if defers is None else tuple(nd.deferred_bytes * scale for nd in profile.nodes),
-                      None if defers is None else tuple(defers),
-                      memory.transient if any(memory.transient) else None)
+    return _Shared(profile).problem(
+        num_stages, microbatch_size or profile.microbatch_size, bandwidth_bps=bandwidth_bps,
+        latency_s=latency_s, speed=speed, data_parallel=data_parallel, mode=mode, in_flight=in_flight,
+        memory_limit=memory_limit, defers=defers, option=option, num_microbatches=num_microbatches,
+        on_cuda=on_cuda)
 
 
-def contended_share(sim: SimResult, workers: Sequence[Sequence[Worker]]) -> list[float]:
+class _Shared:
+    """What the shapes of one search share, computed once ([Note: the fast search]): per microbatch size
+    the node times, the cut tensors rescaled, every node's memory per option; the links of a group of
+    workers; the cut that ignores memory per (stages, microbatch size, recompute, link, speed)."""
+
+    def __init__(self, profile: Profile, resources: Resources | None = None) -> None:
+        self.profile = profile
+        self.resources = resources
+        self.by_name = {w.name: w for w in resources.workers} if resources is not None else {}
+        self._memo: dict[tuple[object, ...], object] = {}
+        self.free_cuts: dict[tuple[object, ...], tuple[int, ...] | str] = {}
+
+    def _get(self, key: tuple[object, ...], make: Callable[[], T]) -> T:
+        if key not in self._memo:
+            self._memo[key] = make()
+        return cast(T, self._memo[key])
+
+    def times(self, mb: int) -> list[tuple[float, float]]:
+        return self._get(("times", mb), lambda: self.profile.node_times(mb))
+
+    def scaled(self, mb: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
+        return self._get(("scaled", mb), lambda: _scaled_cuts(self.profile, mb))
+
+    def cut_at(self, index: int, mb: int) -> CutInfo:
+        """Cut ``index`` with its tensors at microbatch ``mb``."""
+        return self._get(("cut", index, mb), lambda: self.profile.cuts[index].model_copy(
+            update={"tensors": self.scaled(mb)[0][index]}))
+
+    def link(self, names: Sequence[str]) -> tuple[float, float]:
+        """The slowest link among ``names`` (it depends on the set only)."""
+        assert self.resources is not None
+        resources = self.resources
+        return self._get(("link", frozenset(names)), lambda: resources.slowest_link(list(names)))
+
+    def memory(self, option: MemoryOption, mode: Mode, data_parallel: int, num_microbatches: int, mb: int,
+               on_cuda: bool) -> NodeMemory:
+        scale = mb / self.profile.microbatch_size
+        nodes = self.profile.nodes
+        # the node memory reads the mode and the replicas for parameter servers only, the count for > 1
+        key = ("memory", option, mode if data_parallel > 1 else "collective", data_parallel,
+               num_microbatches > 1, mb, on_cuda)
+        return self._get(key, lambda: node_memory(
+            nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
+            activation_bytes=[nd.activation_bytes * scale for nd in nodes],
+            input_bytes=self.scaled(mb)[1][:-1], on_cuda=on_cuda))
+
+    def compute(self, mb: int, recompute: bool, speed: float, bandwidth_bps: float,
+                latency_s: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The cutter's per-node compute and per-cut transfer times."""
+        def make() -> tuple[tuple[float, ...], tuple[float, ...]]:
+            _, fwd_bytes, bwd_bytes = self.scaled(mb)
+            cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
+                          for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
+            twice = 2 if recompute else 1  # the backward pays the forward again
+            return tuple((twice * f + b) / speed for f, b in self.times(mb)), cut_s
+        return self._get(("compute", mb, recompute, speed, bandwidth_bps, latency_s), make)
+
+    def problem(self, num_stages: int, mb: int, *, bandwidth_bps: float, latency_s: float, speed: float,
+                data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
+                memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
+                num_microbatches: int, on_cuda: bool) -> CutProblem:
+        """:func:`cut_problem` from the shared parts."""
+        profile = self.profile
+        scale = mb / profile.microbatch_size
+        memory = self.memory(option, mode, data_parallel, num_microbatches, mb, on_cuda)
+        compute_s, cut_s = self.compute(mb, option.recompute, speed, bandwidth_bps, latency_s)
+        cuttable = self._get(("cuttable",), lambda: tuple(c.cuttable for c in profile.cuts))
+        static = self._get(("static", id(memory)), lambda: memory.static)
+        transient = self._get(("transient", id(memory)), lambda: memory.transient)
+        deferred = None if defers is None else self._get(
+            ("deferred", mb), lambda: tuple(nd.deferred_bytes * scale for nd in profile.nodes))
+        return CutProblem(compute_s, cut_s, num_stages, cuttable, static, memory.held,
+                          tuple(in_flight) if in_flight is not None else (1,) * num_stages,
+                          tuple(memory_limit) if memory_limit is not None else None, deferred,
+                          None if defers is None else tuple(defers), transient if any(transient) else None)
+
+
+class _Placed:
+    """A shape's workers as its placement puts them: per stage its replicas' workers and slowest speed,
+    the devices, whether CPU workers share a host, the slowest link among them all."""
+
+    def __init__(self, shared: _Shared, placement: tuple[tuple[str, ...], ...], num_stages: int) -> None:
+        by_name = shared.by_name
+        self.workers = [[by_name[names[s]] for names in placement] for s in range(num_stages)]
+        placed = {w.name: w for ws in self.workers for w in ws}  # each once (it may hold several stages)
+        self.on_cuda = all(w.device == "cuda" for w in placed.values())
+        hosts = [w.host for w in placed.values() if w.host is not None]
+        on_cpu = all(w.device == "cpu" for w in placed.values())
+        self.shared_host = on_cpu and len(hosts) > len(set(hosts))  # [Note: contention on a shared host]
+        self.twins = _twins(self.workers)
+        self.speed = [min(w.speed for w in ws) for ws in self.workers]
+        self.link = shared.link(tuple(placed))
+
+        self.num_stages = num_stages
+
+    def rank_stages(self, ranks: int) -> list[tuple[int, ...]]:
+        """The stages each of ``ranks`` workers of a replica holds (stage ``s`` on ``s % ranks``)."""
+        return [tuple(range(r, self.num_stages, ranks)) for r in range(ranks)]
+
+
+def _twins(workers: Sequence[Sequence[Worker]]) -> list[bool]:
+    """Per stage, whether two of its replicas are CPU workers of one host (contended throughout)."""
+    hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
+    return [len([w for w in ws if w.device == "cpu" and w.host is not None]) > len(hosts[s])
+            for s, ws in enumerate(workers)]
+
+
+def contended_share(sim: SimResult | Timing, workers: Sequence[Sequence[Worker]]) -> list[float]:
     """Per stage, the share of its compute that runs while another CPU worker of its host computes.
 
     ``workers[s]``: the workers of stage ``s``'s replicas; ``sim``: the schedule played with
@@ -297,8 +394,7 @@ def contended_share(sim: SimResult, workers: Sequence[Sequence[Worker]]) -> list
     [Note: contention on a shared host].
     """
     hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
-    twins = [len([w for w in ws if w.device == "cpu" and w.host is not None]) > len(hosts[s])
-             for s, ws in enumerate(workers)]
+    twins = _twins(workers)
     rank_hosts = [set().union(*(hosts[s] for s in stages)) for stages in sim.ranks]
     neighbours = [[n for n, other in enumerate(rank_hosts) if n != r and other & mine]
                   for r, mine in enumerate(rank_hosts)]
@@ -328,57 +424,55 @@ class _Played:
     """A cut of a shape played in the simulator (shared by the memory options with that cut)."""
 
     costs: StageCosts
-    sim: SimResult
+    sim: Timing
     slow_b: tuple[float, ...]  # each stage's backward slowdown on a shared host
 
 
 def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None,
               request: PlanConfig = _SEARCH_ALL, automatic: Automatic = AUTOMATIC,
-              exhaustive: bool = False) -> list[Candidate]:
+              exhaustive: bool = False, shared: _Shared | None = None,
+              only: MemoryOption | None = None) -> list[Candidate]:
     """The candidates of one shape: one per memory option evaluated (see [Note: choosing the memory
-    options]), the replicated option first."""
+    options]), the replicated option first; ``only``: that option alone (if the shape has it)."""
     d, p, mode, sched_name, m, v = shape
+    shared = shared or _Shared(profile, resources)
     precision = request.precision
     ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
     mb = global_batch // (d * m)
     placement = tuple(tuple(resources.workers[r * ranks + s % ranks].name for s in range(p))
                       for r in range(d))
-    workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
-    placed = {w.name: w for ws in workers for w in ws}  # each worker once (it may hold several stages)
-    on_cpu = all(w.device == "cpu" for w in placed.values())
-    on_cuda = all(w.device == "cuda" for w in placed.values())
-    hosts = [w.host for w in placed.values() if w.host is not None]
-    shared_host = on_cpu and len(hosts) > len(set(hosts))  # see [Note: contention on a shared host]
-    speed = [min(w.speed for w in ws) for ws in workers]
-    bw, lat = resources.slowest_link(list(placed))
-    schedule = build_schedule(sched_name, p, m, v)
-    in_flight = tuple(peak_in_flight(acts) for acts in schedule.actions)
-    defer = [defers(acts) and precision == "fp32" for acts in schedule.actions]
+    at = _Placed(shared, placement, p)
+    workers, speed, on_cuda, shared_host = at.workers, at.speed, at.on_cuda, at.shared_host
+    bw, lat = at.link
+    order, lists = schedule_steps(sched_name, p, m, v)
+    in_flight = tuple(peak_in_flight(acts) for acts in lists)
+    defer = [defers(cast(Sequence[Action], acts)) and precision == "fp32" for acts in lists]  # reads kinds
     # a worker's stages share its memory: the cutter gives each its 1/v share, the fit is checked per worker
     limit = [float(min(w.memory_bytes for w in ws)) / v for ws in workers]
-    metas, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
+    _, fwd_bytes, bwd_bytes = shared.scaled(mb)
     nodes = profile.nodes
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     fields = {"staleness": request.staleness if mode == "parameter_server" else 0}
     offload_reason = offload_problem(request, on_cuda)
     played: dict[tuple[tuple[int, ...], bool], _Played] = {}
-    free_cuts: dict[bool, tuple[int, ...] | str] = {}  # per recompute: the cut ignoring memory, or why none
 
     def problem_of(option: MemoryOption) -> CutProblem:
-        return cut_problem(profile, p, microbatch_size=mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed),
-                           data_parallel=d, mode=mode, in_flight=in_flight, memory_limit=limit, defers=defer,
-                           option=option, num_microbatches=m, on_cuda=on_cuda)
+        return shared.problem(p, mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed), data_parallel=d,
+                              mode=mode, in_flight=in_flight, memory_limit=limit, defers=defer, option=option,
+                              num_microbatches=m, on_cuda=on_cuda)
 
     def free_cut(problem: CutProblem, recompute: bool) -> tuple[int, ...] | str:
-        if recompute not in free_cuts:
+        # the cut ignoring memory reads the compute and transfers only: one per these, for every shape
+        key = (p, mb, recompute, min(speed), bw, lat, id(cutter), tuple(balance or ()))
+        if key not in shared.free_cuts:
             free = dataclasses.replace(problem, memory_limit=None)
             try:
-                free_cuts[recompute] = free.check(balance_bounds(balance) if balance is not None
-                                                  else cutter(free))
+                shared.free_cuts[key] = free.check(balance_bounds(balance) if balance is not None
+                                                   else cutter(free))
             except CutError as exc:
-                free_cuts[recompute] = str(exc)
-        return free_cuts[recompute]
+                shared.free_cuts[key] = str(exc)
+        return shared.free_cuts[key]
 
     def reference_optimizer(a: int, b: int, s: int) -> float:
         """The stage's replicated optimizer step (the simulation's start; ZeRO shrinks it, see
@@ -386,11 +480,11 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         share = 1.0 if mode == "collective" else 1.0 / d  # a parameter shard updates 1/d of the stage
         return sum(nd.grad_bytes for nd in nodes[a:b]) * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed[s]
 
-    def play(bounds: tuple[int, ...], recompute: bool, problem: CutProblem) -> _Played:
+    def play_cut(bounds: tuple[int, ...], recompute: bool, problem: CutProblem) -> _Played:
         if (bounds, recompute) in played:
             return played[bounds, recompute]
         spans = list(itertools.pairwise(bounds))
-        times = profile.node_times(mb)
+        times = shared.times(mb)
         alone_f = [sum(f for f, _ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
         alone_b = [sum(b_ + f * recompute for f, b_ in times[a:b]) / speed[s]
                    for s, (a, b) in enumerate(spans)]
@@ -398,21 +492,21 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         inner = bounds[1:-1]
         held = tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans))
 
-        def run(slow_f: Sequence[float], slow_b: Sequence[float]) -> tuple[StageCosts, SimResult]:
+        def run(slow_f: Sequence[float], slow_b: Sequence[float]) -> tuple[StageCosts, Timing]:
             costs = StageCosts(tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_f, slow_f, strict=True)),
                                tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_b, slow_b, strict=True)),
                                tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
                                tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
                                held, start_s=start)
-            return costs, simulate(schedule, costs)
+            return costs, play(sched_name, order, at.rank_stages(ranks), costs)
 
         slow_f = slow_b = [1.0] * p
-        costs, sim = run(slow_f, slow_b)
-        if shared_host:  # played again with each stage's compute slowed for its contended share
-            contended = contended_share(sim, workers)
+        if shared_host:  # played with each stage's compute slowed for its contended share
+            # replicas sharing a host are contended throughout: no need to play the uncontended step
+            contended = ([1.0] * p if all(at.twins) else contended_share(run(slow_f, slow_b)[1], workers))
             slow_f = [1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * c for c in contended]
             slow_b = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * c for c in contended]
-            costs, sim = run(slow_f, slow_b)
+        costs, sim = run(slow_f, slow_b)
         played[bounds, recompute] = _Played(costs, sim, tuple(slow_b))
         return played[bounds, recompute]
 
@@ -430,17 +524,14 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             if balance is None:
                 with contextlib.suppress(CutError):
                     bounds, cut_error = problem.check(cutter(problem)), ""
-        game = play(bounds, option.recompute, problem)
+        game = play_cut(bounds, option.recompute, problem)
         return _candidate(option, bounds, problem, game, cut_error), bounds == free
 
     def _candidate(option: MemoryOption, bounds: tuple[int, ...], problem: CutProblem, game: _Played,
                    cut_error: str) -> Candidate:
         spans = list(itertools.pairwise(bounds))
-        memory = node_memory(nodes, option, mode=mode, data_parallel=d, num_microbatches=m,
-                             activation_bytes=[nd.activation_bytes * mb / profile.microbatch_size
-                                               for nd in nodes], input_bytes=fwd_bytes[:-1],
-                             on_cuda=on_cuda)
-        times = profile.node_times(mb)
+        memory = shared.memory(option, mode, d, m, mb, on_cuda)
+        times = shared.times(mb)
         fwd, bwd = game.costs.forward_s, game.costs.backward_s
         stages = []
         saved = []  # per stage: the optimizer time the option saves against the simulation's start
@@ -451,7 +542,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             hidden = _after_first_bucket([nd.grad_bytes for nd in nodes[a:b]],
                                          [(b_ + f * option.recompute) * game.slow_b[s] / speed[s]
                                           for f, b_ in times[a:b]])
-            link_bw, link_lat = resources.slowest_link(names)
+            link_bw, link_lat = shared.link(names)
             if mode == "collective":
                 sync = sharded_sync(option, d, grad, params, hidden=hidden, compute_s=m * (fwd[s] + bwd[s]),
                                     num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
@@ -470,8 +561,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                 workers=tuple(names), forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
                 param_bytes=params, optimizer_s=step, in_flight=in_flight[s],
                 peak_memory_bytes=int(problem.stage_memory(s, a, b)), memory=use,
-                incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
-                outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
+                incoming=shared.cut_at(a, mb), outgoing=shared.cut_at(b, mb)))
         # per worker: its stages' memory (each at its own peak: an upper bound) and their unhidden syncs
         held_by = [range(k, p, ranks) for k in range(ranks)]
         rank_memory = [sum(stages[s].peak_memory_bytes for s in ss) for ss in held_by]
@@ -503,6 +593,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     cands: list[Candidate] = []
     fits_free = False  # an option without recompute fits with the cut that ignores memory
     for option in memory_options(request, d, mode, on_cuda, automatic):
+        if only is not None and option != only:
+            continue
         if option.recompute and fits_free and not exhaustive:
             continue  # recompute only adds compute (see [Note: choosing the memory options])
         cand, free = evaluate(option)
