@@ -104,6 +104,7 @@ class CutProblem:
     defers: tuple[bool, ...] | None = None
     transient_bytes: tuple[float, ...] | None = None
     _prefix: np.ndarray = field(init=False, repr=False, compare=False)
+    _deferring: tuple[float, ...] | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         n = len(self.compute_s)
@@ -129,6 +130,9 @@ class CutProblem:
         if self.transient_bytes is not None and len(self.transient_bytes) != n:
             raise ValueError("transient_bytes needs n entries")
         object.__setattr__(self, "_prefix", np.concatenate([[0.0], np.cumsum(self.compute_s)]))
+        if self.activation_bytes is not None and self.deferred_bytes is not None:
+            object.__setattr__(self, "_deferring", tuple(
+                max(a, d) for a, d in zip(self.activation_bytes, self.deferred_bytes, strict=True)))
 
     @property
     def num_nodes(self) -> int:
@@ -146,9 +150,9 @@ class CutProblem:
         or for a stage that defers its weight gradients the larger of those and its deferred bytes."""
         if self.activation_bytes is None:
             return None
-        if self.defers is None or self.deferred_bytes is None or not self.defers[stage]:
+        if self.defers is None or self._deferring is None or not self.defers[stage]:
             return self.activation_bytes
-        return tuple(max(a, d) for a, d in zip(self.activation_bytes, self.deferred_bytes, strict=True))
+        return self._deferring
 
     def stage_memory(self, stage: int, start: int, stop: int) -> float:
         """Peak bytes of stage ``stage`` running nodes ``[start, stop)`` (0 without memory data)."""
@@ -226,12 +230,23 @@ def cut_min_max(problem: CutProblem) -> Bounds:
     n, k = problem.num_nodes, problem.num_stages
     prefix = problem._prefix
     least = max(float(prefix[n]) / k, max(problem.compute_s))
-    for factor in _BAND_TRIES:
+    for factor in _BAND_TRIES if _may_fit(problem) else ():
         bounds = _banded(problem, factor * least if least > 0 else math.inf)
         if bounds is not None:
             return bounds
     raise CutError(f"no way to cut {n} nodes into {k} stages within the cuttable positions "
                    "and memory limits")
+
+
+def _may_fit(problem: CutProblem) -> bool:
+    """False when no cut fits memory whatever it is: every node's static bytes and one microbatch of its
+    activations per microbatch the emptiest stage holds exceed all the stages' limits together."""
+    if problem.memory_limit is None or problem.static_bytes is None or problem.activation_bytes is None:
+        return True
+    assert problem.in_flight is not None
+    least = sum(problem.static_bytes) + sum(problem.activation_bytes) * min(problem.in_flight)
+    room = sum(_with_slack(limit) for limit in problem.memory_limit)
+    return least <= room * (1 + 1e-9)
 
 
 def _banded(problem: CutProblem, limit: float) -> Bounds | None:

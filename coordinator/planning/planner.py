@@ -96,6 +96,23 @@ only for a shape where no option without recompute fits with the compute-optimal
 adds compute there and frees memory nobody needs). ``exhaustive=True`` evaluates recompute
 everywhere: the tests check that both choose the same plan.
 
+[Note: the fast search] ``choose_plan`` does not play every shape. It takes a replicated plan
+without recompute whenever one fits, so it first looks for the best of those by branch and bound:
+every shape gets its cut (the cut ignoring memory is computed once per stages, microbatch size,
+recompute, link and speed, and shared by the modes and schedules) and a lower bound on its step
+(``coordinator/planning/closed_form.py``: the pipeline's fill, its busiest rank's work and its
+drain, from the stage costs the simulator would be given, with a shared host's slowdown only where
+it is certain (replicas on one host); the overheads as the plan counts them, the sync as if the whole
+backward hid it; where that cut does not fit memory, the mean work per rank, which any cut reaches).
+Shapes are then played in the simulator in the order of their bounds, exactly as the exhaustive search
+plays them, until the next bound exceeds the best step played (by more than :data:`_BOUND_SLACK`):
+no shape left can win or tie, so the plan is the exhaustive search's, with its predicted step. Ties
+among played shapes go as there: ``_rank``, then the enumeration order. Only when no replicated plan
+fits does the search evaluate every memory option of every shape. What the shapes share is computed
+once per search (:class:`_Shared`): node times, the cut tensors rescaled, node memory per option,
+cut problems, the links.
+``exhaustive=True`` plays every shape: the reference the tests compare against.
+
 [Note: the memory floor] Before a model is profiled (or even allocated), its cells' bytes
 (parameters, buffers, and the gradients and optimizer state of the trainable ones) tell
 the least static memory any plan puts on its fullest worker: :func:`memory_floor` takes,
@@ -118,7 +135,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast, get_args
 
+import numpy as np
+
 from coordinator.planning import memory
+from coordinator.planning.closed_form import pipeline_bound
 from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
 from coordinator.planning.graph import CutInfo, TensorMeta
@@ -137,12 +157,17 @@ from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import peak_in_flight, schedule_steps
+from coordinator.planning.schedules import schedule_steps, stage_holds
 from coordinator.planning.sharding import optimizer_s, sharded_sync
-from coordinator.planning.simulator import SimResult, StageCosts, Timing, compute_overlap, play
-from services.compute.weight_grads import defers
+from coordinator.planning.simulator import (
+    DEFAULT_WEIGHT_FRACTION,
+    SimResult,
+    StageCosts,
+    Timing,
+    compute_overlap,
+    play,
+)
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
-from services.protocol import Action
 
 __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWIDTH_BPS",
            "OPTIMIZER_BANDWIDTH_BPS", "OPTIMIZER_TRAFFIC", "SHARED_HOST_BACKWARD_SLOWDOWN",
@@ -305,6 +330,22 @@ class _Shared:
         return self._get(("cut", index, mb), lambda: self.profile.cuts[index].model_copy(
             update={"tensors": self.scaled(mb)[0][index]}))
 
+    def sums(self, mb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Prefix sums over the nodes at microbatch ``mb``: forward and backward seconds, gradient and
+        parameter bytes (a stage's is a difference: the bounds' rounding, not the plan's)."""
+        def make() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            times = self.times(mb)
+            nodes = self.profile.nodes
+            def prefix(x: Sequence[float]) -> np.ndarray:
+                return np.concatenate([[0.0], np.cumsum(np.asarray(x, dtype=np.float64))])
+            return (prefix([f for f, _ in times]), prefix([b for _, b in times]),
+                    prefix([nd.grad_bytes for nd in nodes]), prefix([nd.param_bytes for nd in nodes]))
+        return self._get(("sums", mb), make)
+
+    def placed(self, placement: tuple[tuple[str, ...], ...], num_stages: int) -> _Placed:
+        """The workers of ``placement`` (one per placement: many shapes share it)."""
+        return self._get(("placed", placement), lambda: _Placed(self, placement, num_stages))
+
     def link(self, names: Sequence[str]) -> tuple[float, float]:
         """The slowest link among ``names`` (it depends on the set only)."""
         assert self.resources is not None
@@ -338,7 +379,21 @@ class _Shared:
                 data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
                 memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
                 num_microbatches: int, on_cuda: bool) -> CutProblem:
-        """:func:`cut_problem` from the shared parts."""
+        """:func:`cut_problem` from the shared parts (one per its arguments: modes and schedules share it)."""
+        replicas = data_parallel if mode != "collective" else 0  # parameter servers' memory reads it
+        key = ("problem", num_stages, mb, bandwidth_bps, latency_s, speed, replicas, mode,
+               None if in_flight is None else tuple(in_flight),
+               None if memory_limit is None else tuple(memory_limit),
+               None if defers is None else tuple(defers), option, num_microbatches > 1, on_cuda)
+        return self._get(key, lambda: self._problem(
+            num_stages, mb, bandwidth_bps=bandwidth_bps, latency_s=latency_s, speed=speed,
+            data_parallel=data_parallel, mode=mode, in_flight=in_flight, memory_limit=memory_limit,
+            defers=defers, option=option, num_microbatches=num_microbatches, on_cuda=on_cuda))
+
+    def _problem(self, num_stages: int, mb: int, *, bandwidth_bps: float, latency_s: float, speed: float,
+                 data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
+                 memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
+                 num_microbatches: int, on_cuda: bool) -> CutProblem:
         profile = self.profile
         scale = mb / profile.microbatch_size
         memory = self.memory(option, mode, data_parallel, num_microbatches, mb, on_cuda)
@@ -369,8 +424,16 @@ class _Placed:
         self.twins = _twins(self.workers)
         self.speed = [min(w.speed for w in ws) for ws in self.workers]
         self.link = shared.link(tuple(placed))
+        self._shared = shared
+        self._stage_links: dict[int, tuple[float, float]] = {}
 
         self.num_stages = num_stages
+
+    def stage_link(self, stage: int) -> tuple[float, float]:
+        """The slowest link among the stage's replicas."""
+        if stage not in self._stage_links:
+            self._stage_links[stage] = self._shared.link([w.name for w in self.workers[stage]])
+        return self._stage_links[stage]
 
     def rank_stages(self, ranks: int) -> list[tuple[int, ...]]:
         """The stages each of ``ranks`` workers of a replica holds (stage ``s`` on ``s % ranks``)."""
@@ -428,6 +491,67 @@ class _Played:
     slow_b: tuple[float, ...]  # each stage's backward slowdown on a shared host
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """A shape before any cut: where it runs, its schedule's lists, what each stage holds and may use."""
+
+    shape: Shape
+    mb: int  # samples per microbatch
+    ranks: int  # workers per replica
+    placement: tuple[tuple[str, ...], ...]
+    at: _Placed
+    in_flight: tuple[int, ...]
+    defer: list[bool]
+    limit: list[float]
+    options: list[MemoryOption]
+
+
+def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig,
+           automatic: Automatic) -> _Setup:
+    """A shape's setup (see [Note: several stages per worker] for the placement)."""
+    resources = shared.resources
+    assert resources is not None
+    d, p, mode, sched_name, m, v = shape
+    ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
+    placement = tuple(tuple(resources.workers[r * ranks + s % ranks].name for s in range(p))
+                      for r in range(d))
+    at = shared.placed(placement, p)
+    in_flight, defers = stage_holds(sched_name, p, m, v)
+    defer = [deferring and request.precision == "fp32" for deferring in defers]
+    # a worker's stages share its memory: the cutter gives each its 1/v share, the fit is checked per worker
+    limit = [float(min(w.memory_bytes for w in ws)) / v for ws in at.workers]
+    options = memory_options(request, d, mode, at.on_cuda, automatic)
+    return _Setup(shape, global_batch // (d * m), ranks, placement, at, in_flight, defer, limit, options)
+
+
+def _free_cut(shared: _Shared, problem: CutProblem, key: tuple[object, ...], cutter: Cutter,
+              balance: Sequence[int] | None) -> tuple[int, ...] | str:
+    """The cut ignoring memory (it reads the compute and transfers only: one per ``key`` for every shape),
+    or why none exists."""
+    if key not in shared.free_cuts:
+        free = dataclasses.replace(problem, memory_limit=None)
+        try:
+            shared.free_cuts[key] = free.check(balance_bounds(balance) if balance is not None
+                                               else cutter(free))
+        except CutError as exc:
+            shared.free_cuts[key] = str(exc)
+    return shared.free_cuts[key]
+
+
+def _cut_within(problem: CutProblem, free: tuple[int, ...], cutter: Cutter,
+                balance: Sequence[int] | None) -> tuple[tuple[int, ...], str]:
+    """The compute-optimal cut when it fits (shared by the options), else the cutter's within memory; and
+    why no cut fits memory ("" if one does)."""
+    try:
+        return problem.check(free), ""
+    except CutError as exc:
+        bounds, cut_error = free, str(exc)
+        if balance is None:
+            with contextlib.suppress(CutError):
+                bounds, cut_error = problem.check(cutter(problem)), ""
+    return bounds, cut_error
+
+
 def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None,
               request: PlanConfig = _SEARCH_ALL, automatic: Automatic = AUTOMATIC,
@@ -438,18 +562,12 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     d, p, mode, sched_name, m, v = shape
     shared = shared or _Shared(profile, resources)
     precision = request.precision
-    ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
-    mb = global_batch // (d * m)
-    placement = tuple(tuple(resources.workers[r * ranks + s % ranks].name for s in range(p))
-                      for r in range(d))
-    at = _Placed(shared, placement, p)
+    setup = _setup(shared, shape, global_batch, request, automatic)
+    mb, ranks, placement, at = setup.mb, setup.ranks, setup.placement, setup.at
+    order = schedule_steps(sched_name, p, m, v)[0]  # per rank
+    in_flight, defer, limit = setup.in_flight, setup.defer, setup.limit
     workers, speed, on_cuda, shared_host = at.workers, at.speed, at.on_cuda, at.shared_host
     bw, lat = at.link
-    order, lists = schedule_steps(sched_name, p, m, v)
-    in_flight = tuple(peak_in_flight(acts) for acts in lists)
-    defer = [defers(cast(Sequence[Action], acts)) and precision == "fp32" for acts in lists]  # reads kinds
-    # a worker's stages share its memory: the cutter gives each its 1/v share, the fit is checked per worker
-    limit = [float(min(w.memory_bytes for w in ws)) / v for ws in workers]
     _, fwd_bytes, bwd_bytes = shared.scaled(mb)
     nodes = profile.nodes
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
@@ -463,16 +581,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                               num_microbatches=m, on_cuda=on_cuda)
 
     def free_cut(problem: CutProblem, recompute: bool) -> tuple[int, ...] | str:
-        # the cut ignoring memory reads the compute and transfers only: one per these, for every shape
         key = (p, mb, recompute, min(speed), bw, lat, id(cutter), tuple(balance or ()))
-        if key not in shared.free_cuts:
-            free = dataclasses.replace(problem, memory_limit=None)
-            try:
-                shared.free_cuts[key] = free.check(balance_bounds(balance) if balance is not None
-                                                   else cutter(free))
-            except CutError as exc:
-                shared.free_cuts[key] = str(exc)
-        return shared.free_cuts[key]
+        return _free_cut(shared, problem, key, cutter, balance)
 
     def reference_optimizer(a: int, b: int, s: int) -> float:
         """The stage's replicated optimizer step (the simulation's start; ZeRO shrinks it, see
@@ -516,14 +626,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         free = free_cut(problem, option.recompute)
         if isinstance(free, str):
             return Candidate(d, p, mode, sched_name, m, None, free, v, option), False
-        cut_error = ""  # why no cut fits memory, when only a cut ignoring memory exists
-        try:  # the compute-optimal cut when it fits (shared by the options), else the cutter within memory
-            bounds = problem.check(free)
-        except CutError as exc:
-            bounds, cut_error = free, str(exc)
-            if balance is None:
-                with contextlib.suppress(CutError):
-                    bounds, cut_error = problem.check(cutter(problem)), ""
+        bounds, cut_error = _cut_within(problem, free, cutter, balance)
         game = play_cut(bounds, option.recompute, problem)
         return _candidate(option, bounds, problem, game, cut_error), bounds == free
 
@@ -592,7 +695,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
 
     cands: list[Candidate] = []
     fits_free = False  # an option without recompute fits with the cut that ignores memory
-    for option in memory_options(request, d, mode, on_cuda, automatic):
+    for option in setup.options:
         if only is not None and option != only:
             continue
         if option.recompute and fits_free and not exhaustive:
@@ -601,6 +704,90 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         fits_free |= cand.fits and free and not option.recompute
         cands.append(cand)
     return cands
+
+
+def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: Cutter,
+                      balance: Sequence[int] | None) -> float:
+    """A lower bound on the step of the shape's replicated candidate; inf when it cannot fit (see
+    [Note: the fast search])."""
+    d, p, mode, sched_name, m, _ = setup.shape
+    at, mb = setup.at, setup.mb
+    bw, lat = at.link
+    speed = at.speed
+    problem = shared.problem(p, mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed), data_parallel=d,
+                             mode=mode, in_flight=setup.in_flight, memory_limit=setup.limit,
+                             defers=setup.defer, option=REPLICATED, num_microbatches=m, on_cuda=at.on_cuda)
+    free = _free_cut(shared, problem, (p, mb, False, min(speed), bw, lat, id(cutter), tuple(balance or ())),
+                     cutter, balance)
+    if isinstance(free, str):
+        return math.inf
+    sums = shared.sums(mb)  # prefix sums over the nodes: forward, backward, gradient and parameter bytes
+    try:
+        bounds = problem.check(free)
+    except CutError:  # the cut within memory is the simulator's business: a bound that needs no cut
+        work = (sums[0][-1] + sums[1][-1]) / max(speed) + 2 * p * ACTION_OVERHEAD_S
+        return float(m * work / setup.ranks + 2 * CONTROL_MESSAGE_S)  # the busiest rank: at least the mean
+    cut = np.asarray(bounds)
+    fwd, bwd, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
+    _, fwd_bytes, bwd_bytes = shared.scaled(mb)
+    # the slowdown of a shared host where it is certain (replicas on one host), else none: a lower bound
+    certain = [at.shared_host and twin for twin in at.twins]
+    forward = [fwd[s] / speed[s] * (1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
+               for s in range(p)]
+    backward = [bwd[s] / speed[s] * (1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
+                for s in range(p)]
+    inner = bounds[1:-1]
+    traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
+    share = 1.0 if mode == "collective" else 1.0 / d
+    start = [grads[s] * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed[s] for s in range(p)]
+    pipeline = pipeline_bound(sched_name, m, setup.ranks, forward, backward,
+                              [_transfer(fwd_bytes[c], bw, lat) for c in inner],
+                              [_transfer(bwd_bytes[c], bw, lat) for c in inner], start,
+                              [t * DEFAULT_WEIGHT_FRACTION for t in backward])
+    sync = [0.0] * p
+    if d > 1:
+        slow = 1.0 if not at.shared_host else SHARED_HOST_BACKWARD_SLOWDOWN
+        for s in range(p):
+            hidden = bwd[s] * slow / speed[s]  # at most the whole backward hides it
+            link_bw, link_lat = at.stage_link(s)
+            sync[s] = (sharded_sync(REPLICATED, d, grads[s], params[s], hidden=hidden, compute_s=0.0,
+                                    num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
+                                    latency=link_lat) if mode == "collective"
+                       else _sync(mode, grads[s], d, hidden, link_bw, link_lat))
+    sync_time = max(sum(sync[s] for s in range(k, p, setup.ranks)) for k in range(setup.ranks))
+    check = max(grads[s] / speed[s] for s in range(p)) / GRADIENT_CHECK_BANDWIDTH_BPS
+    return float(pipeline + sync_time + 2 * CONTROL_MESSAGE_S + check)
+
+
+# Shapes whose bound is within this share of the best step played so far are played too: the bound and
+# the simulator round differently, and the ranking compares steps to 9 significant digits.
+_BOUND_SLACK = 1e-8
+
+
+def _fast_choice(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,
+                 automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape]) -> Plan | None:
+    """The plan :func:`choose_plan` picks among the replicated candidates, by branch and bound: None when
+    no replicated candidate fits (see [Note: the fast search])."""
+    shared = _Shared(profile, resources)
+    ranked = []
+    for index, shape in enumerate(shapes):
+        setup = _setup(shared, shape, global_batch, request, automatic)
+        if REPLICATED not in setup.options:
+            continue
+        bound = _replicated_bound(profile, shared, setup, cutter, request.balance)
+        if math.isfinite(bound):
+            ranked.append((bound, index, shape))
+    ranked.sort(key=lambda e: (e[0], e[1]))
+    best: tuple[tuple[float, int, int, tuple[int, int, int], float], int] | None = None
+    plan: Plan | None = None
+    for bound, index, shape in ranked:
+        if plan is not None and bound > plan.step_time_s * (1 + _BOUND_SLACK):
+            break  # every shape left is slower than the best: none of them can win, nor tie
+        cand = _evaluate(profile, resources, shape, global_batch, cutter, request.cutter, request.balance,
+                         request, automatic, shared=shared, only=REPLICATED)[0]
+        if cand.fits and (best is None or (_rank(cand), index) < best):
+            best, plan = (_rank(cand), index), cand.plan
+    return plan
 
 
 @dataclass(frozen=True)
@@ -739,13 +926,27 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
     Raises:
         PlanningError: If the fixed fields contradict the model or the resources, or the cutter is unknown.
     """
+    cut_fn, sharded = _shapes(profile, resources, request, global_batch)
+    automatic = automatic or memory.AUTOMATIC  # read when called: a merge or a test may widen it
+    shared = _Shared(profile, resources)
+    return [c for sh in sharded for c in _evaluate(profile, resources, sh, global_batch, cut_fn,
+                                                   request.cutter, request.balance, request, automatic,
+                                                   exhaustive, shared)]
+
+
+def _shapes(profile: Profile, resources: Resources, request: PlanConfig,
+            global_batch: int) -> tuple[Cutter, list[Shape]]:
+    """The cutter and the shapes to evaluate.
+
+    Raises:
+        PlanningError: If the fixed fields contradict the model or the resources, or the cutter is unknown.
+    """
     try:
         cut_fn = get_cutter(request.cutter)
     except ValueError as exc:
         raise PlanningError(str(exc)) from None
     if request.offload and not any(w.device == "cuda" for w in resources.workers):
         raise PlanningError(offload_problem(request, on_cuda=False))
-    automatic = automatic or memory.AUTOMATIC  # read when called: a merge or a test may widen it
     max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
     fixed = resolve(request, profile.num_nodes, max_stages, resources.num_workers)
     shapes = plan_shapes(request, fixed, global_batch)
@@ -756,9 +957,7 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
                             f"replicas{factor}, and no plan the request allows has them (replicas: "
                             f"{sorted({sh[0] for sh in shapes})}): give more workers, fix plan.data_parallel "
                             "to a multiple of the factor, or drop plan.zero")
-    return [c for sh in sharded for c in _evaluate(profile, resources, sh, global_batch, cut_fn,
-                                                   request.cutter, request.balance, request, automatic,
-                                                   exhaustive)]
+    return cut_fn, sharded
 
 
 def _rank(c: Candidate) -> tuple[float, int, int, tuple[int, int, int], float]:
@@ -791,6 +990,12 @@ def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _S
         PlanningError: If the request is impossible or no plan fits in memory; the message
             says why and names a plan that would fit when one exists.
     """
+    if not exhaustive:
+        cut_fn, shapes = _shapes(profile, resources, request, global_batch)
+        fast = _fast_choice(profile, resources, request, global_batch, automatic or memory.AUTOMATIC, cut_fn,
+                            shapes)
+        if fast is not None:
+            return fast
     cands = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
                             exhaustive=exhaustive)
     fitting = [c for c in cands if c.fits]

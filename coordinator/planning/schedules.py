@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple, TypeAlias, cast
 
 from services.compute.actions import ScheduleError, format_schedule, validate_schedule
 from services.protocol import Action, ActionKind
 
 __all__ = ["CHUNKED", "SCHEDULES", "Schedule", "Step", "build_schedule", "gpipe", "interleaved_1f1b",
            "interleaved_group", "one_f_one_b", "peak_in_flight", "schedule_problem", "schedule_steps",
+           "stage_holds",
            "zb_h1"]
 
 _HEAD = re.compile(r"(\S+): (\d+) stages? x (\d+) microbatch(?:es)?")
@@ -425,6 +426,38 @@ def schedule_steps(name: str, num_stages: int, num_microbatches: int, chunks: in
                             for acts in built.actions)
     lists = _LISTS[name](num_stages, num_microbatches)
     return lists, lists
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_holds(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> tuple[tuple[int, ...],
+                                                                                            tuple[bool, ...]]:
+    """Per stage of the schedule :func:`build_schedule` builds: the most microbatches it holds at once
+    (:func:`peak_in_flight` of its list) and whether it defers its weight gradients
+    (``services.compute.weight_grads.defers``), without the lists where a closed form gives them:
+
+    - GPipe: every stage holds all ``m``, and defers when ``m >= 2`` (every ``B`` after every ``F``);
+    - 1F1B: stage ``s`` holds ``min(p - s, m)``, and defers only when its warm-up and the first steady
+      forward are every forward (``2 <= m <= p - s``);
+    - ZB-H1: every stage holds ``min(p, m)`` (its ``W`` s start after ``s + 1`` forwards beyond the
+      warm-up of ``p - s - 1``) and defers (it splits its backward).
+
+    Others (interleaved, a registered schedule) from their lists.
+
+    Raises:
+        ValueError: If the name is unknown or the shape is refused.
+    """
+    p, m = num_stages, num_microbatches
+    if name == "gpipe" and chunks == 1:
+        return (m,) * p, (m >= 2,) * p
+    if name == "1f1b" and chunks == 1:
+        return tuple(min(p - s, m) for s in range(p)), tuple(2 <= m <= p - s for s in range(p))
+    if name == "zb-h1" and chunks == 1:
+        return (min(p, m),) * p, (True,) * p
+    from services.compute.weight_grads import defers  # the services' rule, on the lists' kinds
+
+    _, lists = schedule_steps(name, num_stages, num_microbatches, chunks)
+    return (tuple(peak_in_flight(acts) for acts in lists),
+            tuple(defers(cast(Sequence[Action], acts)) for acts in lists))
 
 
 def peak_in_flight(actions: Iterable[Action | Step]) -> int:
