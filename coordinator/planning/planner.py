@@ -104,13 +104,14 @@ recompute, link and speed, and shared by the modes and schedules) and a lower bo
 drain, from the stage costs the simulator would be given, with a shared host's slowdown only where
 it is certain (replicas on one host); the overheads as the plan counts them, the sync as if the whole
 backward hid it; where that cut does not fit memory, the mean work per rank, which any cut reaches).
-Shapes are then played in the simulator in the order of their bounds, exactly as the exhaustive search
-plays them, until the next bound exceeds the best step played (by more than :data:`_BOUND_SLACK`):
-no shape left can win or tie, so the plan is the exhaustive search's, with its predicted step. Ties
-among played shapes go as there: ``_rank``, then the enumeration order. Only when no replicated plan
-fits does the search evaluate every memory option of every shape. What the shapes share is computed
-once per search (:class:`_Shared`): node times, the cut tensors rescaled, node memory per option,
-cut problems, the links.
+Shapes wait in a heap, first under a bound that needs no cut (``_work_bound``), then under the bound
+with their cut, and are played in the simulator, exactly as the exhaustive search plays them, in the
+order of their bounds until the next bound exceeds the best step played (by more than
+:data:`_BOUND_SLACK`): no shape left can win or tie, so the plan is the exhaustive search's, with its
+predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order. Only
+when no replicated plan fits does the search evaluate every memory option of every shape. What the
+shapes share is computed once per search (:class:`_Shared`): node times, the cut tensors rescaled,
+node memory per option, cut problems, the links.
 ``exhaustive=True`` plays every shape: the reference the tests compare against.
 
 [Note: the memory floor] Before a model is profiled (or even allocated), its cells' bytes
@@ -129,6 +130,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -725,8 +727,7 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     try:
         bounds = problem.check(free)
     except CutError:  # the cut within memory is the simulator's business: a bound that needs no cut
-        work = (sums[0][-1] + sums[1][-1]) / max(speed) + 2 * p * ACTION_OVERHEAD_S
-        return float(m * work / setup.ranks + 2 * CONTROL_MESSAGE_S)  # the busiest rank: at least the mean
+        return _work_bound(shared, setup.shape, mb * d * m, max(speed))
     cut = np.asarray(bounds)
     fwd, bwd, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
     _, fwd_bytes, bwd_bytes = shared.scaled(mb)
@@ -769,25 +770,45 @@ def _fast_choice(profile: Profile, resources: Resources, request: PlanConfig, gl
     """The plan :func:`choose_plan` picks among the replicated candidates, by branch and bound: None when
     no replicated candidate fits (see [Note: the fast search])."""
     shared = _Shared(profile, resources)
-    ranked = []
-    for index, shape in enumerate(shapes):
-        setup = _setup(shared, shape, global_batch, request, automatic)
-        if REPLICATED not in setup.options:
-            continue
-        bound = _replicated_bound(profile, shared, setup, cutter, request.balance)
-        if math.isfinite(bound):
-            ranked.append((bound, index, shape))
-    ranked.sort(key=lambda e: (e[0], e[1]))
+    fastest = max(w.speed for w in resources.workers)
+    # (bound, index, tight): the work bound first, the bound with a cut when it comes up, then the play
+    heap = [(_work_bound(shared, shape, global_batch, fastest), index, False)
+            for index, shape in enumerate(shapes)]
+    heapq.heapify(heap)
     best: tuple[tuple[float, int, int, tuple[int, int, int], float], int] | None = None
     plan: Plan | None = None
-    for bound, index, shape in ranked:
+    while heap:
+        bound, index, tight = heapq.heappop(heap)
         if plan is not None and bound > plan.step_time_s * (1 + _BOUND_SLACK):
             break  # every shape left is slower than the best: none of them can win, nor tie
+        shape = shapes[index]
+        if not tight:
+            setup = _setup(shared, shape, global_batch, request, automatic)
+            if REPLICATED in setup.options:
+                bound = _replicated_bound(profile, shared, setup, cutter, request.balance)
+                if math.isfinite(bound):
+                    heapq.heappush(heap, (bound, index, True))
+            continue
         cand = _evaluate(profile, resources, shape, global_batch, cutter, request.cutter, request.balance,
                          request, automatic, shared=shared, only=REPLICATED)[0]
         if cand.fits and (best is None or (_rank(cand), index) < best):
             best, plan = (_rank(cand), index), cand.plan
     return plan
+
+
+def _work_bound(shared: _Shared, shape: Shape, global_batch: int, fastest: float) -> float:
+    """A lower bound on any plan of ``shape`` that needs no cut: its busiest rank does at least the mean
+    work, every node's forward and backward on the fastest worker plus each action's overhead; and for
+    GPipe and 1F1B, ``C / (1 - (1 - 1/m)^p)`` with ``C`` that work for one microbatch: the bound of
+    ``closed_form`` is at least ``sum_{j<r} c_j + m c_r`` for every stage ``r``, and the mean of those
+    weighted by ``(1 - 1/m)^(p-1-r)`` is that, whatever the cut."""
+    d, p, _, name, m, v = shape
+    sums = shared.sums(global_batch // (d * m))
+    work = (sums[0][-1] + sums[1][-1]) / fastest + 2 * p * ACTION_OVERHEAD_S
+    bound = m * work / (p // v)
+    if name in ("gpipe", "1f1b") and v == 1:
+        bound = max(bound, work / (1 - (1 - 1 / m) ** p))
+    return float(bound + 2 * CONTROL_MESSAGE_S)
 
 
 @dataclass(frozen=True)

@@ -453,11 +453,43 @@ def stage_holds(name: str, num_stages: int, num_microbatches: int, chunks: int =
         return tuple(min(p - s, m) for s in range(p)), tuple(2 <= m <= p - s for s in range(p))
     if name == "zb-h1" and chunks == 1:
         return (min(p, m),) * p, (True,) * p
+    if name == "interleaved-1f1b" and schedule_problem(name, p, m, chunks) is None:
+        return _interleaved_holds(p, m, chunks)
     from services.compute.weight_grads import defers  # the services' rule, on the lists' kinds
 
     _, lists = schedule_steps(name, num_stages, num_microbatches, chunks)
     return (tuple(peak_in_flight(acts) for acts in lists),
             tuple(defers(cast(Sequence[Action], acts)) for acts in lists))
+
+
+def _interleaved_holds(p: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """:func:`stage_holds` of interleaved 1F1B: its ranks' forwards and backwards in :func:`_interleaved`'s
+    order, counted per stage without building the lists (a stage defers when all its forwards come
+    before its first backward and it has two or more)."""
+    num_ranks = p // v
+    g = interleaved_group(num_ranks, m)
+    assert g is not None
+    held, peak = [0] * p, [0] * p
+    last_forward, first_backward = [-1] * p, [-1] * p
+    for r in range(num_ranks):
+        warmup = min((v - 1) * g + 2 * (num_ranks - 1 - r), v * m)
+        steps = [(True, k) for k in range(warmup)]
+        for k in range(v * m - warmup):
+            steps += [(True, warmup + k), (False, k)]
+        steps += [(False, k) for k in range(v * m - warmup, v * m)]
+        for t, (forward, k) in enumerate(steps):
+            chunk = (k // g) % v
+            if forward:
+                s = chunk * num_ranks + r
+                held[s] += 1
+                peak[s] = max(peak[s], held[s])
+                last_forward[s] = t
+            else:
+                s = (v - 1 - chunk) * num_ranks + r
+                held[s] -= 1
+                if first_backward[s] < 0:
+                    first_backward[s] = t
+    return tuple(peak), tuple(m >= 2 and last_forward[s] < first_backward[s] for s in range(p))
 
 
 def peak_in_flight(actions: Iterable[Action | Step]) -> int:

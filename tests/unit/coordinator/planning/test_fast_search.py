@@ -19,8 +19,16 @@ from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import Profile
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import schedule_problem, schedule_steps
+from coordinator.planning.schedules import (
+    Step,
+    build_schedule,
+    peak_in_flight,
+    schedule_problem,
+    schedule_steps,
+    stage_holds,
+)
 from coordinator.planning.simulator import StageCosts, play
+from services.compute.weight_grads import defers
 
 MiB = 2**20
 KiB = 2**10
@@ -128,3 +136,23 @@ def test_a_thousand_nodes_on_1024_workers_is_planned() -> None:
     plan = choose_plan(prof, res, PlanConfig(num_stages=128), global_batch=4096)
     assert plan.num_stages == 128 and plan.num_workers <= 1024
     assert plan.bounds[0] == 0 and plan.bounds[-1] == 1000
+
+
+def test_stage_holds_is_what_the_built_schedules_hold() -> None:
+    """The closed forms (and interleaved 1F1B's count) against the built, validated schedules' lists."""
+    for name in ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]:
+        for p in range(1, 10):
+            for m in range(1, 13):
+                for v in [2, 3, 4] if name == "interleaved-1f1b" else [1]:
+                    if schedule_problem(name, p, m, v):
+                        continue
+                    built = build_schedule(name, p, m, v)
+                    assert stage_holds(name, p, m, v) == (
+                        tuple(peak_in_flight(acts) for acts in built.actions),
+                        tuple(defers(acts) for acts in built.actions))
+                    order, lists = schedule_steps(name, p, m, v)
+                    assert lists == tuple(tuple(Step(a.stage, a.kind, a.microbatch) for a in acts)
+                                          for acts in built.actions)
+                    steps = [[Step(a.stage, a.kind, a.microbatch) for a in built.rank_actions(r)]
+                             for r in range(built.num_ranks)]
+                    assert order == tuple(map(tuple, steps))
