@@ -108,7 +108,8 @@ def main() -> None:
             row = run_case(nodes, workers, stages, args)
             rows.append(row)
             before, every = row.get("baseline_s"), row.get("exhaustive_s")
-            before_s = "-" if before is None else f"{before:.2f}"
+            before_s = ("-" if "baseline_plan" not in row else f">{args.timeout:.0f}" if before is None
+                        else f"{before:.2f}")
             every_s = "-" if every is None else f"{every:.2f}"
             print(f"{f'{nodes} x {workers}':>16} {stages or 'any':>6} {row['global_batch']:>6} "
                   f"{row['shapes']:>7} {before_s:>9} {every_s:>9} {row['fast_s']:>8.3f}  "
