@@ -97,6 +97,24 @@ only for a shape where no option without recompute fits with the compute-optimal
 adds compute there and frees memory nobody needs). ``exhaustive=True`` evaluates recompute
 everywhere: the tests check that both choose the same plan.
 
+[Note: the fast search] ``choose_plan`` does not play every shape. It takes a replicated plan
+without recompute whenever one fits, so it first looks for the best of those by branch and bound:
+every shape gets its cut (the cut ignoring memory is computed once per stages, microbatch size,
+recompute, link and speed, and shared by the modes and schedules) and a lower bound on its step
+(``coordinator/planning/closed_form.py``: the pipeline's fill, its busiest rank's work and its
+drain, from the stage costs the simulator would be given, with a shared host's slowdown only where
+it is certain (replicas on one host); the overheads as the plan counts them, the sync as if the whole
+backward hid it; where that cut does not fit memory, the mean work per rank, which any cut reaches).
+Shapes wait in a heap, first under a bound that needs no cut (``_work_bound``), then under the bound
+with their cut, and are played in the simulator, exactly as the exhaustive search plays them, in the
+order of their bounds until the next bound exceeds the best step played (by more than
+:data:`_BOUND_SLACK`): no shape left can win or tie, so the plan is the exhaustive search's, with its
+predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order. Only
+when no replicated plan fits does the search evaluate every memory option of every shape. What the
+shapes share is computed once per search (:class:`_Shared`): node times, the cut tensors rescaled,
+node memory per option, cut problems, the links.
+``exhaustive=True`` plays every shape: the reference the tests compare against.
+
 [Note: the memory floor] Before a model is profiled (or even allocated), its cells' bytes
 (parameters, buffers, and the gradients and optimizer state of the trainable ones) tell
 the least static memory any plan puts on its fullest worker: :func:`memory_floor` takes,
@@ -113,22 +131,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import get_args
+from typing import TypeVar, cast, get_args
+
+import numpy as np
 
 from coordinator.planning import memory
+from coordinator.planning.closed_form import pipeline_bound
 from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
-from coordinator.planning.graph import TensorMeta
+from coordinator.planning.graph import CutInfo, TensorMeta
 from coordinator.planning.memory import (
     AUTOMATIC,
     REPLICATED,
     ZERO3_GATHERED_UNITS,
     Automatic,
     MemoryOption,
+    NodeMemory,
     memory_options,
     node_memory,
 )
@@ -137,10 +160,16 @@ from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import build_schedule, peak_in_flight
+from coordinator.planning.schedules import schedule_steps, stage_holds
 from coordinator.planning.sharding import optimizer_s, sharded_sync
-from coordinator.planning.simulator import SimResult, StageCosts, compute_overlap, simulate
-from services.compute.weight_grads import defers
+from coordinator.planning.simulator import (
+    DEFAULT_WEIGHT_FRACTION,
+    SimResult,
+    StageCosts,
+    Timing,
+    compute_overlap,
+    play,
+)
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
 
 __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWIDTH_BPS",
@@ -149,6 +178,7 @@ __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWID
            "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "contended_share",
            "cut_problem", "format_candidates", "memory_floor"]
 
+T = TypeVar("T")
 _SEARCH_ALL = PlanConfig()  # nothing fixed
 # how the search runs and what every plan computes in, not a shape it is asked to fix
 _SEARCH_FIELDS = {"cutter", "max_microbatches", "precision"}
@@ -268,27 +298,159 @@ def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | Non
         num_microbatches: Per step (sharded gradients accumulate whole over several).
         on_cuda: Whether the workers run on CUDA (offload saves only there).
     """
-    mb = microbatch_size or profile.microbatch_size
-    scale = mb / profile.microbatch_size
-    times = profile.node_times(mb)
-    _, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
-    cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
-                  for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
-    memory = node_memory(profile.nodes, option, mode=mode, data_parallel=data_parallel,
-                         num_microbatches=num_microbatches,
-                         activation_bytes=[nd.activation_bytes * scale for nd in profile.nodes],
-                         input_bytes=fwd_bytes[:-1], on_cuda=on_cuda)
-    limits = tuple(memory_limit) if memory_limit is not None else None
-    recompute = 2 if option.recompute else 1  # the backward pays the forward again
-    return CutProblem(tuple((recompute * f + b) / speed for f, b in times), cut_s, num_stages,
-                      tuple(c.cuttable for c in profile.cuts), memory.static, memory.held,
-                      tuple(in_flight) if in_flight is not None else (1,) * num_stages, limits,
-                      None if defers is None else tuple(nd.deferred_bytes * scale for nd in profile.nodes),
-                      None if defers is None else tuple(defers),
-                      memory.transient if any(memory.transient) else None)
+    return _Shared(profile).problem(
+        num_stages, microbatch_size or profile.microbatch_size, bandwidth_bps=bandwidth_bps,
+        latency_s=latency_s, speed=speed, data_parallel=data_parallel, mode=mode, in_flight=in_flight,
+        memory_limit=memory_limit, defers=defers, option=option, num_microbatches=num_microbatches,
+        on_cuda=on_cuda)
 
 
-def contended_share(sim: SimResult, workers: Sequence[Sequence[Worker]]) -> list[float]:
+class _Shared:
+    """What the shapes of one search share, computed once ([Note: the fast search]): per microbatch size
+    the node times, the cut tensors rescaled, every node's memory per option; the links of a group of
+    workers; the cut that ignores memory per (stages, microbatch size, recompute, link, speed)."""
+
+    def __init__(self, profile: Profile, resources: Resources | None = None) -> None:
+        self.profile = profile
+        self.resources = resources
+        self.by_name = {w.name: w for w in resources.workers} if resources is not None else {}
+        self._memo: dict[tuple[object, ...], object] = {}
+        self.free_cuts: dict[tuple[object, ...], tuple[int, ...] | str] = {}
+
+    def _get(self, key: tuple[object, ...], make: Callable[[], T]) -> T:
+        if key not in self._memo:
+            self._memo[key] = make()
+        return cast(T, self._memo[key])
+
+    def times(self, mb: int) -> list[tuple[float, float]]:
+        return self._get(("times", mb), lambda: self.profile.node_times(mb))
+
+    def scaled(self, mb: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
+        return self._get(("scaled", mb), lambda: _scaled_cuts(self.profile, mb))
+
+    def cut_at(self, index: int, mb: int) -> CutInfo:
+        """Cut ``index`` with its tensors at microbatch ``mb``."""
+        return self._get(("cut", index, mb), lambda: self.profile.cuts[index].model_copy(
+            update={"tensors": self.scaled(mb)[0][index]}))
+
+    def sums(self, mb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Prefix sums over the nodes at microbatch ``mb``: forward and backward seconds, gradient and
+        parameter bytes (a stage's is a difference: the bounds' rounding, not the plan's)."""
+        def make() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            times = self.times(mb)
+            nodes = self.profile.nodes
+            def prefix(x: Sequence[float]) -> np.ndarray:
+                return np.concatenate([[0.0], np.cumsum(np.asarray(x, dtype=np.float64))])
+            return (prefix([f for f, _ in times]), prefix([b for _, b in times]),
+                    prefix([nd.grad_bytes for nd in nodes]), prefix([nd.param_bytes for nd in nodes]))
+        return self._get(("sums", mb), make)
+
+    def placed(self, placement: tuple[tuple[str, ...], ...], num_stages: int) -> _Placed:
+        """The workers of ``placement`` (one per placement: many shapes share it)."""
+        return self._get(("placed", placement), lambda: _Placed(self, placement, num_stages))
+
+    def link(self, names: Sequence[str]) -> tuple[float, float]:
+        """The slowest link among ``names`` (it depends on the set only)."""
+        assert self.resources is not None
+        resources = self.resources
+        return self._get(("link", frozenset(names)), lambda: resources.slowest_link(list(names)))
+
+    def memory(self, option: MemoryOption, mode: Mode, data_parallel: int, num_microbatches: int, mb: int,
+               on_cuda: bool) -> NodeMemory:
+        scale = mb / self.profile.microbatch_size
+        nodes = self.profile.nodes
+        # the node memory reads the mode and the replicas for parameter servers only, the count for > 1
+        key = ("memory", option, mode if data_parallel > 1 else "collective", data_parallel,
+               num_microbatches > 1, mb, on_cuda)
+        return self._get(key, lambda: node_memory(
+            nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
+            activation_bytes=[nd.activation_bytes * scale for nd in nodes],
+            input_bytes=self.scaled(mb)[1][:-1], on_cuda=on_cuda))
+
+    def compute(self, mb: int, recompute: bool, speed: float, bandwidth_bps: float,
+                latency_s: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The cutter's per-node compute and per-cut transfer times."""
+        def make() -> tuple[tuple[float, ...], tuple[float, ...]]:
+            _, fwd_bytes, bwd_bytes = self.scaled(mb)
+            cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
+                          for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
+            twice = 2 if recompute else 1  # the backward pays the forward again
+            return tuple((twice * f + b) / speed for f, b in self.times(mb)), cut_s
+        return self._get(("compute", mb, recompute, speed, bandwidth_bps, latency_s), make)
+
+    def problem(self, num_stages: int, mb: int, *, bandwidth_bps: float, latency_s: float, speed: float,
+                data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
+                memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
+                num_microbatches: int, on_cuda: bool) -> CutProblem:
+        """:func:`cut_problem` from the shared parts (one per its arguments: modes and schedules share it)."""
+        replicas = data_parallel if mode != "collective" else 0  # parameter servers' memory reads it
+        key = ("problem", num_stages, mb, bandwidth_bps, latency_s, speed, replicas, mode,
+               None if in_flight is None else tuple(in_flight),
+               None if memory_limit is None else tuple(memory_limit),
+               None if defers is None else tuple(defers), option, num_microbatches > 1, on_cuda)
+        return self._get(key, lambda: self._problem(
+            num_stages, mb, bandwidth_bps=bandwidth_bps, latency_s=latency_s, speed=speed,
+            data_parallel=data_parallel, mode=mode, in_flight=in_flight, memory_limit=memory_limit,
+            defers=defers, option=option, num_microbatches=num_microbatches, on_cuda=on_cuda))
+
+    def _problem(self, num_stages: int, mb: int, *, bandwidth_bps: float, latency_s: float, speed: float,
+                 data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
+                 memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
+                 num_microbatches: int, on_cuda: bool) -> CutProblem:
+        profile = self.profile
+        scale = mb / profile.microbatch_size
+        memory = self.memory(option, mode, data_parallel, num_microbatches, mb, on_cuda)
+        compute_s, cut_s = self.compute(mb, option.recompute, speed, bandwidth_bps, latency_s)
+        cuttable = self._get(("cuttable",), lambda: tuple(c.cuttable for c in profile.cuts))
+        static = self._get(("static", id(memory)), lambda: memory.static)
+        transient = self._get(("transient", id(memory)), lambda: memory.transient)
+        deferred = None if defers is None else self._get(
+            ("deferred", mb), lambda: tuple(nd.deferred_bytes * scale for nd in profile.nodes))
+        return CutProblem(compute_s, cut_s, num_stages, cuttable, static, memory.held,
+                          tuple(in_flight) if in_flight is not None else (1,) * num_stages,
+                          tuple(memory_limit) if memory_limit is not None else None, deferred,
+                          None if defers is None else tuple(defers), transient if any(transient) else None)
+
+
+class _Placed:
+    """A shape's workers as its placement puts them: per stage its replicas' workers and slowest speed,
+    the devices, whether CPU workers share a host, the slowest link among them all."""
+
+    def __init__(self, shared: _Shared, placement: tuple[tuple[str, ...], ...], num_stages: int) -> None:
+        by_name = shared.by_name
+        self.workers = [[by_name[names[s]] for names in placement] for s in range(num_stages)]
+        placed = {w.name: w for ws in self.workers for w in ws}  # each once (it may hold several stages)
+        self.on_cuda = all(w.device == "cuda" for w in placed.values())
+        hosts = [w.host for w in placed.values() if w.host is not None]
+        on_cpu = all(w.device == "cpu" for w in placed.values())
+        self.shared_host = on_cpu and len(hosts) > len(set(hosts))  # [Note: contention on a shared host]
+        self.twins = _twins(self.workers)
+        self.speed = [min(w.speed for w in ws) for ws in self.workers]
+        self.link = shared.link(tuple(placed))
+        self._shared = shared
+        self._stage_links: dict[int, tuple[float, float]] = {}
+
+        self.num_stages = num_stages
+
+    def stage_link(self, stage: int) -> tuple[float, float]:
+        """The slowest link among the stage's replicas."""
+        if stage not in self._stage_links:
+            self._stage_links[stage] = self._shared.link([w.name for w in self.workers[stage]])
+        return self._stage_links[stage]
+
+    def rank_stages(self, ranks: int) -> list[tuple[int, ...]]:
+        """The stages each of ``ranks`` workers of a replica holds (stage ``s`` on ``s % ranks``)."""
+        return [tuple(range(r, self.num_stages, ranks)) for r in range(ranks)]
+
+
+def _twins(workers: Sequence[Sequence[Worker]]) -> list[bool]:
+    """Per stage, whether two of its replicas are CPU workers of one host (contended throughout)."""
+    hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
+    return [len([w for w in ws if w.device == "cpu" and w.host is not None]) > len(hosts[s])
+            for s, ws in enumerate(workers)]
+
+
+def contended_share(sim: SimResult | Timing, workers: Sequence[Sequence[Worker]]) -> list[float]:
     """Per stage, the share of its compute that runs while another CPU worker of its host computes.
 
     ``workers[s]``: the workers of stage ``s``'s replicas; ``sim``: the schedule played with
@@ -298,8 +460,7 @@ def contended_share(sim: SimResult, workers: Sequence[Sequence[Worker]]) -> list
     [Note: contention on a shared host].
     """
     hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
-    twins = [len([w for w in ws if w.device == "cpu" and w.host is not None]) > len(hosts[s])
-             for s, ws in enumerate(workers)]
+    twins = _twins(workers)
     rank_hosts = [set().union(*(hosts[s] for s in stages)) for stages in sim.ranks]
     neighbours = [[n for n, other in enumerate(rank_hosts) if n != r and other & mine]
                   for r, mine in enumerate(rank_hosts)]
@@ -329,57 +490,106 @@ class _Played:
     """A cut of a shape played in the simulator (shared by the memory options with that cut)."""
 
     costs: StageCosts
-    sim: SimResult
+    sim: Timing
     slow_b: tuple[float, ...]  # each stage's backward slowdown on a shared host
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """A shape before any cut: where it runs, its schedule's lists, what each stage holds and may use."""
+
+    shape: Shape
+    mb: int  # samples per microbatch
+    ranks: int  # workers per replica
+    placement: tuple[tuple[str, ...], ...]
+    at: _Placed
+    in_flight: tuple[int, ...]
+    defer: list[bool]
+    limit: list[float]
+    options: list[MemoryOption]
+    runtime: int  # a worker's runtime bytes, counted against its memory once (0 on a GPU)
+
+
+def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig,
+           automatic: Automatic) -> _Setup:
+    """A shape's setup (see [Note: several stages per worker] for the placement)."""
+    resources = shared.resources
+    assert resources is not None
+    d, p, mode, sched_name, m, v = shape
+    ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
+    mb = global_batch // (d * m)
+    profile = shared.profile
+    placement = place(resources, d, p, ranks, traffic=lambda: step_traffic(profile, p, m, mb))
+    at = shared.placed(placement, p)
+    in_flight, defers = stage_holds(sched_name, p, m, v)
+    defer = [deferring and request.precision == "fp32" for deferring in defers]
+    # a worker's stages share its memory less its runtime's (host memory: not a GPU's): the cutter gives
+    # each its 1/v share, the fit is checked per worker
+    runtime = 0 if at.on_cuda else profile.runtime_bytes
+    limit = [float(min(w.memory_bytes for w in ws) - runtime) / v for ws in at.workers]
+    options = memory_options(request, d, mode, at.on_cuda, automatic)
+    return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, options, runtime)
+
+
+def _free_cut(shared: _Shared, problem: CutProblem, key: tuple[object, ...], cutter: Cutter,
+              balance: Sequence[int] | None) -> tuple[int, ...] | str:
+    """The cut ignoring memory (it reads the compute and transfers only: one per ``key`` for every shape),
+    or why none exists."""
+    if key not in shared.free_cuts:
+        free = dataclasses.replace(problem, memory_limit=None)
+        try:
+            shared.free_cuts[key] = free.check(balance_bounds(balance) if balance is not None
+                                               else cutter(free))
+        except CutError as exc:
+            shared.free_cuts[key] = str(exc)
+    return shared.free_cuts[key]
+
+
+def _cut_within(problem: CutProblem, free: tuple[int, ...], cutter: Cutter,
+                balance: Sequence[int] | None) -> tuple[tuple[int, ...], str]:
+    """The compute-optimal cut when it fits (shared by the options), else the cutter's within memory; and
+    why no cut fits memory ("" if one does)."""
+    try:
+        return problem.check(free), ""
+    except CutError as exc:
+        bounds, cut_error = free, str(exc)
+        if balance is None:
+            with contextlib.suppress(CutError):
+                bounds, cut_error = problem.check(cutter(problem)), ""
+    return bounds, cut_error
 
 
 def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch: int,
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None,
               request: PlanConfig = _SEARCH_ALL, automatic: Automatic = AUTOMATIC,
-              exhaustive: bool = False) -> list[Candidate]:
+              exhaustive: bool = False, shared: _Shared | None = None,
+              only: MemoryOption | None = None) -> list[Candidate]:
     """The candidates of one shape: one per memory option evaluated (see [Note: choosing the memory
-    options]), the replicated option first."""
+    options]), the replicated option first; ``only``: that option alone (if the shape has it)."""
     d, p, mode, sched_name, m, v = shape
+    shared = shared or _Shared(profile, resources)
     precision = request.precision
-    ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
-    mb = global_batch // (d * m)
-    placement = place(resources, d, p, ranks, traffic=lambda: step_traffic(profile, p, m, mb))
-    workers = [[resources.worker(placement[r][s]) for r in range(d)] for s in range(p)]
-    placed = {w.name: w for ws in workers for w in ws}  # each worker once (it may hold several stages)
-    on_cpu = all(w.device == "cpu" for w in placed.values())
-    on_cuda = all(w.device == "cuda" for w in placed.values())
-    hosts = [w.host for w in placed.values() if w.host is not None]
-    shared_host = on_cpu and len(hosts) > len(set(hosts))  # see [Note: contention on a shared host]
-    speed = [min(w.speed for w in ws) for ws in workers]
-    bw, lat = resources.slowest_link(list(placed))
-    schedule = build_schedule(sched_name, p, m, v)
-    in_flight = tuple(peak_in_flight(acts) for acts in schedule.actions)
-    defer = [defers(acts) and precision == "fp32" for acts in schedule.actions]
-    # a worker's stages share its memory less its runtime's (host memory: not a GPU's): the cutter gives
-    # each its 1/v share, the fit is checked per worker
-    runtime = 0 if on_cuda else profile.runtime_bytes
-    limit = [float(min(w.memory_bytes for w in ws) - runtime) / v for ws in workers]
-    metas, fwd_bytes, bwd_bytes = _scaled_cuts(profile, mb)
+    setup = _setup(shared, shape, global_batch, request, automatic)
+    mb, ranks, placement, at = setup.mb, setup.ranks, setup.placement, setup.at
+    order = schedule_steps(sched_name, p, m, v)[0]  # per rank
+    in_flight, defer, limit = setup.in_flight, setup.defer, setup.limit
+    workers, speed, on_cuda, shared_host = at.workers, at.speed, at.on_cuda, at.shared_host
+    runtime = setup.runtime
+    bw, lat = at.link
+    _, fwd_bytes, bwd_bytes = shared.scaled(mb)
     nodes = profile.nodes
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     fields = {"staleness": request.staleness if mode == "parameter_server" else 0}
     played: dict[tuple[tuple[int, ...], bool], _Played] = {}
-    free_cuts: dict[bool, tuple[int, ...] | str] = {}  # per recompute: the cut ignoring memory, or why none
 
     def problem_of(option: MemoryOption) -> CutProblem:
-        return cut_problem(profile, p, microbatch_size=mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed),
-                           data_parallel=d, mode=mode, in_flight=in_flight, memory_limit=limit, defers=defer,
-                           option=option, num_microbatches=m, on_cuda=on_cuda)
+        return shared.problem(p, mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed), data_parallel=d,
+                              mode=mode, in_flight=in_flight, memory_limit=limit, defers=defer, option=option,
+                              num_microbatches=m, on_cuda=on_cuda)
 
     def free_cut(problem: CutProblem, recompute: bool) -> tuple[int, ...] | str:
-        if recompute not in free_cuts:
-            free = dataclasses.replace(problem, memory_limit=None)
-            try:
-                free_cuts[recompute] = free.check(balance_bounds(balance) if balance is not None
-                                                  else cutter(free))
-            except CutError as exc:
-                free_cuts[recompute] = str(exc)
-        return free_cuts[recompute]
+        key = (p, mb, recompute, min(speed), bw, lat, id(cutter), tuple(balance or ()))
+        return _free_cut(shared, problem, key, cutter, balance)
 
     def reference_optimizer(a: int, b: int, s: int) -> float:
         """The stage's replicated optimizer step (the simulation's start; ZeRO shrinks it, see
@@ -387,11 +597,11 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         share = 1.0 if mode == "collective" else 1.0 / d  # a parameter shard updates 1/d of the stage
         return sum(nd.grad_bytes for nd in nodes[a:b]) * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed[s]
 
-    def play(bounds: tuple[int, ...], recompute: bool, problem: CutProblem) -> _Played:
+    def play_cut(bounds: tuple[int, ...], recompute: bool, problem: CutProblem) -> _Played:
         if (bounds, recompute) in played:
             return played[bounds, recompute]
         spans = list(itertools.pairwise(bounds))
-        times = profile.node_times(mb)
+        times = shared.times(mb)
         alone_f = [sum(f for f, _ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
         alone_b = [sum(b_ + f * recompute for f, b_ in times[a:b]) / speed[s]
                    for s, (a, b) in enumerate(spans)]
@@ -399,21 +609,21 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         inner = bounds[1:-1]
         held = tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans))
 
-        def run(slow_f: Sequence[float], slow_b: Sequence[float]) -> tuple[StageCosts, SimResult]:
+        def run(slow_f: Sequence[float], slow_b: Sequence[float]) -> tuple[StageCosts, Timing]:
             costs = StageCosts(tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_f, slow_f, strict=True)),
                                tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_b, slow_b, strict=True)),
                                tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
                                tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
                                held, start_s=start)
-            return costs, simulate(schedule, costs)
+            return costs, play(sched_name, order, at.rank_stages(ranks), costs)
 
         slow_f = slow_b = [1.0] * p
-        costs, sim = run(slow_f, slow_b)
-        if shared_host:  # played again with each stage's compute slowed for its contended share
-            contended = contended_share(sim, workers)
+        if shared_host:  # played with each stage's compute slowed for its contended share
+            # replicas sharing a host are contended throughout: no need to play the uncontended step
+            contended = ([1.0] * p if all(at.twins) else contended_share(run(slow_f, slow_b)[1], workers))
             slow_f = [1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * c for c in contended]
             slow_b = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * c for c in contended]
-            costs, sim = run(slow_f, slow_b)
+        costs, sim = run(slow_f, slow_b)
         played[bounds, recompute] = _Played(costs, sim, tuple(slow_b))
         return played[bounds, recompute]
 
@@ -423,25 +633,15 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         free = free_cut(problem, option.recompute)
         if isinstance(free, str):
             return Candidate(d, p, mode, sched_name, m, None, free, v, option), False
-        cut_error = ""  # why no cut fits memory, when only a cut ignoring memory exists
-        try:  # the compute-optimal cut when it fits (shared by the options), else the cutter within memory
-            bounds = problem.check(free)
-        except CutError as exc:
-            bounds, cut_error = free, str(exc)
-            if balance is None:
-                with contextlib.suppress(CutError):
-                    bounds, cut_error = problem.check(cutter(problem)), ""
-        game = play(bounds, option.recompute, problem)
+        bounds, cut_error = _cut_within(problem, free, cutter, balance)
+        game = play_cut(bounds, option.recompute, problem)
         return _candidate(option, bounds, problem, game, cut_error), bounds == free
 
     def _candidate(option: MemoryOption, bounds: tuple[int, ...], problem: CutProblem, game: _Played,
                    cut_error: str) -> Candidate:
         spans = list(itertools.pairwise(bounds))
-        memory = node_memory(nodes, option, mode=mode, data_parallel=d, num_microbatches=m,
-                             activation_bytes=[nd.activation_bytes * mb / profile.microbatch_size
-                                               for nd in nodes], input_bytes=fwd_bytes[:-1],
-                             on_cuda=on_cuda)
-        times = profile.node_times(mb)
+        memory = shared.memory(option, mode, d, m, mb, on_cuda)
+        times = shared.times(mb)
         fwd, bwd = game.costs.forward_s, game.costs.backward_s
         stages = []
         saved = []  # per stage: the optimizer time the option saves against the simulation's start
@@ -452,7 +652,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             hidden = _after_first_bucket([nd.grad_bytes for nd in nodes[a:b]],
                                          [(b_ + f * option.recompute) * game.slow_b[s] / speed[s]
                                           for f, b_ in times[a:b]])
-            link_bw, link_lat = resources.slowest_link(names)
+            link_bw, link_lat = shared.link(names)
             if mode == "collective":
                 sync = sharded_sync(option, d, grad, params, hidden=hidden, compute_s=m * (fwd[s] + bwd[s]),
                                     num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
@@ -471,8 +671,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                 workers=tuple(names), forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
                 param_bytes=params, optimizer_s=step, in_flight=in_flight[s],
                 peak_memory_bytes=int(problem.stage_memory(s, a, b)) + runtime, memory=use,
-                incoming=profile.cuts[a].model_copy(update={"tensors": metas[a]}),
-                outgoing=profile.cuts[b].model_copy(update={"tensors": metas[b]})))
+                incoming=shared.cut_at(a, mb), outgoing=shared.cut_at(b, mb)))
         # per worker: its stages' memory (each at its own peak: an upper bound) and their unhidden syncs
         held_by = [range(k, p, ranks) for k in range(ranks)]
         rank_memory = [sum(stages[s].peak_memory_bytes for s in ss) - (len(ss) - 1) * runtime  # one runtime
@@ -504,13 +703,118 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
 
     cands: list[Candidate] = []
     fits_free = False  # an option without recompute fits with the cut that ignores memory
-    for option in memory_options(request, d, mode, on_cuda, automatic):
+    for option in setup.options:
+        if only is not None and option != only:
+            continue
         if option.recompute and fits_free and not exhaustive:
             continue  # recompute only adds compute (see [Note: choosing the memory options])
         cand, free = evaluate(option)
         fits_free |= cand.fits and free and not option.recompute
         cands.append(cand)
     return cands
+
+
+def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: Cutter,
+                      balance: Sequence[int] | None) -> float:
+    """A lower bound on the step of the shape's replicated candidate; inf when it cannot fit (see
+    [Note: the fast search])."""
+    d, p, mode, sched_name, m, _ = setup.shape
+    at, mb = setup.at, setup.mb
+    bw, lat = at.link
+    speed = at.speed
+    problem = shared.problem(p, mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed), data_parallel=d,
+                             mode=mode, in_flight=setup.in_flight, memory_limit=setup.limit,
+                             defers=setup.defer, option=REPLICATED, num_microbatches=m, on_cuda=at.on_cuda)
+    free = _free_cut(shared, problem, (p, mb, False, min(speed), bw, lat, id(cutter), tuple(balance or ())),
+                     cutter, balance)
+    if isinstance(free, str):
+        return math.inf
+    sums = shared.sums(mb)  # prefix sums over the nodes: forward, backward, gradient and parameter bytes
+    try:
+        bounds = problem.check(free)
+    except CutError:  # the cut within memory is the simulator's business: a bound that needs no cut
+        return _work_bound(shared, setup.shape, mb * d * m, max(speed))
+    cut = np.asarray(bounds)
+    fwd, bwd, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
+    _, fwd_bytes, bwd_bytes = shared.scaled(mb)
+    # the slowdown of a shared host where it is certain (replicas on one host), else none: a lower bound
+    certain = [at.shared_host and twin for twin in at.twins]
+    forward = [fwd[s] / speed[s] * (1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
+               for s in range(p)]
+    backward = [bwd[s] / speed[s] * (1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
+                for s in range(p)]
+    inner = bounds[1:-1]
+    traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
+    share = 1.0 if mode == "collective" else 1.0 / d
+    start = [grads[s] * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed[s] for s in range(p)]
+    pipeline = pipeline_bound(sched_name, m, setup.ranks, forward, backward,
+                              [_transfer(fwd_bytes[c], bw, lat) for c in inner],
+                              [_transfer(bwd_bytes[c], bw, lat) for c in inner], start,
+                              [t * DEFAULT_WEIGHT_FRACTION for t in backward])
+    sync = [0.0] * p
+    if d > 1:
+        slow = 1.0 if not at.shared_host else SHARED_HOST_BACKWARD_SLOWDOWN
+        for s in range(p):
+            hidden = bwd[s] * slow / speed[s]  # at most the whole backward hides it
+            link_bw, link_lat = at.stage_link(s)
+            sync[s] = (sharded_sync(REPLICATED, d, grads[s], params[s], hidden=hidden, compute_s=0.0,
+                                    num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
+                                    latency=link_lat) if mode == "collective"
+                       else _sync(mode, grads[s], d, hidden, link_bw, link_lat))
+    sync_time = max(sum(sync[s] for s in range(k, p, setup.ranks)) for k in range(setup.ranks))
+    check = max(grads[s] / speed[s] for s in range(p)) / GRADIENT_CHECK_BANDWIDTH_BPS
+    return float(pipeline + sync_time + 2 * CONTROL_MESSAGE_S + check)
+
+
+# Shapes whose bound is within this share of the best step played so far are played too: the bound and
+# the simulator round differently, and the ranking compares steps to 9 significant digits.
+_BOUND_SLACK = 1e-8
+
+
+def _fast_choice(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,
+                 automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape]) -> Plan | None:
+    """The plan :func:`choose_plan` picks among the replicated candidates, by branch and bound: None when
+    no replicated candidate fits (see [Note: the fast search])."""
+    shared = _Shared(profile, resources)
+    fastest = max(w.speed for w in resources.workers)
+    # (bound, index, tight): the work bound first, the bound with a cut when it comes up, then the play
+    heap = [(_work_bound(shared, shape, global_batch, fastest), index, False)
+            for index, shape in enumerate(shapes)]
+    heapq.heapify(heap)
+    best: tuple[tuple[float, int, int, tuple[int, int, int], float], int] | None = None
+    plan: Plan | None = None
+    while heap:
+        bound, index, tight = heapq.heappop(heap)
+        if plan is not None and bound > plan.step_time_s * (1 + _BOUND_SLACK):
+            break  # every shape left is slower than the best: none of them can win, nor tie
+        shape = shapes[index]
+        if not tight:
+            setup = _setup(shared, shape, global_batch, request, automatic)
+            if REPLICATED in setup.options:
+                bound = _replicated_bound(profile, shared, setup, cutter, request.balance)
+                if math.isfinite(bound):
+                    heapq.heappush(heap, (bound, index, True))
+            continue
+        cand = _evaluate(profile, resources, shape, global_batch, cutter, request.cutter, request.balance,
+                         request, automatic, shared=shared, only=REPLICATED)[0]
+        if cand.fits and (best is None or (_rank(cand), index) < best):
+            best, plan = (_rank(cand), index), cand.plan
+    return plan
+
+
+def _work_bound(shared: _Shared, shape: Shape, global_batch: int, fastest: float) -> float:
+    """A lower bound on any plan of ``shape`` that needs no cut: its busiest rank does at least the mean
+    work, every node's forward and backward on the fastest worker plus each action's overhead; and for
+    GPipe and 1F1B, ``C / (1 - (1 - 1/m)^p)`` with ``C`` that work for one microbatch: the bound of
+    ``closed_form`` is at least ``sum_{j<r} c_j + m c_r`` for every stage ``r``, and the mean of those
+    weighted by ``(1 - 1/m)^(p-1-r)`` is that, whatever the cut."""
+    d, p, _, name, m, v = shape
+    sums = shared.sums(global_batch // (d * m))
+    work = (sums[0][-1] + sums[1][-1]) / fastest + 2 * p * ACTION_OVERHEAD_S
+    bound = m * work / (p // v)
+    if name in ("gpipe", "1f1b") and v == 1:
+        bound = max(bound, work / (1 - (1 - 1 / m) ** p))
+    return float(bound + 2 * CONTROL_MESSAGE_S)
 
 
 @dataclass(frozen=True)
@@ -649,11 +953,25 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
     Raises:
         PlanningError: If the fixed fields contradict the model or the resources, or the cutter is unknown.
     """
+    cut_fn, sharded = _shapes(profile, resources, request, global_batch)
+    automatic = automatic or memory.AUTOMATIC  # read when called: a merge or a test may widen it
+    shared = _Shared(profile, resources)
+    return [c for sh in sharded for c in _evaluate(profile, resources, sh, global_batch, cut_fn,
+                                                   request.cutter, request.balance, request, automatic,
+                                                   exhaustive, shared)]
+
+
+def _shapes(profile: Profile, resources: Resources, request: PlanConfig,
+            global_batch: int) -> tuple[Cutter, list[Shape]]:
+    """The cutter and the shapes to evaluate.
+
+    Raises:
+        PlanningError: If the fixed fields contradict the model or the resources, or the cutter is unknown.
+    """
     try:
         cut_fn = get_cutter(request.cutter)
     except ValueError as exc:
         raise PlanningError(str(exc)) from None
-    automatic = automatic or memory.AUTOMATIC  # read when called: a merge or a test may widen it
     max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
     fixed = resolve(request, profile.num_nodes, max_stages, resources.num_workers)
     shapes = plan_shapes(request, fixed, global_batch)
@@ -664,9 +982,7 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
                             f"replicas{factor}, and no plan the request allows has them (replicas: "
                             f"{sorted({sh[0] for sh in shapes})}): give more workers, fix plan.data_parallel "
                             "to a multiple of the factor, or drop plan.zero")
-    return [c for sh in sharded for c in _evaluate(profile, resources, sh, global_batch, cut_fn,
-                                                   request.cutter, request.balance, request, automatic,
-                                                   exhaustive)]
+    return cut_fn, sharded
 
 
 def _rank(c: Candidate) -> tuple[float, int, int, tuple[int, int, int], float]:
@@ -699,6 +1015,12 @@ def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _S
         PlanningError: If the request is impossible or no plan fits in memory; the message
             says why and names a plan that would fit when one exists.
     """
+    if not exhaustive:
+        cut_fn, shapes = _shapes(profile, resources, request, global_batch)
+        fast = _fast_choice(profile, resources, request, global_batch, automatic or memory.AUTOMATIC, cut_fn,
+                            shapes)
+        if fast is not None:
+            return fast
     cands = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
                             exhaustive=exhaustive)
     fitting = [c for c in cands if c.fits]

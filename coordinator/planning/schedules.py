@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, TypeAlias, cast
 
 from services.compute.actions import ScheduleError, format_schedule, validate_schedule
 from services.protocol import Action, ActionKind
 
-__all__ = ["CHUNKED", "SCHEDULES", "Schedule", "build_schedule", "gpipe", "interleaved_1f1b",
-           "interleaved_group", "one_f_one_b", "peak_in_flight", "schedule_problem", "zb_h1"]
+__all__ = ["CHUNKED", "SCHEDULES", "Schedule", "Step", "build_schedule", "gpipe", "interleaved_1f1b",
+           "interleaved_group", "one_f_one_b", "peak_in_flight", "schedule_problem", "schedule_steps",
+           "stage_holds",
+           "zb_h1"]
 
 _HEAD = re.compile(r"(\S+): (\d+) stages? x (\d+) microbatch(?:es)?")
 _RANK = re.compile(r"rank (\d+) \((\d+(?:,\d+)*)\)")
@@ -154,16 +157,32 @@ class Schedule:
         return cls(head.group(1), int(head.group(3)), tuple(stages), tuple(ranks), tuple(order))
 
 
-def _actions(s: int, i: int, steps: tuple[tuple[ActionKind, bool], ...]) -> list[Action]:
-    return [Action(stage=s, kind=kind, microbatch=i) for kind, present in steps if present]
+class Step(NamedTuple):
+    """An action as plain data (the planner plays these without building :class:`Action` s)."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
 
 
-def _forward(s: int, i: int, p: int) -> list[Action]:
+Lists: TypeAlias = tuple[tuple[Step, ...], ...]
+
+
+def _actions(s: int, i: int, steps: tuple[tuple[ActionKind, bool], ...]) -> list[Step]:
+    return [Step(s, kind, i) for kind, present in steps if present]
+
+
+def _as_actions(lists: Lists) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(Action(stage=a.stage, kind=a.kind, microbatch=a.microbatch) for a in acts)
+                 for acts in lists)
+
+
+def _forward(s: int, i: int, p: int) -> list[Step]:
     """Receive the activations (but on stage 0), forward, send them on (but on the last stage)."""
     return _actions(s, i, (("RECV_F", s > 0), ("F", True), ("SEND_F", s < p - 1)))
 
 
-def _backward(s: int, i: int, p: int, kind: ActionKind = "B") -> list[Action]:
+def _backward(s: int, i: int, p: int, kind: ActionKind = "B") -> list[Step]:
     """Receive the gradients (but on the last stage), backward, send them on (but on stage 0).
 
     ``kind="I"``: only the input-gradient half (what ``SEND_B`` sends); its ``W`` comes apart.
@@ -185,13 +204,16 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
         ValueError: If either count is < 1.
     """
     _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
+    return Schedule("gpipe", num_microbatches, _as_actions(_gpipe(num_stages, num_microbatches)))
+
+
+def _gpipe(p: int, m: int) -> Lists:
     stages = []
     for s in range(p):
         acts = [a for i in range(m) for a in _forward(s, i, p)]
         acts += [a for i in range(m) for a in _backward(s, i, p)]
         stages.append(tuple(acts))
-    return Schedule("gpipe", m, tuple(stages))
+    return tuple(stages)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -203,7 +225,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         ValueError: If either count is < 1.
     """
     _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
+    return Schedule("1f1b", num_microbatches, _as_actions(_one_f_one_b(num_stages, num_microbatches)))
+
+
+def _one_f_one_b(p: int, m: int) -> Lists:
     stages = []
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -212,7 +237,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
             acts += _forward(s, i + warmup, p) + _backward(s, i, p)
         acts += [a for i in range(m - warmup, m) for a in _backward(s, i, p)]
         stages.append(tuple(acts))
-    return Schedule("1f1b", m, tuple(stages))
+    return tuple(stages)
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
@@ -233,7 +258,10 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
         ValueError: If either count is < 1.
     """
     _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
+    return Schedule("zb-h1", num_microbatches, _as_actions(_zb_h1(num_stages, num_microbatches)))
+
+
+def _zb_h1(p: int, m: int) -> Lists:
     stages = []
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -244,11 +272,11 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
                 acts += _forward(s, i + warmup, p)
             acts += _backward(s, i, p, "I")
             if i >= s:
-                acts.append(Action(stage=s, kind="W", microbatch=weights))
+                acts.append(Step(s, "W", weights))
                 weights += 1
-        acts += [Action(stage=s, kind="W", microbatch=j) for j in range(weights, m)]
+        acts += [Step(s, "W", j) for j in range(weights, m)]
         stages.append(tuple(acts))
-    return Schedule("zb-h1", m, tuple(stages))
+    return tuple(stages)
 
 
 def interleaved_group(num_ranks: int, num_microbatches: int) -> int | None:
@@ -287,16 +315,29 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> Sch
     problem = schedule_problem("interleaved-1f1b", num_stages, num_microbatches, chunks)
     if problem is not None:
         raise ValueError(problem)
-    p, m, v = num_stages, num_microbatches, chunks
+    order = _interleaved(num_stages, num_microbatches, chunks)
+    num_ranks = len(order)
+    ranks = tuple(tuple(range(r, num_stages, num_ranks)) for r in range(num_ranks))
+    actions = _as_actions(_stage_lists(order, num_stages))
+    return Schedule("interleaved-1f1b", num_microbatches, actions, ranks, _as_actions(order))
+
+
+def _stage_lists(order: Lists, num_stages: int) -> Lists:
+    """Each stage's own list, from the ranks' merged orders (rank ``s % R`` holds stage ``s``)."""
+    return tuple(tuple(a for a in order[s % len(order)] if a.stage == s) for s in range(num_stages))
+
+
+def _interleaved(p: int, m: int, v: int) -> Lists:
+    """Interleaved 1F1B's merged order per rank (see :func:`interleaved_1f1b`)."""
     num_ranks = p // v
     g = interleaved_group(num_ranks, m)
     assert g is not None
-    order: list[tuple[Action, ...]] = []
+    order: list[tuple[Step, ...]] = []
     for r in range(num_ranks):
-        def forward(k: int, r: int = r) -> list[Action]:
+        def forward(k: int, r: int = r) -> list[Step]:
             return _forward((k // g) % v * num_ranks + r, k // (g * v) * g + k % g, p)
 
-        def backward(k: int, r: int = r) -> list[Action]:
+        def backward(k: int, r: int = r) -> list[Step]:
             return _backward((v - 1 - (k // g) % v) * num_ranks + r, k // (g * v) * g + k % g, p)
 
         warmup = min((v - 1) * g + 2 * (num_ranks - 1 - r), v * m)
@@ -305,9 +346,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> Sch
             acts += forward(warmup + k) + backward(k)
         acts += [a for k in range(v * m - warmup, v * m) for a in backward(k)]
         order.append(tuple(acts))
-    ranks = tuple(tuple(range(r, p, num_ranks)) for r in range(num_ranks))
-    actions = tuple(tuple(a for a in order[s % num_ranks] if a.stage == s) for s in range(p))
-    return Schedule("interleaved-1f1b", m, actions, ranks, tuple(order))
+    return tuple(order)
 
 
 ScheduleFn = Callable[[int, int], Schedule]
@@ -360,7 +399,100 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, chunks: in
     return SCHEDULES[name](num_stages, num_microbatches)
 
 
-def peak_in_flight(actions: Iterable[Action]) -> int:
+_LISTS: dict[str, Callable[[int, int], Lists]] = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_steps(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> tuple[Lists, Lists]:
+    """What :func:`build_schedule` builds, as plain :class:`Step` s: every rank's order and every stage's
+    list (the same lists, one object: each rank holds one stage), without building or validating
+    :class:`Action` s (the planner plays thousands of shapes; the schedule it picks is built and validated
+    when it runs). The builders are the same, so the lists are the built schedule's.
+
+    Raises:
+        ValueError: If the name is unknown or the shape is refused (:func:`schedule_problem`'s message).
+    """
+    problem = schedule_problem(name, num_stages, num_microbatches, chunks)
+    if problem is not None:
+        raise ValueError(problem)
+    if name in CHUNKED:
+        order = _interleaved(num_stages, num_microbatches, chunks)
+        return order, _stage_lists(order, num_stages)
+    if name not in _LISTS:  # a schedule registered by name: from its built actions
+        built = build_schedule(name, num_stages, num_microbatches, chunks)
+        steps = tuple(tuple(Step(a.stage, a.kind, a.microbatch) for a in built.rank_actions(r))
+                      for r in range(built.num_ranks))
+        return steps, tuple(tuple(Step(a.stage, a.kind, a.microbatch) for a in acts)
+                            for acts in built.actions)
+    lists = _LISTS[name](num_stages, num_microbatches)
+    return lists, lists
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_holds(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> tuple[tuple[int, ...],
+                                                                                            tuple[bool, ...]]:
+    """Per stage of the schedule :func:`build_schedule` builds: the most microbatches it holds at once
+    (:func:`peak_in_flight` of its list) and whether it defers its weight gradients
+    (``services.compute.weight_grads.defers``), without the lists where a closed form gives them:
+
+    - GPipe: every stage holds all ``m``, and defers when ``m >= 2`` (every ``B`` after every ``F``);
+    - 1F1B: stage ``s`` holds ``min(p - s, m)``, and defers only when its warm-up and the first steady
+      forward are every forward (``2 <= m <= p - s``);
+    - ZB-H1: every stage holds ``min(p, m)`` (its ``W`` s start after ``s + 1`` forwards beyond the
+      warm-up of ``p - s - 1``) and defers (it splits its backward).
+
+    Others (interleaved, a registered schedule) from their lists.
+
+    Raises:
+        ValueError: If the name is unknown or the shape is refused.
+    """
+    p, m = num_stages, num_microbatches
+    if name == "gpipe" and chunks == 1:
+        return (m,) * p, (m >= 2,) * p
+    if name == "1f1b" and chunks == 1:
+        return tuple(min(p - s, m) for s in range(p)), tuple(2 <= m <= p - s for s in range(p))
+    if name == "zb-h1" and chunks == 1:
+        return (min(p, m),) * p, (True,) * p
+    if name == "interleaved-1f1b" and schedule_problem(name, p, m, chunks) is None:
+        return _interleaved_holds(p, m, chunks)
+    from services.compute.weight_grads import defers  # the services' rule, on the lists' kinds
+
+    _, lists = schedule_steps(name, num_stages, num_microbatches, chunks)
+    return (tuple(peak_in_flight(acts) for acts in lists),
+            tuple(defers(cast(Sequence[Action], acts)) for acts in lists))
+
+
+def _interleaved_holds(p: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """:func:`stage_holds` of interleaved 1F1B: its ranks' forwards and backwards in :func:`_interleaved`'s
+    order, counted per stage without building the lists (a stage defers when all its forwards come
+    before its first backward and it has two or more)."""
+    num_ranks = p // v
+    g = interleaved_group(num_ranks, m)
+    assert g is not None
+    held, peak = [0] * p, [0] * p
+    last_forward, first_backward = [-1] * p, [-1] * p
+    for r in range(num_ranks):
+        warmup = min((v - 1) * g + 2 * (num_ranks - 1 - r), v * m)
+        steps = [(True, k) for k in range(warmup)]
+        for k in range(v * m - warmup):
+            steps += [(True, warmup + k), (False, k)]
+        steps += [(False, k) for k in range(v * m - warmup, v * m)]
+        for t, (forward, k) in enumerate(steps):
+            chunk = (k // g) % v
+            if forward:
+                s = chunk * num_ranks + r
+                held[s] += 1
+                peak[s] = max(peak[s], held[s])
+                last_forward[s] = t
+            else:
+                s = (v - 1 - chunk) * num_ranks + r
+                held[s] -= 1
+                if first_backward[s] < 0:
+                    first_backward[s] = t
+    return tuple(peak), tuple(m >= 2 and last_forward[s] < first_backward[s] for s in range(p))
+
+
+def peak_in_flight(actions: Iterable[Action | Step]) -> int:
     """The most microbatches whose forward ran and backward did not end yet, along one list.
 
     A microbatch's activations are freed by its ``B``, or by its ``W`` when its backward is

@@ -33,10 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.planning.schedules import Schedule
+from coordinator.planning.schedules import Schedule, Step
 from services.protocol import Action, ActionKind
 
-__all__ = ["SimResult", "StageCosts", "TimedAction", "compute_overlap", "draw_timeline", "simulate"]
+__all__ = ["SimResult", "StageCosts", "TimedAction", "Timing", "compute_overlap", "draw_timeline", "play",
+           "simulate"]
 
 DEFAULT_WEIGHT_FRACTION = 0.5  # W's share of an unmeasured backward (the paper's T_W ~ T_F ~ T_B / 2)
 
@@ -149,6 +150,11 @@ class SimResult:
     peak_in_flight: tuple[int, ...]
     peak_activation_bytes: tuple[float, ...]
 
+    @property
+    def compute_spans(self) -> list[list[tuple[float, float]]]:
+        """Per rank, its compute actions' (start, end)."""
+        return [[(t.start, t.end) for t in played if t.action.kind in _COMPUTE] for played in self.timeline]
+
     def track(self, rank: int) -> str:
         """A rank's label: ``stage 3`` when it holds one stage, ``rank 1 (1,6)`` when several."""
         stages = self.ranks[rank]
@@ -174,17 +180,106 @@ def _durations(costs: StageCosts) -> dict[ActionKind, tuple[float, ...]]:
     return {"F": costs.forward_s, "B": costs.backward_s, "I": costs.input_backward_s, "W": costs.weight_s}
 
 
-def _duration(a: Action, costs: StageCosts, compute: dict[ActionKind, tuple[float, ...]]) -> float:
-    if a.kind in compute:
-        return compute[a.kind][a.stage]
-    assert a.peer is not None
-    cut = min(a.stage, a.peer)
-    gradient = a.kind in ("SEND_B", "RECV_B")
-    return costs.gradient_transfer_s[cut] if gradient else costs.activation_transfer_s[cut]
+_PEER = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}  # the peer stage, relative
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What :func:`play` predicts: per rank, when each of its actions ran (``starts``/``ends``, in its
+    order), its busy time, and the step (the planner's view of a :class:`SimResult`, without objects per
+    action)."""
+
+    schedule_name: str
+    ranks: tuple[tuple[int, ...], ...]
+    steps: tuple[tuple[Step, ...], ...]
+    starts: tuple[tuple[float, ...], ...]
+    ends: tuple[tuple[float, ...], ...]
+    step_time_s: float
+    busy_s: tuple[float, ...]
+
+    @property
+    def bubble_fraction(self) -> float:
+        idle = sum(self.step_time_s - b for b in self.busy_s)
+        return idle / (len(self.ranks) * self.step_time_s) if self.step_time_s > 0 else 0.0
+
+    @property
+    def compute_spans(self) -> list[list[tuple[float, float]]]:
+        """Per rank, its compute actions' (start, end)."""
+        return [[(t0, t1) for a, t0, t1 in zip(steps, starts, ends, strict=True) if a.kind in _COMPUTE]
+                for steps, starts, ends in zip(self.steps, self.starts, self.ends, strict=True)]
+
+
+def play(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[int]],
+         costs: StageCosts) -> Timing:
+    """Plays every rank's order ``steps[r]`` (holding stages ``ranks[r]``) against ``costs``: the model of
+    the module docstring, one action after another per rank, a RECV waiting for its SEND.
+
+    Raises:
+        ValueError: If the stage counts differ.
+    """
+    p = sum(len(r) for r in ranks)
+    if costs.num_stages != p:
+        raise ValueError(f"schedule has {p} stages, costs describe {costs.num_stages}")
+    compute = _durations(costs)
+    transfer = {"SEND_F": costs.activation_transfer_s, "RECV_F": costs.activation_transfer_s,
+                "SEND_B": costs.gradient_transfer_s, "RECV_B": costs.gradient_transfer_s}
+    durations: list[list[float]] = []
+    waits: list[list[tuple[int, int, int] | None]] = []  # a RECV's (src, dst, microbatch)
+    sends: list[list[tuple[int, int, int] | None]] = []  # a SEND's
+    for acts in steps:
+        dur: list[float] = []
+        wait: list[tuple[int, int, int] | None] = []
+        send: list[tuple[int, int, int] | None] = []
+        for a in acts:
+            if a.kind in compute:
+                dur.append(compute[a.kind][a.stage])
+                wait.append(None)
+                send.append(None)
+                continue
+            peer = a.stage + _PEER[a.kind]
+            dur.append(transfer[a.kind][min(a.stage, peer)])
+            recv = a.kind.startswith("RECV")
+            wait.append((peer, a.stage, a.microbatch) if recv else None)
+            send.append(None if recv else (a.stage, peer, a.microbatch))
+        durations.append(dur)
+        waits.append(wait)
+        sends.append(send)
+    arrival: dict[tuple[int, int, int], float] = {}  # (src, dst, microbatch) -> send end
+    clock = [sum(costs.start_s[s] for s in stages) if costs.start_s else 0.0 for stages in ranks]
+    busy = list(clock)  # the time before the start counts as busy (applying an update)
+    pos = [0] * len(ranks)
+    starts: list[list[float]] = [[] for _ in ranks]
+    ends: list[list[float]] = [[] for _ in ranks]
+    progress = True
+    while progress:
+        progress = False
+        for r, dur in enumerate(durations):
+            i, now, spent, wait, send = pos[r], clock[r], busy[r], waits[r], sends[r]
+            began, ended = starts[r], ends[r]
+            while i < len(dur):
+                start = now
+                key = wait[i]
+                if key is not None:
+                    if key not in arrival:
+                        break
+                    start = max(start, arrival[key])
+                end = start + dur[i]
+                if (out := send[i]) is not None:
+                    arrival[out] = end
+                began.append(start)
+                ended.append(end)
+                spent += end - start
+                now = end
+                i += 1
+            if i != pos[r]:
+                pos[r], clock[r], busy[r], progress = i, now, spent, True
+    assert pos == [len(d) for d in durations], "a Schedule is free of deadlocks by construction"
+    return Timing(name, tuple(tuple(r) for r in ranks), tuple(tuple(a) for a in steps),
+                  tuple(map(tuple, starts)), tuple(map(tuple, ends)), max(clock), tuple(busy))
 
 
 def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
-    """Plays ``schedule`` against ``costs`` (see the module docstring for the model).
+    """Plays ``schedule`` against ``costs`` (see the module docstring for the model; :func:`play`).
 
     Args:
         schedule: The schedule (valid, so free of deadlocks).
@@ -201,56 +296,36 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
         raise ValueError(f"schedule has {p} stages, costs describe {costs.num_stages}")
     ranks = tuple(schedule.stages_of(r) for r in range(schedule.num_ranks))
     lists = [schedule.rank_actions(r) for r in range(len(ranks))]
-    compute = _durations(costs)
+    timing = play(schedule.name, [[Step(a.stage, a.kind, a.microbatch) for a in acts] for acts in lists],
+                  ranks, costs)
     act_bytes = costs.activation_bytes or (0.0,) * p
-    arrival: dict[tuple[int, int, int], float] = {}  # (src, dst, microbatch) -> send end
-    clock = [sum(costs.start_s[s] for s in stages) if costs.start_s else 0.0 for stages in ranks]
-    pos = [0] * len(ranks)
-    played: list[list[TimedAction]] = [[] for _ in ranks]
-    busy = list(clock)  # the time before the start counts as busy (applying an update)
-    held: list[list[tuple[float, int]]] = [[(0.0, 0)] for _ in ranks]
-    held_bytes = [0.0] * len(ranks)
-    peak_bytes = [0.0] * len(ranks)
-    progress = True
-    while progress:
-        progress = False
-        for r, acts in enumerate(lists):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                start = clock[r]
-                if a.kind in ("RECV_F", "RECV_B"):
-                    assert a.peer is not None
-                    key = (a.peer, a.stage, a.microbatch)
-                    if key not in arrival:
-                        break
-                    start = max(start, arrival[key])
-                end = start + _duration(a, costs, compute)
-                if a.kind in ("SEND_F", "SEND_B"):
-                    assert a.peer is not None
-                    arrival[(a.stage, a.peer, a.microbatch)] = end
-                elif a.kind == "F":
-                    held[r].append((start, held[r][-1][1] + 1))
-                    held_bytes[r] += act_bytes[a.stage]
-                    peak_bytes[r] = max(peak_bytes[r], held_bytes[r])
-                elif a.kind in ("B", "W"):
-                    held[r].append((end, held[r][-1][1] - 1))
-                    held_bytes[r] -= act_bytes[a.stage]
-                played[r].append(TimedAction(a, start, end))
-                busy[r] += end - start
-                clock[r] = end
-                pos[r] += 1
-                progress = True
-    assert pos == [len(acts) for acts in lists], "a Schedule is free of deadlocks by construction"
-    step = max(clock)
-    idle = tuple(step - b for b in busy)
+    played: list[list[TimedAction]] = []
+    held: list[list[tuple[float, int]]] = []
+    peak_bytes = []
+    for acts, starts, ends in zip(lists, timing.starts, timing.ends, strict=True):
+        track, count, nbytes, peak = [(0.0, 0)], 0, 0.0, 0.0
+        for a, start, end in zip(acts, starts, ends, strict=True):
+            if a.kind == "F":
+                count += 1
+                track.append((start, count))
+                nbytes += act_bytes[a.stage]
+                peak = max(peak, nbytes)
+            elif a.kind in ("B", "W"):
+                count -= 1
+                track.append((end, count))
+                nbytes -= act_bytes[a.stage]
+        played.append([TimedAction(a, start, end) for a, start, end in zip(acts, starts, ends, strict=True)])
+        held.append(track)
+        peak_bytes.append(peak)
+    step = timing.step_time_s
     return SimResult(
         schedule_name=schedule.name,
         ranks=ranks,
         step_time_s=step,
         timeline=tuple(tuple(t) for t in played),
-        busy_s=tuple(busy),
-        idle_s=idle,
-        bubble_fraction=sum(idle) / (len(ranks) * step) if step > 0 else 0.0,
+        busy_s=timing.busy_s,
+        idle_s=tuple(step - b for b in timing.busy_s),
+        bubble_fraction=timing.bubble_fraction,
         held=tuple(tuple(h) for h in held),
         peak_in_flight=tuple(max(n for _, n in h) for h in held),
         peak_activation_bytes=tuple(peak_bytes),
@@ -268,7 +343,7 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def compute_overlap(result: SimResult, neighbours: Sequence[Sequence[int]]) -> tuple[float, ...]:
+def compute_overlap(result: SimResult | Timing, neighbours: Sequence[Sequence[int]]) -> tuple[float, ...]:
     """Per rank, the share of its compute time (F, B, I, W) during which a neighbour computes too.
 
     ``neighbours[r]``: the other ranks whose compute competes with rank ``r``'s (CPU workers of
@@ -276,7 +351,7 @@ def compute_overlap(result: SimResult, neighbours: Sequence[Sequence[int]]) -> t
     A rank that computes nothing gets 0. Reads the played timeline only: the costs it was
     played with decide it.
     """
-    spans = [[(t.start, t.end) for t in played if t.action.kind in _COMPUTE] for played in result.timeline]
+    spans = result.compute_spans
     shares = []
     for r, own in enumerate(spans):
         total = sum(end - start for start, end in own)

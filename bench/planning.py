@@ -1,0 +1,122 @@
+"""How long ``choose_plan`` takes, from the examples' sizes to a 1,000-node model on 1,024 workers.
+
+Each case is a ``Profile.synthetic`` chain of ``n`` nodes (1 ms forward per sample, 4 MB of parameters,
+1 MB of saved activations, 256 KiB crossing each cut) planned on ``Resources.local(workers)`` with
+80 GiB each, for a global batch of 4 samples per worker; ``stages`` fixes ``plan.num_stages`` where
+given. Per case: the shapes the request allows, the time of the fast search (the default), of the
+exhaustive one (``exhaustive=True``, which plays every shape; skipped past ``--exhaustive-up-to``
+workers) and, with ``--baseline DIR``, of ``choose_plan`` from another checkout of cellmesh in a
+subprocess (the search before this one), each once. The fast and exhaustive plans are compared.
+
+    python bench/planning.py [--cases examples,issue,cluster] [--baseline DIR] [--timeout 300] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = str(Path(__file__).resolve().parents[1])
+if __name__ == "__main__":  # run as a script: the repository, not bench/, first on the path
+    sys.path[0] = ROOT
+
+from coordinator.planning.config import PlanConfig  # noqa: E402
+from coordinator.planning.planner import choose_plan  # noqa: E402
+from coordinator.planning.profile import Profile  # noqa: E402
+from coordinator.planning.request import plan_shapes, resolve  # noqa: E402
+from coordinator.planning.resources import Resources  # noqa: E402
+
+MB = 10**6
+# (nodes, workers, fixed stages or None)
+CASES: dict[str, list[tuple[int, int, int | None]]] = {
+    "examples": [(8, 2, None), (12, 4, None), (16, 8, None)],
+    "issue": [(64, 8, None), (128, 64, None), (256, 256, None)],
+    "cluster": [(1000, 1024, 16), (1000, 1024, 128)],
+}
+_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from coordinator.planning.config import PlanConfig
+from coordinator.planning.planner import choose_plan
+from coordinator.planning.profile import Profile
+from coordinator.planning.resources import Resources
+n, w, stages = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+prof = Profile.synthetic([1e-3] * n, param_bytes=[4 * 10**6] * n, activation_bytes=[10**6] * n,
+                         cut_bytes=[256 * 1024] * (n - 1))
+res = Resources.local(w, memory_bytes=80 * 2**30)
+t0 = time.perf_counter()
+plan = choose_plan(prof, res, PlanConfig(num_stages=stages), global_batch=4 * w)
+print(json.dumps({"s": time.perf_counter() - t0, "plan": plan.summary()}))
+"""
+
+
+def profile(nodes: int) -> Profile:
+    return Profile.synthetic([1e-3] * nodes, param_bytes=[4 * MB] * nodes, activation_bytes=[MB] * nodes,
+                             cut_bytes=[256 * 1024] * (nodes - 1))
+
+
+def baseline(tree: str, nodes: int, workers: int, stages: int | None, timeout: float) -> dict[str, Any]:
+    """``choose_plan`` of the checkout ``tree`` on the case, in a subprocess (None past ``timeout``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        command = [sys.executable, "-c", _CHILD, tree, str(nodes), str(workers), json.dumps(stages)]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=True)
+    except subprocess.TimeoutExpired:
+        return {"s": None, "plan": f"stopped after {timeout:.0f} s"}
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run_case(nodes: int, workers: int, stages: int | None, args: argparse.Namespace) -> dict[str, Any]:
+    prof, res = profile(nodes), Resources.local(workers, memory_bytes=80 * 2**30)
+    request, batch = PlanConfig(num_stages=stages), 4 * workers
+    shapes = len(plan_shapes(request, resolve(request, nodes, nodes, workers), batch))
+    t0 = time.perf_counter()
+    fast = choose_plan(prof, res, request, global_batch=batch)
+    row: dict[str, Any] = {"nodes": nodes, "workers": workers, "stages": stages, "global_batch": batch,
+                           "shapes": shapes, "fast_s": time.perf_counter() - t0, "plan": fast.summary()}
+    if workers <= args.exhaustive_up_to:
+        t0 = time.perf_counter()
+        every = choose_plan(prof, res, request, global_batch=batch, exhaustive=True)
+        row["exhaustive_s"] = time.perf_counter() - t0
+        row["same_plan"] = every == fast
+    if args.baseline:
+        before = baseline(args.baseline, nodes, workers, stages, args.timeout)
+        row["baseline_s"], row["baseline_plan"] = before["s"], before["plan"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="examples,issue,cluster")
+    parser.add_argument("--baseline", default="", help="another checkout of cellmesh to time as 'before'")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per baseline plan")
+    parser.add_argument("--exhaustive-up-to", type=int, default=64, help="workers; larger cases skip it")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    rows = []
+    print(f"{'nodes x workers':>16} {'stages':>6} {'batch':>6} {'shapes':>7} {'before s':>9} "
+          f"{'exhaust s':>9} {'fast s':>8}  same  plan")
+    for group in args.cases.split(","):
+        for nodes, workers, stages in CASES[group]:
+            row = run_case(nodes, workers, stages, args)
+            rows.append(row)
+            before, every = row.get("baseline_s"), row.get("exhaustive_s")
+            before_s = ("-" if "baseline_plan" not in row else f">{args.timeout:.0f}" if before is None
+                        else f"{before:.2f}")
+            every_s = "-" if every is None else f"{every:.2f}"
+            print(f"{f'{nodes} x {workers}':>16} {stages or 'any':>6} {row['global_batch']:>6} "
+                  f"{row['shapes']:>7} {before_s:>9} {every_s:>9} {row['fast_s']:>8.3f}  "
+                  f"{row.get('same_plan', '-')!s:>4}  {row['plan']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A closed-form lower bound on a schedule's simulated step, from its stages' costs alone.
+
+The planner ranks every shape by this bound and plays only the shapes whose bound could beat the best
+plan played so far (``coordinator/planning/planner.py``, [Note: the fast search]). The bound never
+exceeds what :func:`~coordinator.planning.simulator.play` returns for the same costs, for GPipe, 1F1B,
+ZB-H1 and interleaved 1F1B, and is within a few percent of it for GPipe and 1F1B with equal stages.
+
+[Note: the bound] Three facts of the simulator's model, true of every standard schedule:
+
+- a rank runs its actions one at a time, from its start (its stages' optimizer steps): it ends no
+  earlier than its first action starts plus the sum of all its actions' times (``W_r``);
+- microbatch 0 reaches rank ``r`` (holding stage ``r``: the first chunk) only after stages
+  ``0..r-1`` each received it, ran its forward and sent it on: rank ``r``'s first action (its
+  ``RECV_F``) starts no earlier than ``h_r``, ``h_0`` its start, ``h_r = max(start_r, h_{r-1} +
+  recv_{r-1} + F_{r-1} + send_{r-1})``;
+- rank ``r``'s last action sends the gradients of microbatch ``m - 1`` to stage ``r - 1`` (GPipe,
+  1F1B, interleaved: every backward of stage ``j < r`` for that microbatch is also its rank's last), so
+  after it stages ``r-1..0`` each receive, run the backward and send: ``t_r = sum_{j<r} (recv_j + B_j
+  + send_j)``.
+
+So the step is at least ``max_r h_r + W_r + t_r``. ZB-H1 splits the backward: stage ``s`` runs
+``min(s + 1, m)`` of its ``W`` s after it sent microbatch ``m - 1``'s input gradients, and so does every
+stage below it after its own ``I``: the bound follows that chain instead. Transfers are the simulator's
+(both endpoints pay), compute includes whatever the caller puts in (the per-action overhead, a shared
+host's slowdown when it is certain). For equal stages GPipe and 1F1B play about ``(m + p - 1)(F + B)``
+plus transfers, which the bound follows; for uneven stages, interleaved and ZB-H1 it is lower by what
+the schedule's steady state stalls (down to half on random costs), and the simulator decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["pipeline_bound"]
+
+
+def pipeline_bound(name: str, num_microbatches: int, num_ranks: int, forward_s: Sequence[float],
+                   backward_s: Sequence[float], activation_s: Sequence[float], gradient_s: Sequence[float],
+                   start_s: Sequence[float], weight_s: Sequence[float] | None = None) -> float:
+    """A lower bound on the simulated step of schedule ``name`` (see [Note: the bound]).
+
+    Args:
+        name: ``gpipe``, ``1f1b``, ``zb-h1`` or ``interleaved-1f1b`` (any other: the busiest rank's work).
+        num_microbatches: ``m``.
+        num_ranks: Workers per replica ``R``; stage ``s`` runs on rank ``s % R``.
+        forward_s: Per stage, one microbatch's forward (``p`` entries).
+        backward_s: Per stage, its whole backward (``I`` and ``W`` together for ZB-H1).
+        activation_s: Per inner cut ``c`` (between stages ``c`` and ``c+1``), what each endpoint pays
+            to move the activations (``p - 1`` entries).
+        gradient_s: The same for the gradients.
+        start_s: Per stage, when it may start (its optimizer step); a rank starts after all of its.
+        weight_s: Per stage, its ``W`` (ZB-H1), default none.
+    """
+    m, p, rr = num_microbatches, len(forward_s), num_ranks
+    inner = [a + g for a, g in zip(activation_s, gradient_s, strict=True)]
+    work = [m * (forward_s[s] + backward_s[s] + (inner[s - 1] if s > 0 else 0.0)
+                 + (inner[s] if s < p - 1 else 0.0)) for s in range(p)]
+    begin = [0.0] * rr
+    busy = [0.0] * rr
+    for s in range(p):
+        begin[s % rr] += start_s[s]
+        busy[s % rr] += work[s]
+    if name not in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
+        return max(b + w for b, w in zip(begin, busy, strict=True))
+    head = [begin[0]]  # when rank r's first action may start
+    for r in range(1, rr):
+        s = r - 1  # the stage before, on rank r - 1 (its first chunk)
+        arrive = head[-1] + (activation_s[s - 1] if s > 0 else 0.0) + forward_s[s] + activation_s[s]
+        head.append(max(begin[r], arrive))
+    bound, tail = 0.0, 0.0  # tail: the drain below rank r, stages r-1..0
+    for r in range(rr):
+        end = head[r] + busy[r]
+        if r > 0:
+            j = r - 1
+            tail += gradient_s[j] + backward_s[j] + (gradient_s[j - 1] if j > 0 else 0.0)
+        if name != "zb-h1":
+            bound = max(bound, end + tail)
+            continue
+        assert weight_s is not None
+        late = min(r + 1, m) * weight_s[r]  # the W's after the last I and its send
+        sent = end - late
+        bound = max(bound, end)
+        t = sent
+        for j in range(r - 1, -1, -1):
+            t += gradient_s[j] + (backward_s[j] - weight_s[j]) + (gradient_s[j - 1] if j > 0 else 0.0)
+            bound = max(bound, t + min(j + 1, m) * weight_s[j])
+    return bound

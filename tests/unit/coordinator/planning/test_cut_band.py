@@ -1,0 +1,117 @@
+"""The banded min-max cutter gives the very boundaries of the dense dynamic programme it replaced."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from coordinator.planning.cutting import CutError, CutProblem, _with_slack, cut_min_max
+from tests.unit.coordinator.planning.test_cutting import problems
+
+
+def dense_min_max(problem: CutProblem) -> tuple[int, ...]:
+    """The dense O(k n^2) programme (the cutter before the band): every start for every end."""
+    n, k = problem.num_nodes, problem.num_stages
+    prefix = problem._prefix
+    w = np.asarray(problem.cut_s, dtype=np.float64).copy()
+    w[0] = w[n] = 0.0
+    cost = prefix[None, :] - prefix[:, None] + w[:, None] + w[None, :]
+    idx = np.arange(n + 1)
+    invalid = idx[None, :] <= idx[:, None]
+    if problem.cuttable is not None:
+        allowed = np.asarray(problem.cuttable, dtype=bool).copy()
+        allowed[0] = allowed[n] = True
+        invalid |= ~allowed[:, None] | ~allowed[None, :]
+    cost = np.where(invalid, np.inf, cost)
+    mem_static = None
+    if problem.memory_limit is not None:
+        assert problem.static_bytes is not None
+        ps = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
+        mem_static = ps[None, :] - ps[:, None]
+        if problem.transient_bytes is not None and any(problem.transient_bytes):
+            top = np.zeros((n + 1, n + 1))
+            for i in range(n):
+                top[i, i + 1:] = np.maximum.accumulate(np.asarray(problem.transient_bytes[i:]))
+            mem_static = mem_static + top
+
+    def stage_cost(s: int) -> np.ndarray:
+        held = problem.held_bytes(s)
+        if mem_static is None or held is None:
+            return cost
+        pa = np.concatenate([[0.0], np.cumsum(held)])
+        assert problem.memory_limit is not None and problem.in_flight is not None
+        over = mem_static + (pa[None, :] - pa[:, None]) * problem.in_flight[s] > _with_slack(
+            problem.memory_limit[s])
+        return np.where(over, np.inf, cost)
+
+    best = stage_cost(0)[0].copy()
+    choice = np.zeros((k, n + 1), dtype=np.int64)
+    for s in range(1, k):
+        cand = np.maximum(best[:, None], stage_cost(s))
+        choice[s] = np.argmin(cand, axis=0)
+        best = cand[choice[s], idx]
+    if not math.isfinite(best[n]):
+        raise CutError("infeasible")
+    bounds = [n]
+    for s in range(k - 1, 0, -1):
+        bounds.append(int(choice[s][bounds[-1]]))
+    bounds.append(0)
+    return tuple(reversed(bounds))
+
+
+def same_as_dense(problem: CutProblem) -> None:
+    try:
+        expected = dense_min_max(problem)
+    except CutError:
+        with pytest.raises(CutError):
+            cut_min_max(problem)
+        return
+    assert cut_min_max(problem) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(problem=problems(memory=True))
+def test_the_band_gives_the_dense_boundaries_under_memory_limits(problem: CutProblem) -> None:
+    same_as_dense(problem)
+
+
+@settings(max_examples=300, deadline=None)
+@given(problem=problems(memory=False))
+def test_the_band_gives_the_dense_boundaries(problem: CutProblem) -> None:
+    same_as_dense(problem)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_long_uneven_chains_with_memory_and_ties(seed: int) -> None:
+    """Longer chains than hypothesis draws: heavy nodes, equal nodes (ties), tight memory, transients."""
+    rng = random.Random(seed)
+    n = rng.choice([40, 90, 150])
+    k = rng.choice([2, 5, 16, 33])
+    kind = seed % 3
+    compute = [1.0] * n if kind == 0 else [rng.choice([0.0, 0.5, 1.0, 8.0]) for _ in range(n)]
+    cuts = [rng.choice([0.0, 0.01, 0.3]) for _ in range(n + 1)]
+    cuttable = tuple(rng.random() > 0.1 for _ in range(n + 1))
+    static = tuple(rng.uniform(0, 4) for _ in range(n))
+    act = tuple(rng.uniform(0, 1) for _ in range(n))
+    in_flight = tuple(rng.randint(1, 4) for _ in range(k))
+    limit = tuple(rng.uniform(1.2, 3.0) * sum(static) / k for _ in range(k))
+    transient = tuple(rng.uniform(0, 2) for _ in range(n)) if seed % 2 else None
+    same_as_dense(CutProblem(tuple(compute), tuple(cuts), k, cuttable))
+    same_as_dense(CutProblem(tuple(compute), tuple(cuts), k, cuttable, static, act, in_flight, limit,
+                             transient_bytes=transient))
+
+
+def test_a_thousand_nodes_into_128_stages_is_fast() -> None:
+    rng = random.Random(0)
+    compute = tuple(rng.uniform(0.5, 1.5) for _ in range(1000))
+    problem = CutProblem(compute, tuple([0.01] * 1001), 128)
+    t0 = time.perf_counter()
+    bounds = cut_min_max(problem)
+    took = time.perf_counter() - t0
+    assert bounds == dense_min_max(problem)
+    print(f"\n1,000 nodes into 128 stages: {took * 1e3:.1f} ms")

@@ -1,0 +1,158 @@
+"""The fast search (bounds, then the simulator on the finalists) chooses as the exhaustive search does.
+
+The exhaustive search (``choose_plan(..., exhaustive=True)``) plays every shape and memory option in
+the simulator; the fast one ranks the shapes by a lower bound and plays only those that could win
+([Note: the fast search] in ``coordinator/planning/planner.py``). Over a grid of profiles (even,
+uneven, heavy), worker counts, hosts, memory budgets and fixed fields, both must return the same
+plan (shape, schedule, microbatches, cut, predicted step: the whole ``Plan``) or the same refusal.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.planning.closed_form import pipeline_bound
+from coordinator.planning.config import PlanConfig
+from coordinator.planning.planner import choose_plan
+from coordinator.planning.profile import Profile
+from coordinator.planning.request import PlanningError
+from coordinator.planning.resources import Resources, Worker
+from coordinator.planning.schedules import (
+    Step,
+    build_schedule,
+    peak_in_flight,
+    schedule_problem,
+    schedule_steps,
+    stage_holds,
+)
+from coordinator.planning.simulator import StageCosts, play
+from services.compute.weight_grads import defers
+
+MiB = 2**20
+KiB = 2**10
+
+
+def profile(kind: str) -> Profile:
+    if kind == "even":
+        return Profile.synthetic([1e-3] * 6, param_bytes=[2 * MiB] * 6, activation_bytes=[MiB] * 6,
+                                 cut_bytes=[64 * KiB] * 5, microbatch_size=2)
+    if kind == "uneven":  # a heavy middle, a light tail, one big crossing
+        return Profile.synthetic([1e-3, 4e-3, 6e-3, 1e-3, 5e-4, 2e-3, 3e-4],
+                                 param_bytes=[MiB, 6 * MiB, 8 * MiB, MiB, 512 * KiB, 3 * MiB, 256 * KiB],
+                                 activation_bytes=[MiB, 2 * MiB, 3 * MiB, MiB, MiB, 2 * MiB, 512 * KiB],
+                                 cut_bytes=[64 * KiB, 2 * MiB, 128 * KiB, 64 * KiB, 32 * KiB, 16 * KiB],
+                                 microbatch_size=2)
+    # heavy: parameters dominate (the sync decides between replicas and stages)
+    return Profile.synthetic([2e-3] * 8, param_bytes=[24 * MiB] * 8, activation_bytes=[256 * KiB] * 8,
+                             cut_bytes=[32 * KiB] * 7, microbatch_size=2)
+
+
+def workers(count: int, memory: int, hosts: str) -> Resources:
+    """``hosts``: ``one`` (all on one host), ``own`` (a host each), ``pairs`` (two a host, the last slow)."""
+    def host(i: int) -> str:
+        return "h" if hosts == "one" else f"h{i}" if hosts == "own" else f"h{i // 2}"
+    return Resources(workers=tuple(
+        Worker(name=f"w{i}", memory_bytes=memory, host=host(i),
+               speed=0.5 if hosts == "pairs" and i == count - 1 else 1.0) for i in range(count)))
+
+
+FIXED = [{}, {"schedule": "1f1b"}, {"data_parallel": 2}, {"num_stages": 2}, {"mode": "parameter_server"},
+         {"num_microbatches": 4}, {"strategy": "pipeline"}]
+BIG = 1 << 40
+CASES = [  # profile, workers, hosts, memory per worker, FIXED index
+    ("even", 1, "one", BIG, 0), ("even", 2, "one", BIG, 0), ("even", 3, "own", BIG, 0),
+    ("even", 4, "one", BIG, 0), ("even", 4, "own", BIG, 1), ("even", 8, "pairs", BIG, 0),
+    ("even", 16, "own", BIG, 0), ("even", 6, "one", BIG, 2), ("even", 4, "one", 14 * MiB, 0),
+    ("uneven", 2, "one", BIG, 0), ("uneven", 4, "own", BIG, 0), ("uneven", 4, "one", BIG, 1),
+    ("uneven", 8, "own", BIG, 0), ("uneven", 8, "pairs", BIG, 3), ("uneven", 5, "one", BIG, 4),
+    ("uneven", 4, "own", BIG, 5), ("uneven", 4, "one", 40 * MiB, 0), ("uneven", 8, "one", 30 * MiB, 6),
+    ("uneven", 16, "pairs", BIG, 0), ("uneven", 2, "one", 20 * MiB, 0),
+    ("heavy", 2, "own", BIG, 0), ("heavy", 4, "one", BIG, 0), ("heavy", 8, "own", BIG, 0),
+    ("heavy", 4, "own", 200 * MiB, 0), ("heavy", 8, "pairs", 150 * MiB, 0), ("heavy", 4, "one", 300 * MiB, 2),
+    ("heavy", 16, "own", BIG, 5), ("heavy", 2, "one", 100 * MiB, 0)]
+
+
+@pytest.mark.parametrize(("kind", "count", "hosts", "budget", "fixed"), CASES)
+def test_the_fast_search_chooses_the_exhaustive_plan(kind: str, count: int, hosts: str, budget: int,
+                                                     fixed: int) -> None:
+    prof, res = profile(kind), workers(count, budget, hosts)
+    request = PlanConfig(max_microbatches=4, **FIXED[fixed])
+    outcomes: list[object] = []
+    for exhaustive in (False, True):
+        try:
+            outcomes.append(choose_plan(prof, res, request, global_batch=16, exhaustive=exhaustive))
+        except PlanningError as exc:
+            outcomes.append(str(exc).split(" (")[0])
+    assert outcomes[0] == outcomes[1]
+
+
+def test_the_grid_is_not_vacuous() -> None:
+    """Its plans pipeline, replicate and do both, over several schedules; some refuse."""
+    shapes, schedules = set(), set()
+    for kind, count, hosts, budget, fixed in CASES:
+        try:
+            plan = choose_plan(profile(kind), workers(count, budget, hosts),
+                               PlanConfig(max_microbatches=4, **FIXED[fixed]), global_batch=16)
+        except PlanningError:
+            continue
+        shapes.add((plan.data_parallel > 1, plan.num_stages > 1))
+        schedules.add(plan.schedule_name)
+    assert shapes >= {(True, False), (False, True), (True, True)}
+    assert len(schedules) >= 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(150):
+        name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+        p, m = rng.randint(1, 9), rng.randint(1, 10)
+        v = rng.choice([2, 3]) if name == "interleaved-1f1b" else 1
+        if schedule_problem(name, p, m, v):
+            continue
+        even = rng.random() < 0.3
+        costs = StageCosts(tuple(1.0 if even else rng.uniform(0.1, 2) for _ in range(p)),
+                           tuple(2.0 if even else rng.uniform(0.1, 4) for _ in range(p)),
+                           tuple(0.1 if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
+                           tuple(0.1 if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
+                           start_s=tuple(rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(p)))
+        order = schedule_steps(name, p, m, v)[0]
+        ranks = len(order)
+        step = play(name, order, [tuple(range(r, p, ranks)) for r in range(ranks)], costs).step_time_s
+        bound = pipeline_bound(name, m, ranks, costs.forward_s, costs.backward_s, costs.activation_transfer_s,
+                               costs.gradient_transfer_s, costs.start_s, costs.weight_s)
+        assert bound <= step * (1 + 1e-12)
+        if even and name in ("gpipe", "1f1b") and not any(costs.start_s):  # equal stages: close to the step
+            assert bound >= 0.9 * step
+
+
+def test_a_thousand_nodes_on_1024_workers_is_planned() -> None:
+    """The cluster-size case finishes (its time is bench/planning.py's: no timed assertion here)."""
+    prof = Profile.synthetic([1e-3] * 1000, param_bytes=[4 * 10**6] * 1000, activation_bytes=[10**6] * 1000,
+                             cut_bytes=[256 * KiB] * 999)
+    res = Resources.local(1024, memory_bytes=80 * 2**30)
+    plan = choose_plan(prof, res, PlanConfig(num_stages=128), global_batch=4096)
+    assert plan.num_stages == 128 and plan.num_workers <= 1024
+    assert plan.bounds[0] == 0 and plan.bounds[-1] == 1000
+
+
+def test_stage_holds_is_what_the_built_schedules_hold() -> None:
+    """The closed forms (and interleaved 1F1B's count) against the built, validated schedules' lists."""
+    for name in ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]:
+        for p in range(1, 10):
+            for m in range(1, 13):
+                for v in [2, 3, 4] if name == "interleaved-1f1b" else [1]:
+                    if schedule_problem(name, p, m, v):
+                        continue
+                    built = build_schedule(name, p, m, v)
+                    assert stage_holds(name, p, m, v) == (
+                        tuple(peak_in_flight(acts) for acts in built.actions),
+                        tuple(defers(acts) for acts in built.actions))
+                    order, lists = schedule_steps(name, p, m, v)
+                    assert lists == tuple(tuple(Step(a.stage, a.kind, a.microbatch) for a in acts)
+                                          for acts in built.actions)
+                    steps = [[Step(a.stage, a.kind, a.microbatch) for a in built.rank_actions(r)]
+                             for r in range(built.num_ranks)]
+                    assert order == tuple(map(tuple, steps))
