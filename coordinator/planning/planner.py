@@ -383,7 +383,9 @@ class _Shared:
                 memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
                 num_microbatches: int, on_cuda: bool) -> CutProblem:
         """:func:`cut_problem` from the shared parts (one per its arguments: modes and schedules share it)."""
-        replicas = data_parallel if mode != "collective" else 0  # parameter servers' memory reads it
+        # parameter servers' memory reads the replicas; collective replicas only whether there are several
+        # (the transport's frames: [Note: the transport's frames] in memory.py)
+        replicas = data_parallel if mode != "collective" else int(data_parallel > 1)
         key = ("problem", num_stages, mb, bandwidth_bps, latency_s, speed, replicas, mode,
                None if in_flight is None else tuple(in_flight),
                None if memory_limit is None else tuple(memory_limit),
