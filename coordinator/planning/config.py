@@ -29,8 +29,8 @@ flags (``--plan.num-stages``), the ``--set key=value`` keys, ``Job``'s keyword f
 (:data:`FLAT_KEYS`) and the planner's request are all derived from these models.
 
 This module imports pydantic, PyYAML and the standard library only, so the command line
-builds its parser without torch. (The schedule names are ``schedules.SCHEDULES``, whose
-action types import torch: the validator looks them up when a schedule is given.)
+builds its parser without torch. (The schedule names are :data:`SCHEDULE_NAMES`, the keys of
+``schedules.SCHEDULES``, whose action types import torch; ``schedules.py`` checks the two agree.)
 """
 
 from __future__ import annotations
@@ -43,13 +43,40 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-__all__ = ["FLAT_KEYS", "CheckpointConfig", "CommBackend", "ConfigError", "DataConfig", "EvalConfig",
-           "FactoryKwargs", "JobConfig", "LoggingConfig", "LossConfig", "Mode", "ModelConfig",
-           "OptimizerConfig", "PlanConfig", "Precision", "RuntimeConfig", "SchedulerConfig",
-           "SchedulerKwargs", "Strategy", "ZeroStage", "apply_settings", "describe_validation", "from_flat",
-           "parse_config", "section_of", "settable_fields", "setting_value"]
+__all__ = [
+    "FLAT_KEYS",
+    "SCHEDULE_NAMES",
+    "CheckpointConfig",
+    "CommBackend",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "FactoryKwargs",
+    "JobConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "Mode",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PlanConfig",
+    "Precision",
+    "RuntimeConfig",
+    "SchedulerConfig",
+    "SchedulerKwargs",
+    "Strategy",
+    "ZeroStage",
+    "apply_settings",
+    "describe_validation",
+    "from_flat",
+    "parse_config",
+    "section_of",
+    "settable_fields",
+    "setting_value",
+]
 
 Mode = Literal["collective", "parameter_server"]
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+"""The pipeline schedules ``plan.schedule`` may name (``coordinator/planning/schedules.py`` builds them)."""
 Strategy = Literal["auto", "data_parallel", "pipeline"]
 CommBackend = Literal["auto", "zmq", "gloo", "nccl"]  # comm/factory.py: [Note: a group's backend]
 Device = Literal["auto", "cpu", "cuda"]  # coordinator/planning/devices.py: [Note: where a stage runs]
@@ -211,10 +238,8 @@ class PlanConfig(_Section):
     @field_validator("schedule")
     @classmethod
     def _known_schedule(cls, value: str | None) -> str | None:
-        from coordinator.planning.schedules import SCHEDULES  # torch, through the action types
-
-        if value is not None and value not in SCHEDULES:
-            raise ValueError(f"unknown schedule {value!r}; use one of {tuple(SCHEDULES)}")
+        if value is not None and value not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {value!r}; use one of {SCHEDULE_NAMES}")
         return value
 
     @model_validator(mode="after")

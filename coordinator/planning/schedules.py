@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeAlias, cast
 
+from coordinator.planning.config import SCHEDULE_NAMES
 from services.compute.actions import ScheduleError, format_schedule, validate_schedule
 from services.protocol import Action, ActionKind
 
@@ -354,6 +355,9 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1,
     # (stages, microbatches) -> two chunks per worker; build_schedule passes any other count
     "interleaved-1f1b": lambda p, m: interleaved_1f1b(p, m, 2)}
+if tuple(SCHEDULES) != SCHEDULE_NAMES:  # the job config checks names without importing this module
+    raise ImportError(f"config.SCHEDULE_NAMES {SCHEDULE_NAMES} must list schedules.SCHEDULES "
+                      f"{tuple(SCHEDULES)}")
 # the schedules whose workers hold several stages (see [Note: chunks]): built with their chunk count
 CHUNKED: dict[str, Callable[[int, int, int], Schedule]] = {"interleaved-1f1b": interleaved_1f1b}
 
