@@ -62,6 +62,17 @@ class WatchEvent:
     revision: int
 
 
+def _apply(state: dict[str, KeyValue], event: WatchEvent) -> None:
+    """Apply one watch event to a listing by key (an event older than what the listing holds is skipped)."""
+    held = state.get(event.key)
+    if held is not None and held.revision > event.revision:
+        return
+    if event.type == EventType.PUT:
+        state[event.key] = KeyValue(event.key, event.value, event.revision)
+    else:
+        state.pop(event.key, None)
+
+
 class Lease(abc.ABC):
     """A time-to-live grant; keys put with it vanish when it expires or is revoked.
 
@@ -184,6 +195,12 @@ class Registry(abc.ABC):
     ) -> builtins.list[KeyValue]:
         """Block until ``predicate(self.list(prefix))`` holds; return that listing.
 
+        The prefix is listed once; after that the watch's events keep the listing up to date, so a
+        group of ``g`` members forming reads ``g`` entries and ``g`` events, not ``g`` listings of up to
+        ``g`` entries each. Events are applied in batches (all that are queued), so the listing never
+        shows a replayed change the first listing had already seen undone; a listing is taken afresh
+        whenever the watch stays quiet for half a second.
+
         Raises:
             RegistryTimeoutError: naming ``what`` and the last listing seen, after ``timeout``.
         """
@@ -193,18 +210,24 @@ class Registry(abc.ABC):
         if predicate(items):
             return items
         with self.watch(prefix, start_revision=start + 1) as watch:
+            state = {kv.key: kv for kv in self.list(prefix)}
             while True:
-                items = self.list(prefix)
+                items = [state[key] for key in sorted(state)]
                 if predicate(items):
                     return items
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    keys = [kv.key for kv in items]
                     raise RegistryTimeoutError(
                         f"timed out after {timeout.total_seconds():.1f}s waiting for {what} "
-                        f"under {prefix!r}; present: {keys}"
+                        f"under {prefix!r}; present: {[kv.key for kv in items]}"
                     )
-                watch.get(timedelta(seconds=min(left, 0.5)))
+                event = watch.get(timedelta(seconds=min(left, 0.5)))
+                if event is None:  # quiet: take a fresh listing (a watch that lost events cannot lose us)
+                    state = {kv.key: kv for kv in self.list(prefix)}
+                    continue
+                while event is not None:
+                    _apply(state, event)
+                    event = watch.get(timedelta(0))
 
     def __enter__(self) -> Registry:
         return self

@@ -23,9 +23,9 @@ from types import TracebackType
 from typing import Protocol
 
 from comm.codec import unpack
-from comm.errors import ProtocolError
+from comm.errors import ProtocolError, RegistryTimeoutError
 from comm.registry import connect_registry
-from comm.registry.base import Registry
+from comm.registry.base import KeyValue, Registry
 from comm.rpc import RpcClient
 from coordinator.planning.resources import CLUSTER_BANDWIDTH_BPS, CLUSTER_LATENCY_S, Resources, Worker
 from services.protocol import Empty, Release, WorkerCard
@@ -127,16 +127,29 @@ class ClusterWorkers:
                 watch.get(timedelta(seconds=min(1.0, left)))
 
     def _read_cards(self, prefix: str) -> list[WorkerCard]:
+        return self._decode(self.registry.list(prefix), {})
+
+    def _decode(self, items: list[KeyValue],
+                decoded: dict[tuple[str, int], WorkerCard | None]) -> list[WorkerCard]:
+        """The cards among ``items``, each entry decoded once (``decoded`` keeps them by key and revision)."""
         cards = []
-        for kv in self.registry.list(prefix):
-            try:
-                cards.append(unpack(kv.value, WorkerCard))
-            except ProtocolError as exc:  # not a worker of this version: say so, keep waiting for real ones
-                log.warning("[coordinator %s] ignoring %s: %s", self.job, kv.key, exc)
+        for kv in items:
+            if (kv.key, kv.revision) not in decoded:
+                try:
+                    decoded[kv.key, kv.revision] = unpack(kv.value, WorkerCard)
+                except ProtocolError as exc:  # not a worker of this version: say so, wait for real ones
+                    log.warning("[coordinator %s] ignoring %s: %s", self.job, kv.key, exc)
+                    decoded[kv.key, kv.revision] = None
+            card = decoded[kv.key, kv.revision]
+            if card is not None:
+                cards.append(card)
         return cards
 
     def start(self, progress: timedelta = timedelta(seconds=15)) -> ClusterWorkers:
         """Connect and wait until ``workers`` cards are registered; log who is there every ``progress``.
+
+        The wait follows the registry's events (:meth:`Registry.wait_for`): a thousand workers
+        registering cost a thousand events and a few listings, not a listing per arrival.
 
         Raises:
             TimeoutError: Naming how many workers registered (and which) within ``timeout``.
@@ -145,24 +158,25 @@ class ClusterWorkers:
         self._registry = connect_registry(self.registry_url, request_timeout=self._request_timeout)
         prefix = f"/cellmesh/{self.job}/workers/"
         deadline = time.monotonic() + self.timeout.total_seconds()
-        next_report = time.monotonic() + progress.total_seconds()
-        with self.registry.watch(prefix) as watch:
-            while True:
+        decoded: dict[tuple[str, int], WorkerCard | None] = {}
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                items = self.registry.wait_for(
+                    prefix, lambda kvs: len(self._decode(kvs, decoded)) >= self.expected,
+                    timeout=timedelta(seconds=max(0.0, min(left, progress.total_seconds()))),
+                    what=f"{self.expected} workers")
+                cards = self._decode(items, decoded)
+                break
+            except RegistryTimeoutError:
                 cards = self._read_cards(prefix)
-                if len(cards) >= self.expected:
-                    break
-                now = time.monotonic()
-                if now >= deadline:
-                    present = ", ".join(c.name for c in cards) or "none"
-                    raise TimeoutError(
-                        f"{len(cards)} of {self.expected} workers registered under {prefix} in "
-                        f"{self.registry_url} within {self.timeout.total_seconds():.0f}s ({present}); check "
-                        f"that the workers run with --registry pointing at it and --job {self.job}")
-                if now >= next_report:
-                    log.info("[coordinator %s] %d of %d workers registered", self.job, len(cards),
-                             self.expected)
-                    next_report = now + progress.total_seconds()
-                watch.get(timedelta(seconds=min(1.0, deadline - now)))
+            if time.monotonic() >= deadline:
+                present = ", ".join(c.name for c in cards) or "none"
+                raise TimeoutError(
+                    f"{len(cards)} of {self.expected} workers registered under {prefix} in "
+                    f"{self.registry_url} within {self.timeout.total_seconds():.0f}s ({present}); check "
+                    f"that the workers run with --registry pointing at it and --job {self.job}")
+            log.info("[coordinator %s] %d of %d workers registered", self.job, len(cards), self.expected)
         self.cards = {c.name: c for c in self._choose(cards)}
         self._release_leftovers()
         return self

@@ -44,6 +44,7 @@ from comm.refusals import Refusals
 from comm.registry import (
     EventType,
     KeepAlive,
+    KeyValue,
     MemoryRegistry,
     Registry,
     RegistryServer,
@@ -491,6 +492,39 @@ def test_wait_for_success(registry: Registry, ns: str) -> None:
     finally:
         writer.join(timeout=10)
     assert [kv.key for kv in items] == [ns + "w0", ns + "w1"]
+
+
+def test_wait_for_follows_comings_and_goings_and_lists_once(registry: Registry, ns: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Members join, one leaves and one is rewritten while the wait runs: the listing returned is the
+    registry's own at that moment, built from the watch's events rather than a listing per event."""
+    listings: list[str] = []
+    real_list = registry.list
+
+    def counted(prefix: str) -> list[KeyValue]:
+        listings.append(prefix)
+        return real_list(prefix)
+
+    monkeypatch.setattr(registry, "list", counted)
+    registry.put(ns + "gone", b"soon")
+
+    def churn() -> None:
+        time.sleep(0.1)
+        for i in range(12):
+            registry.put(ns + f"m{i:02d}", b"up")
+        registry.delete(ns + "gone")
+        registry.put(ns + "m03", b"again")
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        items = registry.wait_for(ns, lambda kvs: len(kvs) == 12 and all(kv.key != ns + "gone" for kv in kvs)
+                                  and any(kv.value == b"again" for kv in kvs),
+                                  timeout=timedelta(seconds=10), what="12 members")
+    finally:
+        writer.join(timeout=10)
+    assert [(kv.key, kv.value) for kv in items] == [(kv.key, kv.value) for kv in real_list(ns)]
+    assert len(listings) <= 4, listings  # before the watch, after it, and a quiet half-second or two
 
 
 def test_wait_for_timeout_names_what_and_how_long(registry: Registry, ns: str) -> None:
