@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,11 +77,18 @@ def targets_of(harness: LocalHarness, marker: Path) -> Targets:
 
 
 def steal_worker_keys(harness: LocalHarness) -> Path:
-    """Where a worker's copy of the keys is: read from its environment, as a local intruder would."""
+    """Where a worker's copy of the keys is, found as a local intruder of the same user would: named in the
+    worker's ``/proc/PID/environ``, or (a worker forked from the fork server sets its environment after
+    the fork, so that file shows the server's) the job's key directory under the temporary directory."""
     pid = next(iter(harness.procs.values())).pid
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    value = next(v for v in environ if v.startswith(auth.KEYS_DIR_ENV.encode() + b"="))
-    return Path(value.split(b"=", 1)[1].decode())
+    named = [v for v in environ if v.startswith(auth.KEYS_DIR_ENV.encode() + b"=")]
+    if named:
+        return Path(named[0].split(b"=", 1)[1].decode())
+    # the key files sit in a 0700 directory under the temporary directory, named after the job
+    found = Path(tempfile.gettempdir()).glob(f"cellmesh-{harness.job}-keys-*")
+    [directory] = [d for d in found if d.is_dir()]
+    return directory
 
 
 def coordinator_keys_copy(directory: Path) -> Path:
