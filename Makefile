@@ -36,9 +36,8 @@ lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check cellmesh comm services coordinator tests bench examples
 	$(BIN)/mypy
 
-# two test processes: most of a multi-process test is waiting; a file's tests stay on one (its fixtures)
 test: $(VENV)/.dev-installed etcd lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/comm.py

@@ -203,16 +203,21 @@ class RankGroup:
             raise
         return self
 
+    def request_stop(self) -> None:
+        """Ask every child to stop, without waiting (:meth:`close` then waits): groups closed together
+        stop side by side rather than one after the other."""
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    conn.send_bytes(_pack({"id": 0, "cmd": "stop"}))
+
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Stop every child (ask, then SIGTERM, then SIGKILL) and the registry server. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        for conn, proc in zip(self._conns, self._procs, strict=True):
-            if proc.is_alive():
-                with contextlib.suppress(Exception):
-                    conn.send_bytes(_pack({"id": 0, "cmd": "stop"}))
+        self.request_stop()
         deadline = time.monotonic() + timeout.total_seconds()
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
