@@ -9,7 +9,7 @@ Two kinds of source feed one stream of :data:`Event` s:
   :class:`WorkerJoined` and a vanished one (drained, or its lease lapsed because the
   process died) into :class:`WorkerLost`. The watch runs on a thread that posts events
   to the poller through a :class:`~comm.rpc.mailbox.Mailbox`, so the loop sleeps in
-  exactly one place, bounded by the caller's deadline (see [Note: waking on the ready sockets]).
+  exactly one place: ``zmq.Poller.poll`` bounded by the caller's deadline.
 
 While it runs, the loop keeps the coordinator's presence key ``/cellmesh/{job}/coordinator``
 (:class:`~comm.registry.presence.Presence`): workers on etcd leave when it vanishes
@@ -22,17 +22,6 @@ deletion of a card seen around an outage until it is clearly not coming back.
 Requests and replies are framed by :mod:`comm.rpc.framing`, exactly as every other client
 of a service host frames them.
 
-[Note: waking on the ready sockets]
-``zmq.Poller.poll`` looks at every registered socket on every call, and a step's replies come in a
-few at a time, so a step over N workers cost O(N) per wake-up and about N wake-ups: 0.6 ms of CPU per
-poll at 256 workers, most of the coordinator's time per step (docs/benchmarks.md, "Hollow
-workers"). The loop sleeps in ``epoll`` instead, on each socket's ``zmq.FD``, so a wake-up costs what
-is ready. ZeroMQ's descriptor only says "look at ``ZMQ_EVENTS``", and any operation on the socket may
-consume that signal, so the loop keeps one rule: after touching a socket (a send, a read) it reads
-until ``ZMQ_EVENTS`` has no ``POLLIN``; only then may it sleep on the descriptor again. As a guard, a
-wait that sees nothing for :data:`_SWEEP` looks at every socket once (O(N) when idle, never per
-reply).
-
 :meth:`EventLoop.next_event` is the only way to wait; the runtime decides what an event
 means (``coordinator/runtime/driver.py``). Use from one thread (the watch thread only posts).
 """
@@ -41,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import select
 import threading
 import time
 from collections import deque
@@ -72,8 +60,6 @@ DEFAULT_PRESENCE_TTL = timedelta(seconds=2)
 """The coordinator's presence lease: its workers on etcd notice it died this long after (etcd's smallest)."""
 _WATCH_POLL = timedelta(seconds=0.25)  # how often the watch thread checks for close()
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum objects on the hot path
-_FD = int(zmq.FD)
-_SWEEP = 0.5  # seconds of a wait with no wake-up after which every socket is looked at once
 
 
 @dataclass(frozen=True)
@@ -151,12 +137,10 @@ class EventLoop:
         self._worker_of: dict[zmq.Socket[bytes], str] = {}
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
-        self._epoll = select.epoll()  # [Note: waking on the ready sockets]
-        self._by_fd: dict[int, zmq.Socket[bytes]] = {}
+        self._poller = zmq.Poller()
         self._posted: Mailbox[Event] = Mailbox("coordinator-loop")
-        self._posted_fd = int(self._posted.socket.getsockopt(_FD))
         self._ready: deque[Event] = deque()
-        self._epoll.register(self._posted_fd, select.EPOLLIN)
+        self._poller.register(self._posted.socket, zmq.POLLIN)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -189,8 +173,6 @@ class EventLoop:
         for sock in self._socks.values():
             sock.close()
         self._socks.clear()
-        self._by_fd.clear()
-        self._epoll.close()
         self._posted.close()
         self.presence.close()
 
@@ -236,9 +218,7 @@ class EventLoop:
         if old is not None:
             if self._addresses[worker] == address:
                 return
-            fd = int(old.getsockopt(_FD))
-            self._epoll.unregister(fd)
-            del self._by_fd[fd]
+            self._poller.unregister(old)
             del self._worker_of[old]
             old.close(linger=0)
             for request_id in [i for i, r in self._requests.items() if r.worker == worker]:
@@ -248,9 +228,7 @@ class EventLoop:
         self._socks[worker] = sock
         self._addresses[worker] = address
         self._worker_of[sock] = worker
-        fd = int(sock.getsockopt(_FD))
-        self._by_fd[fd] = sock
-        self._epoll.register(fd, select.EPOLLIN)
+        self._poller.register(sock, zmq.POLLIN)
 
     def send(self, worker: str, service: str, method: str, request: BaseModel | Mapping[str, Any],
              reply_type: type[BaseModel], *, tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
@@ -271,7 +249,6 @@ class EventLoop:
         # copied into ZeroMQ's buffers: the caller may change its tensors as soon as this returns
         sock.send_multipart(request_frames(request_id, service, method, request, tensors), copy=True)
         self._requests[request_id] = _Request(worker, service, method, reply_type, time.time())
-        self._drain(sock)  # the send may have taken the descriptor's signal of a reply already in
         return request_id
 
     def forget(self, request_id: int) -> None:
@@ -292,24 +269,14 @@ class EventLoop:
             if left <= 0:
                 return None
             polled = time.monotonic()
-            ready = self._epoll.poll(min(left, _SWEEP) + 0.001)
+            ready = self._poller.poll(int(left * 1000) + 1)
             self.poll_seconds += time.monotonic() - polled
-            if not ready:
-                self._sweep()
-            for fd, _ in ready:
-                if fd == self._posted_fd:
+            for sock, _ in ready:
+                if sock is self._posted.socket:
                     self._posted.clear_wakeups()
                 else:
-                    sock = self._by_fd.get(fd)
-                    if sock is not None:
-                        self._drain(sock)
+                    self._drain(sock)
         return self._ready.popleft()
-
-    def _sweep(self) -> None:
-        """Look at every socket once (the guard of [Note: waking on the ready sockets])."""
-        self._posted.clear_wakeups()
-        for sock in self._socks.values():
-            self._drain(sock)
 
     def _track(self, event: Event) -> Event:
         if isinstance(event, WorkerJoined):
