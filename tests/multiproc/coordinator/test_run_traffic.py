@@ -41,7 +41,7 @@ from tests.multiproc.security.running import targets_of
 
 pytestmark = pytest.mark.timeout(120)
 
-STEPS = 10  # the garbage is read as the replicas receive: about one frame per channel a step
+STEPS = 20  # the garbage is read as the replicas receive: about one frame per channel a step (margin: 6x)
 HANDSHAKE_S = 20.0  # how long the insider's CURVE handshake with a replica's socket may take
 GARBAGE = 3  # malformed frames to each replica's data socket
 REPLICAS = 2
