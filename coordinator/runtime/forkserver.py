@@ -269,8 +269,11 @@ def _child(request: _Request, out: int, selector: selectors.BaseSelector, wake: 
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
+        # the dispositions a fresh interpreter starts with: SIGPIPE ignored (a write to a peer's closed
+        # socket is an EPIPE error, not death), SIGINT a KeyboardInterrupt, the others the default
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         selector.close()
         for fd in wake:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ def report(argv: Sequence[str]) -> int:
     """Print what the child is (one JSON line to stdout, i.e. its log) and exit with ``argv[0]``."""
     print(json.dumps({"argv": list(argv), "value": READ_AT_IMPORT, "cwd": os.getcwd(), "pid": os.getpid(),
                       "sid": os.getsid(0), "threads": torch.get_num_threads(), "path0": sys.path[0],
-                      "stdin": sys.stdin.read()}))
+                      "stdin": sys.stdin.read(), "signals": signals()}))
     return int(argv[0])
 
 
@@ -29,3 +30,9 @@ def sleep(argv: Sequence[str]) -> int:
 
 def fail(argv: Sequence[str]) -> int:
     raise ValueError(f"failing on purpose with {list(argv)}")
+
+
+def signals() -> dict[str, str]:
+    """The disposition of each signal a worker's behaviour depends on."""
+    return {sig.name: repr(signal.getsignal(sig)) for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM,
+                                                             signal.SIGCHLD)}

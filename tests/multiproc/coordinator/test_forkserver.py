@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +55,21 @@ def test_a_child_runs_in_its_own_environment_session_and_directory(server: ForkS
         assert seen["threads"] == threads
         assert seen["stdin"] == ""  # /dev/null
     assert children[0][0].pid != children[1][0].pid
+
+
+def test_a_child_starts_with_the_signal_dispositions_of_a_fresh_interpreter(server: ForkServer,
+                                                                           tmp_path: Path) -> None:
+    """SIGPIPE above all: a fresh interpreter ignores it, so a write to a dead peer's socket is an error
+    and not the worker's death (a forked worker once died of it when its replica was killed)."""
+    log = tmp_path / "child.log"
+    child = server.spawn(f"{TARGETS}:report", ["0"], log_path=str(log), env=_env())
+    assert child.wait(30) == 0
+    forked = json.loads(log.read_text().splitlines()[-1])["signals"]
+    fresh = subprocess.run(
+        [sys.executable, "-c", f"import json, {TARGETS} as t; print(json.dumps(t.signals()))"],
+        env=_env(), capture_output=True, text=True, timeout=60, check=True)
+    assert forked == json.loads(fresh.stdout), (forked, fresh.stdout)
+    assert "SIG_IGN" in forked["SIGPIPE"]
 
 
 def test_a_signal_ends_a_child_with_a_negative_code_and_wait_times_out_before(server: ForkServer,
