@@ -40,6 +40,8 @@ __all__ = ["Port", "Targets", "holder", "main", "stranger"]
 
 REFUSED_WAIT_S = 2.0  # how long an attempt that should get nothing back is given to get something
 ANSWER_WAIT_S = 10.0  # how long an attempt that should be answered (forbidden) may take
+FUZZ_BUDGET_S = 75.0  # the fuzzer's sending, within running.py's ATTACK_TIMEOUT_S
+OUTSIDERS = ("stranger", "plain")  # identities the job never lets in
 Context = zmq.Context[zmq.Socket[bytes]]
 Configure = Callable[[zmq.Socket[bytes]], None]
 """Gives a socket, before it connects, the identity it attacks with."""
@@ -243,7 +245,8 @@ def fuzz(targets: Targets, keys_dir: str | None, frames: int, seed: int) -> dict
                 FrameMaker.huge_control())
             sent["huge"] += 1
         draws = 0
-        while sum(sent.values()) < frames and draws < 20 * frames:  # bounded: every stream may be spent
+        budget = started + FUZZ_BUDGET_S  # bounded: every stream may be spent, or every peer slow
+        while sum(sent.values()) < frames and draws < 20 * frames and time.monotonic() < budget:
             draws += 1
             kind, port = rng.choice(ports)
             who = rng.choice(names)
@@ -266,8 +269,12 @@ def fuzz(targets: Targets, keys_dir: str | None, frames: int, seed: int) -> dict
             try:
                 sock_for(kind, port, who).send_multipart(message, flags=zmq.NOBLOCK)
                 sent[f"{kind} {who}"] += 1
-            except zmq.Again:  # an outsider's socket never connects: its queue fills, and it stops
-                full.add((port.address, who))
+            except zmq.Again:
+                if who in OUTSIDERS:  # an outsider's socket never connects: its queue fills, and it stops
+                    full.add((port.address, who))
+                else:  # a keyed socket's peer reads on, slowly on a loaded machine (or it is reconnecting
+                    drain()  # after the huge frame): wait a little for room, within the attack's budget
+                    sock_for(kind, port, who).poll(50, zmq.POLLOUT)
             if sum(sent.values()) % 200 == 0:
                 drain()
         deadline = time.monotonic() + 3.0  # the hosts answer what they have read
