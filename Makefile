@@ -37,7 +37,7 @@ lint: $(VENV)/.dev-installed
 	$(BIN)/mypy
 
 test: $(VENV)/.dev-installed etcd lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/comm.py
