@@ -47,6 +47,16 @@ ring existed), so a slow receiver never blocks a sender, and a message a receive
 (read early for another operation) is copied out and its slot freed at once, so no wait
 can cycle.
 
+[Note: which peers get an inbox]
+An inbox costs :data:`INBOX_BYTES` (about 52 MiB) of ``/dev/shm`` up front, and a world of N ranks on
+one host would hold N x (N - 1) of them: 3 GiB a rank at 64 ranks. So a rank makes inboxes for at most
+:func:`inbox_budget` peers (``CELLMESH_SHM_PEERS``, default 8), chosen by :func:`inbox_peers` for the
+traffic the collectives and schedules make: ring neighbours first (the ring all-reduce, a pipeline's
+neighbouring stages, an interleaved schedule's wrap from the last rank to the first), then peers at
+power-of-two distances (recursive doubling, trees), then the nearest others. The other same-host
+peers send through the Unix socket, as a full inbox does; nothing else changes. A world of up to
+nine ranks gives every peer an inbox, as before.
+
 Trust: the ring and the slots are as trusted as the channel's socket is on one host: only
 processes of the same user can open the 0600 files, and the receiver unlinks both once the
 first message through them proves the peer mapped them (or when it closes); files of
@@ -72,8 +82,8 @@ import numpy as np
 from comm.errors import ProtocolError
 from comm.sockets import CHUNK_BYTES
 
-__all__ = ["LARGE_SLOTS", "MIN_BYTES", "RING", "SLOTS", "SMALL_BYTES", "SMALL_SLOTS", "Inbox", "Outbox",
-           "ShmBody", "available", "ring_enabled"]
+__all__ = ["INBOX_BYTES", "LARGE_SLOTS", "MIN_BYTES", "RING", "SLOTS", "SMALL_BYTES", "SMALL_SLOTS", "Inbox",
+           "Outbox", "ShmBody", "available", "inbox_budget", "inbox_peers", "ring_enabled"]
 
 SHM_DIR = "/dev/shm"
 ENABLE_ENV = "CELLMESH_SHM"
@@ -98,6 +108,9 @@ _RING_AT = 2 * _PAGE
 _LARGE_AT = _RING_AT + -(-RING * RECORD // _PAGE) * _PAGE
 _SMALL_AT = _LARGE_AT + LARGE_SLOTS * CHUNK_BYTES
 _SIZE = _SMALL_AT + SMALL_SLOTS * SMALL_BYTES
+INBOX_BYTES = _SIZE
+PEERS_ENV = "CELLMESH_SHM_PEERS"
+DEFAULT_PEERS = 8
 _FREE, _FULL = 0, 1
 _PREFIX = "cellmesh-"
 _BELL = "-bell"
@@ -109,6 +122,35 @@ def available() -> bool:
     if os.environ.get(ENABLE_ENV, "1").strip() == "0":
         return False
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
+
+
+def inbox_budget() -> int:
+    """How many peers a rank makes inboxes for (``CELLMESH_SHM_PEERS``, default :data:`DEFAULT_PEERS`).
+
+    Raises:
+        ValueError: The variable is not a whole number of at least 0.
+    """
+    raw = os.environ.get(PEERS_ENV, str(DEFAULT_PEERS)).strip()
+    try:
+        budget = int(raw)
+    except ValueError:
+        budget = -1
+    if budget < 0:
+        raise ValueError(f"{PEERS_ENV}={raw!r}: give how many same-host peers get a shared-memory inbox "
+                         f"(a whole number >= 0; default {DEFAULT_PEERS})")
+    return budget
+
+
+def inbox_peers(rank: int, world_size: int, budget: int) -> list[int]:
+    """The peers ``rank`` makes inboxes for, most wanted first ([Note: which peers get an inbox])."""
+    def preference(peer: int) -> tuple[int, int, int]:
+        ahead = (peer - rank) % world_size
+        distance = min(ahead, world_size - ahead)
+        power_of_two = distance & (distance - 1) == 0
+        return (0 if distance == 1 else 1 if power_of_two else 2, distance, ahead)
+
+    peers = sorted((p for p in range(world_size) if p != rank), key=preference)
+    return peers[:budget]
 
 
 def ring_enabled() -> bool:

@@ -165,6 +165,9 @@ class Transport:
         tcp: dict[str, str] = {}
         ipc: dict[str, str] = {}
         inboxes: dict[str, str] = {}
+        # at most a budget of same-host peers gets an inbox ([Note: which peers get an inbox], shm.py)
+        with_inbox = set(shm.inbox_peers(self.rank, self.world_size, shm.inbox_budget())) \
+            if self.transport != "tcp" and shm.available() else set()
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
@@ -176,7 +179,7 @@ class Transport:
                 ch.pull.bind(f"ipc://{path}")
                 self._ipc_paths.append(path)
                 ipc[str(peer)] = f"ipc://{path}"
-                if shm.available():
+                if peer in with_inbox:
                     try:
                         ch.inbox = shm.Inbox()
                         inboxes[str(peer)] = ch.inbox.path
