@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 
 from coordinator.commands.metrics import RunMetrics
@@ -34,7 +35,8 @@ def test_lines_show_each_evaluation_after_its_step() -> None:
     assert len(lines) == 4
 
 
-def test_the_bar_keeps_the_last_evaluation_in_its_postfix() -> None:
+def test_the_bar_keeps_the_last_evaluation_in_its_postfix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "160")  # a terminal wide enough for the postfix (a narrow one cuts it)
     out = io.StringIO()
     bar = BarProgress(3, out)
     bar.update(_record(0, EvalRecord(step=1, loss=1.5, metric=0.25, num_samples=4)))
