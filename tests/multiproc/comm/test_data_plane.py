@@ -117,7 +117,7 @@ def test_a_job_trains_exactly_over_authenticated_sockets(monkeypatch: pytest.Mon
     job = Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:regression", global_batch=16, seed=3,
               resources=Resources.local(2), data_parallel=2, num_stages=1, step_timeout_s=60)
     factories = [f"{M}:mlp", f"{M}:regression", f"{M}:mse"]
-    with LocalHarness(["local-0", "local-1"], job="t-plane", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-plane", lease_ttl=timedelta(seconds=6),
                       factories=factories) as harness:
         credentials = auth.installed()
         assert credentials is not None and credentials.data_plane == "authenticated"

@@ -40,7 +40,7 @@ TOL = 1e-9
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{A}:slowed_mlp", f"{M}:mlp", f"{M}:regression", f"{M}:mse", f"{C}:model", f"{C}:data",
                  f"{C}:loss"]
-    with LocalHarness(["local-0", "local-1"], job="t-async", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-async", lease_ttl=timedelta(seconds=6),
                       factories=factories, worker_env={SLOW_WORKER: {DELAY_ENV: str(DELAY_S)}}) as h:
         yield h
 

@@ -30,7 +30,7 @@ TOL = 1e-9
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    with LocalHarness(["local-0", "local-1"], job="t-batchnorm", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-batchnorm", lease_ttl=timedelta(seconds=6),
                       factories=[f"{R}:bn_net", f"{R}:images", f"{M}:mse"]) as h:
         yield h
 

@@ -30,7 +30,7 @@ NAMES = [f"local-{i}" for i in range(4)]
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    with LocalHarness(NAMES, job="t-devices", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(NAMES, job="t-devices", lease_ttl=timedelta(seconds=6),
                       factories=[f"{M}:{name}" for name in ("mlp", "regression", "mse")]) as h:
         yield h
 

@@ -33,7 +33,7 @@ NAMES = ["local-0", "local-1"]
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    with LocalHarness(NAMES, job="t-devices-cuda", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(NAMES, job="t-devices-cuda", lease_ttl=timedelta(seconds=6),
                       factories=[f"{M}:{name}" for name in ("mlp", "regression", "mse")]) as h:
         yield h
 

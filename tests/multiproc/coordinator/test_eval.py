@@ -44,7 +44,7 @@ FACTORIES = [f"{M}:mlp", f"{M}:regression", f"{M}:mse", f"{E}:bn_model", f"{E}:h
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    with LocalHarness(["local-0", "local-1"], job="t-eval", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-eval", lease_ttl=timedelta(seconds=6),
                       factories=FACTORIES) as h:
         yield h
 

@@ -33,7 +33,7 @@ PIPELINE = {"data_parallel": 1, "num_stages": 2, "num_microbatches": 4}
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"examples.{m}:{f}" for m in ("gpt", "resnet") for f in ("model", "data", "loss")]
-    with LocalHarness(["local-0", "local-1"], job="t-library", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-library", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 

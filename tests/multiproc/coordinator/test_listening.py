@@ -68,7 +68,7 @@ def test_every_listening_socket_of_a_local_run_is_on_loopback() -> None:
     factories = [f"{M}:mlp", f"{M}:regression", f"{M}:mse"]
     plans = {"dp2": dict(data_parallel=2, num_stages=1), "pipeline": dict(data_parallel=1, num_stages=2)}
     seen: dict[str, dict[int, list[str]]] = {}
-    with LocalHarness(["local-0", "local-1"], job="t-listen", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-listen", lease_ttl=timedelta(seconds=6),
                       factories=factories) as harness:
         pids = [os.getpid(), *(p.pid for p in harness.procs.values())]
         for backend in ("zmq", "gloo"):

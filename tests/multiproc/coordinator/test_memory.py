@@ -49,7 +49,7 @@ def test_an_allocation_beyond_the_cap_fails_the_step_naming_worker_and_cap() -> 
     """64 MiB of parameters under a 256 MiB cap: with their gradients and Adam's moments they do not fit."""
     cap = 256 * MiB
     names = ["local-0", "local-1"]
-    with LocalHarness(names, job="t-memcap", lease_ttl=timedelta(seconds=2), factories=factories(),
+    with LocalHarness(names, job="t-memcap", lease_ttl=timedelta(seconds=6), factories=factories(),
                       memory_limits=dict.fromkeys(names, cap)) as harness:
         job = make_job(2048, 4)
         started = time.monotonic()
@@ -76,7 +76,7 @@ def harness() -> Iterator[LocalHarness]:
     """One pair of workers for every plan: each assignment's probe starts after ``malloc_trim`` handed the
     previous job's freed heap back, but the runtime's own bytes stay, so only the first plan measures them
     (the later ones come out about 38 MiB lower)."""
-    with LocalHarness(["local-0", "local-1"], job="t-mempeak", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-mempeak", lease_ttl=timedelta(seconds=6),
                       factories=factories()) as h:
         yield h
 

@@ -36,7 +36,7 @@ SEED, BATCH, STEPS, LR, BAD_SAMPLE = 3, 16, 4, 0.1, 20
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:mlp", f"{M}:mse", f"{M}:regression", f"{B}:nan_at", f"{B}:infinite_gradient"]
-    with LocalHarness(["local-0", "local-1"], job="t-nonfinite", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-nonfinite", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:  # a shared harness names every job's factories
         yield h
 

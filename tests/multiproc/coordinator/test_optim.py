@@ -48,7 +48,7 @@ PLANS: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:mlp", f"{M}:mse", f"{M}:regression", f"{B}:nan_at"]
-    with LocalHarness([f"local-{i}" for i in range(4)], job="t-optim", lease_ttl=timedelta(seconds=2),
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-optim", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 

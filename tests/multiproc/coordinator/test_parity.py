@@ -53,7 +53,7 @@ DATA = {"mlp": ("regression", "mse"), "deep_mlp": ("regression", "mse"), "skip_m
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "skip_model", "transformer", "regression",
                                             "tokens", "mse", "token_loss", "failing_data")]  # every job of it
-    with LocalHarness([f"local-{i}" for i in range(4)], job="t-parity", lease_ttl=timedelta(seconds=2),
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-parity", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 

@@ -36,7 +36,7 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{P}:{name}" for name in ("gpt", "resnet", "tokens", "images", "lm_loss", "cross_entropy")]
-    with LocalHarness([f"local-{i}" for i in range(4)], job="t-plain", lease_ttl=timedelta(seconds=2),
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-plain", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 

@@ -60,7 +60,7 @@ OVERFLOW_SAMPLE = 40  # in step 3 (index 2) without shuffling: samples 32..47
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:mlp", f"{M}:mse", f"{M}:regression", f"{P}:spiky"]
-    with LocalHarness(["local-0", "local-1"], job="t-precision", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-precision", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 

@@ -44,7 +44,7 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{R}:dropout_mlp", f"{R}:dropout_transformer", f"{R}:bn_net", f"{R}:images",
                  f"{M}:regression", f"{M}:mse", f"{M}:tokens", f"{M}:token_loss"]
-    with LocalHarness(["local-0", "local-1"], job="t-recompute", lease_ttl=timedelta(seconds=2),
+    with LocalHarness(["local-0", "local-1"], job="t-recompute", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 

@@ -75,7 +75,7 @@ State = dict[str, torch.Tensor]
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{T}:tied_gpt", f"{M}:tokens", f"{M}:token_loss"]
-    with LocalHarness([f"local-{i}" for i in range(4)], job="t-tied", lease_ttl=timedelta(seconds=2),
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-tied", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 

@@ -40,7 +40,7 @@ MODELS = {"mlp": f"{M}:mlp", "mixed": f"{Z}:mixed", "deep_mlp": f"{M}:deep_mlp",
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "regression", "mse")] + [
         f"{Z}:mixed", f"{Z}:mixed_dtypes", f"{E}:heldout", f"{E}:abs_error", f"{P}:spiky"]
-    with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero", lease_ttl=timedelta(seconds=2),
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 

@@ -32,7 +32,7 @@ HELD_OUT = "tests.multiproc.coordinator.eval_models:heldout"
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "regression", "mse")]
     factories += [f"{Z}:mixed", f"{Z}:mixed_dtypes", f"{P}:spiky", HELD_OUT]
-    with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero3", lease_ttl=timedelta(seconds=2),
+    with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero3", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
 
