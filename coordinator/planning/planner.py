@@ -98,21 +98,30 @@ adds compute there and frees memory nobody needs). ``exhaustive=True`` evaluates
 everywhere: the tests check that both choose the same plan.
 
 [Note: the fast search] ``choose_plan`` does not play every shape. It takes a replicated plan
-without recompute whenever one fits, so it first looks for the best of those by branch and bound:
-every shape gets its cut (the cut ignoring memory is computed once per stages, microbatch size,
-recompute, link and speed, and shared by the modes and schedules) and a lower bound on its step
-(``coordinator/planning/closed_form.py``: the pipeline's fill, its busiest rank's work and its
-drain, from the stage costs the simulator would be given, with a shared host's slowdown only where
-it is certain (replicas on one host); the overheads as the plan counts them, the sync as if the whole
-backward hid it; where that cut does not fit memory, the mean work per rank, which any cut reaches).
-Shapes wait in a heap, first under a bound that needs no cut (``_work_bound``), then under the bound
-with their cut, and are played in the simulator, exactly as the exhaustive search plays them, in the
-order of their bounds until the next bound exceeds the best step played (by more than
+without recompute whenever one fits, so it first looks for the best of those by branch and bound, on
+three bounds, each tighter and dearer than the one before (``_bound_order``):
+
+1. every shape, before any cut or placement, gets a bound over every cut (``_cut_free_bounds``, one
+   numpy pass over all the shapes: [Note: the bound over every cut] in
+   ``coordinator/planning/closed_form.py`` on the chain's totals at the shape's microbatch size, on the
+   fastest worker and link; a shared host's slowdown where every placement has it, more replicas of a
+   stage than hosts of CPU workers; the optimizer steps' mean per rank; the sync's mean per rank, its
+   backward hiding all it can; the overheads), and the shapes are sorted by it once;
+2. a shape that comes up gets its placement, its cut ignoring memory (computed once per stages,
+   microbatch size, recompute, link and speed, and shared by the modes and schedules) and the bound of
+   ``closed_form.pipeline_bound`` from the stage costs the simulator would be given (a shared host's
+   slowdown where it is certain: replicas on one host; the sync as if the whole backward hid it), and
+   waits in a heap under it; where that cut does not fit memory it keeps its first bound, and a shape
+   whose chain fits no cut at all (``cutting.may_fit``) leaves the search;
+3. a shape that comes up again is played in the simulator, exactly as the exhaustive search plays it.
+
+The search stops when the next bound exceeds the best step played (by more than
 :data:`_BOUND_SLACK`): no shape left can win or tie, so the plan is the exhaustive search's, with its
-predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order. Only
-when no replicated plan fits does the search evaluate every memory option of every shape. What the
-shapes share is computed once per search (:class:`_Shared`): node times, the cut tensors rescaled,
-node memory per option, cut problems, the links.
+predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order. On
+1,000 nodes over 1,024 workers, 106,608 shapes get the first bound, about a hundred the second and
+eight are played. Only when no replicated plan fits does the search evaluate every memory option of
+every shape. What the shapes share is computed once per search (:class:`_Shared`): node times, the
+cut bytes rescaled, node memory per option, cut problems, the links.
 ``exhaustive=True`` plays every shape: the reference the tests compare against.
 
 [Note: the memory floor] Before a model is profiled (or even allocated), its cells' bytes
@@ -134,16 +143,17 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast, get_args
 
 import numpy as np
 
 from coordinator.planning import memory
-from coordinator.planning.closed_form import pipeline_bound
+from coordinator.planning.closed_form import BUSIEST, KINDS, cut_free_bound, pipeline_bound
 from coordinator.planning.config import Mode, PlanConfig
-from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
+from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter, may_fit
 from coordinator.planning.graph import CutInfo, TensorMeta
 from coordinator.planning.memory import (
     AUTOMATIC,
@@ -264,11 +274,21 @@ def _after_first_bucket(grads: Sequence[float], backward: Sequence[float]) -> fl
     return 0.0
 
 
-def _scaled_cuts(profile: Profile, size: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
-    """Per cut: its tensors at microbatch ``size``, their bytes, the bytes of those needing gradients."""
-    metas = [tuple(t.at_batch(size, profile.microbatch_size) for t in c.tensors) for c in profile.cuts]
-    return (metas, [sum(t.nbytes for t in ts) for ts in metas],
-            [sum(t.nbytes for t in ts if t.requires_grad) for ts in metas])
+def _scaled_bytes(profile: Profile, size: int) -> tuple[list[int], list[int]]:
+    """Per cut at microbatch ``size``: its tensors' bytes and those of the ones needing gradients (what
+    ``TensorMeta.at_batch`` gives them, without building the rescaled tensors)."""
+    base = profile.microbatch_size
+    def nbytes(t: TensorMeta) -> int:
+        if t.batch_dim is None or size == base:
+            return t.nbytes
+        rows = t.shape[t.batch_dim]
+        return t.nbytes // max(1, rows) * (rows * size // base)
+    fwd, bwd = [], []
+    for c in profile.cuts:
+        sizes = [(nbytes(t), t.requires_grad) for t in c.tensors]
+        fwd.append(sum(x for x, _ in sizes))
+        bwd.append(sum(x for x, grad in sizes if grad))
+    return fwd, bwd
 
 
 def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | None = None,
@@ -325,13 +345,15 @@ class _Shared:
     def times(self, mb: int) -> list[tuple[float, float]]:
         return self._get(("times", mb), lambda: self.profile.node_times(mb))
 
-    def scaled(self, mb: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
-        return self._get(("scaled", mb), lambda: _scaled_cuts(self.profile, mb))
+    def scaled(self, mb: int) -> tuple[list[int], list[int]]:
+        """Per cut at microbatch ``mb``: its bytes, the bytes of the tensors needing gradients."""
+        return self._get(("scaled", mb), lambda: _scaled_bytes(self.profile, mb))
 
     def cut_at(self, index: int, mb: int) -> CutInfo:
         """Cut ``index`` with its tensors at microbatch ``mb``."""
         return self._get(("cut", index, mb), lambda: self.profile.cuts[index].model_copy(
-            update={"tensors": self.scaled(mb)[0][index]}))
+            update={"tensors": tuple(t.at_batch(mb, self.profile.microbatch_size)
+                                     for t in self.profile.cuts[index].tensors)}))
 
     def sums(self, mb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Prefix sums over the nodes at microbatch ``mb``: forward and backward seconds, gradient and
@@ -365,13 +387,13 @@ class _Shared:
         return self._get(key, lambda: node_memory(
             nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
             activation_bytes=[nd.activation_bytes * scale for nd in nodes],
-            input_bytes=self.scaled(mb)[1][:-1], on_cuda=on_cuda))
+            input_bytes=self.scaled(mb)[0][:-1], on_cuda=on_cuda))
 
     def compute(self, mb: int, recompute: bool, speed: float, bandwidth_bps: float,
                 latency_s: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The cutter's per-node compute and per-cut transfer times."""
         def make() -> tuple[tuple[float, ...], tuple[float, ...]]:
-            _, fwd_bytes, bwd_bytes = self.scaled(mb)
+            fwd_bytes, bwd_bytes = self.scaled(mb)
             cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
                           for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
             twice = 2 if recompute else 1  # the backward pays the forward again
@@ -578,7 +600,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     workers, speed, on_cuda, shared_host = at.workers, at.speed, at.on_cuda, at.shared_host
     runtime = setup.runtime
     bw, lat = at.link
-    _, fwd_bytes, bwd_bytes = shared.scaled(mb)
+    fwd_bytes, bwd_bytes = shared.scaled(mb)
     nodes = profile.nodes
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     fields = {"staleness": request.staleness if mode == "parameter_server" else 0}
@@ -717,9 +739,9 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
 
 
 def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: Cutter,
-                      balance: Sequence[int] | None) -> float:
+                      balance: Sequence[int] | None, loose: float) -> float:
     """A lower bound on the step of the shape's replicated candidate; inf when it cannot fit (see
-    [Note: the fast search])."""
+    [Note: the fast search]); ``loose``: its bound over every cut."""
     d, p, mode, sched_name, m, _ = setup.shape
     at, mb = setup.at, setup.mb
     bw, lat = at.link
@@ -734,11 +756,11 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     sums = shared.sums(mb)  # prefix sums over the nodes: forward, backward, gradient and parameter bytes
     try:
         bounds = problem.check(free)
-    except CutError:  # the cut within memory is the simulator's business: a bound that needs no cut
-        return _work_bound(shared, setup.shape, mb * d * m, max(speed))
+    except CutError:  # the cut within memory is the simulator's business: the bound over every cut
+        return loose if may_fit(problem) else math.inf  # no cut fits: the candidate cannot
     cut = np.asarray(bounds)
     fwd, bwd, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
-    _, fwd_bytes, bwd_bytes = shared.scaled(mb)
+    fwd_bytes, bwd_bytes = shared.scaled(mb)
     # the slowdown of a shared host where it is certain (replicas on one host), else none: a lower bound
     certain = [at.shared_host and twin for twin in at.twins]
     forward = [fwd[s] / speed[s] * (1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
@@ -765,7 +787,7 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
                        else _sync(mode, grads[s], d, hidden, link_bw, link_lat))
     sync_time = max(sum(sync[s] for s in range(k, p, setup.ranks)) for k in range(setup.ranks))
     check = max(grads[s] / speed[s] for s in range(p)) / GRADIENT_CHECK_BANDWIDTH_BPS
-    return float(pipeline + sync_time + 2 * CONTROL_MESSAGE_S + check)
+    return max(loose, float(pipeline + sync_time + 2 * CONTROL_MESSAGE_S + check))
 
 
 # Shapes whose bound is within this share of the best step played so far are played too: the bound and
@@ -778,45 +800,137 @@ def _fast_choice(profile: Profile, resources: Resources, request: PlanConfig, gl
     """The plan :func:`choose_plan` picks among the replicated candidates, by branch and bound: None when
     no replicated candidate fits (see [Note: the fast search])."""
     shared = _Shared(profile, resources)
-    fastest = max(w.speed for w in resources.workers)
-    # (bound, index, tight): the work bound first, the bound with a cut when it comes up, then the play
-    heap = [(_work_bound(shared, shape, global_batch, fastest), index, False)
-            for index, shape in enumerate(shapes)]
-    heapq.heapify(heap)
-    best: tuple[tuple[float, int, int, tuple[int, int, int], float], int] | None = None
-    plan: Plan | None = None
-    while heap:
-        bound, index, tight = heapq.heappop(heap)
-        if plan is not None and bound > plan.step_time_s * (1 + _BOUND_SLACK):
-            break  # every shape left is slower than the best: none of them can win, nor tie
+    chosen: list[tuple[tuple[float, int, int, tuple[int, int, int], float], int, Plan]] = []  # the best
+    for index, cand in _bound_order(profile, shared, request, global_batch, automatic, cutter, shapes,
+                                    lambda: chosen[0][2].step_time_s if chosen else math.inf):
+        if cand.fits and cand.plan is not None and (not chosen or (_rank(cand), index) < chosen[0][:2]):
+            chosen[:] = [(_rank(cand), index, cand.plan)]
+    return chosen[0][2] if chosen else None
+
+
+def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_batch: int,
+                 automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape], limit: Callable[[], float]
+                 ) -> Iterator[tuple[int, Candidate]]:
+    """The replicated candidates of ``shapes`` (with their indices) in the order of their bounds, until the
+    next bound exceeds ``limit()`` (asked after each): first every shape's bound over all cuts
+    (:func:`_cut_free_bounds`, sorted once), then, when a shape comes up, its bound with its cut (a heap),
+    then its play. Equal bounds go in enumeration order."""
+    resources = shared.resources
+    assert resources is not None
+    bounds = _cut_free_bounds(shared, shapes, global_batch)
+    loose = bounds.tolist()
+    order = iter(np.lexsort((np.arange(len(shapes)), bounds)).tolist())  # by bound, then index
+    tight: list[tuple[float, int]] = []  # (bound with the cut, index)
+    upcoming = next(order, None)
+    while upcoming is not None or tight:
+        if tight and (upcoming is None or tight[0] < (loose[upcoming], upcoming)):
+            bound, index = heapq.heappop(tight)
+            cut = True
+        else:
+            assert upcoming is not None
+            bound, index, cut = loose[upcoming], upcoming, False
+            upcoming = next(order, None)
+        if bound > limit() * (1 + _BOUND_SLACK):
+            return  # every shape left is slower than the limit: none of them can win, nor tie
         shape = shapes[index]
-        if not tight:
+        if not cut:
             setup = _setup(shared, shape, global_batch, request, automatic)
             if REPLICATED in setup.options:
-                bound = _replicated_bound(profile, shared, setup, cutter, request.balance)
+                bound = _replicated_bound(profile, shared, setup, cutter, request.balance, bound)
                 if math.isfinite(bound):
-                    heapq.heappush(heap, (bound, index, True))
+                    heapq.heappush(tight, (bound, index))
             continue
-        cand = _evaluate(profile, resources, shape, global_batch, cutter, request.cutter, request.balance,
-                         request, automatic, shared=shared, only=REPLICATED)[0]
-        if cand.fits and (best is None or (_rank(cand), index) < best):
-            best, plan = (_rank(cand), index), cand.plan
-    return plan
+        yield index, _evaluate(profile, resources, shape, global_batch, cutter, request.cutter,
+                               request.balance, request, automatic, shared=shared, only=REPLICATED)[0]
 
 
-def _work_bound(shared: _Shared, shape: Shape, global_batch: int, fastest: float) -> float:
-    """A lower bound on any plan of ``shape`` that needs no cut: its busiest rank does at least the mean
-    work, every node's forward and backward on the fastest worker plus each action's overhead; and for
-    GPipe and 1F1B, ``C / (1 - (1 - 1/m)^p)`` with ``C`` that work for one microbatch: the bound of
-    ``closed_form`` is at least ``sum_{j<r} c_j + m c_r`` for every stage ``r``, and the mean of those
-    weighted by ``(1 - 1/m)^(p-1-r)`` is that, whatever the cut."""
-    d, p, _, name, m, v = shape
-    sums = shared.sums(global_batch // (d * m))
-    work = (sums[0][-1] + sums[1][-1]) / fastest + 2 * p * ACTION_OVERHEAD_S
-    bound = m * work / (p // v)
-    if name in ("gpipe", "1f1b") and v == 1:
-        bound = max(bound, work / (1 - (1 - 1 / m) ** p))
-    return float(bound + 2 * CONTROL_MESSAGE_S)
+def _cut_free_bounds(shared: _Shared, shapes: Sequence[Shape], global_batch: int) -> np.ndarray:
+    """Per shape, a lower bound on its replicated candidate's step over every cut and placement: the
+    pipeline's (``closed_form.cut_free_bound`` on the chain's totals at the shape's microbatch size, on the
+    fastest worker and link, with a shared host's slowdown where any placement has it: more replicas than
+    hosts of CPU workers), plus the least unhidden sync and the overheads (see [Note: the fast search])."""
+    resources = shared.resources
+    assert resources is not None
+    if not shapes:
+        return np.zeros(0)
+    columns = [list(map(operator.itemgetter(k), shapes)) for k in range(6)]  # zip(*shapes) is 10x slower
+    d, p, m, v = (np.array(columns[k], dtype=np.int64) for k in (0, 1, 4, 5))
+    collective = np.array(columns[2]) == "collective"
+    names = sorted(set(columns[3]))
+    kind = np.array([KINDS.get(name, BUSIEST) for name in names])[np.searchsorted(names, columns[3])]
+    ranks = p // v
+    mb = global_batch // (d * m)
+    sizes, which = np.unique(mb, return_inverse=True)
+    totals = np.array([_chain_totals(shared, int(size)) for size in sizes])  # [size, slowed?, field]
+    workers = resources.workers
+    on_cpu = all(w.device == "cpu" for w in workers)
+    spread = len({w.host for w in workers if w.host is not None}) + sum(w.host is None for w in workers)
+    slowed = (on_cpu & (d > spread)).astype(np.int64)  # twins on every stage, wherever they are placed
+    row = totals[which, slowed]  # the fields of _chain_totals
+    cuts = [_cut_costs(shared, int(size)) for size in sizes]
+    longest = max(len(c[1]) for c in cuts)
+    cheapest = np.array([c[1] + [math.inf] * (longest - len(c[1])) for c in cuts])  # [size, cuts crossed]
+    transfer = 2 * cheapest[which, np.minimum(p - 1, longest - 1)]
+    fastest = max(w.speed for w in workers)
+    grads = float(sum(nd.grad_bytes for nd in shared.profile.nodes))
+    traffic = OPTIMIZER_TRAFFIC.get(shared.profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
+    start = np.where(collective, 1.0, 1.0 / d) * grads * traffic / OPTIMIZER_BANDWIDTH_BPS / fastest
+    least_cut = np.array([c[0] for c in cuts])[which]
+    pipeline = cut_free_bound(kind, m, p, ranks, row[:, 0] + 2 * p * ACTION_OVERHEAD_S, transfer, start,
+                              row[:, 1] + 2 * ACTION_OVERHEAD_S, row[:, 2] + 2 * ACTION_OVERHEAD_S,
+                              np.where(p > 1, least_cut, 0.0), row[:, 3])
+    # the sync: a rank's at least the mean of the stages' (their latencies left out: a stage without
+    # gradients has none); collective replicas hide at most the whole backward, slowed, on the slowest
+    bandwidth = COLLECTIVE_EFFICIENCY * resources.fastest_link[0]
+    hidden = row[:, 4] * SHARED_HOST_BACKWARD_SLOWDOWN / min(w.speed for w in workers)
+    sync = np.where(collective, np.maximum(0.0, 2 * (d - 1) / d * grads / bandwidth - hidden),
+                    2 * grads / bandwidth)
+    sync = np.where(d > 1, sync / ranks, 0.0)
+    check = grads / p / fastest / GRADIENT_CHECK_BANDWIDTH_BPS
+    return pipeline + sync + 2 * CONTROL_MESSAGE_S + check
+
+
+def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:
+    """At microbatch ``mb`` on the fastest worker, unslowed and slowed as on a shared host: every node's
+    forward and backward together, the heaviest node's and the lightest's, the least share of a stage's
+    compute it spends forward (an action's overhead is half: 0.5 at most), and the backward alone (raw)."""
+    def make() -> list[list[float]]:
+        resources = shared.resources
+        assert resources is not None
+        fastest = max(w.speed for w in resources.workers)
+        nodes = shared.profile.nodes
+        fields = shared._get(("node fields",), lambda: np.array(
+            [(nd.forward_fixed_s, nd.forward_s, nd.backward_fixed_s, nd.backward_s) for nd in nodes],
+            dtype=np.float64).reshape(-1, 4))
+        scale = mb / shared.profile.microbatch_size  # NodeProfile.times_at on every node at once
+        f = fields[:, 0] + (fields[:, 1] - fields[:, 0]) * scale
+        b = fields[:, 2] + (fields[:, 3] - fields[:, 2]) * scale
+        both = f + b
+        # the least forward share whatever the slowdown (forward unslowed, backward slowed most)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(both > 0, f / (f + b * SHARED_HOST_BACKWARD_SLOWDOWN), 0.5)
+        phi = float(min(0.5, share.min()))
+        out = []
+        for sf, sb in ((1.0, 1.0), (SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN)):
+            node = (f * sf + b * sb) / fastest
+            out.append([float(node.sum()), float(node.max()), float(node.min()), phi, float(b.sum())])
+        return out
+    return shared._get(("chain totals", mb), make)
+
+
+def _cut_costs(shared: _Shared, mb: int) -> tuple[float, list[float]]:
+    """What a stage boundary costs one endpoint per microbatch on the fastest link: the cheapest cut's,
+    and the sums of the ``k`` cheapest cuttable cuts' for every ``k`` (``p`` stages cross ``p - 1``)."""
+    def make() -> tuple[float, list[float]]:
+        resources = shared.resources
+        assert resources is not None
+        bw, lat = resources.fastest_link
+        fwd_bytes, bwd_bytes = shared.scaled(mb)
+        cuts = shared.profile.cuts
+        costs = sorted(_transfer(fwd_bytes[c], bw, lat) + _transfer(bwd_bytes[c], bw, lat)
+                       for c in range(1, len(cuts) - 1) if cuts[c].cuttable)
+        return (costs[0] if costs else 0.0), [0.0, *itertools.accumulate(costs)]
+    return shared._get(("cut costs", mb), make)
 
 
 @dataclass(frozen=True)

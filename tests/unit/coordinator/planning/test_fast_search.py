@@ -9,11 +9,13 @@ plan (shape, schedule, microbatches, cut, predicted step: the whole ``Plan``) or
 
 from __future__ import annotations
 
+import itertools
 import random
 
+import numpy as np
 import pytest
 
-from coordinator.planning.closed_form import pipeline_bound
+from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound
 from coordinator.planning.config import PlanConfig
 from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import Profile
@@ -44,6 +46,12 @@ def profile(kind: str) -> Profile:
                                  activation_bytes=[MiB, 2 * MiB, 3 * MiB, MiB, MiB, 2 * MiB, 512 * KiB],
                                  cut_bytes=[64 * KiB, 2 * MiB, 128 * KiB, 64 * KiB, 32 * KiB, 16 * KiB],
                                  microbatch_size=2)
+    if kind == "long":  # more nodes than workers, uneven: many stage counts to search
+        times = [1e-3, 3e-3, 2e-3, 5e-4, 4e-3, 1e-3, 2e-3, 6e-3, 1e-3, 5e-4, 3e-3, 2e-3, 1e-3, 2e-3]
+        return Profile.synthetic(times, param_bytes=[int(t * 4e9) for t in times],
+                                 activation_bytes=[int(t * 5e8) for t in times],
+                                 cut_bytes=[(i % 4 + 1) * 32 * KiB for i in range(len(times) - 1)],
+                                 microbatch_size=2)
     # heavy: parameters dominate (the sync decides between replicas and stages)
     return Profile.synthetic([2e-3] * 8, param_bytes=[24 * MiB] * 8, activation_bytes=[256 * KiB] * 8,
                              cut_bytes=[32 * KiB] * 7, microbatch_size=2)
@@ -59,7 +67,8 @@ def workers(count: int, memory: int, hosts: str) -> Resources:
 
 
 FIXED = [{}, {"schedule": "1f1b"}, {"data_parallel": 2}, {"num_stages": 2}, {"mode": "parameter_server"},
-         {"num_microbatches": 4}, {"strategy": "pipeline"}]
+         {"num_microbatches": 4}, {"strategy": "pipeline"}, {"schedule": "interleaved-1f1b"},
+         {"schedule": "zb-h1"}]
 BIG = 1 << 40
 CASES = [  # profile, workers, hosts, memory per worker, FIXED index
     ("even", 1, "one", BIG, 0), ("even", 2, "one", BIG, 0), ("even", 3, "own", BIG, 0),
@@ -71,7 +80,10 @@ CASES = [  # profile, workers, hosts, memory per worker, FIXED index
     ("uneven", 16, "pairs", BIG, 0), ("uneven", 2, "one", 20 * MiB, 0),
     ("heavy", 2, "own", BIG, 0), ("heavy", 4, "one", BIG, 0), ("heavy", 8, "own", BIG, 0),
     ("heavy", 4, "own", 200 * MiB, 0), ("heavy", 8, "pairs", 150 * MiB, 0), ("heavy", 4, "one", 300 * MiB, 2),
-    ("heavy", 16, "own", BIG, 5), ("heavy", 2, "one", 100 * MiB, 0)]
+    ("heavy", 16, "own", BIG, 5), ("heavy", 2, "one", 100 * MiB, 0),
+    # free stage counts over a longer chain: hosts, memory that forces stages, each pipelined schedule
+    ("long", 12, "pairs", BIG, 0), ("long", 8, "own", 140 * MiB, 0), ("long", 6, "one", BIG, 7),
+    ("long", 8, "pairs", BIG, 8), ("long", 16, "own", 220 * MiB, 6), ("long", 10, "one", BIG, 0)]
 
 
 @pytest.mark.parametrize(("kind", "count", "hosts", "budget", "fixed"), CASES)
@@ -126,6 +138,46 @@ def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
         assert bound <= step * (1 + 1e-12)
         if even and name in ("gpipe", "1f1b") and not any(costs.start_s):  # equal stages: close to the step
             assert bound >= 0.9 * step
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_bound_over_every_cut_never_exceeds_the_played_step(seed: int) -> None:
+    """``cut_free_bound`` from a chain's totals against the simulator on random cuts of random chains."""
+    rng = random.Random(100 + seed)
+    overhead = 3e-4
+    for _ in range(120):
+        name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+        p, m = rng.randint(1, 9), rng.randint(1, 10)
+        v = rng.choice([2, 3]) if name == "interleaved-1f1b" else 1
+        if schedule_problem(name, p, m, v):
+            continue
+        n = p + rng.randint(0, 12)
+        even = rng.random() < 0.3
+        f = [0.1 if even else rng.uniform(0.01, 1) for _ in range(n)]
+        b = [0.2 if even else rng.uniform(0.01, 2) for _ in range(n)]
+        act = [0.01 if even else rng.uniform(0, 0.1) for _ in range(n - 1)]
+        grad = [0.01 if even else rng.uniform(0, 0.1) for _ in range(n - 1)]
+        bounds = [0, *sorted(rng.sample(range(1, n), p - 1)), n]
+        spans = list(itertools.pairwise(bounds))
+        start = [rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(p)]
+        costs = StageCosts(tuple(sum(f[a:z]) + overhead for a, z in spans),
+                           tuple(sum(b[a:z]) + overhead for a, z in spans),
+                           tuple(act[c - 1] for c in bounds[1:-1]), tuple(grad[c - 1] for c in bounds[1:-1]),
+                           start_s=tuple(start))
+        order = schedule_steps(name, p, m, v)[0]
+        ranks = len(order)
+        step = play(name, order, [tuple(range(r, p, ranks)) for r in range(ranks)], costs).step_time_s
+        cut = sorted(a + g for a, g in zip(act, grad, strict=True))
+        def one(x: float) -> np.ndarray:
+            return np.array([x])
+        loose = cut_free_bound(np.array([KINDS[name]]), np.array([m]), np.array([p]), np.array([ranks]),
+                               one(sum(f) + sum(b) + 2 * p * overhead), one(2 * sum(cut[:p - 1])),
+                               one(sum(start)),
+                               one(max(map(sum, zip(f, b, strict=True))) + 2 * overhead),
+                               one(min(map(sum, zip(f, b, strict=True))) + 2 * overhead),
+                               one(cut[0] if p > 1 else 0.0),
+                               one(min(0.5, *(x / (x + y) for x, y in zip(f, b, strict=True)))))[0]
+        assert loose <= step * (1 + 1e-12), (name, p, m, v)
 
 
 def test_a_thousand_nodes_on_1024_workers_is_planned() -> None:
