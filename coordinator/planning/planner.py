@@ -165,7 +165,7 @@ from coordinator.planning.memory import (
     memory_options,
     node_memory,
 )
-from coordinator.planning.placement import place, step_traffic
+from coordinator.planning.placement import neighbour_link, place, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
@@ -438,7 +438,7 @@ class _Shared:
 
 class _Placed:
     """A shape's workers as its placement puts them: per stage its replicas' workers and slowest speed,
-    the devices, whether CPU workers share a host, the slowest link among them all."""
+    the devices, whether CPU workers share a host, the slowest link between neighbouring stages."""
 
     def __init__(self, shared: _Shared, placement: tuple[tuple[str, ...], ...], num_stages: int) -> None:
         by_name = shared.by_name
@@ -450,7 +450,8 @@ class _Placed:
         self.shared_host = on_cpu and len(hosts) > len(set(hosts))  # [Note: contention on a shared host]
         self.twins = _twins(self.workers)
         self.speed = [min(w.speed for w in ws) for ws in self.workers]
-        self.link = shared.link(tuple(placed))
+        assert shared.resources is not None
+        self.link = neighbour_link(shared.resources, placement)  # what the pipeline's transfers cross
         self._shared = shared
         self._stage_links: dict[int, tuple[float, float]] = {}
 
@@ -799,13 +800,28 @@ def _fast_choice(profile: Profile, resources: Resources, request: PlanConfig, gl
                  automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape]) -> Plan | None:
     """The plan :func:`choose_plan` picks among the replicated candidates, by branch and bound: None when
     no replicated candidate fits (see [Note: the fast search])."""
+    best = _fastest_replicated(profile, resources, request, global_batch, automatic, cutter, shapes, 1)
+    return best[0].plan if best else None
+
+
+def _fastest_replicated(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,
+                        automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape], count: int
+                        ) -> list[Candidate]:
+    """The ``count`` best fitting replicated candidates (``_rank``, then enumeration order), best first, by
+    branch and bound against the ``count``-th best step played (fewer when fewer fit)."""
+    kept: list[tuple[tuple[float, int, int, tuple[int, int, int], float], int, Candidate]] = []
     shared = _Shared(profile, resources)
-    chosen: list[tuple[tuple[float, int, int, tuple[int, int, int], float], int, Plan]] = []  # the best
-    for index, cand in _bound_order(profile, shared, request, global_batch, automatic, cutter, shapes,
-                                    lambda: chosen[0][2].step_time_s if chosen else math.inf):
-        if cand.fits and cand.plan is not None and (not chosen or (_rank(cand), index) < chosen[0][:2]):
-            chosen[:] = [(_rank(cand), index, cand.plan)]
-    return chosen[0][2] if chosen else None
+
+    def limit() -> float:
+        plan = kept[-1][2].plan if len(kept) == count else None
+        return plan.step_time_s if plan is not None else math.inf
+
+    for index, cand in _bound_order(profile, shared, request, global_batch, automatic, cutter, shapes, limit):
+        if cand.fits:
+            kept.append((_rank(cand), index, cand))
+            kept.sort(key=lambda k: k[:2])
+            del kept[count:]
+    return [c for _, _, c in kept]
 
 
 def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_batch: int,
@@ -1054,23 +1070,38 @@ def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
 
 def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
                     global_batch: int, automatic: Automatic | None = None,
-                    exhaustive: bool = False) -> list[Candidate]:
+                    exhaustive: bool = False, limit: int | None = None) -> list[Candidate]:
     """Evaluates every plan shape the request allows (see :func:`choose_plan` for the arguments).
 
     Args:
         automatic: The memory options the search may choose (default: ``memory.AUTOMATIC``).
         exhaustive: Evaluate every memory option of every shape, recompute included where an option
             without it fits (see [Note: choosing the memory options]).
+        limit: Only the ``limit`` best plans in the order :func:`choose_plan` picks from (``cellmesh
+            plan``'s runners-up): when at least that many replicated plans without recompute fit, those,
+            found by the fast search's branch and bound (see [Note: the fast search]); else every
+            candidate evaluated, fitting ones first, fastest first. None: every candidate.
 
     Returns:
         Per shape, one :class:`Candidate` per memory option evaluated, fitting or not, in enumeration
-        order.
+        order; with ``limit``, at most ``limit`` candidates, best first.
 
     Raises:
         PlanningError: If the fixed fields contradict the model or the resources, or the cutter is unknown.
     """
     cut_fn, sharded = _shapes(profile, resources, request, global_batch)
     automatic = automatic or memory.AUTOMATIC  # read when called: a merge or a test may widen it
+    if limit is not None:
+        if not exhaustive and MemoryOption(offload=bool(request.offload)) == REPLICATED:
+            best = _fastest_replicated(profile, resources, request, global_batch, automatic, cut_fn, sharded,
+                                       limit)
+            if len(best) >= limit:
+                return best
+        every = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
+                                exhaustive=exhaustive)
+        order = {id(c): i for i, c in enumerate(every)}
+        return sorted(every, key=lambda c: (not c.fits, _rank(c) if c.plan is not None else (math.inf,),
+                                            order[id(c)]))[:limit]
     shared = _Shared(profile, resources)
     return [c for sh in sharded for c in _evaluate(profile, resources, sh, global_batch, cut_fn,
                                                    request.cutter, request.balance, request, automatic,

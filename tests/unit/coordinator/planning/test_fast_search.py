@@ -17,7 +17,8 @@ import pytest
 
 from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound
 from coordinator.planning.config import PlanConfig
-from coordinator.planning.planner import choose_plan
+from coordinator.planning.memory import REPLICATED
+from coordinator.planning.planner import _rank, candidate_plans, choose_plan
 from coordinator.planning.profile import Profile
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources, Worker
@@ -98,6 +99,20 @@ def test_the_fast_search_chooses_the_exhaustive_plan(kind: str, count: int, host
         except PlanningError as exc:
             outcomes.append(str(exc).split(" (")[0])
     assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (6, 13, 18, 22, 28, 33)])
+def test_the_runners_up_are_the_best_of_every_candidate(case: tuple[str, int, str, int, int]) -> None:
+    """``candidate_plans(limit=N)`` (branch and bound, the N-th best as the bar) against every candidate."""
+    kind, count, hosts, budget, fixed = case
+    prof, res = profile(kind), workers(count, budget, hosts)
+    request = PlanConfig(max_microbatches=4, **FIXED[fixed])
+    every = candidate_plans(prof, res, request, global_batch=16)
+    plain = sorted(((_rank(c), i) for i, c in enumerate(every) if c.fits and c.option == REPLICATED))
+    assert len(plain) >= 6
+    for limit in (1, 5):
+        best = candidate_plans(prof, res, request, global_batch=16, limit=limit)
+        assert best == [every[i] for _, i in plain[:limit]]
 
 
 def test_the_grid_is_not_vacuous() -> None:
