@@ -872,8 +872,8 @@ def _cut_free_bounds(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     columns = [list(map(operator.itemgetter(k), shapes)) for k in range(6)]  # zip(*shapes) is 10x slower
     d, p, m, v = (np.array(columns[k], dtype=np.int64) for k in (0, 1, 4, 5))
     collective = np.array(columns[2]) == "collective"
-    names = sorted(set(columns[3]))
-    kind = np.array([KINDS.get(name, BUSIEST) for name in names])[np.searchsorted(names, columns[3])]
+    codes = {name: KINDS.get(name, BUSIEST) for name in set(columns[3])}
+    kind = np.array([codes[name] for name in columns[3]], dtype=np.int64)
     ranks = p // v
     mb = global_batch // (d * m)
     sizes, which = np.unique(mb, return_inverse=True)
