@@ -489,9 +489,38 @@ def contended_share(sim: SimResult | Timing, workers: Sequence[Sequence[Worker]]
     rank_hosts = [set().union(*(hosts[s] for s in stages)) for stages in sim.ranks]
     neighbours = [[n for n, other in enumerate(rank_hosts) if n != r and other & mine]
                   for r, mine in enumerate(rank_hosts)]
-    overlap = compute_overlap(sim, neighbours)
+    every = len(neighbours) > 2 and all(len(ns) == len(neighbours) - 1 for ns in neighbours)
+    overlap = _overlap_with_any(sim.compute_spans) if every else compute_overlap(sim, neighbours)
     rank_of = {s: r for r, stages in enumerate(sim.ranks) for s in stages}
     return [1.0 if twins[s] else overlap[rank_of[s]] for s in range(len(workers))]
+
+
+def _overlap_with_any(spans: Sequence[Sequence[tuple[float, float]]]) -> tuple[float, ...]:
+    """``compute_overlap`` where every rank neighbours every other (one host): per rank, the share of its
+    compute during which another rank computes, in one sweep over all the spans (``E log E`` for ``E``
+    spans, where a merge per rank is ``R E log E``): a rank's covered time is its merged time less the time
+    it computes alone."""
+    events = sorted((t, edge, r) for r, own in enumerate(spans) for start, end in own if end > start
+                    for t, edge in ((start, 1), (end, -1)))
+    alone = [0.0] * len(spans)
+    merged = [0.0] * len(spans)
+    active: dict[int, tuple[int, float]] = {}  # rank -> (its spans open now, since when one is)
+    last = 0.0
+    for t, edge, r in events:  # at one time, ends before starts: spans that touch do not overlap
+        if len(active) == 1 and t > last:
+            alone[next(iter(active))] += t - last
+        last = t
+        count, since = active.get(r, (0, t))
+        if count + edge:
+            active[r] = (count + edge, since)
+        else:
+            del active[r]
+            merged[r] += t - since
+    shares = []
+    for r, own in enumerate(spans):
+        total = sum(end - start for start, end in own)
+        shares.append((merged[r] - alone[r]) / total if total > 0 else 0.0)
+    return tuple(shares)
 
 
 # [Note: action overhead] Every forward or backward action costs a fixed time on top of its
