@@ -23,7 +23,7 @@ from coordinator.planning.memory import REPLICATED
 from coordinator.planning.planner import _rank, candidate_plans, choose_plan
 from coordinator.planning.profile import Profile
 from coordinator.planning.request import PlanningError
-from coordinator.planning.resources import Resources, Worker
+from coordinator.planning.resources import LinkSpeed, Resources, Worker
 from coordinator.planning.schedules import (
     Step,
     build_schedule,
@@ -255,3 +255,31 @@ def test_the_overlap_on_one_host_is_compute_overlap_s() -> None:
         timing = SimpleNamespace(compute_spans=spans)
         every = [[n for n in range(ranks) if n != r] for r in range(ranks)]
         assert planner._overlap_with_any(spans) == pytest.approx(compute_overlap(timing, every), abs=1e-12)
+
+
+def test_the_fast_search_agrees_on_random_small_jobs() -> None:
+    """Random chains, worker counts, devices, speeds, hosts, links, memory and fixed fields."""
+    rng = random.Random(11)
+    fixed: list[dict[str, object]] = [{}, {"schedule": "zb-h1"}, {"schedule": "interleaved-1f1b"},
+                                      {"mode": "parameter_server"}, {"strategy": "pipeline"}]
+    for _ in range(12):
+        n = rng.randint(2, 10)
+        prof = Profile.synthetic([rng.choice([5e-4, 1e-3, 4e-3]) for _ in range(n)],
+                                 param_bytes=[rng.choice([MiB, 4 * MiB, 16 * MiB]) for _ in range(n)],
+                                 activation_bytes=[rng.choice([256 * KiB, MiB, 4 * MiB]) for _ in range(n)],
+                                 cut_bytes=[rng.choice([16 * KiB, 256 * KiB, 2 * MiB]) for _ in range(n - 1)],
+                                 microbatch_size=2)
+        device, memory = rng.choice(["cpu", "cuda"]), rng.choice([BIG, 60 * MiB, 250 * MiB])
+        per_host, count = rng.randint(1, 3), rng.randint(1, 8)
+        res = Resources(workers=tuple(
+            Worker(name=f"w{i}", memory_bytes=memory, device=device, gpus=int(device == "cuda"),
+                   host=f"h{i // per_host}", speed=rng.choice([1.0, 0.5, 2.0])) for i in range(count)),
+            intra_host=rng.choice([None, LinkSpeed(bandwidth_bps=50e9, latency_s=5e-6)]))
+        request = PlanConfig(max_microbatches=4, **rng.choice(fixed))  # type: ignore[arg-type]
+        outcomes: list[object] = []
+        for exhaustive in (False, True):
+            try:
+                outcomes.append(choose_plan(prof, res, request, global_batch=16, exhaustive=exhaustive))
+            except PlanningError as exc:
+                outcomes.append(str(exc).split(" (")[0])
+        assert outcomes[0] == outcomes[1]
