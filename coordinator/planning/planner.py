@@ -450,6 +450,7 @@ class _Placed:
         self.shared_host = on_cpu and len(hosts) > len(set(hosts))  # [Note: contention on a shared host]
         self.twins = _twins(self.workers)
         self.speed = [min(w.speed for w in ws) for ws in self.workers]
+        self.memory = [min(w.memory_bytes for w in ws) for ws in self.workers]  # per stage, its least
         assert shared.resources is not None
         self.link = neighbour_link(shared.resources, placement)  # what the pipeline's transfers cross
         self._shared = shared
@@ -580,7 +581,7 @@ def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig
     # a worker's stages share its memory less its runtime's (host memory: not a GPU's): the cutter gives
     # each its 1/v share, the fit is checked per worker
     runtime = 0 if at.on_cuda else profile.runtime_bytes
-    limit = [float(min(w.memory_bytes for w in ws) - runtime) / v for ws in at.workers]
+    limit = [float(least - runtime) / v for least in at.memory]
     options = memory_options(request, d, mode, at.on_cuda, automatic)
     return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, options, runtime)
 
