@@ -5,8 +5,10 @@ Each case is a ``Profile.synthetic`` chain of ``n`` nodes (1 ms forward per samp
 80 GiB each, for a global batch of 4 samples per worker; ``stages`` fixes ``plan.num_stages`` where
 given. Per case: the shapes the request allows, the time of the fast search (the default), of the
 exhaustive one (``exhaustive=True``, which plays every shape; skipped past ``--exhaustive-up-to``
-workers) and, with ``--baseline DIR``, of ``choose_plan`` from another checkout of cellmesh in a
-subprocess (the search before this one), each once. The fast and exhaustive plans are compared.
+workers), of ``candidate_plans(limit=N)`` (``cellmesh plan``'s runners-up, ``--runners-up N``) and, with
+``--baseline DIR``, of ``choose_plan`` from another checkout of cellmesh in a subprocess (the search
+before this one), each once, in wall time and in this process's CPU time (``time.process_time``: what a
+loaded machine does not inflate as much). The fast and exhaustive plans are compared.
 
     python bench/planning.py [--cases examples,issue,cluster] [--baseline DIR] [--timeout 300] [--json F]
 """
@@ -27,7 +29,7 @@ if __name__ == "__main__":  # run as a script: the repository, not bench/, first
     sys.path[0] = ROOT
 
 from coordinator.planning.config import PlanConfig  # noqa: E402
-from coordinator.planning.planner import choose_plan  # noqa: E402
+from coordinator.planning.planner import candidate_plans, choose_plan  # noqa: E402
 from coordinator.planning.profile import Profile  # noqa: E402
 from coordinator.planning.request import plan_shapes, resolve  # noqa: E402
 from coordinator.planning.resources import Resources  # noqa: E402
@@ -37,7 +39,7 @@ MB = 10**6
 CASES: dict[str, list[tuple[int, int, int | None]]] = {
     "examples": [(8, 2, None), (12, 4, None), (16, 8, None)],
     "issue": [(64, 8, None), (128, 64, None), (256, 256, None)],
-    "cluster": [(1000, 1024, 16), (1000, 1024, 128)],
+    "cluster": [(1000, 1024, 16), (1000, 1024, 128), (1000, 1024, None)],
 }
 _CHILD = """
 import json, sys, time
@@ -50,9 +52,9 @@ n, w, stages = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 prof = Profile.synthetic([1e-3] * n, param_bytes=[4 * 10**6] * n, activation_bytes=[10**6] * n,
                          cut_bytes=[256 * 1024] * (n - 1))
 res = Resources.local(w, memory_bytes=80 * 2**30)
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 plan = choose_plan(prof, res, PlanConfig(num_stages=stages), global_batch=4 * w)
-print(json.dumps({"s": time.perf_counter() - t0, "plan": plan.summary()}))
+print(json.dumps({"s": time.perf_counter() - t0, "cpu": time.process_time() - c0, "plan": plan.summary()}))
 """
 
 
@@ -68,7 +70,7 @@ def baseline(tree: str, nodes: int, workers: int, stages: int | None, timeout: f
         command = [sys.executable, "-c", _CHILD, tree, str(nodes), str(workers), json.dumps(stages)]
         out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=True)
     except subprocess.TimeoutExpired:
-        return {"s": None, "plan": f"stopped after {timeout:.0f} s"}
+        return {"s": None, "cpu": None, "plan": f"stopped after {timeout:.0f} s"}
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -77,10 +79,16 @@ def run_case(nodes: int, workers: int, stages: int | None, args: argparse.Namesp
     prof, res = profile(nodes), Resources.local(workers, memory_bytes=80 * 2**30)
     request, batch = PlanConfig(num_stages=stages), 4 * workers
     shapes = len(plan_shapes(request, resolve(request, nodes, nodes, workers), batch))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fast = choose_plan(prof, res, request, global_batch=batch)
     row: dict[str, Any] = {"nodes": nodes, "workers": workers, "stages": stages, "global_batch": batch,
-                           "shapes": shapes, "fast_s": time.perf_counter() - t0, "plan": fast.summary()}
+                           "shapes": shapes, "fast_s": time.perf_counter() - t0,
+                           "fast_cpu_s": time.process_time() - c0, "plan": fast.summary()}
+    if args.runners_up:
+        t0, c0 = time.perf_counter(), time.process_time()
+        best = candidate_plans(prof, res, request, global_batch=batch, limit=args.runners_up)
+        row["runners_up_s"], row["runners_up_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        assert best[0].plan == fast, "the runners-up start with the chosen plan"
     if workers <= args.exhaustive_up_to:
         t0 = time.perf_counter()
         every = choose_plan(prof, res, request, global_batch=batch, exhaustive=True)
@@ -88,7 +96,8 @@ def run_case(nodes: int, workers: int, stages: int | None, args: argparse.Namesp
         row["same_plan"] = every == fast
     if args.baseline:
         before = baseline(args.baseline, nodes, workers, stages, args.timeout)
-        row["baseline_s"], row["baseline_plan"] = before["s"], before["plan"]
+        row["baseline_s"], row["baseline_cpu_s"] = before["s"], before.get("cpu")
+        row["baseline_plan"] = before["plan"]
     return row
 
 
@@ -98,11 +107,12 @@ def main() -> None:
     parser.add_argument("--baseline", default="", help="another checkout of cellmesh to time as 'before'")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per baseline plan")
     parser.add_argument("--exhaustive-up-to", type=int, default=64, help="workers; larger cases skip it")
+    parser.add_argument("--runners-up", type=int, default=5, help="time candidate_plans(limit=N); 0: not")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     rows = []
-    print(f"{'nodes x workers':>16} {'stages':>6} {'batch':>6} {'shapes':>7} {'before s':>9} "
-          f"{'exhaust s':>9} {'fast s':>8}  same  plan")
+    print(f"{'nodes x workers':>16} {'stages':>6} {'batch':>6} {'shapes':>7} {'before s':>9} {'cpu':>6} "
+          f"{'exhaust s':>9} {'fast s':>8} {'cpu':>6} {'runners':>8}  same  plan")
     for group in args.cases.split(","):
         for nodes, workers, stages in CASES[group]:
             row = run_case(nodes, workers, stages, args)
@@ -111,9 +121,14 @@ def main() -> None:
             before_s = ("-" if "baseline_plan" not in row else f">{args.timeout:.0f}" if before is None
                         else f"{before:.2f}")
             every_s = "-" if every is None else f"{every:.2f}"
+            before_cpu = row.get("baseline_cpu_s")
+            before_cpu_s = "-" if before_cpu is None else f"{before_cpu:.2f}"
+            runners = row.get("runners_up_s")
+            runners_s = "-" if runners is None else f"{runners:.3f}"
             print(f"{f'{nodes} x {workers}':>16} {stages or 'any':>6} {row['global_batch']:>6} "
-                  f"{row['shapes']:>7} {before_s:>9} {every_s:>9} {row['fast_s']:>8.3f}  "
-                  f"{row.get('same_plan', '-')!s:>4}  {row['plan']}", flush=True)
+                  f"{row['shapes']:>7} {before_s:>9} {before_cpu_s:>6} {every_s:>9} {row['fast_s']:>8.3f} "
+                  f"{row['fast_cpu_s']:>6.3f} {runners_s:>8}  {row.get('same_plan', '-')!s:>4}  "
+                  f"{row['plan']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
 

@@ -57,7 +57,8 @@ def plan_command(job: str, settings: Mapping[str, Any], timeline: Path | None, *
               f"{result.summary()}", file=out, flush=True)
         if runners_up > 0:
             print(f"\nrunners-up (the {runners_up} fastest plans weighed, fitting ones first):\n"
-                  f"{format_candidates(planned.candidates(), limit=runners_up)}", file=out, flush=True)
+                  f"{format_candidates(planned.candidates(limit=runners_up), limit=runners_up)}", file=out,
+                  flush=True)
         if timeline is not None:
             title = (f"{loaded.name}: {plan.summary()}; pipeline {result.step_time_s * 1e3:.3f} ms, "
                      f"bubble {result.bubble_fraction:.1%}")

@@ -25,13 +25,40 @@ stage below it after its own ``I``: the bound follows that chain instead. Transf
 host's slowdown when it is certain). For equal stages GPipe and 1F1B play about ``(m + p - 1)(F + B)``
 plus transfers, which the bound follows; for uneven stages, interleaved and ZB-H1 it is lower by what
 the schedule's steady state stalls (down to half on random costs), and the simulator decides.
+
+[Note: the bound over every cut] Before a shape is cut, :func:`cut_free_bound` bounds the bound above
+from below over every cut of the chain into ``p`` stages, from totals alone. Write ``c_j`` for stage
+``j``'s forward and backward of one microbatch (its actions' overheads included), ``c'_j`` for that plus
+the transfers at both its ends, ``C`` and ``C'`` for their sums (``C'`` at least ``C`` plus both ends of
+the ``p - 1`` cheapest cuts) and ``S`` for the stages' starts together. For every schedule the busiest
+rank does at least the mean, ``(m C' + S) / R``, and the rank of the heaviest node ``m`` times it. Then
+per schedule, from the chains of [Note: the bound]:
+
+- GPipe and 1F1B: rank ``r`` ends no earlier than ``sum_{j<r} c'_j + m c'_r``; the least ``t`` all
+  ``p`` of those reach with ``sum c'_j = C'`` has them equal: ``t = C' / (1 - (1 - 1/m)^p)``;
+- ZB-H1 keeps only the fill: ``sum_{j<r} F_j + m c_r``, with ``F_j >= phi c_j`` (``phi``: the least
+  share of its forward any node, or an action's overhead, has), so ``t = phi C / (1 - (1 - phi/m)^p)``;
+- interleaved: stage ``s`` (any chunk) runs its ``m`` forwards and backwards after microbatch 0's forward
+  reached it and before microbatch ``m - 1``'s gradients go down from it, so GPipe's form holds over its
+  ``p`` stages; and rank ``r`` waits for the first chunk's stages ``0..r-1`` forward and backward, each
+  at least the lightest node (``c_min``) and its ``2 r - 1`` transfers at least the cheapest cut's
+  (``x``): the mean over the ranks of ``r c_min + (2r - 1) x`` plus the mean work.
+
+Every term is one the exact bound is at least, so the cut-free bound never exceeds it (checked against
+:func:`pipeline_bound` on random chains and cuts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["pipeline_bound"]
+import numpy as np
+
+__all__ = ["cut_free_bound", "pipeline_bound"]
+
+# schedule kinds of :func:`cut_free_bound`
+FILL_AND_DRAIN, FILL, CHUNKS, BUSIEST = 0, 1, 2, 3
+KINDS = {"gpipe": FILL_AND_DRAIN, "1f1b": FILL_AND_DRAIN, "zb-h1": FILL, "interleaved-1f1b": CHUNKS}
 
 
 def pipeline_bound(name: str, num_microbatches: int, num_ranks: int, forward_s: Sequence[float],
@@ -85,3 +112,40 @@ def pipeline_bound(name: str, num_microbatches: int, num_ranks: int, forward_s: 
             t += gradient_s[j] + (backward_s[j] - weight_s[j]) + (gradient_s[j - 1] if j > 0 else 0.0)
             bound = max(bound, t + min(j + 1, m) * weight_s[j])
     return bound
+
+
+def cut_free_bound(kind: np.ndarray, num_microbatches: np.ndarray, num_stages: np.ndarray,
+                   num_ranks: np.ndarray, compute_s: np.ndarray, transfer_s: np.ndarray, start_s: np.ndarray,
+                   largest_s: np.ndarray, least_s: np.ndarray, least_cut_s: np.ndarray,
+                   forward_share: np.ndarray) -> np.ndarray:
+    """A lower bound on the simulated step over every cut, per shape (see [Note: the bound over every cut]).
+
+    Every argument is an array with one entry per shape.
+
+    Args:
+        kind: The schedule's kind, ``KINDS[name]`` (any other name: :data:`BUSIEST`).
+        num_microbatches: ``m``.
+        num_stages: ``p``.
+        num_ranks: Workers per replica ``R``.
+        compute_s: ``C``: every stage's forward and backward of one microbatch together.
+        transfer_s: What the stage boundaries cost their endpoints per microbatch together (at least).
+        start_s: ``S``: the stages' starts together (at least).
+        largest_s: The heaviest node's forward and backward of one microbatch.
+        least_s: The least forward and backward of one microbatch any stage has (its lightest node's).
+        least_cut_s: The least any stage boundary costs one endpoint per microbatch.
+        forward_share: ``phi``: the least share of its forward and backward a stage spends forward.
+    """
+    m = num_microbatches.astype(np.float64)
+    p = num_stages.astype(np.float64)
+    ranks = num_ranks.astype(np.float64)
+    work = compute_s + transfer_s
+    bound = np.maximum((m * work + start_s) / ranks, m * largest_s)
+    drain = work / (1.0 - (1.0 - 1.0 / m) ** p)
+    bound = np.where((kind == FILL_AND_DRAIN) | (kind == CHUNKS), np.maximum(bound, drain), bound)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fill = forward_share * compute_s / (1.0 - (1.0 - forward_share / m) ** p)
+    fill = np.where(forward_share > 0, fill, 0.0)
+    bound = np.where(kind == FILL, np.maximum(bound, fill), bound)
+    chunks = m * work / ranks + (ranks - 1) / 2 * least_s + (ranks - 1) ** 2 / ranks * least_cut_s
+    out: np.ndarray = np.where(kind == CHUNKS, np.maximum(bound, chunks), bound)
+    return out

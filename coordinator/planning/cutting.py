@@ -44,6 +44,7 @@ __all__ = [
     "cut_even",
     "cut_min_max",
     "get_cutter",
+    "may_fit",
     "register_cutter",
 ]
 
@@ -230,7 +231,7 @@ def cut_min_max(problem: CutProblem) -> Bounds:
     n, k = problem.num_nodes, problem.num_stages
     prefix = problem._prefix
     least = max(float(prefix[n]) / k, max(problem.compute_s))
-    for factor in _BAND_TRIES if _may_fit(problem) else ():
+    for factor in _BAND_TRIES if may_fit(problem) else ():
         bounds = _banded(problem, factor * least if least > 0 else math.inf)
         if bounds is not None:
             return bounds
@@ -238,7 +239,7 @@ def cut_min_max(problem: CutProblem) -> Bounds:
                    "and memory limits")
 
 
-def _may_fit(problem: CutProblem) -> bool:
+def may_fit(problem: CutProblem) -> bool:
     """False when no cut fits memory whatever it is: every node's static bytes and one microbatch of its
     activations per microbatch the emptiest stage holds exceed all the stages' limits together."""
     if problem.memory_limit is None or problem.static_bytes is None or problem.activation_bytes is None:

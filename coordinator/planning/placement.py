@@ -30,10 +30,10 @@ them, a group's slowest (lowest bandwidth, highest latency); the two layouts and
 built once per (replicas, ranks, chunks) of a resource list, in O(workers + hosts), so the
 planner's many microbatch counts of a shape price them in O(distinct links) each.
 
-The planner today charges every pipeline transfer at the slowest link among all the
-placement's workers (``resources.slowest_link(list(placed))``): its predicted step credits a
-replica group inside a host but not a pipeline inside one, which :func:`neighbour_link` (the
-slowest link the pipeline's transfers cross) would.
+The planner charges a shape's pipeline transfers at :func:`neighbour_link`, the slowest link between
+neighbouring stages of any replica (each stage boundary, and an interleaved rank's last stage to the
+next chunk's first), and each stage's sync at the slowest link among its replicas: a pipeline inside a
+host is priced at the intra-host link, a replica group inside a host likewise.
 """
 
 from __future__ import annotations
@@ -185,10 +185,8 @@ def _blocks(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
 def neighbour_link(resources: Resources, placement: Placement) -> Speed:
     """The lowest bandwidth and highest latency between the workers of neighbouring stages of any replica
     (the links a pipeline's transfers cross); the defaults for single-stage replicas."""
-    links = [resources.link(a, b) for row in placement for a, b in itertools.pairwise(row) if a != b]
-    if not links:
-        return resources.default_link
-    return min(bw for bw, _ in links), max(lat for _, lat in links)
+    pairs = ((a, b) for row in placement for a, b in itertools.pairwise(row) if a != b)
+    return resources.slowest_of_pairs(pairs)
 
 
 def place(resources: Resources, replicas: int, stages: int, ranks: int, *,

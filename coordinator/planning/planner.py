@@ -98,21 +98,30 @@ adds compute there and frees memory nobody needs). ``exhaustive=True`` evaluates
 everywhere: the tests check that both choose the same plan.
 
 [Note: the fast search] ``choose_plan`` does not play every shape. It takes a replicated plan
-without recompute whenever one fits, so it first looks for the best of those by branch and bound:
-every shape gets its cut (the cut ignoring memory is computed once per stages, microbatch size,
-recompute, link and speed, and shared by the modes and schedules) and a lower bound on its step
-(``coordinator/planning/closed_form.py``: the pipeline's fill, its busiest rank's work and its
-drain, from the stage costs the simulator would be given, with a shared host's slowdown only where
-it is certain (replicas on one host); the overheads as the plan counts them, the sync as if the whole
-backward hid it; where that cut does not fit memory, the mean work per rank, which any cut reaches).
-Shapes wait in a heap, first under a bound that needs no cut (``_work_bound``), then under the bound
-with their cut, and are played in the simulator, exactly as the exhaustive search plays them, in the
-order of their bounds until the next bound exceeds the best step played (by more than
+without recompute whenever one fits, so it first looks for the best of those by branch and bound, on
+three bounds, each tighter and dearer than the one before (``_bound_order``):
+
+1. every shape, before any cut or placement, gets a bound over every cut (``_cut_free_bounds``, one
+   numpy pass over all the shapes: [Note: the bound over every cut] in
+   ``coordinator/planning/closed_form.py`` on the chain's totals at the shape's microbatch size, on the
+   fastest worker and link; a shared host's slowdown where every placement has it, more replicas of a
+   stage than hosts of CPU workers; the optimizer steps' mean per rank; the sync's mean per rank, its
+   backward hiding all it can; the overheads), and the shapes are sorted by it once;
+2. a shape that comes up gets its placement, its cut ignoring memory (computed once per stages,
+   microbatch size, recompute, link and speed, and shared by the modes and schedules) and the bound of
+   ``closed_form.pipeline_bound`` from the stage costs the simulator would be given (a shared host's
+   slowdown where it is certain: replicas on one host; the sync as if the whole backward hid it), and
+   waits in a heap under it; where that cut does not fit memory it keeps its first bound, and a shape
+   whose chain fits no cut at all (``cutting.may_fit``) leaves the search;
+3. a shape that comes up again is played in the simulator, exactly as the exhaustive search plays it.
+
+The search stops when the next bound exceeds the best step played (by more than
 :data:`_BOUND_SLACK`): no shape left can win or tie, so the plan is the exhaustive search's, with its
-predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order. Only
-when no replicated plan fits does the search evaluate every memory option of every shape. What the
-shapes share is computed once per search (:class:`_Shared`): node times, the cut tensors rescaled,
-node memory per option, cut problems, the links.
+predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order. On
+1,000 nodes over 1,024 workers, 106,608 shapes get the first bound, about a hundred the second and
+eight are played. Only when no replicated plan fits does the search evaluate every memory option of
+every shape. What the shapes share is computed once per search (:class:`_Shared`): node times, the
+cut bytes rescaled, node memory per option, cut problems, the links.
 ``exhaustive=True`` plays every shape: the reference the tests compare against.
 
 [Note: the memory floor] Before a model is profiled (or even allocated), its cells' bytes
@@ -134,16 +143,17 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast, get_args
 
 import numpy as np
 
 from coordinator.planning import memory
-from coordinator.planning.closed_form import pipeline_bound
+from coordinator.planning.closed_form import BUSIEST, KINDS, cut_free_bound, pipeline_bound
 from coordinator.planning.config import Mode, PlanConfig
-from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter
+from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter, may_fit
 from coordinator.planning.graph import CutInfo, TensorMeta
 from coordinator.planning.memory import (
     AUTOMATIC,
@@ -155,7 +165,7 @@ from coordinator.planning.memory import (
     memory_options,
     node_memory,
 )
-from coordinator.planning.placement import place, step_traffic
+from coordinator.planning.placement import neighbour_link, place, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
@@ -264,11 +274,21 @@ def _after_first_bucket(grads: Sequence[float], backward: Sequence[float]) -> fl
     return 0.0
 
 
-def _scaled_cuts(profile: Profile, size: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
-    """Per cut: its tensors at microbatch ``size``, their bytes, the bytes of those needing gradients."""
-    metas = [tuple(t.at_batch(size, profile.microbatch_size) for t in c.tensors) for c in profile.cuts]
-    return (metas, [sum(t.nbytes for t in ts) for ts in metas],
-            [sum(t.nbytes for t in ts if t.requires_grad) for ts in metas])
+def _scaled_bytes(profile: Profile, size: int) -> tuple[list[int], list[int]]:
+    """Per cut at microbatch ``size``: its tensors' bytes and those of the ones needing gradients (what
+    ``TensorMeta.at_batch`` gives them, without building the rescaled tensors)."""
+    base = profile.microbatch_size
+    def nbytes(t: TensorMeta) -> int:
+        if t.batch_dim is None or size == base:
+            return t.nbytes
+        rows = t.shape[t.batch_dim]
+        return t.nbytes // max(1, rows) * (rows * size // base)
+    fwd, bwd = [], []
+    for c in profile.cuts:
+        sizes = [(nbytes(t), t.requires_grad) for t in c.tensors]
+        fwd.append(sum(x for x, _ in sizes))
+        bwd.append(sum(x for x, grad in sizes if grad))
+    return fwd, bwd
 
 
 def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | None = None,
@@ -325,13 +345,15 @@ class _Shared:
     def times(self, mb: int) -> list[tuple[float, float]]:
         return self._get(("times", mb), lambda: self.profile.node_times(mb))
 
-    def scaled(self, mb: int) -> tuple[list[tuple[TensorMeta, ...]], list[int], list[int]]:
-        return self._get(("scaled", mb), lambda: _scaled_cuts(self.profile, mb))
+    def scaled(self, mb: int) -> tuple[list[int], list[int]]:
+        """Per cut at microbatch ``mb``: its bytes, the bytes of the tensors needing gradients."""
+        return self._get(("scaled", mb), lambda: _scaled_bytes(self.profile, mb))
 
     def cut_at(self, index: int, mb: int) -> CutInfo:
         """Cut ``index`` with its tensors at microbatch ``mb``."""
         return self._get(("cut", index, mb), lambda: self.profile.cuts[index].model_copy(
-            update={"tensors": self.scaled(mb)[0][index]}))
+            update={"tensors": tuple(t.at_batch(mb, self.profile.microbatch_size)
+                                     for t in self.profile.cuts[index].tensors)}))
 
     def sums(self, mb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Prefix sums over the nodes at microbatch ``mb``: forward and backward seconds, gradient and
@@ -365,13 +387,13 @@ class _Shared:
         return self._get(key, lambda: node_memory(
             nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
             activation_bytes=[nd.activation_bytes * scale for nd in nodes],
-            input_bytes=self.scaled(mb)[1][:-1], on_cuda=on_cuda))
+            input_bytes=self.scaled(mb)[0][:-1], on_cuda=on_cuda))
 
     def compute(self, mb: int, recompute: bool, speed: float, bandwidth_bps: float,
                 latency_s: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The cutter's per-node compute and per-cut transfer times."""
         def make() -> tuple[tuple[float, ...], tuple[float, ...]]:
-            _, fwd_bytes, bwd_bytes = self.scaled(mb)
+            fwd_bytes, bwd_bytes = self.scaled(mb)
             cut_s = tuple(_transfer(f, bandwidth_bps, latency_s) + _transfer(b, bandwidth_bps, latency_s)
                           for f, b in zip(fwd_bytes, bwd_bytes, strict=True))
             twice = 2 if recompute else 1  # the backward pays the forward again
@@ -416,7 +438,7 @@ class _Shared:
 
 class _Placed:
     """A shape's workers as its placement puts them: per stage its replicas' workers and slowest speed,
-    the devices, whether CPU workers share a host, the slowest link among them all."""
+    the devices, whether CPU workers share a host, the slowest link between neighbouring stages."""
 
     def __init__(self, shared: _Shared, placement: tuple[tuple[str, ...], ...], num_stages: int) -> None:
         by_name = shared.by_name
@@ -428,7 +450,9 @@ class _Placed:
         self.shared_host = on_cpu and len(hosts) > len(set(hosts))  # [Note: contention on a shared host]
         self.twins = _twins(self.workers)
         self.speed = [min(w.speed for w in ws) for ws in self.workers]
-        self.link = shared.link(tuple(placed))
+        self.memory = [min(w.memory_bytes for w in ws) for ws in self.workers]  # per stage, its least
+        assert shared.resources is not None
+        self.link = neighbour_link(shared.resources, placement)  # what the pipeline's transfers cross
         self._shared = shared
         self._stage_links: dict[int, tuple[float, float]] = {}
 
@@ -466,9 +490,38 @@ def contended_share(sim: SimResult | Timing, workers: Sequence[Sequence[Worker]]
     rank_hosts = [set().union(*(hosts[s] for s in stages)) for stages in sim.ranks]
     neighbours = [[n for n, other in enumerate(rank_hosts) if n != r and other & mine]
                   for r, mine in enumerate(rank_hosts)]
-    overlap = compute_overlap(sim, neighbours)
+    every = len(neighbours) > 2 and all(len(ns) == len(neighbours) - 1 for ns in neighbours)
+    overlap = _overlap_with_any(sim.compute_spans) if every else compute_overlap(sim, neighbours)
     rank_of = {s: r for r, stages in enumerate(sim.ranks) for s in stages}
     return [1.0 if twins[s] else overlap[rank_of[s]] for s in range(len(workers))]
+
+
+def _overlap_with_any(spans: Sequence[Sequence[tuple[float, float]]]) -> tuple[float, ...]:
+    """``compute_overlap`` where every rank neighbours every other (one host): per rank, the share of its
+    compute during which another rank computes, in one sweep over all the spans (``E log E`` for ``E``
+    spans, where a merge per rank is ``R E log E``): a rank's covered time is its merged time less the time
+    it computes alone."""
+    events = sorted((t, edge, r) for r, own in enumerate(spans) for start, end in own if end > start
+                    for t, edge in ((start, 1), (end, -1)))
+    alone = [0.0] * len(spans)
+    merged = [0.0] * len(spans)
+    active: dict[int, tuple[int, float]] = {}  # rank -> (its spans open now, since when one is)
+    last = 0.0
+    for t, edge, r in events:  # at one time, ends before starts: spans that touch do not overlap
+        if len(active) == 1 and t > last:
+            alone[next(iter(active))] += t - last
+        last = t
+        count, since = active.get(r, (0, t))
+        if count + edge:
+            active[r] = (count + edge, since)
+        else:
+            del active[r]
+            merged[r] += t - since
+    shares = []
+    for r, own in enumerate(spans):
+        total = sum(end - start for start, end in own)
+        shares.append((merged[r] - alone[r]) / total if total > 0 else 0.0)
+    return tuple(shares)
 
 
 # [Note: action overhead] Every forward or backward action costs a fixed time on top of its
@@ -528,7 +581,7 @@ def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig
     # a worker's stages share its memory less its runtime's (host memory: not a GPU's): the cutter gives
     # each its 1/v share, the fit is checked per worker
     runtime = 0 if at.on_cuda else profile.runtime_bytes
-    limit = [float(min(w.memory_bytes for w in ws) - runtime) / v for ws in at.workers]
+    limit = [float(least - runtime) / v for least in at.memory]
     options = memory_options(request, d, mode, at.on_cuda, automatic)
     return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, options, runtime)
 
@@ -578,7 +631,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     workers, speed, on_cuda, shared_host = at.workers, at.speed, at.on_cuda, at.shared_host
     runtime = setup.runtime
     bw, lat = at.link
-    _, fwd_bytes, bwd_bytes = shared.scaled(mb)
+    fwd_bytes, bwd_bytes = shared.scaled(mb)
     nodes = profile.nodes
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     fields = {"staleness": request.staleness if mode == "parameter_server" else 0}
@@ -717,9 +770,9 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
 
 
 def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: Cutter,
-                      balance: Sequence[int] | None) -> float:
+                      balance: Sequence[int] | None, loose: float) -> float:
     """A lower bound on the step of the shape's replicated candidate; inf when it cannot fit (see
-    [Note: the fast search])."""
+    [Note: the fast search]); ``loose``: its bound over every cut."""
     d, p, mode, sched_name, m, _ = setup.shape
     at, mb = setup.at, setup.mb
     bw, lat = at.link
@@ -734,11 +787,11 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     sums = shared.sums(mb)  # prefix sums over the nodes: forward, backward, gradient and parameter bytes
     try:
         bounds = problem.check(free)
-    except CutError:  # the cut within memory is the simulator's business: a bound that needs no cut
-        return _work_bound(shared, setup.shape, mb * d * m, max(speed))
+    except CutError:  # the cut within memory is the simulator's business: the bound over every cut
+        return loose if may_fit(problem) else math.inf  # no cut fits: the candidate cannot
     cut = np.asarray(bounds)
     fwd, bwd, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
-    _, fwd_bytes, bwd_bytes = shared.scaled(mb)
+    fwd_bytes, bwd_bytes = shared.scaled(mb)
     # the slowdown of a shared host where it is certain (replicas on one host), else none: a lower bound
     certain = [at.shared_host and twin for twin in at.twins]
     forward = [fwd[s] / speed[s] * (1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
@@ -765,7 +818,7 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
                        else _sync(mode, grads[s], d, hidden, link_bw, link_lat))
     sync_time = max(sum(sync[s] for s in range(k, p, setup.ranks)) for k in range(setup.ranks))
     check = max(grads[s] / speed[s] for s in range(p)) / GRADIENT_CHECK_BANDWIDTH_BPS
-    return float(pipeline + sync_time + 2 * CONTROL_MESSAGE_S + check)
+    return max(loose, float(pipeline + sync_time + 2 * CONTROL_MESSAGE_S + check))
 
 
 # Shapes whose bound is within this share of the best step played so far are played too: the bound and
@@ -777,46 +830,153 @@ def _fast_choice(profile: Profile, resources: Resources, request: PlanConfig, gl
                  automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape]) -> Plan | None:
     """The plan :func:`choose_plan` picks among the replicated candidates, by branch and bound: None when
     no replicated candidate fits (see [Note: the fast search])."""
+    best = _fastest_replicated(profile, resources, request, global_batch, automatic, cutter, shapes, 1)
+    return best[0].plan if best else None
+
+
+def _fastest_replicated(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,
+                        automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape], count: int
+                        ) -> list[Candidate]:
+    """The ``count`` best fitting replicated candidates (``_rank``, then enumeration order), best first, by
+    branch and bound against the ``count``-th best step played (fewer when fewer fit)."""
+    kept: list[tuple[tuple[float, int, int, tuple[int, int, int], float], int, Candidate]] = []
     shared = _Shared(profile, resources)
-    fastest = max(w.speed for w in resources.workers)
-    # (bound, index, tight): the work bound first, the bound with a cut when it comes up, then the play
-    heap = [(_work_bound(shared, shape, global_batch, fastest), index, False)
-            for index, shape in enumerate(shapes)]
-    heapq.heapify(heap)
-    best: tuple[tuple[float, int, int, tuple[int, int, int], float], int] | None = None
-    plan: Plan | None = None
-    while heap:
-        bound, index, tight = heapq.heappop(heap)
-        if plan is not None and bound > plan.step_time_s * (1 + _BOUND_SLACK):
-            break  # every shape left is slower than the best: none of them can win, nor tie
+
+    def limit() -> float:
+        plan = kept[-1][2].plan if len(kept) == count else None
+        return plan.step_time_s if plan is not None else math.inf
+
+    for index, cand in _bound_order(profile, shared, request, global_batch, automatic, cutter, shapes, limit):
+        if cand.fits:
+            kept.append((_rank(cand), index, cand))
+            kept.sort(key=lambda k: k[:2])
+            del kept[count:]
+    return [c for _, _, c in kept]
+
+
+def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_batch: int,
+                 automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape], limit: Callable[[], float]
+                 ) -> Iterator[tuple[int, Candidate]]:
+    """The replicated candidates of ``shapes`` (with their indices) in the order of their bounds, until the
+    next bound exceeds ``limit()`` (asked after each): first every shape's bound over all cuts
+    (:func:`_cut_free_bounds`, sorted once), then, when a shape comes up, its bound with its cut (a heap),
+    then its play. Equal bounds go in enumeration order."""
+    resources = shared.resources
+    assert resources is not None
+    bounds = _cut_free_bounds(shared, shapes, global_batch)
+    loose = bounds.tolist()
+    order = iter(np.lexsort((np.arange(len(shapes)), bounds)).tolist())  # by bound, then index
+    tight: list[tuple[float, int]] = []  # (bound with the cut, index)
+    upcoming = next(order, None)
+    while upcoming is not None or tight:
+        if tight and (upcoming is None or tight[0] < (loose[upcoming], upcoming)):
+            bound, index = heapq.heappop(tight)
+            cut = True
+        else:
+            assert upcoming is not None
+            bound, index, cut = loose[upcoming], upcoming, False
+            upcoming = next(order, None)
+        if bound > limit() * (1 + _BOUND_SLACK):
+            return  # every shape left is slower than the limit: none of them can win, nor tie
         shape = shapes[index]
-        if not tight:
+        if not cut:
             setup = _setup(shared, shape, global_batch, request, automatic)
             if REPLICATED in setup.options:
-                bound = _replicated_bound(profile, shared, setup, cutter, request.balance)
+                bound = _replicated_bound(profile, shared, setup, cutter, request.balance, bound)
                 if math.isfinite(bound):
-                    heapq.heappush(heap, (bound, index, True))
+                    heapq.heappush(tight, (bound, index))
             continue
-        cand = _evaluate(profile, resources, shape, global_batch, cutter, request.cutter, request.balance,
-                         request, automatic, shared=shared, only=REPLICATED)[0]
-        if cand.fits and (best is None or (_rank(cand), index) < best):
-            best, plan = (_rank(cand), index), cand.plan
-    return plan
+        yield index, _evaluate(profile, resources, shape, global_batch, cutter, request.cutter,
+                               request.balance, request, automatic, shared=shared, only=REPLICATED)[0]
 
 
-def _work_bound(shared: _Shared, shape: Shape, global_batch: int, fastest: float) -> float:
-    """A lower bound on any plan of ``shape`` that needs no cut: its busiest rank does at least the mean
-    work, every node's forward and backward on the fastest worker plus each action's overhead; and for
-    GPipe and 1F1B, ``C / (1 - (1 - 1/m)^p)`` with ``C`` that work for one microbatch: the bound of
-    ``closed_form`` is at least ``sum_{j<r} c_j + m c_r`` for every stage ``r``, and the mean of those
-    weighted by ``(1 - 1/m)^(p-1-r)`` is that, whatever the cut."""
-    d, p, _, name, m, v = shape
-    sums = shared.sums(global_batch // (d * m))
-    work = (sums[0][-1] + sums[1][-1]) / fastest + 2 * p * ACTION_OVERHEAD_S
-    bound = m * work / (p // v)
-    if name in ("gpipe", "1f1b") and v == 1:
-        bound = max(bound, work / (1 - (1 - 1 / m) ** p))
-    return float(bound + 2 * CONTROL_MESSAGE_S)
+def _cut_free_bounds(shared: _Shared, shapes: Sequence[Shape], global_batch: int) -> np.ndarray:
+    """Per shape, a lower bound on its replicated candidate's step over every cut and placement: the
+    pipeline's (``closed_form.cut_free_bound`` on the chain's totals at the shape's microbatch size, on the
+    fastest worker and link, with a shared host's slowdown where any placement has it: more replicas than
+    hosts of CPU workers), plus the least unhidden sync and the overheads (see [Note: the fast search])."""
+    resources = shared.resources
+    assert resources is not None
+    if not shapes:
+        return np.zeros(0)
+    columns = [list(map(operator.itemgetter(k), shapes)) for k in range(6)]  # zip(*shapes) is 10x slower
+    d, p, m, v = (np.array(columns[k], dtype=np.int64) for k in (0, 1, 4, 5))
+    collective = np.array(columns[2]) == "collective"
+    codes = {name: KINDS.get(name, BUSIEST) for name in set(columns[3])}
+    kind = np.array([codes[name] for name in columns[3]], dtype=np.int64)
+    ranks = p // v
+    mb = global_batch // (d * m)
+    sizes, which = np.unique(mb, return_inverse=True)
+    totals = np.array([_chain_totals(shared, int(size)) for size in sizes])  # [size, slowed?, field]
+    workers = resources.workers
+    on_cpu = all(w.device == "cpu" for w in workers)
+    spread = len({w.host for w in workers if w.host is not None}) + sum(w.host is None for w in workers)
+    slowed = (on_cpu & (d > spread)).astype(np.int64)  # twins on every stage, wherever they are placed
+    row = totals[which, slowed]  # the fields of _chain_totals
+    cuts = [_cut_costs(shared, int(size)) for size in sizes]
+    longest = max(len(c[1]) for c in cuts)
+    cheapest = np.array([c[1] + [math.inf] * (longest - len(c[1])) for c in cuts])  # [size, cuts crossed]
+    transfer = 2 * cheapest[which, np.minimum(p - 1, longest - 1)]
+    fastest = max(w.speed for w in workers)
+    grads = float(sum(nd.grad_bytes for nd in shared.profile.nodes))
+    traffic = OPTIMIZER_TRAFFIC.get(shared.profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
+    start = np.where(collective, 1.0, 1.0 / d) * grads * traffic / OPTIMIZER_BANDWIDTH_BPS / fastest
+    least_cut = np.array([c[0] for c in cuts])[which]
+    pipeline = cut_free_bound(kind, m, p, ranks, row[:, 0] + 2 * p * ACTION_OVERHEAD_S, transfer, start,
+                              row[:, 1] + 2 * ACTION_OVERHEAD_S, row[:, 2] + 2 * ACTION_OVERHEAD_S,
+                              np.where(p > 1, least_cut, 0.0), row[:, 3])
+    # the sync: a rank's at least the mean of the stages' (their latencies left out: a stage without
+    # gradients has none); collective replicas hide at most the whole backward, slowed, on the slowest
+    bandwidth = COLLECTIVE_EFFICIENCY * resources.fastest_link[0]
+    hidden = row[:, 4] * SHARED_HOST_BACKWARD_SLOWDOWN / min(w.speed for w in workers)
+    sync = np.where(collective, np.maximum(0.0, 2 * (d - 1) / d * grads / bandwidth - hidden),
+                    2 * grads / bandwidth)
+    sync = np.where(d > 1, sync / ranks, 0.0)
+    check = grads / p / fastest / GRADIENT_CHECK_BANDWIDTH_BPS
+    return pipeline + sync + 2 * CONTROL_MESSAGE_S + check
+
+
+def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:
+    """At microbatch ``mb`` on the fastest worker, unslowed and slowed as on a shared host: every node's
+    forward and backward together, the heaviest node's and the lightest's, the least share of a stage's
+    compute it spends forward (an action's overhead is half: 0.5 at most), and the backward alone (raw)."""
+    def make() -> list[list[float]]:
+        resources = shared.resources
+        assert resources is not None
+        fastest = max(w.speed for w in resources.workers)
+        nodes = shared.profile.nodes
+        fields = shared._get(("node fields",), lambda: np.array(
+            [(nd.forward_fixed_s, nd.forward_s, nd.backward_fixed_s, nd.backward_s) for nd in nodes],
+            dtype=np.float64).reshape(-1, 4))
+        scale = mb / shared.profile.microbatch_size  # NodeProfile.times_at on every node at once
+        f = fields[:, 0] + (fields[:, 1] - fields[:, 0]) * scale
+        b = fields[:, 2] + (fields[:, 3] - fields[:, 2]) * scale
+        both = f + b
+        # the least forward share whatever the slowdown (forward unslowed, backward slowed most)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(both > 0, f / (f + b * SHARED_HOST_BACKWARD_SLOWDOWN), 0.5)
+        phi = float(min(0.5, share.min()))
+        out = []
+        for sf, sb in ((1.0, 1.0), (SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN)):
+            node = (f * sf + b * sb) / fastest
+            out.append([float(node.sum()), float(node.max()), float(node.min()), phi, float(b.sum())])
+        return out
+    return shared._get(("chain totals", mb), make)
+
+
+def _cut_costs(shared: _Shared, mb: int) -> tuple[float, list[float]]:
+    """What a stage boundary costs one endpoint per microbatch on the fastest link: the cheapest cut's,
+    and the sums of the ``k`` cheapest cuttable cuts' for every ``k`` (``p`` stages cross ``p - 1``)."""
+    def make() -> tuple[float, list[float]]:
+        resources = shared.resources
+        assert resources is not None
+        bw, lat = resources.fastest_link
+        fwd_bytes, bwd_bytes = shared.scaled(mb)
+        cuts = shared.profile.cuts
+        costs = sorted(_transfer(fwd_bytes[c], bw, lat) + _transfer(bwd_bytes[c], bw, lat)
+                       for c in range(1, len(cuts) - 1) if cuts[c].cuttable)
+        return (costs[0] if costs else 0.0), [0.0, *itertools.accumulate(costs)]
+    return shared._get(("cut costs", mb), make)
 
 
 @dataclass(frozen=True)
@@ -940,23 +1100,38 @@ def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
 
 def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
                     global_batch: int, automatic: Automatic | None = None,
-                    exhaustive: bool = False) -> list[Candidate]:
+                    exhaustive: bool = False, limit: int | None = None) -> list[Candidate]:
     """Evaluates every plan shape the request allows (see :func:`choose_plan` for the arguments).
 
     Args:
         automatic: The memory options the search may choose (default: ``memory.AUTOMATIC``).
         exhaustive: Evaluate every memory option of every shape, recompute included where an option
             without it fits (see [Note: choosing the memory options]).
+        limit: Only the ``limit`` best plans in the order :func:`choose_plan` picks from (``cellmesh
+            plan``'s runners-up): when at least that many replicated plans without recompute fit, those,
+            found by the fast search's branch and bound (see [Note: the fast search]); else every
+            candidate evaluated, fitting ones first, fastest first. None: every candidate.
 
     Returns:
         Per shape, one :class:`Candidate` per memory option evaluated, fitting or not, in enumeration
-        order.
+        order; with ``limit``, at most ``limit`` candidates, best first.
 
     Raises:
         PlanningError: If the fixed fields contradict the model or the resources, or the cutter is unknown.
     """
     cut_fn, sharded = _shapes(profile, resources, request, global_batch)
     automatic = automatic or memory.AUTOMATIC  # read when called: a merge or a test may widen it
+    if limit is not None:
+        if not exhaustive and MemoryOption(offload=bool(request.offload)) == REPLICATED:
+            best = _fastest_replicated(profile, resources, request, global_batch, automatic, cut_fn, sharded,
+                                       limit)
+            if len(best) >= limit:
+                return best
+        every = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
+                                exhaustive=exhaustive)
+        order = {id(c): i for i, c in enumerate(every)}
+        return sorted(every, key=lambda c: (not c.fits, _rank(c) if c.plan is not None else (math.inf,),
+                                            order[id(c)]))[:limit]
     shared = _Shared(profile, resources)
     return [c for sh in sharded for c in _evaluate(profile, resources, sh, global_batch, cut_fn,
                                                    request.cutter, request.balance, request, automatic,

@@ -233,6 +233,16 @@ class Resources(BaseModel):
         """``(bandwidth_bps, latency_s)`` between workers nothing more specific joins."""
         return self.bandwidth_bps, self.latency_s
 
+    @functools.cached_property
+    def fastest_link(self) -> Speed:
+        """The highest bandwidth and the lowest latency of any link the list can give two workers (each
+        from its own link, so faster than or as fast as every link: what a bound on transfers may assume)."""
+        speeds = [self.default_link, *((lk.bandwidth_bps, lk.latency_s) for lk in self.links),
+                  *((hl.bandwidth_bps, hl.latency_s) for hl in self.host_links)]
+        if self.intra_host is not None:
+            speeds.append((self.intra_host.bandwidth_bps, self.intra_host.latency_s))
+        return max(bw for bw, _ in speeds), min(lat for _, lat in speeds)
+
     def _class_link(self, ha: HostKey, hb: HostKey) -> Speed:
         """The link of two workers on hosts ``ha`` and ``hb`` that no per-worker link names."""
         if ha == hb and ha[0] == "host":

@@ -309,15 +309,17 @@ class Job:
                                   self._plan.mode)
         return self._plan
 
-    def candidates(self) -> list[Candidate]:
+    def candidates(self, limit: int | None = None) -> list[Candidate]:
         """Every plan :meth:`plan` weighed, fitting or not (``cellmesh plan`` prints the fastest as the
-        runners-up): the search run again on the kept profile; empty for a plan given whole."""
+        runners-up): the search run again on the kept profile; empty for a plan given whole. ``limit``:
+        only the ``limit`` best (``planner.candidate_plans``)."""
         self.plan()
         if self._profile is None:
             return []
         request = batch_norm_request(self.config.plan, self._batch_norm or ())
         return candidate_plans(self._profile, self.resources, request,
-                               global_batch=self.config.data.global_batch, automatic=self._automatic())
+                               global_batch=self.config.data.global_batch, automatic=self._automatic(),
+                               limit=limit)
 
     def replan(self, resources: Resources) -> Plan:
         """A plan for other resources (the workers left after a failure, or back), with the same global batch.

@@ -9,16 +9,21 @@ plan (shape, schedule, microbatches, cut, predicted step: the whole ``Plan``) or
 
 from __future__ import annotations
 
+import itertools
 import random
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from coordinator.planning.closed_form import pipeline_bound
+from coordinator.planning import planner
+from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound
 from coordinator.planning.config import PlanConfig
-from coordinator.planning.planner import choose_plan
+from coordinator.planning.memory import REPLICATED
+from coordinator.planning.planner import _rank, candidate_plans, choose_plan
 from coordinator.planning.profile import Profile
 from coordinator.planning.request import PlanningError
-from coordinator.planning.resources import Resources, Worker
+from coordinator.planning.resources import LinkSpeed, Resources, Worker
 from coordinator.planning.schedules import (
     Step,
     build_schedule,
@@ -27,7 +32,7 @@ from coordinator.planning.schedules import (
     schedule_steps,
     stage_holds,
 )
-from coordinator.planning.simulator import StageCosts, play
+from coordinator.planning.simulator import StageCosts, compute_overlap, play
 from services.compute.weight_grads import defers
 
 MiB = 2**20
@@ -44,6 +49,12 @@ def profile(kind: str) -> Profile:
                                  activation_bytes=[MiB, 2 * MiB, 3 * MiB, MiB, MiB, 2 * MiB, 512 * KiB],
                                  cut_bytes=[64 * KiB, 2 * MiB, 128 * KiB, 64 * KiB, 32 * KiB, 16 * KiB],
                                  microbatch_size=2)
+    if kind == "long":  # more nodes than workers, uneven: many stage counts to search
+        times = [1e-3, 3e-3, 2e-3, 5e-4, 4e-3, 1e-3, 2e-3, 6e-3, 1e-3, 5e-4, 3e-3, 2e-3, 1e-3, 2e-3]
+        return Profile.synthetic(times, param_bytes=[int(t * 4e9) for t in times],
+                                 activation_bytes=[int(t * 5e8) for t in times],
+                                 cut_bytes=[(i % 4 + 1) * 32 * KiB for i in range(len(times) - 1)],
+                                 microbatch_size=2)
     # heavy: parameters dominate (the sync decides between replicas and stages)
     return Profile.synthetic([2e-3] * 8, param_bytes=[24 * MiB] * 8, activation_bytes=[256 * KiB] * 8,
                              cut_bytes=[32 * KiB] * 7, microbatch_size=2)
@@ -59,7 +70,8 @@ def workers(count: int, memory: int, hosts: str) -> Resources:
 
 
 FIXED = [{}, {"schedule": "1f1b"}, {"data_parallel": 2}, {"num_stages": 2}, {"mode": "parameter_server"},
-         {"num_microbatches": 4}, {"strategy": "pipeline"}]
+         {"num_microbatches": 4}, {"strategy": "pipeline"}, {"schedule": "interleaved-1f1b"},
+         {"schedule": "zb-h1"}]
 BIG = 1 << 40
 CASES = [  # profile, workers, hosts, memory per worker, FIXED index
     ("even", 1, "one", BIG, 0), ("even", 2, "one", BIG, 0), ("even", 3, "own", BIG, 0),
@@ -71,7 +83,10 @@ CASES = [  # profile, workers, hosts, memory per worker, FIXED index
     ("uneven", 16, "pairs", BIG, 0), ("uneven", 2, "one", 20 * MiB, 0),
     ("heavy", 2, "own", BIG, 0), ("heavy", 4, "one", BIG, 0), ("heavy", 8, "own", BIG, 0),
     ("heavy", 4, "own", 200 * MiB, 0), ("heavy", 8, "pairs", 150 * MiB, 0), ("heavy", 4, "one", 300 * MiB, 2),
-    ("heavy", 16, "own", BIG, 5), ("heavy", 2, "one", 100 * MiB, 0)]
+    ("heavy", 16, "own", BIG, 5), ("heavy", 2, "one", 100 * MiB, 0),
+    # free stage counts over a longer chain: hosts, memory that forces stages, each pipelined schedule
+    ("long", 12, "pairs", BIG, 0), ("long", 8, "own", 140 * MiB, 0), ("long", 6, "one", BIG, 7),
+    ("long", 8, "pairs", BIG, 8), ("long", 16, "own", 220 * MiB, 6), ("long", 10, "one", BIG, 0)]
 
 
 @pytest.mark.parametrize(("kind", "count", "hosts", "budget", "fixed"), CASES)
@@ -86,6 +101,20 @@ def test_the_fast_search_chooses_the_exhaustive_plan(kind: str, count: int, host
         except PlanningError as exc:
             outcomes.append(str(exc).split(" (")[0])
     assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (6, 13, 18, 22, 28, 33)])
+def test_the_runners_up_are_the_best_of_every_candidate(case: tuple[str, int, str, int, int]) -> None:
+    """``candidate_plans(limit=N)`` (branch and bound, the N-th best as the bar) against every candidate."""
+    kind, count, hosts, budget, fixed = case
+    prof, res = profile(kind), workers(count, budget, hosts)
+    request = PlanConfig(max_microbatches=4, **FIXED[fixed])
+    every = candidate_plans(prof, res, request, global_batch=16)
+    plain = sorted(((_rank(c), i) for i, c in enumerate(every) if c.fits and c.option == REPLICATED))
+    assert len(plain) >= 6
+    for limit in (1, 5):
+        best = candidate_plans(prof, res, request, global_batch=16, limit=limit)
+        assert best == [every[i] for _, i in plain[:limit]]
 
 
 def test_the_grid_is_not_vacuous() -> None:
@@ -128,6 +157,46 @@ def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
             assert bound >= 0.9 * step
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_bound_over_every_cut_never_exceeds_the_played_step(seed: int) -> None:
+    """``cut_free_bound`` from a chain's totals against the simulator on random cuts of random chains."""
+    rng = random.Random(100 + seed)
+    overhead = 3e-4
+    for _ in range(120):
+        name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+        p, m = rng.randint(1, 9), rng.randint(1, 10)
+        v = rng.choice([2, 3]) if name == "interleaved-1f1b" else 1
+        if schedule_problem(name, p, m, v):
+            continue
+        n = p + rng.randint(0, 12)
+        even = rng.random() < 0.3
+        f = [0.1 if even else rng.uniform(0.01, 1) for _ in range(n)]
+        b = [0.2 if even else rng.uniform(0.01, 2) for _ in range(n)]
+        act = [0.01 if even else rng.uniform(0, 0.1) for _ in range(n - 1)]
+        grad = [0.01 if even else rng.uniform(0, 0.1) for _ in range(n - 1)]
+        bounds = [0, *sorted(rng.sample(range(1, n), p - 1)), n]
+        spans = list(itertools.pairwise(bounds))
+        start = [rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(p)]
+        costs = StageCosts(tuple(sum(f[a:z]) + overhead for a, z in spans),
+                           tuple(sum(b[a:z]) + overhead for a, z in spans),
+                           tuple(act[c - 1] for c in bounds[1:-1]), tuple(grad[c - 1] for c in bounds[1:-1]),
+                           start_s=tuple(start))
+        order = schedule_steps(name, p, m, v)[0]
+        ranks = len(order)
+        step = play(name, order, [tuple(range(r, p, ranks)) for r in range(ranks)], costs).step_time_s
+        cut = sorted(a + g for a, g in zip(act, grad, strict=True))
+        def one(x: float) -> np.ndarray:
+            return np.array([x])
+        loose = cut_free_bound(np.array([KINDS[name]]), np.array([m]), np.array([p]), np.array([ranks]),
+                               one(sum(f) + sum(b) + 2 * p * overhead), one(2 * sum(cut[:p - 1])),
+                               one(sum(start)),
+                               one(max(map(sum, zip(f, b, strict=True))) + 2 * overhead),
+                               one(min(map(sum, zip(f, b, strict=True))) + 2 * overhead),
+                               one(cut[0] if p > 1 else 0.0),
+                               one(min(0.5, *(x / (x + y) for x, y in zip(f, b, strict=True)))))[0]
+        assert loose <= step * (1 + 1e-12), (name, p, m, v)
+
+
 def test_a_thousand_nodes_on_1024_workers_is_planned() -> None:
     """The cluster-size case finishes (its time is bench/planning.py's: no timed assertion here)."""
     prof = Profile.synthetic([1e-3] * 1000, param_bytes=[4 * 10**6] * 1000, activation_bytes=[10**6] * 1000,
@@ -156,3 +225,61 @@ def test_stage_holds_is_what_the_built_schedules_hold() -> None:
                     steps = [[Step(a.stage, a.kind, a.microbatch) for a in built.rank_actions(r)]
                              for r in range(built.num_ranks)]
                     assert order == tuple(map(tuple, steps))
+
+
+def test_the_overlap_on_one_host_is_compute_overlap_s() -> None:
+    """``planner._overlap_with_any`` (one sweep) against ``simulator.compute_overlap`` with every rank a
+    neighbour of every other, on played schedules and on random spans that touch and nest."""
+    rng = random.Random(5)
+    for _ in range(40):
+        name = rng.choice(["gpipe", "1f1b", "zb-h1"])
+        p, m = rng.randint(3, 7), rng.randint(1, 8)
+        costs = StageCosts(tuple(rng.uniform(0.1, 1) for _ in range(p)),
+                           tuple(rng.uniform(0.1, 2) for _ in range(p)),
+                           tuple(rng.uniform(0, 0.2) for _ in range(p - 1)),
+                           tuple(rng.uniform(0, 0.2) for _ in range(p - 1)))
+        sim = play(name, schedule_steps(name, p, m, 1)[0], [(s,) for s in range(p)], costs)
+        every = [[n for n in range(p) if n != r] for r in range(p)]
+        assert planner._overlap_with_any(sim.compute_spans) == pytest.approx(compute_overlap(sim, every),
+                                                                               abs=1e-12)
+    for _ in range(40):
+        ranks = rng.randint(3, 6)
+        spans = []
+        for _ in range(ranks):
+            t, own = 0.0, []
+            for _ in range(rng.randint(0, 6)):
+                t += rng.choice([0.0, 0.5, 1.0])  # touching and gapped spans on a coarse grid
+                own.append((t, t + rng.choice([0.5, 1.0, 1.5])))
+                t = own[-1][1]
+            spans.append(own)
+        timing = SimpleNamespace(compute_spans=spans)
+        every = [[n for n in range(ranks) if n != r] for r in range(ranks)]
+        assert planner._overlap_with_any(spans) == pytest.approx(compute_overlap(timing, every), abs=1e-12)
+
+
+def test_the_fast_search_agrees_on_random_small_jobs() -> None:
+    """Random chains, worker counts, devices, speeds, hosts, links, memory and fixed fields."""
+    rng = random.Random(11)
+    fixed: list[dict[str, object]] = [{}, {"schedule": "zb-h1"}, {"schedule": "interleaved-1f1b"},
+                                      {"mode": "parameter_server"}, {"strategy": "pipeline"}]
+    for _ in range(12):
+        n = rng.randint(2, 10)
+        prof = Profile.synthetic([rng.choice([5e-4, 1e-3, 4e-3]) for _ in range(n)],
+                                 param_bytes=[rng.choice([MiB, 4 * MiB, 16 * MiB]) for _ in range(n)],
+                                 activation_bytes=[rng.choice([256 * KiB, MiB, 4 * MiB]) for _ in range(n)],
+                                 cut_bytes=[rng.choice([16 * KiB, 256 * KiB, 2 * MiB]) for _ in range(n - 1)],
+                                 microbatch_size=2)
+        device, memory = rng.choice(["cpu", "cuda"]), rng.choice([BIG, 60 * MiB, 250 * MiB])
+        per_host, count = rng.randint(1, 3), rng.randint(1, 8)
+        res = Resources(workers=tuple(
+            Worker(name=f"w{i}", memory_bytes=memory, device=device, gpus=int(device == "cuda"),
+                   host=f"h{i // per_host}", speed=rng.choice([1.0, 0.5, 2.0])) for i in range(count)),
+            intra_host=rng.choice([None, LinkSpeed(bandwidth_bps=50e9, latency_s=5e-6)]))
+        request = PlanConfig(max_microbatches=4, **rng.choice(fixed))  # type: ignore[arg-type]
+        outcomes: list[object] = []
+        for exhaustive in (False, True):
+            try:
+                outcomes.append(choose_plan(prof, res, request, global_batch=16, exhaustive=exhaustive))
+            except PlanningError as exc:
+                outcomes.append(str(exc).split(" (")[0])
+        assert outcomes[0] == outcomes[1]

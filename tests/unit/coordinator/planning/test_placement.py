@@ -122,3 +122,29 @@ def test_the_planner_syncs_replica_groups_inside_hosts(monkeypatch: pytest.Monke
     assert all(len(hosts_of(res, st.workers)) == 2 for st in listed.stages)
     assert plan.step_time_s < listed.step_time_s
     assert max(st.sync_s for st in plan.stages) < max(st.sync_s for st in listed.stages) / 10
+
+
+def test_a_pipeline_inside_a_host_is_priced_at_the_intra_host_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 hosts x 2 CPU workers, large activations: each replica's pipeline runs inside a host and its
+    transfers cost the intra-host link (by hand below), not the slowest link of the plan's workers."""
+    cut = 8 * MiB
+    prof = Profile.synthetic([1e-3] * 4, param_bytes=[MiB] * 4, activation_bytes=[MiB] * 4,
+                             cut_bytes=[cut] * 3, microbatch_size=4)
+    res = cluster(2, 2)
+    request = PlanConfig(data_parallel=2, num_stages=2, schedule="gpipe", num_microbatches=2)
+    plan = planner.choose_plan(prof, res, request, global_batch=16)
+    assert all(len(hosts_of(res, row)) == 1 for row in plan.placement)
+    # each endpoint pays its activations forward and their gradients back, at 4 samples (the profiled size)
+    hand = 2 * (planner.TRANSFER_OVERHEAD_S + INTRA.latency_s + cut / INTRA.bandwidth_bps)
+    assert plan.stages[0].transfer_s == pytest.approx(hand, rel=1e-12)
+    assert plan.stages[1].transfer_s == pytest.approx(hand, rel=1e-12)
+    # priced as before (the slowest link among all four workers: between hosts), the same placement is slower
+    monkeypatch.setattr(planner, "neighbour_link",
+                        lambda r, placement: r.slowest_link([n for row in placement for n in row]))
+    before = planner.choose_plan(prof, res, request, global_batch=16)
+    assert before.placement == plan.placement
+    slow = 2 * (planner.TRANSFER_OVERHEAD_S + INTER.latency_s + cut / INTER.bandwidth_bps)
+    assert before.stages[0].transfer_s == pytest.approx(slow, rel=1e-12)
+    assert before.sync_time_s == plan.sync_time_s  # the replica groups cross hosts in both
+    # microbatch 0's activations and microbatch 1's gradients cross on the step's one dependency chain
+    assert before.pipeline_time_s - plan.pipeline_time_s > slow - hand
