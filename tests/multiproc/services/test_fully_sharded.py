@@ -96,6 +96,29 @@ def test_recomputed_cells_regather_in_the_backward(early_stop: bool) -> None:
                   "sgd")
 
 
+# the cells' parameter bytes: embed 336, mix 200, act none, norm 48, head 64
+UNITS = {300: ["embed", "mix..norm", "head"],  # embed is larger than 300 B: a unit alone
+         400: ["embed", "mix..head"]}  # three cells (and act, without parameters, between them)
+
+
+@pytest.mark.parametrize(("unit_bytes", "optimizer", "options"), [
+    (300, "adamw", dict(microbatches=3, defer=True)), (400, "sgd", dict(microbatches=2)),
+    (400, "adamw", dict(microbatches=2, recompute=True, early_stop=False))])
+def test_units_of_several_cells_match_one_process(unit_bytes: int, optimizer: str,
+                                                  options: dict[str, Any]) -> None:
+    """Consecutive cells share a unit up to ``unit_bytes``: one all-gather and one reduce-scatter for them,
+    freed after the last cell's forward and once every cell's backward is done (per microbatch)."""
+    results = _train_threads(2, optimizer=optimizer, unit_bytes=unit_bytes, **options)
+    _check_parity(results, optimizer)
+    for r, result in enumerate(results):
+        assert [name for name, _ in result["units"]] == UNITS[unit_bytes], f"rank {r}: {result['units']}"
+        # each unit gathered once per microbatch for its forward and once for its backward, not per cell
+        expected = STEPS * 2 * options["microbatches"] * len(UNITS[unit_bytes])
+        assert result["gathers"] == expected, f"rank {r}: {result['gathers']} all-gathers, not {expected}"
+        held = result["held"]
+        assert held["full_parameters"] == 0 and held["full_gradients"] == 0, f"rank {r}: {held}"
+
+
 def test_hybrid_shards_in_groups_and_averages_across_them() -> None:
     results = _train_threads(4, optimizer="adamw", hybrid=2)
     _check_parity(results, "adamw")
