@@ -32,8 +32,8 @@ every rank and the collectives match. A forward run again inside a backward (act
 recomputation) finds its unit gathered and leaves it so.
 
 [Note: units of several cells]
-One collective per cell is latency-bound when cells are small (a transformer block of 0.8 MB
-gathers in about the time of a 4 MiB one on the zmq transport), so consecutive cells share a unit
+One collective per cell pays a collective's fixed cost per cell, which dominates when cells are
+small (the benchmark's GPT blocks of 0.8 MB, ``docs/benchmarks.md``), so consecutive cells share a unit
 up to ``unit_bytes`` of trainable parameters (of one dtype and device; a cell larger than that is a
 unit alone; 0: one cell per unit). A unit is gathered before the forward of whichever of its cells
 runs first and freed after the forward of its last cell (cells without parameters in between run
