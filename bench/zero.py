@@ -114,7 +114,7 @@ SUITES = ("mlp-adamw", "gpt-adamw", "mlp-sgd")  # model-optimizer
 # configuration -> (label, system, peer, target); cm-zN: cellmesh plan.zero N over 2 replicas (its
 # default plan.gather_bytes); -b1: ZeRO-1/2's all-gather in one bucket, so all of it before the first
 # forward, exposed (as the commit ran it before it went behind the forward); -c1: ZeRO-3's units a cell
-# each (as before units spanned cells)
+# each (as before units spanned cells); -u2: units of up to 2 MiB
 SHAPES: dict[str, tuple[str, str, str | None, float | None]] = {
     "ddp": ("torch DDP", "torch", None, None),
     "cm-z0": ("cellmesh data parallel (zero 0)", "cellmesh", "ddp", None),
@@ -125,8 +125,9 @@ SHAPES: dict[str, tuple[str, str, str | None, float | None]] = {
     "fsdp2": ("torch FSDP2", "torch", None, None),
     "cm-z3": ("cellmesh ZeRO-3", "cellmesh", "fsdp2", ZERO3_TARGET),
     "cm-z3-c1": ("cellmesh ZeRO-3, a unit per cell", "cellmesh", "fsdp2", None),
+    "cm-z3-u2": ("cellmesh ZeRO-3, units of 2 MiB", "cellmesh", "fsdp2", None),
 }
-GATHER_BYTES = {"b1": 1 << 40, "c1": 1}  # plan.gather_bytes of the variants
+GATHER_BYTES = {"b1": 1 << 40, "c1": 1, "u2": 2 << 20}  # plan.gather_bytes of the variants
 
 
 def configs(suite: str) -> list[Config]:
