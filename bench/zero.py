@@ -6,7 +6,9 @@ batches, float32, one torch thread per process, 2 processes:
 * torch ``DistributedDataParallel`` and torch FSDP2 (``torch.distributed.fsdp.fully_shard`` on
   every top-level block, then on the root), both over gloo;
 * cellmesh data parallel 2 (``plan.zero 0``) and ZeRO-1, ZeRO-2, ZeRO-3 over 2 replicas (the
-  ``zmq`` backend, the default), on a ``LocalHarness`` of 2 workers.
+  ``zmq`` backend, the default), on a ``LocalHarness`` of 2 workers; beside them, as they ran before
+  ``plan.gather_bytes``: ZeRO-1 and 2 with their all-gather in one bucket (all of it before the first
+  forward, exposed) and ZeRO-3 with a unit per cell.
 
 Models (:data:`MODELS`): the training benchmark's MLP (``bench.models:mlp``, 8 x Linear(1024, 1024)
 + GELU, global batch 64) and a GPT of 8 transformer blocks (``examples.gpt:model``, width 128, 4
@@ -109,15 +111,23 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {"adamw": ("AdamW", {"lr":
                                                        "sgd": ("SGD", {"lr": 0.01})}
 SUITES = ("mlp-adamw", "gpt-adamw", "mlp-sgd")  # model-optimizer
 
-# configuration -> (label, system, peer, target); cm-zN: cellmesh plan.zero N over 2 replicas
+# configuration -> (label, system, peer, target); cm-zN: cellmesh plan.zero N over 2 replicas (its
+# default plan.gather_bytes); -b1: ZeRO-1/2's all-gather in one bucket, so all of it before the first
+# forward, exposed (as the commit ran it before it went behind the forward); -c1: ZeRO-3's units a cell
+# each (as before units spanned cells); -u2: units of up to 2 MiB
 SHAPES: dict[str, tuple[str, str, str | None, float | None]] = {
     "ddp": ("torch DDP", "torch", None, None),
     "cm-z0": ("cellmesh data parallel (zero 0)", "cellmesh", "ddp", None),
     "cm-z1": ("cellmesh ZeRO-1", "cellmesh", "ddp", ZERO12_TARGET),
+    "cm-z1-b1": ("cellmesh ZeRO-1, gather in one bucket", "cellmesh", "ddp", None),
     "cm-z2": ("cellmesh ZeRO-2", "cellmesh", "ddp", ZERO12_TARGET),
+    "cm-z2-b1": ("cellmesh ZeRO-2, gather in one bucket", "cellmesh", "ddp", None),
     "fsdp2": ("torch FSDP2", "torch", None, None),
     "cm-z3": ("cellmesh ZeRO-3", "cellmesh", "fsdp2", ZERO3_TARGET),
+    "cm-z3-c1": ("cellmesh ZeRO-3, a unit per cell", "cellmesh", "fsdp2", None),
+    "cm-z3-u2": ("cellmesh ZeRO-3, units of 2 MiB", "cellmesh", "fsdp2", None),
 }
+GATHER_BYTES = {"b1": 1 << 40, "c1": 1, "u2": 2 << 20}  # plan.gather_bytes of the variants
 
 
 def configs(suite: str) -> list[Config]:
@@ -305,10 +315,13 @@ def make_job(key: str) -> Any:
 
     spec, opt_name, shape = split(key)
     cls, kwargs = OPTIMIZERS[opt_name]
+    zero, _, variant = shape.removeprefix("cm-z").partition("-")
+    extra = {"gather_bytes": GATHER_BYTES[variant]} if variant else {}
     return Job(model=spec.model, data=spec.data, loss=spec.loss, model_kwargs=dict(spec.model_kwargs),
                data_kwargs=dict(spec.data_kwargs), optimizer=cls, optimizer_kwargs=dict(kwargs),
                global_batch=spec.global_batch, seed=SEED, resources=Resources.local(WORLD),
-               step_timeout_s=120, data_parallel=WORLD, num_stages=1, num_microbatches=1, zero=int(shape[-1]))
+               step_timeout_s=120, data_parallel=WORLD, num_stages=1, num_microbatches=1, zero=int(zero),
+               **extra)
 
 
 @dataclass(frozen=True)
@@ -429,9 +442,10 @@ def _suite_tables(suite: str, results: Results, jobs: Mapping[str, Any], predict
                    f"| <= {limit:.3f} (1/{WORLD} + 5%) | {'met' if ok else 'missed'} |")
     out += ["", "Where a cellmesh step goes (ms, median over every timed step of every round, on the "
             "step's critical replica: the most compute + optimizer time): compute = forward + backward "
-            "actions (ZeRO-3: with the waits for its gathers); sync = the gradients' all-reduce (zero 0, "
-            "1) or reduce-scatter (2, 3) after the last backward; optimizer and all-gather = the previous "
-            "step's commit; other = the rest (request, replies, coordinator).", "",
+            "actions (ZeRO-3, and ZeRO-1/2 since their all-gather runs behind the forward: with the waits "
+            "for the gathers); sync = the gradients' all-reduce (zero 0, 1) or reduce-scatter (2, 3) after "
+            "the last backward; optimizer and all-gather = the previous step's commit; other = the rest "
+            "(request, replies, coordinator).", "",
             "| configuration | step | compute | sync | optimizer | all-gather | other |",
             "|---|---|---|---|---|---|---|"]
     for c in cs:

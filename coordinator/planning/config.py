@@ -232,6 +232,11 @@ class PlanConfig(_Section):
                                                              "backward (torch.utils.checkpoint)")
     offload: bool | None = Field(default=None, description="keep the optimizer state and master parameters "
                                                            "in host memory and step them there")
+    gather_bytes: Positive = Field(default=4 << 20,
+                                   description="ZeRO-1/2: the most bytes of a bucket of the parameters' "
+                                               "all-gather after a step, each gathered behind the next "
+                                               "forward; ZeRO-3: of a unit of consecutive cells gathered "
+                                               "in one collective (a larger cell is a unit alone)")
     staleness: int = Field(default=0, ge=0, description="parameter-server mode: the most steps a replica "
                                                         "may run ahead of the slowest (0: synchronous)")
 

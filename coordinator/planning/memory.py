@@ -7,7 +7,7 @@ microbatch size):
 part                   replicated (ZeRO-0)         saved by
 =====================  ==========================  =============================================
 parameters             ``P`` (+ buffers)           ZeRO-3: ``P / F``, plus the units gathered at
-                                                   once (below: ``2 P + max(P_prev, P_next)``
+                                                   once (below: ``2 U + max(U_prev, U_next)``
                                                    of the stage's largest, while it runs)
 gradients              ``G``                       ZeRO-2/3: ``G / F`` -- but not while a step of
                                                    several microbatches accumulates them (below)
@@ -30,18 +30,30 @@ buffer                 bytes (``P``, ``G`` of the node)
 =====================  ==============================================================================
 transport frames       ``1.5 B``, every option, the stage's largest (with its transients): see
                        [Note: the transport's frames]
-ZeRO-1/2 commit        ``P / F + P``, summed over the stage: the all-gather of the updated rows
-                       packs a segment and receives the whole bucket, every bucket in flight at once
-                       (``services/params/zero.py``); the optimizer step's temporaries count only
-                       beyond them (the step has freed its own when the gather allocates)
+ZeRO-1/2 gather        transient: ``(1 + 1 / F) (B + max(B_prev, B_next))``, the all-gather of the
+                       updated rows behind the next forward, bucket by bucket
+                       (``services/params/commit_gather.py``): a packed segment and the whole bucket,
+                       the node's and a neighbour's at most (two in flight); ``B`` the node's bucket,
+                       ``max(L, min(U, gather_bytes))`` (``U`` below). The optimizer step's
+                       temporaries are the other transient of the node (the step is over when the
+                       forward gathers)
 ZeRO-2 backward        ``G``, summed: the packed reduce-scatter inputs, held until their reduce-scatter
-                       is seen finished (nothing bounds the buckets in flight), the larger of this
-                       and the commit's per node (they are not held at once); plus, transient, ``L``
-                       (the gradient autograd makes before it is packed)
-ZeRO-3 units           transient: ``2 P + max(P_prev, P_next)`` gathered (the packed all-gather
+                       is seen finished (nothing bounds the buckets in flight); plus, transient, ``L``
+                       (the gradient autograd makes before it is packed) or the gather less the node's
+                       ``G``, the larger (the packed gradients are gone when the forward gathers: an
+                       upper bound on the larger of the two phases)
+ZeRO-3 units           transient: ``2 U + max(U_prev, U_next)`` gathered (the packed all-gather
                        buffer and the storages it is copied into, the neighbour prefetched) plus, in
-                       the backward, ``2 G + G_next`` (the unit's whole gradient, its packed
+                       the backward, ``2 G_U + G_next`` (the unit's whole gradient, its packed
                        reduce-scatter input, the later unit's reduce-scatter still in flight)
+=====================  ==============================================================================
+
+``U`` is the node's *unit*: consecutive nodes of parameters grouped up to ``plan.gather_bytes``
+(a node larger than that alone), as ZeRO-3 groups cells ([Note: units of several cells] in
+``services/params/fully_sharded.py``) and as ZeRO-1/2's buckets follow the forward; grouped over the
+model's nodes, so a unit across a stage's edge counts whole (an upper bound).
+
+=====================  ==============================================================================
 =====================  ==============================================================================
 
 The runtime (``MemoryUse.runtime``, ``Profile.runtime_bytes``): what a worker maps after its
@@ -117,9 +129,10 @@ from coordinator.planning.config import Mode, PlanConfig, ZeroStage
 from coordinator.planning.plan import MemoryUse
 from coordinator.planning.profile import NodeProfile
 
-__all__ = ["AUTOMATIC", "BUCKET_BYTES", "REPLICATED", "SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING",
-           "TRANSPORT_FRAMES_PER_BUCKET", "ZERO3_GATHERED_UNITS", "Automatic", "MemoryOption", "NodeMemory",
-           "memory_options", "node_memory"]
+__all__ = ["AUTOMATIC", "BUCKET_BYTES", "COMMIT_GATHER_IN_FLIGHT", "GATHER_BYTES", "REPLICATED",
+           "SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING", "TRANSPORT_FRAMES_PER_BUCKET",
+           "ZERO3_GATHERED_UNITS", "Automatic", "MemoryOption", "NodeMemory", "memory_options", "node_memory",
+           "units"]
 
 # ZeRO-3 gathers a cell's parameters whole before it runs (forward, and again for its backward) and
 # frees them after; with prefetch the next cell's gather is in flight meanwhile: two cells at once.
@@ -128,6 +141,10 @@ ZERO3_GATHERED_UNITS = 2
 SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING = True
 # The gradient path's bucket (``ComputeOptions.bucket_bytes``' default, services/params/grad_sync.py).
 BUCKET_BYTES = 25 << 20
+# plan.gather_bytes' default: ZeRO-1/2's all-gather buckets, ZeRO-3's units (ComputeOptions.gather_bytes).
+GATHER_BYTES = 4 << 20
+# ZeRO-1/2's all-gather buckets held at once (services/params/commit_gather.py's IN_FLIGHT).
+COMMIT_GATHER_IN_FLIGHT = 2
 # Resident bytes the transport's frames leave per byte of the bucket in flight (see [Note: the
 # transport's frames]).
 TRANSPORT_FRAMES_PER_BUCKET = 1.5
@@ -148,12 +165,14 @@ AUTOMATIC = Automatic(zero=(0, 1, 2, 3), recompute=True)
 
 @dataclass(frozen=True)
 class MemoryOption:
-    """One way a plan spends memory: ZeRO stage and shard factor, recompute, offload."""
+    """One way a plan spends memory: ZeRO stage and shard factor, recompute, offload (and the bytes of
+    ZeRO's all-gather buckets and units, ``plan.gather_bytes``)."""
 
     zero: ZeroStage = 0
     shard_factor: int = 1
     recompute: bool = False
     offload: bool = False
+    gather_bytes: int = GATHER_BYTES
 
     def label(self) -> str:
         """``Z2/4 rc off``: short, for the candidates table (``-`` for nothing)."""
@@ -183,7 +202,8 @@ def memory_options(request: PlanConfig, data_parallel: int, mode: Mode, on_cuda:
                  else [False, True][:1 + automatic.recompute])
     offload = ([request.offload] if request.offload is not None
                else [False, True][:1 + (automatic.offload and on_cuda and mode == "collective")])
-    return [MemoryOption(z, factor if z else 1, r, o) for r in recompute for z in zeros for o in offload]
+    return [MemoryOption(z, factor if z else 1, r, o, request.gather_bytes)
+            for r in recompute for z in zeros for o in offload]
 
 
 @dataclass(frozen=True)
@@ -277,23 +297,41 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
     collective = mode == "collective" and data_parallel > 1
     zero = option.zero if collective else 0
 
-    def gather(nd: NodeProfile) -> float:  # ZeRO-1/2's commit (see the module docstring)
-        return nd.param_bytes / f + nd.param_bytes if zero in (1, 2) else 0.0
+    of = units(nodes, option.gather_bytes)
+    count = max(of, default=-1) + 1
+    unit_params = [float(sum(nd.param_bytes for nd, u in zip(nodes, of, strict=True) if u == k))
+                   for k in range(count)]
+    unit_grads = [float(sum(nd.grad_bytes for nd, u in zip(nodes, of, strict=True) if u == k))
+                  for k in range(count)]
 
-    def buffers(nd: NodeProfile) -> float:  # ZeRO-2's packed gradients, or the commit's buffers
-        return max(gather(nd), float(nd.grad_bytes)) if zero == 2 else gather(nd)
+    def unit_of(i: int, shift: int = 0, grads: bool = False) -> float:  # node i's unit, or a neighbour's
+        k = of[i] + shift if of[i] >= 0 else -1
+        return (unit_grads if grads else unit_params)[k] if 0 <= k < count and of[i] >= 0 else 0.0
 
-    def step(nd: NodeProfile) -> float:  # the step's temporaries, on this worker's rows (ZeRO), beyond the
-        # gather's buffers, which the commit allocates once the step freed them
-        return 0.0 if offloaded or ps else max(0.0, nd.step_temporary_bytes / f - gather(nd))
+    def bucket(i: int, shift: int = 0) -> float:  # ZeRO-1/2: node i's all-gather bucket (or a neighbour's)
+        return min(unit_of(i, shift), float(option.gather_bytes))
+
+    def gather(i: int) -> float:  # ZeRO-1/2's all-gather behind the forward (see the module docstring)
+        if zero not in (1, 2) or of[i] < 0:
+            return 0.0
+        mine = max(float(nodes[i].largest_param_bytes), bucket(i))
+        return (1 + 1 / f) * (mine + max(bucket(i, -1), bucket(i, 1)))
+
+    def buffers(nd: NodeProfile) -> float:  # ZeRO-2's packed gradients
+        return float(nd.grad_bytes) if zero == 2 else 0.0
+
+    def step(nd: NodeProfile) -> float:  # the step's temporaries, on this worker's rows (ZeRO)
+        return 0.0 if offloaded or ps else nd.step_temporary_bytes / f
 
     def frames(nd: NodeProfile) -> float:  # [Note: the transport's frames]
         if not collective or not nd.grad_bytes:
             return 0.0
         return TRANSPORT_FRAMES_PER_BUCKET * max(nd.largest_param_bytes, min(nd.grad_bytes, BUCKET_BYTES))
 
-    def around(i: int) -> float:  # ZeRO-3: the neighbour prefetched while node i computes
-        return float(max((nodes[j].param_bytes for j in (i - 1, i + 1) if 0 <= j < len(nodes)), default=0))
+    def around(i: int) -> float:  # ZeRO-3: the neighbouring unit prefetched while node i's computes
+        if of[i] < 0:  # no unit of its own: its neighbours' units
+            return float(max((unit_of(j) for j in (i - 1, i + 1) if 0 <= j < len(nodes)), default=0.0))
+        return max(unit_of(i, -1), unit_of(i, 1))
 
     three = zero >= 3
     return NodeMemory(
@@ -301,10 +339,31 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
         grads=tuple(nd.grad_bytes * grad_share for nd in nodes),
         optimizer=tuple(state(nd) for nd in nodes),
         held=tuple(input_bytes) if option.recompute else tuple(activation_bytes),
-        gathered=tuple(2.0 * nd.param_bytes + around(i) if three else 0.0 for i, nd in enumerate(nodes)),
+        gathered=tuple(2.0 * unit_of(i) + around(i) if three else 0.0 for i in range(len(nodes))),
         recomputed=tuple(activation_bytes) if option.recompute else (0.0,) * len(nodes),
         stepped=tuple(step(nd) for nd in nodes),
         buffers=tuple(buffers(nd) for nd in nodes),
-        flight=tuple(2.0 * nd.grad_bytes + (nodes[i + 1].grad_bytes if i + 1 < len(nodes) else 0) if three
-                     else float(nd.largest_param_bytes) if zero == 2 else 0.0 for i, nd in enumerate(nodes)),
+        flight=tuple(2.0 * unit_of(i, grads=True) + unit_of(i, 1, grads=True) if three
+                     else max(float(nd.largest_param_bytes), gather(i) - nd.grad_bytes) if zero == 2
+                     else gather(i)
+                     for i, nd in enumerate(nodes)),
         frames=tuple(frames(nd) for nd in nodes))
+
+
+def units(nodes: Sequence[NodeProfile], gather_bytes: int) -> list[int]:
+    """Each node's unit (-1: a node without parameters, in none): consecutive nodes with parameters grouped
+    up to ``gather_bytes``, a larger node alone, the nodes without parameters between them skipped (as
+    ``services/params/fully_sharded.py`` groups cells)."""
+    out: list[int] = []
+    used, count = 0.0, 0
+    for nd in nodes:
+        if not nd.param_bytes:
+            out.append(-1)
+            continue
+        if count and used + nd.param_bytes <= gather_bytes:
+            used += nd.param_bytes
+        else:
+            count += 1
+            used = nd.param_bytes
+        out.append(count - 1)
+    return out

@@ -12,8 +12,11 @@ ZeRO    during the last backward (hidden by what runs    after it (not hidden)
 ======  ===============================================  =========================================
 0       all-reduce of ``G`` over ``d``                   --
 1       all-reduce of ``G`` over ``d``                   all-gather of ``P`` over ``F`` (the
-                                                         updated shards)
-2       reduce-scatter of ``G`` over ``F``, all-reduce   all-gather of ``P`` over ``F``
+                                                         updated shards) behind the next forward:
+                                                         its first bucket exposed, the rest hidden
+                                                         as ZeRO-3's prefetch is (at most the first
+                                                         microbatch's forward)
+2       reduce-scatter of ``G`` over ``F``, all-reduce   as ZeRO-1
         of the ``G / F`` shard over ``g``
 3       as ZeRO-2                                        each microbatch gathers ``P`` over ``F``
                                                          in its forward and again in its backward,
@@ -22,9 +25,11 @@ ZeRO    during the last backward (hidden by what runs    after it (not hidden)
 ======  ===============================================  =========================================
 
 ZeRO-2 moves the same bytes as ZeRO-0's all-reduce, half of them after the step; ZeRO-1 adds an
-all-gather to the all-reduce. The optimizer step updates ``1 / F`` of the stage (the fused update's
-traffic, ``OPTIMIZER_TRAFFIC``). Offloaded (CUDA), it moves the gradients to the host and the
-parameters back at :data:`OFFLOAD_BANDWIDTH_BPS` and updates on the host at
+all-gather to the all-reduce. ZeRO-1/2's all-gather goes in buckets of ``plan.gather_bytes``
+(``services/params/commit_gather.py``), each paying the ring's latency; the forward's share of a
+microbatch's compute is :data:`FORWARD_SHARE`. The optimizer step updates ``1 / F`` of the stage (the
+fused update's traffic, ``OPTIMIZER_TRAFFIC``). Offloaded (CUDA), it moves the gradients to the host and
+the parameters back at :data:`OFFLOAD_BANDWIDTH_BPS` and updates on the host at
 :data:`HOST_OPTIMIZER_BANDWIDTH_BPS`.
 """
 
@@ -32,12 +37,14 @@ from __future__ import annotations
 
 from coordinator.planning.memory import MemoryOption
 
-__all__ = ["HOST_OPTIMIZER_BANDWIDTH_BPS", "OFFLOAD_BANDWIDTH_BPS", "ZERO3_PREFETCH_HIDDEN", "optimizer_s",
-           "ring_pass", "sharded_sync"]
+__all__ = ["FORWARD_SHARE", "HOST_OPTIMIZER_BANDWIDTH_BPS", "OFFLOAD_BANDWIDTH_BPS", "ZERO3_PREFETCH_HIDDEN",
+           "optimizer_s", "ring_pass", "sharded_sync"]
 
 # The share of ZeRO-3's per-microbatch gathers that prefetching the next cell's hides behind the
 # current cell's compute (at most that compute): a guess to be measured once the services run it.
 ZERO3_PREFETCH_HIDDEN = 0.5
+# The forward's share of a stage's compute (forward + backward): what hides ZeRO-1/2's all-gather.
+FORWARD_SHARE = 1 / 3
 # Host <-> device copies of an offloaded step: PCIe 3.0 x16 as achieved by pinned copies (~12 GB/s).
 OFFLOAD_BANDWIDTH_BPS = 12e9
 # The host's memory traffic for a fused optimizer update (a few cores streaming DRAM).
@@ -76,7 +83,13 @@ def sharded_sync(option: MemoryOption, data_parallel: int, grad_bytes: float, pa
     else:
         during = (ring_pass(grad_bytes, f, bandwidth, latency)
                   + 2 * ring_pass(grad_bytes / f, d // f, bandwidth, latency))
-    after = ring_pass(param_bytes, f, bandwidth, latency) if option.zero in (1, 2) else 0.0
+    after = 0.0
+    if option.zero in (1, 2) and param_bytes > 0:  # bucket by bucket behind the first forward
+        buckets = max(1, -(-int(param_bytes) // option.gather_bytes))
+        first = ring_pass(param_bytes / buckets, f, bandwidth, latency)
+        rest = (buckets - 1) * first
+        forward = compute_s * FORWARD_SHARE / max(1, num_microbatches)
+        after = first + max(rest * (1 - ZERO3_PREFETCH_HIDDEN), rest - forward)
     if option.zero == 3:
         gathers = 2 * num_microbatches * ring_pass(param_bytes, f, bandwidth, latency)
         after = max(gathers * (1 - ZERO3_PREFETCH_HIDDEN), gathers - compute_s)

@@ -247,7 +247,7 @@ class Runtime:
                 tied=(TiedOptions(prefix=f"{gen}/tied/r{sv.replica}", params=tied[sv.stage])
                       if tied[sv.stage] else None), turns=self._turns(sv),
                 zero_stage=plan.zero_stage, shard_factor=plan.shard_factor, recompute=plan.recompute,
-                offload=plan.offload)
+                offload=plan.offload, gather_bytes=spec.gather_bytes)
             assignment = Assignment(service=sv.name, kind="compute", factory=spec.model,
                                     nodes=[st.start, st.stop], seed=spec.seed,
                                     options=options.model_dump(mode="json"))

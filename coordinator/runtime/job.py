@@ -381,6 +381,7 @@ class Job:
                        data_kwargs=c.data.kwargs, loss_kwargs=c.loss.kwargs, seed=c.data.seed,
                        devices=DeviceRequest.of(c.runtime, self.resources), nonfinite=c.runtime.nonfinite,
                        clip_grad_norm=c.optimizer.clip_grad_norm, accumulate=c.optimizer.accumulate,
+                       gather_bytes=c.plan.gather_bytes,
                        step_timeout=timedelta(seconds=c.runtime.step_timeout_s),
                        state_keys=dict(state_keys or {}), restore=restore, scaler=scaler,
                        holders=dict(holders or {}), leaves=tuple(c.model.leaves),

@@ -42,6 +42,7 @@ class RunSpec:
     nonfinite: Literal["stop", "skip"] = "stop"  # see [Note: a step that is not finite]
     clip_grad_norm: float | None = None  # see coordinator/runtime/clipping.py
     accumulate: int = 1  # global batches per step: see coordinator/runtime/accumulation.py
+    gather_bytes: int = 4 << 20  # plan.gather_bytes: ZeRO's all-gather buckets and ZeRO-3's units
     # checkpoints: each tensor's keys (by the stages' names) in the unwrapped model's state_dict, and
     # the checkpoint the services start from ("": the factories' values)
     state_keys: Mapping[str, list[str]] = field(default_factory=dict)

@@ -53,8 +53,9 @@ Data parallelism. Replicas of one stage synchronise gradients through the stage'
 gradient path (:mod:`services.params.grad_path`): ``run_step`` begins it (waiting for the
 data-parallel group, bounded by the step's deadline) and the executor arms and finishes
 it around the last backward. With ``zero_stage`` 1 or 2 (:mod:`services.params.zero`) the
-optimizer steps this replica's rows of each parameter and the commit all-gathers the rows
-(an ``all_gather`` phase); a checkpoint still holds whole optimizer state by name. A ZeRO-2
+optimizer steps this replica's rows of each parameter and the next step's forward all-gathers the
+rows bucket by bucket (a commit no step carries, or one that saves: an ``all_gather`` phase); a
+checkpoint still holds whole optimizer state by name. A ZeRO-2
 replica holds only its gradient shards after a step, so ``gradients`` lists every parameter as
 missing then. With ``offload`` the optimizer is built over host-memory masters of what it would
 step (``services/params/offload.py``): the commit copies the gradients there, steps, copies back.
@@ -496,8 +497,10 @@ class CellComputeService(ServiceBase):
             phases.append(PhaseTiming(name="optimizer", start=start, end=time.time()))
             if self._zero is not None:
                 zero = self._zero
+                # before a step (step >= 0) without a checkpoint, its forward gathers the parameters
+                defer = step >= 0 and commit.save is None
                 gathered = self._in_group(commit, "all-gathering the parameters",
-                                          lambda: zero.gather_params(timeout))
+                                          lambda: zero.gather_params(timeout, defer=defer))
                 phases += [gathered] if gathered is not None else []
         else:
             faults.at(step, "push_pull")

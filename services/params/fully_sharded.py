@@ -1,13 +1,13 @@
 """Fully sharded parameters (ZeRO-3): each rank keeps 1/F of every parameter, gathered per unit to compute.
 
-A stage's modules are split into *units*, one per cell (node) of the stage, in the stage's node
-order. Each unit's trainable parameters are laid out as :class:`~services.params.layout.ShardLayout`
-lays them out ([Note: the dim-0 layout]): rank ``r`` of the sharding group of ``F`` ranks keeps
-segment ``r`` (``S`` elements: its rows of every parameter of the unit) in one flat tensor, and the
-optimizer's parameters are views into it (:meth:`FullyShard.named_shards`, one per parameter, named
-by the parameter). The module keeps its own ``nn.Parameter`` objects, so names, hooks, tied-weight
-checks and the deferred linear layers of ``services/compute/weight_grads.py`` see the model they
-expect; only their storage comes and goes.
+A stage's modules are split into *units* of consecutive cells (nodes) of the stage, in the stage's
+node order ([Note: units of several cells]). Each unit's trainable parameters are laid out as
+:class:`~services.params.layout.ShardLayout` lays them out ([Note: the dim-0 layout]): rank ``r`` of
+the sharding group of ``F`` ranks keeps segment ``r`` (``S`` elements: its rows of every parameter
+of the unit) in one flat tensor, and the optimizer's parameters are views into it
+(:meth:`FullyShard.named_shards`, one per parameter, named by the parameter). The module keeps its
+own ``nn.Parameter`` objects, so names, hooks, tied-weight checks and the deferred linear layers of
+``services/compute/weight_grads.py`` see the model they expect; only their storage comes and goes.
 
 [Note: gather, free, prefetch]
 Before a unit's forward (a forward pre-hook) its parameters are all-gathered: one
@@ -30,6 +30,20 @@ node order and its reverse, known before the step (never a recorded trace). Ever
 group runs the same list of actions on the same graph, so the hooks fire in the same order on
 every rank and the collectives match. A forward run again inside a backward (activation
 recomputation) finds its unit gathered and leaves it so.
+
+[Note: units of several cells]
+One collective per cell pays a collective's fixed cost per cell, which dominates when cells are
+small (the benchmark's GPT blocks of 0.8 MB, ``docs/benchmarks.md``), so consecutive cells share a unit
+up to ``unit_bytes`` of trainable parameters (of one dtype and device; a cell larger than that is a
+unit alone; 0: one cell per unit). A unit is gathered before the forward of whichever of its cells
+runs first and freed after the forward of its last cell (cells without parameters in between run
+while it is held). In the backward each cell's outputs gather it again (a no-op once gathered) and
+its inputs' gradients end that cell's part: the unit is freed once every cell of it that ran with
+inputs requiring a gradient has ended its part in that backward (a count per forward pass, so the
+microbatches of a pipeline step each free their own); a unit with a cell whose inputs need no
+gradient stays gathered until the end of the backward. The cells need not form a chain: a cell of
+a branch ends its part independently of the others. The memory held per unit in flight grows to
+``unit_bytes`` (the planner's memory model counts the units as the runtime cuts them).
 
 [Note: gradients across microbatches]
 A pipeline stage runs one backward per microbatch. Two choices: reduce-scatter each unit's
@@ -99,13 +113,23 @@ class FullyShardError(RuntimeError):
 
 
 @dataclass
+class _Pass:
+    """One forward pass through a unit: how many of its cells still have a backward to end, and whether
+    a cell whose inputs need no gradient ran (then only the end of the backward frees the unit)."""
+
+    pending: int = 0
+    complete: bool = True
+
+
+@dataclass
 class Unit:
-    """One cell of the stage: its parameters, their layout over the group, this rank's segment.
+    """Consecutive cells of the stage: their parameters, their layout over the group, this rank's segment.
 
     Attributes:
         index: Its place in the stage's node order.
-        name: The cell's name (the parameters' prefix).
-        names: Its parameters' names, ``"{name}.{name in the module}"``.
+        name: The cell's name (several: ``"first..last"``).
+        modules: The cells' modules, in node order.
+        names: Its parameters' names, ``"{cell}.{name in the module}"``.
         params: The module's own parameters (their storage is freed between uses).
         layout: Their dim-0 layout over the sharding group.
         segment: This rank's ``S`` elements; ``shards`` are views into it.
@@ -114,7 +138,7 @@ class Unit:
 
     index: int
     name: str
-    module: nn.Module
+    modules: list[nn.Module]
     names: list[str]
     params: list[nn.Parameter]
     layout: ShardLayout
@@ -127,20 +151,22 @@ class Unit:
     reduce_in: torch.Tensor | None = None
     reduce_out: torch.Tensor | None = None
     reduce_work: Work | None = None
+    current: _Pass | None = None  # the forward pass running through it (None between passes)
 
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's backward is done with them."""
 
     @staticmethod
-    def forward(ctx: Any, owner: FullyShard, unit: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.owner, ctx.unit = owner, unit
+    def forward(ctx: Any, owner: FullyShard, unit: int, done: _Pass,
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.owner, ctx.unit, ctx.done = owner, unit, done
         return tuple(x.view_as(x) for x in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.owner._post_backward(ctx.unit)
-        return (None, None, *grads)
+        ctx.owner._post_backward(ctx.unit, ctx.done)
+        return (None, None, None, *grads)
 
 
 class FullyShard:
@@ -148,13 +174,15 @@ class FullyShard:
 
     Args:
         units: ``(name, module)`` per cell, in the stage's node order. Their trainable parameters
-            are sharded (a parameter may belong to one unit only; all of a unit's of one dtype);
-            every rank passes the same model, initialised alike.
+            are sharded (a parameter may belong to one cell only); every rank passes the same
+            model, initialised alike.
         comm: The sharding group (``F = comm.world_size``).
         replicate: Hybrid sharding: the group of the ranks holding the same segment in other
             sharding groups; each reduce-scattered segment is all-reduced (MEAN) over it.
         timeout: Bound on every wait for a collective (None: the communicator's default).
         prefetch: Issue the next unit's all-gather before the current unit computes.
+        unit_bytes: Consecutive cells share a unit up to this many bytes of parameters ([Note: units
+            of several cells]); 0: a unit per cell.
 
     Usage::
 
@@ -166,23 +194,26 @@ class FullyShard:
         opt.step(); opt.zero_grad()
 
     Raises:
-        ValueError: A parameter belongs to two units, or a unit mixes dtypes or devices.
+        ValueError: A parameter belongs to two cells, or a cell mixes dtypes or devices.
     """
 
     def __init__(self, units: Sequence[tuple[str, nn.Module]], comm: Communicator, *,
                  replicate: Communicator | None = None, timeout: timedelta | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, unit_bytes: int = 0) -> None:
         self.comm = comm
         self.replicate = replicate
         self.timeout = timeout
         self.prefetch = prefetch
         self.armed = False
+        self.gathers = 0  # all-gathers issued around forwards and backwards (a unit's counts once)
         self.units: list[Unit] = []
         self._handles: list[RemovableHandle] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (unit, position)
         self._next_launch = 0  # position in the backward order (units reversed) of the next reduce-scatter
         self._in_backward = False
+        self._unit_of: dict[int, int] = {}  # id(module) -> its unit
         owner: dict[int, str] = {}
+        cells: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
         for name, module in units:
             named = [(f"{name}.{n}", p) for n, p in module.named_parameters() if p.requires_grad]
             for pname, p in named:
@@ -197,14 +228,18 @@ class FullyShard:
             if len(kinds) > 1:
                 raise ValueError(f"unit {name!r} mixes dtypes or devices {sorted(map(str, kinds))}: its "
                                  "parameters travel in one flat buffer; give them one dtype and device")
-            self.units.append(self._make_unit(len(self.units), name, module, named))
+            cells.append((name, module, named))
+        for group in _group_cells(cells, unit_bytes):
+            self.units.append(self._make_unit(len(self.units), group))
         for unit in self.units:
             self._hook(unit)
 
     # -- building --------------------------------------------------------------------
 
-    def _make_unit(self, index: int, name: str, module: nn.Module,
-                   named: list[tuple[str, nn.Parameter]]) -> Unit:
+    def _make_unit(self, index: int,
+                   cells: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]) -> Unit:
+        named = [n for _, _, cell in cells for n in cell]
+        name = cells[0][0] if len(cells) == 1 else f"{cells[0][0]}..{cells[-1][0]}"
         params = [p for _, p in named]
         for pname, p in named:
             own = p.untyped_storage().nbytes() == p.numel() * p.element_size()
@@ -219,16 +254,20 @@ class FullyShard:
             for i, (p, view) in enumerate(zip(params, views, strict=True)):
                 view.copy_(layout.shard_of(p.detach(), i, rank))
         shards = [nn.Parameter(view, requires_grad=True) for view in views]
-        unit = Unit(index, name, module, [n for n, _ in named], params, layout, segment, shards)
+        unit = Unit(index, name, [m for _, m, _ in cells], [n for n, _ in named], params, layout, segment,
+                    shards)
         for pos, p in enumerate(params):
             self._where[id(p)] = (index, pos)
+        for _, m, _ in cells:
+            self._unit_of[id(m)] = index
         _free(params)
         return unit
 
     def _hook(self, unit: Unit) -> None:
-        m = unit.module
-        self._handles.append(m.register_forward_pre_hook(self._pre_forward(unit.index), with_kwargs=True))
-        self._handles.append(m.register_forward_hook(self._post_forward(unit.index)))
+        for k, m in enumerate(unit.modules):
+            last = k == len(unit.modules) - 1
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward(unit.index), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post_forward(unit.index, last)))
         for p in unit.params:
             self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                 self._on_grad))
@@ -298,6 +337,7 @@ class FullyShard:
             unit.ready.clear()
             _free(unit.params)
             unit.state = "free"
+            unit.current = None
             for p in unit.params:
                 p.grad = None
         self._next_launch = 0
@@ -327,6 +367,7 @@ class FullyShard:
         except Exception as exc:
             raise FullyShardError(f"unit {unit.name!r}: all-gathering its parameters: {exc}") from exc
         unit.state = "gathering"
+        self.gathers += 1
 
     def _gather_into(self, unit: Unit) -> torch.Tensor:
         """A synchronous all-gather of ``unit``'s packed buffer (on the unit's device)."""
@@ -383,22 +424,29 @@ class FullyShard:
                 self._issue_gather(self.units[index + 1])
             if not torch.is_grad_enabled():
                 return None
+            unit = self.units[index]
+            if unit.current is None:
+                unit.current = _Pass()
             flat, spec = pytree.tree_flatten((args, kwargs))
             where = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
             if not where:
-                return None  # freed at the end of the backward instead
+                unit.current.complete = False  # freed at the end of the backward instead
+                return None
+            unit.current.pending += 1
             outs = _PostBackward.apply(  # type: ignore[no-untyped-call]  # torch stub
-                self, index, *[flat[k] for k in where])
+                self, index, unit.current, *[flat[k] for k in where])
             for k, x in zip(where, outs, strict=True):
                 flat[k] = x
             return pytree.tree_unflatten(flat, spec)
         return hook
 
-    def _post_forward(self, index: int) -> Callable[..., Any]:
+    def _post_forward(self, index: int, last: bool) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if self._in_backward:
                 return None
-            self._release(index)
+            if last:  # the unit's last cell: the pass through it ends
+                self._release(index)
+                self.units[index].current = None
             if torch.is_grad_enabled():
                 for t in pytree.tree_leaves(output):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -416,8 +464,10 @@ class FullyShard:
                 self._issue_gather(self.units[index - 1])
         return hook
 
-    def _post_backward(self, index: int) -> None:
-        self._release(index)
+    def _post_backward(self, index: int, done: _Pass) -> None:
+        done.pending -= 1
+        if done.pending == 0 and done.complete:
+            self._release(index)
 
     def _end_backward(self) -> None:
         for unit in self.units:
@@ -456,6 +506,26 @@ class FullyShard:
                                                                timeout=self.timeout, async_op=True)
         except Exception as exc:
             raise FullyShardError(f"unit {unit.name!r}: reduce-scattering its gradients: {exc}") from exc
+
+
+def _group_cells(cells: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]], unit_bytes: int
+                 ) -> list[list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]]:
+    """Consecutive cells in units of at most ``unit_bytes`` of parameters, one dtype and device each (a
+    larger cell alone; ``unit_bytes`` 0: a unit per cell)."""
+    groups: list[list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]] = []
+    used = 0
+    for cell in cells:
+        size = sum(p.numel() * p.element_size() for _, p in cell[2])
+        kind = (cell[2][0][1].dtype, cell[2][0][1].device)
+        last = groups[-1] if groups else None
+        if (last is None or used + size > unit_bytes
+                or (last[0][2][0][1].dtype, last[0][2][0][1].device) != kind):
+            groups.append([cell])
+            used = size
+        else:
+            last.append(cell)
+            used += size
+    return groups
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

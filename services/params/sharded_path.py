@@ -4,8 +4,9 @@
 (``ComputeOptions.zero_stage`` 3) over groups of ``F = shard_factor`` consecutive replicas (replica
 ``r`` is rank ``r % F`` of group ``r // F``, as ZeRO-1/2's groups in ``services/params/zero.py``).
 Its first :meth:`~FullyShardedPath.begin` (the group is formed) hands the stage's units to
-:class:`~services.params.fully_sharded.FullyShard`: one unit per leaf module the stage's graph calls
-(a cell, a block of a stack), in graph order, so from then on the stage holds its rows of every
+:class:`~services.params.fully_sharded.FullyShard`: the leaf modules the stage's graph calls (a cell,
+a block of a stack), in graph order, consecutive ones sharing a unit up to ``gather_bytes`` of
+parameters ([Note: units of several cells]), so from then on the stage holds its rows of every
 parameter and gathers each unit around its forward and backward ([Note: gather, free, prefetch]).
 Before that (an evaluation before the first training step) the stage runs whole, as plain data
 parallelism would.
@@ -97,6 +98,7 @@ class FullyShardedPath(CollectivePath):
         self.rank = options.replica % self.factor
         self._replicas = options.num_replicas
         self._units = stage_units(module)
+        self._unit_bytes = options.gather_bytes
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._fs: FullyShard | None = None
         self._shards: dict[int, nn.Parameter] = {}  # id(param) -> this rank's rows of it
@@ -113,7 +115,8 @@ class FullyShardedPath(CollectivePath):
     def begin(self, timeout: timedelta) -> None:
         shard_comm = self._groups_ready(timeout)
         if self._fs is None:
-            self._fs = FullyShard(self._units, shard_comm, replicate=self._across, timeout=timeout)
+            self._fs = FullyShard(self._units, shard_comm, replicate=self._across, timeout=timeout,
+                                  unit_bytes=self._unit_bytes)
             by_name = dict(self._fs.named_shards())
             for unit in self._fs.units:
                 for name, p in zip(unit.names, unit.params, strict=True):
@@ -207,7 +210,7 @@ class FullyShardedPath(CollectivePath):
     def attach_grads(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
         """Nothing to do: :meth:`finish` pointed the shards' ``.grad`` at the reduce-scattered segments."""
 
-    def gather_params(self, timeout: timedelta) -> PhaseTiming | None:
+    def gather_params(self, timeout: timedelta, *, defer: bool = False) -> PhaseTiming | None:
         """Nothing to gather after the update: each unit is gathered before its next forward."""
         return None
 

@@ -10,12 +10,18 @@ views (one per parameter), so it holds the state of its rows only.
 Per step::
 
     ZeRO-1: backward -> all-reduce MEAN over all d replicas (GradSync, param.grad = the average)
-            commit: shard.grad = param.grad's rows; optimizer.step() on the shards;
-                    all-gather of the updated rows in the group (one per bucket)
+            commit: shard.grad = param.grad's rows; optimizer.step() on the shards
+            next forward: all-gather of the updated rows in the group, bucket by bucket
     ZeRO-2: backward -> reduce-scatter MEAN in the group (GradSync reduce_scatter mode; packed
             buckets, overlapped with the last backward; param.grad dropped once packed)
             [hybrid: the shard all-reduced MEAN across the d / F groups]
-            commit: shard.grad = the shard; optimizer.step(); all-gather in the group
+            commit: shard.grad = the shard; optimizer.step()
+            next forward: all-gather in the group, bucket by bucket
+
+The all-gather runs behind the next step's forward, each bucket gathered before the first module
+that uses it, the next prefetched, at most two in flight; a commit that no step follows at once
+(the job's last, before an evaluation) or that saves a checkpoint gathers at once: see [Note: the
+commit's all-gather, deferred] in ``services/params/commit_gather.py``.
 
 [Note: elementwise optimizers]
 An optimizer over row shards computes what one process computes only if its update of an
@@ -59,11 +65,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from comm.base import Communicator, ReduceOp, Work
+from comm.base import Communicator, ReduceOp
 from comm.factory import wire_device
 from services.checkpoint.stage_state import OptimizerState
+from services.params.commit_gather import CommitGather
 from services.params.grad_path import CollectivePath
-from services.params.grad_sync import GradSync, assign_buckets
+from services.params.grad_sync import GradSync
 from services.params.layout import ShardLayout
 from services.protocol import ComputeOptions, PhaseTiming
 
@@ -78,14 +85,6 @@ def check_elementwise(optimizer: str) -> None:
         raise ValueError(f"optimizer {optimizer} is not elementwise, so it cannot step a shard of each "
                          "parameter (plan.zero 1 or 2): use an elementwise one (SGD, Adam, AdamW, ...) or "
                          "drop plan.zero")
-
-
-class _Group:
-    """Parameters that travel together at the all-gather, in their dim-0 layout."""
-
-    def __init__(self, params: list[nn.Parameter], world: int) -> None:
-        self.params = params
-        self.layout = ShardLayout([p.shape for p in params], world)
 
 
 class ZeroPath(CollectivePath):
@@ -106,13 +105,11 @@ class ZeroPath(CollectivePath):
         self.rank = options.replica % self.factor
         self._replicas = options.num_replicas
         self._params = [p for p in module.parameters() if p.requires_grad]
-        sizes = [(str(i), p.numel() * p.element_size(), p.dtype) for i, p in enumerate(self._params)]
-        self._groups = [_Group([self._params[i] for i in indices], self.factor)
-                        for indices in assign_buckets(sizes, options.bucket_bytes)]
-        self._shards: dict[int, torch.Tensor] = {}  # id(param) -> this rank's rows of it (a view)
-        for group in self._groups:
-            for i, p in enumerate(group.params):
-                self._shards[id(p)] = group.layout.shard_of(p.detach(), i, self.rank)
+        self._rows = {id(p): ShardLayout([p.shape], self.factor) for p in self._params}
+        # id(param) -> this rank's rows of it (a view)
+        self._shards = {id(p): self._rows[id(p)].shard_of(p.detach(), 0, self.rank) for p in self._params}
+        self._gather = CommitGather(module, self._params, self._shards, self.factor, self.rank,
+                                    options.gather_bytes)
         self._grads: dict[int, torch.Tensor] = {}  # ZeRO-2: id(param) -> its gradient shard
         self._segments: list[torch.Tensor] = []  # ZeRO-2: the flat shards those are views of
         self._shard_comm: Communicator | None = None  # this replica's group of F
@@ -138,7 +135,8 @@ class ZeroPath(CollectivePath):
                                       timeout=timeout, mode="reduce_scatter", across=self._across)
         self._sync.timeout = timeout
         self._sync.armed = False
-        self.launched = False
+        # the last commit's all-gather, behind this step's forward: collectives in flight from here
+        self.launched = self._gather.start(self._shard_comm, timeout)
 
     def _make_groups(self, comm: Communicator) -> None:
         """The sub-communicators: every replica makes every group, in the same order (``new_group``)."""
@@ -180,6 +178,8 @@ class ZeroPath(CollectivePath):
         self._sync.timeout = timeout
         shards = self._sync.finish()
         self._sync.armed = False
+        if self._shard_comm is not None:  # what no forward of the step gathered: whole between steps
+            self._gather.settle(self._shard_comm, timeout)
         if self.stage == 2:
             by_name = {name: grad for s in shards for name, grad in s.grads.items()}
             named = {name: p for name, p in self._module.named_parameters()}
@@ -204,14 +204,17 @@ class ZeroPath(CollectivePath):
 
     def abandon(self) -> None:
         super().abandon()
+        self._gather.abandon()
         self._grads, self._segments = {}, []
 
     def reconnect(self, prefix: str) -> None:
+        self._gather.abandon()
         self._close_groups()
         self._grads, self._segments = {}, []
         super().reconnect(prefix)
 
     def close(self) -> None:
+        self._gather.close()
         self._close_groups()
         super().close()
 
@@ -224,38 +227,33 @@ class ZeroPath(CollectivePath):
 
     def attach_grads(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
         """Point each shard's ``.grad`` at its rows of the step's averaged gradient (None: no gradient)."""
-        for group in self._groups:
-            for i, p in enumerate(group.params):
-                shard = self._shards[id(p)]
-                if self.stage == 2:
-                    shard.grad = self._grads.get(id(p))
-                else:
-                    shard.grad = None if p.grad is None else group.layout.shard_of(p.grad, i, self.rank)
+        for p in self._params:
+            shard = self._shards[id(p)]
+            if self.stage == 2:
+                shard.grad = self._grads.get(id(p))
+            else:
+                shard.grad = None if p.grad is None else self._rows[id(p)].shard_of(p.grad, 0, self.rank)
 
-    def gather_params(self, timeout: timedelta) -> PhaseTiming:
-        """All-gather the updated rows in the group: every replica's parameters are whole again.
+    def gather_params(self, timeout: timedelta, *, defer: bool = False) -> PhaseTiming | None:
+        """After the optimizer stepped the rows: make every replica's parameters whole again.
 
-        One all-gather per bucket, all in flight together; on the device the backend moves
-        (``comm.factory.wire_device``: a CPU copy for zmq or gloo with a stage on a GPU).
+        ``defer``: the next step's forward gathers each bucket before it is used (None: no phase);
+        otherwise the buckets are gathered now, at most two in flight ([Note: the commit's all-gather,
+        deferred]), on the device the backend moves (``comm.factory.wire_device``: a CPU copy for zmq
+        or gloo with a stage on a GPU).
         """
+        self._gather.mark_stale()
+        if defer:
+            return None
         shard_comm = self._groups_ready(timeout)
         start = time.time()
-        pending: list[tuple[_Group, torch.Tensor, Work]] = []
-        for group in self._groups:
-            layout = group.layout
-            first = group.params[0]
-            device = wire_device(shard_comm.backend, first.device)
-            segment = torch.empty(layout.segment_numel, dtype=first.dtype, device=device)
-            for view, p in zip(layout.segment_views(segment, self.rank), group.params, strict=True):
-                view.copy_(self._shards[id(p)])
-            full = torch.empty(layout.numel, dtype=first.dtype, device=device)
-            pending.append((group, full, shard_comm.all_gather_into_tensor(full, segment, timeout=timeout,
-                                                                           async_op=True)))
-        for group, full, work in pending:
-            work.wait(timeout)
-            with torch.no_grad():
-                group.layout.unpack(full, [p.detach() for p in group.params])
+        self._gather.settle(shard_comm, timeout)
         return PhaseTiming(name="all_gather", start=start, end=time.time())
+
+    @property
+    def gather_peak_bytes(self) -> int:
+        """The most bytes the parameters' all-gather held at once (since the path was made)."""
+        return self._gather.peak_bytes
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -292,7 +290,7 @@ class ZeroPath(CollectivePath):
 
     def held_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
         """Bytes of parameters, gradients (held after the step) and optimizer state on this replica."""
-        total = sum(p.numel() * p.element_size() for p in self._params)
+        total = sum(p.numel() * p.element_size() for p in self._params) + self._gather.held_bytes()
         if self.stage == 2:
             total += sum(g.numel() * g.element_size() for g in self._segments)
         else:

@@ -127,6 +127,8 @@ class ComputeOptions(Message):
     grad_path: Literal["collective", "parameter_server"] = "collective"
     dp_prefix: str = ""  # needed for collective with num_replicas > 1
     bucket_bytes: int = Field(default=25 << 20, ge=1)
+    # ZeRO-1/2: the most bytes of one bucket of the parameters' all-gather; ZeRO-3: of a unit of cells
+    gather_bytes: int = Field(default=4 << 20, ge=1)
     shards: list[ShardAddress] = Field(default_factory=list, max_length=1 << 12)
     # checkpoints (services/checkpoint/): each tensor's keys (by the stage's names) in the unwrapped model's
     # state_dict (tied weights have several), and the checkpoint to start from ("": the factory's values)

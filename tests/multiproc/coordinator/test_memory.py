@@ -64,10 +64,12 @@ def test_an_allocation_beyond_the_cap_fails_the_step_naming_worker_and_cap() -> 
         assert all(p.poll() is None for p in harness.procs.values())
 
 
-# Measured (2 workers under load, 64 MiB of float32 parameters in one layer, Adam, batch 16), worker peak
-# / prediction: replicated 1.03 (537 / 519 MiB), ZeRO-1 0.92 (449 / 487), ZeRO-2 1.09 (498 / 455),
-# ZeRO-3 1.02 (531 / 519). The same 64 MiB in four 16 MiB layers peaked at 462-579 MiB whatever the plan
-# (1.3-1.6 x replicated and ZeRO-1/2, 2.0 x ZeRO-3): the heap keeps those layers' transients.
+# Measured (2 workers under load, 64 MiB of float32 parameters in one layer, Adam, batch 16), worker peak /
+# prediction: replicated 1.03 (537 / 519 MiB), ZeRO-1 0.92 (449 / 487), ZeRO-2 1.09 (498 / 455), ZeRO-3 1.02
+# (531 / 519); with the all-gather behind the forward (2026-11-28): ZeRO-1 0.92 (390-394 / 423), ZeRO-2 1.07
+# (453 / 423), ZeRO-3 0.94 (486-487 / 519). The same 64 MiB in four 16 MiB layers peaked at 462-579 MiB
+# whatever the plan (1.3-1.6 x replicated and ZeRO-1/2, 2.0 x ZeRO-3): the heap keeps those layers'
+# transients.
 PLANS = {"replicated": {}, "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3}}
 
 

@@ -46,6 +46,15 @@ def test_fully_sharded_replicas_match_one_process(harness: LocalHarness, d: int,
     assert "reduce_scatter" in phases(result)
 
 
+@pytest.mark.parametrize(("gather_bytes", "optimizer"), [(3800, "adamw"), (1000, "sgd")])
+def test_units_of_several_cells_match_one_process(harness: LocalHarness, gather_bytes: int,
+                                                  optimizer: str) -> None:
+    """deep_mlp's cells: Linear(6, 12) 672 B, six blocks of 1,248 B, Linear(12, 3) 312 B (float64). 3,800 B:
+    units of 3, 3 and 2 cells; 1,000 B: every block larger than a unit, a unit alone."""
+    job = make_job("deep_mlp", optimizer, gather_bytes=gather_bytes, **dp(3, 2))
+    fit_and_compare(harness, job)
+
+
 def test_hybrid_over_gloo_matches_one_process(harness: LocalHarness) -> None:
     """torch's gloo process groups: the groups and the replicas across them are process groups too."""
     result = fit_and_compare(harness, make_job("mixed", "adamw", comm_backend="gloo", **dp(3, 4, 2)))

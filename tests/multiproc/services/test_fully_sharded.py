@@ -96,6 +96,29 @@ def test_recomputed_cells_regather_in_the_backward(early_stop: bool) -> None:
                   "sgd")
 
 
+# the cells' parameter bytes: embed 336, mix 200, act none, norm 48, head 64
+UNITS = {300: ["embed", "mix..norm", "head"],  # embed is larger than 300 B: a unit alone
+         400: ["embed", "mix..head"]}  # three cells (and act, without parameters, between them)
+
+
+@pytest.mark.parametrize(("unit_bytes", "optimizer", "options"), [
+    (300, "adamw", dict(microbatches=3, defer=True)), (400, "sgd", dict(microbatches=2)),
+    (400, "adamw", dict(microbatches=2, recompute=True, early_stop=False))])
+def test_units_of_several_cells_match_one_process(unit_bytes: int, optimizer: str,
+                                                  options: dict[str, Any]) -> None:
+    """Consecutive cells share a unit up to ``unit_bytes``: one all-gather and one reduce-scatter for them,
+    freed after the last cell's forward and once every cell's backward is done (per microbatch)."""
+    results = _train_threads(2, optimizer=optimizer, unit_bytes=unit_bytes, **options)
+    _check_parity(results, optimizer)
+    for r, result in enumerate(results):
+        assert [name for name, _ in result["units"]] == UNITS[unit_bytes], f"rank {r}: {result['units']}"
+        # each unit gathered once per microbatch for its forward and once for its backward, not per cell
+        expected = STEPS * 2 * options["microbatches"] * len(UNITS[unit_bytes])
+        assert result["gathers"] == expected, f"rank {r}: {result['gathers']} all-gathers, not {expected}"
+        held = result["held"]
+        assert held["full_parameters"] == 0 and held["full_gradients"] == 0, f"rank {r}: {held}"
+
+
 def test_hybrid_shards_in_groups_and_averages_across_them() -> None:
     results = _train_threads(4, optimizer="adamw", hybrid=2)
     _check_parity(results, "adamw")
@@ -201,4 +224,63 @@ def test_a_step_abandoned_midway_then_a_new_group_continues_exactly() -> None:
     for r, got in results.items():
         for name, expected in ref.items():
             diff = (got[name] - expected).abs().max().item()
+            assert diff < 1e-9, f"rank {r} {name}: max abs diff {diff:.3g}"
+
+
+class _Branches(nn.Module):
+    """``head(tanh(left(h)) * right(h))`` with ``h = tanh(embed(x))``: left and right read the same input,
+    so their backwards end in either order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.left, self.right = nn.Linear(zero3_checks.IN, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.head = nn.Linear(3, zero3_checks.OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        out: torch.Tensor = self.head(torch.tanh(self.left(h)) * self.right(h))
+        return out
+
+
+def _branches() -> _Branches:
+    with zero3_checks._SEEDING, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return _Branches().double()
+
+
+def test_a_unit_of_two_branches_is_freed_once_both_backwards_ended() -> None:
+    """embed 384 B, left and right 216 B each, head 64 B: units of 450 B put left and right in one; freed
+    early, the unit would be gathered again in the backward (one all-gather more per step)."""
+    per_rank = zero3_checks.GLOBAL_BATCH // 2
+    results: dict[int, tuple[dict[str, torch.Tensor], int, list[str]]] = {}
+
+    def train(comm: ZmqCommunicator) -> None:
+        model = _branches()
+        cells = [(n, getattr(model, n)) for n in ("embed", "left", "right", "head")]
+        fs = FullyShard(cells, comm, timeout=TIMEOUT, unit_bytes=450)
+        opt = torch.optim.AdamW([p for _, p in fs.named_shards()], lr=0.01, weight_decay=0.1)
+        lo = comm.rank * per_rank
+        for step in range(STEPS):
+            x, y = zero3_checks.batch(step, SEED)
+            opt.zero_grad()
+            fs.armed = True
+            nn.functional.mse_loss(model(x[lo:lo + per_rank]), y[lo:lo + per_rank]).backward()
+            fs.finish()
+            opt.step()
+        results[comm.rank] = (fs.full_parameters(), fs.gathers, [u.name for u in fs.units])
+
+    with zmq_world(2) as comms:
+        run_ranks([lambda c=c: train(c) for c in comms], timeout=120)
+    ref = _branches()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = zero3_checks.batch(step, SEED)
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    for r, (params, gathers, units) in results.items():
+        assert units == ["embed", "left..right", "head"], units
+        assert gathers == STEPS * 2 * len(units), f"rank {r}: {gathers} all-gathers"
+        for name, expected in ref.named_parameters():
+            diff = (params[name] - expected.detach()).abs().max().item()
             assert diff < 1e-9, f"rank {r} {name}: max abs diff {diff:.3g}"

@@ -96,10 +96,10 @@ def reference(optimizer: str, steps: int, seed: int) -> dict[str, torch.Tensor]:
 
 def train(comm: Communicator, *, optimizer: str, steps: int, seed: int, microbatches: int = 1,
           defer: bool = False, recompute: bool = False, early_stop: bool = True,
-          hybrid: int = 0) -> dict[str, Any]:
+          hybrid: int = 0, unit_bytes: int = 0) -> dict[str, Any]:
     """Train the model fully sharded over ``comm`` (or, with ``hybrid`` = F, over groups of F ranks,
-    replicated across the groups); return the full parameters (float64 bytes by name) and the bytes
-    this rank held after the last step."""
+    replicated across the groups), consecutive cells in units of up to ``unit_bytes``; return the full
+    parameters (float64 bytes by name) and the bytes this rank held after the last step."""
     cells = make_cells(seed)
     shard_comm, replicate = comm, None
     if hybrid:
@@ -112,7 +112,7 @@ def train(comm: Communicator, *, optimizer: str, steps: int, seed: int, microbat
     run = [Recomputed(m, early_stop) if recompute and any(True for _ in m.parameters()) else m
            for _, m in cells]
     model = nn.Sequential(*run)
-    fs = FullyShard(units, shard_comm, replicate=replicate)
+    fs = FullyShard(units, shard_comm, replicate=replicate, unit_bytes=unit_bytes)
     cls, kwargs = OPTIMIZERS[optimizer]
     opt = cls([p for _, p in fs.named_shards()], **kwargs)
     store = WeightGradStore(model) if defer else None
@@ -150,7 +150,7 @@ def train(comm: Communicator, *, optimizer: str, steps: int, seed: int, microbat
     return {
         "params": {k: v.numpy().tobytes() for k, v in full.items()},
         "held": held, "optimizer_state": storage_bytes(state), "peak_gathered": peak_gathered[0],
-        "units": [(u.name, u.layout.segment_numel) for u in fs.units],
+        "units": [(u.name, u.layout.segment_numel) for u in fs.units], "gathers": fs.gathers,
     }
 
 
