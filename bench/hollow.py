@@ -14,11 +14,12 @@ is not what is timed. Plan kinds:
 Per configuration it reports: the seconds until every worker's card was registered (``up``), the
 plan and the placement (``place``: every stage assigned and its program loaded); over ``--steps``
 steps after ``--warmup``: the coordinator's main-thread CPU per step and per reply (and replies per
-CPU second: the events it handles), the whole process's CPU per step (the registry it serves and
-the watch included), the wall time per step, the registry writes (revision) and the watch events
-the coordinator's loop saw per step, the registry keys of the job, the coordinator's memory per
-worker (its RSS growth from before the fleet started, over N); then (``--lost``) the seconds from
-crashing one worker (as ``kill -9``: its lease lapses) until the session stops with the failure.
+CPU second: the events it handles), the event loop's wake-ups per step, the whole process's CPU per
+step (the registry it serves and the watch included), the wall time per step, the registry writes
+(revision) and the watch events the coordinator's loop saw per step, the registry keys of the job,
+the coordinator's memory per worker (its RSS growth from before the fleet started, over N); then
+(``--lost``) the seconds from crashing one worker (as ``kill -9``: its lease lapses) until the session
+stops with the failure.
 
     python bench/hollow.py --workers 16 64 256 512 [--kinds dp both pp] [--registry embedded etcd]
                            [--steps 10] [--warmup 2] [--lease-ttl 15] [--lost]
@@ -49,6 +50,7 @@ __all__ = ["chain", "mse", "samples"]
 WIDTH = 16
 ME = "bench.hollow"
 FACTORIES = [f"{ME}:chain", f"{ME}:samples", f"{ME}:mse"]
+HOLLOW_MEMORY = 1 << 30  # the budget the planner is told each hollow worker has
 
 
 # -- the model the hollow workers stand in for (the coordinator traces it; each hollow stage builds its
@@ -94,7 +96,10 @@ def make_job(kind: str, workers: int, name: str, *, step_timeout_s: float = 120)
     return Job(model=f"{ME}:chain", model_kwargs={"cells": cells}, data=f"{ME}:samples",
                data_kwargs={"num_samples": max(1 << 12, batch)}, loss=f"{ME}:mse", optimizer="SGD",
                optimizer_kwargs={"lr": 0.01}, global_batch=batch, seed=1, mode="collective",
-               resources=Resources.local(workers=workers), step_timeout_s=step_timeout_s, max_restarts=0,
+               # a hollow worker holds no tensors: the plan (fixed) must not depend on this machine's memory
+               # shared by N (at 512 the memory model's fixed part no longer fits 0.8 x 23 GiB / 512)
+               resources=Resources.local(workers=workers, memory_bytes=HOLLOW_MEMORY),
+               step_timeout_s=step_timeout_s, max_restarts=0,
                name=name, **fields)
 
 
@@ -128,6 +133,7 @@ class Figures:
     main_cpu_per_step_s: float = 0.0
     process_cpu_per_step_s: float = 0.0
     replies_per_step: int = 0
+    wakeups_per_step: float = 0.0
     writes_per_step: float = 0.0
     watch_events_per_step: float = 0.0
     keys: int = 0
@@ -197,7 +203,7 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
 
             loop._track = counted  # type: ignore[method-assign]
             job.fit(warmup)
-            revision, events = pool.registry.revision(), seen[0]
+            revision, events, wakeups = pool.registry.revision(), seen[0], loop.wakeups
             cpu, main, wall = process_cpu(), time.thread_time(), time.monotonic()
             result = job.fit(steps)
             figures.wall_per_step_s = (time.monotonic() - wall) / steps
@@ -205,6 +211,7 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             figures.process_cpu_per_step_s = (process_cpu() - cpu) / steps
             figures.writes_per_step = (pool.registry.revision() - revision) / steps
             figures.watch_events_per_step = (seen[0] - events) / steps
+            figures.wakeups_per_step = (loop.wakeups - wakeups) / steps
             figures.replies_per_step = len(result.steps[-1].replies)
             figures.steps = steps
             assert all(len(r.replies) == figures.replies_per_step for r in result.steps)
@@ -229,7 +236,8 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
 
 def table(rows: list[Figures]) -> str:
     head = ("| workers | plan | registry | up s | plan s | place s | step wall ms | coord. CPU ms/step "
-            "| µs/reply | replies/CPU-s | process CPU ms/step | writes/step | watch ev./step | keys "
+            "| µs/reply | replies/CPU-s | wake-ups/step | process CPU ms/step | writes/step | watch ev./step "
+            "| keys "
             "| coord. KiB/worker | fleet MiB/worker | lost → stop s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for f in rows:
@@ -237,7 +245,8 @@ def table(rows: list[Figures]) -> str:
         lines.append(
             f"| {f.workers} | {f.kind} | {f.registry} | {f.up_s:.1f} | {f.plan_s:.1f} | {f.place_s:.1f} "
             f"| {f.wall_per_step_s * 1e3:.0f} | {f.main_cpu_per_step_s * 1e3:.1f} | {f.cpu_per_reply_us:.0f} "
-            f"| {f.replies_per_cpu_s:,.0f} | {f.process_cpu_per_step_s * 1e3:.1f} | {f.writes_per_step:.1f} "
+            f"| {f.replies_per_cpu_s:,.0f} | {f.wakeups_per_step:.0f} | {f.process_cpu_per_step_s * 1e3:.1f} "
+            f"| {f.writes_per_step:.1f} "
             f"| {f.watch_events_per_step:.1f} | {f.keys} | {f.rss_per_worker_bytes / 1024:.0f} "
             f"| {f.fleet_rss_per_worker_bytes / 2**20:.2f} | {lost} |")
     return "\n".join(lines)

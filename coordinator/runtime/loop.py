@@ -152,6 +152,7 @@ class EventLoop:
     Attributes:
         members: The cards of the workers currently registered.
         poll_seconds: Seconds spent waiting in the poller so far.
+        wakeups: How many times the poller returned so far (each costs the same at any worker count).
     """
 
     def __init__(self, registry: Registry, job: str, *,
@@ -163,6 +164,7 @@ class EventLoop:
         self._follower = Follower(registry, self.prefix, in_doubt=self.presence.in_doubt)
         self.members: dict[str, WorkerCard] = {}
         self.poll_seconds = 0.0  # time spent waiting in the poller (the rest is the coordinator's work)
+        self.wakeups = 0
         self._sock: zmq.Socket[bytes] | None = None  # made at the first connect ([Note: one socket ...])
         self._rid_of: dict[str, bytes] = {}  # worker -> the routing id of its current connection
         self._worker_of: dict[bytes, str] = {}  # routing id -> worker (current connections only)
@@ -335,6 +337,7 @@ class EventLoop:
             polled = time.monotonic()
             ready = self._poller.poll(int(left * 1000) + 1)
             self.poll_seconds += time.monotonic() - polled
+            self.wakeups += 1
             for sock, _ in ready:
                 if sock is self._posted.socket:
                     self._posted.clear_wakeups()

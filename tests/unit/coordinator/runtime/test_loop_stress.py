@@ -194,7 +194,8 @@ def test_a_wait_with_nothing_to_read_ends_at_its_timeout(curve: auth.JobKeys, lo
         assert timeout <= waited < timeout + 0.25, (timeout, waited)
 
 
-def test_a_reply_on_a_replaced_workers_old_connection_is_no_event(curve: auth.JobKeys, loop: EventLoop) -> None:
+def test_a_reply_on_a_replaced_workers_old_connection_is_no_event(curve: auth.JobKeys,
+                                                                   loop: EventLoop) -> None:
     later = Later()
     old, new = _host(later), _host(later)
     try:
