@@ -23,6 +23,7 @@ stops with the failure.
 
     python bench/hollow.py --workers 16 64 256 512 [--kinds dp both pp] [--registry embedded etcd]
                            [--steps 10] [--warmup 2] [--lease-ttl 15] [--lost]
+                           [--action-ms 0] [--action-jitter 0]
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def registry_url(kind: str) -> Iterator[str | None]:
 
 
 def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, lease_ttl: float,
-            lost: bool) -> Figures:
+            lost: bool, action_ms: float = 0.0, action_jitter: float = 0.0) -> Figures:
     from coordinator.runtime.errors import JobFailed
     from services.host.hollow_pool import HollowPool
 
@@ -182,7 +183,8 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
     job_name = f"hollow-{kind}-{workers}-{registry}"
     base_rss = rss_bytes()
     with registry_url(registry) as url, HollowPool(workers, job_name, registry=url, factories=FACTORIES,
-                                                   lease_ttl=timedelta(seconds=lease_ttl)) as pool:
+                                                   lease_ttl=timedelta(seconds=lease_ttl),
+                                                   action_ms=action_ms, action_jitter=action_jitter) as pool:
         figures.up_s = pool.up_seconds
         job = make_job(kind, workers, job_name)
         started = time.monotonic()
@@ -262,6 +264,9 @@ def main() -> None:
     parser.add_argument("--lease-ttl", type=float, default=15.0,
                         help="the hollow workers' leases (many share one process: see docs/benchmarks.md)")
     parser.add_argument("--lost", action="store_true", help="then crash one worker and time the stop")
+    parser.add_argument("--action-ms", type=float, default=0.0, help="how long a hollow forward takes")
+    parser.add_argument("--action-jitter", type=float, default=0.0,
+                        help="each compute action lasts up to this fraction longer, at random (stragglers)")
     parser.add_argument("--max-pp", type=int, default=64, help="the longest pipeline of plan kind pp")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -273,7 +278,8 @@ def main() -> None:
                 if kind == "pp" and workers > args.max_pp:
                     continue
                 figures = measure(workers, kind, registry, steps=args.steps, warmup=args.warmup,
-                                  lease_ttl=args.lease_ttl, lost=args.lost)
+                                  lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
+                                  action_jitter=args.action_jitter)
                 rows.append(figures)
                 print(table([figures]).splitlines()[-1], flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
