@@ -23,32 +23,33 @@ Requests and replies are framed by :mod:`comm.rpc.framing`, exactly as every oth
 of a service host frames them.
 
 [Note: one socket for every worker]
-A wake-up must cost what is ready, not what is connected: a step's replies come a few per wake-up,
-so a loop that looks at every worker on each wake-up costs O(N) per wake-up times O(N) wake-ups per
-step. With one DEALER socket per worker, ``zmq.Poller.poll`` is that loop (it reads every socket's
-``ZMQ_EVENTS``: 0.2 s of CPU per step at 512 workers, docs/benchmarks.md "Hollow workers"). Sleeping
-in ``epoll`` on each socket's ``zmq.FD`` instead is cheap per wake-up but fragile: the descriptor
-only signals that the socket's ``ZMQ_EVENTS`` may have changed, and whatever processes the socket's
-commands (a send, a read, reading ``ZMQ_EVENTS``) consumes that signal, so every path that touches a
-socket must re-check it before the loop may sleep, or a reply sits unread (a loop built that way was
-reverted after placements waited 120 s for replies).
+A wake-up must cost what is ready, not what is connected: when workers finish a step at different times
+its replies come a few per wake-up, and a loop that looks at every worker on each wake-up costs O(N) per
+wake-up times O(N) wake-ups per step.
+With one DEALER socket per worker, ``zmq.Poller.poll`` is that loop (it reads every socket's
+``ZMQ_EVENTS``: 164 µs of CPU per wake-up at 256 workers, 359 µs at 512; docs/benchmarks.md "Hollow
+workers"). Sleeping in ``epoll`` on each socket's ``zmq.FD`` instead is cheap per wake-up but fragile:
+the descriptor only signals that the socket's ``ZMQ_EVENTS`` may have changed, and whatever processes
+the socket's commands (a send, a read, reading ``ZMQ_EVENTS``) consumes that signal, so every path that
+touches a socket must re-check it before the loop may sleep, or a reply sits unread (a loop built that
+way was reverted after placements waited 120 s for replies).
 
-So the loop has one ROUTER socket and connects it to every worker's service host, one connection
-(and one ZeroMQ pipe) per worker, each named by a routing id the loop picks
-(``ZMQ_CONNECT_ROUTING_ID``, a fresh one per connection: ``r1``, ``r2``, ...). The poller watches
-two sockets whatever the worker count, ZeroMQ's own fair queue hands over the next reply of any
-worker in O(1), and ``zmq.Poller`` reads ``ZMQ_EVENTS`` itself, so no edge can be lost. What the
-wire carries is unchanged: ROUTER strips the routing id on the way out and prepends it on the way
-in, so a service host sees one client connection per worker exactly as with a DEALER, and its
-CURVE handshake and ZAP check are per connection, with the process's one role key as before
-(the CURVE options are read at each ``connect``; the socket is made at the first one, when the
-job's credentials are installed). Routing ids never repeat: a worker reconnected at another
-address (a replacement) gets a new one, and a late reply on the old connection is dropped.
+So the loop has one ROUTER socket and connects it to every worker's service host, one connection (and
+one ZeroMQ pipe) per worker, each named by a routing id the loop picks (``ZMQ_CONNECT_ROUTING_ID``, a
+fresh one per connection: ``r1``, ``r2``, ...). The poller watches two sockets whatever the worker count
+(2 µs a wake-up at 16 or 512 workers), ZeroMQ's own fair queue hands over the next reply of any worker
+in O(1), and ``zmq.Poller`` reads ``ZMQ_EVENTS`` itself, so no edge can be lost. What the wire carries
+is unchanged: ROUTER strips the routing id on the way out and prepends it on the way in, so a service
+host sees one client connection per worker exactly as with a DEALER, and its CURVE handshake and ZAP
+check are per connection, with the process's one role key as before (the CURVE options are read at each
+``connect``; the socket is made at the first one, when the job's credentials are installed). Routing ids
+never repeat: a worker reconnected at another address (a replacement) gets a new one, and a late reply
+on the old connection is dropped.
 
-A send never blocks: with ``ZMQ_ROUTER_MANDATORY`` a request the socket cannot queue (the
-connection was refused for good, e.g. a host that failed the CURVE handshake, or ``CONTROL_HWM``
-requests are queued unread) raises at once, and the loop turns it into a failed :class:`Reply`
-(code ``unreachable``) naming the worker and its address. A DEALER would have blocked there.
+A send never blocks: with ``ZMQ_ROUTER_MANDATORY`` a request the socket cannot queue (the connection was
+refused for good, e.g. a host that failed the CURVE handshake, or ``CONTROL_HWM`` requests are queued
+unread) raises at once, and the loop turns it into a failed :class:`Reply` (code ``unreachable``) naming
+the worker and its address. A DEALER would have blocked there.
 
 :meth:`EventLoop.next_event` is the only way to wait; the runtime decides what an event
 means (``coordinator/runtime/driver.py``). Use from one thread (the watch thread only posts).
