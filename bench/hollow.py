@@ -14,14 +14,16 @@ is not what is timed. Plan kinds:
 Per configuration it reports: the seconds until every worker's card was registered (``up``), the
 plan and the placement (``place``: every stage assigned and its program loaded); over ``--steps``
 steps after ``--warmup``: the coordinator's main-thread CPU per step and per reply (and replies per
-CPU second: the events it handles), the whole process's CPU per step (the registry it serves and
-the watch included), the wall time per step, the registry writes (revision) and the watch events
-the coordinator's loop saw per step, the registry keys of the job, the coordinator's memory per
-worker (its RSS growth from before the fleet started, over N); then (``--lost``) the seconds from
-crashing one worker (as ``kill -9``: its lease lapses) until the session stops with the failure.
+CPU second: the events it handles), the event loop's wake-ups per step, the whole process's CPU per
+step (the registry it serves and the watch included), the wall time per step, the registry writes
+(revision) and the watch events the coordinator's loop saw per step, the registry keys of the job,
+the coordinator's memory per worker (its RSS growth from before the fleet started, over N); then
+(``--lost``) the seconds from crashing one worker (as ``kill -9``: its lease lapses) until the session
+stops with the failure.
 
     python bench/hollow.py --workers 16 64 256 512 [--kinds dp both pp] [--registry embedded etcd]
                            [--steps 10] [--warmup 2] [--lease-ttl 15] [--lost]
+                           [--action-ms 0] [--action-jitter 0]
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = ["chain", "mse", "samples"]
 WIDTH = 16
 ME = "bench.hollow"
 FACTORIES = [f"{ME}:chain", f"{ME}:samples", f"{ME}:mse"]
+HOLLOW_MEMORY = 1 << 30  # the budget the planner is told each hollow worker has
 
 
 # -- the model the hollow workers stand in for (the coordinator traces it; each hollow stage builds its
@@ -94,7 +97,10 @@ def make_job(kind: str, workers: int, name: str, *, step_timeout_s: float = 120)
     return Job(model=f"{ME}:chain", model_kwargs={"cells": cells}, data=f"{ME}:samples",
                data_kwargs={"num_samples": max(1 << 12, batch)}, loss=f"{ME}:mse", optimizer="SGD",
                optimizer_kwargs={"lr": 0.01}, global_batch=batch, seed=1, mode="collective",
-               resources=Resources.local(workers=workers), step_timeout_s=step_timeout_s, max_restarts=0,
+               # a hollow worker holds no tensors: the plan (fixed) must not depend on this machine's memory
+               # shared by N (at 512 the memory model's fixed part no longer fits 0.8 x 23 GiB / 512)
+               resources=Resources.local(workers=workers, memory_bytes=HOLLOW_MEMORY),
+               step_timeout_s=step_timeout_s, max_restarts=0,
                name=name, **fields)
 
 
@@ -128,6 +134,7 @@ class Figures:
     main_cpu_per_step_s: float = 0.0
     process_cpu_per_step_s: float = 0.0
     replies_per_step: int = 0
+    wakeups_per_step: float = 0.0
     writes_per_step: float = 0.0
     watch_events_per_step: float = 0.0
     keys: int = 0
@@ -168,7 +175,7 @@ def registry_url(kind: str) -> Iterator[str | None]:
 
 
 def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, lease_ttl: float,
-            lost: bool) -> Figures:
+            lost: bool, action_ms: float = 0.0, action_jitter: float = 0.0) -> Figures:
     from coordinator.runtime.errors import JobFailed
     from services.host.hollow_pool import HollowPool
 
@@ -176,7 +183,8 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
     job_name = f"hollow-{kind}-{workers}-{registry}"
     base_rss = rss_bytes()
     with registry_url(registry) as url, HollowPool(workers, job_name, registry=url, factories=FACTORIES,
-                                                   lease_ttl=timedelta(seconds=lease_ttl)) as pool:
+                                                   lease_ttl=timedelta(seconds=lease_ttl),
+                                                   action_ms=action_ms, action_jitter=action_jitter) as pool:
         figures.up_s = pool.up_seconds
         job = make_job(kind, workers, job_name)
         started = time.monotonic()
@@ -197,7 +205,7 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
 
             loop._track = counted  # type: ignore[method-assign]
             job.fit(warmup)
-            revision, events = pool.registry.revision(), seen[0]
+            revision, events, wakeups = pool.registry.revision(), seen[0], loop.wakeups
             cpu, main, wall = process_cpu(), time.thread_time(), time.monotonic()
             result = job.fit(steps)
             figures.wall_per_step_s = (time.monotonic() - wall) / steps
@@ -205,6 +213,7 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             figures.process_cpu_per_step_s = (process_cpu() - cpu) / steps
             figures.writes_per_step = (pool.registry.revision() - revision) / steps
             figures.watch_events_per_step = (seen[0] - events) / steps
+            figures.wakeups_per_step = (loop.wakeups - wakeups) / steps
             figures.replies_per_step = len(result.steps[-1].replies)
             figures.steps = steps
             assert all(len(r.replies) == figures.replies_per_step for r in result.steps)
@@ -229,7 +238,8 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
 
 def table(rows: list[Figures]) -> str:
     head = ("| workers | plan | registry | up s | plan s | place s | step wall ms | coord. CPU ms/step "
-            "| µs/reply | replies/CPU-s | process CPU ms/step | writes/step | watch ev./step | keys "
+            "| µs/reply | replies/CPU-s | wake-ups/step | process CPU ms/step | writes/step | watch ev./step "
+            "| keys "
             "| coord. KiB/worker | fleet MiB/worker | lost → stop s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for f in rows:
@@ -237,7 +247,8 @@ def table(rows: list[Figures]) -> str:
         lines.append(
             f"| {f.workers} | {f.kind} | {f.registry} | {f.up_s:.1f} | {f.plan_s:.1f} | {f.place_s:.1f} "
             f"| {f.wall_per_step_s * 1e3:.0f} | {f.main_cpu_per_step_s * 1e3:.1f} | {f.cpu_per_reply_us:.0f} "
-            f"| {f.replies_per_cpu_s:,.0f} | {f.process_cpu_per_step_s * 1e3:.1f} | {f.writes_per_step:.1f} "
+            f"| {f.replies_per_cpu_s:,.0f} | {f.wakeups_per_step:.0f} | {f.process_cpu_per_step_s * 1e3:.1f} "
+            f"| {f.writes_per_step:.1f} "
             f"| {f.watch_events_per_step:.1f} | {f.keys} | {f.rss_per_worker_bytes / 1024:.0f} "
             f"| {f.fleet_rss_per_worker_bytes / 2**20:.2f} | {lost} |")
     return "\n".join(lines)
@@ -253,6 +264,9 @@ def main() -> None:
     parser.add_argument("--lease-ttl", type=float, default=15.0,
                         help="the hollow workers' leases (many share one process: see docs/benchmarks.md)")
     parser.add_argument("--lost", action="store_true", help="then crash one worker and time the stop")
+    parser.add_argument("--action-ms", type=float, default=0.0, help="how long a hollow forward takes")
+    parser.add_argument("--action-jitter", type=float, default=0.0,
+                        help="each compute action lasts up to this fraction longer, at random (stragglers)")
     parser.add_argument("--max-pp", type=int, default=64, help="the longest pipeline of plan kind pp")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -264,7 +278,8 @@ def main() -> None:
                 if kind == "pp" and workers > args.max_pp:
                     continue
                 figures = measure(workers, kind, registry, steps=args.steps, warmup=args.warmup,
-                                  lease_ttl=args.lease_ttl, lost=args.lost)
+                                  lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
+                                  action_jitter=args.action_jitter)
                 rows.append(figures)
                 print(table([figures]).splitlines()[-1], flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

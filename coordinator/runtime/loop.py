@@ -2,9 +2,9 @@
 
 Two kinds of source feed one stream of :data:`Event` s:
 
-* the workers' service hosts: one DEALER socket per worker; requests go out at once
-  (:meth:`EventLoop.send` never waits) and each reply becomes a :class:`Reply` event,
-  validated against the type the request expects;
+* the workers' service hosts: one ROUTER socket connected to every worker ([Note: one socket for
+  every worker]); requests go out at once (:meth:`EventLoop.send` never waits) and each reply
+  becomes a :class:`Reply` event, validated against the type the request expects;
 * the registry: a watch on ``/cellmesh/{job}/workers/`` turns a new or changed card into
   :class:`WorkerJoined` and a vanished one (drained, or its lease lapsed because the
   process died) into :class:`WorkerLost`. The watch runs on a thread that posts events
@@ -22,12 +22,42 @@ deletion of a card seen around an outage until it is clearly not coming back.
 Requests and replies are framed by :mod:`comm.rpc.framing`, exactly as every other client
 of a service host frames them.
 
+[Note: one socket for every worker]
+A wake-up must cost what is ready, not what is connected: when workers finish a step at different times
+its replies come a few per wake-up, and a loop that looks at every worker on each wake-up costs O(N) per
+wake-up times O(N) wake-ups per step.
+With one DEALER socket per worker, ``zmq.Poller.poll`` is that loop (it reads every socket's
+``ZMQ_EVENTS``: 164 µs of CPU per wake-up at 256 workers, 359 µs at 512; docs/benchmarks.md "Hollow
+workers"). Sleeping in ``epoll`` on each socket's ``zmq.FD`` instead is cheap per wake-up but fragile:
+the descriptor only signals that the socket's ``ZMQ_EVENTS`` may have changed, and whatever processes
+the socket's commands (a send, a read, reading ``ZMQ_EVENTS``) consumes that signal, so every path that
+touches a socket must re-check it before the loop may sleep, or a reply sits unread (a loop built that
+way was reverted after placements waited 120 s for replies).
+
+So the loop has one ROUTER socket and connects it to every worker's service host, one connection (and
+one ZeroMQ pipe) per worker, each named by a routing id the loop picks (``ZMQ_CONNECT_ROUTING_ID``, a
+fresh one per connection: ``r1``, ``r2``, ...). The poller watches two sockets whatever the worker count
+(2 µs a wake-up at 16 or 512 workers), ZeroMQ's own fair queue hands over the next reply of any worker
+in O(1), and ``zmq.Poller`` reads ``ZMQ_EVENTS`` itself, so no edge can be lost. What the wire carries
+is unchanged: ROUTER strips the routing id on the way out and prepends it on the way in, so a service
+host sees one client connection per worker exactly as with a DEALER, and its CURVE handshake and ZAP
+check are per connection, with the process's one role key as before (the CURVE options are read at each
+``connect``; the socket is made at the first one, when the job's credentials are installed). Routing ids
+never repeat: a worker reconnected at another address (a replacement) gets a new one, and a late reply
+on the old connection is dropped.
+
+A send never blocks: with ``ZMQ_ROUTER_MANDATORY`` a request the socket cannot queue (the connection was
+refused for good, e.g. a host that failed the CURVE handshake, or ``CONTROL_HWM`` requests are queued
+unread) raises at once, and the loop turns it into a failed :class:`Reply` (code ``unreachable``) naming
+the worker and its address. A DEALER would have blocked there.
+
 :meth:`EventLoop.next_event` is the only way to wait; the runtime decides what an event
 means (``coordinator/runtime/driver.py``). Use from one thread (the watch thread only posts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -48,7 +78,7 @@ from comm.registry.base import Registry
 from comm.registry.follow import Change, Follower
 from comm.registry.presence import Presence
 from comm.rpc import Mailbox, RpcError, open_reply, read_reply, request_frames
-from comm.sockets import make_socket
+from comm.sockets import CONTROL_HWM, make_socket
 from services.host.worker import coordinator_key
 from services.protocol import WorkerCard
 
@@ -59,7 +89,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PRESENCE_TTL = timedelta(seconds=2)
 """The coordinator's presence lease: its workers on etcd notice it died this long after (etcd's smallest)."""
 _WATCH_POLL = timedelta(seconds=0.25)  # how often the watch thread checks for close()
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum objects on the hot path
+# plain ints: pyzmq builds an enum object for a flag combined per call, and for each ZMQ_EVENTS read
+_NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_DRAIN_BATCH = 4096  # replies read per wake-up before the registry's events get a turn
 
 
 @dataclass(frozen=True)
@@ -109,7 +141,7 @@ class _Request:
 
 
 class EventLoop:
-    """One poller over the workers' DEALER sockets and the registry watch (see the module docstring).
+    """One poller over the workers' ROUTER socket and the registry watch (see the module docstring).
 
     Args:
         registry: Where the workers' cards live.
@@ -121,6 +153,7 @@ class EventLoop:
     Attributes:
         members: The cards of the workers currently registered.
         poll_seconds: Seconds spent waiting in the poller so far.
+        wakeups: How many times the poller returned so far (each costs the same at any worker count).
     """
 
     def __init__(self, registry: Registry, job: str, *,
@@ -132,9 +165,12 @@ class EventLoop:
         self._follower = Follower(registry, self.prefix, in_doubt=self.presence.in_doubt)
         self.members: dict[str, WorkerCard] = {}
         self.poll_seconds = 0.0  # time spent waiting in the poller (the rest is the coordinator's work)
-        self._socks: dict[str, zmq.Socket[bytes]] = {}
+        self.wakeups = 0
+        self._sock: zmq.Socket[bytes] | None = None  # made at the first connect ([Note: one socket ...])
+        self._rid_of: dict[str, bytes] = {}  # worker -> the routing id of its current connection
+        self._worker_of: dict[bytes, str] = {}  # routing id -> worker (current connections only)
         self._addresses: dict[str, str] = {}
-        self._worker_of: dict[zmq.Socket[bytes], str] = {}
+        self._rids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
         self._poller = zmq.Poller()
@@ -170,9 +206,11 @@ class EventLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2 * _WATCH_POLL.total_seconds() + 1)
-        for sock in self._socks.values():
-            sock.close()
-        self._socks.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._rid_of.clear()
+        self._worker_of.clear()
         self._posted.close()
         self.presence.close()
 
@@ -214,21 +252,31 @@ class EventLoop:
     def connect(self, worker: str, address: str) -> None:
         """Open (once) the connection to ``worker``'s service host at ``address``; a worker that came back
         at another address (a replacement) is reconnected, and the requests sent to the old one forgotten."""
-        old = self._socks.get(worker)
+        old = self._rid_of.get(worker)
+        sock = self._socket()
         if old is not None:
             if self._addresses[worker] == address:
                 return
-            self._poller.unregister(old)
-            del self._worker_of[old]
-            old.close(linger=0)
+            del self._worker_of[old], self._rid_of[worker]
+            previous = self._addresses.pop(worker)
+            if previous not in self._addresses.values():  # disconnect() ends every connection to it
+                with contextlib.suppress(zmq.ZMQError):  # already gone
+                    sock.disconnect(previous)
             for request_id in [i for i, r in self._requests.items() if r.worker == worker]:
                 del self._requests[request_id]
-        sock = make_socket(zmq.DEALER, curve="client")
-        sock.connect(address)
-        self._socks[worker] = sock
+        rid = b"r%d" % next(self._rids)  # never reused, never a leading zero byte (libzmq's own ids)
+        sock.setsockopt(zmq.CONNECT_ROUTING_ID, rid)
+        sock.connect(address)  # the connection's pipe exists from here on: sends queue until it is up
+        self._rid_of[worker] = rid
+        self._worker_of[rid] = worker
         self._addresses[worker] = address
-        self._worker_of[sock] = worker
-        self._poller.register(sock, zmq.POLLIN)
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            self._sock = make_socket(zmq.ROUTER, curve="client")
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable send raises, never vanishes
+            self._poller.register(self._sock, zmq.POLLIN)
+        return self._sock
 
     def send(self, worker: str, service: str, method: str, request: BaseModel | Mapping[str, Any],
              reply_type: type[BaseModel], *, tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
@@ -238,17 +286,36 @@ class EventLoop:
         which a caller sending the same large parts every step can build from cached pieces;
         the service validates it either way.
 
+        A request the socket cannot queue (see [Note: one socket for every worker]) is answered at
+        once by a failed :class:`Reply` with code ``unreachable``.
+
         Returns:
             The request id (``Reply.id``).
 
         Raises:
             KeyError: ``worker`` is not connected.
         """
-        sock = self._socks[worker]
+        rid = self._rid_of[worker]
+        assert self._sock is not None
         request_id = next(self._ids)
-        # copied into ZeroMQ's buffers: the caller may change its tensors as soon as this returns
-        sock.send_multipart(request_frames(request_id, service, method, request, tensors), copy=True)
-        self._requests[request_id] = _Request(worker, service, method, reply_type, time.time())
+        sent = time.time()
+        frames = request_frames(request_id, service, method, request, tensors)
+        try:  # copied into ZeroMQ's buffers: the caller may change its tensors as soon as this returns
+            self._sock.send(rid, _MORE)  # all or nothing: only the routing id's part can be refused
+            for frame in frames[:-1]:
+                self._sock.send(frame, _MORE, copy=True)
+            self._sock.send(frames[-1], _NOBLOCK, copy=True)
+        except zmq.ZMQError as exc:
+            why = ("its connection was refused (the CURVE handshake failed, or the address is not a "
+                   "cellmesh service host)" if exc.errno == zmq.EHOSTUNREACH else
+                   f"{CONTROL_HWM} requests to it are queued unread (it froze or died)")
+            self._ready.append(Reply(
+                id=request_id, worker=worker, service=service, method=method, ok=False, code="unreachable",
+                message=f"the coordinator could not send {service}.{method} to worker {worker} at "
+                        f"{self._addresses[worker]}: {why}; check that the worker runs and holds the job's "
+                        "keys", sent=sent))
+            return request_id
+        self._requests[request_id] = _Request(worker, service, method, reply_type, sent)
         return request_id
 
     def forget(self, request_id: int) -> None:
@@ -271,6 +338,7 @@ class EventLoop:
             polled = time.monotonic()
             ready = self._poller.poll(int(left * 1000) + 1)
             self.poll_seconds += time.monotonic() - polled
+            self.wakeups += 1
             for sock, _ in ready:
                 if sock is self._posted.socket:
                     self._posted.clear_wakeups()
@@ -285,11 +353,19 @@ class EventLoop:
             self.members.pop(event.name, None)
         return event
 
-    def _drain(self, sock: Any) -> None:
-        worker = self._worker_of[sock]
-        while sock.getsockopt(_EVENTS) & _POLLIN:  # no zmq.Again raised and caught per drain
-            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            reply = self._decode(worker, parts)
+    def _drain(self, sock: zmq.Socket[bytes]) -> None:
+        """Read the replies the ROUTER holds (up to :data:`_DRAIN_BATCH`: the poller comes back for more)."""
+        for _ in range(_DRAIN_BATCH):
+            try:  # one zmq.Again per drain (a drain reads several replies), not a ZMQ_EVENTS read per reply
+                parts = [sock.recv(_NOBLOCK, copy=False)]
+            except zmq.Again:
+                return
+            while parts[-1].more:  # the rest of a message is there once its first part is
+                parts.append(sock.recv(_NOBLOCK, copy=False))
+            worker = self._worker_of.get(parts[0].bytes)
+            if worker is None or len(parts) < 2:
+                continue  # a late reply on a connection the loop dropped (a replaced worker's)
+            reply = self._decode(worker, parts[1:])
             if reply is not None:
                 self._ready.append(reply)
 

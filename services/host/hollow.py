@@ -14,8 +14,10 @@ differs (:data:`HOLLOW_BUILDERS`, handed to the worker: the worker's code is not
   stage does (an unknown program or a wrong microbatch count is a ``bad_request``).
 * A step runs on the stage's own step thread, walking its action list: ``F``/``B``/``I``/``W`` sleep
   ``action_seconds`` (``B`` twice as long; 0 by default: the coordinator's own cost is what is
-  measured), and the pipeline transfers are real: ``SEND_F``/``SEND_B`` post an ``isend`` of a
-  cached zero tensor of the boundary's shape and dtype on the stage's real pipeline communicator
+  measured), each stretched by up to ``action_jitter`` of itself at random (stragglers: the replies
+  of a step then come one by one, as real workers' do, not all at once), and the pipeline
+  transfers are real: ``SEND_F``/``SEND_B`` post an ``isend`` of a cached zero tensor of the
+  boundary's shape and dtype on the stage's real pipeline communicator
   (:class:`~services.link.PipelineLink`, joined through the registry as the real stage joins), and
   ``RECV_F``/``RECV_B`` wait for the peer's, with the same tags. They go through the sockets, never
   shared memory (``CELLMESH_SHM=0``): every stage of a fleet is on one host, and each same-host pair
@@ -48,6 +50,7 @@ import argparse
 import contextvars
 import logging
 import os
+import random
 import signal
 import sys
 import threading
@@ -142,15 +145,18 @@ class HollowCompute(ServiceBase):
         options: The stage's plan fields, as the real stage takes them.
         params: Its parameters' names and shapes (zeros); ``state``: with its buffers.
         action_seconds: How long a forward takes (a backward twice, ``I``/``W`` once each).
+        action_jitter: Each compute action lasts up to this fraction longer, at random.
     """
 
     def __init__(self, options: ComputeOptions, params: list[tuple[str, torch.Tensor]],
-                 state: list[tuple[str, torch.Tensor]], action_seconds: float = 0.0) -> None:
+                 state: list[tuple[str, torch.Tensor]], action_seconds: float = 0.0,
+                 action_jitter: float = 0.0) -> None:
         self._options = options
         self._index, self._stages = options.stage, options.num_stages
         self._params, self._state = params, state
         self._held_bytes = sum(t.numel() * t.element_size() for _, t in params)
         self._seconds = action_seconds
+        self._jitter = action_jitter
         self._programs: dict[str, LoadProgram] = {}
         self._lock = threading.Lock()
         self._busy: str | None = None
@@ -164,7 +170,7 @@ class HollowCompute(ServiceBase):
 
     @classmethod
     def from_assignment(cls, assignment: Assignment, factories: FactoryAllowList,
-                        action_seconds: float = 0.0) -> HollowCompute:
+                        action_seconds: float = 0.0, action_jitter: float = 0.0) -> HollowCompute:
         """Check the options and the factories as the real stage does; the stage's shapes from the cache.
 
         Raises:
@@ -178,7 +184,7 @@ class HollowCompute(ServiceBase):
             raise RpcError("bad_request", f"stage {options.stage}: a hollow worker restores no checkpoint")
         try:
             params, state = SHAPES.of(assignment, options, factories)
-            return cls(options, params, state, action_seconds)
+            return cls(options, params, state, action_seconds, action_jitter)
         except ValueError as exc:
             raise RpcError("bad_request", f"stage {options.stage}: {exc}") from None
 
@@ -282,6 +288,7 @@ class HollowCompute(ServiceBase):
             start = time.time()
             if action.kind in _COMPUTE:
                 seconds = self._seconds * (2 if action.kind == "B" else 1)
+                seconds *= 1 + self._jitter * random.random()
                 if seconds > 0:
                     time.sleep(seconds)
             else:
@@ -363,11 +370,11 @@ class HollowCompute(ServiceBase):
         threading.Thread(target=self._link.close, daemon=True, name=f"close-hollow{self._index}").start()
 
 
-def hollow_builders(action_seconds: float = 0.0) -> dict[str, ServiceBuilder]:
+def hollow_builders(action_seconds: float = 0.0, action_jitter: float = 0.0) -> dict[str, ServiceBuilder]:
     """The worker's builders with a hollow ``compute`` (barriers and parameter servers stay real)."""
 
     def build(assignment: Assignment, factories: FactoryAllowList) -> ServiceBase:
-        return HollowCompute.from_assignment(assignment, factories, action_seconds)
+        return HollowCompute.from_assignment(assignment, factories, action_seconds, action_jitter)
 
     return {**SERVICE_BUILDERS, "compute": build}
 
@@ -383,11 +390,11 @@ class Fleet:
 
     def __init__(self, url: str, job: str, count: int, *, prefix: str = "local-", first: int = 0,
                  lease_ttl: timedelta = timedelta(seconds=5), factories: FactoryAllowList | None = None,
-                 action_seconds: float = 0.0) -> None:
+                 action_seconds: float = 0.0, action_jitter: float = 0.0) -> None:
         self.url = url
         self.registries: list[Registry] = []
         self.workers: dict[str, Worker] = {}
-        builders = hollow_builders(action_seconds)
+        builders = hollow_builders(action_seconds, action_jitter)
         presence = follows_presence(url)
         for i in range(first, first + count):
             registry = connect_registry(url, request_timeout=min(timedelta(seconds=10), lease_ttl))
@@ -448,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="the first name's number")
     parser.add_argument("--lease-ttl", type=float, default=5.0)
     parser.add_argument("--action-ms", type=float, default=0.0, help="milliseconds a forward takes")
+    parser.add_argument("--action-jitter", type=float, default=0.0,
+                        help="each compute action lasts up to this fraction longer, at random")
     parser.add_argument("--factory", action="append", default=[], metavar="MODULE:FUNCTION")
     parser.add_argument("--keys-dir", default=None)
     parser.add_argument("--insecure", action="store_true")
@@ -461,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fleet = Fleet(args.registry, args.job, args.workers, prefix=args.prefix, first=args.first,
                   lease_ttl=timedelta(seconds=args.lease_ttl),
                   factories=allowed_factories(None, args.factory),
-                  action_seconds=args.action_ms / 1000)
+                  action_seconds=args.action_ms / 1000, action_jitter=args.action_jitter)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     signal.signal(signal.SIGINT, lambda signum, frame: stop.set())

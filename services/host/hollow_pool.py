@@ -49,6 +49,7 @@ class HollowPool:
             per process for its tensors' names and shapes).
         lease_ttl: The workers' leases.
         action_ms: How long a hollow forward takes (a backward twice).
+        action_jitter: Each compute action lasts up to this fraction longer, at random (stragglers).
         start_timeout: Bounds the start until every card is registered.
         log: Where the fleet's stderr goes (default: a temporary file, named in errors, removed at close
             when the fleet exited cleanly).
@@ -56,6 +57,7 @@ class HollowPool:
 
     def __init__(self, count: int, job: str, *, registry: str | None = None, factories: Sequence[str] = (),
                  lease_ttl: timedelta = timedelta(seconds=5), action_ms: float = 0.0,
+                 action_jitter: float = 0.0,
                  start_timeout: timedelta = timedelta(seconds=300), log: Path | None = None) -> None:
         self.names = [f"local-{i}" for i in range(count)]
         self.job = job
@@ -63,6 +65,7 @@ class HollowPool:
         self._url = registry
         self._factories = list(factories)
         self._action_ms = action_ms
+        self._action_jitter = action_jitter
         self._start_timeout = start_timeout
         self._log = log
         self._temporary_log = log is None  # removed at close when the fleet exited cleanly
@@ -131,6 +134,7 @@ class HollowPool:
                     [sys.executable, "-m", "services.host.hollow", "--registry", self.registry_url, "--job",
                      self.job, "--workers", str(len(self.names)), "--lease-ttl",
                      str(self.lease_ttl.total_seconds()), "--action-ms", str(self._action_ms),
+                     "--action-jitter", str(self._action_jitter),
                      "--keys-dir", str(self._keys_dir), *factories],
                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=output, text=True,
                     start_new_session=True)
