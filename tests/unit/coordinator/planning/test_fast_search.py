@@ -138,13 +138,18 @@ def test_the_grid_is_not_vacuous() -> None:
     assert len(schedules) >= 2
 
 
+def random_schedule(rng: random.Random) -> tuple[str, int, int, int]:
+    """A schedule, stages, microbatches and chunks per worker drawn at random (some are invalid)."""
+    name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+    p, m = rng.randint(1, 9), rng.randint(1, 10)
+    return name, p, m, rng.choice([2, 3]) if name == "interleaved-1f1b" else 1
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(150):
-        name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
-        p, m = rng.randint(1, 9), rng.randint(1, 10)
-        v = rng.choice([2, 3]) if name == "interleaved-1f1b" else 1
+        name, p, m, v = random_schedule(rng)
         if schedule_problem(name, p, m, v):
             continue
         even = rng.random() < 0.3
@@ -169,9 +174,7 @@ def test_the_bound_over_every_cut_never_exceeds_the_played_step(seed: int) -> No
     rng = random.Random(100 + seed)
     overhead = 3e-4
     for _ in range(120):
-        name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
-        p, m = rng.randint(1, 9), rng.randint(1, 10)
-        v = rng.choice([2, 3]) if name == "interleaved-1f1b" else 1
+        name, p, m, v = random_schedule(rng)
         if schedule_problem(name, p, m, v):
             continue
         n = p + rng.randint(0, 12)
