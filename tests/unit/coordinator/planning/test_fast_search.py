@@ -129,10 +129,12 @@ def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
 
 
 def test_a_thousand_nodes_on_1024_workers_is_planned() -> None:
-    """The cluster-size case finishes (its time is bench/planning.py's: no timed assertion here)."""
+    """The cluster-size case finishes (its time is bench/planning.py's: no timed assertion here): 128 hosts
+    of 8 one-core workers (1,024 workers on this machine's cores would all tie, and every shape be played)."""
     prof = Profile.synthetic([1e-3] * 1000, param_bytes=[4 * 10**6] * 1000, activation_bytes=[10**6] * 1000,
                              cut_bytes=[256 * KiB] * 999)
-    res = Resources.local(1024, memory_bytes=80 * 2**30)
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=80 * 2**30, host=f"h{i // 8}")
+                                  for i in range(1024)))
     plan = choose_plan(prof, res, PlanConfig(num_stages=128), global_batch=4096)
     assert plan.num_stages == 128 and plan.num_workers <= 1024
     assert plan.bounds[0] == 0 and plan.bounds[-1] == 1000
