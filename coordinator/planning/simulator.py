@@ -52,8 +52,7 @@ from pathlib import Path
 from coordinator.planning.schedules import Schedule, Step
 from services.protocol import Action, ActionKind
 
-__all__ = ["Sharing", "SimResult", "StageCosts", "TimedAction", "Timing", "compute_overlap", "draw_timeline",
-           "play", "simulate"]
+__all__ = ["Sharing", "SimResult", "StageCosts", "TimedAction", "Timing", "draw_timeline", "play", "simulate"]
 
 DEFAULT_WEIGHT_FRACTION = 0.5  # W's share of an unmeasured backward (the paper's T_W ~ T_F ~ T_B / 2)
 
@@ -250,11 +249,6 @@ class SimResult:
     peak_in_flight: tuple[int, ...]
     peak_activation_bytes: tuple[float, ...]
 
-    @property
-    def compute_spans(self) -> list[list[tuple[float, float]]]:
-        """Per rank, its compute actions' (start, end)."""
-        return [[(t.start, t.end) for t in played if t.action.kind in _COMPUTE] for played in self.timeline]
-
     def track(self, rank: int) -> str:
         """A rank's label: ``stage 3`` when it holds one stage, ``rank 1 (1,6)`` when several."""
         stages = self.ranks[rank]
@@ -301,12 +295,6 @@ class Timing:
     def bubble_fraction(self) -> float:
         idle = sum(self.step_time_s - b for b in self.busy_s)
         return idle / (len(self.ranks) * self.step_time_s) if self.step_time_s > 0 else 0.0
-
-    @property
-    def compute_spans(self) -> list[list[tuple[float, float]]]:
-        """Per rank, its compute actions' (start, end)."""
-        return [[(t0, t1) for a, t0, t1 in zip(steps, starts, ends, strict=True) if a.kind in _COMPUTE]
-                for steps, starts, ends in zip(self.steps, self.starts, self.ends, strict=True)]
 
     def played_costs(self, costs: StageCosts) -> StageCosts:
         """``costs`` with each stage's forward and backward (and W) the mean of its played ones: what they
@@ -612,42 +600,6 @@ def simulate(schedule: Schedule, costs: StageCosts, sharing: Sharing | None = No
         peak_in_flight=tuple(max(n for _, n in h) for h in held),
         peak_activation_bytes=tuple(peak_bytes),
     )
-
-
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """``intervals`` as disjoint ones, in order."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        elif end > start:
-            out.append((start, end))
-    return out
-
-
-def compute_overlap(result: SimResult | Timing, neighbours: Sequence[Sequence[int]]) -> tuple[float, ...]:
-    """Per rank, the share of its compute time (F, B, I, W) during which a neighbour computes too.
-
-    ``neighbours[r]``: the other ranks whose compute competes with rank ``r``'s (CPU workers of
-    one host: see [Note: contention on a shared host] in ``coordinator/planning/planner.py``).
-    A rank that computes nothing gets 0. Reads the played timeline only: the costs it was
-    played with decide it.
-    """
-    spans = result.compute_spans
-    shares = []
-    for r, own in enumerate(spans):
-        total = sum(end - start for start, end in own)
-        others = _merged([iv for n in neighbours[r] if n != r for iv in spans[n]])
-        covered, k = 0.0, 0
-        for start, end in _merged(own):
-            while k < len(others) and others[k][1] <= start:
-                k += 1
-            j = k
-            while j < len(others) and others[j][0] < end:
-                covered += min(end, others[j][1]) - max(start, others[j][0])
-                j += 1
-        shares.append(covered / total if total > 0 else 0.0)
-    return tuple(shares)
 
 
 _COLOURS: dict[ActionKind, str] = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b",

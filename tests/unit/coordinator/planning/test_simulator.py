@@ -18,7 +18,6 @@ from coordinator.planning.simulator import (
     Sharing,
     StageCosts,
     TimedAction,
-    compute_overlap,
     draw_timeline,
     simulate,
 )
@@ -156,22 +155,6 @@ def test_stages_start_after_their_start_time() -> None:
     assert result.busy_s[0] == pytest.approx(3 + 1 + 2)
     with pytest.raises(ValueError, match="inconsistent"):
         StageCosts((1.0, 1.0), (2.0, 2.0), (0.0,), (0.0,), start_s=(3.0,))
-
-
-def test_compute_overlap_by_hand() -> None:
-    # GPipe 2 x 2, F 1, B 2, free transfers: stage 0 computes [0,2] and [5,9], stage 1 [1,7];
-    # each overlaps the other for 3 of its 6 time units
-    result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0))
-    assert compute_overlap(result, [[1], [0]]) == pytest.approx((0.5, 0.5))
-    assert compute_overlap(result, [[], []]) == (0.0, 0.0)  # no neighbours, nothing competes
-    assert compute_overlap(result, [[0, 1], [1]]) == pytest.approx((0.5, 0.0))  # a rank is not its own
-
-
-def test_a_light_stage_is_contended_longer_than_a_heavy_one() -> None:
-    costs = StageCosts((1.0, 3.0), (2.0, 6.0), (0.0,), (0.0,))
-    light, heavy = compute_overlap(simulate(one_f_one_b(2, 8), costs), [[1], [0]])
-    assert light == pytest.approx(7 / 8)  # all but its last backward, in the drain
-    assert heavy < 0.5
 
 
 def _one_host(ranks: int, cores: float, forward: float = 1.0, backward: float = 1.0) -> Sharing:
