@@ -40,6 +40,7 @@ of every step against the GPipe formula and the simulator's, and where a step's 
 (from the step's event log).
 
     python bench/train.py [--steps 10] [--warmup 3] [--rounds 3] [--quick] [--only ddp,cm-dp2]
+    python bench/train.py --replay DIR   # this tree's cost model against a run saved with --save DIR
 """
 
 from __future__ import annotations
@@ -781,12 +782,45 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
     return "\n".join(out)
 
 
+def replay_saved(directory: str) -> str:
+    """This tree's cost model played against a ``--save`` directory: per configuration, the plan its
+    profiles give now against the steps measured then (median, and min-max over rounds) and against
+    the prediction of that run's tree, as a markdown table."""
+    from coordinator.planning.config import PlanConfig
+    from coordinator.planning.planner import choose_plan
+    from coordinator.planning.profile import Profile
+    from coordinator.planning.resources import Resources
+
+    with open(os.path.join(directory, "steps.json"), encoding="utf-8") as f:
+        steps = json.load(f)
+    rows = ["| configuration | measured ms | predicted then | now | then / measured | now / measured |",
+            "|---|---|---|---|---|---|"]
+    for c in CONFIGS:
+        if c.key not in steps or c.key not in CELLMESH_SHAPES:
+            continue
+        model, workers, fields = CELLMESH_SHAPES[c.key]
+        profile = Profile.load(os.path.join(directory, f"profile-{model.rsplit(':', 1)[1]}.json"))
+        now = choose_plan(profile, Resources.local(max(WORLD, workers)), PlanConfig(**fields),
+                          global_batch=GLOBAL_BATCH).step_time_s
+        measured, then = steps[c.key]["step_s"], steps[c.key]["predicted_s"]
+        ratios = [_cell([p / x for x in measured], ".2f") for p in (then, now)]
+        rows.append(f"| {c.label} | {_cell([x * 1e3 for x in measured])} | {then * 1e3:.1f} "
+                    f"| {now * 1e3:.1f} | {ratios[0]} | {ratios[1]} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = round_parser(__doc__, "configuration")
     parser.add_argument("--only", default="", help="comma-separated configuration keys (default: all)")
     parser.add_argument("--save", default="", help="a directory for the run's profiles and measured steps "
                                                    "(JSON), to play another cost model against them")
+    parser.add_argument("--replay", default="", help="a --save directory: print this tree's predicted step "
+                                                     "against its measured ones and its run's prediction "
+                                                     "(runs nothing)")
     args = parse_rounds(parser)
+    if args.replay:
+        print(replay_saved(args.replay))
+        return
     from comm.allocator import tune_malloc
 
     tune_malloc()

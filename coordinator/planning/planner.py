@@ -46,22 +46,22 @@ the clipping norm) at :data:`GRADIENT_CHECK_BANDWIDTH_BPS`, the largest stage's.
 receive, the transport's bookkeeping, seeing it complete: 0.2-0.4 ms per 32 KB transfer
 measured, against the link's 0.11 ms).
 
-[Note: contention on a shared host] Two busy CPU workers of one host (``Worker.host``) slow
-each other down: they share the caches and the memory bandwidth. The profile is taken by one
-process alone, so where the plan runs more than one CPU worker on a host, a stage's compute
-is scaled by the slowdown for the share of it that runs while another worker of the host
-computes too (:func:`~coordinator.planning.simulator.compute_overlap` on the schedule played
-with the profile's times, then played again with the scaled ones). Replicas of a stage run
-the same timeline, so a stage with two replicas on one host is always contended; a pipeline's
-light stage is contended for all its compute, its heavy one only while the light one is not
-waiting (which is why balancing a pipeline's stages gains less on a shared host than the
-profile says). The backward suffers more than the forward: on 8-sample microbatches it streams
-a stage's weights and its gradients (read, accumulate, write), twice the forward's bytes, and
-two stages' weights and gradients do not fit the shared cache together.
-:data:`SHARED_HOST_FORWARD_SLOWDOWN` and :data:`SHARED_HOST_BACKWARD_SLOWDOWN` are those
-factors, measured as in-step times over the profile's on the development machine (2 cores).
-More busy workers than the host has cores (4 stages on 2 cores) is not modelled: the resource
-list does not say how many cores a host has.
+[Note: contention on a shared host] Busy CPU workers of one host (``Worker.host``) slow each other
+down: they share its cores (``Resources.host_cores``: more threads busy than cores, and each waits its
+turn) and its caches and memory bandwidth. The profile is taken by one process alone, so where the plan
+runs more than one CPU worker on a host, the simulator plays the schedule at the pace the host allows
+([Note: shared cores] in ``coordinator/planning/simulator.py``): at any moment, ``k`` threads busy on
+``c`` cores each run at ``min(1, c / k)`` of their pace, and a forward or backward at ``1 /`` the
+slowdown of that again while another worker of the host is busy. Replicas of a stage run the same
+timeline, so a stage with two replicas on one host is always contended; a pipeline's light stage is
+contended for all its compute, its heavy one only while the light one is not waiting (which is why
+balancing a pipeline's stages gains less on a shared host than the profile says); and 4 stages on 2
+cores take turns on them wherever more than 2 of them are busy. The backward suffers more than the
+forward: on 8-sample microbatches it streams a stage's weights and its gradients (read, accumulate,
+write), twice the forward's bytes, and two stages' weights and gradients do not fit the shared cache
+together. :data:`SHARED_HOST_FORWARD_SLOWDOWN` and :data:`SHARED_HOST_BACKWARD_SLOWDOWN` are those
+factors, measured as in-step times over the profile's on the development machine (2 cores). A plan's
+stages keep the forward and backward they took on average in that play (``StagePlan.forward_s``).
 
 [Note: several stages per worker] An interleaved shape (``chunks = v >= 2``, see [Note: interleaved
 shapes] in ``coordinator/planning/request.py``) places stage ``s`` of replica ``r`` on worker
@@ -174,10 +174,9 @@ from coordinator.planning.schedules import schedule_steps, stage_holds
 from coordinator.planning.sharding import optimizer_s, sharded_sync
 from coordinator.planning.simulator import (
     DEFAULT_WEIGHT_FRACTION,
-    SimResult,
+    Sharing,
     StageCosts,
     Timing,
-    compute_overlap,
     play,
 )
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
@@ -185,8 +184,8 @@ from services.params.grad_sync import DEFAULT_BUCKET_BYTES
 __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWIDTH_BPS",
            "OPTIMIZER_BANDWIDTH_BPS", "OPTIMIZER_TRAFFIC", "SHARED_HOST_BACKWARD_SLOWDOWN",
            "SHARED_HOST_FORWARD_SLOWDOWN", "TRANSFER_OVERHEAD_S", "Candidate", "CellBytes",
-           "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "contended_share",
-           "cut_problem", "format_candidates", "memory_floor"]
+           "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "cut_problem",
+           "format_candidates", "memory_floor"]
 
 T = TypeVar("T")
 _SEARCH_ALL = PlanConfig()  # nothing fixed
@@ -455,6 +454,7 @@ class _Placed:
         self.link = neighbour_link(shared.resources, placement)  # what the pipeline's transfers cross
         self._shared = shared
         self._stage_links: dict[int, tuple[float, float]] = {}
+        self._sharing: dict[int, Sharing | None] = {}
 
         self.num_stages = num_stages
 
@@ -463,6 +463,14 @@ class _Placed:
         if stage not in self._stage_links:
             self._stage_links[stage] = self._shared.link([w.name for w in self.workers[stage]])
         return self._stage_links[stage]
+
+    def sharing(self, ranks: int) -> Sharing | None:
+        """How the ``ranks`` ranks of a replica share their hosts' cores, all replicas' workers counted
+        (None: no CPU host holds two of the shape's workers). See [Note: contention on a shared host]."""
+        if ranks not in self._sharing:
+            self._sharing[ranks] = _sharing(self._shared.resources, self.workers[:ranks]) \
+                if self.shared_host else None
+        return self._sharing[ranks]
 
     def rank_stages(self, ranks: int) -> list[tuple[int, ...]]:
         """The stages each of ``ranks`` workers of a replica holds (stage ``s`` on ``s % ranks``)."""
@@ -476,52 +484,27 @@ def _twins(workers: Sequence[Sequence[Worker]]) -> list[bool]:
             for s, ws in enumerate(workers)]
 
 
-def contended_share(sim: SimResult | Timing, workers: Sequence[Sequence[Worker]]) -> list[float]:
-    """Per stage, the share of its compute that runs while another CPU worker of its host computes.
+def _sharing(resources: Resources | None, rank_workers: Sequence[Sequence[Worker]]) -> Sharing:
+    """The :class:`Sharing` of ranks whose workers (all replicas') are ``rank_workers[r]``: per rank and
+    CPU host, the threads its workers there run (their ``cpus``) and how many workers that is."""
+    assert resources is not None
+    hosts: dict[str, int] = {}
+    cores: list[float] = []
+    wants: list[tuple[tuple[int, float, int], ...]] = []
+    for ws in rank_workers:
+        mine: dict[int, tuple[float, int]] = {}
+        for w in ws:
+            if w.device != "cpu" or w.host is None:
+                continue
+            if w.host not in hosts:
+                hosts[w.host] = len(cores)
+                cores.append(float(resources.host_cores(w.name)))
+            h = hosts[w.host]
+            k, n = mine.get(h, (0.0, 0))
+            mine[h] = (k + w.cpus, n + 1)
+        wants.append(tuple((h, k, n) for h, (k, n) in mine.items()))
+    return Sharing(tuple(cores), tuple(wants), SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN)
 
-    ``workers[s]``: the workers of stage ``s``'s replicas; ``sim``: the schedule played with
-    the profile's (uncontended) times. Replicas play the same timeline, so a stage with two
-    replicas on one host is contended throughout (1.0); otherwise it is the simulated overlap
-    with the ranks holding stages on its hosts (stages sharing a rank never compete). See
-    [Note: contention on a shared host].
-    """
-    hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
-    twins = _twins(workers)
-    rank_hosts = [set().union(*(hosts[s] for s in stages)) for stages in sim.ranks]
-    neighbours = [[n for n, other in enumerate(rank_hosts) if n != r and other & mine]
-                  for r, mine in enumerate(rank_hosts)]
-    every = len(neighbours) > 2 and all(len(ns) == len(neighbours) - 1 for ns in neighbours)
-    overlap = _overlap_with_any(sim.compute_spans) if every else compute_overlap(sim, neighbours)
-    rank_of = {s: r for r, stages in enumerate(sim.ranks) for s in stages}
-    return [1.0 if twins[s] else overlap[rank_of[s]] for s in range(len(workers))]
-
-
-def _overlap_with_any(spans: Sequence[Sequence[tuple[float, float]]]) -> tuple[float, ...]:
-    """``compute_overlap`` where every rank neighbours every other (one host): per rank, the share of its
-    compute during which another rank computes, in one sweep over all the spans (``E log E`` for ``E``
-    spans, where a merge per rank is ``R E log E``): a rank's covered time is its merged time less the time
-    it computes alone."""
-    events = sorted((t, edge, r) for r, own in enumerate(spans) for start, end in own if end > start
-                    for t, edge in ((start, 1), (end, -1)))
-    alone = [0.0] * len(spans)
-    merged = [0.0] * len(spans)
-    active: dict[int, tuple[int, float]] = {}  # rank -> (its spans open now, since when one is)
-    last = 0.0
-    for t, edge, r in events:  # at one time, ends before starts: spans that touch do not overlap
-        if len(active) == 1 and t > last:
-            alone[next(iter(active))] += t - last
-        last = t
-        count, since = active.get(r, (0, t))
-        if count + edge:
-            active[r] = (count + edge, since)
-        else:
-            del active[r]
-            merged[r] += t - since
-    shares = []
-    for r, own in enumerate(spans):
-        total = sum(end - start for start, end in own)
-        shares.append((merged[r] - alone[r]) / total if total > 0 else 0.0)
-    return tuple(shares)
 
 
 # [Note: action overhead] Every forward or backward action costs a fixed time on top of its
@@ -546,7 +529,7 @@ class _Played:
 
     costs: StageCosts
     sim: Timing
-    slow_b: tuple[float, ...]  # each stage's backward slowdown on a shared host
+    slow_b: tuple[float, ...]  # each stage's backward as played over its own (a shared host stretches it)
 
 
 @dataclass(frozen=True)
@@ -628,7 +611,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     mb, ranks, placement, at = setup.mb, setup.ranks, setup.placement, setup.at
     order = schedule_steps(sched_name, p, m, v)[0]  # per rank
     in_flight, defer, limit = setup.in_flight, setup.defer, setup.limit
-    workers, speed, on_cuda, shared_host = at.workers, at.speed, at.on_cuda, at.shared_host
+    workers, speed, on_cuda = at.workers, at.speed, at.on_cuda
     runtime = setup.runtime
     bw, lat = at.link
     fwd_bytes, bwd_bytes = shared.scaled(mb)
@@ -664,21 +647,18 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         inner = bounds[1:-1]
         held = tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans))
 
-        def run(slow_f: Sequence[float], slow_b: Sequence[float]) -> tuple[StageCosts, Timing]:
-            costs = StageCosts(tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_f, slow_f, strict=True)),
-                               tuple(t * k + ACTION_OVERHEAD_S for t, k in zip(alone_b, slow_b, strict=True)),
-                               tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
-                               tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
-                               held, start_s=start)
-            return costs, play(sched_name, order, at.rank_stages(ranks), costs)
-
-        slow_f = slow_b = [1.0] * p
-        if shared_host:  # played with each stage's compute slowed for its contended share
-            # replicas sharing a host are contended throughout: no need to play the uncontended step
-            contended = ([1.0] * p if all(at.twins) else contended_share(run(slow_f, slow_b)[1], workers))
-            slow_f = [1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * c for c in contended]
-            slow_b = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * c for c in contended]
-        costs, sim = run(slow_f, slow_b)
+        costs = StageCosts(tuple(t + ACTION_OVERHEAD_S for t in alone_f),
+                           tuple(t + ACTION_OVERHEAD_S for t in alone_b),
+                           tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
+                           tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
+                           held, start_s=start)
+        # at the pace a shared host allows (see [Note: contention on a shared host]); the plan keeps the
+        # stages' forwards and backwards as they were played
+        sim = play(sched_name, order, at.rank_stages(ranks), costs, at.sharing(ranks))
+        alone = costs
+        if at.shared_host:
+            costs = sim.played_costs(alone)
+        slow_b = [b / a if a > 0 else 1.0 for a, b in zip(alone.backward_s, costs.backward_s, strict=True)]
         played[bounds, recompute] = _Played(costs, sim, tuple(slow_b))
         return played[bounds, recompute]
 
@@ -788,7 +768,18 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     try:
         bounds = problem.check(free)
     except CutError:  # the cut within memory is the simulator's business: the bound over every cut
-        return loose if may_fit(problem) else math.inf  # no cut fits: the candidate cannot
+        if not may_fit(problem):
+            return math.inf  # no cut fits: the candidate cannot
+        bound = loose
+        sharing = at.sharing(setup.ranks)
+        if sharing is not None and len(sharing.cores) == 1 and len(set(sharing.wants)) == 1:
+            # ranks alike on one host: its cores bound the step whatever the cut, as below
+            ranks, fastest = setup.ranks, max(speed)
+            each = [m * (sums[0][-1] / fastest + p * ACTION_OVERHEAD_S) / ranks,
+                    m * (sums[1][-1] / fastest + p * ACTION_OVERHEAD_S) / ranks]
+            bound = max(bound, sharing.least_time([each[0]] * ranks, [each[1]] * ranks, [0.0] * ranks)
+                        + 2 * CONTROL_MESSAGE_S)
+        return bound
     cut = np.asarray(bounds)
     fwd, bwd, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
     fwd_bytes, bwd_bytes = shared.scaled(mb)
@@ -806,9 +797,16 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
                               [_transfer(fwd_bytes[c], bw, lat) for c in inner],
                               [_transfer(bwd_bytes[c], bw, lat) for c in inner], start,
                               [t * DEFAULT_WEIGHT_FRACTION for t in backward])
+    sharing = at.sharing(setup.ranks)
+    if sharing is not None:  # a host's cores do at most their count of seconds of work per second
+        held = [range(k, p, setup.ranks) for k in range(setup.ranks)]
+        pipeline = max(pipeline, sharing.least_time(
+            [m * sum(fwd[s] / speed[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
+            [m * sum(bwd[s] / speed[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
+            [sum(start[s] for s in ss) for ss in held]))
     sync = [0.0] * p
     if d > 1:
-        slow = 1.0 if not at.shared_host else SHARED_HOST_BACKWARD_SLOWDOWN
+        slow = 1.0 if sharing is None else sharing.most_stretch()  # the most a backward is stretched
         for s in range(p):
             hidden = bwd[s] * slow / speed[s]  # at most the whole backward hides it
             link_bw, link_lat = at.stage_link(s)

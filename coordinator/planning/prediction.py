@@ -8,6 +8,11 @@ The per-cut times follow from the chain (stage 0 has only cut 0, stage ``s`` has
 gradients coming back, which moves no step time (both endpoints pay both directions) and only
 shifts where inside a step a transfer sits.
 
+Where CPU workers share a host, the planner played each action at the pace the host allowed at that
+moment ([Note: shared cores] in ``coordinator/planning/simulator.py``) and the plan keeps each stage's
+mean forward and backward: replayed at those means the step lands near the planner's, not on it (within
+a few percent where the pace varies most, a light stage beside a heavy one).
+
 Used by the trace (the predicted tracks beside the measured ones), the run record (the
 predicted bubble) and ``cellmesh plan --timeline``.
 """

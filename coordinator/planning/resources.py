@@ -72,6 +72,10 @@ class Worker(BaseModel):
             profiled forward and backward in half the time).
         host: The machine it runs on, if known: CPU workers of one host share its cores and
             memory bandwidth, which the planner accounts for (None: a machine of its own).
+        host_cpus: The cores of its host, shared by every worker on it (None: its host's workers'
+            ``cpus`` together, so none waits for a core). Each worker runs ``cpus`` threads; more
+            threads busy at once than the host has cores slow them all ([Note: shared cores] in
+            ``coordinator/planning/simulator.py``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -83,6 +87,7 @@ class Worker(BaseModel):
     memory_bytes: int = Field(gt=0)
     speed: float = Field(default=1.0, gt=0)
     host: str | None = None
+    host_cpus: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _gpus_match_device(self) -> Worker:
@@ -193,6 +198,22 @@ class Resources(BaseModel):
             host_pairs.setdefault(ends, (hl.bandwidth_bps, hl.latency_s))
         return _Index({w.name: w for w in self.workers}, {w.name: _host_key(w) for w in self.workers},
                       pairs, host_pairs)
+
+    def host_cores(self, name: str) -> int:
+        """The cores of worker ``name``'s host: its workers' ``host_cpus`` (the most given), else their
+        ``cpus`` together (a worker without a host: its own ``cpus``)."""
+        return self._cores[self.host_of(name)]
+
+    @functools.cached_property
+    def _cores(self) -> dict[HostKey, int]:
+        given: dict[HostKey, int] = {}
+        summed: Counter[HostKey] = Counter()
+        for w in self.workers:
+            key = _host_key(w)
+            summed[key] += w.cpus
+            if w.host_cpus is not None:
+                given[key] = max(given.get(key, 0), w.host_cpus)
+        return {key: given.get(key, total) for key, total in summed.items()}
 
     @functools.cached_property
     def host_groups(self) -> tuple[tuple[str, ...], ...]:
@@ -326,7 +347,8 @@ class Resources(BaseModel):
     @classmethod
     def local(cls, workers: int = 2, *, memory_bytes: int | None = None,
               memory_fraction: float = 0.8, gpu_memory_bytes: Sequence[int] = ()) -> Resources:
-        """This machine as ``workers`` worker processes on loopback, on one host (in order).
+        """This machine as ``workers`` worker processes on loopback, on one host (in order) of
+        ``os.cpu_count()`` cores: more workers than cores share them.
 
         Args:
             workers: How many worker processes (>= 1).
@@ -348,15 +370,16 @@ class Resources(BaseModel):
         if memory_bytes is None:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             memory_bytes = int(total * memory_fraction / workers)
-        cpus = max(1, (os.cpu_count() or 1) // workers)
+        cores = os.cpu_count() or 1
+        cpus = max(1, cores // workers)
         host = platform.node() or "localhost"
         if gpu_memory_bytes:
             return cls(workers=tuple(
                 Worker(name=f"local-{i}", device="cuda", gpus=1, cpus=cpus, host=host,
                        memory_bytes=max(1, int(gpu_memory_bytes[i] * memory_fraction)))
                 for i in range(workers)))
-        return cls(workers=tuple(Worker(name=f"local-{i}", cpus=cpus, memory_bytes=memory_bytes, host=host)
-                                 for i in range(workers)))
+        return cls(workers=tuple(Worker(name=f"local-{i}", cpus=cpus, memory_bytes=memory_bytes, host=host,
+                                        host_cpus=cores) for i in range(workers)))
 
     def summary(self) -> str:
         """One line: how many workers on how many hosts, and the links."""

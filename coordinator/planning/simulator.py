@@ -21,6 +21,20 @@ The model (the same one the cutter optimises, see [Note: transfer cost] in
 A :class:`~coordinator.planning.schedules.Schedule` is valid by construction, deadlock
 freedom included, so every action gets played.
 
+[Note: shared cores] Played with a :class:`Sharing`, the ranks' work is not a fixed time but an
+amount of it, done at a rate that follows what else runs on the same hosts (a processor-sharing
+model). A rank stands for its stage's replicas, which play the same timeline, so it *wants*
+``cores[h]`` of host ``h``: the threads of its workers there. At any moment, with ``k`` cores
+wanted on a host of ``c`` by the ranks busy there (computing, sending, receiving, applying their
+update; a rank waiting for a receive sleeps), each of them runs at ``min(1, c / k)`` of its pace;
+a forward, backward, I or W runs at ``1 / slowdown`` of that again while more than one *worker*
+of the host is busy (``forward_slowdown``, ``backward_slowdown``: the shared caches and memory
+bandwidth, which the profile, taken by one process alone, does not see). A rank on several hosts
+runs at its slowest host's rate. The play is then event by event: at each start or end of an
+action the rates are taken again, and the next end is the earliest one at those rates. Without a
+host holding two busy workers this is the plain play above, which :func:`play` runs then (it is
+the faster of the two).
+
 Everything a rank spends waiting is idle; the bubble fraction is total idle time over
 ``num_ranks * step_time``. For equal stages and free transfers it is ``(p-1)/(m+p-1)``
 for GPipe and 1F1B alike. Results are per rank (``SimResult.ranks`` says which stages
@@ -29,6 +43,8 @@ each holds); with one stage per rank, rank ``s`` is stage ``s``.
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +52,7 @@ from pathlib import Path
 from coordinator.planning.schedules import Schedule, Step
 from services.protocol import Action, ActionKind
 
-__all__ = ["SimResult", "StageCosts", "TimedAction", "Timing", "compute_overlap", "draw_timeline", "play",
-           "simulate"]
+__all__ = ["Sharing", "SimResult", "StageCosts", "TimedAction", "Timing", "draw_timeline", "play", "simulate"]
 
 DEFAULT_WEIGHT_FRACTION = 0.5  # W's share of an unmeasured backward (the paper's T_W ~ T_F ~ T_B / 2)
 
@@ -113,6 +128,90 @@ class StageCosts:
                    weight_backward_s=weights)
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """How a plan's ranks share their hosts' cores (see [Note: shared cores]).
+
+    Args:
+        cores: Each host's cores (hosts numbered from 0).
+        wants: Per rank, ``(host, cores, workers)`` for every host it runs on: the cores its workers
+            there want while busy (their threads) and how many workers that is. A rank on no shared
+            host (a GPU's, a host of its own) has none and runs at its own pace.
+        forward_slowdown: A forward's pace divided by this while another worker of its host is busy.
+        backward_slowdown: The same for a backward (B, I and W).
+
+    Raises:
+        ValueError: On a host that is not numbered, no cores, or a slowdown below 1.
+    """
+
+    cores: tuple[float, ...]
+    wants: tuple[tuple[tuple[int, float, int], ...], ...]
+    forward_slowdown: float = 1.0
+    backward_slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if any(c <= 0 for c in self.cores):
+            raise ValueError(f"every host needs cores > 0: {self.cores}")
+        if any(not 0 <= h < len(self.cores) or k <= 0 or n < 1 for w in self.wants for h, k, n in w):
+            raise ValueError(f"each want is (host in 0..{len(self.cores) - 1}, cores > 0, workers >= 1): "
+                             f"{self.wants}")
+        if min(self.forward_slowdown, self.backward_slowdown) < 1:
+            raise ValueError("a slowdown is >= 1: another busy worker never speeds one up")
+
+    @property
+    def crowded(self) -> bool:
+        """Whether some host holds two workers or more (else every rank runs at its own pace)."""
+        per_host = [0] * len(self.cores)
+        for want in self.wants:
+            for h, _, n in want:
+                per_host[h] += n
+        return any(n > 1 for n in per_host)
+
+    def homes(self) -> list[int | None]:
+        """Per rank, the host whose pace it runs at: where it wants the most cores (None: no shared host)."""
+        return [max(w, key=lambda x: x[1])[0] if w else None for w in self.wants]
+
+    def least_time(self, forward: Sequence[float], backward: Sequence[float],
+                   other: Sequence[float]) -> float:
+        """A lower bound on the step when rank ``r`` has ``forward[r]``, ``backward[r]`` and ``other[r]``
+        seconds of work at its own pace.
+
+        On a host of ``c`` cores, a rank wanting ``k`` of them that runs at pace ``x`` uses ``k x`` of
+        them, and does ``x / slowdown`` of its forward or backward while another worker is busy: so the
+        host's ranks together do at most ``c`` seconds of work, each weighted by its slowdown and the
+        cores it wants, per second, while two workers or more are busy; and one alone at most
+        ``slowdown min(k, c) / c`` times that. The weighted work of the ranks at the host's pace over
+        ``c`` times the larger of the two is the bound.
+        """
+        homes = self.homes()
+        workers = [0] * len(self.cores)
+        for want in self.wants:
+            for h, _, w in want:
+                workers[h] += w
+        worst = max(self.forward_slowdown, self.backward_slowdown)
+        load = [0.0] * len(self.cores)
+        alone = [1.0] * len(self.cores)
+        for r, home in enumerate(homes):
+            if home is None:
+                continue
+            h = home
+            k = next(k for g, k, _ in self.wants[r] if g == h)
+            crowded = workers[h] > 1
+            f, b = (self.forward_slowdown, self.backward_slowdown) if crowded else (1.0, 1.0)
+            load[h] += k * (f * forward[r] + b * backward[r] + other[r])
+            alone[h] = max(alone[h], worst * min(k, self.cores[h]) / self.cores[h] if crowded else 1.0)
+        return max((x / (c * a) for x, c, a in zip(load, self.cores, alone, strict=True)), default=0.0)
+
+    def most_stretch(self) -> float:
+        """The most any busy rank's pace can be divided by: its host's cores all wanted, its kind slowed."""
+        wanted = [0.0] * len(self.cores)
+        for want in self.wants:
+            for h, k, _ in want:
+                wanted[h] += k
+        share = max((max(1.0, k / c) for k, c in zip(wanted, self.cores, strict=True)), default=1.0)
+        return share * max(self.forward_slowdown, self.backward_slowdown)
+
+
 @dataclass(frozen=True, slots=True)
 class TimedAction:
     """One played action: it ran from ``start`` to ``end`` (a RECV's wait precedes ``start``)."""
@@ -149,11 +248,6 @@ class SimResult:
     held: tuple[tuple[tuple[float, int], ...], ...]
     peak_in_flight: tuple[int, ...]
     peak_activation_bytes: tuple[float, ...]
-
-    @property
-    def compute_spans(self) -> list[list[tuple[float, float]]]:
-        """Per rank, its compute actions' (start, end)."""
-        return [[(t.start, t.end) for t in played if t.action.kind in _COMPUTE] for played in self.timeline]
 
     def track(self, rank: int) -> str:
         """A rank's label: ``stage 3`` when it holds one stage, ``rank 1 (1,6)`` when several."""
@@ -202,20 +296,41 @@ class Timing:
         idle = sum(self.step_time_s - b for b in self.busy_s)
         return idle / (len(self.ranks) * self.step_time_s) if self.step_time_s > 0 else 0.0
 
-    @property
-    def compute_spans(self) -> list[list[tuple[float, float]]]:
-        """Per rank, its compute actions' (start, end)."""
-        return [[(t0, t1) for a, t0, t1 in zip(steps, starts, ends, strict=True) if a.kind in _COMPUTE]
-                for steps, starts, ends in zip(self.steps, self.starts, self.ends, strict=True)]
+    def played_costs(self, costs: StageCosts) -> StageCosts:
+        """``costs`` with each stage's forward and backward (and W) the mean of its played ones: what they
+        took at the pace the shared cores allowed ([Note: shared cores]); as given where none was played."""
+        p = costs.num_stages
+        took: dict[tuple[int, ActionKind], list[float]] = {}
+        for steps, starts, ends in zip(self.steps, self.starts, self.ends, strict=True):
+            for a, t0, t1 in zip(steps, starts, ends, strict=True):
+                if a.kind in _COMPUTE:
+                    took.setdefault((a.stage, a.kind), []).append(t1 - t0)
+
+        def mean(stage: int, kind: ActionKind, planned: float) -> float:
+            times = took.get((stage, kind))
+            return sum(times) / len(times) if times else planned
+
+        weight = costs.weight_s
+        forward = tuple(mean(s, "F", costs.forward_s[s]) for s in range(p))
+        split = [(s, "I") in took for s in range(p)]
+        weights = tuple(mean(s, "W", weight[s]) if split[s] else weight[s] for s in range(p))
+        backward = tuple(mean(s, "I", costs.input_backward_s[s]) + weights[s] if split[s]
+                         else mean(s, "B", costs.backward_s[s]) for s in range(p))
+        # an unsplit stage's W keeps its share of the stretched backward
+        weights = tuple(w if split[s] else w * backward[s] / costs.backward_s[s] if costs.backward_s[s] else w
+                        for s, w in enumerate(weights))
+        return dataclasses.replace(costs, forward_s=forward, backward_s=backward,
+                                   weight_backward_s=weights if costs.weight_backward_s or any(split) else ())
 
 
 def play(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[int]],
-         costs: StageCosts) -> Timing:
+         costs: StageCosts, sharing: Sharing | None = None) -> Timing:
     """Plays every rank's order ``steps[r]`` (holding stages ``ranks[r]``) against ``costs``: the model of
-    the module docstring, one action after another per rank, a RECV waiting for its SEND.
+    the module docstring, one action after another per rank, a RECV waiting for its SEND; with
+    ``sharing``, at the pace the hosts' cores allow ([Note: shared cores]).
 
     Raises:
-        ValueError: If the stage counts differ.
+        ValueError: If the stage counts differ, or ``sharing`` describes other ranks.
     """
     p = sum(len(r) for r in ranks)
     if costs.num_stages != p:
@@ -226,16 +341,21 @@ def play(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[in
     durations: list[list[float]] = []
     waits: list[list[tuple[int, int, int] | None]] = []  # a RECV's (src, dst, microbatch)
     sends: list[list[tuple[int, int, int] | None]] = []  # a SEND's
+    heavy: list[list[int]] = []  # per action: 0 a transfer, 1 a forward, 2 a backward (B, I, W)
     for acts in steps:
         dur: list[float] = []
         wait: list[tuple[int, int, int] | None] = []
         send: list[tuple[int, int, int] | None] = []
+        kinds: list[int] = []
+        heavy.append(kinds)
         for a in acts:
             if a.kind in compute:
                 dur.append(compute[a.kind][a.stage])
                 wait.append(None)
                 send.append(None)
+                kinds.append(1 if a.kind == "F" else 2)
                 continue
+            kinds.append(0)
             peer = a.stage + _PEER[a.kind]
             dur.append(transfer[a.kind][min(a.stage, peer)])
             recv = a.kind.startswith("RECV")
@@ -244,8 +364,12 @@ def play(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[in
         durations.append(dur)
         waits.append(wait)
         sends.append(send)
-    arrival: dict[tuple[int, int, int], float] = {}  # (src, dst, microbatch) -> send end
     clock = [sum(costs.start_s[s] for s in stages) if costs.start_s else 0.0 for stages in ranks]
+    if sharing is not None and sharing.crowded:
+        if len(sharing.wants) != len(ranks):
+            raise ValueError(f"sharing describes {len(sharing.wants)} ranks, the schedule has {len(ranks)}")
+        return _play_shared(name, steps, ranks, durations, waits, sends, heavy, clock, sharing)
+    arrival: dict[tuple[int, int, int], float] = {}  # (src, dst, microbatch) -> send end
     busy = list(clock)  # the time before the start counts as busy (applying an update)
     pos = [0] * len(ranks)
     starts: list[list[float]] = [[] for _ in ranks]
@@ -278,12 +402,158 @@ def play(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[in
                   tuple(map(tuple, starts)), tuple(map(tuple, ends)), max(clock), tuple(busy))
 
 
-def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
+def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[int]],
+                 durations: list[list[float]], waits: list[list[tuple[int, int, int] | None]],
+                 sends: list[list[tuple[int, int, int] | None]], heavy: list[list[int]], first: list[float],
+                 sharing: Sharing) -> Timing:
+    """:func:`play` at the pace the hosts' cores allow, event by event ([Note: shared cores]); ``first``:
+    each rank's work before its first action (its updates).
+
+    Every busy rank of a host doing one class of work (a transfer or update, a forward, a backward)
+    runs at the same rate, so each (host, class) keeps one *virtual clock*, the work such a rank has
+    done since the start, and a heap of its ranks' ends on that clock: a rate that changes moves the
+    clock's pace, never the order of its ends, and an event costs a few heap operations whatever
+    the number of ranks. A rank with workers on several hosts counts on each of them, and its own
+    pace is that of the host where it wants the most cores.
+    """
+    n = len(durations)
+    cores = list(sharing.cores)
+    wants = [list(w) for w in sharing.wants]
+    for r in range(n):  # a rank on no shared host: a host of its own, which never crowds
+        if not wants[r]:
+            wants[r] = [(len(cores), 1.0, 1)]
+            cores.append(1.0)
+    home = [h if h is not None else wants[r][0][0] for r, h in enumerate(sharing.homes())]
+    hosts = len(cores)
+    slow = (1.0, sharing.forward_slowdown, sharing.backward_slowdown)
+    wanted = [0.0] * hosts  # cores wanted by each host's busy ranks
+    crowd = [0] * hosts  # their workers
+    pace = [[1.0] * 3 for _ in range(hosts)]  # per host and class: the rate of its busy ranks
+    clock = [[0.0] * 3 for _ in range(hosts)]  # per host and class: the virtual clock at ``at[h]``
+    at = [0.0] * hosts
+    ends_at: list[list[list[tuple[float, int]]]] = [[[] for _ in range(3)] for _ in range(hosts)]
+    stamp = [[0] * 3 for _ in range(hosts)]
+    events: list[tuple[float, int, int, int]] = []  # (real time of the class's next end, stamp, host, class)
+    arrival: dict[tuple[int, int, int], float] = {}
+    waiting: dict[tuple[int, int, int], int] = {}  # a RECV's key -> the rank waiting for it
+    pos = [0] * n
+    doing: list[int | None] = [None] * n  # the action running (-1: the update), None: none
+    occupied = [False] * n
+    busy = [0.0] * n
+    begun = [0.0] * n  # when the running action began
+    starts: list[list[float]] = [[] for _ in range(n)]
+    ends: list[list[float]] = [[] for _ in range(n)]
+    now = 0.0
+    touched: set[int] = set()
+
+    def catch_up(h: int) -> None:
+        """Move host ``h``'s clocks to ``now`` at their paces so far."""
+        elapsed = now - at[h]
+        if elapsed > 0:
+            for c in range(3):
+                clock[h][c] += pace[h][c] * elapsed
+            at[h] = now
+
+    def schedule(h: int, c: int) -> None:
+        """Put the next end of host ``h``'s class ``c`` on the event heap (its older entry goes stale)."""
+        stamp[h][c] += 1
+        heap = ends_at[h][c]
+        if heap:
+            due = now + max(0.0, heap[0][0] - clock[h][c]) / pace[h][c]
+            heapq.heappush(events, (due, stamp[h][c], h, c))
+
+    def occupy(r: int) -> None:
+        """Count rank ``r`` on its hosts while it is busy, and only then."""
+        on = doing[r] is not None
+        if on != occupied[r]:
+            occupied[r] = on
+            sign = 1 if on else -1
+            for h, k, w in wants[r]:
+                catch_up(h)
+                wanted[h] += sign * k
+                crowd[h] += sign * w
+                touched.add(h)
+
+    def begin(r: int, i: int, work: float) -> None:
+        doing[r], begun[r] = i, now
+        c = heavy[r][i] if i >= 0 else 0
+        h = home[r]
+        catch_up(h)
+        heapq.heappush(ends_at[h][c], (clock[h][c] + work, r))
+        touched.add(h)
+
+    def finish(r: int) -> None:
+        i = doing[r]
+        busy[r] += now - begun[r]
+        doing[r] = None
+        if i is None or i < 0:
+            return
+        ends[r].append(now)
+        pos[r] = i + 1
+        if (out := sends[r][i]) is not None:
+            arrival[out] = now
+            if out in waiting:
+                advance(waiting.pop(out))
+
+    def advance(r: int) -> None:
+        """Start rank ``r``'s next actions until one takes time or must wait."""
+        while doing[r] is None and pos[r] < len(durations[r]):
+            i = pos[r]
+            key = waits[r][i]
+            if key is not None and key not in arrival:
+                waiting[key] = r
+                break
+            starts[r].append(now)
+            if durations[r][i] <= 0:
+                doing[r], begun[r] = i, now
+                finish(r)
+            else:
+                begin(r, i, durations[r][i])
+        occupy(r)
+
+    for r in range(n):
+        if first[r] > 0:
+            begin(r, -1, first[r])
+            occupy(r)
+        else:
+            advance(r)
+    while True:
+        for h in touched:  # new paces where the busy ranks changed
+            catch_up(h)
+            share = min(1.0, cores[h] / wanted[h]) if wanted[h] > 0 else 1.0
+            pace[h] = [share / (slow[c] if c and crowd[h] > 1 else 1.0) for c in range(3)]
+            for c in range(3):
+                schedule(h, c)
+        touched.clear()
+        while events and events[0][1] != stamp[events[0][2]][events[0][3]]:
+            heapq.heappop(events)  # stale: its pace or its first end changed since
+        if not events:
+            break
+        now, _, h, c = heapq.heappop(events)
+        catch_up(h)
+        heap = ends_at[h][c]
+        ending = []
+        while heap and heap[0][0] <= clock[h][c] * (1 + 1e-12) + 1e-15:  # the end, and any within rounding
+            ending.append(heapq.heappop(heap)[1])
+        if not ending:  # rounding put the event a hair early: take the first end
+            ending.append(heapq.heappop(heap)[1])
+        touched.add(h)
+        for r in ending:
+            finish(r)
+        for r in ending:
+            advance(r)
+    assert pos == [len(d) for d in durations], "a Schedule is free of deadlocks by construction"
+    return Timing(name, tuple(tuple(r) for r in ranks), tuple(tuple(a) for a in steps),
+                  tuple(map(tuple, starts)), tuple(map(tuple, ends)), now, tuple(busy))
+
+
+def simulate(schedule: Schedule, costs: StageCosts, sharing: Sharing | None = None) -> SimResult:
     """Plays ``schedule`` against ``costs`` (see the module docstring for the model; :func:`play`).
 
     Args:
         schedule: The schedule (valid, so free of deadlocks).
         costs: Times of as many (virtual) stages as the schedule has.
+        sharing: How its ranks share their hosts' cores (None: each computes at its own pace).
 
     Returns:
         The predicted step, per-rank idle time, bubble fraction and activations held.
@@ -297,7 +567,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     ranks = tuple(schedule.stages_of(r) for r in range(schedule.num_ranks))
     lists = [schedule.rank_actions(r) for r in range(len(ranks))]
     timing = play(schedule.name, [[Step(a.stage, a.kind, a.microbatch) for a in acts] for acts in lists],
-                  ranks, costs)
+                  ranks, costs, sharing)
     act_bytes = costs.activation_bytes or (0.0,) * p
     played: list[list[TimedAction]] = []
     held: list[list[tuple[float, int]]] = []
@@ -330,42 +600,6 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
         peak_in_flight=tuple(max(n for _, n in h) for h in held),
         peak_activation_bytes=tuple(peak_bytes),
     )
-
-
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """``intervals`` as disjoint ones, in order."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        elif end > start:
-            out.append((start, end))
-    return out
-
-
-def compute_overlap(result: SimResult | Timing, neighbours: Sequence[Sequence[int]]) -> tuple[float, ...]:
-    """Per rank, the share of its compute time (F, B, I, W) during which a neighbour computes too.
-
-    ``neighbours[r]``: the other ranks whose compute competes with rank ``r``'s (CPU workers of
-    one host: see [Note: contention on a shared host] in ``coordinator/planning/planner.py``).
-    A rank that computes nothing gets 0. Reads the played timeline only: the costs it was
-    played with decide it.
-    """
-    spans = result.compute_spans
-    shares = []
-    for r, own in enumerate(spans):
-        total = sum(end - start for start, end in own)
-        others = _merged([iv for n in neighbours[r] if n != r for iv in spans[n]])
-        covered, k = 0.0, 0
-        for start, end in _merged(own):
-            while k < len(others) and others[k][1] <= start:
-                k += 1
-            j = k
-            while j < len(others) and others[j][0] < end:
-                covered += min(end, others[j][1]) - max(start, others[j][0])
-                j += 1
-        shares.append(covered / total if total > 0 else 0.0)
-    return tuple(shares)
 
 
 _COLOURS: dict[ActionKind, str] = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b",

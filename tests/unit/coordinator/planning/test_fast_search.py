@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import itertools
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from coordinator.planning import planner
 from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound
 from coordinator.planning.config import PlanConfig
 from coordinator.planning.memory import REPLICATED
@@ -32,7 +30,7 @@ from coordinator.planning.schedules import (
     schedule_steps,
     stage_holds,
 )
-from coordinator.planning.simulator import StageCosts, compute_overlap, play
+from coordinator.planning.simulator import StageCosts, play
 from services.compute.weight_grads import defers
 
 MiB = 2**20
@@ -207,10 +205,12 @@ def test_the_bound_over_every_cut_never_exceeds_the_played_step(seed: int) -> No
 
 
 def test_a_thousand_nodes_on_1024_workers_is_planned() -> None:
-    """The cluster-size case finishes (its time is bench/planning.py's: no timed assertion here)."""
+    """The cluster-size case finishes (its time is bench/planning.py's: no timed assertion here): 128 hosts
+    of 8 one-core workers (1,024 workers on this machine's cores would all tie, and every shape be played)."""
     prof = Profile.synthetic([1e-3] * 1000, param_bytes=[4 * 10**6] * 1000, activation_bytes=[10**6] * 1000,
                              cut_bytes=[256 * KiB] * 999)
-    res = Resources.local(1024, memory_bytes=80 * 2**30)
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=80 * 2**30, host=f"h{i // 8}")
+                                  for i in range(1024)))
     plan = choose_plan(prof, res, PlanConfig(num_stages=128), global_batch=4096)
     assert plan.num_stages == 128 and plan.num_workers <= 1024
     assert plan.bounds[0] == 0 and plan.bounds[-1] == 1000
@@ -234,36 +234,6 @@ def test_stage_holds_is_what_the_built_schedules_hold() -> None:
                     steps = [[Step(a.stage, a.kind, a.microbatch) for a in built.rank_actions(r)]
                              for r in range(built.num_ranks)]
                     assert order == tuple(map(tuple, steps))
-
-
-def test_the_overlap_on_one_host_is_compute_overlap_s() -> None:
-    """``planner._overlap_with_any`` (one sweep) against ``simulator.compute_overlap`` with every rank a
-    neighbour of every other, on played schedules and on random spans that touch and nest."""
-    rng = random.Random(5)
-    for _ in range(40):
-        name = rng.choice(["gpipe", "1f1b", "zb-h1"])
-        p, m = rng.randint(3, 7), rng.randint(1, 8)
-        costs = StageCosts(tuple(rng.uniform(0.1, 1) for _ in range(p)),
-                           tuple(rng.uniform(0.1, 2) for _ in range(p)),
-                           tuple(rng.uniform(0, 0.2) for _ in range(p - 1)),
-                           tuple(rng.uniform(0, 0.2) for _ in range(p - 1)))
-        sim = play(name, schedule_steps(name, p, m, 1)[0], [(s,) for s in range(p)], costs)
-        every = [[n for n in range(p) if n != r] for r in range(p)]
-        assert planner._overlap_with_any(sim.compute_spans) == pytest.approx(compute_overlap(sim, every),
-                                                                               abs=1e-12)
-    for _ in range(40):
-        ranks = rng.randint(3, 6)
-        spans = []
-        for _ in range(ranks):
-            t, own = 0.0, []
-            for _ in range(rng.randint(0, 6)):
-                t += rng.choice([0.0, 0.5, 1.0])  # touching and gapped spans on a coarse grid
-                own.append((t, t + rng.choice([0.5, 1.0, 1.5])))
-                t = own[-1][1]
-            spans.append(own)
-        timing = SimpleNamespace(compute_spans=spans)
-        every = [[n for n in range(ranks) if n != r] for r in range(ranks)]
-        assert planner._overlap_with_any(spans) == pytest.approx(compute_overlap(timing, every), abs=1e-12)
 
 
 def test_the_fast_search_agrees_on_random_small_jobs() -> None:

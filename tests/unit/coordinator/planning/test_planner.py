@@ -19,17 +19,16 @@ from coordinator.planning.planner import (
     SHARED_HOST_BACKWARD_SLOWDOWN,
     SHARED_HOST_FORWARD_SLOWDOWN,
     TRANSFER_OVERHEAD_S,
+    _Shared,
     candidate_plans,
     choose_plan,
-    contended_share,
     cut_problem,
     format_candidates,
 )
 from coordinator.planning.profile import Profile, profile_graph
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import gpipe
-from coordinator.planning.simulator import StageCosts, simulate
+from coordinator.planning.simulator import Sharing
 from services.compute.actions import validate_schedule
 from services.compute.cell import Cell
 
@@ -251,19 +250,50 @@ def test_only_workers_sharing_a_host_slow_each_other_down() -> None:
         assert a.backward_s < t.backward_s < a.backward_s * SHARED_HOST_BACKWARD_SLOWDOWN + 1e-12
 
 
-def test_contended_share_follows_the_hosts() -> None:
-    result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0))
+def test_the_sharing_follows_the_hosts_and_their_cores() -> None:
+    prof = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
 
-    def cpu(name: str, host: str | None) -> Worker:
-        return Worker(name=name, memory_bytes=MiB, host=host)
+    def sharing(workers: tuple[Worker, ...], d: int = 1, p: int = 2) -> Sharing | None:
+        res = Resources(workers=workers)
+        shared = _Shared(prof, res)
+        names = [w.name for w in workers]
+        placement = tuple(tuple(names[r * p:(r + 1) * p]) for r in range(d))
+        return shared.placed(placement, p).sharing(p)
 
-    assert contended_share(result, [[cpu("a", "h")], [cpu("b", "h")]]) == pytest.approx([0.5, 0.5])
-    assert contended_share(result, [[cpu("a", "h")], [cpu("b", "g")]]) == [0.0, 0.0]
-    assert contended_share(result, [[cpu("a", None)], [cpu("b", None)]]) == [0.0, 0.0]
-    # a replica of stage 0 beside it on its host: stage 0 always competes
-    assert contended_share(result, [[cpu("a", "h"), cpu("c", "h")], [cpu("b", "g")]]) == [1.0, 0.0]
+    def cpu(name: str, host: str | None, cpus: int = 1, host_cpus: int | None = None) -> Worker:
+        return Worker(name=name, memory_bytes=MiB, host=host, cpus=cpus, host_cpus=host_cpus)
+
+    assert sharing((cpu("a", "h"), cpu("b", "g"))) is None  # apart: each at its own pace
+    assert sharing((cpu("a", None), cpu("b", None))) is None
     gpu = Worker(name="d", device="cuda", gpus=1, memory_bytes=MiB, host="h")
-    assert contended_share(result, [[cpu("a", "h")], [gpu]]) == [0.0, 0.0]  # a GPU stage is no CPU rival
+    assert sharing((cpu("a", "h"), gpu)) is None  # a GPU stage is no CPU rival
+    # two workers of one host: as many cores as their cpus, unless the host says how many it has
+    together = sharing((cpu("a", "h"), cpu("b", "h")))
+    assert together is not None and together.cores == (2.0,) and together.wants == (((0, 1.0, 1),),) * 2
+    assert together.forward_slowdown == SHARED_HOST_FORWARD_SLOWDOWN
+    four = sharing(tuple(cpu(f"w{i}", "h", host_cpus=2) for i in range(4)), p=4)
+    assert four is not None and four.cores == (2.0,) and four.most_stretch() == pytest.approx(
+        2 * SHARED_HOST_BACKWARD_SLOWDOWN)
+    # replicas: a rank wants its replicas' threads on each of their hosts
+    dp = sharing((cpu("a", "h", 2), cpu("b", "g"), cpu("c", "h", 2), cpu("e", "g")), d=2)
+    assert dp is not None and dp.cores == (4.0, 2.0) and dp.wants == (((0, 4.0, 2),), ((1, 2.0, 2),))
+
+
+def test_four_stages_on_two_cores_take_turns() -> None:
+    prof = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, microbatch_size=4)
+
+    def step(host_cpus: int | None) -> Plan:
+        res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1000 * MiB, host="h",
+                                             host_cpus=host_cpus) for i in range(4)))
+        fixed = PlanConfig(num_stages=4, data_parallel=1, num_microbatches=8, schedule="gpipe")
+        return choose_plan(prof, res, fixed, global_batch=32)
+
+    roomy, crowded = step(None), step(2)
+    work = sum(st.forward_s + st.backward_s for st in roomy.stages) * 8  # every stage's, at the roomy pace
+    assert crowded.pipeline_time_s > roomy.pipeline_time_s * 1.3
+    assert crowded.pipeline_time_s >= work / 2  # two cores do it at best all the time
+    for a, t in zip(roomy.stages, crowded.stages, strict=True):  # each action as played, on average
+        assert t.forward_s > a.forward_s and t.backward_s > a.backward_s
 
 
 def test_balancing_a_pipeline_gains_less_on_a_shared_host() -> None:

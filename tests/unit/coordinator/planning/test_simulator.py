@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.planning.schedules import build_schedule, gpipe, one_f_one_b, zb_h1
-from coordinator.planning.simulator import StageCosts, TimedAction, compute_overlap, draw_timeline, simulate
+from coordinator.planning.simulator import (
+    Sharing,
+    StageCosts,
+    TimedAction,
+    draw_timeline,
+    simulate,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -149,17 +157,72 @@ def test_stages_start_after_their_start_time() -> None:
         StageCosts((1.0, 1.0), (2.0, 2.0), (0.0,), (0.0,), start_s=(3.0,))
 
 
-def test_compute_overlap_by_hand() -> None:
-    # GPipe 2 x 2, F 1, B 2, free transfers: stage 0 computes [0,2] and [5,9], stage 1 [1,7];
-    # each overlaps the other for 3 of its 6 time units
-    result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0))
-    assert compute_overlap(result, [[1], [0]]) == pytest.approx((0.5, 0.5))
-    assert compute_overlap(result, [[], []]) == (0.0, 0.0)  # no neighbours, nothing competes
-    assert compute_overlap(result, [[0, 1], [1]]) == pytest.approx((0.5, 0.0))  # a rank is not its own
+def _one_host(ranks: int, cores: float, forward: float = 1.0, backward: float = 1.0) -> Sharing:
+    return Sharing((cores,), (((0, 1.0, 1),),) * ranks, forward, backward)
 
 
-def test_a_light_stage_is_contended_longer_than_a_heavy_one() -> None:
-    costs = StageCosts((1.0, 3.0), (2.0, 6.0), (0.0,), (0.0,))
-    light, heavy = compute_overlap(simulate(one_f_one_b(2, 8), costs), [[1], [0]])
-    assert light == pytest.approx(7 / 8)  # all but its last backward, in the drain
-    assert heavy < 0.5
+def test_two_stages_on_one_core_take_turns_by_hand() -> None:
+    # GPipe 2 x 2, F 1, B 2, free transfers, one core: stage 0's F0 alone [0,1]; its F1 and stage 1's F0
+    # at half pace [1,3]; stage 1's F1 and B0 alone [3,6]; its B1 and stage 0's B0 at half pace [6,10];
+    # stage 0's B1 alone [10,12]: the 12 s of work back to back (9 s on two cores)
+    result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0), _one_host(2, 1.0))
+    assert [(a, s, e) for a, s, e in _spans(result.timeline[0]) if "SEND" not in a and "RECV" not in a] == [
+        ("0F0", 0, 1), ("0F1", 1, 3), ("0B0", 6, 10), ("0B1", 10, 12)]
+    assert [(a, s, e) for a, s, e in _spans(result.timeline[1]) if "SEND" not in a and "RECV" not in a] == [
+        ("1F0", 1, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 6, 10)]
+    assert result.step_time_s == pytest.approx(12)
+    assert simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0)).step_time_s == pytest.approx(9)
+
+
+def test_a_busy_neighbour_slows_a_forward_and_a_backward_by_their_factors() -> None:
+    # two cores, two workers: no core to wait for, but F at 1/2 and B at 1/1.5 while both are busy:
+    # F0 [0,1] alone; F1 and 1F0 [1,3]; 1F1 [3,4] and 1B0 [4,6] alone; 1B1 and 0B0 [6,9]; 0B1 [9,11]
+    result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0), _one_host(2, 2.0, 2.0, 1.5))
+    assert result.step_time_s == pytest.approx(11)
+    assert _spans(result.timeline[0])[-1] == ("0B1", 9, 11)
+
+
+def test_four_stages_on_two_cores_against_the_cores_bound() -> None:
+    # 4 equal stages x 8 microbatches: 96 s of work; two cores do at most 2 s of it per second, and the
+    # fill and the drain leave one busy: the step lies between 48 s and the plain 33 s times 2
+    costs = StageCosts.uniform(4, 1.0, 2.0)
+    plain = simulate(gpipe(4, 8), costs).step_time_s
+    shared = simulate(gpipe(4, 8), costs, _one_host(4, 2.0))
+    assert plain == pytest.approx(33)
+    assert 48 < shared.step_time_s < 2 * plain
+    assert shared.step_time_s == pytest.approx(51)
+    assert _one_host(4, 2.0).least_time([8.0] * 4, [16.0] * 4, [0.0] * 4) == pytest.approx(48)
+    # as many cores as stages: each at its own pace, the plain play
+    assert simulate(gpipe(4, 8), costs, _one_host(4, 4.0)).step_time_s == pytest.approx(plain)
+
+
+def test_replicas_on_one_host_always_compete() -> None:
+    # one stage, its two replicas on one host of two cores (one rank wanting 2 cores, 2 workers): every
+    # forward and backward at its slowed pace, even with nothing else running
+    sharing = Sharing((2.0,), (((0, 2.0, 2),),), 1.25, 1.5)
+    result = simulate(gpipe(1, 2), StageCosts.uniform(1, 1.0, 2.0), sharing)
+    assert result.step_time_s == pytest.approx(2 * (1.25 + 3.0))
+    assert not Sharing((2.0, 2.0), (((0, 1.0, 1),), ((1, 1.0, 1),))).crowded  # apart: nothing shared
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 5), m=st.integers(1, 8), cores=st.sampled_from([1.0, 2.0, 3.0]),
+       f=st.floats(1.0, 2.0), b=st.floats(1.0, 2.0), name=st.sampled_from(["gpipe", "1f1b", "zb-h1"]),
+       seed=st.integers(0, 2**16))
+def test_sharing_only_slows_and_never_beats_the_cores(p: int, m: int, cores: float, f: float, b: float,
+                                                      name: str, seed: int) -> None:
+    rng = random.Random(seed)
+    costs = StageCosts(tuple(rng.uniform(0.1, 2) for _ in range(p)),
+                       tuple(rng.uniform(0.1, 4) for _ in range(p)),
+                       tuple(rng.uniform(0, 0.3) for _ in range(p - 1)),
+                       tuple(rng.uniform(0, 0.3) for _ in range(p - 1)),
+                       start_s=tuple(rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(p)))
+    schedule = build_schedule(name, p, m)
+    sharing = _one_host(p, cores, f, b)
+    plain, shared = simulate(schedule, costs), simulate(schedule, costs, sharing)
+    assert shared.step_time_s >= plain.step_time_s * (1 - 1e-9)
+    work = [m * costs.forward_s[s] for s in range(p)], [m * costs.backward_s[s] for s in range(p)]
+    assert shared.step_time_s >= sharing.least_time(*work, list(costs.start_s)) * (1 - 1e-9)
+    # each rank's actions in its order, one after another
+    for played in shared.timeline:
+        assert all(x.end <= y.start + 1e-9 for x, y in itertools.pairwise(played))

@@ -87,7 +87,9 @@ def test_a_plans_predicted_step_is_the_planners() -> None:
         paid = sum(costs.activation_transfer_s[c] + costs.gradient_transfer_s[c] for c in cuts)
         assert paid == pytest.approx(stage.transfer_s)
     result = predict(plan)
-    assert result.step_time_s == pytest.approx(plan.pipeline_time_s, rel=0.02)
+    # three workers of one host slow each other while two or more compute, not all the time: the plan keeps
+    # each stage's mean, and the replay at those means lands near the planner's play, not on it
+    assert result.step_time_s == pytest.approx(plan.pipeline_time_s, rel=0.1)
     assert [[t.action for t in played] for played in result.timeline] == [
         list(acts) for acts in plan.schedule().actions]
 
