@@ -433,11 +433,12 @@ def breakdown(record: Any, num_stages: int) -> Breakdown:
                      all_reduce=max(reduce, default=0.0), tail=record.end - run_end)
 
 
-def fresh_prediction(job: Any) -> float:
+def fresh_prediction(job: Any, save: str = "") -> float:
     """The job's plan predicted again from a profile taken now, as ``Job.plan()`` takes it.
 
     Taken right before the configuration runs, so the profile sees the machine's load of that
     minute (on a shared machine the load drifts between the run's first profile and its rounds).
+    ``save``: a file to write that profile to.
     """
     from coordinator.planning.config import PlanConfig
     from coordinator.planning.planner import choose_plan
@@ -446,6 +447,8 @@ def fresh_prediction(job: Any) -> float:
     fields = dict(data_parallel=plan.data_parallel, num_stages=plan.num_stages, schedule=plan.schedule_name,
                   num_microbatches=plan.num_microbatches, balance=[st.stop - st.start for st in plan.stages])
     profile = _profile(job.config.model.factory, min(8, GLOBAL_BATCH // WORLD), 3)
+    if save:
+        profile.save(save)
     fresh = choose_plan(profile, job.resources, PlanConfig(**fields), global_batch=GLOBAL_BATCH)
     return float(fresh.step_time_s)
 
@@ -512,7 +515,16 @@ def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, A
             "coordinator_frac": sum(r.coordinator_s for r in recs) / sum(r.seconds for r in recs),
             "coordinator_cpu_s": (cpu[-1] - cpu[0]) / steps,
             "forward_s": durations["F"], "backward_s": backward,
-            "breakdowns": [breakdown(r, stages) for r in recs]}
+            "breakdowns": [breakdown(r, stages) for r in recs], "events": [_event_log(r) for r in recs]}
+
+
+def _event_log(record: Any) -> dict[str, Any]:
+    """A step's wall time and its events as JSON (``--save``): per event its stage, replica, name, kind and
+    microbatch (None for a phase), start and end in seconds from the step's start."""
+    return {"seconds": record.seconds, "events": [
+        [e.stage, e.replica, e.name, e.action.kind if e.action is not None else None,
+         e.action.microbatch if e.action is not None else None, e.start - record.start, e.end - record.start]
+        for e in record.events]}
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -855,7 +867,8 @@ def main() -> None:
                     if c.system == "torch":
                         measured[c.key] = pools[torch_ranks(c.key)].run(c.key, args.steps, args.warmup)
                     else:
-                        fresh = fresh_prediction(jobs[c.key])
+                        saved = os.path.join(args.save, f"fresh-{c.key}-{i}.json") if args.save else ""
+                        fresh = fresh_prediction(jobs[c.key], saved)
                         measured[c.key] = run_cellmesh(jobs[c.key], harness, args.steps, args.warmup)
                         measured[c.key]["fresh_s"] = fresh
                 except Exception as exc:  # reported; the configuration leaves the run
@@ -874,8 +887,14 @@ def main() -> None:
     if args.save:
         steps = {c.key: {"step_s": results.values(c.key, "step_s"),
                          "fresh_s": results.values(c.key, "fresh_s"),
-                         "predicted_s": jobs[c.key].plan().step_time_s if c.key in jobs else None}
+                         "predicted_s": jobs[c.key].plan().step_time_s if c.key in jobs else None,
+                         "load": load}
                  for c in CONFIGS if results.values(c.key, "step_s")}
+        for c in configs:  # each cellmesh step's event log, by round
+            logs = [r[c.key]["events"] for r in results.rounds if c.key in r and "events" in r[c.key]]
+            if logs:
+                with open(os.path.join(args.save, f"events-{c.key}.json"), "w", encoding="utf-8") as f:
+                    json.dump(logs, f)
         with open(os.path.join(args.save, "steps.json"), "w", encoding="utf-8") as f:
             json.dump(steps, f, indent=1)
     print(report(results, jobs, careful, args, time.monotonic() - started, (load, os.getloadavg()[0])))

@@ -106,7 +106,10 @@ three bounds, each tighter and dearer than the one before (``_bound_order``):
    ``coordinator/planning/closed_form.py`` on the chain's totals at the shape's microbatch size, on the
    fastest worker and link; a shared host's slowdown where every placement has it, more replicas of a
    stage than hosts of CPU workers; the optimizer steps' mean per rank; the sync's mean per rank, its
-   backward hiding all it can; the overheads), and the shapes are sorted by it once;
+   backward, stretched as much as a host can, hiding all it can; the overheads; and where every worker
+   is a CPU worker of one host, the work of all the shape's workers over its cores, [Note: the host's
+   cores bound]: without it, a shape of more workers than cores gets a first bound far below its step,
+   and every such shape is cut and placed), and the shapes are sorted by it once;
 2. a shape that comes up gets its placement, its cut ignoring memory (computed once per stages,
    microbatch size, recompute, link and speed, and shared by the modes and schedules) and the bound of
    ``closed_form.pipeline_bound`` from the stage costs the simulator would be given (a shared host's
@@ -920,18 +923,68 @@ def _cut_free_bounds(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     traffic = OPTIMIZER_TRAFFIC.get(shared.profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     start = np.where(collective, 1.0, 1.0 / d) * grads * traffic / OPTIMIZER_BANDWIDTH_BPS / fastest
     least_cut = np.array([c[0] for c in cuts])[which]
-    pipeline = cut_free_bound(kind, m, p, ranks, row[:, 0] + 2 * p * ACTION_OVERHEAD_S, transfer, start,
-                              row[:, 1] + 2 * ACTION_OVERHEAD_S, row[:, 2] + 2 * ACTION_OVERHEAD_S,
-                              np.where(p > 1, least_cut, 0.0), row[:, 3])
+    loose = cut_free_bound(kind, m, p, ranks, row[:, 0] + 2 * p * ACTION_OVERHEAD_S, transfer, start,
+                           row[:, 1] + 2 * ACTION_OVERHEAD_S, row[:, 2] + 2 * ACTION_OVERHEAD_S,
+                           np.where(p > 1, least_cut, 0.0), row[:, 3])
+    pipeline: np.ndarray = np.maximum(loose, _host_bound(resources, d, m, ranks, totals[which, 1, 0],
+                                                p * ACTION_OVERHEAD_S, np.where(ranks > 1, transfer, 0.0),
+                                                start))
     # the sync: a rank's at least the mean of the stages' (their latencies left out: a stage without
-    # gradients has none); collective replicas hide at most the whole backward, slowed, on the slowest
+    # gradients has none); collective replicas hide at most the whole backward, slowed and waiting for
+    # cores as much as a host can make it, on the slowest
     bandwidth = COLLECTIVE_EFFICIENCY * resources.fastest_link[0]
-    hidden = row[:, 4] * SHARED_HOST_BACKWARD_SLOWDOWN / min(w.speed for w in workers)
+    hidden = row[:, 4] * _most_stretch(resources, d * ranks) / min(w.speed for w in workers)
     sync = np.where(collective, np.maximum(0.0, 2 * (d - 1) / d * grads / bandwidth - hidden),
                     2 * grads / bandwidth)
     sync = np.where(d > 1, sync / ranks, 0.0)
     check = grads / p / fastest / GRADIENT_CHECK_BANDWIDTH_BPS
     return pipeline + sync + 2 * CONTROL_MESSAGE_S + check
+
+
+def _host_bound(resources: Resources, d: np.ndarray, m: np.ndarray, ranks: np.ndarray, weighted_s: np.ndarray,
+                actions_s: np.ndarray, transfer_s: np.ndarray, start_s: np.ndarray) -> np.ndarray:
+    """Per shape, the least time one host's cores need for the work of every worker of the shape, where
+    every worker is a CPU worker of one host (0 elsewhere, and for one worker: the pipeline's bound has it).
+
+    [Note: the host's cores bound] Per replica and microbatch, the shape's ranks compute the chain's
+    forwards and backwards (``weighted_s``: on the fastest worker, each weighted by its shared-host
+    slowdown), run ``p`` forward and ``p`` backward actions (``actions_s`` of overhead for each kind, slowed
+    as its kind) and pay the transfers at both ends of at least the ``p - 1`` cheapest cuts (``transfer_s``,
+    at their own pace; none when a replica is one worker); and each replica applies its update first
+    (``start_s``). In the simulator ([Note: shared cores] in ``coordinator/planning/simulator.py``) a busy
+    worker of ``k`` threads at pace ``x`` uses ``k x`` of the host's ``c`` cores and does ``x / slowdown``
+    of its forward or backward while another worker is busy: the ``n = d R`` workers together do at most
+    ``min(c, n k_max)`` seconds of that weighted work, times their threads, per second. One worker alone
+    (only when ``d = 1``: replicas of a rank are busy together) does at most ``slowdown min(k_max, c)``.
+    So the step is at least ``k_min d (m (weighted + actions + transfers) + start)`` over the larger of the
+    two, whatever the cut and the placement (on one host every placement shares it).
+    """
+    workers = resources.workers
+    hosts = {w.host for w in workers}
+    if len(workers) < 2 or any(w.device != "cpu" for w in workers) or len(hosts) != 1 or None in hosts:
+        return np.zeros(len(d))
+    cores = float(resources.host_cores(workers[0].name))
+    k_min, k_max = min(w.cpus for w in workers), max(w.cpus for w in workers)
+    fs, bs = SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN
+    work = k_min * d * (m * (weighted_s + (fs + bs) * actions_s + transfer_s) + start_s)
+    alone = np.where(d == 1, max(fs, bs) * min(k_max, cores), 0.0)
+    capacity = np.maximum(np.minimum(cores, d * ranks * k_max), alone)
+    out: np.ndarray = np.where(d * ranks > 1, work / capacity, 0.0)
+    return out
+
+
+def _most_stretch(resources: Resources, workers: np.ndarray) -> np.ndarray:
+    """Per shape of ``workers`` workers, the most a backward can be stretched on a shared host, whatever
+    the placement: the backward's slowdown times the threads at most busy on a host over its cores."""
+    groups: set[tuple[int, int, int]] = set()  # per host: its cores, its workers' threads, the most a worker
+    for names in resources.host_groups:
+        each = [resources.worker(n).cpus for n in names]
+        groups.add((resources.host_cores(names[0]), sum(each), max(each)))
+    share = np.ones(len(workers))
+    for cores, threads, most in groups:
+        share = np.maximum(share, np.minimum(workers * most, threads) / cores)
+    out: np.ndarray = SHARED_HOST_BACKWARD_SLOWDOWN * share
+    return out
 
 
 def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:

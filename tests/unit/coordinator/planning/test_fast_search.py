@@ -15,9 +15,11 @@ import random
 import numpy as np
 import pytest
 
+from coordinator.planning import planner
 from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound
 from coordinator.planning.config import PlanConfig
-from coordinator.planning.memory import REPLICATED
+from coordinator.planning.cutting import get_cutter
+from coordinator.planning.memory import AUTOMATIC, REPLICATED
 from coordinator.planning.planner import _rank, candidate_plans, choose_plan
 from coordinator.planning.profile import Profile
 from coordinator.planning.request import PlanningError
@@ -59,11 +61,12 @@ def profile(kind: str) -> Profile:
 
 
 def workers(count: int, memory: int, hosts: str) -> Resources:
-    """``hosts``: ``one`` (all on one host), ``own`` (a host each), ``pairs`` (two a host, the last slow)."""
+    """``hosts``: ``one`` (all on one host), ``own`` (a host each), ``pairs`` (two a host, the last slow),
+    ``cores`` (all on one host of 2 cores, as ``Resources.local`` on this machine: they take turns)."""
     def host(i: int) -> str:
-        return "h" if hosts == "one" else f"h{i}" if hosts == "own" else f"h{i // 2}"
+        return "h" if hosts in ("one", "cores") else f"h{i}" if hosts == "own" else f"h{i // 2}"
     return Resources(workers=tuple(
-        Worker(name=f"w{i}", memory_bytes=memory, host=host(i),
+        Worker(name=f"w{i}", memory_bytes=memory, host=host(i), host_cpus=2 if hosts == "cores" else None,
                speed=0.5 if hosts == "pairs" and i == count - 1 else 1.0) for i in range(count)))
 
 
@@ -84,7 +87,10 @@ CASES = [  # profile, workers, hosts, memory per worker, FIXED index
     ("heavy", 16, "own", BIG, 5), ("heavy", 2, "one", 100 * MiB, 0),
     # free stage counts over a longer chain: hosts, memory that forces stages, each pipelined schedule
     ("long", 12, "pairs", BIG, 0), ("long", 8, "own", 140 * MiB, 0), ("long", 6, "one", BIG, 7),
-    ("long", 8, "pairs", BIG, 8), ("long", 16, "own", 220 * MiB, 6), ("long", 10, "one", BIG, 0)]
+    ("long", 8, "pairs", BIG, 8), ("long", 16, "own", 220 * MiB, 6), ("long", 10, "one", BIG, 0),
+    # more workers than the host's cores: every shape's work over the cores ties, the bound must cut
+    ("even", 6, "cores", BIG, 0), ("uneven", 8, "cores", BIG, 0), ("uneven", 4, "cores", 40 * MiB, 7),
+    ("heavy", 6, "cores", BIG, 4), ("long", 12, "cores", BIG, 0), ("long", 8, "cores", BIG, 8)]
 
 
 def both_searches(prof: Profile, res: Resources, request: PlanConfig) -> tuple[object, object]:
@@ -202,6 +208,70 @@ def test_the_bound_over_every_cut_never_exceeds_the_played_step(seed: int) -> No
                                one(cut[0] if p > 1 else 0.0),
                                one(min(0.5, *(x / (x + y) for x, y in zip(f, b, strict=True)))))[0]
         assert loose <= step * (1 + 1e-12), (name, p, m, v)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_bounds_on_one_host_never_exceed_the_played_step(seed: int) -> None:
+    """Both bounds of the fast search (over every cut, with the host's cores; with the shape's cut) against
+    every replicated candidate played, on random chains over one host of fewer cores than workers (or
+    more), workers of 1 or 2 threads; and the host's cores bound is what holds the loose bound up."""
+    rng = random.Random(300 + seed)
+    tight = crowded = 0
+    for _ in range(4):
+        n = rng.randint(3, 9)
+        times = [rng.uniform(2e-4, 3e-3) for _ in range(n)]
+        prof = Profile.synthetic(times, backward_s=[t * rng.uniform(1, 3) for t in times],
+                                 param_bytes=[rng.randint(1, 8) * MiB for _ in range(n)],
+                                 activation_bytes=[MiB] * n, microbatch_size=2,
+                                 cut_bytes=[rng.randint(1, 64) * KiB for _ in range(n - 1)])
+        count, cores, cpus = rng.randint(2, 8), rng.choice([1, 2, 3, 8]), rng.choice([1, 1, 2])
+        res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=BIG, host="h", cpus=cpus,
+                                             host_cpus=cores) for i in range(count)))
+        request = PlanConfig(max_microbatches=4)
+        cands = [c for c in candidate_plans(prof, res, request, global_batch=16)
+                 if c.option == REPLICATED and c.plan is not None]
+        shapes = [(c.data_parallel, c.num_stages, c.mode, c.schedule_name, c.num_microbatches, c.chunks)
+                  for c in cands]
+        shared = planner._Shared(prof, res)
+        loose = planner._cut_free_bounds(shared, shapes, 16)
+        cutter = get_cutter(request.cutter)
+        for cand, shape, bound in zip(cands, shapes, loose.tolist(), strict=True):
+            step = cand.step_time_s
+            assert bound <= step * (1 + 1e-9), (shape, cores, cpus)
+            setup = planner._setup(shared, shape, 16, request, AUTOMATIC)
+            cut = planner._replicated_bound(prof, shared, setup, cutter, None, bound)
+            assert bound <= cut <= step * (1 + 1e-9), (shape, cores, cpus)
+            d, p, *_, v = shape
+            if d * p // v > cores:  # more workers than cores: the cores bind, and the bound follows the step
+                crowded += 1
+                tight += bound >= 0.6 * step
+    assert tight >= 0.9 * crowded > 0
+
+
+def test_the_host_bound_by_hand() -> None:
+    """``_host_bound``: the work of every worker, slowed, over the cores, against arithmetic done here."""
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB, host="h", host_cpus=2)
+                                  for i in range(4)))
+    fs, bs = planner.SHARED_HOST_FORWARD_SLOWDOWN, planner.SHARED_HOST_BACKWARD_SLOWDOWN
+    weighted = fs * 1.0 + bs * 2.0  # a replica's chain of 1 s forward, 2 s backward per microbatch
+    d, m, ranks = np.array([1, 2, 1, 1]), np.array([4, 2, 4, 1]), np.array([4, 2, 1, 2])
+    got = planner._host_bound(res, d, m, ranks, np.full(4, weighted), np.full(4, 0.1), np.full(4, 0.05),
+                              np.full(4, 0.5))
+    per_replica = [m_ * (weighted + 0.1 * (fs + bs) + 0.05) + 0.5 for m_ in (4, 2, 4, 1)]
+    assert got[0] == pytest.approx(per_replica[0] / 2)  # 4 workers on 2 cores
+    assert got[1] == pytest.approx(2 * per_replica[1] / 2)  # 2 replicas of 2 ranks: all 4 workers
+    assert got[2] == 0.0  # one worker: nothing shared
+    # 2 workers, 1 thread each: 2 cores, or one worker alone at its slowed weight (1.6 x 1 core < 2)
+    assert got[3] == pytest.approx(per_replica[3] / max(2, bs))
+    # 1 core: one alone does up to 1.6 cores' weighted work
+    one = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB, host="h", host_cpus=1)
+                                  for i in range(2)))
+    assert planner._host_bound(one, d[3:], m[3:], ranks[3:], np.full(1, weighted), np.full(1, 0.1),
+                               np.full(1, 0.05), np.full(1, 0.5))[0] == pytest.approx(per_replica[3] / bs)
+    # several hosts, or a GPU: no bound from here
+    apart = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB, host=f"h{i}") for i in range(2)))
+    assert planner._host_bound(apart, d, m, ranks, np.full(4, 1.0), np.zeros(4), np.zeros(4),
+                               np.zeros(4)).tolist() == [0.0] * 4
 
 
 def test_a_thousand_nodes_on_1024_workers_is_planned() -> None:
