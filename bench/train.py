@@ -805,19 +805,26 @@ def replay_saved(directory: str) -> str:
 
     with open(os.path.join(directory, "steps.json"), encoding="utf-8") as f:
         steps = json.load(f)
-    rows = ["| configuration | measured ms | predicted then | now | then / measured | now / measured |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| configuration | measured ms | predicted then | now | then / measured | now / measured "
+            "| fresh now / measured |", "|---|---|---|---|---|---|---|"]
     for c in CONFIGS:
         if c.key not in steps or c.key not in CELLMESH_SHAPES:
             continue
         model, workers, fields = CELLMESH_SHAPES[c.key]
-        profile = Profile.load(os.path.join(directory, f"profile-{model.rsplit(':', 1)[1]}.json"))
-        now = choose_plan(profile, Resources.local(max(WORLD, workers)), PlanConfig(**fields),
-                          global_batch=GLOBAL_BATCH).step_time_s
+        resources = Resources.local(max(WORLD, workers))
+
+        def predict(path: str, fields: dict[str, Any] = fields, resources: Resources = resources) -> float:
+            return float(choose_plan(Profile.load(path), resources, PlanConfig(**fields),
+                                     global_batch=GLOBAL_BATCH).step_time_s)
+
+        now = predict(os.path.join(directory, f"profile-{model.rsplit(':', 1)[1]}.json"))
         measured, then = steps[c.key]["step_s"], steps[c.key]["predicted_s"]
         ratios = [_cell([p / x for x in measured], ".2f") for p in (then, now)]
+        # each round against the profile taken right before it ran (--save keeps them)
+        fresh = [predict(path) / x for i, x in enumerate(measured)
+                 if os.path.exists(path := os.path.join(directory, f"fresh-{c.key}-{i}.json"))]
         rows.append(f"| {c.label} | {_cell([x * 1e3 for x in measured])} | {then * 1e3:.1f} "
-                    f"| {now * 1e3:.1f} | {ratios[0]} | {ratios[1]} |")
+                    f"| {now * 1e3:.1f} | {ratios[0]} | {ratios[1]} | {_cell(fresh, '.2f')} |")
     return "\n".join(rows)
 
 

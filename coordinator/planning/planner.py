@@ -173,7 +173,7 @@ from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import schedule_steps, stage_holds
+from coordinator.planning.schedules import Step, schedule_steps, stage_holds
 from coordinator.planning.sharding import optimizer_s, sharded_sync
 from coordinator.planning.simulator import (
     DEFAULT_WEIGHT_FRACTION,
@@ -347,6 +347,22 @@ class _Shared:
     def times(self, mb: int) -> list[tuple[float, float]]:
         return self._get(("times", mb), lambda: self.profile.node_times(mb))
 
+    def halves(self, mb: int) -> list[tuple[float, float]]:
+        """Every node's ``I`` and ``W`` at microbatch ``mb`` ([Note: the backward's halves] in profile.py)."""
+        return self._get(("halves", mb), lambda: self.profile.node_halves(mb))
+
+    def backward_range(self, mb: int) -> list[tuple[float, float]]:
+        """Per node, the least and the most one microbatch's backward costs it in any list (see
+        :func:`_backwards`): a plain ``B``, ``I`` and ``W``, or ``I`` and a share of one ``W`` over several
+        microbatches (which is at least ``W`` 's part that grows with the microbatch)."""
+        def make() -> list[tuple[float, float]]:
+            out = []
+            for nd, (_, b), (i, w) in zip(self.profile.nodes, self.times(mb), self.halves(mb), strict=True):
+                grows = w - nd.weight_fixed_s  # W's part that grows with the microbatch (0 unsplit)
+                out.append((min(b, i + max(0.0, grows)), max(b, i + w)))
+            return out
+        return self._get(("backward range", mb), make)
+
     def scaled(self, mb: int) -> tuple[list[int], list[int]]:
         """Per cut at microbatch ``mb``: its bytes, the bytes of the tensors needing gradients."""
         return self._get(("scaled", mb), lambda: _scaled_bytes(self.profile, mb))
@@ -358,14 +374,16 @@ class _Shared:
                                      for t in self.profile.cuts[index].tensors)}))
 
     def sums(self, mb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Prefix sums over the nodes at microbatch ``mb``: forward and backward seconds, gradient and
-        parameter bytes (a stage's is a difference: the bounds' rounding, not the plan's)."""
+        """Prefix sums over the nodes at microbatch ``mb``: forward and the least backward seconds
+        (:meth:`backward_range`), gradient and parameter bytes (a stage's is a difference: the bounds'
+        rounding, not the plan's)."""
         def make() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             times = self.times(mb)
             nodes = self.profile.nodes
             def prefix(x: Sequence[float]) -> np.ndarray:
                 return np.concatenate([[0.0], np.cumsum(np.asarray(x, dtype=np.float64))])
-            return (prefix([f for f, _ in times]), prefix([b for _, b in times]),
+            least = [lo for lo, _ in self.backward_range(mb)]  # the bounds': the least any list pays
+            return (prefix([f for f, _ in times]), prefix(least),
                     prefix([nd.grad_bytes for nd in nodes]), prefix([nd.param_bytes for nd in nodes]))
         return self._get(("sums", mb), make)
 
@@ -526,6 +544,46 @@ def _shards_as_asked(request: PlanConfig, shape: Shape) -> bool:
     return mode == "collective" and d >= 2 and factor >= 2 and d % factor == 0
 
 
+def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists: Sequence[Sequence[Step]],
+               defer: Sequence[bool], precision: str, recompute: bool, speed: Sequence[float]
+               ) -> tuple[list[float], list[float]]:
+    """Per stage, one microbatch's backward as its list runs it, on average, and its ``W`` (0 where the
+    list does not split its backwards). See [Note: the backward as the schedule runs it]."""
+    times, halves = shared.times(mb), shared.halves(mb)
+    backward, weight = [], []
+    for s, (a, b) in enumerate(spans):
+        kinds = [step.kind for step in lists[s]]
+        redo = sum(f for f, _ in times[a:b]) if recompute else 0.0  # the backward pays the forward again
+        plain = sum(b_ for _, b_ in times[a:b]) + redo
+        inp = sum(i for i, _ in halves[a:b]) + redo
+        count = kinds.count("B")
+        w = 0.0
+        if precision != "fp32":  # autocast: plain autograd throughout
+            back = plain
+        elif "I" in kinds:  # split: I, and W on its own
+            w = sum(x for _, x in halves[a:b])
+            back = inp + w
+        elif defer[s] and count:  # GPipe: every B an I, and one W over all of them after the last
+            back = inp + sum(x for _, x in shared.halves(count * mb)[a:b]) / count
+        else:  # each B in between computes its W in place (not the first, from no gradients, nor the last)
+            middle = max(0, count - 2)
+            split = inp + sum(x for _, x in halves[a:b])
+            back = (middle * split + (count - middle) * plain) / max(1, count)
+        backward.append(back / speed[s])
+        weight.append(w / speed[s])
+    return backward, weight
+
+
+def _weights(backward: Sequence[float], weight: Sequence[float]) -> tuple[float, ...]:
+    """``StageCosts.weight_backward_s`` for stage backwards (``ACTION_OVERHEAD_S`` in) and their measured
+    ``W`` s: () where none was measured (the simulator's default share), else each ``W`` with its action's
+    overhead (at most the backward), the default share where a stage's was not measured."""
+    if not any(weight):
+        return ()
+    return tuple(min(b, w) + ACTION_OVERHEAD_S if w > 0 else (b + ACTION_OVERHEAD_S) * DEFAULT_WEIGHT_FRACTION
+                 for b, w in zip(backward, weight, strict=True))
+
+
 @dataclass(frozen=True)
 class _Played:
     """A cut of a shape played in the simulator (shared by the memory options with that cut)."""
@@ -549,6 +607,7 @@ class _Setup:
     limit: list[float]
     options: list[MemoryOption]
     runtime: int  # a worker's runtime bytes, counted against its memory once (0 on a GPU)
+    precision: str = "fp32"
 
 
 def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig,
@@ -569,7 +628,8 @@ def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig
     runtime = 0 if at.on_cuda else profile.runtime_bytes
     limit = [float(least - runtime) / v for least in at.memory]
     options = memory_options(request, d, mode, at.on_cuda, automatic)
-    return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, options, runtime)
+    return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, options, runtime,
+                  request.precision)
 
 
 def _free_cut(shared: _Shared, problem: CutProblem, key: tuple[object, ...], cutter: Cutter,
@@ -612,7 +672,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     precision = request.precision
     setup = _setup(shared, shape, global_batch, request, automatic)
     mb, ranks, placement, at = setup.mb, setup.ranks, setup.placement, setup.at
-    order = schedule_steps(sched_name, p, m, v)[0]  # per rank
+    order, lists = schedule_steps(sched_name, p, m, v)  # per rank, per stage
     in_flight, defer, limit = setup.in_flight, setup.defer, setup.limit
     workers, speed, on_cuda = at.workers, at.speed, at.on_cuda
     runtime = setup.runtime
@@ -644,8 +704,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         spans = list(itertools.pairwise(bounds))
         times = shared.times(mb)
         alone_f = [sum(f for f, _ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
-        alone_b = [sum(b_ + f * recompute for f, b_ in times[a:b]) / speed[s]
-                   for s, (a, b) in enumerate(spans)]
+        alone_b, alone_w = _backwards(shared, mb, spans, lists, defer, precision, recompute, speed)
         start = tuple(reference_optimizer(a, b, s) for s, (a, b) in enumerate(spans))
         inner = bounds[1:-1]
         held = tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans))
@@ -654,14 +713,17 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                            tuple(t + ACTION_OVERHEAD_S for t in alone_b),
                            tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
                            tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
-                           held, start_s=start)
+                           held, start_s=start, weight_backward_s=_weights(alone_b, alone_w))
         # at the pace a shared host allows (see [Note: contention on a shared host]); the plan keeps the
         # stages' forwards and backwards as they were played
         sim = play(sched_name, order, at.rank_stages(ranks), costs, at.sharing(ranks))
         alone = costs
         if at.shared_host:
             costs = sim.played_costs(alone)
-        slow_b = [b / a if a > 0 else 1.0 for a, b in zip(alone.backward_s, costs.backward_s, strict=True)]
+        # per stage, the played backward over the nodes' plain ones (the sync's hiding reads it per node)
+        plain = [sum(b_ + f * recompute for f, b_ in times[a:b]) / speed[s] + ACTION_OVERHEAD_S
+                 for s, (a, b) in enumerate(spans)]
+        slow_b = [b / a for a, b in zip(plain, costs.backward_s, strict=True)]
         played[bounds, recompute] = _Played(costs, sim, tuple(slow_b))
         return played[bounds, recompute]
 
@@ -756,7 +818,7 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
                       balance: Sequence[int] | None, loose: float) -> float:
     """A lower bound on the step of the shape's replicated candidate; inf when it cannot fit (see
     [Note: the fast search]); ``loose``: its bound over every cut."""
-    d, p, mode, sched_name, m, _ = setup.shape
+    d, p, mode, sched_name, m, v = setup.shape
     at, mb = setup.at, setup.mb
     bw, lat = at.link
     speed = at.speed
@@ -784,14 +846,19 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
                         + 2 * CONTROL_MESSAGE_S)
         return bound
     cut = np.asarray(bounds)
-    fwd, bwd, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
+    fwd, _, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
+    # the backwards as the simulator is given them (the schedule's lists say how each runs)
+    lists = schedule_steps(sched_name, p, m, v)[1]
+    bwd, wgt = _backwards(shared, mb, list(itertools.pairwise(bounds)), lists, setup.defer, setup.precision,
+                          False, speed)
     fwd_bytes, bwd_bytes = shared.scaled(mb)
     # the slowdown of a shared host where it is certain (replicas on one host), else none: a lower bound
     certain = [at.shared_host and twin for twin in at.twins]
     forward = [fwd[s] / speed[s] * (1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
                for s in range(p)]
-    backward = [bwd[s] / speed[s] * (1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
-                for s in range(p)]
+    slowed = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * certain[s] for s in range(p)]
+    backward = [bwd[s] * slowed[s] + ACTION_OVERHEAD_S for s in range(p)]
+    weights = _weights(bwd, wgt)
     inner = bounds[1:-1]
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     share = 1.0 if mode == "collective" else 1.0 / d
@@ -799,19 +866,21 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     pipeline = pipeline_bound(sched_name, m, setup.ranks, forward, backward,
                               [_transfer(fwd_bytes[c], bw, lat) for c in inner],
                               [_transfer(bwd_bytes[c], bw, lat) for c in inner], start,
-                              [t * DEFAULT_WEIGHT_FRACTION for t in backward])
+                              # W in the same share of each backward as the simulator is given
+                              [w * backward[s] / (bwd[s] + ACTION_OVERHEAD_S) for s, w in enumerate(weights)]
+                              if weights else [t * DEFAULT_WEIGHT_FRACTION for t in backward])
     sharing = at.sharing(setup.ranks)
     if sharing is not None:  # a host's cores do at most their count of seconds of work per second
         held = [range(k, p, setup.ranks) for k in range(setup.ranks)]
         pipeline = max(pipeline, sharing.least_time(
             [m * sum(fwd[s] / speed[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
-            [m * sum(bwd[s] / speed[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
+            [m * sum(bwd[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
             [sum(start[s] for s in ss) for ss in held]))
     sync = [0.0] * p
     if d > 1:
         slow = 1.0 if sharing is None else sharing.most_stretch()  # the most a backward is stretched
         for s in range(p):
-            hidden = bwd[s] * slow / speed[s]  # at most the whole backward hides it
+            hidden = (bwd[s] + ACTION_OVERHEAD_S) * slow  # at most the whole backward hides it
             link_bw, link_lat = at.stage_link(s)
             sync[s] = (sharded_sync(REPLICATED, d, grads[s], params[s], hidden=hidden, compute_s=0.0,
                                     num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
@@ -989,28 +1058,25 @@ def _most_stretch(resources: Resources, workers: np.ndarray) -> np.ndarray:
 
 def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:
     """At microbatch ``mb`` on the fastest worker, unslowed and slowed as on a shared host: every node's
-    forward and backward together, the heaviest node's and the lightest's, the least share of a stage's
-    compute it spends forward (an action's overhead is half: 0.5 at most), and the backward alone (raw)."""
+    forward and least backward together, the heaviest node's and the lightest's, the least share of a
+    stage's compute it spends forward (with its dearest backward; an action's overhead is half: 0.5 at
+    most), and the dearest backward alone (raw)."""
     def make() -> list[list[float]]:
         resources = shared.resources
         assert resources is not None
         fastest = max(w.speed for w in resources.workers)
-        nodes = shared.profile.nodes
-        fields = shared._get(("node fields",), lambda: np.array(
-            [(nd.forward_fixed_s, nd.forward_s, nd.backward_fixed_s, nd.backward_s) for nd in nodes],
-            dtype=np.float64).reshape(-1, 4))
-        scale = mb / shared.profile.microbatch_size  # NodeProfile.times_at on every node at once
-        f = fields[:, 0] + (fields[:, 1] - fields[:, 0]) * scale
-        b = fields[:, 2] + (fields[:, 3] - fields[:, 2]) * scale
-        both = f + b
+        f = np.array([t for t, _ in shared.times(mb)], dtype=np.float64)
+        # a node's backward as the cheapest list runs it, and as the dearest (see _backwards)
+        b, most = (np.array(x, dtype=np.float64) for x in zip(*shared.backward_range(mb), strict=True))
+        both = f + most
         # the least forward share whatever the slowdown (forward unslowed, backward slowed most)
         with np.errstate(divide="ignore", invalid="ignore"):
-            share = np.where(both > 0, f / (f + b * SHARED_HOST_BACKWARD_SLOWDOWN), 0.5)
+            share = np.where(both > 0, f / (f + most * SHARED_HOST_BACKWARD_SLOWDOWN), 0.5)
         phi = float(min(0.5, share.min()))
         out = []
         for sf, sb in ((1.0, 1.0), (SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN)):
             node = (f * sf + b * sb) / fastest
-            out.append([float(node.sum()), float(node.max()), float(node.min()), phi, float(b.sum())])
+            out.append([float(node.sum()), float(node.max()), float(node.min()), phi, float(most.sum())])
         return out
     return shared._get(("chain totals", mb), make)
 

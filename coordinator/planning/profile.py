@@ -18,6 +18,16 @@ interference, not the node's cost, and round robin spreads a burst of it over al
 that cannot run at the larger size (a fixed batch), or whose inputs have no known batch
 dimension, falls back to linear scaling.
 
+[Note: the backward's halves] How a step's worker runs a backward depends on its schedule
+(``services/compute/weight_grads.py``): a plain ``B`` (autograd makes each weight gradient as a new
+tensor and adds it into ``.grad``), an ``I`` (the input gradients alone, the linear layers' weight
+gradients deferred) and a ``W`` (those weight gradients, one ``addmm_`` into ``.grad`` per layer).
+On 8-sample microbatches of 1024-wide linear layers, ``I`` + ``W`` took 0.85x the plain ``B`` and a
+GPipe stage's ``I`` s with its one ``W`` over all its microbatches 0.65x. So a node with eligible
+linear layers is also timed as ``I`` and ``W`` (``NodeProfile.input_backward_s``, ``weight_s``), right
+after its plain runs, at both sizes, and the planner prices each schedule's backwards as its workers
+run them.
+
 The result is a :class:`Profile`: a frozen pydantic model, saved and loaded as JSON, so a
 profile taken once can be reused (and one can be written by hand, :meth:`Profile.synthetic`).
 Times hold for the profiled microbatch size; :meth:`Profile.node_times` gives them at
@@ -38,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.planning import runtime_bytes as runtime
 from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
-from services.compute.weight_grads import eligible_layers
+from services.compute.weight_grads import WeightGradStore, eligible_layers
 
 __all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "OPTIMIZER_STEP_TEMPORARY_FACTORS",
            "SCALE_FACTOR", "NodeProfile", "Profile", "format_bytes", "profile_graph"]
@@ -75,6 +85,9 @@ class NodeProfile(BaseModel):
     ``step_temporary_bytes`` what the optimizer's step allocates at once for the node's largest
     trainable parameter (:data:`OPTIMIZER_STEP_TEMPORARY_FACTORS`; 0 in a profile written before it);
     ``largest_param_bytes`` that parameter's bytes (its gradient is the smallest bucket it travels in).
+    ``input_backward_s`` / ``weight_s`` (with their fixed parts): the backward as ``I`` and ``W`` (see
+    [Note: the backward's halves]); both 0 where not measured (no eligible linear layer, or a profile
+    written before them): the plain backward stands for both then.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -92,6 +105,10 @@ class NodeProfile(BaseModel):
     deferred_bytes: int = Field(default=0, ge=0)
     step_temporary_bytes: int = Field(default=0, ge=0)
     largest_param_bytes: int = Field(default=0, ge=0)
+    input_backward_s: float = Field(default=0.0, ge=0)
+    weight_s: float = Field(default=0.0, ge=0)
+    input_backward_fixed_s: float = Field(default=0.0, ge=0)
+    weight_fixed_s: float = Field(default=0.0, ge=0)
 
     @property
     def compute_s(self) -> float:
@@ -99,9 +116,24 @@ class NodeProfile(BaseModel):
 
     @model_validator(mode="after")
     def _fixed_within(self) -> NodeProfile:
-        if self.forward_fixed_s > self.forward_s or self.backward_fixed_s > self.backward_s:
+        pairs = ((self.forward_fixed_s, self.forward_s), (self.backward_fixed_s, self.backward_s),
+                 (self.input_backward_fixed_s, self.input_backward_s), (self.weight_fixed_s, self.weight_s))
+        if any(fixed > whole for fixed, whole in pairs):
             raise ValueError(f"node {self.name}: a fixed part exceeds its whole time")
         return self
+
+    @property
+    def split(self) -> bool:
+        """Whether its backward was timed as ``I`` and ``W`` too."""
+        return self.input_backward_s > 0 or self.weight_s > 0
+
+    def halves_at(self, scale: float) -> tuple[float, float]:
+        """``I`` and ``W`` seconds at ``scale`` times the profiled microbatch size (unsplit: the plain
+        backward and 0)."""
+        if not self.split:
+            return self.times_at(scale)[1], 0.0
+        i0, w0 = self.input_backward_fixed_s, self.weight_fixed_s
+        return i0 + (self.input_backward_s - i0) * scale, w0 + (self.weight_s - w0) * scale
 
     def times_at(self, scale: float) -> tuple[float, float]:
         """Forward and backward seconds at ``scale`` times the profiled microbatch size."""
@@ -142,6 +174,11 @@ class Profile(BaseModel):
     def node_times(self, size: float) -> list[tuple[float, float]]:
         """Every node's (forward, backward) seconds for a microbatch of ``size`` samples."""
         return [nd.times_at(size / self.microbatch_size) for nd in self.nodes]
+
+    def node_halves(self, size: float) -> list[tuple[float, float]]:
+        """Every node's (``I``, ``W``) seconds for a microbatch of ``size`` samples (see
+        [Note: the backward's halves]; a node not split: its plain backward and 0)."""
+        return [nd.halves_at(size / self.microbatch_size) for nd in self.nodes]
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=1), encoding="utf-8")
@@ -299,10 +336,14 @@ class _Timings:
         self.cuda = any(t.is_cuda for t in [*module.parameters(), *_tensors(args)])
         self.fwd: list[float] = []
         self.bwd: list[float] = []
+        # the backward's halves ([Note: the backward's halves]), where the node has layers to defer
+        self.store = WeightGradStore(module) if eligible_layers(module) else None
+        self.inp: list[float] = []
+        self.wgt: list[float] = []
 
     def done(self, repeats: int) -> bool:
-        return len(self.fwd) >= repeats and (sum(self.fwd) + sum(self.bwd) >= MIN_TIMED_S
-                                             or len(self.fwd) >= MAX_REPEATS)
+        spent = sum(self.fwd) + sum(self.bwd) + sum(self.inp) + sum(self.wgt)
+        return len(self.fwd) >= repeats and (spent >= MIN_TIMED_S or len(self.fwd) >= MAX_REPEATS)
 
     def run(self, timed: bool) -> None:
         ins = _fresh(self.args, self.names, self.grad)
@@ -319,6 +360,29 @@ class _Timings:
         if timed:
             self.fwd.append(t1 - t0)
             self.bwd.append(t2 - t1 if outs else 0.0)
+        if self.store is not None and outs:
+            self._run_halves(timed)
+
+    def _run_halves(self, timed: bool) -> None:
+        """The backward again as ``I`` (the weight gradients deferred) and ``W`` (added in place into the
+        ``.grad`` the plain run left), as a 1F1B stage's middle backwards run."""
+        assert self.store is not None
+        with self.store.deferring():
+            self.store.microbatch = 0
+            out = self.module(*_fresh(self.args, self.names, self.grad))
+            self.store.microbatch = None
+            outs = [t for t in _tensors(out) if t.requires_grad]
+            self._sync()
+            t0 = time.perf_counter()
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            self._sync()
+            t1 = time.perf_counter()
+            self.store.flush([0], check=False)
+            self._sync()
+            t2 = time.perf_counter()
+        if timed:
+            self.inp.append(t1 - t0)
+            self.wgt.append(t2 - t1)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -326,6 +390,10 @@ class _Timings:
 
     def result(self) -> tuple[float, float]:
         return _robust(self.fwd), _robust(self.bwd)
+
+    def halves(self) -> tuple[float, float]:
+        """``I`` and ``W`` (0, 0 where not timed)."""
+        return (_robust(self.inp), _robust(self.wgt)) if self.inp else (0.0, 0.0)
 
 
 def _time_all(timings: list[_Timings], repeats: int, warmup: int) -> None:
@@ -438,11 +506,15 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
         for i, node in enumerate(graph.nodes):
             t = small[i]
             fwd, bwd = t.result()
-            fwd_fixed, bwd_fixed = 0.0, 0.0
+            inp, wgt = t.halves()
+            fwd_fixed, bwd_fixed, inp_fixed, wgt_fixed = 0.0, 0.0, 0.0, 0.0
             if big:
                 fwd_big, bwd_big = big[i].result()
                 fwd, fwd_fixed = _affine(fwd, fwd_big, size, SCALE_FACTOR)
                 bwd, bwd_fixed = _affine(bwd, bwd_big, size, SCALE_FACTOR)
+                inp_big, wgt_big = big[i].halves()
+                inp, inp_fixed = _affine(inp, inp_big, size, SCALE_FACTOR)
+                wgt, wgt_fixed = _affine(wgt, wgt_big, size, SCALE_FACTOR)
             params = list(t.module.parameters())
             trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             largest = max((p.numel() * p.element_size() for p in params if p.requires_grad), default=0)
@@ -455,7 +527,8 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 grad_bytes=trainable, optimizer_state_bytes=int(trainable * factor),
                 activation_bytes=saved, deferred_bytes=deferred,
                 step_temporary_bytes=int(largest * OPTIMIZER_STEP_TEMPORARY_FACTORS[optimizer]),
-                largest_param_bytes=largest,
+                largest_param_bytes=largest, input_backward_s=inp, weight_s=wgt,
+                input_backward_fixed_s=inp_fixed, weight_fixed_s=wgt_fixed,
             ))
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,

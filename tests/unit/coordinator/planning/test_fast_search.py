@@ -55,6 +55,14 @@ def profile(kind: str) -> Profile:
                                  activation_bytes=[int(t * 5e8) for t in times],
                                  cut_bytes=[(i % 4 + 1) * 32 * KiB for i in range(len(times) - 1)],
                                  microbatch_size=2)
+    if kind == "split":  # the uneven chain with its backwards timed as halves (I and W, part fixed)
+        base = profile("uneven")
+        nodes = tuple(nd.model_copy(update={"input_backward_s": 0.45 * nd.backward_s,
+                                            "input_backward_fixed_s": 0.1 * nd.backward_s,
+                                            "weight_s": 0.4 * nd.backward_s * (i % 3 > 0),
+                                            "weight_fixed_s": 0.2 * nd.backward_s * (i % 3 > 0)})
+                      for i, nd in enumerate(base.nodes))
+        return base.model_copy(update={"nodes": nodes})
     # heavy: parameters dominate (the sync decides between replicas and stages)
     return Profile.synthetic([2e-3] * 8, param_bytes=[24 * MiB] * 8, activation_bytes=[256 * KiB] * 8,
                              cut_bytes=[32 * KiB] * 7, microbatch_size=2)
@@ -90,7 +98,10 @@ CASES = [  # profile, workers, hosts, memory per worker, FIXED index
     ("long", 8, "pairs", BIG, 8), ("long", 16, "own", 220 * MiB, 6), ("long", 10, "one", BIG, 0),
     # more workers than the host's cores: every shape's work over the cores ties, the bound must cut
     ("even", 6, "cores", BIG, 0), ("uneven", 8, "cores", BIG, 0), ("uneven", 4, "cores", 40 * MiB, 7),
-    ("heavy", 6, "cores", BIG, 4), ("long", 12, "cores", BIG, 0), ("long", 8, "cores", BIG, 8)]
+    ("heavy", 6, "cores", BIG, 4), ("long", 12, "cores", BIG, 0), ("long", 8, "cores", BIG, 8),
+    # backwards priced as each schedule runs them
+    ("split", 4, "own", BIG, 0), ("split", 6, "cores", BIG, 0), ("split", 4, "one", BIG, 8),
+    ("split", 8, "pairs", BIG, 7), ("split", 4, "own", 40 * MiB, 1), ("split", 6, "one", BIG, 2)]
 
 
 def both_searches(prof: Profile, res: Resources, request: PlanConfig) -> tuple[object, object]:
@@ -224,6 +235,11 @@ def test_the_bounds_on_one_host_never_exceed_the_played_step(seed: int) -> None:
                                  param_bytes=[rng.randint(1, 8) * MiB for _ in range(n)],
                                  activation_bytes=[MiB] * n, microbatch_size=2,
                                  cut_bytes=[rng.randint(1, 64) * KiB for _ in range(n - 1)])
+        if rng.random() < 0.5:  # backwards timed as halves, each schedule pricing them its way
+            prof = prof.model_copy(update={"nodes": tuple(nd.model_copy(update={
+                "input_backward_s": nd.backward_s * rng.uniform(0.3, 0.6), "weight_s": nd.backward_s * h,
+                "weight_fixed_s": nd.backward_s * h * rng.uniform(0, 1)})
+                for nd in prof.nodes for h in [rng.uniform(0.2, 0.7)])})
         count, cores, cpus = rng.randint(2, 8), rng.choice([1, 2, 3, 8]), rng.choice([1, 1, 2])
         res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=BIG, host="h", cpus=cpus,
                                              host_cpus=cores) for i in range(count)))

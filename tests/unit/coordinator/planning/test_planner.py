@@ -13,6 +13,7 @@ from coordinator.planning.cutting import CUTTERS, CutProblem, cut_even, cut_min_
 from coordinator.planning.graph import build_graph
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import (
+    ACTION_OVERHEAD_S,
     COLLECTIVE_EFFICIENCY,
     CONTROL_MESSAGE_S,
     GRADIENT_CHECK_BANDWIDTH_BPS,
@@ -367,3 +368,41 @@ def test_the_search_tries_interleaved_shapes_and_refuses_what_the_schedule_canno
         choose_plan(prof, res, PlanConfig(num_stages=6), global_batch=32)
     fixed = choose_plan(prof, res, PlanConfig(num_stages=6, schedule="interleaved-1f1b"), global_batch=32)
     assert (fixed.chunks, fixed.num_workers) == (3, 2)
+
+
+def _split(prof: Profile, inp: float, weight: float, fixed: float = 0.0) -> Profile:
+    """``prof`` with every node's backward timed as halves: ``I`` = ``inp`` x its backward, ``W`` = ``weight``
+    x it, each with ``fixed`` of itself not growing with the microbatch."""
+    nodes = tuple(nd.model_copy(update={"input_backward_s": inp * nd.backward_s,
+                                        "weight_s": weight * nd.backward_s,
+                                        "input_backward_fixed_s": fixed * inp * nd.backward_s,
+                                        "weight_fixed_s": fixed * weight * nd.backward_s})
+                  for nd in prof.nodes)
+    return prof.model_copy(update={"nodes": nodes})
+
+
+def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
+    """Per-microbatch forward 1 ms and backward 2 ms a node, its halves I 0.9 ms and W 0.8 ms (half of W
+    fixed): 2 nodes a stage at the profiled microbatch. Worked out here: GPipe's B is I and an eighth of
+    one W over the 8 microbatches; 1F1B's B's are 6 in place (I + W) and 2 plain; zb-h1 gives W apart;
+    mixed precision runs plain backwards."""
+    base = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
+    prof = _split(base, 0.45, 0.4, fixed=0.5)
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1000 * MiB, host=f"h{i}")
+                                  for i in range(2)))
+
+    def stage0(schedule: str, precision: str = "fp32") -> float:
+        fixed = PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8, schedule=schedule,
+                           balance=[2, 2], precision=precision)
+        return choose_plan(prof, res, fixed, global_batch=32).stages[0].backward_s - ACTION_OVERHEAD_S
+
+    i, w = 2 * 0.9e-3, 2 * 0.8e-3  # a stage's I and W at the profiled microbatch (4 samples)
+    w_all = 2 * (0.4e-3 + 0.4e-3 * 8)  # W over 8 x 4 samples: its fixed half once, the rest 8 times
+    assert stage0("gpipe") == pytest.approx(i + w_all / 8)
+    assert stage0("1f1b") == pytest.approx((6 * (i + w) + 2 * 4e-3) / 8)
+    assert stage0("zb-h1") == pytest.approx(i + w)
+    assert stage0("1f1b", "bf16") == pytest.approx(4e-3)
+    # unsplit profiles price every backward plain
+    plain = choose_plan(base, res, PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8,
+                                              schedule="gpipe", balance=[2, 2]), global_batch=32)
+    assert plain.stages[0].backward_s == pytest.approx(4e-3 + ACTION_OVERHEAD_S)

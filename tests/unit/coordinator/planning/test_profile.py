@@ -126,3 +126,24 @@ def test_a_model_with_a_fixed_batch_scales_linearly() -> None:
     sample = torch.randn(8, 16)
     prof = profile_graph(build_graph(Fixed(), sample), sample, repeats=2, num_threads=1)
     assert all(nd.forward_fixed_s == 0 and nd.backward_fixed_s == 0 for nd in prof.nodes)
+
+
+def test_the_linear_nodes_are_timed_as_their_backward_s_halves_too() -> None:
+    """A node with a linear layer gets ``I`` and ``W`` (and their fixed parts); a ReLU keeps its plain
+    backward for both; the profile leaves no gradients behind."""
+    model = mlp()
+    sample = torch.randn(8, 16)
+    prof = profile_graph(build_graph(model, sample), sample, repeats=3, num_threads=1)
+    assert [nd.split for nd in prof.nodes] == [True, False, True, True]
+    for nd in prof.nodes:
+        if nd.split:
+            assert nd.input_backward_s > 0 and nd.weight_s > 0
+            assert 0 <= nd.input_backward_fixed_s <= nd.input_backward_s
+            assert 0 <= nd.weight_fixed_s <= nd.weight_s
+    relu = prof.nodes[1]
+    assert relu.halves_at(2.0) == (relu.times_at(2.0)[1], 0.0)
+    node = prof.nodes[0].model_copy(update={"input_backward_s": 2.0, "input_backward_fixed_s": 0.5,
+                                            "weight_s": 1.0, "weight_fixed_s": 0.25})
+    assert node.halves_at(1.0) == (2.0, 1.0)
+    assert node.halves_at(3.0) == (0.5 + 1.5 * 3, 0.25 + 0.75 * 3)
+    assert all(p.grad is None for c in model for p in c.parameters())
