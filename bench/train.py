@@ -40,6 +40,8 @@ of every step against the GPipe formula and the simulator's, and where a step's 
 (from the step's event log).
 
     python bench/train.py [--steps 10] [--warmup 3] [--rounds 3] [--quick] [--only ddp,cm-dp2]
+    python bench/train.py --save DIR     # also keep the profiles, each round's fresh profile, the steps
+                                         # and every step's event log (JSON) in DIR
     python bench/train.py --replay DIR   # this tree's cost model against a run saved with --save DIR
 """
 

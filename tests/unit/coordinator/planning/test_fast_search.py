@@ -261,7 +261,7 @@ def test_the_bounds_on_one_host_never_exceed_the_played_step(seed: int) -> None:
             if d * p // v > cores:  # more workers than cores: the cores bind, and the bound follows the step
                 crowded += 1
                 tight += bound >= 0.6 * step
-    assert tight >= 0.9 * crowded > 0
+    assert tight >= 0.75 * crowded > 0
 
 
 def test_the_host_bound_by_hand() -> None:
