@@ -66,7 +66,8 @@ stages keep the forward and backward they took on average in that play (``StageP
 
 [Note: the backward as the schedule runs it] A stage's backward costs what its list makes its worker
 do (``services/compute/weight_grads.py``), from the profile's halves ([Note: the backward's halves] in
-``coordinator/planning/profile.py``): a split list's (zb-h1) ``I`` and ``W`` apart; GPipe's ``B`` s
+``coordinator/planning/profile.py``): a split list's (zb-h1) ``I`` and ``W`` apart, its last ``W``
+through autograd (``B - I``: the step's last contribution makes new gradient tensors); GPipe's ``B`` s
 each an ``I``, and after the last one the weight gradients of all its ``k`` microbatches in one product
 through autograd (new gradient tensors, as a plain backward makes them: ``B - I`` at ``k`` times the
 microbatch), a ``k``-th of it on each; a list of ``k`` plain ``B`` s (1F1B, interleaved) ``I`` and ``W``
@@ -575,8 +576,10 @@ def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists
         w = 0.0
         if precision != "fp32":  # autocast: plain autograd throughout
             back = plain
-        elif "I" in kinds:  # split: I, and W on its own
-            w = sum(x for _, x in halves[a:b])
+        elif "I" in kinds:  # split: I, and W on its own; the last W through autograd (B - I)
+            last = sum(max(0.0, b_ - i) for (_, b_), (i, _) in zip(times[a:b], halves[a:b], strict=True))
+            runs = max(1, kinds.count("W"))
+            w = ((runs - 1) * sum(x for _, x in halves[a:b]) + last) / runs
             back = inp + w
         elif defer[s] and count:  # GPipe: every B an I, and after the last one W over all of them
             # through autograd (new gradient tensors, as a plain backward makes them): B - I at that size

@@ -385,7 +385,8 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     """Per-microbatch forward 1 ms and backward 2 ms a node, its halves I 0.9 ms and W 0.8 ms (half of W
     fixed): 2 nodes a stage at the profiled microbatch. Worked out here: GPipe's B is I and an eighth of
     one weight gradient over the 8 microbatches made through autograd (B - I at 8 x 4 samples); 1F1B's
-    B's are 6 in place (I + W) and 2 plain; zb-h1 gives W apart; mixed precision runs plain backwards."""
+    B's are 6 in place (I + W) and 2 plain; zb-h1's W's are in place but the last (B - I, through
+    autograd); mixed precision runs plain backwards."""
     base = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
     prof = _split(base, 0.45, 0.4, fixed=0.5)
     res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1000 * MiB, host=f"h{i}")
@@ -400,7 +401,7 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     w_all = 2 * (2e-3 * 8 - (0.45e-3 + 0.45e-3 * 8))  # B - I at 8 x 4 samples: B all grows, I half
     assert stage0("gpipe") == pytest.approx(i + w_all / 8)
     assert stage0("1f1b") == pytest.approx((6 * (i + w) + 2 * 4e-3) / 8)
-    assert stage0("zb-h1") == pytest.approx(i + w)
+    assert stage0("zb-h1") == pytest.approx(i + (7 * w + 2 * (2e-3 - 0.9e-3)) / 8)  # its last W: B - I
     assert stage0("1f1b", "bf16") == pytest.approx(4e-3)
     # unsplit profiles price every backward plain
     plain = choose_plan(base, res, PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8,
