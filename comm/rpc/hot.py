@@ -41,6 +41,7 @@ BodyDecoder = Callable[[dict[str, Any]], BaseModel | None]
 _ENVELOPE_KEYS = frozenset({"id", "ok", "body", "error", "tensors"})
 _new = object.__new__
 _set = object.__setattr__
+_is_str = str.__instancecheck__
 
 
 def plain_reply(fields: Mapping[str, Any]) -> tuple[int, dict[str, Any]] | None:
@@ -55,7 +56,7 @@ def plain_reply(fields: Mapping[str, Any]) -> tuple[int, dict[str, Any]] | None:
     if (type(request_id) is not int or request_id < 0 or fields.get("ok") is not True
             or type(body) is not dict or fields.get("error") is not None or fields.get("tensors", []) != []):
         return None
-    if not all(type(key) is str for key in body):  # dict[str, Any]: msgpack may give bytes keys
+    if not all(map(_is_str, body)):  # dict[str, Any]: msgpack may give bytes keys
         return None
     return request_id, body
 
