@@ -11,9 +11,11 @@ import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from comm.codec import Message, pack, unpack
 from comm.registry import KeepAlive, Lease, MemoryRegistry
@@ -22,6 +24,7 @@ from comm.rpc import Call, Empty, RpcError, ServiceBase, ServiceHost
 from coordinator.runtime.loop import Event, EventLoop, Reply, WorkerJoined, WorkerLost
 from services.host.worker import coordinator_key
 from services.protocol import PhaseTiming, StepReply, WorkerCard
+from services.protocol.hot import HOT_BODIES, step_reply
 from tests.unit.comm.registry.flaky import FlakyRegistry
 
 WAIT = timedelta(seconds=10)
@@ -102,11 +105,20 @@ def test_replies_become_events(setup: tuple[MemoryRegistry, ServiceHost, EventLo
     assert "factor: Extra inputs are not permitted" in replies[wrong].message
 
 
-def test_broken_step_replies_are_refused_with_the_models_reason(
-        setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:
-    """A step reply that breaks a rule of ``StepReply`` is a failed event naming the rule (one reply per
-    wake-up and several at once alike), and the loop keeps serving."""
+def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
+        setup: tuple[MemoryRegistry, ServiceHost, EventLoop], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain step reply takes the hand-written check (comm/rpc/hot.py), a broken one is refused with the
+    model's own reason, and the loop keeps serving."""
     _, _, loop = setup
+    accepted: list[BaseModel] = []
+
+    def spy(body: dict[str, Any]) -> BaseModel | None:
+        message = step_reply(body)
+        if message is not None:
+            accepted.append(message)
+        return message
+
+    monkeypatch.setitem(HOT_BODIES, StepReply, spy)
     whole = StepReply(step=3, stage=0, losses=[0.5], starts=[1.0, 2.0], ends=[1.5, 2.5],
                       phases=[PhaseTiming(name="optimizer", start=0.5, end=0.75)], held_bytes=8)
     good = loop.send("w0", "w", "echo", whole, StepReply)
@@ -122,6 +134,7 @@ def test_broken_step_replies_are_refused_with_the_models_reason(
         assert isinstance(event, Reply)
         replies[event.id] = event
     assert replies[good].ok and replies[good].body == whole
+    assert accepted == [whole] and accepted[0] is replies[good].body  # the only one the check took
     assert replies[good].body.model_fields_set == set(StepReply.model_fields)
     # fields missing (LooseStep dumps only its own): the model fills the defaults, as it always did
     assert replies[partial].ok
