@@ -1,4 +1,4 @@
-"""What reading one step reply costs the coordinator, alone on a core: the validating path against the hand check.
+"""What reading a step reply costs the coordinator: the validating path against the hand check, warm and cold.
 
 The coordinator reads one ``StepReply`` per stage per step (``coordinator/runtime/loop.py``). This times,
 in one thread with nothing else in the process, the two ways a reply's first frame becomes a message:
@@ -12,10 +12,15 @@ in one thread with nothing else in the process, the two ways a reply's first fra
 and what building a step's request costs (``comm.rpc.framing.request_frames`` of a ``RunStep`` naming
 its program, with the previous step's commit). Three replies: a hollow data-parallel worker's (2 actions),
 a 1F1B stage of 2 stages x 8 microbatches (32 actions, the traffic counters, a phase), and one with
-several phases and refusal counts. Figures are the median of ``--repeats`` runs of ``--number`` calls
-each, µs per call of this thread's CPU (``time.thread_time``).
+several phases and refusal counts.
 
-    python bench/replies.py [--number 20000] [--repeats 7]
+Warm: the median of ``--repeats`` runs of ``--number`` calls each, µs per call of this thread's CPU
+(``time.thread_time``): a reply read right after the last, as the coordinator reads a burst. Cold: before
+each call the thread writes 64 MiB (evicting the caches, as a training step's compute does between two
+replies), then times the one call (wall clock, ``perf_counter_ns``); the median of ``--cold`` calls, the
+two paths alternating.
+
+    python bench/replies.py [--number 20000] [--repeats 7] [--cold 300]
 """
 
 from __future__ import annotations
@@ -86,22 +91,42 @@ def per_call_us(fn: Callable[[], Any], number: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
+def cold_us(paths: dict[str, Callable[[], Any]], calls: int) -> dict[str, float]:
+    """The median µs of one call of each path right after the caches were evicted (see the docstring)."""
+    import torch
+
+    torch.set_num_threads(1)
+    evict = torch.zeros(16 << 20)  # 64 MiB
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths.items())
+    for i in range(calls):
+        for name, fn in order if i % 2 else reversed(order):
+            evict.add_(1.0)
+            start = time.perf_counter_ns()
+            fn()
+            times[name].append((time.perf_counter_ns() - start) / 1e3)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--number", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--cold", type=int, default=300)
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f} at the start")
-    print("| reply | bytes | models µs | hand µs | models / hand |")
-    print("|---|---|---|---|---|")
+    print("| reply | bytes | warm: models µs | hand µs | cold: models µs | hand µs |")
+    print("|---|---|---|---|---|---|")
     for name, reply in REPLIES.items():
         frame = bytes(reply_frames(7, reply)[0])
         assert _models(frame) == _hand(frame) == reply
         models = per_call_us(lambda f=frame: _models(f), args.number, args.repeats)
         hand = per_call_us(lambda f=frame: _hand(f), args.number, args.repeats)
-        print(f"| {name} | {len(frame)} | {models:.1f} | {hand:.1f} | {models / hand:.1f}x |")
+        cold = cold_us({"models": lambda f=frame: _models(f), "hand": lambda f=frame: _hand(f)}, args.cold)
+        print(f"| {name} | {len(frame)} | {models:.1f} | {hand:.1f} | {cold['models']:.1f} "
+              f"| {cold['hand']:.1f} |")
     optimizer = OptimizerSpec(name="SGD", kwargs={"lr": 0.01})
-    commit = CommitStep(step=11, optimizer=optimizer, timeout_ms=300_000, train_step=11).model_dump(mode="python")
+    commit = CommitStep(step=11, optimizer=optimizer, timeout_ms=300_000, train_step=11).model_dump()
     request = {"step": 12, "program": "train", "timeout_ms": 300_000, "loss_scale": 1.0, "commit": commit,
                "microbatches": [list(range(8 * m, 8 * m + 8)) for m in range(8)]}
     build = per_call_us(lambda: request_frames(12, "run/compute-r0-s0", "run_step", request), args.number,

@@ -7,16 +7,19 @@ only accepts] in ``comm/rpc/hot.py``. :data:`HOT_BODIES` maps a reply type to it
 coordinator's event loop looks a request's reply type up there (``coordinator/runtime/loop.py``).
 
 [Note: why the step reply is checked by hand]
-The coordinator reads one :class:`StepReply` per stage per step. Validating one with pydantic (the
-envelope, then the body's 14 fields with the traffic counters and the phases as nested models) cost
-about 10 µs on an idle core and 40-90 µs in a loaded step, the largest part of the coordinator's work
-per reply (py-spy: 43 % of its CPU at 128 data-parallel hollow workers; docs/benchmarks.md "Hollow
-workers"). The checks below cost a few µs: a type test per field, one pass of C-level ``isinstance``
-over each list of floats, and the message built with :func:`comm.rpc.hot.trusted`. What they accept is
-a subset of what the model accepts, giving an equal message (``tests/unit/comm/rpc/test_hot.py``);
+The coordinator reads one :class:`StepReply` per stage per step, and in a training step it reads it cold:
+the workers' compute between two replies has evicted the caches, and a reply's read (msgpack, the
+envelope's and the body's validation) costs 100-170 µs of the coordinator's CPU instead of the 12 µs it
+costs right after another (coordinator/runtime/driver.py's step, measured; ``bench/replies.py``). Warm,
+pydantic-core validates as fast as these checks (12.1 against 12.3 µs for a 1F1B stage's reply, msgpack
+included); cold, the checks read it in 81-111 µs against the models' 103-137 (``bench/replies.py``
+with the caches evicted before each read: 20 % less, as less code and data is touched). What they accept
+is a subset of what the model accepts, giving an equal message (``tests/unit/comm/rpc/test_hot.py``);
 everything else (an int where a float goes, a non-empty list of checkpoint parts, an unknown field, a
 bad value) takes the model's validation and gets its error. A field added to :class:`StepReply`
 without a check here makes every reply take that path (correct, slower), and that test fails.
+(The profile that pointed here, "pydantic validation 48 %" at 128 hollow workers, was mostly the full
+garbage collections that the allocations inside the validation triggered: ``coordinator/runtime/heap.py``.)
 """
 
 from __future__ import annotations
