@@ -4,7 +4,8 @@ Two kinds of source feed one stream of :data:`Event` s:
 
 * the workers' service hosts: one ROUTER socket connected to every worker ([Note: one socket for
   every worker]); requests go out at once (:meth:`EventLoop.send` never waits) and each reply
-  becomes a :class:`Reply` event, validated against the type the request expects;
+  becomes a :class:`Reply` event, validated against the type the request expects (a plain step reply
+  by the hand-written check of ``services/protocol/hot.py``, anything else by the models);
 * the registry: a watch on ``/cellmesh/{job}/workers/`` turns a new or changed card into
   :class:`WorkerJoined` and a vanished one (drained, or its lease lapsed because the
   process died) into :class:`WorkerLost`. The watch runs on a thread that posts events
