@@ -32,11 +32,13 @@ from comm.wire import DTYPES, dtype_name, tensor_bytes
 __all__ = [
     "NamedTensors",
     "RpcError",
+    "check_reply",
     "decode_tensors",
     "encode_tensors",
     "error_frames",
     "open_reply",
     "read_reply",
+    "reply_fields",
     "reply_frames",
     "request_frames",
 ]
@@ -176,10 +178,27 @@ def error_frames(request_id: int, code: str, message: str) -> list[Any]:
 
 def read_reply(frame: bytes, source: str) -> ReplyEnvelope | None:
     """The reply envelope in ``frame``, or None (logged, naming ``source``) when it is malformed."""
+    fields = reply_fields(frame, source)
+    return None if fields is None else check_reply(fields, source)
+
+
+def reply_fields(frame: bytes, source: str) -> dict[str, Any] | None:
+    """The map in a reply's ``frame`` (version checked, not validated), or None (logged) when it is none.
+
+    :func:`read_reply` in two halves, for a reader that checks plain replies by hand first
+    (:func:`comm.rpc.hot.plain_reply`) and validates the rest with :func:`check_reply`.
+    """
     try:
-        return ReplyEnvelope.model_validate(unpack_raw(frame, what="reply envelope"))
+        return unpack_raw(frame, what="reply envelope")
     except ProtocolError as exc:
         log.error("dropped a malformed reply from %s: %s", source, exc)
+    return None
+
+
+def check_reply(fields: dict[str, Any], source: str) -> ReplyEnvelope | None:
+    """``fields`` validated as a :class:`ReplyEnvelope`, or None (logged, naming ``source``)."""
+    try:
+        return ReplyEnvelope.model_validate(fields)
     except ValidationError as exc:
         log.error("dropped a malformed reply from %s: reply envelope: %s", source,
                   describe_validation_error(exc))

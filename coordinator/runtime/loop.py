@@ -4,7 +4,8 @@ Two kinds of source feed one stream of :data:`Event` s:
 
 * the workers' service hosts: one ROUTER socket connected to every worker ([Note: one socket for
   every worker]); requests go out at once (:meth:`EventLoop.send` never waits) and each reply
-  becomes a :class:`Reply` event, validated against the type the request expects;
+  becomes a :class:`Reply` event, validated against the type the request expects (a plain step reply
+  by the hand-written check of ``services/protocol/hot.py``, anything else by the models);
 * the registry: a watch on ``/cellmesh/{job}/workers/`` turns a new or changed card into
   :class:`WorkerJoined` and a vanished one (drained, or its lease lapsed because the
   process died) into :class:`WorkerLost`. The watch runs on a thread that posts events
@@ -77,10 +78,13 @@ from comm.errors import ProtocolError
 from comm.registry.base import Registry
 from comm.registry.follow import Change, Follower
 from comm.registry.presence import Presence
-from comm.rpc import Mailbox, RpcError, open_reply, read_reply, request_frames
+from comm.rpc import Mailbox, RpcError, open_reply, request_frames
+from comm.rpc.framing import check_reply, reply_fields
+from comm.rpc.hot import BodyDecoder, plain_reply
 from comm.sockets import CONTROL_HWM, make_socket
 from services.host.worker import coordinator_key
 from services.protocol import WorkerCard
+from services.protocol.hot import HOT_BODIES
 
 __all__ = ["DEFAULT_PRESENCE_TTL", "Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
 
@@ -92,6 +96,7 @@ _WATCH_POLL = timedelta(seconds=0.25)  # how often the watch thread checks for c
 # plain ints: pyzmq builds an enum object for a flag combined per call, and for each ZMQ_EVENTS read
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _DRAIN_BATCH = 4096  # replies read per wake-up before the registry's events get a turn
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ class WorkerLost:
     at: float = field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Reply:
     """A service's answer to request ``id``: ``body`` if ``ok``, else ``code`` and ``message``."""
 
@@ -131,13 +136,14 @@ class Reply:
 Event = WorkerJoined | WorkerLost | Reply
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Request:
     worker: str
     service: str
     method: str
     reply_type: type[BaseModel]
     sent: float
+    decoder: BodyDecoder | None  # the reply type's hand-written check (services/protocol/hot.py), if any
 
 
 class EventLoop:
@@ -315,7 +321,8 @@ class EventLoop:
                         f"{self._addresses[worker]}: {why}; check that the worker runs and holds the job's "
                         "keys", sent=sent))
             return request_id
-        self._requests[request_id] = _Request(worker, service, method, reply_type, sent)
+        self._requests[request_id] = _Request(worker, service, method, reply_type, sent,
+                                              HOT_BODIES.get(reply_type))
         return request_id
 
     def forget(self, request_id: int) -> None:
@@ -354,8 +361,14 @@ class EventLoop:
         return event
 
     def _drain(self, sock: zmq.Socket[bytes]) -> None:
-        """Read the replies the ROUTER holds (up to :data:`_DRAIN_BATCH`: the poller comes back for more)."""
-        for _ in range(_DRAIN_BATCH):
+        """Read the replies the ROUTER holds (up to :data:`_DRAIN_BATCH`: the poller comes back for more).
+
+        [Note: how a wake-up ends] A drain stops at the first ``zmq.Again`` (one exception per drain), or,
+        after its first reply, when ``ZMQ_EVENTS`` says nothing more is queued: a training step's replies
+        come one per wake-up, and that read costs half the exception. Either way the poller reads
+        ``ZMQ_EVENTS`` itself before it sleeps, so no reply is left behind.
+        """
+        for n in range(_DRAIN_BATCH):
             try:  # one zmq.Again per drain (a drain reads several replies), not a ZMQ_EVENTS read per reply
                 parts = [sock.recv(_NOBLOCK, copy=False)]
             except zmq.Again:
@@ -363,19 +376,39 @@ class EventLoop:
             while parts[-1].more:  # the rest of a message is there once its first part is
                 parts.append(sock.recv(_NOBLOCK, copy=False))
             worker = self._worker_of.get(parts[0].bytes)
-            if worker is None or len(parts) < 2:
-                continue  # a late reply on a connection the loop dropped (a replaced worker's)
-            reply = self._decode(worker, parts[1:])
-            if reply is not None:
-                self._ready.append(reply)
+            if worker is not None and len(parts) >= 2:  # else a late reply on a connection the loop dropped
+                reply = self._decode(worker, parts[1:])
+                if reply is not None:
+                    self._ready.append(reply)
+            if n == 0 and not int(sock.get(_EVENTS)) & _POLLIN:  # see [Note: how a wake-up ends]
+                return
 
     def _decode(self, worker: str, parts: list[zmq.Frame]) -> Reply | None:
-        envelope = read_reply(parts[0].bytes, f"worker {worker} (coordinator of {self.job})")
-        if envelope is None:
+        source = f"worker {worker} (coordinator of {self.job})"
+        fields = reply_fields(parts[0].bytes, source)
+        if fields is None:
             return None
-        request = self._requests.pop(envelope.id, None)
-        if request is None:
-            return None  # a late reply to a forgotten request
+        # the plain successful reply of a hot type is checked by hand ([Note: a fast path that only accepts]
+        # in comm/rpc/hot.py); anything else, or what the check declines, is validated by the models
+        plain = plain_reply(fields) if len(parts) == 1 else None
+        if plain is not None:
+            request = self._requests.pop(plain[0], None)
+            if request is None:
+                return None  # a late reply to a forgotten request
+            body = request.decoder(plain[1]) if request.decoder is not None else None
+            if body is not None:
+                return Reply(id=plain[0], worker=worker, service=request.service, method=request.method,
+                             ok=True, body=body, sent=request.sent)
+            envelope = check_reply(fields, source)
+            if envelope is None:
+                return None
+        else:
+            envelope = check_reply(fields, source)
+            if envelope is None:
+                return None
+            request = self._requests.pop(envelope.id, None)
+            if request is None:
+                return None  # a late reply to a forgotten request
 
         def failed(code: str, message: str) -> Reply:
             return Reply(id=envelope.id, worker=worker, service=request.service, method=request.method,

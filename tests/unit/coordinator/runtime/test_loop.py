@@ -11,9 +11,11 @@ import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from comm.codec import Message, pack, unpack
 from comm.registry import KeepAlive, Lease, MemoryRegistry
@@ -21,7 +23,8 @@ from comm.registry.presence import PresenceCard
 from comm.rpc import Call, Empty, RpcError, ServiceBase, ServiceHost
 from coordinator.runtime.loop import Event, EventLoop, Reply, WorkerJoined, WorkerLost
 from services.host.worker import coordinator_key
-from services.protocol import WorkerCard
+from services.protocol import PhaseTiming, StepReply, WorkerCard
+from services.protocol.hot import HOT_BODIES, step_reply
 from tests.unit.comm.registry.flaky import FlakyRegistry
 
 WAIT = timedelta(seconds=10)
@@ -36,7 +39,25 @@ class Scaled(Message):
     factor: float
 
 
+class LooseStep(Message):
+    """A step reply as a broken (or foreign) worker might send it: the fields without their rules."""
+
+    step: int
+    stage: int
+    losses: list[float]
+    starts: list[float]
+    ends: list[float]
+    held_bytes: int | None = None
+    phases: list[PhaseTiming] = []
+
+
 class Worker(ServiceBase):
+    def rpc_step(self, request: LooseStep, call: Call) -> LooseStep:
+        return request
+
+    def rpc_echo(self, request: StepReply, call: Call) -> StepReply:
+        return request
+
     def rpc_scale(self, request: Scale, call: Call) -> Scaled:
         call.tensors_out = [(name, t * request.factor) for name, t in call.tensors.items()]
         return Scaled(factor=request.factor)
@@ -82,6 +103,54 @@ def test_replies_become_events(setup: tuple[MemoryRegistry, ServiceHost, EventLo
         False, "busy", "come back later")
     assert not replies[wrong].ok and replies[wrong].code == "bad_reply"
     assert "factor: Extra inputs are not permitted" in replies[wrong].message
+
+
+def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
+        setup: tuple[MemoryRegistry, ServiceHost, EventLoop], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain step reply takes the hand-written check (comm/rpc/hot.py), a broken one is refused with the
+    model's own reason, and the loop keeps serving."""
+    _, _, loop = setup
+    accepted: list[BaseModel] = []
+
+    def spy(body: dict[str, Any]) -> BaseModel | None:
+        message = step_reply(body)
+        if message is not None:
+            accepted.append(message)
+        return message
+
+    monkeypatch.setitem(HOT_BODIES, StepReply, spy)
+    whole = StepReply(step=3, stage=0, losses=[0.5], starts=[1.0, 2.0], ends=[1.5, 2.5],
+                      phases=[PhaseTiming(name="optimizer", start=0.5, end=0.75)], held_bytes=8)
+    good = loop.send("w0", "w", "echo", whole, StepReply)
+    partial = loop.send("w0", "w", "step", LooseStep(step=4, stage=0, losses=[0.5], starts=[], ends=[]),
+                        StepReply)
+    negative = loop.send("w0", "w", "step", LooseStep(step=5, stage=0, losses=[], starts=[1.0], ends=[2.0],
+                                                      held_bytes=-1), StepReply)
+    uneven = loop.send("w0", "w", "step", LooseStep(step=6, stage=0, losses=[], starts=[1.0], ends=[]),
+                       StepReply)
+    replies = {}
+    for _ in range(4):
+        event = _next(loop)
+        assert isinstance(event, Reply)
+        replies[event.id] = event
+    assert replies[good].ok and replies[good].body == whole
+    assert accepted == [whole] and accepted[0] is replies[good].body  # the only one the check took
+    assert replies[good].body.model_fields_set == set(StepReply.model_fields)
+    # fields missing (LooseStep dumps only its own): the model fills the defaults, as it always did
+    assert replies[partial].ok
+    assert replies[partial].body == StepReply(step=4, stage=0, losses=[0.5], starts=[], ends=[])
+    assert not replies[negative].ok and replies[negative].code == "bad_reply"
+    assert "held_bytes: Input should be greater than or equal to 0" in replies[negative].message
+    assert "metric_sums" not in replies[negative].message  # a missing field with a default is no error
+    assert not replies[uneven].ok and "1 action starts but 0 ends" in replies[uneven].message
+    assert replies[good].ok and _next_scaled(loop).body == Scaled(factor=2.0)
+
+
+def _next_scaled(loop: EventLoop) -> Reply:
+    loop.send("w0", "w", "scale", Scale(factor=2.0), Scaled)
+    event = _next(loop)
+    assert isinstance(event, Reply) and event.ok
+    return event
 
 
 def test_a_forgotten_request_is_not_an_event(setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:

@@ -1,0 +1,257 @@
+"""The hand-written checks of the hot replies against the pydantic models they stand in for.
+
+[Note: a fast path that only accepts] (``comm/rpc/hot.py``): whatever a check accepts, the model
+accepts too and builds an equal message (same values, same nested types, same fields given); what it
+declines the caller validates with the model. Proven here on random maps (hypothesis), on real
+messages mutated the way the security fuzzer mutates them (``tests/multiproc/security/frames.py``),
+and on every seed message of the protocol. Everything goes through msgpack first, so the values are
+the types a wire gives. And the checks must be worth having: a reply as a worker sends it is accepted.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, ValidationError
+
+from comm.codec import unpack_raw
+from comm.rpc.envelope import ReplyEnvelope
+from comm.rpc.hot import plain_reply
+from comm.traffic import TrafficCounts
+from services.protocol import PhaseTiming, SavedPart, StepReply
+from services.protocol.hot import HOT_BODIES, phase_timing, step_reply, traffic_counts
+from tests.multiproc.security.frames import SEEDS, FrameMaker
+
+_TRAFFIC = {"bytes_sent": {"zmq": 10240, "gloo": 0}, "refused_frames": {"bad header": 2},
+            "refused_connections": {}}
+
+
+def _worker_reply(**changes: Any) -> dict[str, Any]:
+    """A StepReply as a worker dumps it (every field given), through msgpack."""
+    body = StepReply(step=7, stage=1, losses=[0.25, float("nan")], metric_sums=[1.5], starts=[1.0, 2.0, 3.0],
+                     ends=[1.5, 2.5, 3.5], phases=[PhaseTiming(name="all_reduce", start=4.0, end=4.25)],
+                     nonfinite_grads=["cell0.weight"], traffic=TrafficCounts.model_validate(_TRAFFIC),
+                     grad_sq_norm=0.5, held_bytes=1024, peak_bytes=0, lead=None).model_dump(mode="python")
+    body.update(changes)
+    return _wire(body)
+
+
+def _wire(value: Any) -> Any:
+    """``value`` as the other end reads it: msgpack and back (tuples become lists, and so on)."""
+    return msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False, strict_map_key=False)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Same type and value (NaN equal to NaN), nested messages field by field."""
+    if isinstance(b, BaseModel):
+        _same(a, b)
+        return True
+    if isinstance(b, list | dict):
+        keys = range(len(b)) if isinstance(b, list) else b.keys()
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(a[k], b[k]) for k in keys)
+    return type(a) is type(b) and (a == b or (isinstance(b, float) and math.isnan(a) and math.isnan(b)))
+
+
+def _same(fast: BaseModel, ref: BaseModel) -> None:
+    assert type(fast) is type(ref)
+    assert fast.model_fields_set == ref.model_fields_set
+    for name in type(ref).model_fields:
+        assert _equal(getattr(fast, name), getattr(ref, name)), name
+    assert repr(fast) == repr(ref)
+    assert fast.model_dump_json() == ref.model_dump_json()
+
+
+def _conforms(check: Any, model: type[BaseModel], value: Any) -> bool:
+    """Whether ``check`` accepted ``value``; asserts the model accepts it too and builds the same."""
+    fast = check(value)
+    if fast is None:
+        return False
+    ref = model.model_validate(value)  # raises if the check accepted what the model refuses
+    _same(fast, ref)
+    return True
+
+
+def test_a_reply_as_a_worker_sends_it_takes_the_fast_path() -> None:
+    assert HOT_BODIES[StepReply] is step_reply
+    body = _worker_reply()
+    assert _conforms(step_reply, StepReply, body)
+    assert _conforms(step_reply, StepReply, _worker_reply(traffic=None, grad_sq_norm=None, phases=[],
+                                                          losses=[], held_bytes=None))
+
+
+def test_the_check_knows_every_field_of_the_model() -> None:
+    """A field added to StepReply without a check makes every reply take the slow path: caught here."""
+    assert set(_worker_reply()) == set(StepReply.model_fields)
+    assert step_reply(_worker_reply()) is not None
+
+
+@pytest.mark.parametrize(("field", "value", "converted"), [
+    ("step", True, False), ("step", 1.0, False), ("step", "1", False), ("stage", None, False),
+    ("losses", [1], True), ("losses", [True], False), ("starts", [1.0], False),
+    ("ends", [1.0, 2.0, 3.0, 4.0], False), ("metric_sums", None, False),
+    ("metric_sums", [0.0] * ((1 << 16) + 1), False), ("nonfinite_grads", ["a"] * 9, False),
+    ("nonfinite_grads", [1], False),
+    ("saved", [SavedPart(step=3, part="r0-s0", model=True).model_dump()], True),
+    ("saved", None, False), ("grad_sq_norm", 1, True), ("grad_sq_norm", "1.0", False),
+    ("held_bytes", -1, False),
+    ("held_bytes", True, False), ("peak_bytes", 0.0, False), ("lead", -3, False),
+    ("phases", [{"name": "", "start": 0.0, "end": 1.0}], False),
+    ("phases", [{"name": "x" * 257, "start": 0.0, "end": 1.0}], False),
+    ("phases", [{"name": "x", "start": 0.0}], False),
+    ("phases", [{"name": "x", "start": 0, "end": 1.0}], True),
+    ("phases", {}, False), ("traffic", {}, True),
+    ("traffic", {**_TRAFFIC, "bytes_sent": {"tcp": 1}}, False),
+    ("traffic", {**_TRAFFIC, "bytes_sent": {"zmq": -1}}, False),
+    ("traffic", {**_TRAFFIC, "bytes_sent": {"zmq": False}}, False),
+    ("traffic", {**_TRAFFIC, "refused_frames": {"": 1}}, False),
+    ("traffic", {**_TRAFFIC, "refused_frames": {"r" * 81: 1}}, False),
+    ("traffic", {**_TRAFFIC, "refused_frames": {f"r{i}": 1 for i in range(33)}}, False),
+    ("traffic", {**_TRAFFIC, "extra": {}}, False),
+])
+def test_each_rule_of_the_model_is_declined_when_broken(field: str, value: Any, converted: bool) -> None:
+    """Every rule of the model broken alone: the check declines, and the model decides (refusing it, or
+    for the few the check leaves to it, as an int where a float goes, accepting it)."""
+    body = _worker_reply(**{field: value})
+    assert step_reply(body) is None
+    if converted:
+        StepReply.model_validate(body)
+    else:
+        with pytest.raises(ValidationError):
+            StepReply.model_validate(body)
+
+
+def test_unknown_and_missing_fields_are_declined() -> None:
+    assert step_reply({**_worker_reply(), "extra": 1}) is None
+    for name in StepReply.model_fields:
+        body = _worker_reply()
+        del body[name]
+        assert step_reply(body) is None  # the model fills defaults and decides
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=300),
+                     st.binary(max_size=8))
+_VALUES = st.recursive(
+    _SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                      st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+    max_leaves=8)
+_FLOATS = st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=6)
+_PHASE = st.fixed_dictionaries({"name": st.text(min_size=0, max_size=258), "start": st.floats(),
+                                "end": st.one_of(st.floats(), st.integers(-2, 2))})
+_REASONS = st.dictionaries(st.text(min_size=0, max_size=82), st.integers(-2, 1 << 40), max_size=34)
+_SENT = st.dictionaries(st.sampled_from(["zmq", "gloo", "nccl", "x"]),
+                        st.one_of(st.integers(-1, 1 << 50), st.booleans()))
+_TRAFFIC_ST = st.fixed_dictionaries({"bytes_sent": _SENT, "refused_frames": _REASONS,
+                                     "refused_connections": _REASONS})
+
+
+def _maybe(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly the field's kind of value, sometimes anything."""
+    return st.one_of(valid, valid, valid, _VALUES)
+
+
+_BODY = st.fixed_dictionaries({
+    "step": _maybe(st.integers(-5, 1 << 40)), "stage": _maybe(st.integers(-1, 9)), "losses": _maybe(_FLOATS),
+    "metric_sums": _maybe(_FLOATS), "starts": _maybe(_FLOATS), "ends": _maybe(_FLOATS),
+    "phases": _maybe(st.lists(st.one_of(_PHASE, _VALUES), max_size=3)),
+    "nonfinite_grads": _maybe(st.lists(st.text(max_size=5), max_size=10)),
+    "traffic": _maybe(st.one_of(st.none(), _TRAFFIC_ST)), "saved": _maybe(st.just([])),
+    "grad_sq_norm": _maybe(st.one_of(st.none(), st.floats())),
+    "held_bytes": _maybe(st.one_of(st.none(), st.integers(-2, 1 << 40))),
+    "peak_bytes": _maybe(st.one_of(st.none(), st.integers(-2, 1 << 40))),
+    "lead": _maybe(st.one_of(st.none(), st.integers(-2, 9))),
+})
+
+
+@settings(max_examples=250, deadline=None)
+@given(_BODY, st.lists(st.sampled_from(sorted(StepReply.model_fields)), max_size=2), st.booleans())
+def test_random_step_replies(body: dict[str, Any], dropped: list[str], extra: bool) -> None:
+    for name in dropped:
+        body.pop(name, None)
+    if extra:
+        body["surplus"] = 1
+    _conforms(step_reply, StepReply, _wire(body))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(_PHASE, _VALUES))
+def test_random_phases(value: Any) -> None:
+    _conforms(phase_timing, PhaseTiming, _wire(value))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(_TRAFFIC_ST, _VALUES))
+def test_random_traffic(value: Any) -> None:
+    _conforms(traffic_counts, TrafficCounts, _wire(value))
+
+
+def test_mutated_replies_and_every_seed() -> None:
+    """The security fuzzer's mutations of a worker's reply, and every seed message's body, as a step reply."""
+    maker = FrameMaker(2026)
+    accepted = 0
+    for _ in range(1500):
+        body = copy.deepcopy(_worker_reply())
+        for _ in range(maker.rng.randrange(1, 3)):
+            maker._mutate_value(body)
+        accepted += _conforms(step_reply, StepReply, _wire(body))
+        part = body.get("traffic") if isinstance(body.get("traffic"), dict) else dict(_TRAFFIC)
+        maker._mutate_value(part)
+        _conforms(traffic_counts, TrafficCounts, _wire(part))
+    assert accepted > 50  # a noise value is often still valid (a float for a float): those take the fast path
+    for seed in SEEDS:
+        body = _wire(seed.model_dump(mode="python"))
+        assert _conforms(step_reply, StepReply, body) == isinstance(seed, StepReply)
+        _conforms(phase_timing, PhaseTiming, body)
+        _conforms(traffic_counts, TrafficCounts, body)
+
+
+def _envelope_conforms(fields: Any) -> bool:
+    if not isinstance(fields, dict):
+        return False
+    plain = plain_reply(fields)
+    if plain is None:
+        return False
+    ref = ReplyEnvelope.model_validate(fields)
+    assert ref.ok and ref.error is None and ref.tensors == [] and (ref.id, ref.body) == plain
+    return True
+
+
+_ENVELOPE = st.fixed_dictionaries({"id": _maybe(st.integers(-1, 1 << 40)), "ok": _maybe(st.booleans()),
+                                   "body": _maybe(st.dictionaries(st.text(max_size=3), _SCALARS, max_size=2)),
+                                   "error": _maybe(st.none()), "tensors": _maybe(st.just([]))})
+
+
+@settings(max_examples=200, deadline=None)
+@given(_ENVELOPE, st.lists(st.sampled_from(["id", "ok", "body", "error", "tensors"]), max_size=2),
+       st.booleans())
+def test_random_envelopes(fields: dict[str, Any], dropped: list[str], extra: bool) -> None:
+    for name in dropped:
+        fields.pop(name, None)
+    if extra:
+        fields["v2"] = 1
+    _envelope_conforms(unpack_raw(msgpack.packb({**fields, "v": 1}, use_bin_type=True)))
+
+
+def test_envelopes_the_fuzzer_breaks() -> None:
+    rng = random.Random(7)
+    maker = FrameMaker(7)
+    plain = {"id": 3, "ok": True, "body": _worker_reply(), "error": None, "tensors": []}
+    assert _envelope_conforms(plain)
+    spec = {"name": "x", "dtype": "float32", "shape": [1], "frames": 1}
+    for fields in ({**plain, "ok": False}, {**plain, "tensors": [spec]}, {**plain, "body": None},
+                   {**plain, "error": {"code": "x", "message": "y"}}, {**plain, "id": -1},
+                   {**plain, "id": True}, {**plain, "tensors": None}):
+        assert not _envelope_conforms(_wire(fields))
+    assert not _envelope_conforms({**plain, "body": {b"k": 1}})  # msgpack's bin keys: not a dict[str, Any]
+    for _ in range(1000):
+        fields = copy.deepcopy(plain)
+        for _ in range(rng.randrange(1, 3)):
+            maker._mutate_value(fields)
+        _envelope_conforms(_wire(fields))
