@@ -29,9 +29,10 @@ computes all that are left. Under ``bf16``/``fp16`` nothing is deferred: ``I`` i
 backward and ``W`` has nothing to do. A GPipe list (every ``B`` after every ``F``) defers too: its
 last ``B`` ends with every microbatch's weight gradients, one product per layer
 (:func:`~services.compute.weight_grads.defers` says which lists do). Any other list (1F1B,
-interleaved 1F1B) runs each ``B`` between its first and its last as ``I`` and at once that
-microbatch's ``W``, added into ``.grad`` in place (fp32/fp64; [Note: a backward's weight gradients in
-place] in ``services/compute/weight_grads.py``): nothing is held across actions.
+interleaved 1F1B) runs each ``B`` between its first and its last as ``I`` and that microbatch's ``W``,
+added into ``.grad`` in place (fp32/fp64; [Note: a backward's weight gradients in place] in
+``services/compute/weight_grads.py``): held, and computed with the next ``B`` s' in one product per
+layer once they hold more than 1/8 of the weights' bytes, and before the last ``B``.
 
 Evaluation steps (``RunStep.source = "eval"``, a list without backwards). The first and last
 stages read the held-out samples, and the last reports each microbatch's loss and, with a
@@ -120,7 +121,13 @@ from services.compute.randomness import ModelRandomness, replaying
 from services.compute.recompute import Replay, attribute_replay, recomputed_forward
 from services.compute.stage import Stage, metric_sum, to_device
 from services.compute.turns import StepTurns
-from services.compute.weight_grads import WeightGradStore, defers, in_place_backwards, weight_runs
+from services.compute.weight_grads import (
+    HOLD_SHARE,
+    WeightGradStore,
+    defers,
+    in_place_backwards,
+    weight_runs,
+)
 from services.params.clipping import tensor_norms
 from services.params.grad_path import GradientPath
 from services.params.tied import TiedSync
@@ -206,6 +213,9 @@ class StepExecutor:
         self._in_place = (in_place_backwards(request.actions, request.zero_grad)
                           if precision == "fp32" and not deferring else set())
         self._store = WeightGradStore.of(stage.module) if deferring or self._in_place else None
+        # the in-between B's whose W waits to be computed with the next ones', and the bytes they may hold
+        self._held: list[int] = []
+        self._hold_limit = self._store.weight_bytes() // HOLD_SHARE if self._in_place and self._store else 0
         self._w_runs = weight_runs(request.actions)
         # recompute: what a node's recomputation must see as its forward did ([Note: recompute per cell])
         self._replays: list[Replay] = [replaying]
@@ -262,8 +272,6 @@ class StepExecutor:
         try:
             for k, action in enumerate(self._request.actions):
                 self._k = k
-                if k == self._last_backward and self._grad_path is not None:
-                    self._grad_path.arm()
                 if action.microbatch == 0 and action.kind in _FAULT_PHASES:
                     faults.at(self._request.step, _FAULT_PHASES[action.kind])
                 if self._turns is not None:
@@ -431,12 +439,16 @@ class StepExecutor:
     def _backward(self, mb: _Microbatch, action: Action) -> None:
         """``B``, or ``I``: the same backward with the deferred layers' weight gradients queued for ``W``."""
         stage, m = self._stage, action.microbatch
+        what = f"microbatch {m}'s gradients from stage {stage.index + 1}"
+        grads = [] if stage.last else self._wait_recvs(mb, "RECV_B", what)
+        if self._k == self._last_backward:
+            self._flush_held()  # the held W's add in place while the hooks are disarmed
+            if self._grad_path is not None:
+                self._grad_path.arm()  # the parameters' last contributions come now
         if stage.last:
             assert mb.loss is not None
             torch.autograd.backward([(mb.loss * self._weights[m]).reshape(())])
         else:
-            grads = self._wait_recvs(mb, "RECV_B",
-                                     f"microbatch {m}'s gradients from stage {stage.index + 1}")
             pairs = [(mb.outputs[i], g) for i, g in grads if mb.outputs[i].requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -448,13 +460,22 @@ class StepExecutor:
                 if spec.requires_grad
             ]
         mb.inputs, mb.outputs, mb.loss = [], [], None
-        if m in self._in_place:  # a B in between: its own W, in place, at once
+        if m in self._in_place:  # a B in between: its W, in place, with those of the B's held before it
             assert self._store is not None
-            self._store.flush([m], check=False)
+            self._held.append(m)
+            if self._store.held_bytes() > self._hold_limit:
+                self._flush_held()
         elif self._defers and action.kind == "B" and self._k == self._last_backward:
             assert self._store is not None
             self._store.flush(None, final=True)  # GPipe: every microbatch's weight gradients at once
         self._ends[self._k] = time.time()
+
+    def _flush_held(self) -> None:
+        """The held in-between B's W's, one product per layer, added into ``.grad`` in place."""
+        if self._held:
+            assert self._store is not None
+            self._store.flush(self._held, check=False)
+            self._held = []
 
     def _weight(self, mb: _Microbatch, action: Action) -> None:
         """``W``: the first ``W`` of a run of consecutive ones computes the run's microbatches at once (one

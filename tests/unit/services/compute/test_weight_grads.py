@@ -279,3 +279,32 @@ def test_a_one_stage_1f1b_list_matches_one_process(one_stage: RpcClient) -> None
     grads_ref, _, losses_ref = reference("skip_model")
     assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
     assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
+
+
+@pytest.mark.parametrize(("share", "flushes"), [(1e-6, [[1, 2]]), (weight_grads.HOLD_SHARE, [[1], [2]])],
+                         ids=["held-together", "each-at-once"])
+def test_the_b_s_in_between_hold_their_w_and_compute_them_in_one_flush(
+        one_stage: RpcClient, monkeypatch: pytest.MonkeyPatch, share: float, flushes: list[list[int]]) -> None:
+    """A 1F1B list's in-between B's (1 and 2) hold their W's and compute them in one flush before the last B
+    while their rows hold at most 1/HOLD_SHARE of the weights' bytes; past it, each at once (this model's
+    3 x 3 layers at 4 rows: one microbatch's rows are more than 1/8 of the weights). The step's gradients
+    stay those of one process either way."""
+    from services.compute import executor
+
+    seen: list[list[int]] = []
+    real = WeightGradStore.flush
+
+    def flush(self: WeightGradStore, microbatches: list[int] | None = None, **kw: bool) -> None:
+        seen.append(list(microbatches) if microbatches is not None else [-1])
+        real(self, microbatches, **kw)
+
+    monkeypatch.setattr(WeightGradStore, "flush", flush)
+    monkeypatch.setattr(executor, "HOLD_SHARE", share)
+    text = "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    reply, _ = one_stage.call("c", "run_step", RunStep(step=0, microbatches=MICROBATCHES_4,
+                                                       actions=parse_actions(text)), StepReply)
+    _, got = one_stage.call("c", "gradients", Empty(), TensorsReply)
+    assert seen == flushes
+    grads_ref, _, losses_ref = reference("skip_model")
+    assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
+    assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
