@@ -34,6 +34,19 @@ added into ``.grad`` in place (fp32/fp64; [Note: a backward's weight gradients i
 ``services/compute/weight_grads.py``): held, and computed with the next ``B`` s' in one product per
 layer once they hold more than 1/8 of the weights' bytes, and before the last ``B``.
 
+[Note: the last W after the send]
+The stage before waits for the input gradients of a stage's last backward, and nothing waits for its
+weight gradients. So the step's last weight gradients are computed after that backward's ``SEND_B``
+has handed the input gradients over: GPipe's one product per layer over every microbatch (10-13 ms a
+stage here: 4 x Linear(1024), 64 rows), and a 1F1B list's held ``W`` s. Before, the stage before
+idled for them, and then ran its own alone while this one idled: a GPipe 2 x 8 step's trace shows
+stage 0 waiting 9.7 ms for its last gradients and stage 1 idle for the 13 ms of stage 0's last ``B``.
+The backward's timing ends with them (its span then covers the ``SEND_B``'s). A 1F1B list does so
+only for a replica alone (its gradient path the plain one): with replicas, the data-parallel hooks
+must see each parameter's last contribution while armed, so its held ``W`` s are added before the
+last ``B``, which runs whole. Alone, every ``B`` of the list holds its ``W`` (the first and the last
+too: nothing needs them apart).
+
 Evaluation steps (``RunStep.source = "eval"``, a list without backwards). The first and last
 stages read the held-out samples, and the last reports each microbatch's loss and, with a
 metric, the sum of its per-sample values (``services.compute.stage.metric_sum``). The service
@@ -209,13 +222,21 @@ class StepExecutor:
         # a backward split in I and W, or GPipe's B's: the stage's linear layers defer their weight gradients
         # (fp32/fp64; under autocast I runs the whole backward and W has nothing left to do)
         self._defers = deferring = defers(request.actions) and precision == "fp32"
-        # any other list: the B's in between run I and at once their W, in place (none under autocast)
-        self._in_place = (in_place_backwards(request.actions, request.zero_grad)
-                          if precision == "fp32" and not deferring else set())
+        # any other list: the B's in between run I and their W, in place (none under autocast); every B, with
+        # no gradient path (no hook waits for a parameter's last contribution: [Note: the last W after the
+        # send])
+        self._in_place: set[int] = set()
+        if precision == "fp32" and not deferring:
+            every = {a.microbatch for a in request.actions if a.kind == "B"}
+            alone = grad_path is None or type(grad_path) is GradientPath  # one replica: its path has no hooks
+            self._in_place = (every if alone and len(every) > 1
+                              else in_place_backwards(request.actions, request.zero_grad))
         self._store = WeightGradStore.of(stage.module) if deferring or self._in_place else None
-        # the in-between B's whose W waits to be computed with the next ones', and the bytes they may hold
+        # the B's whose W waits to be computed with the next ones', and the bytes they may hold
         self._held: list[int] = []
         self._hold_limit = self._store.weight_bytes() // HOLD_SHARE if self._in_place and self._store else 0
+        # the last backward's microbatch whose SEND_B then runs the step's last W's (None: none waits)
+        self._tail: int | None = None
         self._w_runs = weight_runs(request.actions)
         # recompute: what a node's recomputation must see as its forward did ([Note: recompute per cell])
         self._replays: list[Replay] = [replaying]
@@ -284,6 +305,8 @@ class StepExecutor:
                     self._turns.done(k)
                 self._poll_sends()
             action = None
+            if self._tail is not None:  # a list whose last backward's SEND_B never came (not a valid one)
+                self._last_weights()
             for k, work, _ in self._sends:
                 work.wait(self._left("the step's sends"))
                 self._ends[k] = time.time()
@@ -441,7 +464,8 @@ class StepExecutor:
         stage, m = self._stage, action.microbatch
         what = f"microbatch {m}'s gradients from stage {stage.index + 1}"
         grads = [] if stage.last else self._wait_recvs(mb, "RECV_B", what)
-        if self._k == self._last_backward:
+        last = self._k == self._last_backward
+        if last and m not in self._in_place:
             self._flush_held()  # the held W's add in place while the hooks are disarmed
             if self._grad_path is not None:
                 self._grad_path.arm()  # the parameters' last contributions come now
@@ -460,15 +484,30 @@ class StepExecutor:
                 if spec.requires_grad
             ]
         mb.inputs, mb.outputs, mb.loss = [], [], None
-        if m in self._in_place:  # a B in between: its W, in place, with those of the B's held before it
+        if m in self._in_place:  # its W, in place, with those of the B's held before it
             assert self._store is not None
             self._held.append(m)
-            if self._store.held_bytes() > self._hold_limit:
+            if last:  # no gradient path: after the input gradients' send
+                self._tail = m
+            elif self._store.held_bytes() > self._hold_limit:
                 self._flush_held()
-        elif self._defers and action.kind == "B" and self._k == self._last_backward:
+        elif self._defers and action.kind == "B" and last:  # GPipe: every microbatch's W's, after the send
+            self._tail = m
+        if self._tail is not None and stage.first:  # no SEND_B to wait for
+            self._last_weights()
+        self._ends[self._k] = time.time()
+
+    def _last_weights(self) -> None:
+        """The step's last W's, which waited for the last backward's SEND_B ([Note: the last W after the
+        send]), timed as part of that backward."""
+        self._tail = None
+        if self._defers:
             assert self._store is not None
             self._store.flush(None, final=True)  # GPipe: every microbatch's weight gradients at once
-        self._ends[self._k] = time.time()
+        else:
+            self._flush_held()
+        assert self._last_backward is not None
+        self._ends[self._last_backward] = time.time()
 
     def _flush_held(self) -> None:
         """The held in-between B's W's, one product per layer, added into ``.grad`` in place."""
@@ -501,6 +540,9 @@ class StepExecutor:
     def _send_grad(self, mb: _Microbatch, action: Action) -> None:
         self._post_sends(action, mb.input_grads)
         mb.input_grads = []
+        if self._tail == action.microbatch:
+            self._poll_sends()  # the send's own time ends here, not after the W's
+            self._last_weights()
 
 
 _GRADIENT_CHANNELS: weakref.WeakKeyDictionary[Communicator, Communicator] = weakref.WeakKeyDictionary()

@@ -281,14 +281,16 @@ def test_a_one_stage_1f1b_list_matches_one_process(one_stage: RpcClient) -> None
     assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
 
 
-@pytest.mark.parametrize(("share", "flushes"), [(1e-6, [[1, 2]]), (weight_grads.HOLD_SHARE, [[1], [2]])],
+@pytest.mark.parametrize(("share", "flushes"), [(1e-6, [[0, 1, 2, 3]]),
+                                                (weight_grads.HOLD_SHARE, [[0], [1], [2], [3]])],
                          ids=["held-together", "each-at-once"])
-def test_the_b_s_in_between_hold_their_w_and_compute_them_in_one_flush(
-        one_stage: RpcClient, monkeypatch: pytest.MonkeyPatch, share: float, flushes: list[list[int]]) -> None:
-    """A 1F1B list's in-between B's (1 and 2) hold their W's and compute them in one flush before the last B
-    while their rows hold at most 1/HOLD_SHARE of the weights' bytes; past it, each at once (this model's
-    3 x 3 layers at 4 rows: one microbatch's rows are more than 1/8 of the weights). The step's gradients
-    stay those of one process either way."""
+def test_the_b_s_of_a_replica_alone_hold_their_w_and_compute_them_in_one_flush(
+        one_stage: RpcClient, monkeypatch: pytest.MonkeyPatch, share: float, flushes: list[list[int]],
+) -> None:
+    """A 1F1B list of a replica alone (no hook waits for a parameter's last contribution): every B holds its
+    W, and they are computed in one flush after the last B while their rows hold at most 1/HOLD_SHARE of the
+    weights' bytes; past it, each at once (this model's 3 x 3 layers at 4 rows: one microbatch's rows are
+    more than 1/8 of the weights). The step's gradients stay those of one process either way."""
     from services.compute import executor
 
     seen: list[list[int]] = []
