@@ -226,15 +226,16 @@ class StepExecutor:
         # no gradient path (no hook waits for a parameter's last contribution: [Note: the last W after the
         # send])
         self._in_place: set[int] = set()
+        self._alone = grad_path is None or type(grad_path) is GradientPath  # one replica: a hookless path
         if precision == "fp32" and not deferring:
             every = {a.microbatch for a in request.actions if a.kind == "B"}
-            alone = grad_path is None or type(grad_path) is GradientPath  # one replica: its path has no hooks
-            self._in_place = (every if alone and len(every) > 1
+            self._in_place = (every if self._alone and len(every) > 1
                               else in_place_backwards(request.actions, request.zero_grad))
         self._store = WeightGradStore.of(stage.module) if deferring or self._in_place else None
-        # the B's whose W waits to be computed with the next ones', and the bytes they may hold
+        # the B's (or a lone replica's W's) whose W waits to be computed with later ones', and the bytes they
+        # may hold
         self._held: list[int] = []
-        self._hold_limit = self._store.weight_bytes() // HOLD_SHARE if self._in_place and self._store else 0
+        self._hold_limit = self._store.weight_bytes() // HOLD_SHARE if self._store is not None else 0
         # the last backward's microbatch whose SEND_B then runs the step's last W's (None: none waits)
         self._tail: int | None = None
         self._w_runs = weight_runs(request.actions)
@@ -520,18 +521,30 @@ class StepExecutor:
         """``W``: the first ``W`` of a run of consecutive ones computes the run's microbatches at once (one
         product per layer, :meth:`WeightGradStore.flush`); after the list's last ``I``, every queued one
         (each parameter then gets its last contribution in one flush: see [Note: splitting a backward]).
-        Each ``W`` of the run is timed as an equal share of it."""
+        Each ``W`` of the run is timed as an equal share of it.
+
+        A lone replica's ``W`` s (no hook waits for a parameter's last contribution) are held while the
+        queued rows stay within 1/``HOLD_SHARE`` of the weights' bytes, and computed with a later run (timed
+        as nothing); past it a run computes every queued microbatch ([Note: a backward's weight gradients in
+        place] in ``services/compute/weight_grads.py``)."""
         k = self._k
         if k in self._w_times:  # computed by the first W of its run
             self._starts[k], self._ends[k] = self._w_times.pop(k)
             return
         run = self._w_runs[k]
+        assert self._last_backward is not None  # a list with W's has I's
+        if (self._store is not None and self._alone and k < self._last_backward
+                and self._store.held_bytes() <= self._hold_limit):  # held for a later W (see below)
+            now = time.time()
+            for j in run:
+                self._w_times[j] = (now, now)
+            self._starts[k], self._ends[k] = self._w_times.pop(k)
+            return
         if self._store is not None:
-            assert self._last_backward is not None  # a list with W's has I's
             if k > self._last_backward:  # the deferred parameters' last contribution: their hooks fire
                 self._store.flush(None, final=True)
             else:
-                self._store.flush([self._request.actions[j].microbatch for j in run])
+                self._store.flush(None if self._alone else [self._request.actions[j].microbatch for j in run])
         start, share = self._starts[k], (time.time() - self._starts[k]) / len(run)
         for n, j in enumerate(run):
             self._w_times[j] = (start + n * share, start + (n + 1) * share)

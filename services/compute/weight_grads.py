@@ -56,6 +56,8 @@ rows: at 8 rows of 1024 features the pass over the 4 MiB gradient costs as much 
 So the executor holds the ``(x, g)`` of successive in-between ``B`` s and computes them in one flush
 (one product per layer over their rows), once they hold more than 1/:data:`HOLD_SHARE` of the
 deferred layers' weight bytes, and before the list's last ``B`` (while the hooks are still disarmed).
+A replica alone (its gradient path without hooks) holds every ``B`` 's ``W`` so, and a zero-bubble
+list's ``W`` s too (each run computes what is queued once past the share, the last one the rest).
 A stage so holds at most that many bytes beyond 1F1B's activations (0.5 MiB a stage of 4 x
 Linear(1024) at 8 rows: every in-between ``B`` of 8 microbatches), and a microbatch whose rows are
 larger than that is flushed at once, as before. Measured on one stage of 4 x Linear(1024)+GELU, 8

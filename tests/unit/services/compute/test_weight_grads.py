@@ -310,3 +310,21 @@ def test_the_b_s_of_a_replica_alone_hold_their_w_and_compute_them_in_one_flush(
     grads_ref, _, losses_ref = reference("skip_model")
     assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
     assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
+
+
+def test_a_lone_replica_holds_its_zero_bubble_w_s_for_the_last_run(
+        one_stage: RpcClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within the share, W0 and W1 are held (timed as nothing) and the run after the last I computes all four
+    microbatches' at once; the gradients stay those of one process."""
+    from services.compute import executor
+
+    monkeypatch.setattr(executor, "HOLD_SHARE", 1e-6)
+    text = "0F0 0I0 0W0 0F1 0I1 0W1 0F2 0I2 0F3 0I3 0W2 0W3"
+    reply, _ = one_stage.call("c", "run_step", RunStep(step=0, microbatches=MICROBATCHES_4,
+                                                       actions=parse_actions(text)), StepReply)
+    _, got = one_stage.call("c", "gradients", Empty(), TensorsReply)
+    assert reply.ends[2] == reply.starts[2] and reply.ends[5] == reply.starts[5]  # held
+    assert reply.ends[11] > reply.starts[10]  # the last run computed them
+    grads_ref, _, losses_ref = reference("skip_model")
+    assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
+    assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
