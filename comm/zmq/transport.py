@@ -307,11 +307,14 @@ class Transport:
                 inbox, poller = ch.inbox, ch.poller
                 slice_ms = min(_POLL_SLICE_MS, deadline.left_ms() + 1)
                 if inbox is not None and poller is not None:
-                    inbox.drain_bell()  # then one more look: see [Note: the shared-memory inbox]
-                    got = self._find(ch, key)
-                    if got is not None:
-                        return got
-                    events = poller.poll(slice_ms)
+                    inbox.sleeping()  # then one more look: see [Note: the shared-memory inbox]
+                    try:
+                        got = self._find(ch, key)
+                        if got is not None:
+                            return got
+                        events = poller.poll(slice_ms)
+                    finally:
+                        inbox.awake()
                     ready = bool(events)
                     socket_ready = any(item is pull for item, _ in events)
                 else:

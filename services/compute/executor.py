@@ -29,9 +29,23 @@ computes all that are left. Under ``bf16``/``fp16`` nothing is deferred: ``I`` i
 backward and ``W`` has nothing to do. A GPipe list (every ``B`` after every ``F``) defers too: its
 last ``B`` ends with every microbatch's weight gradients, one product per layer
 (:func:`~services.compute.weight_grads.defers` says which lists do). Any other list (1F1B,
-interleaved 1F1B) runs each ``B`` between its first and its last as ``I`` and at once that
-microbatch's ``W``, added into ``.grad`` in place (fp32/fp64; [Note: a backward's weight gradients in
-place] in ``services/compute/weight_grads.py``): nothing is held across actions.
+interleaved 1F1B) runs each ``B`` between its first and its last as ``I`` and that microbatch's ``W``,
+added into ``.grad`` in place (fp32/fp64; [Note: a backward's weight gradients in place] in
+``services/compute/weight_grads.py``): held, and computed with the next ``B`` s' in one product per
+layer once they hold more than 1/8 of the weights' bytes, and before the last ``B``.
+
+[Note: the last W after the send]
+The stage before waits for the input gradients of a stage's last backward, and nothing waits for its
+weight gradients. So the step's last weight gradients are computed after that backward's ``SEND_B``
+has handed the input gradients over: GPipe's one product per layer over every microbatch (10-13 ms a
+stage here: 4 x Linear(1024), 64 rows), and a 1F1B list's held ``W`` s. Before, the stage before
+idled for them, and then ran its own alone while this one idled: a GPipe 2 x 8 step's trace shows
+stage 0 waiting 9.7 ms for its last gradients and stage 1 idle for the 13 ms of stage 0's last ``B``.
+The backward's timing ends with them (its span then covers the ``SEND_B``'s). A 1F1B list does so
+only for a replica alone (its gradient path the plain one): with replicas, the data-parallel hooks
+must see each parameter's last contribution while armed, so its held ``W`` s are added before the
+last ``B``, which runs whole. Alone, every ``B`` of the list holds its ``W`` (the first and the last
+too: nothing needs them apart).
 
 Evaluation steps (``RunStep.source = "eval"``, a list without backwards). The first and last
 stages read the held-out samples, and the last reports each microbatch's loss and, with a
@@ -120,7 +134,13 @@ from services.compute.randomness import ModelRandomness, replaying
 from services.compute.recompute import Replay, attribute_replay, recomputed_forward
 from services.compute.stage import Stage, metric_sum, to_device
 from services.compute.turns import StepTurns
-from services.compute.weight_grads import WeightGradStore, defers, in_place_backwards, weight_runs
+from services.compute.weight_grads import (
+    HOLD_SHARE,
+    WeightGradStore,
+    defers,
+    in_place_backwards,
+    weight_runs,
+)
 from services.params.clipping import tensor_norms
 from services.params.grad_path import GradientPath
 from services.params.tied import TiedSync
@@ -202,10 +222,22 @@ class StepExecutor:
         # a backward split in I and W, or GPipe's B's: the stage's linear layers defer their weight gradients
         # (fp32/fp64; under autocast I runs the whole backward and W has nothing left to do)
         self._defers = deferring = defers(request.actions) and precision == "fp32"
-        # any other list: the B's in between run I and at once their W, in place (none under autocast)
-        self._in_place = (in_place_backwards(request.actions, request.zero_grad)
-                          if precision == "fp32" and not deferring else set())
+        # any other list: the B's in between run I and their W, in place (none under autocast); every B, with
+        # no gradient path (no hook waits for a parameter's last contribution: [Note: the last W after the
+        # send])
+        self._in_place: set[int] = set()
+        self._alone = grad_path is None or type(grad_path) is GradientPath  # one replica: a hookless path
+        if precision == "fp32" and not deferring:
+            every = {a.microbatch for a in request.actions if a.kind == "B"}
+            self._in_place = (every if self._alone and len(every) > 1
+                              else in_place_backwards(request.actions, request.zero_grad))
         self._store = WeightGradStore.of(stage.module) if deferring or self._in_place else None
+        # the B's (or a lone replica's W's) whose W waits to be computed with later ones', and the bytes they
+        # may hold
+        self._held: list[int] = []
+        self._hold_limit = self._store.weight_bytes() // HOLD_SHARE if self._store is not None else 0
+        # the last backward's microbatch whose SEND_B then runs the step's last W's (None: none waits)
+        self._tail: int | None = None
         self._w_runs = weight_runs(request.actions)
         # recompute: what a node's recomputation must see as its forward did ([Note: recompute per cell])
         self._replays: list[Replay] = [replaying]
@@ -262,8 +294,6 @@ class StepExecutor:
         try:
             for k, action in enumerate(self._request.actions):
                 self._k = k
-                if k == self._last_backward and self._grad_path is not None:
-                    self._grad_path.arm()
                 if action.microbatch == 0 and action.kind in _FAULT_PHASES:
                     faults.at(self._request.step, _FAULT_PHASES[action.kind])
                 if self._turns is not None:
@@ -276,6 +306,8 @@ class StepExecutor:
                     self._turns.done(k)
                 self._poll_sends()
             action = None
+            if self._tail is not None:  # a list whose last backward's SEND_B never came (not a valid one)
+                self._last_weights()
             for k, work, _ in self._sends:
                 work.wait(self._left("the step's sends"))
                 self._ends[k] = time.time()
@@ -431,12 +463,17 @@ class StepExecutor:
     def _backward(self, mb: _Microbatch, action: Action) -> None:
         """``B``, or ``I``: the same backward with the deferred layers' weight gradients queued for ``W``."""
         stage, m = self._stage, action.microbatch
+        what = f"microbatch {m}'s gradients from stage {stage.index + 1}"
+        grads = [] if stage.last else self._wait_recvs(mb, "RECV_B", what)
+        last = self._k == self._last_backward
+        if last and m not in self._in_place:
+            self._flush_held()  # the held W's add in place while the hooks are disarmed
+            if self._grad_path is not None:
+                self._grad_path.arm()  # the parameters' last contributions come now
         if stage.last:
             assert mb.loss is not None
             torch.autograd.backward([(mb.loss * self._weights[m]).reshape(())])
         else:
-            grads = self._wait_recvs(mb, "RECV_B",
-                                     f"microbatch {m}'s gradients from stage {stage.index + 1}")
             pairs = [(mb.outputs[i], g) for i, g in grads if mb.outputs[i].requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -448,30 +485,66 @@ class StepExecutor:
                 if spec.requires_grad
             ]
         mb.inputs, mb.outputs, mb.loss = [], [], None
-        if m in self._in_place:  # a B in between: its own W, in place, at once
+        if m in self._in_place:  # its W, in place, with those of the B's held before it
             assert self._store is not None
-            self._store.flush([m], check=False)
-        elif self._defers and action.kind == "B" and self._k == self._last_backward:
+            self._held.append(m)
+            if last:  # no gradient path: after the input gradients' send
+                self._tail = m
+            elif self._store.held_bytes() > self._hold_limit:
+                self._flush_held()
+        elif self._defers and action.kind == "B" and last:  # GPipe: every microbatch's W's, after the send
+            self._tail = m
+        if self._tail is not None and stage.first:  # no SEND_B to wait for
+            self._last_weights()
+        self._ends[self._k] = time.time()
+
+    def _last_weights(self) -> None:
+        """The step's last W's, which waited for the last backward's SEND_B ([Note: the last W after the
+        send]), timed as part of that backward."""
+        self._tail = None
+        if self._defers:
             assert self._store is not None
             self._store.flush(None, final=True)  # GPipe: every microbatch's weight gradients at once
-        self._ends[self._k] = time.time()
+        else:
+            self._flush_held()
+        assert self._last_backward is not None
+        self._ends[self._last_backward] = time.time()
+
+    def _flush_held(self) -> None:
+        """The held in-between B's W's, one product per layer, added into ``.grad`` in place."""
+        if self._held:
+            assert self._store is not None
+            self._store.flush(self._held, check=False)
+            self._held = []
 
     def _weight(self, mb: _Microbatch, action: Action) -> None:
         """``W``: the first ``W`` of a run of consecutive ones computes the run's microbatches at once (one
         product per layer, :meth:`WeightGradStore.flush`); after the list's last ``I``, every queued one
         (each parameter then gets its last contribution in one flush: see [Note: splitting a backward]).
-        Each ``W`` of the run is timed as an equal share of it."""
+        Each ``W`` of the run is timed as an equal share of it.
+
+        A lone replica's ``W`` s (no hook waits for a parameter's last contribution) are held while the
+        queued rows stay within 1/``HOLD_SHARE`` of the weights' bytes, and computed with a later run (timed
+        as nothing); past it a run computes every queued microbatch ([Note: a backward's weight gradients in
+        place] in ``services/compute/weight_grads.py``)."""
         k = self._k
         if k in self._w_times:  # computed by the first W of its run
             self._starts[k], self._ends[k] = self._w_times.pop(k)
             return
         run = self._w_runs[k]
+        assert self._last_backward is not None  # a list with W's has I's
+        if (self._store is not None and self._alone and k < self._last_backward
+                and self._store.held_bytes() <= self._hold_limit):  # held for a later W (see below)
+            now = time.time()
+            for j in run:
+                self._w_times[j] = (now, now)
+            self._starts[k], self._ends[k] = self._w_times.pop(k)
+            return
         if self._store is not None:
-            assert self._last_backward is not None  # a list with W's has I's
             if k > self._last_backward:  # the deferred parameters' last contribution: their hooks fire
                 self._store.flush(None, final=True)
             else:
-                self._store.flush([self._request.actions[j].microbatch for j in run])
+                self._store.flush(None if self._alone else [self._request.actions[j].microbatch for j in run])
         start, share = self._starts[k], (time.time() - self._starts[k]) / len(run)
         for n, j in enumerate(run):
             self._w_times[j] = (start + n * share, start + (n + 1) * share)
@@ -480,6 +553,9 @@ class StepExecutor:
     def _send_grad(self, mb: _Microbatch, action: Action) -> None:
         self._post_sends(action, mb.input_grads)
         mb.input_grads = []
+        if self._tail == action.microbatch:
+            self._poll_sends()  # the send's own time ends here, not after the W's
+            self._last_weights()
 
 
 _GRADIENT_CHANNELS: weakref.WeakKeyDictionary[Communicator, Communicator] = weakref.WeakKeyDictionary()

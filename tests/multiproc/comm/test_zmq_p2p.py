@@ -6,6 +6,7 @@ as two processes on one host would have).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -78,3 +79,27 @@ def test_a_pipeline_exchange_both_ways_is_exact(pair: list[ZmqCommunicator]) -> 
 
     c0, c1 = pair
     run_ranks([stage(c0), stage(c1)])
+
+
+def test_a_ping_pong_wakes_each_sleeping_receiver_at_once(pair: list[ZmqCommunicator]) -> None:
+    """Each receive waits for a message its peer sends only once its own arrived, so a receiver sleeps on its
+    doorbell every time: a wake-up the sender failed to ring would cost the poll's 100 ms slice. 300 round
+    trips (~40 us each on a quiet machine) must not take 300 slices."""
+    rounds = 300
+
+    def side(c: ZmqCommunicator) -> Callable[[], None]:
+        def run() -> None:
+            peer, buf = 1 - c.rank, torch.empty(64)
+            for i in range(rounds):
+                if c.rank == 0:
+                    c.isend(torch.full((64,), float(i)), dst=peer, tag=1)
+                c.irecv(buf, src=peer, tag=1).wait(TIMEOUT)
+                assert float(buf[0]) == i
+                if c.rank == 1:
+                    c.isend(buf, dst=peer, tag=1)
+        return run
+
+    c0, c1 = pair
+    start = time.monotonic()
+    run_ranks([side(c0), side(c1)])
+    assert time.monotonic() - start < rounds * 0.1 / 4, "receivers slept through their doorbells"

@@ -14,6 +14,7 @@ from services.compute.cell import Cell
 
 IN, HIDDEN, OUT = 6, 12, 3
 NUM_SAMPLES = 64
+WIDE = 256
 VOCAB, SEQ, WIDTH = 11, 8, 16
 
 
@@ -31,6 +32,14 @@ def deep_mlp(dtype: str = "float64") -> list[nn.Module]:
     """Eight cells (an input layer, six tanh blocks, a head): enough for 4 workers x 2 chunks."""
     blocks = [nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(6)]
     return [m.to(_dt(dtype)) for m in (nn.Linear(IN, HIDDEN), *blocks, nn.Linear(HIDDEN, OUT))]
+
+
+def wide_mlp(dtype: str = "float64") -> list[nn.Module]:
+    """Four cells of 256 features: a microbatch's rows are a small share of a layer's weights, so a 1F1B stage
+    holds its in-between W's and computes them in one flush ([Note: a backward's weight gradients in
+    place] in services/compute/weight_grads.py)."""
+    return [m.to(_dt(dtype)) for m in (nn.Linear(IN, WIDE), nn.Sequential(nn.Linear(WIDE, WIDE), nn.Tanh()),
+                                       nn.Sequential(nn.Linear(WIDE, WIDE), nn.Tanh()), nn.Linear(WIDE, OUT))]
 
 
 class Stem(nn.Module):

@@ -45,14 +45,15 @@ INTERLEAVED: dict[str, dict[str, Any]] = {
     # each replica's one worker holds both stages: the transfers between them stay in its process
     "1x2xdp2": dict(data_parallel=2, num_stages=2, chunks=2, num_microbatches=2, schedule="interleaved-1f1b"),
 }
-DATA = {"mlp": ("regression", "mse"), "deep_mlp": ("regression", "mse"), "skip_model": ("regression", "mse"),
+DATA = {"mlp": ("regression", "mse"), "wide_mlp": ("regression", "mse"), "deep_mlp": ("regression", "mse"),
+        "skip_model": ("regression", "mse"),
         "transformer": ("tokens", "token_loss")}
 
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "skip_model", "transformer", "regression",
-                                            "tokens", "mse", "token_loss", "failing_data")]  # every job of it
+    factories = [f"{M}:{name}" for name in ("mlp", "wide_mlp", "deep_mlp", "skip_model", "transformer",
+                                            "regression", "tokens", "mse", "token_loss", "failing_data")]
     with LocalHarness([f"local-{i}" for i in range(4)], job="t-parity", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
@@ -100,6 +101,14 @@ def test_skip_connection_across_the_cut(harness: LocalHarness, plan: str) -> Non
     job = make_job("skip_model", "adam", **PLANS[plan], balance=[2, 2])
     assert job.plan().stages[0].outgoing.structure == "dict"  # h and the relayed skip cross together
     fit_and_compare(harness, job, TOL64)
+
+
+@pytest.mark.parametrize(("plan", "optimizer"), [("1f1b2x4", "adamw"), ("pp2xdp2x4", "sgd")])
+def test_1f1b_holding_its_weight_gradients(harness: LocalHarness, plan: str, optimizer: str) -> None:
+    """Wide layers, few rows: the in-between B's hold their W's for one flush (with the replicas' gradient
+    sync armed only after it: pp2xdp2x4)."""
+    plans = {**PLANS, "pp2xdp2x4": dict(data_parallel=2, num_stages=2, num_microbatches=4, schedule="1f1b")}
+    fit_and_compare(harness, make_job("wide_mlp", optimizer, **plans[plan]), TOL64)
 
 
 @pytest.mark.parametrize("plan", ["dp2", "1f1b2x4", "pp2xdp2", "ps2"])

@@ -49,8 +49,9 @@ def make_job(model: str, optimizer: str, plan: str, **fields: Any) -> Job:
     ("mlp", "zb2x4xdp2", "sgd", {}),
     ("transformer", "zb2x4xdp2", "adamw", {}),  # LayerNorm, attention (out_proj used functionally), replicas
     ("mlp", "zb4x8", "adamw", {"balance": [1, 1, 2, 2]}),  # stage 1 is a lone Tanh: no parameters to update
+    ("wide_mlp", "zb2x4", "adamw", {}),  # wide layers, few rows: the W's are held for the last run
 ], ids=["mlp-2x4-sgd", "mlp-2x4-adamw", "mlp-4x8-adamw", "skip-2x4-adamw", "mlp-2x4xdp2-sgd",
-        "transformer-2x4xdp2-adamw", "mlp-4x8-paramless-stage"])
+        "transformer-2x4xdp2-adamw", "mlp-4x8-paramless-stage", "wide-2x4-adamw"])
 def test_zero_bubble_matches_one_process(harness: LocalHarness, model: str, plan: str, optimizer: str,
                                          fields: dict[str, Any]) -> None:
     job = make_job(model, optimizer, plan, **fields)

@@ -125,6 +125,17 @@ def test_gpipe_matches_single_process(stages: list[str], server: RegistryServer,
         forwards = [(s, e) for a, s, e in zip(actions, reply.starts, reply.ends, strict=True)
                     if Action.parse(a).kind == "F"]
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(forwards)), "forwards overlap"
+    assert_last_weights_after_the_send(replies[1], GPIPE[1])
+
+
+def assert_last_weights_after_the_send(reply: StepReply, actions: str) -> None:
+    """The last B's weight gradients are computed after its SEND_B posted the input gradients: the B's span
+    covers the send's start ([Note: the last W after the send] in services/compute/executor.py; a gloo send
+    ends when seen complete, which may be after them)."""
+    index = {a: k for k, a in enumerate(actions.split())}
+    last_b = max(k for a, k in index.items() if Action.parse(a).kind == "B")
+    send = index[f"1SEND_B{Action.parse(actions.split()[last_b]).microbatch}"]
+    assert reply.starts[last_b] <= reply.starts[send] <= reply.ends[last_b]
 
 
 def test_tensors_that_need_no_grad_cross_without_gradient() -> None:
@@ -140,8 +151,9 @@ def test_1f1b_matches_single_process_and_replays(stages: list[str], server: Regi
     service = _pipeline(stages, server, "skip_model", 2, 4, backend)
     grads_ref, _, _ = reference("skip_model")
     for step in range(2):  # the second step zeroes first: replaying a step gives the same gradients
-        run_step(stages, service, ONE_F_ONE_B, step=step)
+        replies = run_step(stages, service, ONE_F_ONE_B, step=step)
         assert max_diff(fetch(stages, service, "gradients"), grads_ref) < TOL
+        assert_last_weights_after_the_send(replies[1], ONE_F_ONE_B[1])  # a replica alone
 
 
 def test_a_commit_carried_by_the_next_step_applies_before_it(stages: list[str], server: RegistryServer

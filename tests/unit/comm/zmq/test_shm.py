@@ -67,17 +67,24 @@ def test_small_bodies_take_small_slots_and_run_out_apart(pair: tuple[shm.Inbox, 
         inbox.take(shm.LARGE_SLOTS, shm.SMALL_BYTES + 1)  # a small slot holds no more than its size
 
 
-def test_headers_go_through_the_ring_in_order_and_ring_the_doorbell(
+def test_headers_go_through_the_ring_in_order_and_ring_the_doorbell_of_a_sleeping_receiver(
     pair: tuple[shm.Inbox, shm.Outbox],
 ) -> None:
     inbox, outbox = pair
     assert not inbox.pending()
-    assert outbox.post(b"first") and outbox.post(b"second")
-    assert select.select([inbox.bell], [], [], 0)[0]  # a sleeping receiver would wake
-    inbox.drain_bell()
+    assert outbox.post(b"first")
+    assert not select.select([inbox.bell], [], [], 0)[0]  # an awake receiver finds it at its next look
+    inbox.sleeping()
+    assert outbox.post(b"second")
+    assert select.select([inbox.bell], [], [], 0)[0]  # a sleeping receiver wakes
+    inbox.awake()
+    inbox.sleeping()  # empties the doorbell before its last look
+    assert not select.select([inbox.bell], [], [], 0)[0]
+    inbox.awake()
+    assert outbox.post(b"third")
     assert not select.select([inbox.bell], [], [], 0)[0]
     assert inbox.pending() and inbox.pop() == b"first"
-    assert inbox.pop() == b"second" and not inbox.pending()
+    assert inbox.pop() == b"second" and inbox.pop() == b"third" and not inbox.pending()
     # the first record proves the peer mapped both: unlinked
     assert not os.path.exists(inbox.path) and not os.path.exists(inbox.path + "-bell")
 

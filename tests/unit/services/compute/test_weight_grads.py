@@ -279,3 +279,52 @@ def test_a_one_stage_1f1b_list_matches_one_process(one_stage: RpcClient) -> None
     grads_ref, _, losses_ref = reference("skip_model")
     assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
     assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
+
+
+@pytest.mark.parametrize(("share", "flushes"), [(1e-6, [[0, 1, 2, 3]]),
+                                                (weight_grads.HOLD_SHARE, [[0], [1], [2], [3]])],
+                         ids=["held-together", "each-at-once"])
+def test_the_b_s_of_a_replica_alone_hold_their_w_and_compute_them_in_one_flush(
+        one_stage: RpcClient, monkeypatch: pytest.MonkeyPatch, share: float, flushes: list[list[int]],
+) -> None:
+    """A 1F1B list of a replica alone (no hook waits for a parameter's last contribution): every B holds its
+    W, and they are computed in one flush after the last B while their rows hold at most 1/HOLD_SHARE of the
+    weights' bytes; past it, each at once (this model's 3 x 3 layers at 4 rows: one microbatch's rows are
+    more than 1/8 of the weights). The step's gradients stay those of one process either way."""
+    from services.compute import executor
+
+    seen: list[list[int]] = []
+    real = WeightGradStore.flush
+
+    def flush(self: WeightGradStore, microbatches: list[int] | None = None, **kw: bool) -> None:
+        seen.append(list(microbatches) if microbatches is not None else [-1])
+        real(self, microbatches, **kw)
+
+    monkeypatch.setattr(WeightGradStore, "flush", flush)
+    monkeypatch.setattr(executor, "HOLD_SHARE", share)
+    text = "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    reply, _ = one_stage.call("c", "run_step", RunStep(step=0, microbatches=MICROBATCHES_4,
+                                                       actions=parse_actions(text)), StepReply)
+    _, got = one_stage.call("c", "gradients", Empty(), TensorsReply)
+    assert seen == flushes
+    grads_ref, _, losses_ref = reference("skip_model")
+    assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
+    assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
+
+
+def test_a_lone_replica_holds_its_zero_bubble_w_s_for_the_last_run(
+        one_stage: RpcClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within the share, W0 and W1 are held (timed as nothing) and the run after the last I computes all four
+    microbatches' at once; the gradients stay those of one process."""
+    from services.compute import executor
+
+    monkeypatch.setattr(executor, "HOLD_SHARE", 1e-6)
+    text = "0F0 0I0 0W0 0F1 0I1 0W1 0F2 0I2 0F3 0I3 0W2 0W3"
+    reply, _ = one_stage.call("c", "run_step", RunStep(step=0, microbatches=MICROBATCHES_4,
+                                                       actions=parse_actions(text)), StepReply)
+    _, got = one_stage.call("c", "gradients", Empty(), TensorsReply)
+    assert reply.ends[2] == reply.starts[2] and reply.ends[5] == reply.starts[5]  # held
+    assert reply.ends[11] > reply.starts[10]  # the last run computed them
+    grads_ref, _, losses_ref = reference("skip_model")
+    assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
+    assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
