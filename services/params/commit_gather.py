@@ -33,6 +33,16 @@ as (b) does and also hides the gather behind the next step's forward:
   step (the job's last, before an evaluation or a new plan) or that saves a checkpoint settles at
   once, bounded the same way.
 
+[Note: a bucket gathered in place]
+A bucket of one contiguous parameter whose rows split evenly over the group (a large weight alone in
+its bucket: every layer of ``bench.models:mlp``) packs as the parameter itself: segment ``r`` is rank
+``r``'s rows. Its all-gather then runs on the parameter's own memory (the rank's rows as the input,
+the whole parameter as the output), when the backend moves the parameter's device (``wire_device``):
+no segment to fill, no packed buffer to allocate (its pages touched anew each step) and nothing to
+unpack, three copies of the parameter's bytes fewer per step. Rows other ranks own are written while the
+gather runs, before any module reads them (as below); the rows a rank owns are never written. A gather
+dropped midway leaves those other rows stale, as any dropped bucket is.
+
 Why a bucket is written only before its modules run: autograd saves parameters for the backward
 (a linear layer its weight), and a parameter written after its module's forward would fail the
 backward's version check. Every bucket is complete before the first module using it runs, and a
@@ -79,9 +89,18 @@ class _Bucket:
     segment: torch.Tensor | None = None  # in flight: this rank's packed rows
     full: torch.Tensor | None = None  # in flight: the whole packed bucket
     work: Work | None = None
+    in_place: bool = False  # in flight into the parameter itself ([Note: a bucket gathered in place])
 
     def bytes(self) -> int:
+        if self.in_place:
+            return 0
         return sum(t.numel() * t.element_size() for t in (self.segment, self.full) if t is not None)
+
+    def packs_as_itself(self) -> bool:
+        """Whether the bucket's packed layout is its one parameter's own memory: one contiguous parameter
+        whose rows split evenly over the group (no padding), so rank ``r``'s segment is its rows."""
+        return (len(self.params) == 1 and self.params[0].is_contiguous()
+                and self.layout.numel == self.params[0].numel())
 
 
 _Leaves = list[tuple[nn.Module, list[nn.Parameter]]]
@@ -219,7 +238,7 @@ class CommitGather:
     def abandon(self) -> None:
         """Forget the gathers in flight (the group is made anew): their buckets stay stale."""
         for b in self._flight:
-            b.state, b.segment, b.full, b.work = "stale", None, None, None
+            b.state, b.segment, b.full, b.work, b.in_place = "stale", None, None, None, False
         self._flight.clear()
 
     def close(self) -> None:
@@ -260,10 +279,16 @@ class CommitGather:
         while len(self._flight) >= IN_FLIGHT:
             self._complete(self._flight[0])
         device = wire_device(self.comm.backend, b.params[0].device)
-        segment = torch.empty(b.layout.segment_numel, dtype=b.params[0].dtype, device=device)
-        for view, shard in zip(b.layout.segment_views(segment, self.rank), b.shards, strict=True):
-            view.copy_(shard)
-        full = torch.empty(b.layout.numel, dtype=segment.dtype, device=device)
+        b.in_place = b.packs_as_itself() and device == b.params[0].device
+        if b.in_place:  # [Note: a bucket gathered in place]
+            full = b.params[0].detach().view(-1)
+            n = b.layout.segment_numel
+            segment = full[self.rank * n:(self.rank + 1) * n]
+        else:
+            segment = torch.empty(b.layout.segment_numel, dtype=b.params[0].dtype, device=device)
+            for view, shard in zip(b.layout.segment_views(segment, self.rank), b.shards, strict=True):
+                view.copy_(shard)
+            full = torch.empty(b.layout.numel, dtype=segment.dtype, device=device)
         try:
             b.work = self.comm.all_gather_into_tensor(full, segment, timeout=self._left(b), async_op=True)
         except CommError as exc:
@@ -281,9 +306,10 @@ class CommitGather:
                                    waited=exc.waited) from exc
         except CommError as exc:
             raise CommError(f"{self._what(b)}: {exc}") from exc
-        with torch.no_grad():
-            b.layout.unpack(b.full, [p.detach() for p in b.params])
-        b.state, b.segment, b.full, b.work = "whole", None, None, None
+        if not b.in_place:
+            with torch.no_grad():
+                b.layout.unpack(b.full, [p.detach() for p in b.params])
+        b.state, b.segment, b.full, b.work, b.in_place = "whole", None, None, None, False
         self._flight.remove(b)
 
     def _left(self, b: _Bucket) -> timedelta:
