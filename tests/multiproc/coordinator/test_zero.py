@@ -33,13 +33,13 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
 }
 MODELS = {"mlp": f"{M}:mlp", "mixed": f"{Z}:mixed", "deep_mlp": f"{M}:deep_mlp",
-          "mixed_dtypes": f"{Z}:mixed_dtypes"}
+          "mixed_dtypes": f"{Z}:mixed_dtypes", "wide": f"{Z}:wide"}
 
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "regression", "mse")] + [
-        f"{Z}:mixed", f"{Z}:mixed_dtypes", f"{E}:heldout", f"{E}:abs_error", f"{P}:spiky"]
+        f"{Z}:mixed", f"{Z}:mixed_dtypes", f"{Z}:wide", f"{E}:heldout", f"{E}:abs_error", f"{P}:spiky"]
     with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
@@ -77,7 +77,8 @@ def phases(result: FitResult) -> set[str]:
 @pytest.mark.parametrize(("zero", "d", "factor", "model", "optimizer"), [
     (1, 2, 2, "mlp", "sgd"), (1, 4, 4, "mixed", "adamw"), (2, 2, 2, "mixed", "sgd"),
     (2, 2, 2, "mlp", "adamw"), (2, 4, 4, "mixed", "adamw"), (2, 4, 4, "mlp", "sgd"),
-    (2, 4, 2, "mixed", "adamw"), (1, 4, 2, "mixed", "sgd")])  # hybrid: 2 groups of 2
+    (2, 4, 2, "mixed", "adamw"), (1, 4, 2, "mixed", "sgd"),  # hybrid: 2 groups of 2
+    (2, 2, 2, "wide", "adamw"), (2, 4, 2, "wide", "sgd"), (1, 4, 4, "wide", "adamw")])  # a 1 MiB weight
 def test_data_parallel_sharding_matches_one_process(harness: LocalHarness, zero: int, d: int, factor: int,
                                                     model: str, optimizer: str) -> None:
     result = fit_and_compare(harness, make_job(model, optimizer, **dp(zero, d, factor)))
