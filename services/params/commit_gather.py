@@ -18,6 +18,13 @@ as (b) does and also hides the gather behind the next step's forward:
   leaf), cut into runs of one
   dtype of at most ``gather_bytes`` (a larger parameter alone), each laid out as
   :class:`~services.params.layout.ShardLayout` lays it out.
+* [Note: the first buckets ramp up] The first bucket's gather has nothing to hide behind: the first
+  module waits for it. So the buckets grow from ``gather_bytes / 16`` (at least 256 KiB), doubling, to
+  ``gather_bytes`` (:func:`ramp`), as DDP's first gradient bucket is small: on the GPT of
+  ``bench/zero.py`` (6.6 MB) the default 4 MiB made two buckets, the first of 4 MiB waited for before
+  the embedding ran; now 5 buckets of 0.26-4 MB, and the forward waits for the embedding's 160 KB.
+  A parameter larger than its bucket's limit travels alone, as always; ``gather_bytes`` of 256 KiB or
+  less does not ramp.
 * The commit's optimizer step marks every bucket *stale* (:meth:`CommitGather.mark_stale`). A
   forward pre-hook on each leaf module gathers the stale buckets holding its parameters (waiting for
   one already in flight), copies them into the parameters, and issues the next stale bucket's
@@ -73,10 +80,18 @@ from comm.errors import CommError, CommTimeoutError
 from comm.factory import wire_device
 from services.params.layout import ShardLayout
 
-__all__ = ["GATHER_BYTES", "IN_FLIGHT", "CommitGather", "forward_order"]
+__all__ = ["GATHER_BYTES", "IN_FLIGHT", "CommitGather", "forward_order", "ramp"]
 
 GATHER_BYTES = 4 << 20  # ComputeOptions.gather_bytes' default
 IN_FLIGHT = 2  # buckets of the all-gather in flight at once: the one needed now and the next
+RAMP_STEPS = 4  # the first bucket holds at most gather_bytes / 2**RAMP_STEPS, each next one twice that...
+RAMP_FLOOR = 256 << 10  # ...but at least this ([Note: the first buckets ramp up])
+
+
+def ramp(gather_bytes: int, index: int) -> int:
+    """Bucket ``index``'s most bytes: ``gather_bytes`` halved ``RAMP_STEPS - index`` times, at least
+    :data:`RAMP_FLOOR` and at most ``gather_bytes`` ([Note: the first buckets ramp up])."""
+    return min(gather_bytes, max(gather_bytes >> max(RAMP_STEPS - index, 0), RAMP_FLOOR))
 
 
 @dataclass
@@ -167,7 +182,8 @@ class CommitGather:
         used = 0
         for p in ordered:
             size = p.numel() * p.element_size()
-            if run and (used + size > gather_bytes or p.dtype != run[0].dtype or p.device != run[0].device):
+            limit = ramp(gather_bytes, len(self.buckets))
+            if run and (used + size > limit or p.dtype != run[0].dtype or p.device != run[0].device):
                 self._add(run, shards)
                 run, used = [], 0
             run.append(p)
