@@ -3,8 +3,10 @@
 Every configuration trains the same model from the same initial parameters on the same global
 batches, float32, one torch thread per process, 2 processes:
 
-* torch ``DistributedDataParallel`` and torch FSDP2 (``torch.distributed.fsdp.fully_shard`` on
-  every top-level block, then on the root), both over gloo;
+* torch ``DistributedDataParallel`` (also with the optimizer's fused implementation, ``ddp-f``, which
+  cellmesh's workers run: [Note: the fused optimizer] in ``services/compute/stage.py``) and torch
+  FSDP2 (``torch.distributed.fsdp.fully_shard`` on every top-level block, then on the root), both over
+  gloo;
 * cellmesh data parallel 2 (``plan.zero 0``) and ZeRO-1, ZeRO-2, ZeRO-3 over 2 replicas (the
   ``zmq`` backend, the default), on a ``LocalHarness`` of 2 workers; beside them, as they ran before
   ``plan.gather_bytes``: ZeRO-1 and 2 with their all-gather in one bucket (all of it before the first
@@ -119,6 +121,7 @@ SUITES = ("mlp-adamw", "gpt-adamw", "mlp-sgd")  # model-optimizer
 # each (as before units spanned cells); -u2: units of up to 2 MiB
 SHAPES: dict[str, tuple[str, str, str | None, float | None]] = {
     "ddp": ("torch DDP", "torch", None, None),
+    "ddp-f": ("torch DDP, fused optimizer", "torch", "ddp", None),
     "cm-z0": ("cellmesh data parallel (zero 0)", "cellmesh", "ddp", None),
     "cm-z1": ("cellmesh ZeRO-1", "cellmesh", "ddp", ZERO12_TARGET),
     "cm-z1-b1": ("cellmesh ZeRO-1, gather in one bucket", "cellmesh", "ddp", None),
@@ -197,9 +200,10 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 # -- torch's configurations, in a fresh pair of processes each ---------------------------------
 
 
-def _optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+def _optimizer(name: str, params: Iterable[nn.Parameter], fused: bool = False) -> torch.optim.Optimizer:
     cls, kwargs = OPTIMIZERS[name]
-    opt: torch.optim.Optimizer = getattr(torch.optim, cls)(params, **kwargs)
+    extra = {"fused": True} if fused else {}
+    opt: torch.optim.Optimizer = getattr(torch.optim, cls)(params, **kwargs, **extra)
     return opt
 
 
@@ -217,7 +221,7 @@ def _torch_config(rank: int, key: str, steps: int, warmup: int) -> dict[str, Any
     x, y = source.load(list(range(source.num_samples)))
     sampler = BatchSampler(source.num_samples, spec.global_batch, shuffle=True, seed=SEED)
     loss_fn = build_loss(spec.loss, {})
-    if shape == "ddp":
+    if shape in ("ddp", "ddp-f"):
         from torch.nn.parallel import DistributedDataParallel
 
         net: nn.Module = DistributedDataParallel(model)
@@ -228,7 +232,7 @@ def _torch_config(rank: int, key: str, steps: int, warmup: int) -> dict[str, Any
             fully_shard(block)
         fully_shard(model)
         net = model
-    opt = _optimizer(opt_name, net.parameters())
+    opt = _optimizer(opt_name, net.parameters(), fused=shape == "ddp-f")
     share = spec.global_batch // WORLD
 
     def step(k: int) -> float:
@@ -448,6 +452,10 @@ def _suite_tables(suite: str, results: Results, jobs: Mapping[str, Any], predict
         verdict = "" if c.target is None else ("met" if statistics.median(ratios) >= c.target else "missed")
         out.append(f"| {c.label} / {labels[c.peer]} samples/s | {_cell(ratios, '.2f', 'x')} | {goal} "
                    f"| {verdict} |")
+    fused = f"{suite}:ddp-f"
+    for c in cs:  # against DDP with the fused optimizer cellmesh's workers run ([Note: the fused optimizer])
+        if c.system == "cellmesh" and c.peer == f"{suite}:ddp" and (ratios := results.ratios(c.key, fused)):
+            out.append(f"| {c.label} / {labels[fused]} samples/s | {_cell(ratios, '.2f', 'x')} | - | |")
     z3, z0 = _per_rank(results, f"{suite}:cm-z3", "held"), _per_rank(results, f"{suite}:cm-z0", "held")
     if z3 and z0:
         limit = (1 + STATE_SLACK) / WORLD
