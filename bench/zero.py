@@ -3,8 +3,10 @@
 Every configuration trains the same model from the same initial parameters on the same global
 batches, float32, one torch thread per process, 2 processes:
 
-* torch ``DistributedDataParallel`` and torch FSDP2 (``torch.distributed.fsdp.fully_shard`` on
-  every top-level block, then on the root), both over gloo;
+* torch ``DistributedDataParallel`` (also with the optimizer's fused implementation, ``ddp-f``, which
+  cellmesh's workers run: [Note: the fused optimizer] in ``services/compute/stage.py``) and torch
+  FSDP2 (``torch.distributed.fsdp.fully_shard`` on every top-level block, then on the root), both over
+  gloo;
 * cellmesh data parallel 2 (``plan.zero 0``) and ZeRO-1, ZeRO-2, ZeRO-3 over 2 replicas (the
   ``zmq`` backend, the default), on a ``LocalHarness`` of 2 workers; beside them, as they ran before
   ``plan.gather_bytes``: ZeRO-1 and 2 with their all-gather in one bucket (all of it before the first
@@ -41,7 +43,9 @@ the later rounds. ``--predict`` adds the planner's prediction for each cellmesh 
 measured figures: ``Plan.step_time_s`` and the fullest worker's memory (``Plan.fullest_memory``,
 ``coordinator/planning/memory.py``). Where a cellmesh step's time goes comes from its run record:
 the compute actions and the phases (gradient all-reduce or reduce-scatter, optimizer, the
-parameters' all-gather) of each timed step.
+parameters' all-gather) of each timed step. Beside the wall time, the CPU time per step of every
+process of a configuration (both torch ranks; both cellmesh workers, and apart the coordinator's
+process), which a loaded machine moves less than the wall time.
 
     python bench/zero.py [--steps 10] [--warmup 3] [--rounds 3] [--quick] [--predict]
                          [--suites mlp-adamw,gpt-adamw,mlp-sgd]
@@ -117,6 +121,7 @@ SUITES = ("mlp-adamw", "gpt-adamw", "mlp-sgd")  # model-optimizer
 # each (as before units spanned cells); -u2: units of up to 2 MiB
 SHAPES: dict[str, tuple[str, str, str | None, float | None]] = {
     "ddp": ("torch DDP", "torch", None, None),
+    "ddp-f": ("torch DDP, fused optimizer", "torch", "ddp", None),
     "cm-z0": ("cellmesh data parallel (zero 0)", "cellmesh", "ddp", None),
     "cm-z1": ("cellmesh ZeRO-1", "cellmesh", "ddp", ZERO12_TARGET),
     "cm-z1-b1": ("cellmesh ZeRO-1, gather in one bucket", "cellmesh", "ddp", None),
@@ -163,6 +168,13 @@ def start_peak(pid: int) -> int:
     return _status_bytes(pid, "VmRSS")
 
 
+def cpu_seconds(pid: int) -> float:
+    """``pid``'s CPU time so far (user + system, every thread), seconds."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_since(pid: int, base: int) -> int:
     """``pid``'s resident high-water mark less ``base`` (bytes)."""
     return _status_bytes(pid, "VmHWM") - base
@@ -188,9 +200,10 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 # -- torch's configurations, in a fresh pair of processes each ---------------------------------
 
 
-def _optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+def _optimizer(name: str, params: Iterable[nn.Parameter], fused: bool = False) -> torch.optim.Optimizer:
     cls, kwargs = OPTIMIZERS[name]
-    opt: torch.optim.Optimizer = getattr(torch.optim, cls)(params, **kwargs)
+    extra = {"fused": True} if fused else {}
+    opt: torch.optim.Optimizer = getattr(torch.optim, cls)(params, **kwargs, **extra)
     return opt
 
 
@@ -208,7 +221,7 @@ def _torch_config(rank: int, key: str, steps: int, warmup: int) -> dict[str, Any
     x, y = source.load(list(range(source.num_samples)))
     sampler = BatchSampler(source.num_samples, spec.global_batch, shuffle=True, seed=SEED)
     loss_fn = build_loss(spec.loss, {})
-    if shape == "ddp":
+    if shape in ("ddp", "ddp-f"):
         from torch.nn.parallel import DistributedDataParallel
 
         net: nn.Module = DistributedDataParallel(model)
@@ -219,7 +232,7 @@ def _torch_config(rank: int, key: str, steps: int, warmup: int) -> dict[str, Any
             fully_shard(block)
         fully_shard(model)
         net = model
-    opt = _optimizer(opt_name, net.parameters())
+    opt = _optimizer(opt_name, net.parameters(), fused=shape == "ddp-f")
     share = spec.global_batch // WORLD
 
     def step(k: int) -> float:
@@ -233,17 +246,18 @@ def _torch_config(rank: int, key: str, steps: int, warmup: int) -> dict[str, Any
     for k in range(warmup):
         step(k)
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     last = 0.0
     for k in range(warmup, warmup + steps):
         last = step(k)
+    cpu = time.process_time() - cpu
     dist.barrier()
     step_s = (time.perf_counter() - start) / steps
     held = state_bytes(net, opt)
     peak = peak_since(os.getpid(), base)
     loss = torch.tensor([last / WORLD])
     dist.all_reduce(loss)  # the mean over the global batch, as cellmesh reports it
-    return {"step_s": step_s, "loss": float(loss), "peak": [peak], "held": [held]}
+    return {"step_s": step_s, "loss": float(loss), "peak": [peak], "held": [held], "cpu_s": cpu / steps}
 
 
 def _torch_rank(rank: int, port: int, key: str, steps: int, warmup: int, results: Any) -> None:
@@ -297,6 +311,7 @@ def run_torch(key: str, steps: int, warmup: int) -> dict[str, Any]:
         first = dict(answers[0][1])
         first["peak"] = [answers[r][1]["peak"][0] for r in range(WORLD)]
         first["held"] = [answers[r][1]["held"][0] for r in range(WORLD)]
+        first["cpu_s"] = sum(answers[r][1]["cpu_s"] for r in range(WORLD))
         return first
     finally:
         for p in procs:
@@ -373,12 +388,16 @@ def run_cellmesh(job: Any, steps: int, warmup: int) -> dict[str, Any]:
         bases = [start_peak(pid) for pid in pids]
         with job.attach(harness):
             job.fit(max(0, warmup - 1))
+            cpu = [cpu_seconds(pid) for pid in pids] + [time.process_time()]  # the workers, the coordinator
             result = job.fit(steps + 1)
+            cpu = [b - a for a, b in zip(cpu, [cpu_seconds(pid) for pid in pids] + [time.process_time()],
+                                         strict=True)]
         peaks = [peak_since(pid, base) for pid, base in zip(pids, bases, strict=True)]
     recs = result.steps[1:]
     held = [body.held_bytes or 0 for _, body in sorted(recs[-1].replies, key=lambda r: r[0].replica)]
     return {"step_s": (recs[-1].end - recs[0].start) / steps, "loss": recs[-1].loss, "peak": peaks,
-            "held": held, "phases": [phases(r) for r in recs]}
+            "held": held, "phases": [phases(r) for r in recs], "cpu_s": sum(cpu[:-1]) / (steps + 1),
+            "coordinator_cpu_s": cpu[-1] / (steps + 1)}
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -433,6 +452,10 @@ def _suite_tables(suite: str, results: Results, jobs: Mapping[str, Any], predict
         verdict = "" if c.target is None else ("met" if statistics.median(ratios) >= c.target else "missed")
         out.append(f"| {c.label} / {labels[c.peer]} samples/s | {_cell(ratios, '.2f', 'x')} | {goal} "
                    f"| {verdict} |")
+    fused = f"{suite}:ddp-f"
+    for c in cs:  # against DDP with the fused optimizer cellmesh's workers run ([Note: the fused optimizer])
+        if c.system == "cellmesh" and c.peer == f"{suite}:ddp" and (ratios := results.ratios(c.key, fused)):
+            out.append(f"| {c.label} / {labels[fused]} samples/s | {_cell(ratios, '.2f', 'x')} | - | |")
     z3, z0 = _per_rank(results, f"{suite}:cm-z3", "held"), _per_rank(results, f"{suite}:cm-z0", "held")
     if z3 and z0:
         limit = (1 + STATE_SLACK) / WORLD
@@ -440,6 +463,21 @@ def _suite_tables(suite: str, results: Results, jobs: Mapping[str, Any], predict
         ok = max(shares) <= limit
         out.append(f"| cellmesh ZeRO-3 / data parallel state per worker | {_cell(shares, '.3f')} "
                    f"| <= {limit:.3f} (1/{WORLD} + 5%) | {'met' if ok else 'missed'} |")
+    out += ["", "CPU per step (ms, user + system, every thread): torch, both ranks over the timed steps; "
+            "cellmesh, both workers over the timed steps and the one before, and apart the coordinator's "
+            "process (the job's driver and the harness). A ratio of the peer's CPU to this one above 1: less "
+            "CPU per sample than the peer (a thread that polls while it waits counts too).", "",
+            "| configuration | CPU ms per step | peer CPU / CPU | coordinator's process, CPU ms per step |",
+            "|---|---|---|---|"]
+    for c in cs:
+        cpu = results.values(c.key, "cpu_s")
+        if cpu:
+            vs = ([r[c.peer]["cpu_s"] / r[c.key]["cpu_s"] for r in results.rounds
+                   if c.key in r and c.peer in r and "cpu_s" in r[c.peer] and "cpu_s" in r[c.key]]
+                  if c.peer else [])
+            ratio = _cell(vs, ".2f", "x") if vs else ""
+            coord = _cell([v * 1e3 for v in results.values(c.key, "coordinator_cpu_s")])
+            out.append(f"| {c.label} | {_cell([v * 1e3 for v in cpu])} | {ratio} | {coord} |")
     out += ["", "Where a cellmesh step goes (ms, median over every timed step of every round, on the "
             "step's critical replica: the most compute + optimizer time): compute = forward + backward "
             "actions (ZeRO-3, and ZeRO-1/2 since their all-gather runs behind the forward: with the waits "

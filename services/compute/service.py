@@ -453,7 +453,7 @@ class CellComputeService(ServiceBase):
             if self._offload:  # the optimizer's tensors are host masters of the device's
                 self._host = HostCopy(params)
                 params = self._host.masters()
-            optimizer = make_optimizer(spec, [p for _, p in params])
+            optimizer = make_optimizer(spec, [p for _, p in params], fused=True)
             # on the initial rate, before any restored state: [Note: a scheduler's position]
             self._scheduler = (scheduling.build_scheduler(spec.scheduler, optimizer)
                                if spec.scheduler is not None else None)

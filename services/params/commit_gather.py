@@ -18,6 +18,13 @@ as (b) does and also hides the gather behind the next step's forward:
   leaf), cut into runs of one
   dtype of at most ``gather_bytes`` (a larger parameter alone), each laid out as
   :class:`~services.params.layout.ShardLayout` lays it out.
+* [Note: the first buckets ramp up] The first bucket's gather has nothing to hide behind: the first
+  module waits for it. So the buckets grow from ``gather_bytes / 16`` (at least 256 KiB), doubling, to
+  ``gather_bytes`` (:func:`ramp`), as DDP's first gradient bucket is small: on the GPT of
+  ``bench/zero.py`` (6.6 MB) the default 4 MiB made two buckets, the first of 4 MiB waited for before
+  the embedding ran; now 5 buckets of 0.26-4 MB, and the forward waits for the embedding's 160 KB.
+  A parameter larger than its bucket's limit travels alone, as always; ``gather_bytes`` of 256 KiB or
+  less does not ramp.
 * The commit's optimizer step marks every bucket *stale* (:meth:`CommitGather.mark_stale`). A
   forward pre-hook on each leaf module gathers the stale buckets holding its parameters (waiting for
   one already in flight), copies them into the parameters, and issues the next stale bucket's
@@ -32,6 +39,16 @@ as (b) does and also hides the gather behind the next step's forward:
   final state and a new plan read whole, up-to-date parameters. A commit that does not precede a
   step (the job's last, before an evaluation or a new plan) or that saves a checkpoint settles at
   once, bounded the same way.
+
+[Note: a bucket gathered in place]
+A bucket of one contiguous parameter whose rows split evenly over the group (a large weight alone in
+its bucket: every layer of ``bench.models:mlp``) packs as the parameter itself: segment ``r`` is rank
+``r``'s rows. Its all-gather then runs on the parameter's own memory (the rank's rows as the input,
+the whole parameter as the output), when the backend moves the parameter's device (``wire_device``):
+no segment to fill, no packed buffer to allocate (its pages touched anew each step) and nothing to
+unpack, three copies of the parameter's bytes fewer per step. Rows other ranks own are written while the
+gather runs, before any module reads them (as below); the rows a rank owns are never written. A gather
+dropped midway leaves those other rows stale, as any dropped bucket is.
 
 Why a bucket is written only before its modules run: autograd saves parameters for the backward
 (a linear layer its weight), and a parameter written after its module's forward would fail the
@@ -63,10 +80,18 @@ from comm.errors import CommError, CommTimeoutError
 from comm.factory import wire_device
 from services.params.layout import ShardLayout
 
-__all__ = ["GATHER_BYTES", "IN_FLIGHT", "CommitGather", "forward_order"]
+__all__ = ["GATHER_BYTES", "IN_FLIGHT", "CommitGather", "forward_order", "ramp"]
 
 GATHER_BYTES = 4 << 20  # ComputeOptions.gather_bytes' default
 IN_FLIGHT = 2  # buckets of the all-gather in flight at once: the one needed now and the next
+RAMP_STEPS = 4  # the first bucket holds at most gather_bytes / 2**RAMP_STEPS, each next one twice that...
+RAMP_FLOOR = 256 << 10  # ...but at least this ([Note: the first buckets ramp up])
+
+
+def ramp(gather_bytes: int, index: int) -> int:
+    """Bucket ``index``'s most bytes: ``gather_bytes`` halved ``RAMP_STEPS - index`` times, at least
+    :data:`RAMP_FLOOR` and at most ``gather_bytes`` ([Note: the first buckets ramp up])."""
+    return min(gather_bytes, max(gather_bytes >> max(RAMP_STEPS - index, 0), RAMP_FLOOR))
 
 
 @dataclass
@@ -79,9 +104,18 @@ class _Bucket:
     segment: torch.Tensor | None = None  # in flight: this rank's packed rows
     full: torch.Tensor | None = None  # in flight: the whole packed bucket
     work: Work | None = None
+    in_place: bool = False  # in flight into the parameter itself ([Note: a bucket gathered in place])
 
     def bytes(self) -> int:
+        if self.in_place:
+            return 0
         return sum(t.numel() * t.element_size() for t in (self.segment, self.full) if t is not None)
+
+    def packs_as_itself(self) -> bool:
+        """Whether the bucket's packed layout is its one parameter's own memory: one contiguous parameter
+        whose rows split evenly over the group (no padding), so rank ``r``'s segment is its rows."""
+        return (len(self.params) == 1 and self.params[0].is_contiguous()
+                and self.layout.numel == self.params[0].numel())
 
 
 _Leaves = list[tuple[nn.Module, list[nn.Parameter]]]
@@ -148,7 +182,8 @@ class CommitGather:
         used = 0
         for p in ordered:
             size = p.numel() * p.element_size()
-            if run and (used + size > gather_bytes or p.dtype != run[0].dtype or p.device != run[0].device):
+            limit = ramp(gather_bytes, len(self.buckets))
+            if run and (used + size > limit or p.dtype != run[0].dtype or p.device != run[0].device):
                 self._add(run, shards)
                 run, used = [], 0
             run.append(p)
@@ -219,7 +254,7 @@ class CommitGather:
     def abandon(self) -> None:
         """Forget the gathers in flight (the group is made anew): their buckets stay stale."""
         for b in self._flight:
-            b.state, b.segment, b.full, b.work = "stale", None, None, None
+            b.state, b.segment, b.full, b.work, b.in_place = "stale", None, None, None, False
         self._flight.clear()
 
     def close(self) -> None:
@@ -260,10 +295,16 @@ class CommitGather:
         while len(self._flight) >= IN_FLIGHT:
             self._complete(self._flight[0])
         device = wire_device(self.comm.backend, b.params[0].device)
-        segment = torch.empty(b.layout.segment_numel, dtype=b.params[0].dtype, device=device)
-        for view, shard in zip(b.layout.segment_views(segment, self.rank), b.shards, strict=True):
-            view.copy_(shard)
-        full = torch.empty(b.layout.numel, dtype=segment.dtype, device=device)
+        b.in_place = b.packs_as_itself() and device == b.params[0].device
+        if b.in_place:  # [Note: a bucket gathered in place]
+            full = b.params[0].detach().view(-1)
+            n = b.layout.segment_numel
+            segment = full[self.rank * n:(self.rank + 1) * n]
+        else:
+            segment = torch.empty(b.layout.segment_numel, dtype=b.params[0].dtype, device=device)
+            for view, shard in zip(b.layout.segment_views(segment, self.rank), b.shards, strict=True):
+                view.copy_(shard)
+            full = torch.empty(b.layout.numel, dtype=segment.dtype, device=device)
         try:
             b.work = self.comm.all_gather_into_tensor(full, segment, timeout=self._left(b), async_op=True)
         except CommError as exc:
@@ -281,9 +322,10 @@ class CommitGather:
                                    waited=exc.waited) from exc
         except CommError as exc:
             raise CommError(f"{self._what(b)}: {exc}") from exc
-        with torch.no_grad():
-            b.layout.unpack(b.full, [p.detach() for p in b.params])
-        b.state, b.segment, b.full, b.work = "whole", None, None, None
+        if not b.in_place:
+            with torch.no_grad():
+                b.layout.unpack(b.full, [p.detach() for p in b.params])
+        b.state, b.segment, b.full, b.work, b.in_place = "whole", None, None, None, False
         self._flight.remove(b)
 
     def _left(self, b: _Bucket) -> timedelta:

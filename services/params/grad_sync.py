@@ -30,6 +30,16 @@ holds only its shards. With ``across`` (hybrid sharding: ``comm`` is
 one group of ``F`` replicas, ``across`` the replicas holding the same shard in the other
 groups) each shard is then all-reduced (MEAN) across the groups.
 
+[Note: a large gradient reduce-scattered as it is]
+A parameter of at least :data:`DIRECT_BYTES` whose rows split evenly over the group, stored
+contiguously (a large weight: every layer of ``bench.models:mlp``), packs as itself: rank ``r``'s
+segment is its rows. It gets a bucket of its own, and its gradient, as autograd made it, is the
+reduce-scatter's input: no packed buffer to allocate (a new one each step, its pages touched anew)
+and no copy into it. Its bucket holds the gradient until the reduce-scatter is seen finished, as a
+packed bucket holds its buffer; ``param.grad`` is dropped at once. Such a bucket also goes out as soon
+as its gradient is ready rather than with a 25 MiB bucket, so more of the reduce-scatter overlaps
+the backward (DDP's small first bucket has the same purpose).
+
 Pipeline stages run one backward per microbatch and gradients accumulate over them;
 only the last backward of a step may launch buckets. :attr:`GradSync.armed` says whether
 hooks launch (True by default): a stage sets it False at the start of a step and True just
@@ -47,6 +57,7 @@ GPU. Not thread-safe: one backward at a time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
@@ -63,6 +74,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "GradSync", "Shard", "assign_bucket
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 25 << 20
+DIRECT_BYTES = 1 << 20  # reduce_scatter mode: a parameter at least this large that packs as itself goes alone
 
 
 @dataclass
@@ -79,6 +91,12 @@ class Bucket:
     shard: torch.Tensor | None = None  # reduce_scatter mode: this rank's part
     staged: torch.Tensor | None = None  # the CPU copy a CPU backend reduces, for a buffer on a GPU
     layout: ShardLayout | None = None  # reduce_scatter mode: the dim-0 layout of the buffer
+    direct: bool = False  # reduce_scatter mode: one parameter whose gradient is the buffer as it is
+
+
+def _packs_as_itself(p: nn.Parameter, world: int) -> bool:
+    """Whether ``p``'s dim-0 layout over ``world`` ranks is its own memory: contiguous, rows split evenly."""
+    return p.is_contiguous() and ShardLayout([p.shape], world).numel == p.numel()
 
 
 @dataclass(frozen=True)
@@ -94,16 +112,21 @@ class Shard:
     grads: dict[str, torch.Tensor]
 
 
-def assign_buckets(sizes: list[tuple[str, int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
+def assign_buckets(sizes: list[tuple[str, int, torch.dtype]], bucket_bytes: int,
+                   alone: Collection[int] = ()) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_bytes`` (one dtype each).
 
     ``sizes`` lists (name, bytes, dtype) in registration order; buckets are filled in reverse
-    order. A parameter larger than ``bucket_bytes`` gets a bucket of its own.
+    order. A parameter larger than ``bucket_bytes`` gets a bucket of its own, and so does every index in
+    ``alone`` (its bucket comes where its gradient does, before the open buckets of later parameters).
     """
     buckets: list[list[int]] = []
     open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
     for i in reversed(range(len(sizes))):
         _, nbytes, dtype = sizes[i]
+        if i in alone:
+            buckets.append([i])
+            continue
         current, used = open_by_dtype.get(dtype, ([], 0))
         if current and used + nbytes > bucket_bytes:
             buckets.append(current)
@@ -126,6 +149,8 @@ class GradSync:
             shard; for sharded optimizers).
         timeout: bound on waiting for each bucket's collective.
         across: reduce_scatter mode, hybrid sharding: the group the shards are then averaged over.
+        direct_bytes: reduce_scatter mode: a parameter this large that packs as itself is reduce-scattered
+            from its gradient as it is ([Note: a large gradient reduce-scattered as it is]).
 
     Usage::
 
@@ -147,6 +172,7 @@ class GradSync:
         mode: Literal["all_reduce", "reduce_scatter"] = "all_reduce",
         timeout: timedelta | None = None,
         across: Communicator | None = None,
+        direct_bytes: int = DIRECT_BYTES,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -159,7 +185,9 @@ class GradSync:
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         world = comm.world_size
-        for b, indices in enumerate(assign_buckets(sizes, bucket_bytes)):
+        alone = ({i for i, (_, p) in enumerate(named) if _packs_as_itself(p, world)
+                  and p.numel() * p.element_size() >= direct_bytes} if mode == "reduce_scatter" else set())
+        for b, indices in enumerate(assign_buckets(sizes, bucket_bytes, alone)):
             params = [named[i][1] for i in indices]
             offsets, total = [], 0
             for p in params:
@@ -169,7 +197,8 @@ class GradSync:
             if mode == "reduce_scatter":  # allocated by the step's first gradient, freed by finish
                 layout = ShardLayout([p.shape for p in params], world)
                 buffer = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
-                self.buckets.append(Bucket(b, params, names, offsets, buffer, layout=layout))
+                self.buckets.append(Bucket(b, params, names, offsets, buffer, layout=layout,
+                                           direct=indices[0] in alone))
             else:
                 buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
                 self.buckets.append(Bucket(b, params, names, offsets, buffer))
@@ -193,6 +222,13 @@ class GradSync:
         """Bring parameter ``pos``'s gradient into the bucket (all_reduce: make ``.grad`` the view;
         reduce_scatter: pack it, then drop ``.grad``)."""
         p = bucket.params[pos]
+        if bucket.direct:  # [Note: a large gradient reduce-scattered as it is]
+            grad = p.grad
+            bucket.buffer = (grad.detach().reshape(-1) if grad is not None and grad.is_contiguous()
+                             else torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if grad is None
+                             else grad.detach().contiguous().view(-1))
+            p.grad = None
+            return
         if bucket.layout is not None:
             if bucket.buffer.numel() != bucket.layout.numel:
                 bucket.buffer = torch.empty(bucket.layout.numel, dtype=p.dtype, device=p.device)

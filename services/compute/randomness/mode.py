@@ -126,7 +126,7 @@ class _KeyedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch s
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not ops.is_random(func):
+        if not ops.draws(func, args, kwargs):
             return func(*args, **kwargs)
         prepared = ops.prepare(func, args, kwargs)
         if prepared is None:  # an op without a keyed implementation: torch's, seeded from the key

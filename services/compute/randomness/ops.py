@@ -11,6 +11,11 @@ have a handler here that builds their result from :meth:`Draw.uniform` (one call
   two streams), ``randint``/``randint_like``/``random_``, ``exponential(_)``, ``cauchy(_)``,
   ``log_normal(_)``, ``geometric(_)``.
 
+An attention op whose ``dropout_p`` is 0 (``F.scaled_dot_product_attention`` outside training, or in
+a model without attention dropout: on the CPU it is ``_scaled_dot_product_flash_attention_for_cpu``,
+tagged random whatever its ``dropout_p``) draws nothing (:func:`draws`): it runs as it is and counts
+no draw, so a model without random layers runs its forwards without the keyed mode.
+
 A generator passed to one of them is ignored: the draw is keyed like any other. Any other
 random op (``randperm``, ``multinomial``, ``poisson``, ``rrelu_with_noise``, GPU flash
 attention with dropout...) runs as torch implements it, with the process's generators seeded
@@ -32,7 +37,7 @@ import torch
 
 from services.compute.randomness.keys import DrawKey, uniform
 
-__all__ = ["Draw", "is_random", "prepare", "run", "seeded"]
+__all__ = ["Draw", "draws", "is_random", "prepare", "run", "seeded"]
 
 _RANDOM: dict[Any, bool] = {}  # OpOverload -> tagged nondeterministic_seeded (cached: checked per op)
 
@@ -43,6 +48,26 @@ def is_random(func: torch._ops.OpOverload) -> bool:
     if known is None:
         known = _RANDOM[func] = torch.Tag.nondeterministic_seeded in func.tags
     return known
+
+
+_DROPOUT_P: dict[Any, tuple[int, bool] | None] = {}  # OpOverload -> (index, kwarg only) of dropout_p
+
+
+def draws(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of ``func`` draws random numbers: a random op (:func:`is_random`), unless it is
+    an attention op whose ``dropout_p`` is 0 (the fused attention kernels are tagged random whatever
+    their dropout)."""
+    if not is_random(func):
+        return False
+    if func not in _DROPOUT_P:
+        _DROPOUT_P[func] = next(((i, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                                 if a.name == "dropout_p"), None)
+    where = _DROPOUT_P[func]
+    if where is None:
+        return True
+    i, kwarg_only = where
+    p = args[i] if i < len(args) and not kwarg_only else kwargs.get("dropout_p", 0.0)
+    return not (isinstance(p, int | float) and p == 0)
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,13 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
 }
 MODELS = {"mlp": f"{M}:mlp", "mixed": f"{Z}:mixed", "deep_mlp": f"{M}:deep_mlp",
-          "mixed_dtypes": f"{Z}:mixed_dtypes"}
+          "mixed_dtypes": f"{Z}:mixed_dtypes", "wide": f"{Z}:wide"}
 
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "regression", "mse")] + [
-        f"{Z}:mixed", f"{Z}:mixed_dtypes", f"{E}:heldout", f"{E}:abs_error", f"{P}:spiky"]
+        f"{Z}:mixed", f"{Z}:mixed_dtypes", f"{Z}:wide", f"{E}:heldout", f"{E}:abs_error", f"{P}:spiky"]
     with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
@@ -77,7 +77,8 @@ def phases(result: FitResult) -> set[str]:
 @pytest.mark.parametrize(("zero", "d", "factor", "model", "optimizer"), [
     (1, 2, 2, "mlp", "sgd"), (1, 4, 4, "mixed", "adamw"), (2, 2, 2, "mixed", "sgd"),
     (2, 2, 2, "mlp", "adamw"), (2, 4, 4, "mixed", "adamw"), (2, 4, 4, "mlp", "sgd"),
-    (2, 4, 2, "mixed", "adamw"), (1, 4, 2, "mixed", "sgd")])  # hybrid: 2 groups of 2
+    (2, 4, 2, "mixed", "adamw"), (1, 4, 2, "mixed", "sgd"),  # hybrid: 2 groups of 2
+    (2, 2, 2, "wide", "adamw"), (2, 4, 2, "wide", "sgd"), (1, 4, 4, "wide", "adamw")])  # a 1 MiB weight
 def test_data_parallel_sharding_matches_one_process(harness: LocalHarness, zero: int, d: int, factor: int,
                                                     model: str, optimizer: str) -> None:
     result = fit_and_compare(harness, make_job(model, optimizer, **dp(zero, d, factor)))
@@ -92,11 +93,14 @@ SMALL_BUCKETS = 1300  # a layer per bucket of the all-gather
 
 @pytest.mark.parametrize(("zero", "optimizer", "extra"), [
     (1, "sgd", dict(accumulate=2)), (2, "adamw", dict(accumulate=2)),
-    (2, "sgd", dict(schedule="gpipe", num_stages=2, num_microbatches=2))])
+    (2, "sgd", dict(schedule="gpipe", num_stages=2, num_microbatches=2)),
+    (1, "adamw", dict(gather_bytes=1)), (2, "sgd", dict(gather_bytes=1, comm_backend="gloo"))])
 def test_the_gather_behind_the_forward_in_small_buckets_matches_one_process(
         harness: LocalHarness, zero: int, optimizer: str, extra: dict[str, Any]) -> None:
     """8 buckets gathered one after the other in the next forward; with gradient accumulation (two global
-    batches per step) and in a pipeline of 2 stages x 2 replicas."""
+    batches per step) and in a pipeline of 2 stages x 2 replicas. A bucket per parameter (``gather_bytes=1``,
+    over zmq and over gloo): every one of 12 rows is gathered in place, the head's 3 rows through buffers
+    ([Note: a bucket gathered in place])."""
     plan = dp(zero, 2) | dict(gather_bytes=SMALL_BUCKETS) | extra
     result = fit_and_compare(harness, make_job("deep_mlp", optimizer, **plan))
     assert "all_gather" not in phases(result)
@@ -234,14 +238,18 @@ def test_fp16_with_zero2_skips_the_overflowing_step_as_grad_scaler(harness: Loca
     assert max_abs_diff(result.state_dict, ref.state_dict) < 4e-4  # fp16 forwards: test_precision's bound
 
 
-@pytest.mark.parametrize("fault", ["5:backward"])  # test_zero3 kills one at the optimizer
-def test_a_killed_zero2_replica_is_replaced_and_the_run_ends_failure_free(tmp_path: Path, fault: str) -> None:
+@pytest.mark.parametrize(("zero", "fault"), [
+    (2, "5:backward"),  # test_zero3 kills one at the optimizer
+    (1, "4:forward"),  # while the previous commit's all-gather runs behind the forward
+    (1, "5:optimizer")])
+def test_a_killed_zero12_replica_is_replaced_and_the_run_ends_failure_free(tmp_path: Path, zero: int,
+                                                                           fault: str) -> None:
     """Adam (stateful: a lost shard of its moments would show), a checkpoint every 3 steps, 8 steps."""
     steps, lease = 8, timedelta(seconds=2)
     job = Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:regression", optimizer="Adam",
               optimizer_kwargs={"lr": 0.01}, global_batch=16, resources=Resources.local(2), step_timeout_s=30,
               lease_ttl_s=lease.total_seconds(), checkpoint_directory=str(tmp_path / "ckpt"),
-              checkpoint_every_steps=3, **dp(2, 2))
+              checkpoint_every_steps=3, gather_bytes=1 << 10, **dp(zero, 2))
     with LocalHarness(["local-0", "local-1"], job="t-zero-rec", lease_ttl=lease,
                       factories=job_factories(job.config), log_dir=tmp_path / "logs",
                       worker_env={"local-1": {ENV: fault}}) as h, job.attach(h):

@@ -45,3 +45,12 @@ def mixed_dtypes(dtype: str = "float64") -> list[nn.Module]:
     dt = {"float64": torch.float64, "float32": torch.float32}[dtype]
     return [nn.Linear(IN, 7).to(dt), nn.Tanh(), Cast(torch.float32), nn.Linear(7, 5), Cast(dt),
             nn.Linear(5, OUT).to(dt)]
+
+
+def wide(dtype: str = "float64") -> list[nn.Module]:
+    """Linear(6, 128), tanh, Linear(128, 1024), tanh, Linear(1024, 3): the middle weight is 1 MiB in
+    float64 with rows that split evenly over 2 and 4, so ZeRO-2 reduce-scatters its gradient as it is and
+    ZeRO-1/2 gather it in place (the notes in ``services/params/grad_sync.py`` and ``commit_gather.py``)."""
+    dt = {"float64": torch.float64, "float32": torch.float32}[dtype]
+    return [m.to(dt) for m in (nn.Linear(IN, 128), nn.Tanh(), nn.Linear(128, 1024), nn.Tanh(),
+                               nn.Linear(1024, OUT))]

@@ -83,14 +83,16 @@ def train_replica(comm: Communicator, *, optimizer: str, steps: int, seed: int, 
             "params": {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}}
 
 
-def reduce_scatter_grads(comm: Communicator, *, seed: int, bucket_bytes: int) -> dict[str, Any]:
+def reduce_scatter_grads(comm: Communicator, *, seed: int, bucket_bytes: int,
+                         direct_bytes: int = 1 << 40) -> dict[str, Any]:
     """One backward in reduce_scatter mode: this rank's rows of every averaged gradient; no ``.grad`` left."""
     model = make_model(seed)
-    sync = GradSync(model, comm, bucket_bytes=bucket_bytes, mode="reduce_scatter")
+    sync = GradSync(model, comm, bucket_bytes=bucket_bytes, mode="reduce_scatter", direct_bytes=direct_bytes)
     share = GLOBAL_BATCH // comm.world_size
     mine = slice(comm.rank * share, (comm.rank + 1) * share)
     x, y = batch(0, seed)
     nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
     shards = sync.finish()
     return {"left": [n for n, p in model.named_parameters() if p.grad is not None],
+            "direct": [n for b in sync.buckets if b.direct for n in b.names],
             "shards": {n: [list(g.shape), g.numpy().tobytes()] for s in shards for n, g in s.grads.items()}}

@@ -35,28 +35,28 @@ _SEEDING = threading.Lock()
 _prefixes = itertools.count()
 
 
-def model() -> fx.GraphModule:
+def model(width: int = WIDTH) -> fx.GraphModule:
     with _SEEDING, torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         layers: list[nn.Module] = []
         for _ in range(LAYERS):
-            layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+            layers += [nn.Linear(width, width), nn.Tanh()]
         traced = fx.symbolic_trace(nn.Sequential(*layers).double(), concrete_args=None)
     return traced
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(SEED * 100 + step)
-    return (torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64),
-            torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64))
+    return (torch.randn(BATCH, width, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, width, generator=g, dtype=torch.float64))
 
 
-def reference(optimizer: str) -> dict[str, torch.Tensor]:
-    m = model()
+def reference(optimizer: str, width: int = WIDTH) -> dict[str, torch.Tensor]:
+    m = model(width)
     cls, kwargs = OPTIMIZERS[optimizer]
     opt = cls(m.parameters(), **kwargs)
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = batch(step, width)
         opt.zero_grad()
         nn.functional.mse_loss(m(x), y).backward()
         opt.step()
@@ -77,8 +77,9 @@ def train(comm: Communicator, template: fx.GraphModule, optimizer: str, gather_b
     first = next(mod for mod in m.modules() if isinstance(mod, nn.Linear))
     first.register_forward_pre_hook(lambda *_: seen.append([b.state for b in gather.buckets]))
     per = BATCH // comm.world_size
+    width = params[0].shape[1]
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = batch(step, width)
         gather.start(comm, TIMEOUT)
         for p in params:
             p.grad = None
@@ -98,9 +99,9 @@ def train(comm: Communicator, template: fx.GraphModule, optimizer: str, gather_b
             "buckets": bucket_bytes, "seen": seen}
 
 
-def _run(optimizer: str, gather_bytes: int) -> list[dict[str, Any]]:
+def _run(optimizer: str, gather_bytes: int, width: int = WIDTH) -> list[dict[str, Any]]:
     results: dict[int, dict[str, Any]] = {}
-    template = model()  # traced here: fx patches torch's module calls while it traces, so not beside a rank
+    template = model(width)  # traced here: fx patches module calls while it traces, so not beside a rank
     with zmq_pair(f"/t/commit-gather/{next(_prefixes)}", TIMEOUT) as comms:
         run_ranks([lambda c=c: results.__setitem__(c.rank, train(c, template, optimizer, gather_bytes))
                    for c in comms], timeout=60)
@@ -142,3 +143,16 @@ def test_one_bucket_for_the_whole_model_still_matches() -> None:
     for result in results:
         assert len(result["buckets"]) == 1
         assert max((result["params"][n] - t).abs().max().item() for n, t in ref.items()) < 1e-9
+
+
+def test_a_parameter_alone_in_its_bucket_is_gathered_in_place() -> None:
+    """Width 8: every weight's and bias's rows split evenly over 2, so a bucket of one parameter packs as the
+    parameter itself and is gathered into it ([Note: a bucket gathered in place]): no buffer held at all."""
+    results = _run("adamw", 1, width=8)
+    ref = reference("adamw", width=8)
+    for r, result in enumerate(results):
+        assert len(result["buckets"]) == 2 * LAYERS  # a parameter each
+        assert result["peak"] == 0, f"rank {r} held {result['peak']} B of gather buffers"
+        diff = max((result["params"][n] - t).abs().max().item() for n, t in ref.items())
+        assert diff < 1e-9, f"rank {r}: max abs diff {diff:.3g}"
+    assert _run("adamw", 1)[0]["peak"] > 0  # width 7: short chunks, padded, through buffers

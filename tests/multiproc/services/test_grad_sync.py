@@ -59,12 +59,18 @@ def test_accumulated_microbatches_in_bucket_views_match_one_process(pair: RankGr
             assert diff < 1e-10, f"rank {r} {name}: max abs diff {diff:.3g} (set_to_none={set_to_none})"
 
 
-def test_reduce_scatter_shards_are_the_averaged_gradient(pair: RankGroup) -> None:
-    results = pair.run("tests.multiproc.services.dp_checks:reduce_scatter_grads", seed=SEED, bucket_bytes=400)
+@pytest.mark.parametrize("direct_bytes", [1 << 40, 1])
+def test_reduce_scatter_shards_are_the_averaged_gradient(pair: RankGroup, direct_bytes: int) -> None:
+    """Packed buckets; and (``direct_bytes=1``) every parameter whose rows split evenly in a bucket of its
+    own, reduce-scattered from its gradient as it is ([Note: a large gradient reduce-scattered as it is])."""
+    results = pair.run("tests.multiproc.services.dp_checks:reduce_scatter_grads", seed=SEED, bucket_bytes=400,
+                       direct_bytes=direct_bytes)
     model = dp_checks.make_model(SEED)
     x, y = dp_checks.batch(0, SEED)
     nn.functional.mse_loss(model(x), y).backward()
+    even = [n for n, p in model.named_parameters() if p.shape[0] % 2 == 0]
     for rank, result in enumerate(results):
+        assert result["direct"] == ([] if direct_bytes > 1 else even[::-1]), result["direct"]
         assert result["left"] == []  # the full gradients were dropped once packed
         assert set(result["shards"]) == {n for n, _ in model.named_parameters()}
         for name, p in model.named_parameters():
@@ -81,5 +87,6 @@ def test_assign_buckets_reverse_order_and_capacity() -> None:
     sizes = [("a", 40, f32), ("b", 40, f32), ("c", 100, f32), ("d", 8, f64), ("e", 30, f32)]
     buckets = assign_buckets(sizes, 80)
     assert buckets == [[4], [2], [1, 0], [3]]
+    assert assign_buckets(sizes, 80, alone={1}) == [[4], [1], [2], [0], [3]]  # b as it comes, c still open
     flat = sorted(i for b in buckets for i in b)
     assert flat == list(range(len(sizes)))

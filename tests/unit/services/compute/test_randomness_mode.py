@@ -193,6 +193,30 @@ def test_a_model_that_draws_nothing_stops_being_keyed_after_its_first_forward() 
     assert ModelRandomness(_model(), seed=0).keyed is True  # nn.Dropout: keyed from the start
 
 
+def test_attention_without_dropout_draws_nothing_and_with_dropout_is_keyed() -> None:
+    """The CPU's fused attention op is tagged random whatever its dropout_p: at 0 it draws nothing, so a
+    transformer without dropout runs its forwards without the keyed mode (every op through Python)."""
+    q = torch.randn(2, 2, 5, 4, generator=torch.Generator().manual_seed(0))
+
+    def attention(p: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: F.scaled_dot_product_attention(t, t, t, is_causal=True, dropout_p=p)
+
+    probe = Probe(attention(0.0))
+    plain = ModelRandomness(probe, seed=0)
+    record: list[Drawn] = []
+    with plain.forward(0, [0, 1], record=record):
+        out = probe(q)
+    assert plain.keyed is False and record == []
+    torch.testing.assert_close(out, attention(0.0)(q), rtol=0, atol=0)
+    probe = Probe(attention(0.5))
+    dropped = ModelRandomness(probe, seed=0)
+    with dropped.forward(0, [0, 1]):
+        first = probe(q)
+    with dropped.forward(0, [0, 1]):
+        again = probe(q)
+    assert dropped.keyed is True and torch.equal(first, again) and not torch.equal(first, out)
+
+
 def test_a_stage_of_cells_draws_what_the_users_model_draws() -> None:
     """Cells wrap the model's modules (names '0.fc' -> cell 'cell0', 'fc'): the keys use the model's names."""
     made = [Block(), Block(), Block()]
