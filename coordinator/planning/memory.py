@@ -124,6 +124,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from coordinator.planning.config import Mode, PlanConfig, ZeroStage
 from coordinator.planning.plan import MemoryUse
@@ -232,12 +233,12 @@ class NodeMemory:
     def _or_zeros(self, part: tuple[float, ...]) -> tuple[float, ...]:
         return part or (0.0,) * len(self.params)
 
-    @property
+    @cached_property  # read per stage the cutter prices: made once per node list
     def static(self) -> tuple[float, ...]:
         return tuple(p + g + o + b for p, g, o, b in zip(self.params, self.grads, self.optimizer,
                                                          self._or_zeros(self.buffers), strict=True))
 
-    @property
+    @cached_property  # read per stage the cutter prices: made once per node list
     def transient(self) -> tuple[float, ...]:
         return tuple(max(g + f + r, t) + fr for g, f, r, t, fr in zip(
             self.gathered, self._or_zeros(self.flight), self.recomputed, self._or_zeros(self.stepped),
@@ -299,10 +300,11 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
 
     of = units(nodes, option.gather_bytes)
     count = max(of, default=-1) + 1
-    unit_params = [float(sum(nd.param_bytes for nd, u in zip(nodes, of, strict=True) if u == k))
-                   for k in range(count)]
-    unit_grads = [float(sum(nd.grad_bytes for nd, u in zip(nodes, of, strict=True) if u == k))
-                  for k in range(count)]
+    unit_params, unit_grads = [0.0] * count, [0.0] * count  # one pass: units x nodes was quadratic
+    for nd, u in zip(nodes, of, strict=True):
+        if u >= 0:
+            unit_params[u] += nd.param_bytes
+            unit_grads[u] += nd.grad_bytes
 
     def unit_of(i: int, shift: int = 0, grads: bool = False) -> float:  # node i's unit, or a neighbour's
         k = of[i] + shift if of[i] >= 0 else -1
