@@ -70,6 +70,7 @@ from services.compute.batchnorm import batch_norm_layers
 from services.compute.chain import Chain
 from services.compute.executor import evaluating
 from services.compute.randomness import Drawn, ModelRandomness, check_draws
+from services.compute.randomness.names import module_names
 from services.compute.stage import SampleError, SampleSource, make_optimizer, metric_sum
 from services.factories import resolve
 from services.params import scheduling
@@ -223,9 +224,24 @@ def batch_norm_of(chain: Chain) -> tuple[str, ...]:
     return tuple(batch_norm_layers(chain.module))
 
 
+def sparse_layers(root: nn.Module) -> list[str]:
+    """The layers under ``root`` that make sparse gradients (``nn.Embedding``/``nn.EmbeddingBag`` built
+    with ``sparse=True``), as ``"name (Embedding)"`` with the model's names."""
+    names = module_names(root)
+    return [f"{names[id(m)] or '<root>'} ({type(m).__name__})" for m in root.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+
+
 def _measure(config: JobConfig, resources: Resources, optimizer: str, made: Any, chain: Chain) -> None:
-    """Checks 1-3 on the model ``made`` (on the meta device or real): stages, memory floor, batch."""
+    """Checks 1-3 on the model ``made`` (on the meta device or real): stages, memory floor, batch,
+    sparse gradients."""
     _check_stages(config, made, chain)
+    sparse = sparse_layers(chain.module)
+    if sparse:
+        raise JobError(f"model factory {config.model.factory!r}: layer {sparse[0]} is built with "
+                       "sparse=True, so its gradient is a sparse tensor, which cellmesh's gradient paths "
+                       "(data-parallel buckets, ZeRO shards, clipping, the fused optimizers) do not take; "
+                       "build it with sparse=False (the same gradient, dense)")
     check_memory_floor(node_bytes(chain), resources, optimizer, config.plan)
     check_batch(config.plan, len(chain), resources.num_workers, config.data.global_batch)
     layers = batch_norm_of(chain)

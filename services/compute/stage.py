@@ -389,7 +389,8 @@ def make_optimizer(spec: OptimizerSpec, params: Sequence[torch.Tensor], *,
     (one thread). Adam, AdamW, SGD and Adagrad have one; their results equal the default's to the last
     bit or two of float64 (2e-16 after 5 steps). The workers' stages ask for it; the single-process
     reference (``coordinator/runtime/reference.py``) keeps torch's default, so the parity tests compare
-    the two.
+    the two. The fused kernels take no sparse gradient; a job whose model makes one is refused by its
+    checks (``coordinator/runtime/preflight.py``).
 
     Raises:
         ValueError: Not a ``torch.optim`` optimizer class, or it refuses the keyword arguments.

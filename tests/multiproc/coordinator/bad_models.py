@@ -116,3 +116,15 @@ def infinite_gradient() -> list[nn.Module]:
     nn.init.zeros_(first.weight)
     nn.init.zeros_(first.bias)
     return [first, SqrtAbs(), nn.Linear(HIDDEN, OUT).double()]
+
+
+def sparse_embedding(sparse: bool = True) -> list[nn.Module]:
+    """An embedding built with ``sparse=True`` (its gradient a sparse tensor) before a Linear."""
+    return [nn.Embedding(10, IN, sparse=sparse).double(), nn.Flatten(), nn.Linear(IN, OUT).double()]
+
+
+def tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids for ``sparse_embedding``: one token per sample, and regression targets."""
+    g = torch.Generator().manual_seed(3)
+    return (torch.randint(0, 10, (NUM_SAMPLES, 1), generator=g),
+            torch.randn(NUM_SAMPLES, OUT, generator=g, dtype=torch.float64))

@@ -75,6 +75,16 @@ def test_a_loss_that_does_not_take_the_output_is_named() -> None:
         job(loss="torch.nn:MSELoss", loss_kwargs={"reduction": "none"}).check()
 
 
+def test_an_embedding_with_sparse_gradients_is_refused_with_the_fix() -> None:
+    with pytest.raises(JobError) as info:
+        job(model=f"{B}:sparse_embedding", data=f"{B}:tokens").check()
+    text = one_line(info.value)
+    assert text.startswith(f"model factory '{B}:sparse_embedding': layer 0 (Embedding) is built with "
+                           "sparse=True")
+    assert "build it with sparse=False" in text
+    job(model=f"{B}:sparse_embedding", model_kwargs={"sparse": False}, data=f"{B}:tokens").check()  # the fix
+
+
 def test_cells_and_data_of_different_dtypes_are_named() -> None:
     with pytest.raises(JobError, match=r"cell 'cell0' \(Linear\(.*\)\) fails on the inputs of data factory "
                                        rf"'{M}:regression', \[8, 6\] float32: .*Float and Double"):
