@@ -17,6 +17,12 @@ frozen objects (garbage already, or garbage later) is not freed while they stay 
 (when the runtime closes: before a recovery places another, and at the end of a session) unfreezes
 them, so the next full collection frees it, and a frozen heap never outlives its runtime. No collection
 is forced at the freeze: it would cost the placement a full scan (0.1-0.3 s).
+
+``gc.unfreeze`` gives back the whole permanent generation: it cannot tell the runtime's objects from
+those the user's program froze itself (``gc.freeze()`` before ``Job.fit``, as servers do before they
+fork). So a heap that was already frozen when the runtime settled is left frozen at release: the
+user's frozen objects stay where the user put them, and the runtime's join them until the user's own
+``gc.unfreeze()``.
 """
 
 from __future__ import annotations
@@ -26,11 +32,20 @@ import gc
 __all__ = ["release", "settle"]
 
 
+_froze = False  # settle() froze a heap nobody had frozen: release() may unfreeze it
+
+
 def settle() -> None:
     """Freeze every tracked object (the next collections skip it); see the module docstring."""
+    global _froze
+    _froze = _froze or gc.get_freeze_count() == 0
     gc.freeze()
 
 
 def release() -> None:
-    """Unfreeze the heap: the next full collection scans (and frees) what the runtime left behind."""
-    gc.unfreeze()
+    """Unfreeze the heap: the next full collection scans (and frees) what the runtime left behind; a heap
+    the program had frozen before the runtime settled stays frozen (module docstring)."""
+    global _froze
+    if _froze:
+        gc.unfreeze()
+    _froze = False

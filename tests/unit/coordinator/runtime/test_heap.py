@@ -29,3 +29,21 @@ def test_a_settled_heap_is_skipped_until_released() -> None:
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert gone() is None  # given back: the next collection frees it
+
+
+def test_a_heap_the_program_froze_itself_stays_frozen() -> None:
+    mine = _Node()
+    gone = weakref.ref(mine)
+    gc.freeze()  # the program's own freeze, before the run
+    try:
+        before = gc.get_freeze_count()
+        settle()
+        release()
+        assert gc.get_freeze_count() >= before  # the program's frozen objects were not given back
+        del mine
+        gc.collect()
+        assert gone() is not None
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert gone() is None
