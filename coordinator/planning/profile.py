@@ -87,7 +87,9 @@ class NodeProfile(BaseModel):
     ``largest_param_bytes`` that parameter's bytes (its gradient is the smallest bucket it travels in).
     ``input_backward_s`` / ``weight_s`` (with their fixed parts): the backward as ``I`` and ``W`` (see
     [Note: the backward's halves]); both 0 where not measured (no eligible linear layer, or a profile
-    written before them): the plain backward stands for both then.
+    written before them): the plain backward stands for both then. ``deferred_weight_bytes``: the
+    weights of the layers whose gradients it defers (what a flush of held ``W`` s streams; 0: none, or
+    not measured).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -109,6 +111,7 @@ class NodeProfile(BaseModel):
     weight_s: float = Field(default=0.0, ge=0)
     input_backward_fixed_s: float = Field(default=0.0, ge=0)
     weight_fixed_s: float = Field(default=0.0, ge=0)
+    deferred_weight_bytes: int = Field(default=0, ge=0)
 
     @property
     def compute_s(self) -> float:
@@ -529,6 +532,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 step_temporary_bytes=int(largest * OPTIMIZER_STEP_TEMPORARY_FACTORS[optimizer]),
                 largest_param_bytes=largest, input_backward_s=inp, weight_s=wgt,
                 input_backward_fixed_s=inp_fixed, weight_fixed_s=wgt_fixed,
+                deferred_weight_bytes=t.store.weight_bytes() if t.store is not None else 0,
             ))
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,
