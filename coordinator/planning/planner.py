@@ -67,9 +67,12 @@ stages keep the forward and backward they took on average in that play (``StageP
 [Note: the backward as the schedule runs it] A stage's backward costs what its list makes its worker
 do (``services/compute/weight_grads.py``, ``services/compute/executor.py``), from the profile's halves
 ([Note: the backward's halves] in ``coordinator/planning/profile.py``). A product of held ``W`` s over
-``k`` microbatches added in place costs ``W`` 's fixed part once and its per-row part ``k`` times; one
-through autograd (the step's first, which finds no ``.grad``, and a split list's last, which fires the
-hooks) ``B - I`` at ``k`` times the microbatch. GPipe's ``B`` s are ``I`` s, and its one product over
+``k`` microbatches added in place costs the profile's ``W`` at ``k`` times the microbatch (timed up to
+the rows such a flush has: [Note: a flush's rows]); one through autograd (the step's first, which finds
+no ``.grad``, and a split list's last, which fires the hooks) that plus one microbatch's ``B - I - W``
+(a new weight-sized tensor and its addition into ``.grad``, whatever the rows: measured on 4 x
+Linear(1024), 2.6-2.9 ms over 8-64 rows, where ``B - I`` at ``k`` times the microbatch, the earlier
+price, gave 0.68x the product at 64 rows). GPipe's ``B`` s are ``I`` s, and its one product over
 every microbatch runs after the last backward's ``SEND_B``. 1F1B's (interleaved's) ``B`` s that hold
 their ``W`` (every one for a replica alone; with replicas all but the first and the last, which run
 plain) are ``I`` s, and the held ones are computed once their rows exceed 1/``HOLD_SHARE`` of the stage's
@@ -372,17 +375,27 @@ class _Shared:
         """Every node's ``I`` and ``W`` at microbatch ``mb`` ([Note: the backward's halves] in profile.py)."""
         return self._get(("halves", mb), lambda: self.profile.node_halves(mb))
 
+    def autograd_extra(self, mb: int, start: int, stop: int) -> float:
+        """What a product of held ``W`` s costs nodes ``[start, stop)`` more through autograd than in place:
+        one microbatch's plain backward less its ``I`` and ``W`` (a new weight-sized gradient tensor and
+        the pass adding it into ``.grad``, whatever the rows; at least 0). See [Note: the backward as the
+        schedule runs it]."""
+        extra = self._get(("autograd extra", mb), lambda: [
+            max(0.0, b - i - w) if nd.split else 0.0
+            for nd, (_, b), (i, w) in zip(self.profile.nodes, self.times(mb), self.halves(mb), strict=True)])
+        return sum(extra[start:stop])
+
     def backward_range(self, mb: int) -> list[tuple[float, float]]:
         """Per node, the least and the most one microbatch's backward costs it in any list (see
-        :func:`_backwards`): a plain ``B``, ``I`` and ``W``, or ``I`` and a ``k``-th of ``B - I`` over ``k``
-        microbatches (at least nothing; at most ``B - I`` 's fixed part and its part that grows with the
-        microbatch, each where positive)."""
+        :func:`_backwards`): a plain ``B``, ``I`` and ``W``, or ``I`` and a ``k``-th of a product over ``k``
+        microbatches (at least nothing; at most one microbatch's ``W`` with :meth:`autograd_extra`, or
+        ``B - I`` 's fixed part and its part that grows with the microbatch, each where positive)."""
         def make() -> list[tuple[float, float]]:
             out = []
             for nd, (_, b), (i, w) in zip(self.profile.nodes, self.times(mb), self.halves(mb), strict=True):
                 b0, i0 = nd.backward_fixed_s, nd.input_backward_fixed_s if nd.split else nd.backward_fixed_s
                 shared_w = i + max(0.0, b0 - i0) + max(0.0, (b - b0) - (i - i0))
-                out.append((min(b, i), max(b, i + w, shared_w)))
+                out.append((min(b, i), max(b, i + w + max(0.0, b - i - w) * nd.split, shared_w)))
             return out
         return self._get(("backward range", mb), make)
 
@@ -599,9 +612,8 @@ def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists
         def in_place(k: int, a: int = a, b: int = b) -> float:  # W of k microbatches, one product, addmm_
             return sum(x for _, x in shared.halves(k * mb)[a:b])
 
-        def autograd(k: int, a: int = a, b: int = b) -> float:  # the same through autograd: B - I
-            return sum(max(0.0, b_ - i) for (_, b_), (i, _) in zip(shared.times(k * mb)[a:b],
-                                                                    shared.halves(k * mb)[a:b], strict=True))
+        def autograd(k: int, a: int = a, b: int = b) -> float:  # the same through autograd
+            return in_place(k) + shared.autograd_extra(mb, a, b)
 
         w, after = 0.0, 0.0
         if precision != "fp32" or (not count and "I" not in kinds):  # autocast: plain autograd throughout
@@ -905,6 +917,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             stages.append(StagePlan(
                 index=s, start=a, stop=b, nodes=tuple(nd.name for nd in nodes[a:b]),
                 workers=tuple(names), forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
+                weight_s=game.costs.weight_backward_s[s] if game.costs.weight_backward_s else 0.0,
+                tail_s=game.costs.tail_s[s] if game.costs.tail_s else 0.0,
                 param_bytes=params, optimizer_s=step, in_flight=in_flight[s],
                 peak_memory_bytes=int(problem.stage_memory(s, a, b)) + runtime, memory=use,
                 incoming=shared.cut_at(a, mb), outgoing=shared.cut_at(b, mb)))

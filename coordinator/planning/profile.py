@@ -28,6 +28,26 @@ linear layers is also timed as ``I`` and ``W`` (``NodeProfile.input_backward_s``
 after its plain runs, at both sizes, and the planner prices each schedule's backwards as its workers
 run them.
 
+[Note: an I as it runs] A stage's ``I`` runs long after its forward (1F1B: ``p - s`` microbatches
+later; GPipe: after every forward), and by then its saved inputs and the layers' weights have left the
+caches that a backward right after its forward finds them in. Measured on 4 x Linear(1024) at 8 rows,
+one thread: 2.6 ms right after the forward, 3.2 ms after three other stages' forwards; the in-step
+``I`` s of bench/train.py's 2-stage pipelines took 3.0-3.2 ms against a profile of 2.2 (its workers
+share the host, which the planner adds). So each round runs a node's deferred forward after its plain
+runs and times its ``I`` and ``W`` at the start of the next round, after every other node's runs. The
+plain ``B`` stays right after its forward, as a single microbatch runs it.
+
+[Note: a flush's rows] A flush of held ``W`` s is one product over many microbatches' rows (GPipe's and
+a lone 1F1B replica's: every microbatch of the step, 64 rows on the benchmark's 8 x 8). The product's
+time is not affine in its rows: below ~16 rows of 1024-wide layers it is bound by the pass over the
+weight gradient, above by the arithmetic. Measured in one process, one thread, 4 x Linear(1024) in
+place: 2.0 / 2.0 / 3.0 / 5.9 / 11.6 ms at 8 / 16 / 32 / 64 / 128 rows, so the fit from 8 and 32 rows
+gave 4.4 ms at 64 (0.75x). So the larger size's ``W`` is also timed at ``FLUSH_FACTOR`` times the
+sample's rows, as the executor flushes it (its rows queued ``FLUSH_FACTOR / SCALE_FACTOR`` times, one
+product: ``NodeProfile.weight_flush_s``), and :meth:`NodeProfile.halves_at` joins the two: affine up
+to ``SCALE_FACTOR``, the line through ``SCALE_FACTOR`` and ``FLUSH_FACTOR`` past it. It adds one
+product per node and round at the larger size (on the benchmark's MLP the profile took X s, was Y s).
+
 The result is a :class:`Profile`: a frozen pydantic model, saved and loaded as JSON, so a
 profile taken once can be reused (and one can be written by hand, :meth:`Profile.synthetic`).
 Times hold for the profiled microbatch size; :meth:`Profile.node_times` gives them at
@@ -50,10 +70,12 @@ from coordinator.planning import runtime_bytes as runtime
 from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
 from services.compute.weight_grads import WeightGradStore, eligible_layers
 
-__all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "OPTIMIZER_STEP_TEMPORARY_FACTORS",
-           "SCALE_FACTOR", "NodeProfile", "Profile", "format_bytes", "profile_graph"]
+__all__ = ["FLUSH_FACTOR", "MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS",
+           "OPTIMIZER_STEP_TEMPORARY_FACTORS", "SCALE_FACTOR", "NodeProfile", "Profile", "format_bytes",
+           "profile_graph"]
 
 SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
+FLUSH_FACTOR = 16  # the rows a flush's W is timed at, in multiples of the sample's ([Note: a flush's rows])
 MIN_TIMED_S = 0.05  # timed runs per node and size last at least this long in total...
 MAX_REPEATS = 50  # ...but no more runs than this
 
@@ -89,7 +111,8 @@ class NodeProfile(BaseModel):
     [Note: the backward's halves]); both 0 where not measured (no eligible linear layer, or a profile
     written before them): the plain backward stands for both then. ``deferred_weight_bytes``: the
     weights of the layers whose gradients it defers (what a flush of held ``W`` s streams; 0: none, or
-    not measured).
+    not measured). ``weight_flush_s``: ``W`` in place at ``weight_flush_scale`` times the profiled
+    microbatch, one product as a flush runs it ([Note: a flush's rows]; 0: not measured).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -112,6 +135,8 @@ class NodeProfile(BaseModel):
     input_backward_fixed_s: float = Field(default=0.0, ge=0)
     weight_fixed_s: float = Field(default=0.0, ge=0)
     deferred_weight_bytes: int = Field(default=0, ge=0)
+    weight_flush_s: float = Field(default=0.0, ge=0)
+    weight_flush_scale: float = Field(default=0.0, ge=0)
 
     @property
     def compute_s(self) -> float:
@@ -136,7 +161,12 @@ class NodeProfile(BaseModel):
         if not self.split:
             return self.times_at(scale)[1], 0.0
         i0, w0 = self.input_backward_fixed_s, self.weight_fixed_s
-        return i0 + (self.input_backward_s - i0) * scale, w0 + (self.weight_s - w0) * scale
+        w = w0 + (self.weight_s - w0) * scale
+        top = self.weight_flush_scale
+        if self.weight_flush_s > 0 and top > SCALE_FACTOR and scale > SCALE_FACTOR:
+            at = w0 + (self.weight_s - w0) * SCALE_FACTOR  # the fit's upper point ([Note: a flush's rows])
+            w = max(0.0, at + (self.weight_flush_s - at) * (scale - SCALE_FACTOR) / (top - SCALE_FACTOR))
+        return i0 + (self.input_backward_s - i0) * scale, w
 
     def times_at(self, scale: float) -> tuple[float, float]:
         """Forward and backward seconds at ``scale`` times the profiled microbatch size."""
@@ -333,8 +363,10 @@ class _Timings:
     """The timed runs of one node at one size (see [Note: profile timing])."""
 
     def __init__(self, module: torch.nn.Module, args: list[Any], names: tuple[str, ...],
-                 grad: set[str]) -> None:
+                 grad: set[str], copies: int = 0) -> None:
         self.module, self.args, self.names, self.grad = module, args, names, grad
+        self.copies = copies  # > 1: also time W over this many times its rows ([Note: a flush's rows])
+        self.flushed: list[float] = []
         # CUDA runs asynchronously: its times are taken once the device finished
         self.cuda = any(t.is_cuda for t in [*module.parameters(), *_tensors(args)])
         self.fwd: list[float] = []
@@ -343,12 +375,15 @@ class _Timings:
         self.store = WeightGradStore(module) if eligible_layers(module) else None
         self.inp: list[float] = []
         self.wgt: list[float] = []
+        self.pending: list[torch.Tensor] = []  # a deferred forward's outputs, for the next round's I
 
     def done(self, repeats: int) -> bool:
-        spent = sum(self.fwd) + sum(self.bwd) + sum(self.inp) + sum(self.wgt)
+        spent = sum(self.fwd) + sum(self.bwd) + sum(self.inp) + sum(self.wgt) + sum(self.flushed)
         return len(self.fwd) >= repeats and (spent >= MIN_TIMED_S or len(self.fwd) >= MAX_REPEATS)
 
     def run(self, timed: bool) -> None:
+        if self.pending:  # the previous round's deferred forward: its I and W now ([Note: an I as it runs])
+            self._run_halves(timed)
         ins = _fresh(self.args, self.names, self.grad)
         self._sync()
         t0 = time.perf_counter()
@@ -363,26 +398,39 @@ class _Timings:
         if timed:
             self.fwd.append(t1 - t0)
             self.bwd.append(t2 - t1 if outs else 0.0)
-        if self.store is not None and outs:
-            self._run_halves(timed)
+        if self.store is not None and outs:  # the forward of the next round's I
+            with self.store.deferring():
+                self.store.microbatch = 0
+                out = self.module(*_fresh(self.args, self.names, self.grad))
+                self.store.microbatch = None
+            self.pending = [t for t in _tensors(out) if t.requires_grad]
+
+    def finish(self) -> None:
+        """The last deferred forward's ``I`` and ``W``, timed where none was yet."""
+        if self.pending:
+            self._run_halves(not self.inp)
+        self.pending = []
 
     def _run_halves(self, timed: bool) -> None:
-        """The backward again as ``I`` (the weight gradients deferred) and ``W`` (added in place into the
-        ``.grad`` the plain run left), as a 1F1B stage's middle backwards run."""
+        """The pending forward's backward as ``I`` (the weight gradients deferred) and ``W`` (added in place
+        into the ``.grad`` the plain run left), as a 1F1B stage's middle backwards run."""
         assert self.store is not None
-        with self.store.deferring():
-            self.store.microbatch = 0
-            out = self.module(*_fresh(self.args, self.names, self.grad))
-            self.store.microbatch = None
-            outs = [t for t in _tensors(out) if t.requires_grad]
+        outs, self.pending = self.pending, []
+        self._sync()
+        t0 = time.perf_counter()
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        self._sync()
+        t1 = time.perf_counter()
+        if self.copies > 1:
+            self.store.repeat(0, range(1, self.copies + 1))
+        self.store.flush([0], check=False)
+        self._sync()
+        t2 = time.perf_counter()
+        if self.copies > 1:  # the copies' rows in one product, as a flush of held W's
+            self.store.flush(range(1, self.copies + 1), check=False)
             self._sync()
-            t0 = time.perf_counter()
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            self._sync()
-            t1 = time.perf_counter()
-            self.store.flush([0], check=False)
-            self._sync()
-            t2 = time.perf_counter()
+            if timed:
+                self.flushed.append(time.perf_counter() - t2)
         if timed:
             self.inp.append(t1 - t0)
             self.wgt.append(t2 - t1)
@@ -398,6 +446,10 @@ class _Timings:
         """``I`` and ``W`` (0, 0 where not timed)."""
         return (_robust(self.inp), _robust(self.wgt)) if self.inp else (0.0, 0.0)
 
+    def flush(self) -> float:
+        """``W`` over ``copies`` times the rows (0 where not timed)."""
+        return _robust(self.flushed) if self.flushed else 0.0
+
 
 def _time_all(timings: list[_Timings], repeats: int, warmup: int) -> None:
     """Time every node in rounds, one run each per round, until each has enough runs.
@@ -412,6 +464,8 @@ def _time_all(timings: list[_Timings], repeats: int, warmup: int) -> None:
         for t in timings:
             if not t.done(repeats):
                 t.run(timed=True)
+    for t in timings:
+        t.finish()
 
 
 def _tile(value: Any, batch_dim: int | None, factor: int) -> Any:
@@ -488,7 +542,8 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             small.append(_Timings(module, args, names, grad))
             if large is not None:
                 try:
-                    big.append(_Timings(module, [large[nm] for nm in names], names, grad))
+                    big.append(_Timings(module, [large[nm] for nm in names], names, grad,
+                                        FLUSH_FACTOR // SCALE_FACTOR))
                     with torch.no_grad():
                         out = module(*big[-1].args)
                     if i + 1 < len(graph.nodes):
@@ -510,7 +565,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             t = small[i]
             fwd, bwd = t.result()
             inp, wgt = t.halves()
-            fwd_fixed, bwd_fixed, inp_fixed, wgt_fixed = 0.0, 0.0, 0.0, 0.0
+            fwd_fixed, bwd_fixed, inp_fixed, wgt_fixed, flushed = 0.0, 0.0, 0.0, 0.0, 0.0
             if big:
                 fwd_big, bwd_big = big[i].result()
                 fwd, fwd_fixed = _affine(fwd, fwd_big, size, SCALE_FACTOR)
@@ -518,6 +573,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 inp_big, wgt_big = big[i].halves()
                 inp, inp_fixed = _affine(inp, inp_big, size, SCALE_FACTOR)
                 wgt, wgt_fixed = _affine(wgt, wgt_big, size, SCALE_FACTOR)
+                flushed = big[i].flush()
             params = list(t.module.parameters())
             trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             largest = max((p.numel() * p.element_size() for p in params if p.requires_grad), default=0)
@@ -533,6 +589,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 largest_param_bytes=largest, input_backward_s=inp, weight_s=wgt,
                 input_backward_fixed_s=inp_fixed, weight_fixed_s=wgt_fixed,
                 deferred_weight_bytes=t.store.weight_bytes() if t.store is not None else 0,
+                weight_flush_s=flushed, weight_flush_scale=FLUSH_FACTOR if flushed > 0 else 0.0,
             ))
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,

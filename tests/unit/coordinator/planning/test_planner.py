@@ -388,7 +388,8 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     fixed): 2 nodes a stage at the profiled microbatch of 4. Worked out here, as the executor runs them
     (``services/compute/executor.py``): a product of ``k`` microbatches' W's in place costs W's fixed part
     once and its per-row part ``k`` times; through autograd (the step's first, which finds no ``.grad``,
-    and the last, which fires the hooks) ``B - I`` at ``k`` microbatches; GPipe's and a lone replica's last
+    and the last, which fires the hooks) that and one microbatch's ``B - I - W`` (0.3 ms a node: the new
+    gradient tensor and its addition); GPipe's and a lone replica's last
     one runs after the last backward's send (the tail); mixed precision runs plain backwards."""
     base = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
     prof = _split(base, 0.45, 0.4, fixed=0.5)
@@ -408,8 +409,8 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     def in_place(k: int) -> float:  # W of k microbatches in one product: the fixed part once
         return 2 * (0.4e-3 + 0.4e-3 * k)
 
-    def autograd(k: int) -> float:  # B - I at k microbatches: B all grows, I half
-        return 2 * (2e-3 * k - (0.45e-3 + 0.45e-3 * k))
+    def autograd(k: int) -> float:  # the product in place and the new tensor's extra pass
+        return in_place(k) + 2 * (2e-3 - 0.9e-3 - 0.8e-3)
 
     # GPipe: every B an I, the one product over the 8 microbatches after the last send
     assert stage0("gpipe", True) == pytest.approx((i, 0.0, autograd(8)))
@@ -439,6 +440,10 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     fixed = PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8, schedule="gpipe", balance=[2, 2])
     plan = choose_plan(prof, res, fixed, global_batch=32)
     assert plan.stages[0].backward_s == pytest.approx(i + ACTION_OVERHEAD_S)
+    assert plan.stages[0].tail_s == pytest.approx(autograd(8))  # kept for the predicted timeline
+    assert plan.stages[0].weight_s == 0.0
+    zb = choose_plan(prof, res, fixed.model_copy(update={"schedule": "zb-h1"}), global_batch=32)
+    assert zb.stages[0].weight_s == pytest.approx(autograd(8) / 8 + ACTION_OVERHEAD_S)
     # unsplit profiles price every backward plain
     plain = choose_plan(base, res, PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8,
                                               schedule="gpipe", balance=[2, 2]), global_batch=32)
