@@ -28,15 +28,6 @@ linear layers is also timed as ``I`` and ``W`` (``NodeProfile.input_backward_s``
 after its plain runs, at both sizes, and the planner prices each schedule's backwards as its workers
 run them.
 
-[Note: an I as it runs] A stage's ``I`` runs long after its forward (1F1B: ``p - s`` microbatches
-later; GPipe: after every forward), and by then its saved inputs and the layers' weights have left the
-caches that a backward right after its forward finds them in. Measured on 4 x Linear(1024) at 8 rows,
-one thread: 2.6 ms right after the forward, 3.2 ms after three other stages' forwards; the in-step
-``I`` s of bench/train.py's 2-stage pipelines took 3.0-3.2 ms against a profile of 2.2 (its workers
-share the host, which the planner adds). So each round runs a node's deferred forward after its plain
-runs and times its ``I`` and ``W`` at the start of the next round, after every other node's runs. The
-plain ``B`` stays right after its forward, as a single microbatch runs it.
-
 [Note: a flush's rows] A flush of held ``W`` s is one product over many microbatches' rows (GPipe's and
 a lone 1F1B replica's: every microbatch of the step, 64 rows on the benchmark's 8 x 8). The product's
 time is not affine in its rows: below ~16 rows of 1024-wide layers it is bound by the pass over the
@@ -375,15 +366,12 @@ class _Timings:
         self.store = WeightGradStore(module) if eligible_layers(module) else None
         self.inp: list[float] = []
         self.wgt: list[float] = []
-        self.pending: list[torch.Tensor] = []  # a deferred forward's outputs, for the next round's I
 
     def done(self, repeats: int) -> bool:
         spent = sum(self.fwd) + sum(self.bwd) + sum(self.inp) + sum(self.wgt) + sum(self.flushed)
         return len(self.fwd) >= repeats and (spent >= MIN_TIMED_S or len(self.fwd) >= MAX_REPEATS)
 
     def run(self, timed: bool) -> None:
-        if self.pending:  # the previous round's deferred forward: its I and W now ([Note: an I as it runs])
-            self._run_halves(timed)
         ins = _fresh(self.args, self.names, self.grad)
         self._sync()
         t0 = time.perf_counter()
@@ -398,24 +386,23 @@ class _Timings:
         if timed:
             self.fwd.append(t1 - t0)
             self.bwd.append(t2 - t1 if outs else 0.0)
-        if self.store is not None and outs:  # the forward of the next round's I
-            with self.store.deferring():
-                self.store.microbatch = 0
-                out = self.module(*_fresh(self.args, self.names, self.grad))
-                self.store.microbatch = None
-            self.pending = [t for t in _tensors(out) if t.requires_grad]
-
-    def finish(self) -> None:
-        """The last deferred forward's ``I`` and ``W``, timed where none was yet."""
-        if self.pending:
-            self._run_halves(not self.inp)
-        self.pending = []
+        if self.store is not None and outs:
+            self._run_halves(timed)
 
     def _run_halves(self, timed: bool) -> None:
-        """The pending forward's backward as ``I`` (the weight gradients deferred) and ``W`` (added in place
-        into the ``.grad`` the plain run left), as a 1F1B stage's middle backwards run."""
+        """The backward again as ``I`` (the weight gradients deferred) and ``W`` (added in place into the
+        ``.grad`` the plain run left), as a 1F1B stage's middle backwards run; the larger size's ``W`` also
+        over ``copies`` times its rows in one product ([Note: a flush's rows])."""
         assert self.store is not None
-        outs, self.pending = self.pending, []
+        with self.store.deferring():
+            self.store.microbatch = 0
+            out = self.module(*_fresh(self.args, self.names, self.grad))
+            self.store.microbatch = None
+            outs = [t for t in _tensors(out) if t.requires_grad]
+            self._timed_halves(outs, timed)
+
+    def _timed_halves(self, outs: list[torch.Tensor], timed: bool) -> None:
+        assert self.store is not None
         self._sync()
         t0 = time.perf_counter()
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
@@ -464,8 +451,6 @@ def _time_all(timings: list[_Timings], repeats: int, warmup: int) -> None:
         for t in timings:
             if not t.done(repeats):
                 t.run(timed=True)
-    for t in timings:
-        t.finish()
 
 
 def _tile(value: Any, batch_dim: int | None, factor: int) -> Any:
