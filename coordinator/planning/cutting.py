@@ -304,6 +304,8 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
     if problem.hold_bytes is not None and any(problem.hold_bytes):
         ph = np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
         mem_hold = ph[:, None] - ph[starts]
+        if mem_static is not None and problem.holds is not None and all(problem.holds):
+            mem_static, mem_hold = mem_static + mem_hold, None  # every stage holds: added once, not per stage
 
     def stage_cost(s: int) -> np.ndarray:
         held = problem.held_bytes(s)
