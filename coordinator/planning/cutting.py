@@ -300,12 +300,10 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         mem_static = ps[:, None] - ps[starts]
         if problem.transient_bytes is not None and any(problem.transient_bytes):
             mem_static = mem_static + _band_max(problem.transient_bytes, width)
-    mem_hold = None
-    if problem.hold_bytes is not None and any(problem.hold_bytes):
+    holding = mem_static  # a stage that holds weight-gradient rows: its static bytes with them, made once
+    if mem_static is not None and problem.hold_bytes is not None and any(problem.hold_bytes):
         ph = np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
-        mem_hold = ph[:, None] - ph[starts]
-        if mem_static is not None and problem.holds is not None and all(problem.holds):
-            mem_static, mem_hold = mem_static + mem_hold, None  # every stage holds: added once, not per stage
+        holding = mem_static + (ph[:, None] - ph[starts])
 
     def stage_cost(s: int) -> np.ndarray:
         held = problem.held_bytes(s)
@@ -315,10 +313,8 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
             pa = np.concatenate([[0.0], np.cumsum(held)])
             mem_act[held] = pa[:, None] - pa[starts]
         assert problem.memory_limit is not None and problem.in_flight is not None
-        use = mem_static + mem_act[held] * problem.in_flight[s]
-        if mem_hold is not None and problem.holds is not None and problem.holds[s]:
-            use = use + mem_hold
-        over = use > _with_slack(problem.memory_limit[s])
+        static = holding if problem.holds is not None and problem.holds[s] else mem_static
+        over = static + mem_act[held] * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
         return np.where(over, np.inf, cost)
 
     first = stage_cost(0)  # stage 0 covers [0, j): the start 0, where the band holds it
