@@ -477,14 +477,21 @@ def replay(plan: Any, forward_s: list[float], backward_s: list[float]) -> float:
     """The plan's predicted step with the profile's compute times replaced by measured ones.
 
     ``forward_s[s]`` / ``backward_s[s]``: stage ``s``'s measured time per microbatch. The
-    transfers, the optimizer, the gradient sync and the overheads are the cost model's, as in the plan.
+    transfers, the optimizer, the gradient sync and the overheads are the cost model's, as in the plan;
+    a stage's ``W`` and its tail after its last send (``StagePlan.weight_s``, ``tail_s``) scale as its
+    backward did.
     """
     import dataclasses
 
     from coordinator.planning.prediction import plan_costs
     from coordinator.planning.simulator import simulate
 
-    costs = dataclasses.replace(plan_costs(plan), forward_s=tuple(forward_s), backward_s=tuple(backward_s))
+    planned = plan_costs(plan)
+    ratio = [b / p if p > 0 else 1.0 for b, p in zip(backward_s, planned.backward_s, strict=True)]
+    costs = dataclasses.replace(
+        planned, forward_s=tuple(forward_s), backward_s=tuple(backward_s),
+        weight_backward_s=tuple(w * r for w, r in zip(planned.weight_backward_s, ratio, strict=False)),
+        tail_s=tuple(t * r for t, r in zip(planned.tail_s, ratio, strict=False)))
     return float(simulate(plan.schedule(), costs).step_time_s + plan.sync_time_s + plan.overhead_s)
 
 

@@ -85,6 +85,10 @@ class CutProblem:
             (``services.compute.weight_grads.defers``); such a stage holds, per microbatch in
             flight, the larger of the two on each node.
         memory_limit: Per stage, the bytes it may use; None means unlimited.
+        hold_bytes: What a stage that holds its backwards' weight gradients to compute them together
+            (1F1B: ``services/compute/executor.py``) holds on each node at its peak, beyond its
+            activations (length ``n``; None: nothing).
+        holds: Per stage, whether it holds them (with ``hold_bytes``).
         transient_bytes: Memory a node needs only while it runs (ZeRO-3's gathered parameters, a
             recomputed cell's activations: ``coordinator/planning/memory.py``), length ``n``; a stage
             adds its largest node's. None: nothing.
@@ -104,6 +108,8 @@ class CutProblem:
     deferred_bytes: tuple[float, ...] | None = None
     defers: tuple[bool, ...] | None = None
     transient_bytes: tuple[float, ...] | None = None
+    hold_bytes: tuple[float, ...] | None = None
+    holds: tuple[bool, ...] | None = None
     _prefix: np.ndarray = field(init=False, repr=False, compare=False)
     _deferring: tuple[float, ...] | None = field(init=False, repr=False, compare=False, default=None)
 
@@ -130,6 +136,10 @@ class CutProblem:
             raise ValueError("deferred_bytes (n entries) and defers (one per stage) come together")
         if self.transient_bytes is not None and len(self.transient_bytes) != n:
             raise ValueError("transient_bytes needs n entries")
+        if (self.hold_bytes is None) != (self.holds is None) or (
+                self.hold_bytes is not None and self.holds is not None
+                and (len(self.hold_bytes) != n or len(self.holds) != self.num_stages)):
+            raise ValueError("hold_bytes (n entries) and holds (one per stage) come together")
         object.__setattr__(self, "_prefix", np.concatenate([[0.0], np.cumsum(self.compute_s)]))
         if self.activation_bytes is not None and self.deferred_bytes is not None:
             object.__setattr__(self, "_deferring", tuple(
@@ -161,7 +171,15 @@ class CutProblem:
         if self.static_bytes is None or held is None or self.in_flight is None:
             return 0.0
         transient = max(self.transient_bytes[start:stop]) if self.transient_bytes is not None else 0.0
-        return sum(self.static_bytes[start:stop]) + sum(held[start:stop]) * self.in_flight[stage] + transient
+        return (sum(self.static_bytes[start:stop]) + sum(held[start:stop]) * self.in_flight[stage] + transient
+                + self.stage_hold(stage, start, stop))
+
+    def stage_hold(self, stage: int, start: int, stop: int) -> float:
+        """What stage ``stage`` over nodes ``[start, stop)`` holds for its held weight gradients
+        (``hold_bytes``)."""
+        if self.hold_bytes is None or self.holds is None or not self.holds[stage]:
+            return 0.0
+        return float(sum(self.hold_bytes[start:stop]))
 
     def check(self, bounds: Sequence[int]) -> Bounds:
         """Validates boundaries against the problem and returns them as a tuple.
@@ -282,6 +300,10 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         mem_static = ps[:, None] - ps[starts]
         if problem.transient_bytes is not None and any(problem.transient_bytes):
             mem_static = mem_static + _band_max(problem.transient_bytes, width)
+    holding = mem_static  # a stage that holds weight-gradient rows: its static bytes with them, made once
+    if mem_static is not None and problem.hold_bytes is not None and any(problem.hold_bytes):
+        ph = np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
+        holding = mem_static + (ph[:, None] - ph[starts])
 
     def stage_cost(s: int) -> np.ndarray:
         held = problem.held_bytes(s)
@@ -291,7 +313,8 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
             pa = np.concatenate([[0.0], np.cumsum(held)])
             mem_act[held] = pa[:, None] - pa[starts]
         assert problem.memory_limit is not None and problem.in_flight is not None
-        over = mem_static + mem_act[held] * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
+        static = holding if problem.holds is not None and problem.holds[s] else mem_static
+        over = static + mem_act[held] * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
         return np.where(over, np.inf, cost)
 
     first = stage_cost(0)  # stage 0 covers [0, j): the start 0, where the band holds it

@@ -19,6 +19,8 @@ step temporaries       ``T`` (largest parameter)   ZeRO-1/2/3: ``T / F``; offloa
 activations            ``A x in flight``           recompute: the node's inputs ``I x in flight``,
                                                    plus one cell's ``A`` during its backward
 deferred weight grads  ``max(A, D) x in flight``   (a stage that defers: see ``cutting.py``)
+held weight grads      ``min(h D, W / 8 + D)``     (a 1F1B stage in fp32, ``h`` B's holding, ``W`` the
+                                                   deferred weights: ``planner.hold_bytes``)
 =====================  ==========================  =============================================
 
 The gradient path's buffers (``MemoryUse.comm``), with ``d > 1`` collective replicas; ``L`` the node's

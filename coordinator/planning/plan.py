@@ -72,9 +72,11 @@ class StagePlan(BaseModel):
     ``start``) and sends ``outgoing`` (cut ``stop``) once per microbatch, shapes at the
     plan's microbatch size (stage 0's incoming are the model inputs, the last stage's
     outgoing its outputs; neither travels between stages). Times are per microbatch on
-    the stage's slowest worker; ``memory`` is ``peak_memory_bytes`` by part. ``devices[i]`` is the
-    kind of device ``workers[i]`` runs the stage on (``coordinator/planning/devices.py``; empty: all on
-    the CPU).
+    the stage's slowest worker (``weight_s``: the ``W`` of a split list, 0 otherwise; ``tail_s``: the
+    weight gradients it computes after its last backward's send, once a step: see [Note: the backward
+    as the schedule runs it] in ``planner.py``); ``memory`` is ``peak_memory_bytes`` by part.
+    ``devices[i]`` is the kind of device ``workers[i]`` runs the stage on
+    (``coordinator/planning/devices.py``; empty: all on the CPU).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -90,6 +92,8 @@ class StagePlan(BaseModel):
     sync_s: float
     param_bytes: int
     optimizer_s: float = 0.0
+    weight_s: float = 0.0
+    tail_s: float = 0.0
     in_flight: int
     peak_memory_bytes: int
     memory: MemoryUse = MemoryUse()

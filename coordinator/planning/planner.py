@@ -65,15 +65,24 @@ small, once the backwards are priced as the workers run them). A plan's
 stages keep the forward and backward they took on average in that play (``StagePlan.forward_s``).
 
 [Note: the backward as the schedule runs it] A stage's backward costs what its list makes its worker
-do (``services/compute/weight_grads.py``), from the profile's halves ([Note: the backward's halves] in
-``coordinator/planning/profile.py``): a split list's (zb-h1) ``I`` and ``W`` apart, its last ``W``
-through autograd (``B - I``: the step's last contribution makes new gradient tensors); GPipe's ``B`` s
-each an ``I``, and after the last one the weight gradients of all its ``k`` microbatches in one product
-through autograd (new gradient tensors, as a plain backward makes them: ``B - I`` at ``k`` times the
-microbatch), a ``k``-th of it on each; a list of ``k`` plain ``B`` s (1F1B, interleaved) ``I`` and ``W``
-in place for each but its first and its last. The simulator takes one backward per stage, so a stage's
-is their mean; mixed precision (autocast) and profiles without halves price the plain backward. The
-plain one cost a GPipe stage 1.5x what its worker spent.
+do (``services/compute/weight_grads.py``, ``services/compute/executor.py``), from the profile's halves
+([Note: the backward's halves] in ``coordinator/planning/profile.py``). A product of held ``W`` s over
+``k`` microbatches added in place costs the profile's ``W`` at ``k`` times the microbatch (timed up to
+the rows such a flush has: [Note: a flush's rows]); one through autograd (the step's first, which finds
+no ``.grad``, and a split list's last, which fires the hooks) that plus one microbatch's ``B - I - W``
+(a new weight-sized tensor and its addition into ``.grad``, whatever the rows: measured on 4 x
+Linear(1024), 2.6-2.9 ms over 8-64 rows, where ``B - I`` at ``k`` times the microbatch, the earlier
+price, gave 0.68x the product at 64 rows). GPipe's ``B`` s are ``I`` s, and its one product over
+every microbatch runs after the last backward's ``SEND_B``. 1F1B's (interleaved's) ``B`` s that hold
+their ``W`` (every one for a replica alone; with replicas all but the first and the last, which run
+plain) are ``I`` s, and the held ones are computed once their rows exceed 1/``HOLD_SHARE`` of the stage's
+deferred weights' bytes, and at the end: with replicas before the last ``B``, alone after its send.
+A split list's (zb-h1) runs of ``W`` s each compute their microbatches (alone: every queued one, and
+none while they stay within the share), the one after the last ``I`` all that are left. The simulator
+takes one backward and one ``W`` per stage, so a stage's are their mean over its list, and the work
+after the last send is its tail (``StageCosts.tail_s``: the stage before does not wait for it). Mixed
+precision (autocast) and profiles without halves price the plain backward. ``HOLD_SHARE`` is the
+executor's own constant (``services/compute/weight_grads.py``).
 
 [Note: several stages per worker] An interleaved shape (``chunks = v >= 2``, see [Note: interleaved
 shapes] in ``coordinator/planning/request.py``) places stage ``s`` of replica ``r`` on worker
@@ -182,7 +191,7 @@ from coordinator.planning.memory import (
 )
 from coordinator.planning.placement import neighbour_link, place, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
-from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, format_bytes
+from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, NodeProfile, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
 from coordinator.planning.schedules import Step, schedule_steps, stage_holds
@@ -194,6 +203,7 @@ from coordinator.planning.simulator import (
     Timing,
     play,
 )
+from services.compute.weight_grads import HOLD_SHARE
 from services.params.grad_sync import DEFAULT_BUCKET_BYTES
 
 __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWIDTH_BPS",
@@ -365,17 +375,27 @@ class _Shared:
         """Every node's ``I`` and ``W`` at microbatch ``mb`` ([Note: the backward's halves] in profile.py)."""
         return self._get(("halves", mb), lambda: self.profile.node_halves(mb))
 
+    def autograd_extra(self, mb: int, start: int, stop: int) -> float:
+        """What a product of held ``W`` s costs nodes ``[start, stop)`` more through autograd than in place:
+        one microbatch's plain backward less its ``I`` and ``W`` (a new weight-sized gradient tensor and
+        the pass adding it into ``.grad``, whatever the rows; at least 0). See [Note: the backward as the
+        schedule runs it]."""
+        extra = self._get(("autograd extra", mb), lambda: [
+            max(0.0, b - i - w) if nd.split else 0.0
+            for nd, (_, b), (i, w) in zip(self.profile.nodes, self.times(mb), self.halves(mb), strict=True)])
+        return sum(extra[start:stop])
+
     def backward_range(self, mb: int) -> list[tuple[float, float]]:
         """Per node, the least and the most one microbatch's backward costs it in any list (see
-        :func:`_backwards`): a plain ``B``, ``I`` and ``W``, or ``I`` and a ``k``-th of ``B - I`` over ``k``
-        microbatches (at least nothing; at most ``B - I`` 's fixed part and its part that grows with the
-        microbatch, each where positive)."""
+        :func:`_backwards`): a plain ``B``, ``I`` and ``W``, or ``I`` and a ``k``-th of a product over ``k``
+        microbatches (at least nothing; at most one microbatch's ``W`` with :meth:`autograd_extra`, or
+        ``B - I`` 's fixed part and its part that grows with the microbatch, each where positive)."""
         def make() -> list[tuple[float, float]]:
             out = []
             for nd, (_, b), (i, w) in zip(self.profile.nodes, self.times(mb), self.halves(mb), strict=True):
                 b0, i0 = nd.backward_fixed_s, nd.input_backward_fixed_s if nd.split else nd.backward_fixed_s
                 shared_w = i + max(0.0, b0 - i0) + max(0.0, (b - b0) - (i - i0))
-                out.append((min(b, i), max(b, i + w, shared_w)))
+                out.append((min(b, i), max(b, i + w + max(0.0, b - i - w) * nd.split, shared_w)))
             return out
         return self._get(("backward range", mb), make)
 
@@ -439,24 +459,28 @@ class _Shared:
     def problem(self, num_stages: int, mb: int, *, bandwidth_bps: float, latency_s: float, speed: float,
                 data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
                 memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
-                num_microbatches: int, on_cuda: bool) -> CutProblem:
-        """:func:`cut_problem` from the shared parts (one per its arguments: modes and schedules share it)."""
+                num_microbatches: int, on_cuda: bool, holds: Sequence[bool] | None = None) -> CutProblem:
+        """:func:`cut_problem` from the shared parts (one per its arguments: modes and schedules share it);
+        ``holds``: per stage, whether it holds its backwards' weight gradients (1F1B in fp32: see
+        :func:`hold_bytes`)."""
         # parameter servers' memory reads the replicas; collective replicas only whether there are several
         # (the transport's frames: [Note: the transport's frames] in memory.py)
         replicas = data_parallel if mode != "collective" else int(data_parallel > 1)
         key = ("problem", num_stages, mb, bandwidth_bps, latency_s, speed, replicas, mode,
                None if in_flight is None else tuple(in_flight),
                None if memory_limit is None else tuple(memory_limit),
-               None if defers is None else tuple(defers), option, num_microbatches > 1, on_cuda)
+               None if defers is None else tuple(defers), option, num_microbatches > 1, on_cuda,
+               None if holds is None or not any(holds)
+               else (tuple(holds), data_parallel > 1, num_microbatches))
         return self._get(key, lambda: self._problem(
             num_stages, mb, bandwidth_bps=bandwidth_bps, latency_s=latency_s, speed=speed,
             data_parallel=data_parallel, mode=mode, in_flight=in_flight, memory_limit=memory_limit,
-            defers=defers, option=option, num_microbatches=num_microbatches, on_cuda=on_cuda))
+            defers=defers, option=option, num_microbatches=num_microbatches, on_cuda=on_cuda, holds=holds))
 
     def _problem(self, num_stages: int, mb: int, *, bandwidth_bps: float, latency_s: float, speed: float,
                  data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
                  memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
-                 num_microbatches: int, on_cuda: bool) -> CutProblem:
+                 num_microbatches: int, on_cuda: bool, holds: Sequence[bool] | None) -> CutProblem:
         profile = self.profile
         scale = mb / profile.microbatch_size
         memory = self.memory(option, mode, data_parallel, num_microbatches, mb, on_cuda)
@@ -466,10 +490,15 @@ class _Shared:
         transient = self._get(("transient", id(memory)), lambda: memory.transient)
         deferred = None if defers is None else self._get(
             ("deferred", mb), lambda: tuple(nd.deferred_bytes * scale for nd in profile.nodes))
+        hold = None
+        if holds is not None and any(holds):
+            hold = self._get(("hold", mb, num_microbatches, data_parallel == 1), lambda: hold_bytes(
+                profile.nodes, scale, num_microbatches, data_parallel == 1))
         return CutProblem(compute_s, cut_s, num_stages, cuttable, static, memory.held,
                           tuple(in_flight) if in_flight is not None else (1,) * num_stages,
                           tuple(memory_limit) if memory_limit is not None else None, deferred,
-                          None if defers is None else tuple(defers), transient if any(transient) else None)
+                          None if defers is None else tuple(defers), transient if any(transient) else None,
+                          hold, None if hold is None or holds is None else tuple(holds))
 
 
 class _Placed:
@@ -561,38 +590,130 @@ def _shards_as_asked(request: PlanConfig, shape: Shape) -> bool:
 
 
 def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists: Sequence[Sequence[Step]],
-               defer: Sequence[bool], precision: str, recompute: bool, speed: Sequence[float]
-               ) -> tuple[list[float], list[float]]:
-    """Per stage, one microbatch's backward as its list runs it, on average, and its ``W`` (0 where the
-    list does not split its backwards). See [Note: the backward as the schedule runs it]."""
+               defer: Sequence[bool], precision: str, recompute: bool, speed: Sequence[float], alone: bool
+               ) -> tuple[list[float], list[float], list[float]]:
+    """Per stage, one microbatch's backward as its list runs it, on average, its ``W`` (0 where the list
+    does not split its backwards) and the weight gradients it computes after its last backward's send
+    (its tail). ``alone``: one replica (no data parallel). See [Note: the backward as the schedule runs
+    it]."""
     times, halves = shared.times(mb), shared.halves(mb)
-    backward, weight = [], []
+    nodes = shared.profile.nodes
+    scale = mb / shared.profile.microbatch_size
+    backward, weight, tail = [], [], []
     for s, (a, b) in enumerate(spans):
         kinds = [step.kind for step in lists[s]]
         redo = sum(f for f, _ in times[a:b]) if recompute else 0.0  # the backward pays the forward again
         plain = sum(b_ for _, b_ in times[a:b]) + redo
         inp = sum(i for i, _ in halves[a:b]) + redo
         count = kinds.count("B")
-        w = 0.0
-        if precision != "fp32":  # autocast: plain autograd throughout
+        limit = held_limit(nodes[a:b])
+        rows = sum(nd.deferred_bytes for nd in nodes[a:b]) * scale  # one microbatch's held rows
+
+        def in_place(k: int, a: int = a, b: int = b) -> float:  # W of k microbatches, one product, addmm_
+            return sum(x for _, x in shared.halves(k * mb)[a:b])
+
+        def autograd(k: int, a: int = a, b: int = b) -> float:  # the same through autograd
+            return in_place(k) + shared.autograd_extra(mb, a, b)
+
+        w, after = 0.0, 0.0
+        if precision != "fp32" or (not count and "I" not in kinds):  # autocast: plain autograd throughout
             back = plain
-        elif "I" in kinds:  # split: I, and W on its own; the last W through autograd (B - I)
-            last = sum(max(0.0, b_ - i) for (_, b_), (i, _) in zip(times[a:b], halves[a:b], strict=True))
-            runs = max(1, kinds.count("W"))
-            w = ((runs - 1) * sum(x for _, x in halves[a:b]) + last) / runs
+        elif "I" in kinds:  # split: I, and the W's as the executor groups them
+            spent = _split_weights(kinds, alone, rows, limit, in_place, autograd)
+            w = spent / max(1, kinds.count("W"))
             back = inp + w
-        elif defer[s] and count:  # GPipe: every B an I, and after the last one W over all of them
-            # through autograd (new gradient tensors, as a plain backward makes them): B - I at that size
-            whole = [(b_ - i) for (_, b_), (i, _) in zip(shared.times(count * mb)[a:b],
-                                                        shared.halves(count * mb)[a:b], strict=True)]
-            back = inp + sum(max(0.0, x) for x in whole) / count
-        else:  # each B in between computes its W in place (not the first, from no gradients, nor the last)
-            middle = max(0, count - 2)
-            split = inp + sum(x for _, x in halves[a:b])
-            back = (middle * split + (count - middle) * plain) / max(1, count)
+        elif defer[s]:  # GPipe: every B an I; after the last one's send, W over all through autograd
+            back, after = inp, autograd(count)
+        else:  # 1F1B, interleaved: I and the W's held, in groups
+            spent, after = _held_weights(count, alone, rows, limit, in_place, autograd)
+            back = (spent + (count - _plain_count(count, alone)) * inp
+                    + _plain_count(count, alone) * plain) / count
         backward.append(back / speed[s])
         weight.append(w / speed[s])
-    return backward, weight
+        tail.append(after / speed[s])
+    return backward, weight, tail
+
+
+def held_limit(nodes: Sequence[NodeProfile]) -> int:
+    """The held rows' bytes past which a stage's executor computes its held ``W`` s: 1/``HOLD_SHARE`` of
+    its deferred layers' weight bytes (``WeightGradStore.weight_bytes``; a profile without them: the
+    parameters of the nodes with layers to defer)."""
+    weights = sum(nd.deferred_weight_bytes or (nd.param_bytes if nd.split or nd.deferred_bytes else 0)
+                  for nd in nodes)
+    return int(weights) // HOLD_SHARE
+
+
+def hold_bytes(nodes: Sequence[NodeProfile], scale: float, count: int, alone: bool) -> tuple[float, ...]:
+    """Per node, the most a 1F1B stage of ``count`` backwards holds for its held ``W`` s (see
+    :func:`_held_weights`): the rows of the microbatches that hold, at most until they exceed the node's
+    share of the limit (:func:`held_limit`; the microbatch that crosses it included), at ``scale`` times
+    the profiled microbatch. Per node: a stage of nodes alike holds their sum."""
+    held = count if alone and count >= 2 else max(0, count - 2)
+    out = []
+    for nd in nodes:
+        rows = nd.deferred_bytes * scale
+        out.append(min(held * rows, held_limit([nd]) + rows))
+    return tuple(out)
+
+
+def _plain_count(count: int, alone: bool) -> int:
+    """The plain ``B`` s of a 1F1B list of ``count`` (its first and its last with replicas; none alone)."""
+    if count < 2:
+        return count
+    return 0 if alone else min(count, 2)
+
+
+def _held_weights(count: int, alone: bool, rows: float, limit: int, in_place: Callable[[int], float],
+                  autograd: Callable[[int], float]) -> tuple[float, float]:
+    """A 1F1B list's held ``W`` s (``services/compute/executor.py``): the seconds they take within its
+    backwards, and after its last one's send. Each ``B`` that holds adds its rows; past ``limit`` the held
+    ones are computed in one product (the first of the step through autograd: no ``.grad`` yet); before the
+    last ``B`` (replicas: it then runs plain) or after its send (alone: it holds too)."""
+    if count < 2:
+        return 0.0, 0.0
+    held, within, graded = 0, 0.0, False
+
+    def flush() -> float:
+        nonlocal held, graded
+        cost = in_place(held) if graded else autograd(held)
+        held, graded = 0, True
+        return cost
+
+    holding = range(count) if alone else range(1, count - 1)
+    graded = not alone  # with replicas the first B is plain: it leaves the .grad the held ones add into
+    for j in holding:
+        held += 1
+        if j == count - 1:
+            return within, flush()  # alone: after the send
+        if held * rows > limit:
+            within += flush()
+    return within + (flush() if held else 0.0), 0.0
+
+
+def _split_weights(kinds: Sequence[str], alone: bool, rows: float, limit: int,
+                   in_place: Callable[[int], float], autograd: Callable[[int], float]) -> float:
+    """A split list's ``W`` s (zb-h1) in all, as the executor runs them: a run of consecutive ``W`` s is one
+    product over its microbatches (alone: over every queued one, and none while they stay within
+    ``limit``); the first of the step and the one after the last ``I`` through autograd."""
+    last_i = max(k for k, kind in enumerate(kinds) if kind == "I")
+    queued, graded, spent = 0, False, 0.0  # I's whose rows wait, whether a flush made .grad
+    for k, kind in enumerate(kinds):
+        if kind == "I":
+            queued += 1
+            continue
+        if kind != "W" or (k > 0 and kinds[k - 1] == "W"):
+            continue
+        run = next((j for j in range(k, len(kinds)) if kinds[j] != "W"), len(kinds)) - k
+        if k > last_i:
+            n = queued
+        elif alone:
+            n = queued if queued * rows > limit else 0
+        else:
+            n = run
+        if n:
+            spent += autograd(n) if not graded or k > last_i else in_place(n)
+            queued, graded = queued - n, True
+    return spent
 
 
 def _weights(backward: Sequence[float], weight: Sequence[float]) -> tuple[float, ...]:
@@ -629,6 +750,7 @@ class _Setup:
     options: list[MemoryOption]
     runtime: int  # a worker's runtime bytes, counted against its memory once (0 on a GPU)
     precision: str = "fp32"
+    holds: tuple[bool, ...] = ()  # per stage: its B's hold their W's (1F1B in fp32, see hold_bytes)
 
 
 def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig,
@@ -649,8 +771,9 @@ def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig
     runtime = 0 if at.on_cuda else profile.runtime_bytes
     limit = [float(least - runtime) / v for least in at.memory]
     options = memory_options(request, d, mode, at.on_cuda, automatic)
+    holds = tuple(not deferring and request.precision == "fp32" for deferring in defers)
     return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, options, runtime,
-                  request.precision)
+                  request.precision, holds)
 
 
 def _free_cut(shared: _Shared, problem: CutProblem, key: tuple[object, ...], cutter: Cutter,
@@ -707,7 +830,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     def problem_of(option: MemoryOption) -> CutProblem:
         return shared.problem(p, mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed), data_parallel=d,
                               mode=mode, in_flight=in_flight, memory_limit=limit, defers=defer, option=option,
-                              num_microbatches=m, on_cuda=on_cuda)
+                              num_microbatches=m, on_cuda=on_cuda, holds=setup.holds)
 
     def free_cut(problem: CutProblem, recompute: bool) -> tuple[int, ...] | str:
         key = (p, mb, recompute, min(speed), bw, lat, id(cutter), tuple(balance or ()))
@@ -725,7 +848,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         spans = list(itertools.pairwise(bounds))
         times = shared.times(mb)
         alone_f = [sum(f for f, _ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
-        alone_b, alone_w = _backwards(shared, mb, spans, lists, defer, precision, recompute, speed)
+        alone_b, alone_w, tails = _backwards(shared, mb, spans, lists, defer, precision, recompute, speed,
+                                             d == 1)
         start = tuple(reference_optimizer(a, b, s) for s, (a, b) in enumerate(spans))
         inner = bounds[1:-1]
         held = tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans))
@@ -734,7 +858,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                            tuple(t + ACTION_OVERHEAD_S for t in alone_b),
                            tuple(_transfer(fwd_bytes[c], bw, lat) for c in inner),
                            tuple(_transfer(bwd_bytes[c], bw, lat) for c in inner),
-                           held, start_s=start, weight_backward_s=_weights(alone_b, alone_w))
+                           held, start_s=start, weight_backward_s=_weights(alone_b, alone_w),
+                           tail_s=tuple(tails) if any(tails) else ())
         # at the pace a shared host allows (see [Note: contention on a shared host]); the plan keeps the
         # stages' forwards and backwards as they were played
         sim = play(sched_name, order, at.rank_stages(ranks), costs, at.sharing(ranks))
@@ -785,11 +910,15 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                 step = game.costs.start_s[s]
             saved.append(game.costs.start_s[s] - step)
             held = problem.held_bytes(s) or ()
-            use = memory.stage(a, b, held, in_flight[s]).model_copy(update={"runtime": runtime})
+            use = memory.stage(a, b, held, in_flight[s])
+            use = use.model_copy(update={"runtime": runtime,  # the held W's rows count as activations
+                                         "activations": use.activations + int(problem.stage_hold(s, a, b))})
             xfer = (problem.cut_s[a] if s > 0 else 0.0) + (problem.cut_s[b] if s < p - 1 else 0.0)
             stages.append(StagePlan(
                 index=s, start=a, stop=b, nodes=tuple(nd.name for nd in nodes[a:b]),
                 workers=tuple(names), forward_s=fwd[s], backward_s=bwd[s], transfer_s=xfer, sync_s=sync,
+                weight_s=game.costs.weight_backward_s[s] if game.costs.weight_backward_s else 0.0,
+                tail_s=game.costs.tail_s[s] if game.costs.tail_s else 0.0,
                 param_bytes=params, optimizer_s=step, in_flight=in_flight[s],
                 peak_memory_bytes=int(problem.stage_memory(s, a, b)) + runtime, memory=use,
                 incoming=shared.cut_at(a, mb), outgoing=shared.cut_at(b, mb)))
@@ -845,7 +974,8 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     speed = at.speed
     problem = shared.problem(p, mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed), data_parallel=d,
                              mode=mode, in_flight=setup.in_flight, memory_limit=setup.limit,
-                             defers=setup.defer, option=REPLICATED, num_microbatches=m, on_cuda=at.on_cuda)
+                             defers=setup.defer, option=REPLICATED, num_microbatches=m, on_cuda=at.on_cuda,
+                             holds=setup.holds)
     free = _free_cut(shared, problem, (p, mb, False, min(speed), bw, lat, id(cutter), tuple(balance or ())),
                      cutter, balance)
     if isinstance(free, str):
@@ -870,8 +1000,8 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     fwd, _, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
     # the backwards as the simulator is given them (the schedule's lists say how each runs)
     lists = schedule_steps(sched_name, p, m, v)[1]
-    bwd, wgt = _backwards(shared, mb, list(itertools.pairwise(bounds)), lists, setup.defer, setup.precision,
-                          False, speed)
+    bwd, wgt, _ = _backwards(shared, mb, list(itertools.pairwise(bounds)), lists, setup.defer,
+                             setup.precision, False, speed, d == 1)  # a tail only adds: a lower bound
     fwd_bytes, bwd_bytes = shared.scaled(mb)
     # the slowdown of a shared host where it is certain (replicas on one host), else none: a lower bound
     certain = [at.shared_host and twin for twin in at.twins]

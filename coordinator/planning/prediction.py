@@ -10,8 +10,10 @@ shifts where inside a step a transfer sits.
 
 Where CPU workers share a host, the planner played each action at the pace the host allowed at that
 moment ([Note: shared cores] in ``coordinator/planning/simulator.py``) and the plan keeps each stage's
-mean forward and backward: replayed at those means the step lands near the planner's, not on it (within
-a few percent where the pace varies most, a light stage beside a heavy one).
+mean forward and backward (and a split list's ``W``, and the tail of weight gradients a stage computes
+after its last send: ``StagePlan.weight_s``, ``tail_s``, as the planner priced them): replayed at those
+means the step lands near the planner's, not on it (within a few percent where the pace varies most,
+a light stage beside a heavy one).
 
 Used by the trace (the predicted tracks beside the measured ones), the run record (the
 predicted bubble) and ``cellmesh plan --timeline``.
@@ -32,8 +34,11 @@ def plan_costs(plan: Plan) -> StageCosts:
         inner = cuts[-1] if cuts else 0.0
         cuts.append(max(0.0, stage.transfer_s - inner))
     half = tuple(c / 2 for c in cuts)
+    weights = tuple(s.weight_s for s in plan.stages)
+    tails = tuple(s.tail_s for s in plan.stages)
     return StageCosts(tuple(s.forward_s for s in plan.stages), tuple(s.backward_s for s in plan.stages),
-                      half, half, start_s=tuple(s.optimizer_s for s in plan.stages))
+                      half, half, start_s=tuple(s.optimizer_s for s in plan.stages),
+                      weight_backward_s=weights if any(weights) else (), tail_s=tails if any(tails) else ())
 
 
 def predict(plan: Plan) -> SimResult:

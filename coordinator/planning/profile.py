@@ -28,6 +28,19 @@ linear layers is also timed as ``I`` and ``W`` (``NodeProfile.input_backward_s``
 after its plain runs, at both sizes, and the planner prices each schedule's backwards as its workers
 run them.
 
+[Note: a flush's rows] A flush of held ``W`` s is one product over many microbatches' rows (GPipe's and
+a lone 1F1B replica's: every microbatch of the step, 64 rows on the benchmark's 8 x 8). The product's
+time is not affine in its rows: below ~16 rows of 1024-wide layers it is bound by the pass over the
+weight gradient, above by the arithmetic. Measured in one process, one thread, 4 x Linear(1024) in
+place: 2.0 / 2.0 / 3.0 / 5.9 / 11.6 ms at 8 / 16 / 32 / 64 / 128 rows, so the fit from 8 and 32 rows
+gave 4.4 ms at 64 (0.75x). So the larger size's ``W`` is also timed at ``FLUSH_FACTOR`` times the
+sample's rows, as the executor flushes it (its rows queued ``FLUSH_FACTOR / SCALE_FACTOR`` times, one
+product: ``NodeProfile.weight_flush_s``), and :meth:`NodeProfile.halves_at` joins the two: affine up
+to ``SCALE_FACTOR``, the line through ``SCALE_FACTOR`` and ``FLUSH_FACTOR`` past it. It adds one
+product per node and round at the larger size: a job's profile (at least 3 runs a node and size) took
+1.21 s on bench/train.py's MLP as before and 1.32 s against 1.28 on its uneven model; one of at least
+15 runs 1.91 s against 1.48 and 2.81 against 2.14 (one process, medians of 3, under load).
+
 The result is a :class:`Profile`: a frozen pydantic model, saved and loaded as JSON, so a
 profile taken once can be reused (and one can be written by hand, :meth:`Profile.synthetic`).
 Times hold for the profiled microbatch size; :meth:`Profile.node_times` gives them at
@@ -50,10 +63,12 @@ from coordinator.planning import runtime_bytes as runtime
 from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
 from services.compute.weight_grads import WeightGradStore, eligible_layers
 
-__all__ = ["MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS", "OPTIMIZER_STEP_TEMPORARY_FACTORS",
-           "SCALE_FACTOR", "NodeProfile", "Profile", "format_bytes", "profile_graph"]
+__all__ = ["FLUSH_FACTOR", "MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS",
+           "OPTIMIZER_STEP_TEMPORARY_FACTORS", "SCALE_FACTOR", "NodeProfile", "Profile", "format_bytes",
+           "profile_graph"]
 
 SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
+FLUSH_FACTOR = 16  # the rows a flush's W is timed at, in multiples of the sample's ([Note: a flush's rows])
 MIN_TIMED_S = 0.05  # timed runs per node and size last at least this long in total...
 MAX_REPEATS = 50  # ...but no more runs than this
 
@@ -87,7 +102,10 @@ class NodeProfile(BaseModel):
     ``largest_param_bytes`` that parameter's bytes (its gradient is the smallest bucket it travels in).
     ``input_backward_s`` / ``weight_s`` (with their fixed parts): the backward as ``I`` and ``W`` (see
     [Note: the backward's halves]); both 0 where not measured (no eligible linear layer, or a profile
-    written before them): the plain backward stands for both then.
+    written before them): the plain backward stands for both then. ``deferred_weight_bytes``: the
+    weights of the layers whose gradients it defers (what a flush of held ``W`` s streams; 0: none, or
+    not measured). ``weight_flush_s``: ``W`` in place at ``weight_flush_scale`` times the profiled
+    microbatch, one product as a flush runs it ([Note: a flush's rows]; 0: not measured).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -109,6 +127,9 @@ class NodeProfile(BaseModel):
     weight_s: float = Field(default=0.0, ge=0)
     input_backward_fixed_s: float = Field(default=0.0, ge=0)
     weight_fixed_s: float = Field(default=0.0, ge=0)
+    deferred_weight_bytes: int = Field(default=0, ge=0)
+    weight_flush_s: float = Field(default=0.0, ge=0)
+    weight_flush_scale: float = Field(default=0.0, ge=0)
 
     @property
     def compute_s(self) -> float:
@@ -133,7 +154,12 @@ class NodeProfile(BaseModel):
         if not self.split:
             return self.times_at(scale)[1], 0.0
         i0, w0 = self.input_backward_fixed_s, self.weight_fixed_s
-        return i0 + (self.input_backward_s - i0) * scale, w0 + (self.weight_s - w0) * scale
+        w = w0 + (self.weight_s - w0) * scale
+        top = self.weight_flush_scale
+        if self.weight_flush_s > 0 and top > SCALE_FACTOR and scale > SCALE_FACTOR:
+            at = w0 + (self.weight_s - w0) * SCALE_FACTOR  # the fit's upper point ([Note: a flush's rows])
+            w = max(0.0, at + (self.weight_flush_s - at) * (scale - SCALE_FACTOR) / (top - SCALE_FACTOR))
+        return i0 + (self.input_backward_s - i0) * scale, w
 
     def times_at(self, scale: float) -> tuple[float, float]:
         """Forward and backward seconds at ``scale`` times the profiled microbatch size."""
@@ -330,8 +356,10 @@ class _Timings:
     """The timed runs of one node at one size (see [Note: profile timing])."""
 
     def __init__(self, module: torch.nn.Module, args: list[Any], names: tuple[str, ...],
-                 grad: set[str]) -> None:
+                 grad: set[str], copies: int = 0) -> None:
         self.module, self.args, self.names, self.grad = module, args, names, grad
+        self.copies = copies  # > 1: also time W over this many times its rows ([Note: a flush's rows])
+        self.flushed: list[float] = []
         # CUDA runs asynchronously: its times are taken once the device finished
         self.cuda = any(t.is_cuda for t in [*module.parameters(), *_tensors(args)])
         self.fwd: list[float] = []
@@ -342,7 +370,7 @@ class _Timings:
         self.wgt: list[float] = []
 
     def done(self, repeats: int) -> bool:
-        spent = sum(self.fwd) + sum(self.bwd) + sum(self.inp) + sum(self.wgt)
+        spent = sum(self.fwd) + sum(self.bwd) + sum(self.inp) + sum(self.wgt) + sum(self.flushed)
         return len(self.fwd) >= repeats and (spent >= MIN_TIMED_S or len(self.fwd) >= MAX_REPEATS)
 
     def run(self, timed: bool) -> None:
@@ -365,21 +393,33 @@ class _Timings:
 
     def _run_halves(self, timed: bool) -> None:
         """The backward again as ``I`` (the weight gradients deferred) and ``W`` (added in place into the
-        ``.grad`` the plain run left), as a 1F1B stage's middle backwards run."""
+        ``.grad`` the plain run left), as a 1F1B stage's middle backwards run; the larger size's ``W`` also
+        over ``copies`` times its rows in one product ([Note: a flush's rows])."""
         assert self.store is not None
         with self.store.deferring():
             self.store.microbatch = 0
             out = self.module(*_fresh(self.args, self.names, self.grad))
             self.store.microbatch = None
             outs = [t for t in _tensors(out) if t.requires_grad]
+            self._timed_halves(outs, timed)
+
+    def _timed_halves(self, outs: list[torch.Tensor], timed: bool) -> None:
+        assert self.store is not None
+        self._sync()
+        t0 = time.perf_counter()
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        self._sync()
+        t1 = time.perf_counter()
+        if self.copies > 1:
+            self.store.repeat(0, range(1, self.copies + 1))
+        self.store.flush([0], check=False)
+        self._sync()
+        t2 = time.perf_counter()
+        if self.copies > 1:  # the copies' rows in one product, as a flush of held W's
+            self.store.flush(range(1, self.copies + 1), check=False)
             self._sync()
-            t0 = time.perf_counter()
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            self._sync()
-            t1 = time.perf_counter()
-            self.store.flush([0], check=False)
-            self._sync()
-            t2 = time.perf_counter()
+            if timed:
+                self.flushed.append(time.perf_counter() - t2)
         if timed:
             self.inp.append(t1 - t0)
             self.wgt.append(t2 - t1)
@@ -394,6 +434,10 @@ class _Timings:
     def halves(self) -> tuple[float, float]:
         """``I`` and ``W`` (0, 0 where not timed)."""
         return (_robust(self.inp), _robust(self.wgt)) if self.inp else (0.0, 0.0)
+
+    def flush(self) -> float:
+        """``W`` over ``copies`` times the rows (0 where not timed)."""
+        return _robust(self.flushed) if self.flushed else 0.0
 
 
 def _time_all(timings: list[_Timings], repeats: int, warmup: int) -> None:
@@ -485,7 +529,8 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             small.append(_Timings(module, args, names, grad))
             if large is not None:
                 try:
-                    big.append(_Timings(module, [large[nm] for nm in names], names, grad))
+                    big.append(_Timings(module, [large[nm] for nm in names], names, grad,
+                                        FLUSH_FACTOR // SCALE_FACTOR))
                     with torch.no_grad():
                         out = module(*big[-1].args)
                     if i + 1 < len(graph.nodes):
@@ -507,7 +552,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             t = small[i]
             fwd, bwd = t.result()
             inp, wgt = t.halves()
-            fwd_fixed, bwd_fixed, inp_fixed, wgt_fixed = 0.0, 0.0, 0.0, 0.0
+            fwd_fixed, bwd_fixed, inp_fixed, wgt_fixed, flushed = 0.0, 0.0, 0.0, 0.0, 0.0
             if big:
                 fwd_big, bwd_big = big[i].result()
                 fwd, fwd_fixed = _affine(fwd, fwd_big, size, SCALE_FACTOR)
@@ -515,6 +560,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 inp_big, wgt_big = big[i].halves()
                 inp, inp_fixed = _affine(inp, inp_big, size, SCALE_FACTOR)
                 wgt, wgt_fixed = _affine(wgt, wgt_big, size, SCALE_FACTOR)
+                flushed = big[i].flush()
             params = list(t.module.parameters())
             trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             largest = max((p.numel() * p.element_size() for p in params if p.requires_grad), default=0)
@@ -529,6 +575,8 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 step_temporary_bytes=int(largest * OPTIMIZER_STEP_TEMPORARY_FACTORS[optimizer]),
                 largest_param_bytes=largest, input_backward_s=inp, weight_s=wgt,
                 input_backward_fixed_s=inp_fixed, weight_fixed_s=wgt_fixed,
+                deferred_weight_bytes=t.store.weight_bytes() if t.store is not None else 0,
+                weight_flush_s=flushed, weight_flush_scale=FLUSH_FACTOR if flushed > 0 else 0.0,
             ))
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,

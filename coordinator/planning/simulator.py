@@ -16,7 +16,11 @@ The model (the same one the cutter optimises, see [Note: transfer cost] in
   the same transfer time. A hand-over between two stages of one rank (the V's turn) is such
   a pair too, costed as its cut says (a local copy: give it a small time);
 - a microbatch's activations are held from the start of its forward to the end of its
-  backward: its B, or its W when the backward is split (I frees nothing).
+  backward: its B, or its W when the backward is split (I frees nothing);
+- a stage's ``StageCosts.tail_s`` is work after its last backward's ``SEND_B`` (after its last
+  backward, on the first stage): the step's last weight gradients, which the stage before does not
+  wait for. The rank stays busy for it (the send's or backward's span ends with it, as the executor
+  times it) but the gradients arrive when the transfer ends.
 
 A :class:`~coordinator.planning.schedules.Schedule` is valid by construction, deadlock
 freedom included, so every action gets played.
@@ -74,6 +78,8 @@ class StageCosts:
         weight_backward_s: The weight-gradient half (``W``) of each stage's backward (length p,
             at most ``backward_s``), or empty: unmeasured, :data:`DEFAULT_WEIGHT_FRACTION` of
             it. The input-gradient half ``I`` is the rest (:attr:`input_backward_s`).
+        tail_s: Per stage, the work after its last backward's send (length p, or empty: none); see the
+            module docstring.
 
     Raises:
         ValueError: On inconsistent lengths, negative times or a W longer than its backward.
@@ -86,6 +92,7 @@ class StageCosts:
     activation_bytes: tuple[float, ...] = ()
     start_s: tuple[float, ...] = ()
     weight_backward_s: tuple[float, ...] = ()
+    tail_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         p = len(self.forward_s)
@@ -93,10 +100,10 @@ class StageCosts:
                    len(self.gradient_transfer_s) + 1)
         if (p < 1 or any(n != p for n in lengths)
                 or any(len(t) not in (0, p) for t in (self.activation_bytes, self.start_s,
-                                                       self.weight_backward_s))):
+                                                       self.weight_backward_s, self.tail_s))):
             raise ValueError(f"inconsistent stage cost lengths for {p} stages: {lengths}")
         times = (*self.forward_s, *self.backward_s, *self.activation_transfer_s, *self.gradient_transfer_s,
-                 *self.start_s, *self.weight_backward_s)
+                 *self.start_s, *self.weight_backward_s, *self.tail_s)
         if any(t < 0 for t in times):
             raise ValueError("stage costs must be >= 0")
         if over := [s for s, (w, b) in enumerate(zip(self.weight_backward_s, self.backward_s, strict=False))
@@ -290,6 +297,7 @@ class Timing:
     ends: tuple[tuple[float, ...], ...]
     step_time_s: float
     busy_s: tuple[float, ...]
+    tails: tuple[tuple[int, ...], ...] = ()  # per rank: the actions whose span ends with a stage's tail
 
     @property
     def bubble_fraction(self) -> float:
@@ -301,9 +309,10 @@ class Timing:
         took at the pace the shared cores allowed ([Note: shared cores]); as given where none was played."""
         p = costs.num_stages
         took: dict[tuple[int, ActionKind], list[float]] = {}
-        for steps, starts, ends in zip(self.steps, self.starts, self.ends, strict=True):
-            for a, t0, t1 in zip(steps, starts, ends, strict=True):
-                if a.kind in _COMPUTE:
+        tails = self.tails or ((),) * len(self.steps)
+        for steps, starts, ends, tailed in zip(self.steps, self.starts, self.ends, tails, strict=True):
+            for k, (a, t0, t1) in enumerate(zip(steps, starts, ends, strict=True)):
+                if a.kind in _COMPUTE and k not in tailed:  # a backward with a tail: not one alone
                     took.setdefault((a.stage, a.kind), []).append(t1 - t0)
 
         def mean(stage: int, kind: ActionKind, planned: float) -> float:
@@ -342,28 +351,84 @@ def play(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[in
     waits: list[list[tuple[int, int, int] | None]] = []  # a RECV's (src, dst, microbatch)
     sends: list[list[tuple[int, int, int] | None]] = []  # a SEND's
     heavy: list[list[int]] = []  # per action: 0 a transfer, 1 a forward, 2 a backward (B, I, W)
+    played: list[list[Step]] = []  # each rank's actions, and its stages' tails after their anchors
+    extra: list[list[int]] = []  # per rank: the positions of the tails in ``played``
     for acts in steps:
         dur: list[float] = []
         wait: list[tuple[int, int, int] | None] = []
         send: list[tuple[int, int, int] | None] = []
         kinds: list[int] = []
         heavy.append(kinds)
-        for a in acts:
+        anchors = _tail_anchors(acts, costs.tail_s)
+        order: list[Step] = []
+        added: list[int] = []
+        for k, a in enumerate(acts):
+            order.append(a)
             if a.kind in compute:
                 dur.append(compute[a.kind][a.stage])
                 wait.append(None)
                 send.append(None)
                 kinds.append(1 if a.kind == "F" else 2)
-                continue
-            kinds.append(0)
-            peer = a.stage + _PEER[a.kind]
-            dur.append(transfer[a.kind][min(a.stage, peer)])
-            recv = a.kind.startswith("RECV")
-            wait.append((peer, a.stage, a.microbatch) if recv else None)
-            send.append(None if recv else (a.stage, peer, a.microbatch))
+            else:
+                kinds.append(0)
+                peer = a.stage + _PEER[a.kind]
+                dur.append(transfer[a.kind][min(a.stage, peer)])
+                recv = a.kind.startswith("RECV")
+                wait.append((peer, a.stage, a.microbatch) if recv else None)
+                send.append(None if recv else (a.stage, peer, a.microbatch))
+            if k in anchors:  # the stage's last weight gradients: a backward's work, waiting for nothing
+                added.append(len(order))
+                order.append(Step(a.stage, "W", a.microbatch))
+                dur.append(costs.tail_s[a.stage])
+                wait.append(None)
+                send.append(None)
+                kinds.append(2)
         durations.append(dur)
         waits.append(wait)
         sends.append(send)
+        played.append(order)
+        extra.append(added)
+    timing = _play(name, played, ranks, costs, sharing, durations, waits, sends, heavy)
+    return _merge_tails(timing, steps, extra) if any(extra) else timing
+
+
+def _tail_anchors(acts: Sequence[Step], tail_s: Sequence[float]) -> set[int]:
+    """The positions in a rank's ``acts`` after which a stage's tail runs: its last ``SEND_B``, or its
+    last backward (``B``/``I``) where it sends none (the first stage)."""
+    if not any(tail_s):
+        return set()
+    last: dict[int, int] = {}
+    sent: dict[int, int] = {}
+    for k, a in enumerate(acts):
+        if a.kind in ("B", "I"):
+            last[a.stage] = k
+        elif a.kind == "SEND_B":
+            sent[a.stage] = k
+    return {sent.get(s, k) for s, k in last.items() if tail_s[s] > 0}
+
+
+def _merge_tails(timing: Timing, steps: Sequence[Sequence[Step]], extra: Sequence[Sequence[int]]) -> Timing:
+    """``timing`` of the actions with tails, as one of ``steps``: each tail's end becomes its anchor's."""
+    starts, ends, tails = [], [], []
+    for begun, ended, added in zip(timing.starts, timing.ends, extra, strict=True):
+        skip = set(added)
+        s = [t for k, t in enumerate(begun) if k not in skip]
+        e = list(ended)
+        for k in added:
+            e[k - 1] = e[k]
+        e = [t for k, t in enumerate(e) if k not in skip]
+        starts.append(tuple(s))
+        ends.append(tuple(e))
+        tails.append(tuple(k - 1 - n for n, k in enumerate(added)))
+    return dataclasses.replace(timing, steps=tuple(tuple(a) for a in steps), starts=tuple(starts),
+                               ends=tuple(ends), tails=tuple(tails))
+
+
+def _play(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[int]], costs: StageCosts,
+          sharing: Sharing | None, durations: list[list[float]],
+          waits: list[list[tuple[int, int, int] | None]], sends: list[list[tuple[int, int, int] | None]],
+          heavy: list[list[int]]) -> Timing:
+    """:func:`play` of the actions as timed (``durations``) and linked (``waits``, ``sends``)."""
     clock = [sum(costs.start_s[s] for s in stages) if costs.start_s else 0.0 for stages in ranks]
     if sharing is not None and sharing.crowded:
         if len(sharing.wants) != len(ranks):

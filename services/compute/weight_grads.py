@@ -223,6 +223,14 @@ class WeightGradStore:
         """The microbatches with queued weight gradients, in order."""
         return sorted({mb for q in self._queues for mb in q})
 
+    def repeat(self, microbatch: int, copies: Iterable[int]) -> None:
+        """Queue ``microbatch``'s rows again under each microbatch of ``copies``, so that one flush is a
+        product over that many times its rows (the profiler times held ``W`` s' flushes so)."""
+        for queue in self._queues:
+            rows = list(queue.get(microbatch, ()))
+            for mb in copies:
+                queue.setdefault(mb, []).extend(rows)
+
     def held_bytes(self) -> int:
         """The bytes of the queued layer inputs and output gradients (what waits for a flush)."""
         return sum(x.nbytes + g.nbytes for q in self._queues for rows in q.values() for x, g in rows)

@@ -13,12 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.planning.schedules import build_schedule, gpipe, one_f_one_b, zb_h1
+from coordinator.planning.schedules import Step, build_schedule, gpipe, one_f_one_b, zb_h1
 from coordinator.planning.simulator import (
     Sharing,
     StageCosts,
     TimedAction,
     draw_timeline,
+    play,
     simulate,
 )
 
@@ -226,3 +227,28 @@ def test_sharing_only_slows_and_never_beats_the_cores(p: int, m: int, cores: flo
     # each rank's actions in its order, one after another
     for played in shared.timeline:
         assert all(x.end <= y.start + 1e-9 for x, y in itertools.pairwise(played))
+
+
+def test_a_tail_runs_after_the_last_send_and_delays_only_its_own_stage() -> None:
+    """GPipe 2 x 2, F 1, B 2, free transfers, a tail of 5 on each stage. Worked out by hand: stage 1 runs
+    F0 1-2, F1 2-3, B0 3-5, B1 5-7 and its tail 7-12 after SEND_B1, which hands the gradients over at 7;
+    stage 0 runs B0 5-7, B1 7-9 and its tail 9-14: the step 14 (without tails 9, and 12 if stage 1's tail
+    delayed the gradients)."""
+    sched = gpipe(2, 2)
+    order = [[Step(a.stage, a.kind, a.microbatch) for a in sched.rank_actions(r)] for r in range(2)]
+    plain = StageCosts((1.0, 1.0), (2.0, 2.0), (0.0,), (0.0,))
+    tailed = StageCosts((1.0, 1.0), (2.0, 2.0), (0.0,), (0.0,), tail_s=(5.0, 5.0))
+    assert play("gpipe", order, [(0,), (1,)], plain).step_time_s == pytest.approx(9.0)
+    timing = play("gpipe", order, [(0,), (1,)], tailed)
+    assert timing.step_time_s == pytest.approx(14.0)
+    spans = {(a.stage, a.kind, a.microbatch): (t0, t1) for r in range(2)
+             for a, t0, t1 in zip(timing.steps[r], timing.starts[r], timing.ends[r], strict=True)}
+    assert spans[1, "SEND_B", 1] == pytest.approx((7.0, 12.0))  # the send's span ends with the tail
+    assert spans[0, "RECV_B", 1] == pytest.approx((7.0, 7.0))  # the gradients came when the send ended
+    assert spans[0, "B", 1] == pytest.approx((7.0, 14.0))  # the first stage: after its last backward
+    assert timing.busy_s == pytest.approx((1 + 1 + 2 + 2 + 5, 1 + 1 + 2 + 2 + 5))
+    # the played costs keep the backward alone: the one holding the tail is left out of the mean
+    assert timing.played_costs(tailed).backward_s == pytest.approx((2.0, 2.0))
+    # on shared cores (one host of 2 cores, no slowdown) the same
+    shared = Sharing((2.0,), (((0, 1.0, 1),), ((0, 1.0, 1),)))
+    assert play("gpipe", order, [(0,), (1,)], tailed, shared).step_time_s == pytest.approx(14.0)
