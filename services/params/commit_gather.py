@@ -302,8 +302,9 @@ class CommitGather:
             segment = full[self.rank * n:(self.rank + 1) * n]
         else:
             segment = torch.empty(b.layout.segment_numel, dtype=b.params[0].dtype, device=device)
-            for view, shard in zip(b.layout.segment_views(segment, self.rank), b.shards, strict=True):
-                view.copy_(shard)
+            views = b.layout.segment_views(segment, self.rank)
+            # the padding of short shards is sent unset: unpack reads no padding
+            torch._foreach_copy_(views, b.shards)
             full = torch.empty(b.layout.numel, dtype=segment.dtype, device=device)
         try:
             b.work = self.comm.all_gather_into_tensor(full, segment, timeout=self._left(b), async_op=True)

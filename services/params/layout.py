@@ -166,19 +166,42 @@ class ShardLayout:
 
     def unpack_one(self, buffer: torch.Tensor, i: int, into: torch.Tensor) -> None:
         """Copy parameter ``i`` from the packed ``buffer`` into ``into`` (its full shape)."""
+        dst, src = self._unpack_pairs(buffer, i, into)
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+    def _unpack_pairs(self, buffer: torch.Tensor, i: int, into: torch.Tensor
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The (destination, source) views that copy parameter ``i`` out of ``buffer``: each element
+        copied once, straight from its strided slot (no contiguous copy of the slot first)."""
         e = self._entries[i]
         if into.shape != e.shape:
             raise ValueError(f"parameter {i}: expected shape {tuple(e.shape)}, got {tuple(into.shape)}")
         n = e.shape.numel()
         slot = self.slot(buffer, i)
-        flat = slot.reshape(-1)  # a copy unless the slot is contiguous
-        into.copy_(flat[:n].view(e.shape))
+        if not into.is_contiguous() or slot.is_contiguous() or not e.chunk_numel:
+            return [into], [slot.reshape(-1)[:n].view(e.shape)]  # reshape copies a strided slot here only
+        flat = into.view(-1)
+        full_rows = n // e.chunk_numel  # ranks whose chunk is whole
+        dst, src = [flat[:full_rows * e.chunk_numel].view(full_rows, e.chunk_numel)], [slot[:full_rows]]
+        rest = n - full_rows * e.chunk_numel
+        if rest:  # the last rank holding rows holds fewer (the rest of its chunk is padding)
+            dst.append(flat[full_rows * e.chunk_numel:])
+            src.append(slot[full_rows, :rest])
+        return dst, src
 
     def unpack(self, buffer: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
-        """Copy every parameter from the packed ``buffer`` into ``into`` (full tensors, layout order)."""
+        """Copy every parameter from the packed ``buffer`` into ``into`` (full tensors, layout order):
+        one strided copy per parameter (two when its rows do not split evenly), issued together."""
         if len(into) != len(self._entries):
             raise ValueError(f"the layout has {len(self._entries)} parameters, got {len(into)}")
         if buffer.numel() != self.numel:
             raise ValueError(f"the packed buffer has {self.numel} elements, got {buffer.numel()}")
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for i, t in enumerate(into):
-            self.unpack_one(buffer, i, t)
+            d, s = self._unpack_pairs(buffer, i, t)
+            dst += d
+            src += s
+        if dst:
+            torch._foreach_copy_(dst, src)
