@@ -302,9 +302,11 @@ class CommitGather:
             segment = full[self.rank * n:(self.rank + 1) * n]
         else:
             segment = torch.empty(b.layout.segment_numel, dtype=b.params[0].dtype, device=device)
-            views = b.layout.segment_views(segment, self.rank)
-            # the padding of short shards is sent unset: unpack reads no padding
-            torch._foreach_copy_(views, b.shards)
+            if (device == b.params[0].device  # no padding, no device to cross: one copy
+                    and sum(s.numel() for s in b.shards) == b.layout.segment_numel):
+                torch.cat([s.reshape(-1) for s in b.shards], out=segment)
+            else:  # the padding of short shards is sent unset: unpack reads no padding
+                torch._foreach_copy_(b.layout.segment_views(segment, self.rank), b.shards)
             full = torch.empty(b.layout.numel, dtype=segment.dtype, device=device)
         try:
             b.work = self.comm.all_gather_into_tensor(full, segment, timeout=self._left(b), async_op=True)
@@ -323,9 +325,9 @@ class CommitGather:
                                    waited=exc.waited) from exc
         except CommError as exc:
             raise CommError(f"{self._what(b)}: {exc}") from exc
-        if not b.in_place:
+        if not b.in_place:  # this rank's rows are the optimizer's, current already
             with torch.no_grad():
-                b.layout.unpack(b.full, [p.detach() for p in b.params])
+                b.layout.unpack(b.full, [p.detach() for p in b.params], skip=self.rank)
         b.state, b.segment, b.full, b.work, b.in_place = "whole", None, None, None, False
         self._flight.remove(b)
 

@@ -90,7 +90,8 @@ def test_a_ramped_bucket_set_matches_one_process(pair: RankGroup, stage: int, op
     results = pair.run("tests.multiproc.services.dp_checks:train_sharded", stage=stage, optimizer=optimizer,
                        steps=STEPS, seed=SEED, bucket_bytes=300, first_bytes=200)
     # 1,016 B of parameters: the first bucket stops at 200 B (without the ramp it would take 232 B)
-    assert results[0]["buckets"] == [["4.bias", "4.weight"], ["2.bias"], ["2.weight"], ["0.bias"], ["0.weight"]]
+    assert results[0]["buckets"] == [["4.bias", "4.weight"], ["2.bias"], ["2.weight"], ["0.bias"],
+                                     ["0.weight"]]
     ref = dp_checks.reference(optimizer, STEPS, SEED, odd=True)
     for r, result in enumerate(results):
         assert result["buckets"] == results[0]["buckets"]
