@@ -50,6 +50,10 @@ unpack, three copies of the parameter's bytes fewer per step. Rows other ranks o
 gather runs, before any module reads them (as below); the rows a rank owns are never written. A gather
 dropped midway leaves those other rows stale, as any dropped bucket is.
 
+Any other bucket is packed into a segment (one copy when no shard is short of its chunk) and unpacked
+from the gathered buffer into the other ranks' rows only: this rank's rows are the optimizer's, current
+already (``ShardLayout.unpack(skip=rank)``); each row is copied once, straight from its strided place.
+
 Why a bucket is written only before its modules run: autograd saves parameters for the backward
 (a linear layer its weight), and a parameter written after its module's forward would fail the
 backward's version check. Every bucket is complete before the first module using it runs, and a
