@@ -31,8 +31,9 @@ as (b) does and also hides the gather behind the next step's forward:
   all-gather (``async_op``): it travels while the module computes. The step's
   :meth:`CommitGather.start` gathers the ``get_attr`` parameters' buckets and prefetches the next.
 * At most :data:`IN_FLIGHT` buckets are in flight: issuing one more first completes the oldest.
-  The gather so holds at most ``IN_FLIGHT x (1 + 1 / F)`` buckets of buffers (a packed segment and
-  the whole bucket each), whatever the model's size (:attr:`CommitGather.peak_bytes` measures it).
+  The gather so holds at most ``IN_FLIGHT`` whole buckets of buffers (the segment is a part of its
+  bucket's), whatever the model's size (:attr:`CommitGather.peak_bytes` measures it; the planner still
+  counts ``1 + 1 / F`` buckets each, a little over).
 * Whatever was not gathered by the forward (a parameter no forward of the step used) is gathered
   when the step's gradients are final (:meth:`CommitGather.settle`, from the path's ``finish``),
   so between steps every parameter is whole: a clipping, a checkpoint, an evaluation, the job's
@@ -49,6 +50,11 @@ no segment to fill, no packed buffer to allocate (its pages touched anew each st
 unpack, three copies of the parameter's bytes fewer per step. Rows other ranks own are written while the
 gather runs, before any module reads them (as below); the rows a rank owns are never written. A gather
 dropped midway leaves those other rows stale, as any dropped bucket is.
+
+Any other bucket is packed into its place in the gathered buffer (this rank's segment of it, the
+collective's input; one copy when no shard is short of its chunk) and unpacked
+from the gathered buffer into the other ranks' rows only: this rank's rows are the optimizer's, current
+already (``ShardLayout.unpack(skip=rank)``); each row is copied once, straight from its strided place.
 
 Why a bucket is written only before its modules run: autograd saves parameters for the backward
 (a linear layer its weight), and a parameter written after its module's forward would fail the
@@ -109,7 +115,7 @@ class _Bucket:
     def bytes(self) -> int:
         if self.in_place:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.segment, self.full) if t is not None)
+        return self.full.numel() * self.full.element_size() if self.full is not None else 0  # segment: a view
 
     def packs_as_itself(self) -> bool:
         """Whether the bucket's packed layout is its one parameter's own memory: one contiguous parameter
@@ -300,11 +306,15 @@ class CommitGather:
             full = b.params[0].detach().view(-1)
             n = b.layout.segment_numel
             segment = full[self.rank * n:(self.rank + 1) * n]
-        else:
-            segment = torch.empty(b.layout.segment_numel, dtype=b.params[0].dtype, device=device)
-            for view, shard in zip(b.layout.segment_views(segment, self.rank), b.shards, strict=True):
-                view.copy_(shard)
-            full = torch.empty(b.layout.numel, dtype=segment.dtype, device=device)
+        else:  # the segment is this rank's part of the gathered buffer (the collective copies nothing in)
+            full = torch.empty(b.layout.numel, dtype=b.params[0].dtype, device=device)
+            n = b.layout.segment_numel
+            segment = full[self.rank * n:(self.rank + 1) * n]
+            if (device == b.params[0].device  # no padding, no device to cross: one copy
+                    and sum(s.numel() for s in b.shards) == n):
+                torch.cat([s.reshape(-1) for s in b.shards], out=segment)
+            else:  # the padding of short shards is sent unset: unpack reads no padding
+                torch._foreach_copy_(b.layout.segment_views(segment, self.rank), b.shards)
         try:
             b.work = self.comm.all_gather_into_tensor(full, segment, timeout=self._left(b), async_op=True)
         except CommError as exc:
@@ -322,9 +332,9 @@ class CommitGather:
                                    waited=exc.waited) from exc
         except CommError as exc:
             raise CommError(f"{self._what(b)}: {exc}") from exc
-        if not b.in_place:
+        if not b.in_place:  # this rank's rows are the optimizer's, current already
             with torch.no_grad():
-                b.layout.unpack(b.full, [p.detach() for p in b.params])
+                b.layout.unpack(b.full, [p.detach() for p in b.params], skip=self.rank)
         b.state, b.segment, b.full, b.work, b.in_place = "whole", None, None, None, False
         self._flight.remove(b)
 

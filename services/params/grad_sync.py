@@ -1,6 +1,6 @@
 """The communication service: gradient synchronisation for data-parallel replicas.
 
-Gradients are gathered into buckets (``bucket_bytes``, 25 MiB by default, as torch DDP)
+Gradients are gathered into buckets (``bucket_bytes``, 25 MiB by default, the first 1 MiB, as torch DDP)
 in the reverse order of the parameters, which is roughly the order backward produces
 them. In all_reduce mode every ``param.grad`` becomes a view into its bucket's flat buffer
 (DDP's ``gradient_as_bucket_view``): a hook on every parameter fires once autograd has
@@ -12,6 +12,15 @@ in place, while backward goes on with earlier layers, so communication overlaps 
 :meth:`GradSync.finish` waits for the buckets; ``param.grad`` then holds the average with
 no copy back. Zeroing gradients in place (``zero_grad(set_to_none=False)``) keeps the views
 and costs no copy at all; setting them to None costs one copy per parameter and step.
+
+[Note: the first bucket is small]
+Each dtype's first bucket (the last parameters, whose gradients backward makes first) holds at most
+``first_bytes`` (1 MiB, :data:`FIRST_BUCKET_BYTES`, as torch DDP's first bucket), the next ones
+``bucket_bytes``. A model smaller than ``bucket_bytes`` (the GPT of ``bench/zero.py``: 6.6 MB in one
+25 MiB bucket) so still sends part of its gradient while backward runs instead of all of it after;
+a large model loses nothing (one more collective). Both modes ramp, so plain data parallelism,
+ZeRO-1 (all_reduce) and ZeRO-2 (reduce_scatter) all get it. The assignment depends on the
+parameters' sizes, dtypes and order alone, so every replica makes the same buckets.
 
 Buckets are launched strictly in bucket order (bucket i waits until buckets < i were
 launched), so every replica issues the same collectives in the same order even if its
@@ -69,11 +78,12 @@ from comm.base import Communicator, ReduceOp, Work
 from comm.factory import wire_device
 from services.params.layout import ShardLayout
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "GradSync", "Shard", "assign_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Bucket", "GradSync", "Shard", "assign_buckets"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 25 << 20
+FIRST_BUCKET_BYTES = 1 << 20  # each dtype's first bucket, as torch DDP's ([Note: the first bucket is small])
 DIRECT_BYTES = 1 << 20  # reduce_scatter mode: a parameter at least this large that packs as itself goes alone
 
 
@@ -113,23 +123,28 @@ class Shard:
 
 
 def assign_buckets(sizes: list[tuple[str, int, torch.dtype]], bucket_bytes: int,
-                   alone: Collection[int] = ()) -> list[list[int]]:
+                   alone: Collection[int] = (), first_bytes: int | None = None) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_bytes`` (one dtype each).
 
     ``sizes`` lists (name, bytes, dtype) in registration order; buckets are filled in reverse
     order. A parameter larger than ``bucket_bytes`` gets a bucket of its own, and so does every index in
     ``alone`` (its bucket comes where its gradient does, before the open buckets of later parameters).
+    ``first_bytes`` (at most ``bucket_bytes``; None: ``bucket_bytes``) bounds each dtype's first bucket
+    ([Note: the first bucket is small]); a larger parameter still goes alone.
     """
+    first = bucket_bytes if first_bytes is None else min(first_bytes, bucket_bytes)
     buckets: list[list[int]] = []
     open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
+    closed: set[torch.dtype] = set()  # dtypes whose first bucket is closed: the cap is bucket_bytes
     for i in reversed(range(len(sizes))):
         _, nbytes, dtype = sizes[i]
         if i in alone:
             buckets.append([i])
             continue
         current, used = open_by_dtype.get(dtype, ([], 0))
-        if current and used + nbytes > bucket_bytes:
+        if current and used + nbytes > (bucket_bytes if dtype in closed else first):
             buckets.append(current)
+            closed.add(dtype)
             current, used = [], 0
         current.append(i)
         open_by_dtype[dtype] = (current, used + nbytes)
@@ -151,6 +166,8 @@ class GradSync:
         across: reduce_scatter mode, hybrid sharding: the group the shards are then averaged over.
         direct_bytes: reduce_scatter mode: a parameter this large that packs as itself is reduce-scattered
             from its gradient as it is ([Note: a large gradient reduce-scattered as it is]).
+        first_bytes: each dtype's first bucket's capacity (1 MiB default; at most ``bucket_bytes``):
+            [Note: the first bucket is small].
 
     Usage::
 
@@ -173,9 +190,11 @@ class GradSync:
         timeout: timedelta | None = None,
         across: Communicator | None = None,
         direct_bytes: int = DIRECT_BYTES,
+        first_bytes: int = FIRST_BUCKET_BYTES,
     ) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if bucket_bytes <= 0 or first_bytes <= 0:
+            raise ValueError(f"bucket_bytes and first_bytes must be positive, got {bucket_bytes} and "
+                             f"{first_bytes}")
         self.comm = comm
         self.mode = mode
         self.timeout = timeout
@@ -187,7 +206,7 @@ class GradSync:
         world = comm.world_size
         alone = ({i for i, (_, p) in enumerate(named) if _packs_as_itself(p, world)
                   and p.numel() * p.element_size() >= direct_bytes} if mode == "reduce_scatter" else set())
-        for b, indices in enumerate(assign_buckets(sizes, bucket_bytes, alone)):
+        for b, indices in enumerate(assign_buckets(sizes, bucket_bytes, alone, first_bytes)):
             params = [named[i][1] for i in indices]
             offsets, total = [], 0
             for p in params:

@@ -166,19 +166,48 @@ class ShardLayout:
 
     def unpack_one(self, buffer: torch.Tensor, i: int, into: torch.Tensor) -> None:
         """Copy parameter ``i`` from the packed ``buffer`` into ``into`` (its full shape)."""
+        dst, src = self._unpack_pairs(buffer, i, into)
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+    def _unpack_pairs(self, buffer: torch.Tensor, i: int, into: torch.Tensor, skip: int | None = None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The (destination, source) views that copy parameter ``i`` out of ``buffer``: each element
+        copied once, straight from its strided slot (no contiguous copy of the slot first); the rows of
+        rank ``skip`` (if given) left out."""
         e = self._entries[i]
         if into.shape != e.shape:
             raise ValueError(f"parameter {i}: expected shape {tuple(e.shape)}, got {tuple(into.shape)}")
         n = e.shape.numel()
         slot = self.slot(buffer, i)
-        flat = slot.reshape(-1)  # a copy unless the slot is contiguous
-        into.copy_(flat[:n].view(e.shape))
+        if not into.is_contiguous() or slot.is_contiguous() or not e.chunk_numel:
+            return [into], [slot.reshape(-1)[:n].view(e.shape)]  # reshape copies a strided slot here only
+        flat = into.view(-1)
+        c = e.chunk_numel
+        whole = n // c  # ranks whose chunk is whole; the next holds n - whole * c elements (or none)
+        runs = [(0, whole)] if skip is None else [(0, min(skip, whole)), (skip + 1, whole)]
+        dst = [flat[a * c:b * c].view(b - a, c) for a, b in runs if b > a]
+        src = [slot[a:b] for a, b in runs if b > a]
+        rest = n - whole * c
+        if rest and whole != skip:  # the last rank holding rows holds fewer (its chunk's rest is padding)
+            dst.append(flat[whole * c:])
+            src.append(slot[whole, :rest])
+        return dst, src
 
-    def unpack(self, buffer: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
-        """Copy every parameter from the packed ``buffer`` into ``into`` (full tensors, layout order)."""
+    def unpack(self, buffer: torch.Tensor, into: Sequence[torch.Tensor], *, skip: int | None = None) -> None:
+        """Copy every parameter from the packed ``buffer`` into ``into`` (full tensors, layout order):
+        one strided copy per parameter (two when its rows do not split evenly), issued together.
+        ``skip``: leave rank ``skip``'s rows of each as they are (a contiguous ``into`` whose slot is strided:
+        they are current already, as after a sharded optimizer step)."""
         if len(into) != len(self._entries):
             raise ValueError(f"the layout has {len(self._entries)} parameters, got {len(into)}")
         if buffer.numel() != self.numel:
             raise ValueError(f"the packed buffer has {self.numel} elements, got {buffer.numel()}")
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for i, t in enumerate(into):
-            self.unpack_one(buffer, i, t)
+            d, s = self._unpack_pairs(buffer, i, t, skip)
+            dst += d
+            src += s
+        if dst:
+            torch._foreach_copy_(dst, src)

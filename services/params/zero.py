@@ -111,6 +111,8 @@ class ZeroPath(CollectivePath):
         self._gather = CommitGather(module, self._params, self._shards, self.factor, self.rank,
                                     options.gather_bytes)
         self._grads: dict[int, torch.Tensor] = {}  # ZeRO-2: id(param) -> its gradient shard
+        # ZeRO-1: id(param) -> (its .grad, the view of this rank's rows of it)
+        self._grad_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._segments: list[torch.Tensor] = []  # ZeRO-2: the flat shards those are views of
         self._shard_comm: Communicator | None = None  # this replica's group of F
         self._across: Communicator | None = None  # the replicas of the same rank in the other groups
@@ -226,13 +228,22 @@ class ZeroPath(CollectivePath):
         return [(n, self._shards.get(id(p), p)) for n, p in params]
 
     def attach_grads(self, params: Sequence[tuple[str, nn.Parameter]]) -> None:
-        """Point each shard's ``.grad`` at its rows of the step's averaged gradient (None: no gradient)."""
+        """Point each shard's ``.grad`` at its rows of the step's averaged gradient (None: no gradient).
+
+        ZeRO-1: ``param.grad`` is the same bucket view step after step (``GradSync``), so the view of its
+        rows is made once and kept while it is."""
         for p in self._params:
             shard = self._shards[id(p)]
             if self.stage == 2:
                 shard.grad = self._grads.get(id(p))
+            elif p.grad is None:
+                shard.grad = None
             else:
-                shard.grad = None if p.grad is None else self._rows[id(p)].shard_of(p.grad, 0, self.rank)
+                of, rows = self._grad_rows.get(id(p), (None, None))
+                if of is not p.grad or rows is None:
+                    rows = self._rows[id(p)].shard_of(p.grad, 0, self.rank)
+                    self._grad_rows[id(p)] = (p.grad, rows)
+                shard.grad = rows
 
     def gather_params(self, timeout: timedelta, *, defer: bool = False) -> PhaseTiming | None:
         """After the optimizer stepped the rows: make every replica's parameters whole again.

@@ -82,6 +82,27 @@ def test_reduce_scatter_shards_are_the_averaged_gradient(pair: RankGroup, direct
             assert (shard - expected).abs().max().item() < 1e-12 if shard.numel() else True
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_ramped_bucket_set_matches_one_process(pair: RankGroup, stage: int, optimizer: str) -> None:
+    """A small first bucket ([Note: the first bucket is small]) under plain data parallelism, ZeRO-1 and
+    ZeRO-2, SGD with momentum and AdamW, on parameters whose rows do not split evenly over 2 ranks."""
+    results = pair.run("tests.multiproc.services.dp_checks:train_sharded", stage=stage, optimizer=optimizer,
+                       steps=STEPS, seed=SEED, bucket_bytes=300, first_bytes=200)
+    # 1,016 B of parameters: the first bucket stops at 200 B (without the ramp it would take 232 B)
+    assert results[0]["buckets"] == [["4.bias", "4.weight"], ["2.bias"], ["2.weight"], ["0.bias"],
+                                     ["0.weight"]]
+    ref = dp_checks.reference(optimizer, STEPS, SEED, odd=True)
+    for r, result in enumerate(results):
+        assert result["buckets"] == results[0]["buckets"]
+        got = _params(result["params"])
+        for name, expected in ref.items():
+            diff = (got[name] - expected.reshape(-1)).abs().max().item()
+            assert diff < 1e-10, f"rank {r} {name}: max abs diff {diff:.3g} (ZeRO-{stage}, {optimizer})"
+    start = dp_checks.make_model(SEED, odd=True).state_dict()
+    assert any((ref[k] - start[k]).abs().max() > 1e-3 for k in ref)
+
+
 def test_assign_buckets_reverse_order_and_capacity() -> None:
     f32, f64 = torch.float32, torch.float64
     sizes = [("a", 40, f32), ("b", 40, f32), ("c", 100, f32), ("d", 8, f64), ("e", 30, f32)]

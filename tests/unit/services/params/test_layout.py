@@ -48,6 +48,25 @@ def test_pack_unpack_round_trip_and_segments_are_the_shards(world: int) -> None:
         assert torch.equal(t, o)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_unpack_skipping_a_rank_leaves_its_rows_and_writes_every_other(world: int) -> None:
+    """A sharded step's gather: this rank's rows are current already, so unpack copies the others' only."""
+    tensors = _tensors(SHAPES)
+    layout = ShardLayout([t.shape for t in tensors], world)
+    packed = layout.pack(tensors)
+    for skip in range(world):
+        out = [torch.full_like(t, -1.0) for t in tensors]
+        layout.unpack(packed, out, skip=skip)
+        for i, (t, o) in enumerate(zip(tensors, out, strict=True)):
+            mine = layout.shard_of(o, i, skip)
+            if layout.shard_of(t, i, skip).numel() and o.dim() and o.shape[0] > 1:  # a strided slot: skipped
+                assert torch.equal(mine, torch.full_like(mine, -1.0)), (world, skip, i)
+            for r in range(world):
+                if r != skip:
+                    got, want = layout.shard_of(o, i, r), layout.shard_of(t, i, r)
+                    assert torch.equal(got, want), (world, skip, r, i)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shards_cover_each_parameter_once(world: int) -> None:
     for t in _tensors(SHAPES):
