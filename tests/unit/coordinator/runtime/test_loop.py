@@ -23,7 +23,7 @@ from comm.registry.presence import PresenceCard
 from comm.rpc import Call, Empty, RpcError, ServiceBase, ServiceHost
 from coordinator.runtime.loop import Event, EventLoop, Reply, WorkerJoined, WorkerLost
 from services.host.worker import coordinator_key
-from services.protocol import PhaseTiming, StepReply, WorkerCard
+from services.protocol import PhaseTiming, StepReply, WorkerCard, pack_times
 from services.protocol.hot import HOT_BODIES, step_reply
 from tests.unit.comm.registry.flaky import FlakyRegistry
 
@@ -45,8 +45,7 @@ class LooseStep(Message):
     step: int
     stage: int
     losses: list[float]
-    starts: list[float]
-    ends: list[float]
+    times: bytes = b""
     held_bytes: int | None = None
     phases: list[PhaseTiming] = []
 
@@ -119,14 +118,15 @@ def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
         return message
 
     monkeypatch.setitem(HOT_BODIES, StepReply, spy)
-    whole = StepReply(step=3, stage=0, losses=[0.5], starts=[1.0, 2.0], ends=[1.5, 2.5],
+    whole = StepReply(step=3, stage=0, losses=[0.5], times=pack_times([1.0, 2.0], [1.5, 2.5]),
                       phases=[PhaseTiming(name="optimizer", start=0.5, end=0.75)], held_bytes=8)
     good = loop.send("w0", "w", "echo", whole, StepReply)
-    partial = loop.send("w0", "w", "step", LooseStep(step=4, stage=0, losses=[0.5], starts=[], ends=[]),
+    partial = loop.send("w0", "w", "step", LooseStep(step=4, stage=0, losses=[0.5]),
                         StepReply)
-    negative = loop.send("w0", "w", "step", LooseStep(step=5, stage=0, losses=[], starts=[1.0], ends=[2.0],
-                                                      held_bytes=-1), StepReply)
-    uneven = loop.send("w0", "w", "step", LooseStep(step=6, stage=0, losses=[], starts=[1.0], ends=[]),
+    negative = loop.send("w0", "w", "step", LooseStep(step=5, stage=0, losses=[],
+                                                      times=pack_times([1.0], [2.0]), held_bytes=-1),
+                         StepReply)
+    uneven = loop.send("w0", "w", "step", LooseStep(step=6, stage=0, losses=[], times=b"\0" * 24),
                        StepReply)
     replies = {}
     for _ in range(4):
@@ -138,11 +138,11 @@ def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
     assert replies[good].body.model_fields_set == set(StepReply.model_fields)
     # fields missing (LooseStep dumps only its own): the model fills the defaults, as it always did
     assert replies[partial].ok
-    assert replies[partial].body == StepReply(step=4, stage=0, losses=[0.5], starts=[], ends=[])
+    assert replies[partial].body == StepReply(step=4, stage=0, losses=[0.5])
     assert not replies[negative].ok and replies[negative].code == "bad_reply"
     assert "held_bytes: Input should be greater than or equal to 0" in replies[negative].message
     assert "metric_sums" not in replies[negative].message  # a missing field with a default is no error
-    assert not replies[uneven].ok and "1 action starts but 0 ends" in replies[uneven].message
+    assert not replies[uneven].ok and "times holds 24 bytes, not a whole number" in replies[uneven].message
     assert replies[good].ok and _next_scaled(loop).body == Scaled(factor=2.0)
 
 
