@@ -8,6 +8,7 @@ answers (a body with tensors, an error code, a body of the wrong type) becomes t
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -63,6 +64,11 @@ class Worker(ServiceBase):
 
     def rpc_refuse(self, request: Empty, call: Call) -> Empty:
         raise RpcError("busy", "come back later")
+
+    def rpc_later(self, request: Scale, call: Call) -> Scaled:
+        """Answer after ``factor`` seconds (the host answers one request at a time), with when it did."""
+        time.sleep(request.factor)
+        return Scaled(factor=time.time())
 
 
 @pytest.fixture
@@ -239,3 +245,46 @@ def test_a_card_published_again_after_an_outage_is_no_event() -> None:
         loop.close()
         keeper.stop()
         flaky.close()
+
+
+def test_replies_gather_while_many_are_outstanding(
+        setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:
+    """[Note: fewer wake-ups]: replies 3 ms apart, read after 30 ms holds while at least 4 are outstanding,
+    take a few wake-ups for 24, not one each; each of the last 3 (fewer outstanding) is read as it comes."""
+    _, _, loop = setup
+    loop.coalesce, loop.coalesce_share, loop.coalesce_min = timedelta(milliseconds=30), 1e6, 4
+    ids = [loop.send("w0", "w", "later", Scale(factor=0.003), Scaled) for _ in range(24)]
+    before = loop.wakeups
+    replies = [_next(loop) for _ in ids]
+    assert all(isinstance(r, Reply) and r.ok for r in replies)
+    assert sorted(r.id for r in replies if isinstance(r, Reply)) == ids
+    assert loop.wakeups - before <= 14, f"{loop.wakeups - before} wake-ups for 24 replies 3 ms apart"
+    last = replies[-1]
+    assert isinstance(last, Reply) and isinstance(last.body, Scaled)
+    assert last.received - last.body.factor < 0.025, "the last reply waited for a hold"
+
+
+def test_a_hold_gives_way_to_registry_events_and_the_deadline(
+        setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:
+    """A hold (here 30 s) ends at once for a registry event, and never outlasts the caller's bound."""
+    registry, host, loop = setup
+    loop.coalesce, loop.coalesce_share, loop.coalesce_min = timedelta(seconds=30), 1e6, 2
+    card = WorkerCard(name="w1", address=host.address, pid=1, cpus=1, memory_bytes=0, gpus=0)
+    for what in ("deadline", "registry"):
+        ids = [loop.send("w0", "w", "later", Scale(factor=0.05), Scaled) for _ in range(3)]
+        first = _next(loop)  # alone: the others come 50 and 100 ms later, so a hold follows
+        assert isinstance(first, Reply) and first.id == ids[0]
+        started = time.monotonic()
+        rest: list[Event | None] = []
+        if what == "registry":
+            timer = threading.Timer(0.2, registry.put, (f"/cellmesh/{JOB}/workers/w1", pack(card)))
+            timer.start()
+            assert isinstance(_next(loop), WorkerJoined)
+            timer.join()
+        else:  # the hold ends at the bound; a reply that came meanwhile may then be read
+            rest.append(loop.next_event(timedelta(milliseconds=100)))
+        assert time.monotonic() - started < 2, f"{what}: the hold went on"
+        loop.coalesce = timedelta(0)
+        rest += [_next(loop) for _ in range(2 - sum(isinstance(r, Reply) for r in rest))]
+        assert [r.id for r in rest if isinstance(r, Reply)] == ids[1:]
+        loop.coalesce = timedelta(seconds=30)
