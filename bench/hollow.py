@@ -23,7 +23,7 @@ stops with the failure.
 
     python bench/hollow.py --workers 16 64 256 512 [--kinds dp both pp] [--registry embedded etcd]
                            [--steps 10] [--warmup 2] [--lease-ttl 15] [--lost]
-                           [--action-ms 0] [--action-jitter 0] [--coalesce-ms 0 1 2]
+                           [--action-ms 0] [--action-jitter 0] [--coalesce-ms auto 0]
 """
 
 from __future__ import annotations
@@ -275,9 +275,9 @@ def main() -> None:
     parser.add_argument("--action-jitter", type=float, default=0.0,
                         help="each compute action lasts up to this fraction longer, at random (stragglers)")
     parser.add_argument("--max-pp", type=int, default=64, help="the longest pipeline of plan kind pp")
-    parser.add_argument("--coalesce-ms", type=float, nargs="+", default=[None],
-                        help="the event loop's hold while replies gather (default: the loop's own; 0: none); "
-                             "several: each in turn")
+    parser.add_argument("--coalesce-ms", nargs="+", default=["auto"],
+                        help="the event loop's longest hold while replies gather (auto: the loop's own; 0: "
+                             "none); several: each in turn")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -287,7 +287,8 @@ def main() -> None:
             for kind in args.kinds:
                 if kind == "pp" and workers > args.max_pp:
                     continue
-                for coalesce in args.coalesce_ms:
+                for hold in args.coalesce_ms:
+                    coalesce = None if hold == "auto" else float(hold)
                     figures = measure(workers, kind, registry, steps=args.steps, warmup=args.warmup,
                                       lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
                                       action_jitter=args.action_jitter, coalesce_ms=coalesce)
