@@ -23,7 +23,7 @@ stops with the failure.
 
     python bench/hollow.py --workers 16 64 256 512 [--kinds dp both pp] [--registry embedded etcd]
                            [--steps 10] [--warmup 2] [--lease-ttl 15] [--lost]
-                           [--action-ms 0] [--action-jitter 0]
+                           [--action-ms 0] [--action-jitter 0] [--coalesce-ms auto 0]
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ class Figures:
     rss_per_worker_bytes: float = 0.0
     fleet_rss_per_worker_bytes: float = 0.0
     lost_s: float | None = None
+    coalesce_ms: float = 0.0
 
     @property
     def cpu_per_reply_us(self) -> float:
@@ -175,7 +176,8 @@ def registry_url(kind: str) -> Iterator[str | None]:
 
 
 def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, lease_ttl: float,
-            lost: bool, action_ms: float = 0.0, action_jitter: float = 0.0) -> Figures:
+            lost: bool, action_ms: float = 0.0, action_jitter: float = 0.0,
+            coalesce_ms: float | None = None) -> Figures:
     from coordinator.runtime.errors import JobFailed
     from services.host.hollow_pool import HollowPool
 
@@ -196,6 +198,9 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             session = job._session
             assert session is not None and session.loop is not None
             loop = session.loop
+            if coalesce_ms is not None:
+                loop.coalesce = timedelta(milliseconds=coalesce_ms)
+            figures.coalesce_ms = loop.coalesce.total_seconds() * 1e3
             seen = [0]
             track = loop._track
 
@@ -237,7 +242,8 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
 
 
 def table(rows: list[Figures]) -> str:
-    head = ("| workers | plan | registry | up s | plan s | place s | step wall ms | coord. CPU ms/step "
+    head = ("| workers | plan | hold ms | registry | up s | plan s | place s | step wall ms "
+            "| coord. CPU ms/step "
             "| µs/reply | replies/CPU-s | wake-ups/step | process CPU ms/step | writes/step | watch ev./step "
             "| keys "
             "| coord. KiB/worker | fleet MiB/worker | lost → stop s |")
@@ -245,7 +251,8 @@ def table(rows: list[Figures]) -> str:
     for f in rows:
         lost = f"{f.lost_s:.2f}" if f.lost_s is not None else "—"
         lines.append(
-            f"| {f.workers} | {f.kind} | {f.registry} | {f.up_s:.1f} | {f.plan_s:.1f} | {f.place_s:.1f} "
+            f"| {f.workers} | {f.kind} | {f.coalesce_ms:g} | {f.registry} | {f.up_s:.1f} | {f.plan_s:.1f} "
+            f"| {f.place_s:.1f} "
             f"| {f.wall_per_step_s * 1e3:.0f} | {f.main_cpu_per_step_s * 1e3:.1f} | {f.cpu_per_reply_us:.0f} "
             f"| {f.replies_per_cpu_s:,.0f} | {f.wakeups_per_step:.0f} | {f.process_cpu_per_step_s * 1e3:.1f} "
             f"| {f.writes_per_step:.1f} "
@@ -268,6 +275,9 @@ def main() -> None:
     parser.add_argument("--action-jitter", type=float, default=0.0,
                         help="each compute action lasts up to this fraction longer, at random (stragglers)")
     parser.add_argument("--max-pp", type=int, default=64, help="the longest pipeline of plan kind pp")
+    parser.add_argument("--coalesce-ms", nargs="+", default=["auto"],
+                        help="the event loop's longest hold while replies gather (auto: the loop's own; 0: "
+                             "none); several: each in turn")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -277,11 +287,13 @@ def main() -> None:
             for kind in args.kinds:
                 if kind == "pp" and workers > args.max_pp:
                     continue
-                figures = measure(workers, kind, registry, steps=args.steps, warmup=args.warmup,
-                                  lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
-                                  action_jitter=args.action_jitter)
-                rows.append(figures)
-                print(table([figures]).splitlines()[-1], flush=True)
+                for hold in args.coalesce_ms:
+                    coalesce = None if hold == "auto" else float(hold)
+                    figures = measure(workers, kind, registry, steps=args.steps, warmup=args.warmup,
+                                      lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
+                                      action_jitter=args.action_jitter, coalesce_ms=coalesce)
+                    rows.append(figures)
+                    print(table([figures]).splitlines()[-1], flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(table(rows))
 

@@ -40,7 +40,7 @@ from comm.codec import unpack_raw
 from comm.rpc.framing import open_reply, read_reply, reply_frames, request_frames
 from comm.rpc.hot import plain_reply
 from comm.traffic import TrafficCounts
-from services.protocol import CommitStep, OptimizerSpec, PhaseTiming, StepReply
+from services.protocol import CommitStep, OptimizerSpec, PhaseTiming, StepReply, pack_times
 from services.protocol.hot import step_reply
 
 
@@ -48,8 +48,8 @@ def _reply(actions: int, *, losses: int, phases: list[PhaseTiming], traffic: Tra
            ) -> StepReply:
     t0 = 1_795_880_974.828326
     return StepReply(step=12, stage=1, losses=[0.98765 + i for i in range(losses)],
-                     starts=[t0 + 0.001 * k for k in range(actions)], ends=[t0 + 0.001 * k + 0.0005 for k in
-                                                                           range(actions)],
+                     times=pack_times([t0 + 0.001 * k for k in range(actions)],
+                                      [t0 + 0.001 * k + 0.0005 for k in range(actions)]),
                      phases=phases, traffic=traffic, grad_sq_norm=1.25, held_bytes=1 << 20)
 
 

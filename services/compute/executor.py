@@ -152,6 +152,7 @@ from services.protocol import (
     Precision,
     RunStep,
     StepReply,
+    pack_times,
 )
 
 __all__ = ["StepExecutor", "StepFailed", "check_grads", "evaluating"]
@@ -328,7 +329,7 @@ class StepExecutor:
             raise StepFailed(f"{at}: {type(exc).__name__}: {exc}", transfers_posted=self._posted) from exc
         ends = [e if e is not None else s for s, e in zip(self._starts, self._ends, strict=True)]
         return StepReply(step=self._request.step, stage=self._stage.index, losses=losses,
-                         metric_sums=self._metrics, starts=self._starts, ends=ends, phases=phases,
+                         metric_sums=self._metrics, times=pack_times(self._starts, ends), phases=phases,
                          nonfinite_grads=nonfinite, grad_sq_norm=sq_norm)
 
     # -- plumbing ---------------------------------------------------------------------

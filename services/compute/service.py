@@ -152,6 +152,7 @@ from services.protocol import (
     RunStep,
     SavedParts,
     TensorsReply,
+    TrafficReports,
     ZeroGradRequest,
 )
 
@@ -230,6 +231,7 @@ class CellComputeService(ServiceBase):
         self._turns = turns.acquire(options.turns.key, options.turns.order) if options.turns else None
         self._programs = Programs(stage, self._batch_norm)  # the host thread's alone
         self._probe = PeakProbe()
+        self._traffic = TrafficReports()  # the counters ride on a reply when they changed
 
     @classmethod
     def from_assignment(cls, assignment: Assignment, factories: FactoryAllowList) -> CellComputeService:
@@ -371,7 +373,8 @@ class CellComputeService(ServiceBase):
             lead = self._path.lead if request.commit is not None else None  # async parameter server
             return reply.model_copy(update={"phases": [*phases, *reply.phases], "lead": lead,
                                             "held_bytes": self._held_bytes(),
-                                            "peak_bytes": self._probe.peak(), "traffic": traffic.snapshot(),
+                                            "peak_bytes": self._probe.peak(), "traffic": self._traffic.report(
+                                                traffic.snapshot(), training=request.source != "eval"),
                                             "saved": self._writer.finished()})
 
         self._submit(call, f"step {request.step}", timeout, run)

@@ -94,7 +94,9 @@ from services.protocol import (
     SavedParts,
     StepReply,
     TensorsReply,
+    TrafficReports,
     ZeroGradRequest,
+    pack_times,
 )
 
 __all__ = ["HOLLOW_BUILDERS", "HOLLOW_LOSS", "HollowCompute", "StageShapes", "main"]
@@ -155,6 +157,7 @@ class HollowCompute(ServiceBase):
         self._index, self._stages = options.stage, options.num_stages
         self._params, self._state = params, state
         self._held_bytes = sum(t.numel() * t.element_size() for _, t in params)
+        self._traffic = TrafficReports()  # as the real stage: the counters ride on a reply when they changed
         self._seconds = action_seconds
         self._jitter = action_jitter
         self._programs: dict[str, LoadProgram] = {}
@@ -272,7 +275,9 @@ class HollowCompute(ServiceBase):
             last = self._index == self._stages - 1
             return StepReply(step=request.step, stage=self._index,
                              losses=[HOLLOW_LOSS] * len(request.microbatches) if last else [],
-                             starts=starts, ends=ends, traffic=traffic.snapshot(),
+                             times=pack_times(starts, ends),
+                             traffic=self._traffic.report(traffic.snapshot(),
+                                                          training=request.source != "eval"),
                              grad_sq_norm=1.0 if trains and self._options.grad_path == "collective" else None,
                              held_bytes=self._held_bytes)
 

@@ -40,8 +40,11 @@ from services.protocol.compute import (
     StepProgram,
     StepReply,
     TensorsReply,
+    TrafficReports,
     TurnsOptions,
     ZeroGradRequest,
+    pack_times,
+    unpack_times,
 )
 from services.protocol.params import (
     ApplyRound,
@@ -112,8 +115,11 @@ __all__ = [
     "TensorsReply",
     "TiedOptions",
     "TiedParam",
+    "TrafficReports",
     "TurnsOptions",
     "WorkerCard",
     "WorkerStatus",
     "ZeroGradRequest",
+    "pack_times",
+    "unpack_times",
 ]

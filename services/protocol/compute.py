@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from comm.codec import Message
 from comm.rpc.envelope import Name, TensorMeta
@@ -16,6 +19,8 @@ from services.protocol.params import OptimizerSpec
 from services.protocol.tied import TiedOptions
 
 MAX_NONFINITE_NAMED = 8  # parameters a StepReply names whose gradient is not finite
+TIMING_BYTES = 16  # one action's timing in StepReply.times: its start and its end, two float64
+MAX_TIMES_BYTES = TIMING_BYTES << 20  # StepReply.times: a step program's most actions (1 << 20)
 
 # -- cell compute -----------------------------------------------------------------------
 # The pipeline action and the boundary metadata; see services/compute/service.py for the contract.
@@ -420,27 +425,30 @@ class StepReply(Message):
     A loss or a gradient that is NaN or Inf makes the coordinator stop the job or drop the step's
     update (see [Note: a step that is not finite] in ``coordinator/runtime/nonfinite.py``).
 
-    Timings are wall-clock seconds (``time.time()``), kept as two flat lists (cheap to
-    encode and validate): action ``k`` of the request ran from ``starts[k]`` to ``ends[k]``
-    (see services/compute/executor.py).
+    Timings are wall-clock seconds (``time.time()``) packed in one byte string, ``times``: the
+    action starts then the action ends, float64 little-endian (:func:`pack_times`), so that a reply
+    of ``K`` actions is one msgpack ``bin`` of ``16 K`` bytes instead of ``2 K`` Python floats to
+    build, check and keep; action ``k`` of the request ran from ``starts[k]`` to ``ends[k]``
+    (the properties unpack them when read: see [Note: a step reply's few objects]).
 
-    ``traffic`` is the worker process's counters (``comm/traffic.py``) as the step ends: the
-    coordinator's metrics sum them over the workers. They ride on the reply every step sends
-    anyway, so they cost a few dozen bytes and no request of their own.
+    ``traffic`` is the worker process's counters (``comm/traffic.py``) as the step ends, or None when
+    they did not change since the stage's last training reply: the coordinator's metrics keep each
+    worker's latest counters. They ride on the reply every step sends anyway.
     """
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")  # times as JSON (logs)
 
     step: int
     stage: int
     losses: list[float]  # losses[i] is microbatch i's unweighted loss; empty but on the last stage
     # an evaluation step with a metric, last stage: metric_sums[i] sums microbatch i's per-sample values
     metric_sums: list[float] = Field(default_factory=list, max_length=1 << 16)
-    starts: list[float]
-    ends: list[float]
+    times: bytes = Field(default=b"", max_length=MAX_TIMES_BYTES)  # pack_times(starts, ends)
     phases: list[PhaseTiming] = Field(default_factory=list)  # e.g. the gradient all-reduce, the commit
     # parameters whose gradient holds a NaN or Inf after the step (the first MAX_NONFINITE_NAMED of them)
     nonfinite_grads: list[str] = Field(default_factory=list, max_length=MAX_NONFINITE_NAMED)
     # the worker process's cumulative traffic after the step (bytes sent per backend, refusals per
-    # reason: comm/traffic.py), for the coordinator's metrics; a few bytes, bounded by the model
+    # reason: comm/traffic.py), for the coordinator's metrics; None: unchanged since the last reply
     traffic: TrafficCounts | None = None
     saved: list[SavedPart] = Field(default_factory=list, max_length=1 << 10)  # parts written since last reply
     # the sum of the squared L2 norms of the stage's parameter gradients once final (after the
@@ -460,9 +468,74 @@ class StepReply(Message):
 
     @model_validator(mode="after")
     def _check_timings(self) -> StepReply:
-        if len(self.starts) != len(self.ends):
-            raise ValueError(f"{len(self.starts)} action starts but {len(self.ends)} ends")
+        if len(self.times) % TIMING_BYTES:
+            raise ValueError(f"times holds {len(self.times)} bytes, not a whole number of "
+                             f"{TIMING_BYTES}-byte action timings (the starts, then the ends, as float64)")
         return self
+
+    @property
+    def num_timed(self) -> int:
+        """How many actions ``times`` times."""
+        return len(self.times) // TIMING_BYTES
+
+    @property
+    def starts(self) -> list[float]:
+        """``starts[k]``: when action ``k`` started (unpacked from ``times`` at each read)."""
+        return unpack_times(self.times)[: self.num_timed]
+
+    @property
+    def ends(self) -> list[float]:
+        """``ends[k]``: when action ``k`` ended (unpacked from ``times`` at each read)."""
+        return unpack_times(self.times)[self.num_timed:]
+
+
+def pack_times(starts: Sequence[float], ends: Sequence[float]) -> bytes:
+    """:attr:`StepReply.times` of actions that ran from ``starts[k]`` to ``ends[k]``.
+
+    Raises:
+        ValueError: ``starts`` and ``ends`` differ in length.
+    """
+    if len(starts) != len(ends):
+        raise ValueError(f"{len(starts)} action starts but {len(ends)} ends")
+    packed = array("d", starts)
+    packed.extend(ends)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_times(times: bytes) -> list[float]:
+    """The starts, then the ends, of :attr:`StepReply.times` (a whole number of timings)."""
+    unpacked = array("d")
+    unpacked.frombytes(times)
+    if _BIG_ENDIAN:
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+class TrafficReports:
+    """What a stage's step replies carry as ``traffic``: the counters when they changed since the last
+    training reply carried them, else None (the coordinator keeps each worker's latest).
+
+    One per stage service: a stage placed anew (a new runtime) reports on its first step. Evaluation
+    replies always carry them (the runtime reads only the training replies' counters, so they do not
+    count as sent).
+    """
+
+    def __init__(self) -> None:
+        self._sent: TrafficCounts | None = None
+
+    def report(self, counts: TrafficCounts, *, training: bool = True) -> TrafficCounts | None:
+        """``counts`` if a reply should carry them, else None."""
+        if not training:
+            return counts
+        if counts == self._sent:
+            return None
+        self._sent = counts
+        return counts
 
 
 class TensorsReply(Message):

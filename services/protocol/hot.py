@@ -1,9 +1,9 @@
 """Hand-written checks of the replies the coordinator reads every step: :class:`StepReply` and its parts.
 
 Each returns the message when the map (as msgpack decoded it) is plainly valid, checked field by field
-against the model's own rules (exact types, list sizes, bounds, the timing lists' equal lengths), and
-None for anything else, which the caller then validates with the model: see [Note: a fast path that
-only accepts] in ``comm/rpc/hot.py``. :data:`HOT_BODIES` maps a reply type to its check; the
+against the model's own rules (exact types, list sizes, bounds, the packed timings' whole number of
+actions), and None for anything else, which the caller then validates with the model: see [Note: a
+fast path that only accepts] in ``comm/rpc/hot.py``. :data:`HOT_BODIES` maps a reply type to its check; the
 coordinator's event loop looks a request's reply type up there (``coordinator/runtime/loop.py``).
 
 [Note: why the step reply is checked by hand]
@@ -20,6 +20,23 @@ bad value) takes the model's validation and gets its error. A field added to :cl
 without a check here makes every reply take that path (correct, slower), and that test fails.
 (The profile that pointed here, "pydantic validation 48 %" at 128 hollow workers, was mostly the full
 garbage collections that the allocations inside the validation triggered: ``coordinator/runtime/heap.py``.)
+
+[Note: a step reply's few objects]
+What a reply costs the coordinator grows with the Python objects it is made of: msgpack builds each, the
+check visits each, the collector tracks the containers, and cold (as a training step reads it) each is a
+few cache misses. A 1F1B stage's reply of 32 actions held 64 timing floats in two lists and the
+worker's traffic counters (three maps) on every step. So:
+
+* the timings travel as one byte string, ``StepReply.times`` (``pack_times``: the starts, then the ends,
+  float64 little-endian): one ``bin`` for msgpack, a length to check here, one object to keep; the
+  ``starts`` / ``ends`` lists are made only when read (the run record's event log, the trace, the
+  bubble: ``coordinator/runtime/records.py`` builds them on first access, never during the step);
+* the traffic counters ride on a training reply only when they changed since that stage's last one
+  (``TrafficReports``; the coordinator keeps each worker's latest, ``comm.traffic.latest_by`` skips
+  None): a data-parallel stage without a pipeline sends them once, a pipeline stage still every step
+  (its bytes sent grow), but a map of a few counts;
+* what stays per step is what the coordinator reads every step (losses, the norm, what is not finite,
+  held bytes, the commit's phases) and the saved parts (empty but after a checkpoint).
 """
 
 from __future__ import annotations
@@ -28,7 +45,13 @@ from typing import Any
 
 from comm.rpc.hot import BodyDecoder, trusted
 from comm.traffic import BACKENDS, MAX_REASON_CHARS, MAX_REASONS, TrafficCounts
-from services.protocol.compute import MAX_NONFINITE_NAMED, PhaseTiming, StepReply
+from services.protocol.compute import (
+    MAX_NONFINITE_NAMED,
+    MAX_TIMES_BYTES,
+    TIMING_BYTES,
+    PhaseTiming,
+    StepReply,
+)
 
 __all__ = ["HOT_BODIES", "phase_timing", "step_reply", "traffic_counts"]
 
@@ -92,10 +115,12 @@ def step_reply(body: dict[str, Any]) -> StepReply | None:
     """A :class:`StepReply` from its map (every field given, as a worker sends it), or None."""
     if body.keys() != _STEP_KEYS:
         return None
-    step, stage, starts, ends = body["step"], body["stage"], body["starts"], body["ends"]
+    step, stage, times = body["step"], body["stage"], body["times"]
     if type(step) is not int or type(stage) is not int:
         return None
-    if not (_floats(starts) and _floats(ends) and len(starts) == len(ends) and _floats(body["losses"])):
+    if type(times) is not bytes or len(times) % TIMING_BYTES or len(times) > MAX_TIMES_BYTES:
+        return None
+    if not _floats(body["losses"]):
         return None
     metrics, grads, saved = body["metric_sums"], body["nonfinite_grads"], body["saved"]
     norm = body["grad_sq_norm"]

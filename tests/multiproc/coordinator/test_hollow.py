@@ -48,7 +48,12 @@ def test_every_worker_answers_every_step(fleet: HollowPool, kind: str) -> None:
         assert {(sv.replica, sv.stage) for sv, _ in record.replies} == {
             (r, s) for r in range(fields["data_parallel"]) for s in range(fields["num_stages"])}
         for _, body in record.replies:
-            assert len(body.starts) == len(body.ends) > 0
+            assert len(body.starts) == len(body.ends) == body.num_timed > 0
+            assert all(s <= e for s, e in zip(body.starts, body.ends, strict=True))
+        # each worker's counters ride on its replies only when they changed; the record keeps the latest
+        assert set(record.traffic) == set(fleet.names)
+    if fields["num_stages"] == 1:  # nothing crossed a pipeline: the counters rode on the first step only
+        assert all(body.traffic is None for _, body in result.steps[-1].replies)
     sent = sum(t.bytes_sent.get("zmq", 0) for t in result.steps[-1].traffic.values())
     if fields["num_stages"] > 1:  # activations and gradients crossed the cuts over the pipelines
         assert sent > 0

@@ -25,7 +25,8 @@ from comm.codec import unpack_raw
 from comm.rpc.envelope import ReplyEnvelope
 from comm.rpc.hot import plain_reply
 from comm.traffic import TrafficCounts
-from services.protocol import PhaseTiming, SavedPart, StepReply
+from services.protocol import PhaseTiming, SavedPart, StepReply, TrafficReports, pack_times
+from services.protocol.compute import MAX_TIMES_BYTES, TIMING_BYTES
 from services.protocol.hot import HOT_BODIES, phase_timing, step_reply, traffic_counts
 from tests.multiproc.security.frames import SEEDS, FrameMaker
 
@@ -35,8 +36,9 @@ _TRAFFIC = {"bytes_sent": {"zmq": 10240, "gloo": 0}, "refused_frames": {"bad hea
 
 def _worker_reply(**changes: Any) -> dict[str, Any]:
     """A StepReply as a worker dumps it (every field given), through msgpack."""
-    body = StepReply(step=7, stage=1, losses=[0.25, float("nan")], metric_sums=[1.5], starts=[1.0, 2.0, 3.0],
-                     ends=[1.5, 2.5, 3.5], phases=[PhaseTiming(name="all_reduce", start=4.0, end=4.25)],
+    body = StepReply(step=7, stage=1, losses=[0.25, float("nan")], metric_sums=[1.5],
+                     times=pack_times([1.0, 2.0, 3.0], [1.5, 2.5, 3.5]),
+                     phases=[PhaseTiming(name="all_reduce", start=4.0, end=4.25)],
                      nonfinite_grads=["cell0.weight"], traffic=TrafficCounts.model_validate(_TRAFFIC),
                      grad_sq_norm=0.5, held_bytes=1024, peak_bytes=0, lead=None).model_dump(mode="python")
     body.update(changes)
@@ -94,8 +96,9 @@ def test_the_check_knows_every_field_of_the_model() -> None:
 
 @pytest.mark.parametrize(("field", "value", "converted"), [
     ("step", True, False), ("step", 1.0, False), ("step", "1", False), ("stage", None, False),
-    ("losses", [1], True), ("losses", [True], False), ("starts", [1.0], False),
-    ("ends", [1.0, 2.0, 3.0, 4.0], False), ("metric_sums", None, False),
+    ("losses", [1], True), ("losses", [True], False), ("times", b"\0" * 8, False),
+    ("times", [1.0, 2.0], False), ("times", "0123456789abcdef", False), ("times", None, False),
+    ("times", b"\0" * (MAX_TIMES_BYTES + TIMING_BYTES), False), ("metric_sums", None, False),
     ("metric_sums", [0.0] * ((1 << 16) + 1), False), ("nonfinite_grads", ["a"] * 9, False),
     ("nonfinite_grads", [1], False),
     ("saved", [SavedPart(step=3, part="r0-s0", model=True).model_dump()], True),
@@ -159,7 +162,7 @@ def _maybe(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 _BODY = st.fixed_dictionaries({
     "step": _maybe(st.integers(-5, 1 << 40)), "stage": _maybe(st.integers(-1, 9)), "losses": _maybe(_FLOATS),
-    "metric_sums": _maybe(_FLOATS), "starts": _maybe(_FLOATS), "ends": _maybe(_FLOATS),
+    "metric_sums": _maybe(_FLOATS), "times": _maybe(st.binary(max_size=50)),
     "phases": _maybe(st.lists(st.one_of(_PHASE, _VALUES), max_size=3)),
     "nonfinite_grads": _maybe(st.lists(st.text(max_size=5), max_size=10)),
     "traffic": _maybe(st.one_of(st.none(), _TRAFFIC_ST)), "saved": _maybe(st.just([])),
@@ -255,3 +258,31 @@ def test_envelopes_the_fuzzer_breaks() -> None:
         for _ in range(rng.randrange(1, 3)):
             maker._mutate_value(fields)
         _envelope_conforms(_wire(fields))
+
+
+def test_the_timings_travel_packed_and_read_back_as_lists() -> None:
+    """``times`` is one bin of float64 (the starts, then the ends): the reply as read gives the same floats
+    the worker timed, each action's start and end at its index, and an uneven pair is refused on both
+    sides of the wire."""
+    starts, ends = [1_795_880_974.828326, 2.5, float("inf")], [1_795_880_974.9, 3.0, float("nan")]
+    body = _worker_reply(times=pack_times(starts, ends))
+    assert type(body["times"]) is bytes and len(body["times"]) == 3 * TIMING_BYTES
+    read = step_reply(body)
+    assert read is not None and read.num_timed == 3
+    assert read.starts == starts and read.ends[:2] == ends[:2] and math.isnan(read.ends[2])
+    assert StepReply.model_validate(body).starts == starts
+    with pytest.raises(ValueError, match="3 action starts but 2 ends"):
+        pack_times(starts, ends[:2])
+    assert StepReply(step=0, stage=0, losses=[]).starts == [] == StepReply(step=0, stage=0, losses=[]).ends
+
+
+def test_the_traffic_counters_ride_on_a_reply_when_they_changed() -> None:
+    reports = TrafficReports()
+    first = TrafficCounts.model_validate(_TRAFFIC)
+    assert reports.report(first) is first  # a stage's first reply carries them
+    assert reports.report(TrafficCounts.model_validate(_TRAFFIC)) is None  # unchanged
+    assert reports.report(first, training=False) is first  # an evaluation's reply always does
+    assert reports.report(first) is None  # ... and does not count as sent
+    more = TrafficCounts.model_validate({**_TRAFFIC, "bytes_sent": {"zmq": 10241, "gloo": 0}})
+    assert reports.report(more) is more and reports.report(more) is None
+    assert TrafficReports().report(more) is more  # a stage placed anew reports at once

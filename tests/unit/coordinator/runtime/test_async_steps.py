@@ -17,7 +17,7 @@ from services.protocol import StepReply
 
 
 def reply(step: int, stage: int) -> StepReply:
-    return StepReply(step=step, stage=stage, losses=[], starts=[], ends=[])
+    return StepReply(step=step, stage=stage, losses=[])
 
 
 def finish(progress: AsyncProgress, replica: int, ids: list[int]) -> None:

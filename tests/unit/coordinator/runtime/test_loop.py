@@ -8,6 +8,7 @@ answers (a body with tensors, an error code, a body of the wrong type) becomes t
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -23,7 +24,7 @@ from comm.registry.presence import PresenceCard
 from comm.rpc import Call, Empty, RpcError, ServiceBase, ServiceHost
 from coordinator.runtime.loop import Event, EventLoop, Reply, WorkerJoined, WorkerLost
 from services.host.worker import coordinator_key
-from services.protocol import PhaseTiming, StepReply, WorkerCard
+from services.protocol import PhaseTiming, StepReply, WorkerCard, pack_times
 from services.protocol.hot import HOT_BODIES, step_reply
 from tests.unit.comm.registry.flaky import FlakyRegistry
 
@@ -45,8 +46,7 @@ class LooseStep(Message):
     step: int
     stage: int
     losses: list[float]
-    starts: list[float]
-    ends: list[float]
+    times: bytes = b""
     held_bytes: int | None = None
     phases: list[PhaseTiming] = []
 
@@ -64,6 +64,11 @@ class Worker(ServiceBase):
 
     def rpc_refuse(self, request: Empty, call: Call) -> Empty:
         raise RpcError("busy", "come back later")
+
+    def rpc_later(self, request: Scale, call: Call) -> Scaled:
+        """Answer after ``factor`` seconds (the host answers one request at a time), with when it did."""
+        time.sleep(request.factor)
+        return Scaled(factor=time.time())
 
 
 @pytest.fixture
@@ -119,14 +124,15 @@ def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
         return message
 
     monkeypatch.setitem(HOT_BODIES, StepReply, spy)
-    whole = StepReply(step=3, stage=0, losses=[0.5], starts=[1.0, 2.0], ends=[1.5, 2.5],
+    whole = StepReply(step=3, stage=0, losses=[0.5], times=pack_times([1.0, 2.0], [1.5, 2.5]),
                       phases=[PhaseTiming(name="optimizer", start=0.5, end=0.75)], held_bytes=8)
     good = loop.send("w0", "w", "echo", whole, StepReply)
-    partial = loop.send("w0", "w", "step", LooseStep(step=4, stage=0, losses=[0.5], starts=[], ends=[]),
+    partial = loop.send("w0", "w", "step", LooseStep(step=4, stage=0, losses=[0.5]),
                         StepReply)
-    negative = loop.send("w0", "w", "step", LooseStep(step=5, stage=0, losses=[], starts=[1.0], ends=[2.0],
-                                                      held_bytes=-1), StepReply)
-    uneven = loop.send("w0", "w", "step", LooseStep(step=6, stage=0, losses=[], starts=[1.0], ends=[]),
+    negative = loop.send("w0", "w", "step", LooseStep(step=5, stage=0, losses=[],
+                                                      times=pack_times([1.0], [2.0]), held_bytes=-1),
+                         StepReply)
+    uneven = loop.send("w0", "w", "step", LooseStep(step=6, stage=0, losses=[], times=b"\0" * 24),
                        StepReply)
     replies = {}
     for _ in range(4):
@@ -138,11 +144,11 @@ def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
     assert replies[good].body.model_fields_set == set(StepReply.model_fields)
     # fields missing (LooseStep dumps only its own): the model fills the defaults, as it always did
     assert replies[partial].ok
-    assert replies[partial].body == StepReply(step=4, stage=0, losses=[0.5], starts=[], ends=[])
+    assert replies[partial].body == StepReply(step=4, stage=0, losses=[0.5])
     assert not replies[negative].ok and replies[negative].code == "bad_reply"
     assert "held_bytes: Input should be greater than or equal to 0" in replies[negative].message
     assert "metric_sums" not in replies[negative].message  # a missing field with a default is no error
-    assert not replies[uneven].ok and "1 action starts but 0 ends" in replies[uneven].message
+    assert not replies[uneven].ok and "times holds 24 bytes, not a whole number" in replies[uneven].message
     assert replies[good].ok and _next_scaled(loop).body == Scaled(factor=2.0)
 
 
@@ -239,3 +245,46 @@ def test_a_card_published_again_after_an_outage_is_no_event() -> None:
         loop.close()
         keeper.stop()
         flaky.close()
+
+
+def test_replies_gather_while_many_are_outstanding(
+        setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:
+    """[Note: fewer wake-ups]: replies 3 ms apart, read after 30 ms holds while at least 4 are outstanding,
+    take a few wake-ups for 24, not one each; each of the last 3 (fewer outstanding) is read as it comes."""
+    _, _, loop = setup
+    loop.coalesce, loop.coalesce_share, loop.coalesce_min = timedelta(milliseconds=30), 1e6, 4
+    ids = [loop.send("w0", "w", "later", Scale(factor=0.003), Scaled) for _ in range(24)]
+    before = loop.wakeups
+    replies = [_next(loop) for _ in ids]
+    assert all(isinstance(r, Reply) and r.ok for r in replies)
+    assert sorted(r.id for r in replies if isinstance(r, Reply)) == ids
+    assert loop.wakeups - before <= 14, f"{loop.wakeups - before} wake-ups for 24 replies 3 ms apart"
+    last = replies[-1]
+    assert isinstance(last, Reply) and isinstance(last.body, Scaled)
+    assert last.received - last.body.factor < 0.025, "the last reply waited for a hold"
+
+
+def test_a_hold_gives_way_to_registry_events_and_the_deadline(
+        setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:
+    """A hold (here 30 s) ends at once for a registry event, and never outlasts the caller's bound."""
+    registry, host, loop = setup
+    loop.coalesce, loop.coalesce_share, loop.coalesce_min = timedelta(seconds=30), 1e6, 2
+    card = WorkerCard(name="w1", address=host.address, pid=1, cpus=1, memory_bytes=0, gpus=0)
+    for what in ("deadline", "registry"):
+        ids = [loop.send("w0", "w", "later", Scale(factor=0.05), Scaled) for _ in range(3)]
+        first = _next(loop)  # alone: the others come 50 and 100 ms later, so a hold follows
+        assert isinstance(first, Reply) and first.id == ids[0]
+        started = time.monotonic()
+        rest: list[Event | None] = []
+        if what == "registry":
+            timer = threading.Timer(0.2, registry.put, (f"/cellmesh/{JOB}/workers/w1", pack(card)))
+            timer.start()
+            assert isinstance(_next(loop), WorkerJoined)
+            timer.join()
+        else:  # the hold ends at the bound; a reply that came meanwhile may then be read
+            rest.append(loop.next_event(timedelta(milliseconds=100)))
+        assert time.monotonic() - started < 2, f"{what}: the hold went on"
+        loop.coalesce = timedelta(0)
+        rest += [_next(loop) for _ in range(2 - sum(isinstance(r, Reply) for r in rest))]
+        assert [r.id for r in rest if isinstance(r, Reply)] == ids[1:]
+        loop.coalesce = timedelta(seconds=30)

@@ -131,7 +131,7 @@ def test_accumulating_an_interleaved_plan_keeps_its_ranks_and_each_workers_peak(
 
 
 def _reply(stage: int, sq: float | None) -> StepReply:
-    return StepReply(step=0, stage=stage, losses=[], starts=[], ends=[], grad_sq_norm=sq)
+    return StepReply(step=0, stage=stage, losses=[], grad_sq_norm=sq)
 
 
 def test_the_coefficient_adds_one_replica_per_stage() -> None:

@@ -105,7 +105,7 @@ def test_the_state_round_trips_through_trainer_json() -> None:
 
 def replies(*nonfinite: list[str]) -> list[tuple[_Service, StepReply]]:
     return [(_Service(f"w{s}", f"c-s{s}", 0, s),
-             StepReply(step=0, stage=s, losses=[1.0], starts=[], ends=[], nonfinite_grads=names))
+             StepReply(step=0, stage=s, losses=[1.0], nonfinite_grads=names))
             for s, names in enumerate(nonfinite)]
 
 
