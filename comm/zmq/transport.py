@@ -27,6 +27,14 @@ body from the slot, and hands the slot back with :meth:`Transport.release` once 
 reduced or copied it. With a full ring the header goes by socket, naming the slot; with no
 free slot the whole message goes by socket. A reader looks at the ring first, then the
 socket, and sleeps on both (the socket and the inbox's doorbell).
+
+[Note: the socket read while the ring feeds]
+A receiver whose messages are always in the ring when it asks never sleeps, so it would never read its
+socket: whatever waits there (a header naming a slot, sent while the ring was full, or a stranger's
+garbage) would wait unread for as long as the ring keeps up, and garbage would be refused and counted
+only when the receiver happens to fall behind. So every look first asks the socket whether a message is
+queued (``ZMQ_EVENTS``, one cheap call) and reads one if so: a socket never holds an unread message
+for longer than the receiver's next receive.
 """
 
 from __future__ import annotations
@@ -301,6 +309,13 @@ class Transport:
         closed_since: float | None = None
         while True:
             with ch.recv_lock:
+                if ch.inbox is not None and int(pull.get(zmq.EVENTS)) & zmq.POLLIN:
+                    # [Note: the socket read while the ring feeds]
+                    got = self._read_one(ch)
+                    if got is not None:
+                        if got[0].key == key and key not in ch.stash:
+                            return got
+                        self._stash(ch, *got)
                 got = self._find(ch, key)
                 if got is not None:
                     return got

@@ -203,7 +203,7 @@ def test_a_card_whose_lease_lapses_is_lost_as_soon_as_it_lapses() -> None:
         lost = _next(loop)
         late = time.monotonic() - put - ttl
         assert isinstance(lost, WorkerLost) and lost.name == "w1"
-        assert 0 <= late <= 0.2, late
+        assert 0 <= late <= ttl, late  # not a lease later (measured ~10 ms; loose for a loaded machine)
 
 
 def test_a_card_published_again_after_an_outage_is_no_event() -> None:
