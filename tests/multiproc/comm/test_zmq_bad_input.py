@@ -205,3 +205,34 @@ def test_garbage_in_the_shared_memory_ring_is_dropped_and_the_rank_keeps_serving
     reasons = [reason for _, reason in RING_GARBAGE.values()]
     expected = Counter(["data/size", *(f"data/{r}" for r in reasons[1:])])
     assert {r: n for (k, r), n in counted.counts().items() if k == "frame"} == expected
+
+
+@pytest.mark.skipif(not shm.available(), reason="the shared-memory ring needs x86-64 and /dev/shm")
+def test_garbage_on_the_socket_is_read_while_the_ring_feeds_every_receive(
+    pair: list[ZmqCommunicator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver that never waits (each message is in the ring when it asks) still reads its socket:
+    the garbage queued there is dropped and counted within as many receives as there are bad frames."""
+    c0, c1 = pair
+    counted = Refusals()
+    monkeypatch.setattr(refusals, "REFUSALS", counted)
+    ctx = zmq.Context.instance()
+    attacker = ctx.socket(zmq.PUSH)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(_data_address(c1, 0))
+    bad = [[b"\xc1 not msgpack %d" % k, b"\0" * 16] for k in range(3)]
+    try:
+        for frames in bad:
+            attacker.send_multipart(frames)
+        pull = c1._transport.channels[0].pull
+        assert pull is not None and pull.poll(int(TIMEOUT.total_seconds() * 1000), zmq.POLLIN)
+        for k in range(len(bad) + 2):  # every message is in the ring before its receive starts
+            c0.send(torch.full((4,), float(k)), dst=1)
+        for k in range(len(bad) + 2):
+            got = torch.zeros(4)
+            c1.recv(got, src=0)
+            assert torch.equal(got, torch.full((4,), float(k)))
+        assert c1.bad_messages == len(bad)
+        assert {r: n for (kind, r), n in counted.counts().items() if kind == "frame"} == {"data/encoding": 3}
+    finally:
+        attacker.close()
