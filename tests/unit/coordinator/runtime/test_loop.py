@@ -249,19 +249,20 @@ def test_a_card_published_again_after_an_outage_is_no_event() -> None:
 
 def test_replies_gather_while_many_are_outstanding(
         setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:
-    """[Note: fewer wake-ups]: replies 3 ms apart, read after 30 ms holds while at least 4 are outstanding,
-    take a few wake-ups for 24, not one each; each of the last 3 (fewer outstanding) is read as it comes."""
+    """[Note: fewer wake-ups]: replies 10 ms apart, read after 100 ms holds while at least 4 are outstanding,
+    take a few wake-ups for 24, not one each; each of the last 3 (fewer outstanding) is read as it comes
+    (long holds, so that "as it comes" has a bound a loaded machine keeps)."""
     _, _, loop = setup
-    loop.coalesce, loop.coalesce_share, loop.coalesce_min = timedelta(milliseconds=30), 1e6, 4
-    ids = [loop.send("w0", "w", "later", Scale(factor=0.003), Scaled) for _ in range(24)]
+    loop.coalesce, loop.coalesce_share, loop.coalesce_min = timedelta(milliseconds=100), 1e6, 4
+    ids = [loop.send("w0", "w", "later", Scale(factor=0.01), Scaled) for _ in range(24)]
     before = loop.wakeups
     replies = [_next(loop) for _ in ids]
     assert all(isinstance(r, Reply) and r.ok for r in replies)
     assert sorted(r.id for r in replies if isinstance(r, Reply)) == ids
-    assert loop.wakeups - before <= 14, f"{loop.wakeups - before} wake-ups for 24 replies 3 ms apart"
+    assert loop.wakeups - before <= 14, f"{loop.wakeups - before} wake-ups for 24 replies 10 ms apart"
     last = replies[-1]
     assert isinstance(last, Reply) and isinstance(last.body, Scaled)
-    assert last.received - last.body.factor < 0.025, "the last reply waited for a hold"
+    assert last.received - last.body.factor < 0.08, "the last reply waited for a hold (100 ms)"
 
 
 def test_a_hold_gives_way_to_registry_events_and_the_deadline(
