@@ -28,6 +28,10 @@ training. :func:`check_job` runs them in order, cheapest first:
    first cell or node that fails is named with what it was given (``cell 'cell2' fails on the
    output of cell 'cell1', a [8, 12] float32 tensor: mat1 and mat2 shapes cannot be
    multiplied``), as is a loss that does not take the model's output and the targets;
+   then the loss's gradients on the sample: a model with no parameter to train, a loss that does
+   not depend on one (an output computed under ``no_grad`` or detached), a backward that raises,
+   and a parameter whose gradient is not a dense tensor (``F.embedding(..., sparse=True)``:
+   check 1 finds only the ``nn.Embedding`` layers built so) are each named with the fix;
 7. with an ``eval`` section, checks 5 and 6 on the held-out data (its size known, a sample
    through the nodes in eval mode, then the loss), and the metric: its factory builds, and
    it returns one value per sample or one value (``services.compute.stage.metric_sum``);
@@ -295,6 +299,44 @@ def _run_nodes(config: JobConfig, chain: Chain, inputs: Any, targets: Any,
     return value
 
 
+def _check_gradients(config: JobConfig, chain: Chain, inputs: Any, targets: Any,
+                     loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    """Check 6, its second half: the loss's gradients with respect to the trained parameters, on the
+    sample, through the whole chain at once (``torch.autograd.grad``: no ``.grad`` is written, and the
+    buffers and the random stream are restored after).
+
+    Raises:
+        JobError: No parameter requires a gradient, the loss depends on none, the backward raises, or
+            a gradient is sparse (or of another layout than a dense tensor's).
+    """
+    model = config.model.factory
+    trained = [(name, p) for name, p in chain.module.named_parameters() if p.requires_grad]
+    if not trained:
+        raise JobError(f"model factory {model!r}: none of the model's parameters requires a gradient "
+                       "(all built or set with requires_grad=False), so a step has nothing to train; "
+                       "leave requires_grad=True on the parameters to train")
+    with use_snapshot(chain.module):
+        loss = loss_fn(chain.stage_module(0, len(chain))(inputs), targets)
+        if not loss.requires_grad:
+            raise JobError(f"model factory {model!r} with loss factory {config.loss.factory!r}: the loss "
+                           "on a sample does not depend on any parameter that requires a gradient (the "
+                           "model's output is computed under torch.no_grad() or detached), so a step "
+                           "would train nothing; return the output from the parameters' operations")
+        try:
+            grads = torch.autograd.grad(loss, [p for _, p in trained], allow_unused=True)
+        except Exception as exc:
+            raise JobError(f"model factory {model!r}: the backward of the loss on a sample fails: "
+                           f"{first_line(exc)}; make every operation between the parameters and the "
+                           "loss differentiable") from exc
+    for (name, _), grad in zip(trained, grads, strict=True):
+        if grad is not None and grad.layout != torch.strided:
+            raise JobError(f"model factory {model!r}: parameter {name!r} gets a {grad.layout} gradient "
+                           "(an embedding looked up with sparse=True, e.g. F.embedding(..., sparse=True)), "
+                           "which cellmesh's gradient paths (data-parallel buckets, ZeRO shards, clipping, "
+                           "the fused optimizers) do not take; look it up with sparse=False (the same "
+                           "gradient, dense)")
+
+
 def _load(source: SampleSource, path: str, section: str, indices: list[int]) -> tuple[Any, Any]:
     """Check 5: ``source`` loads the sample ``indices`` (the factory ``path`` of ``section``).
 
@@ -408,8 +450,8 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
 
     Raises:
         JobError: The optimizer or its scheduler refuses its arguments, a factory raises or returns
-            something unusable, the data is inconsistent, a node or the loss fails on the sample, or
-            the plan asks for more stages than nodes.
+            something unusable, the data is inconsistent, a node or the loss fails on the sample,
+            the loss's gradients on it are unusable, or the plan asks for more stages than nodes.
         coordinator.planning.request.PlanningError: No plan can hold the model, the global batch
             does not split into the fixed replicas or microbatches, or the fixed microbatches or
             mode would not give a BatchNorm layer the global batch.
@@ -431,6 +473,7 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
     indices = list(range(min(size, source.num_samples or data.num_samples or SAMPLE_MAX)))
     inputs, targets = _load(source, data.factory, "data", indices)
     _run_nodes(config, chain, inputs, targets, loss_fn)
+    _check_gradients(config, chain, inputs, targets, loss_fn)
     if config.eval is not None:
         _check_eval(config, chain, loss_fn, size)
     _check_draws(config, unwrapped(built), source, chain)

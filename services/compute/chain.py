@@ -22,7 +22,18 @@ What becomes a node (the leaf rule). Tracing runs the model's ``forward`` on pro
   whatever it is (an ``nn.Sequential`` block too);
 - a ``torch.nn`` module (``nn.Linear``, ``nn.LayerNorm``...: torch.fx's own rule).
 
-Containers and the model's other submodules are traced into. Each leaf call starts a node; the
+Containers and the model's other submodules are traced into.
+
+[Note: custom autograd functions] torch.fx traces *through* ``MyFunction.apply(x)``: it runs the
+function's ``forward`` on proxies and records its operations, so the graph computes the same
+values but autograd differentiates those operations, not ``MyFunction.backward`` (a
+straight-through estimator, a gradient reversal, a hand-written fused backward would all train
+with another gradient, silently). While :func:`trace_chain` traces, ``torch.autograd.Function.apply``
+records a call of the function on proxies as one graph operation (``call_function`` of a small
+caller of ``MyFunction.apply``), so the stage runs the function itself, backward included. Its
+arguments must be what a graph holds (tensors, numbers, strings, tuples, lists, dicts of them);
+a function given another Python object (a callable, a module) cannot be kept, and the submodule
+calling it is named with the fix (``model.leaves``). Each leaf call starts a node; the
 free operations after it (a residual ``+``, a ``flatten``) join it (those before any leaf join the
 first node). A model with no leaf at all is one node, ``"ops"``. A model given as a sequence of
 cells (a list of modules, an ``nn.Sequential``, an ``nn.ModuleList``: :func:`is_cell_sequence`)
@@ -52,13 +63,16 @@ from __future__ import annotations
 import functools
 import keyword
 import operator
+import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.autograd.function import Function
+from torch.utils import _pytree
 
 from services.compute.cell import Cell, as_cells, cell_parameters
 
@@ -89,6 +103,21 @@ def is_cell_sequence(made: Any) -> bool:
     return not isinstance(made, nn.Module) or isinstance(made, Cell | nn.Sequential | nn.ModuleList)
 
 
+_APPLY = Function.__dict__["apply"]  # torch's classmethod, restored after each trace
+_TRACING = threading.Lock()  # one trace at a time patches Function.apply
+
+
+def _caller(cls: type[Function]) -> Callable[..., Any]:
+    """A plain function calling ``cls.apply`` as torch defines it: the target of its graph operation
+    (fx writes a call of it into the stage's code)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _APPLY.__func__(cls, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{cls.__name__}_apply"
+    call.__module__ = cls.__module__ if not cls.__module__.startswith("torch") else __name__
+    return call
+
+
 class _ChainTracer(fx.Tracer):
     """torch.fx's tracer with the leaf rule of the module docstring; remembers where tracing failed."""
 
@@ -107,6 +136,29 @@ class _ChainTracer(fx.Tracer):
         if isinstance(m, _CONTAINERS):
             return False
         return bool(super().is_leaf_module(m, module_qualified_name))
+
+    def trace(self, root: nn.Module | Callable[..., Any],
+              concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        """fx's trace, with custom autograd functions kept as one operation each ([Note: custom
+        autograd functions])."""
+        tracer = self
+
+        def apply(cls: type[Function], *args: Any, **kwargs: Any) -> Any:
+            if not any(isinstance(leaf, fx.Proxy) for leaf in _pytree.tree_leaves((args, kwargs))):
+                return _APPLY.__func__(cls, *args, **kwargs)
+            try:
+                return tracer.create_proxy("call_function", _caller(cls), args, kwargs)
+            except NotImplementedError as exc:  # fx's create_arg: an argument a graph cannot hold
+                raise TypeError(f"custom autograd function {cls.__qualname__} is given an argument a traced "
+                                f"graph cannot hold ({_first_line(exc)}), so it cannot be kept with its "
+                                "own backward") from exc
+
+        with _TRACING:
+            Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+            try:
+                return super().trace(root, concrete_args)
+            finally:
+                Function.apply = _APPLY  # type: ignore[method-assign]
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:

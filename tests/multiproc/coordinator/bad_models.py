@@ -6,6 +6,8 @@ here breaks one thing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -128,3 +130,73 @@ def tokens() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return (torch.randint(0, 10, (NUM_SAMPLES, 1), generator=g),
             torch.randn(NUM_SAMPLES, OUT, generator=g, dtype=torch.float64))
+
+
+class LookedUp(nn.Module):
+    """A table looked up with ``F.embedding(..., sparse=True)``: no ``nn.Embedding`` layer to find."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.table = nn.Parameter(torch.randn(10, IN, dtype=torch.float64))
+        self.out = nn.Linear(IN, OUT).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.embedding(x, self.table, sparse=self.sparse).flatten(1))
+
+
+def looked_up(sparse: bool = True) -> nn.Module:
+    """``LookedUp``: its table's gradient is sparse unless ``sparse=False``."""
+    return LookedUp(sparse)
+
+
+def frozen(everything: bool = True) -> list[nn.Module]:
+    """Two Linears, every parameter frozen (``everything``) or only the first layer's."""
+    layers = [nn.Linear(IN, HIDDEN).double(), nn.Tanh(), nn.Linear(HIDDEN, OUT).double()]
+    for layer in layers[:3 if everything else 1]:
+        layer.requires_grad_(False)
+    return layers
+
+
+class Detached(nn.Module):
+    """A Linear whose output is detached: the loss depends on no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).detach()
+
+
+def detached() -> nn.Module:
+    """``Detached``."""
+    return Detached()
+
+
+class Rounded(nn.Module):
+    """A Linear whose output goes through a custom function whose backward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NoBackward.apply(self.layer(x))
+
+
+class NoBackward(torch.autograd.Function):
+    """The identity forward; its backward raises, as an op without a derivative does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the derivative for 'round_up' is not implemented")
+
+
+def no_backward() -> nn.Module:
+    """``Rounded``."""
+    return Rounded()

@@ -118,3 +118,56 @@ def images(num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
 
 def cross_entropy() -> nn.Module:
     return nn.CrossEntropyLoss()
+
+
+class RoundStraightThrough(torch.autograd.Function):
+    """Rounds to quarters in the forward; the backward passes the gradient straight through (the
+    derivative of rounding is zero almost everywhere, so a graph of its operations trains nothing
+    before it)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class ScaleGradient(torch.autograd.Function):
+    """The identity forward; the backward scales the gradient by ``scale`` (no gradient for ``scale``)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None  # type: ignore[attr-defined]
+
+
+class Quantized(nn.Module):
+    """Linears with custom autograd functions between them, called in the model's own forward: a
+    straight-through rounding and a gradient scaled by 0.5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(WIDTH, WIDTH)
+        self.second = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = RoundStraightThrough.apply(torch.tanh(self.first(x)))
+        h = ScaleGradient.apply(torch.tanh(self.second(h)), 0.5)
+        return self.out(h)
+
+
+def quantized() -> nn.Module:
+    """Nodes: first (and the rounding), second (and the scaled gradient), out."""
+    return Quantized().double()
+
+
+def vectors(num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(num_samples, WIDTH, dtype=torch.float64),
+            torch.randint(0, CLASSES, (num_samples,)))

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(120)
 P = "tests.multiproc.coordinator.plain_models"
 STEPS = 5
 TOL = 1e-9
-DATA = {"gpt": ("tokens", "lm_loss"), "resnet": ("images", "cross_entropy")}
+DATA = {"gpt": ("tokens", "lm_loss"), "resnet": ("images", "cross_entropy"),
+        "quantized": ("vectors", "cross_entropy")}
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "momentum": ("SGD", {"lr": 0.1, "momentum": 0.9}),
     "adamw": ("AdamW", {"lr": 0.01, "weight_decay": 0.01}),
@@ -35,7 +36,8 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
-    factories = [f"{P}:{name}" for name in ("gpt", "resnet", "tokens", "images", "lm_loss", "cross_entropy")]
+    factories = [f"{P}:{name}" for name in ("gpt", "resnet", "tokens", "images", "lm_loss", "cross_entropy",
+                                                      "quantized", "vectors")]
     with LocalHarness([f"local-{i}" for i in range(4)], job="t-plain", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
@@ -111,3 +113,14 @@ def test_gpt_auto_plan(harness: LocalHarness) -> None:
     plan = result.plan
     assert plan is not None and plan.num_workers <= 4
     assert plan.bounds[0] == 0 and plan.bounds[-1] == 7 and list(plan.bounds) == sorted(set(plan.bounds))
+
+
+def test_custom_autograd_functions_train_with_their_own_backward_on_two_stages(harness: LocalHarness) -> None:
+    # a graph of the functions' forward operations would give the first layer no gradient (rounding's
+    # derivative is zero) and the second twice its gradient: the reference trains the model itself
+    job = make_job("quantized", "momentum", num_stages=2, data_parallel=1, num_microbatches=2,
+                   schedule="1f1b", balance=[1, 2])
+    assert [s.nodes for s in job.plan().stages] == [("first",), ("second", "out")]
+    result = fit_and_compare(harness, job)
+    assert max_abs_diff({"w": result.state_dict["first.weight"]},
+                        {"w": job.build_model().state_dict()["first.weight"]}) > 1e-3  # the first one trained

@@ -198,3 +198,34 @@ def test_the_model_built_for_the_checks_is_the_one_planned() -> None:
     j = job(model=bad_models.one_linear, global_batch=33)
     checked = j.check()
     assert j.check() is checked  # kept until planning
+
+
+def test_a_sparse_lookup_without_an_embedding_layer_is_refused_by_its_gradient() -> None:
+    with pytest.raises(JobError) as info:
+        job(model=f"{B}:looked_up", data=f"{B}:tokens").check()
+    text = one_line(info.value)
+    assert text.startswith(f"model factory '{B}:looked_up': parameter 'table' gets a torch.sparse_coo "
+                           "gradient")
+    assert "look it up with sparse=False" in text
+    job(model=f"{B}:looked_up", model_kwargs={"sparse": False}, data=f"{B}:tokens").check()  # the fix
+
+
+def test_a_model_with_nothing_to_train_is_refused() -> None:
+    with pytest.raises(JobError, match=rf"model factory '{B}:frozen': none of the model's parameters "
+                                       "requires a gradient .*leave requires_grad=True"):
+        job(model=f"{B}:frozen").check()
+    job(model=f"{B}:frozen", model_kwargs={"everything": False}).check()  # a frozen first layer trains
+
+
+def test_a_loss_that_depends_on_no_parameter_is_refused() -> None:
+    with pytest.raises(JobError, match=rf"model factory '{B}:detached' with loss factory '{M}:mse': the "
+                                       "loss on a sample does not depend on any parameter"):
+        job(model=f"{B}:detached").check()
+
+
+def test_a_backward_that_raises_is_named() -> None:
+    with pytest.raises(JobError) as info:
+        job(model=f"{B}:no_backward").check()
+    text = one_line(info.value)
+    assert text.startswith(f"model factory '{B}:no_backward': the backward of the loss on a sample fails: ")
+    assert "the derivative for 'round_up' is not implemented" in text

@@ -194,3 +194,57 @@ def test_a_stage_refuses_a_boundary_its_own_trace_does_not_cross() -> None:
                                          r"not what crosses cut 2 of this worker's trace of the model "
                                          r"\(\['relu', 'blocks_0'\]\)"):
         assign(wrong)
+
+
+def test_custom_autograd_functions_keep_their_own_backward() -> None:
+    model = pm.quantized()
+    chain = trace_chain(model)
+    assert [nd.name for nd in chain.nodes] == ["first", "second", "out"]
+    assert chain.nodes[0].ops == ("first", "tanh", "round_straight_through_apply")  # one operation
+    x = torch.randn(8, pm.WIDTH, dtype=torch.float64)
+    for bounds in [(0, 3), (0, 1, 3), (0, 1, 2, 3)]:
+        traced = torch.autograd.grad(run_stages(chain, bounds, x).square().sum(), list(model.parameters()))
+        eager = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(traced, eager, strict=True)), bounds
+    assert torch.autograd.Function.apply.__func__ is torch.autograd.Function.__dict__["apply"].__func__
+
+
+class CallsBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return CallsBack.apply(torch.tanh, self.lin(x))
+
+
+def test_a_custom_function_given_a_python_callable_names_its_submodule_and_the_fix() -> None:
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+            self.wrap = Wrapper()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.wrap(self.inner(x))
+
+    with pytest.raises(UntraceableError) as info:
+        trace_chain(Root())
+    text = str(info.value)
+    assert text.startswith("torch.fx cannot trace submodule 'wrap' (Wrapper): TypeError: custom autograd "
+                           "function CallsBack is given an argument a traced graph cannot hold")
+    assert "list it in model.leaves" in text
+    assert torch.autograd.Function.apply.__func__ is torch.autograd.Function.__dict__["apply"].__func__
+    root = Root()
+    x = torch.randn(2, 3)
+    assert torch.equal(run_stages(trace_chain(root, ["wrap"]), (0, 2), x), root(x))  # the fix
