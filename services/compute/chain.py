@@ -22,7 +22,11 @@ What becomes a node (the leaf rule). Tracing runs the model's ``forward`` on pro
   whatever it is (an ``nn.Sequential`` block too);
 - a ``torch.nn`` module (``nn.Linear``, ``nn.LayerNorm``...: torch.fx's own rule).
 
-Containers and the model's other submodules are traced into.
+Containers and the model's other submodules are traced into. Each leaf call starts a node; the
+free operations after it (a residual ``+``, a ``flatten``) join it (those before any leaf join the
+first node). A model with no leaf at all is one node, ``"ops"``. A model given as a sequence of
+cells (a list of modules, an ``nn.Sequential``, an ``nn.ModuleList``: :func:`is_cell_sequence`)
+is traced as ``nn.Sequential`` of its cells: one node per cell, named after the cell.
 
 [Note: custom autograd functions] torch.fx traces *through* ``MyFunction.apply(x)``: it runs the
 function's ``forward`` on proxies and records its operations, so the graph computes the same
@@ -32,12 +36,10 @@ with another gradient, silently). While :func:`trace_chain` traces, ``torch.auto
 records a call of the function on proxies as one graph operation (``call_function`` of a small
 caller of ``MyFunction.apply``), so the stage runs the function itself, backward included. Its
 arguments must be what a graph holds (tensors, numbers, strings, tuples, lists, dicts of them);
-a function given another Python object (a callable, a module) cannot be kept, and the submodule
-calling it is named with the fix (``model.leaves``). Each leaf call starts a node; the
-free operations after it (a residual ``+``, a ``flatten``) join it (those before any leaf join the
-first node). A model with no leaf at all is one node, ``"ops"``. A model given as a sequence of
-cells (a list of modules, an ``nn.Sequential``, an ``nn.ModuleList``: :func:`is_cell_sequence`)
-is traced as ``nn.Sequential`` of its cells: one node per cell, named after the cell.
+a function given another object (a Python callable, say) cannot be kept: the submodule
+calling it is named with the fix (``model.leaves``). torch's own functions are traced into as
+fx does: their backward is their forward's gradient (``torch.utils.checkpoint``'s reentrant
+``CheckpointFunction`` recomputes the forward, and would take a module as an argument).
 
 [Note: liveness] A value produced by node ``p`` (``p = -1`` for a model input) and last used by
 node ``u`` (``u = n`` when the model returns it) is alive across every cut ``c`` with
@@ -114,7 +116,7 @@ def _caller(cls: type[Function]) -> Callable[..., Any]:
         return _APPLY.__func__(cls, *args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"{cls.__name__}_apply"
-    call.__module__ = cls.__module__ if not cls.__module__.startswith("torch") else __name__
+    call.__module__ = cls.__module__
     return call
 
 
@@ -144,8 +146,9 @@ class _ChainTracer(fx.Tracer):
         tracer = self
 
         def apply(cls: type[Function], *args: Any, **kwargs: Any) -> Any:
-            if not any(isinstance(leaf, fx.Proxy) for leaf in _pytree.tree_leaves((args, kwargs))):
-                return _APPLY.__func__(cls, *args, **kwargs)
+            if cls.__module__.startswith("torch.") or not any(
+                    isinstance(leaf, fx.Proxy) for leaf in _pytree.tree_leaves((args, kwargs))):
+                return _APPLY.__func__(cls, *args, **kwargs)  # torch's own: traced into, as fx does
             try:
                 return tracer.create_proxy("call_function", _caller(cls), args, kwargs)
             except NotImplementedError as exc:  # fx's create_arg: an argument a graph cannot hold

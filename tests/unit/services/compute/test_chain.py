@@ -248,3 +248,35 @@ def test_a_custom_function_given_a_python_callable_names_its_submodule_and_the_f
     root = Root()
     x = torch.randn(2, 3)
     assert torch.equal(run_stages(trace_chain(root, ["wrap"]), (0, 2), x), root(x))  # the fix
+
+
+class Recomputed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+
+
+class WithRecompute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 3).double()
+        self.body = Recomputed()  # traced into: not a leaf
+        self.out = nn.Linear(3, 1).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(self.first(x)))
+
+
+def test_torchs_own_functions_are_traced_into_as_fx_does() -> None:
+    # torch.utils.checkpoint's reentrant CheckpointFunction takes a module and recomputes the forward:
+    # its gradient is the forward's, so the chain runs the forward's operations, one node for the Linear
+    model = WithRecompute()
+    chain = trace_chain(model)
+    assert [nd.name for nd in chain.nodes] == ["first", "body.lin", "out"]
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    traced = torch.autograd.grad(run_stages(chain, (0, 2, 3), x).sum(), list(model.parameters()))
+    model(x).sum().backward()  # eager: the reentrant checkpoint takes no autograd.grad
+    assert all(torch.equal(t, p.grad) for t, p in zip(traced, model.parameters(), strict=True))
