@@ -254,9 +254,32 @@ class Graph:
         return "\n".join(rows)
 
 
+def _doubled(value: Any) -> Any:
+    """``value`` with every tensor of it (in tuples, lists and dicts too) twice along dim 0."""
+    if isinstance(value, torch.Tensor):
+        return torch.cat([value, value]) if value.dim() > 0 else value
+    if isinstance(value, tuple | list):
+        return type(value)(_doubled(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _doubled(v) for k, v in value.items()}
+    return value
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of ``value`` and of the tuples, lists and dicts in it, in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+
+
 def _batch_dims(gm: fx.GraphModule, values: dict[fx.Node, Any],
                 inputs: tuple[Any, ...]) -> dict[str, int | None]:
-    doubled = tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
+    doubled = tuple(_doubled(x) for x in inputs)  # a tuple or dict of inputs too (several arguments)
     rec = _Recorder(gm)
     try:
         rec.run(*doubled)
@@ -325,6 +348,6 @@ def build_graph(model: Chain | nn.Module | Sequence[nn.Module], sample: torch.Te
         except Exception as exc:
             raise ValueError(_failure(rec, chain, exc)) from exc
         batch_dims = _batch_dims(chain.module, rec.values, inputs)
-    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    first = next((x for x in _tensors_in(inputs) if x.dim() > 0), None)
     batch = int(first.shape[0]) if first is not None else 1
     return Graph(chain, rec.values, batch_dims, batch)

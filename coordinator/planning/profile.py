@@ -311,12 +311,15 @@ def _saved_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[i
 
 
 def _fresh(values: list[Any], names: tuple[str, ...], grad: set[str]) -> list[Any]:
-    """New leaves for the tensors among ``values`` (needing a gradient where recorded so)."""
+    """New leaves for the tensors among ``values`` (needing a gradient where recorded so), each one that
+    needs a gradient given as a copy, as a stage gives its module what it receives: a node may change
+    its input in place ([Note: received values change in place] in ``services/compute/executor.py``)."""
     out: list[Any] = []
     for v, nm in zip(values, names, strict=True):
         if isinstance(v, torch.Tensor):
             x = v.detach()
             v = x.requires_grad_(nm in grad and (x.is_floating_point() or x.is_complex()))
+            v = v.clone() if v.requires_grad else v
         out.append(v)
     return out
 

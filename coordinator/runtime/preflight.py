@@ -71,7 +71,7 @@ from coordinator.runtime.factories import (
     unwrapped,
 )
 from services.compute.batchnorm import batch_norm_layers
-from services.compute.chain import Chain
+from services.compute.chain import Chain, call_model
 from services.compute.executor import evaluating
 from services.compute.randomness import Drawn, ModelRandomness, check_draws
 from services.compute.randomness.names import module_names
@@ -418,7 +418,7 @@ def _check_draws(config: JobConfig, root: nn.Module, source: SampleSource, chain
         try:
             inputs, _ = source.load(list(range(size)))
             with torch.no_grad(), use_snapshot(root), randomness.forward(0, list(range(size)), record):
-                root(inputs)
+                call_model(root, inputs)
         except Exception as exc:
             log.info("the random draws were not checked: the model does not run on %d samples (%s)", size,
                      first_line(exc))

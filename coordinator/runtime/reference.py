@@ -43,6 +43,7 @@ from coordinator.runtime.factories import build_data, build_loss, build_metric, 
 from coordinator.runtime.job import FitResult, Job
 from coordinator.runtime.nonfinite import NonFiniteStep
 from coordinator.runtime.records import EvalRecord
+from services.compute.chain import call_model
 from services.compute.precision import autocast, device_type
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import make_optimizer
@@ -85,7 +86,7 @@ def train_reference(job: Job, steps: int) -> FitResult:
             batch = sampler.indices(step * section.accumulate + a)
             inputs, targets = source.load(batch)
             with autocast(precision, device), randomness.forward(step, batch):
-                loss = loss_fn(model(inputs), targets) / section.accumulate
+                loss = loss_fn(call_model(model, inputs), targets) / section.accumulate
             (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
             value += float(loss.detach())
         if scaler is not None:
@@ -130,7 +131,7 @@ def evaluate_reference(config: JobConfig, model: torch.nn.Module, loss_fn: Calla
     inputs, targets = source.load(list(range(n)))
     model.eval()
     with torch.no_grad():
-        output = model(inputs)
+        output = call_model(model, inputs)
         loss = float(loss_fn(output, targets))
         metric = None
         if section.metric is not None:

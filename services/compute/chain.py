@@ -41,6 +41,17 @@ calling it is named with the fix (``model.leaves``). torch's own functions are t
 fx does: their backward is their forward's gradient (``torch.utils.checkpoint``'s reentrant
 ``CheckpointFunction`` recomputes the forward, and would take a module as an argument).
 
+[Note: a forward of several arguments] The data gives a model its inputs as one value (``model(inputs)``:
+a tensor, or a tuple, list or dict of tensors). A model whose ``forward`` takes two or more required
+arguments (``forward(self, x, mask)``) gets them spread from that value instead, as a torch training
+loop writes ``model(*inputs)`` or ``model(**inputs)``: a tuple or list of one value per required
+argument, in order, or a dict by their names. Its arguments with defaults take their defaults (a
+constant in the graph, as fx's ``concrete_args`` makes them); inputs that give one are refused by name
+rather than dropped. The traced graph takes the one value and picks each argument from it (an
+``argument`` operation each, joining the first node), so a stage, the profile and the preflight call
+every model alike, and :func:`call_model` calls the model itself (the one-process reference) by the
+same rule. A ``forward`` with one required argument is called ``model(inputs)`` as before.
+
 [Note: liveness] A value produced by node ``p`` (``p = -1`` for a model input) and last used by
 node ``u`` (``u = n`` when the model returns it) is alive across every cut ``c`` with
 ``p < c <= u`` (cut ``c`` lies between node ``c-1`` and node ``c``). All of them cross a stage
@@ -63,11 +74,12 @@ found. A tensor no node uses belongs to node 0, so a stage holds every tensor of
 from __future__ import annotations
 
 import functools
+import inspect
 import keyword
 import operator
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +90,8 @@ from torch.utils import _pytree
 
 from services.compute.cell import Cell, as_cells, cell_parameters
 
-__all__ = ["Chain", "ChainNode", "UntraceableError", "is_cell_sequence", "trace_chain"]
+__all__ = ["Chain", "ChainNode", "UntraceableError", "argument", "call_model", "is_cell_sequence",
+           "spread_arguments", "trace_chain"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -191,6 +204,83 @@ def _untraceable(root: nn.Module, failed_in: str | None, exc: Exception) -> str:
             "untraced, or give the model as a sequence of cellmesh.Cell")
 
 
+def spread_arguments(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The names of ``model.forward``'s required arguments and of its optional ones when it takes two or
+    more required ones (the data's inputs are spread over them: [Note: a forward of several arguments]);
+    None when it takes one. A cell sequence takes one."""
+    if is_cell_sequence(model):
+        return None
+    params = list(inspect.signature(model.forward).parameters.values())
+    plain = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = tuple(p.name for p in plain if p.default is p.empty)
+    if len(required) < 2:
+        return None
+    return required, tuple(p.name for p in plain if p.default is not p.empty)
+
+
+def argument(inputs: Any, index: int, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Any:
+    """Required argument ``index`` of a forward of several arguments (``required`` names them; ``optional``
+    the ones with defaults) from the data's ``inputs``: by position from a tuple or list of exactly one
+    value per required argument, by name from a dict of them.
+
+    Raises:
+        TypeError: The inputs are neither, or give another number of values, or miss a name, or give an
+            argument that has a default (it would be dropped: the forward takes its default).
+    """
+    given = (f"a dict with keys {sorted(map(str, inputs))}" if isinstance(inputs, Mapping)
+             else f"a {type(inputs).__name__} of {len(inputs)}" if isinstance(inputs, tuple | list)
+             else f"one {type(inputs).__name__}")
+    names = ", ".join(required)
+    if isinstance(inputs, Mapping):
+        extra = [k for k in inputs if k not in required]
+        if all(k in inputs for k in required) and not extra:
+            return inputs[required[index]]
+        if any(k in optional for k in extra):
+            wrong = next(k for k in extra if k in optional)
+            raise TypeError(f"the data's inputs ({given}) give {wrong!r}, an argument of the model's forward "
+                            "with a default, which takes its default in every stage: give the required "
+                            f"arguments ({names}) only, or make {wrong!r} required")
+    elif isinstance(inputs, tuple | list) and len(inputs) == len(required):
+        return inputs[index]
+    raise TypeError(f"the model's forward takes {len(required)} required arguments ({names}), so the data's "
+                    "inputs must give one value for each, as a tuple in that order or a dict by those names; "
+                    f"they are {given}")
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model`` on the data's ``inputs`` as a stage calls it: spread over a forward of several arguments
+    ([Note: a forward of several arguments]), else ``model(inputs)``."""
+    spread = spread_arguments(model)
+    if spread is None:
+        return model(inputs)
+    required, optional = spread
+    return model(*(argument(inputs, i, required, optional) for i in range(len(required))))
+
+
+def _take_one_value(graph: fx.Graph, spread: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
+    """Rewrites ``graph``'s placeholders of the required arguments into one placeholder, ``inputs``, and an
+    ``argument`` operation each; the optional ones' uses take their defaults (fx keeps them in the
+    placeholder's ``args``)."""
+    required, optional = spread
+    old = [nd for nd in graph.nodes if nd.op == "placeholder"]
+    assert len(old) == len(required) + len(optional), ([nd.target for nd in old], spread)
+    with graph.inserting_before(old[0]):
+        inputs = graph.placeholder("inputs")
+    after = old[-1]
+    for node in old:
+        name = str(node.target)
+        if name in required:
+            with graph.inserting_after(after):
+                after = graph.call_function(argument, (inputs, required.index(name), required, optional))
+            node.replace_all_uses_with(after)
+        else:
+            default = node.args[0] if node.args else None
+            for user in list(node.users):
+                user.replace_input_with(node, default)
+    for node in old:
+        graph.erase_node(node)
+
+
 def _root_of(cells: Sequence[Cell]) -> nn.Sequential:
     """``nn.Sequential`` of ``cells``, each under its name where Python allows (fx writes source code)."""
     keys = [c.name if c.name.isidentifier() and not keyword.iskeyword(c.name)
@@ -232,6 +322,9 @@ def trace_chain(model: nn.Module | Sequence[nn.Module], leaves: Iterable[str] = 
         graph = tracer.trace(root)
     except Exception as exc:
         raise UntraceableError(_untraceable(root, tracer.failed_in, exc)) from exc
+    spread = None if cells is not None else spread_arguments(root)
+    if spread is not None:
+        _take_one_value(graph, spread)
     return Chain(fx.GraphModule(root, graph), root, cells)
 
 

@@ -20,6 +20,16 @@ input did not reach the outputs). Tensors without gradients cross the cut too; n
 comes back for them. Parameter gradients accumulate over the step's microbatches. A
 list without backwards runs its forwards without autograd.
 
+[Note: received values change in place] The stage module gets a copy (``clone``) of each received
+leaf it differentiates, never the leaf itself: a stage may begin with an in-place operation on
+what it receives (``nn.ReLU(inplace=True)`` right after the cut, ``h += skip`` on a skip
+connection), which autograd refuses on a leaf that requires a gradient ("a leaf Variable that
+requires grad is being used in an in-place operation"), while one process runs it on an
+intermediate value. The gradient reaches the leaf through the copy. The cost is one copy of the
+stage's inputs per microbatch (memory: that copy while the microbatch is in flight, where the
+stage's first operation keeps its input for the backward). The profile feeds each node copies too
+(``coordinator/planning/profile.py``).
+
 A backward split in two (zero bubble: ``I`` then ``W``, see ``services/compute/actions.py``). ``I``
 runs the backward above with the stage's linear layers deferring their weight gradients
 (``services/compute/weight_grads.py``, [Note: splitting a backward]): it yields what ``SEND_B``
@@ -428,7 +438,8 @@ class StepExecutor:
             for (_, buf), spec in zip(buffers, stage.incoming.tensors, strict=True):
                 buf.requires_grad_(grad and spec.requires_grad)
             mb.inputs = [buf for _, buf in buffers]
-            inputs = unflatten(stage.incoming, mb.inputs)
+            # the module gets copies of the leaves it differentiates ([Note: received values change in place])
+            inputs = unflatten(stage.incoming, [t.clone() if t.requires_grad else t for t in mb.inputs])
         keyed = (self._randomness.forward(self._request.step, mb.samples) if self._randomness is not None
                  else contextlib.nullcontext())
         if self._store is not None:  # the linear layers queue this microbatch's (input, gradient) in I

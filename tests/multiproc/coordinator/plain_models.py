@@ -171,3 +171,53 @@ def quantized() -> nn.Module:
 def vectors(num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(num_samples, WIDTH, dtype=torch.float64),
             torch.randint(0, CLASSES, (num_samples,)))
+
+
+class InPlace(nn.Module):
+    """A ResNet-style stem and block whose operations change their inputs in place: a top-level
+    ``nn.ReLU(inplace=True)`` (its own node, so a cut may fall right before it) and ``h += skip``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.relu = nn.ReLU(inplace=True)
+        self.body = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.relu(self.stem(x))
+        h = self.body(skip)
+        h += skip
+        return self.out(h)
+
+
+def in_place() -> nn.Module:
+    """Nodes: stem, relu, body (and the in-place add), out."""
+    return InPlace().double()
+
+
+class Masked(nn.Module):
+    """A forward of several arguments, as a model with an attention mask has: the mask is used after
+    the first layers (so it crosses a cut), ``scale`` has a default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(WIDTH, WIDTH)
+        self.second = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        h = self.second(torch.tanh(self.first(x)))
+        return self.out(torch.tanh(h) * mask * scale)
+
+
+def masked() -> nn.Module:
+    """Nodes: first, second, out (the mask joins the last)."""
+    return Masked().double()
+
+
+def masked_vectors(as_dict: bool = False, num_samples: int = NUM_SAMPLES) -> tuple[object, torch.Tensor]:
+    """Inputs for ``masked``: ``(x, mask)``, or ``{"x": ..., "mask": ...}`` with ``as_dict``."""
+    x = torch.randn(num_samples, WIDTH, dtype=torch.float64)
+    mask = (torch.rand(num_samples, WIDTH) > 0.3).double()
+    return ({"x": x, "mask": mask} if as_dict else (x, mask)), torch.randint(0, CLASSES, (num_samples,))

@@ -27,7 +27,8 @@ P = "tests.multiproc.coordinator.plain_models"
 STEPS = 5
 TOL = 1e-9
 DATA = {"gpt": ("tokens", "lm_loss"), "resnet": ("images", "cross_entropy"),
-        "quantized": ("vectors", "cross_entropy")}
+        "quantized": ("vectors", "cross_entropy"), "in_place": ("vectors", "cross_entropy"),
+        "masked": ("masked_vectors", "cross_entropy")}
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "momentum": ("SGD", {"lr": 0.1, "momentum": 0.9}),
     "adamw": ("AdamW", {"lr": 0.01, "weight_decay": 0.01}),
@@ -37,7 +38,8 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{P}:{name}" for name in ("gpt", "resnet", "tokens", "images", "lm_loss", "cross_entropy",
-                                                      "quantized", "vectors")]
+                                                      "quantized", "vectors", "in_place", "masked",
+                                                      "masked_vectors")]
     with LocalHarness([f"local-{i}" for i in range(4)], job="t-plain", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
@@ -124,3 +126,22 @@ def test_custom_autograd_functions_train_with_their_own_backward_on_two_stages(h
     result = fit_and_compare(harness, job)
     assert max_abs_diff({"w": result.state_dict["first.weight"]},
                         {"w": job.build_model().state_dict()["first.weight"]}) > 1e-3  # the first one trained
+
+
+@pytest.mark.parametrize("balance", [[1, 3], [2, 2]], ids=["before-relu", "before-add"])
+def test_a_stage_that_begins_by_changing_what_it_receives_in_place(harness: LocalHarness,
+                                                                   balance: list[int]) -> None:
+    # stage 1 begins with the in-place ReLU on the received value, or adds into the received skip
+    job = make_job("in_place", "adamw", num_stages=2, data_parallel=1, num_microbatches=2,
+                   schedule="1f1b", balance=balance)
+    fit_and_compare(harness, job)
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_a_forward_of_several_arguments_gets_the_inputs_spread(harness: LocalHarness, as_dict: bool) -> None:
+    # forward(x, mask, scale=2.0): the mask crosses the cut to the stage that uses it
+    job = make_job("masked", "adamw", num_stages=2, data_parallel=1, num_microbatches=2, schedule="1f1b",
+                   balance=[1, 2], data_kwargs={"as_dict": as_dict})
+    first, _ = job.plan().stages
+    assert [t.name for t in first.outgoing.tensors] == ["argument_1", "tanh"]  # the mask goes along
+    fit_and_compare(harness, job)

@@ -12,7 +12,7 @@ from torch import nn
 
 from services.compute.boundary import BoundaryError, flatten, unflatten
 from services.compute.cell import Cell
-from services.compute.chain import UntraceableError, trace_chain
+from services.compute.chain import UntraceableError, call_model, spread_arguments, trace_chain
 from services.compute.stage import build_stage
 from services.factories import FactoryAllowList
 from services.protocol import Assignment, BoundarySpec, BoundaryTensor, ComputeOptions
@@ -280,3 +280,41 @@ def test_torchs_own_functions_are_traced_into_as_fx_does() -> None:
     traced = torch.autograd.grad(run_stages(chain, (0, 2, 3), x).sum(), list(model.parameters()))
     model(x).sum().backward()  # eager: the reentrant checkpoint takes no autograd.grad
     assert all(torch.equal(t, p.grad) for t, p in zip(traced, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_a_forward_of_several_arguments_takes_the_inputs_as_one_value(as_dict: bool) -> None:
+    model = pm.masked()
+    (x, mask), _ = pm.masked_vectors(num_samples=4)
+    inputs: Any = {"mask": mask, "x": x} if as_dict else (x, mask)
+    chain = trace_chain(model)
+    assert [str(nd.target) for nd in chain.module.graph.nodes if nd.op == "placeholder"] == ["inputs"]
+    assert [nd.name for nd in chain.crossing(1)] == ["argument_1", "tanh"]  # the mask crosses to its user
+    expected = model(x, mask)  # scale takes its default
+    assert torch.equal(call_model(model, inputs), expected)
+    assert torch.equal(run_stages(chain, (0, 1, 3), inputs), expected)
+
+
+@pytest.mark.parametrize(("inputs", "message"), [
+    (lambda x, m: (x,), r"takes 2 required arguments \(x, mask\), .* they are a tuple of 1"),
+    (lambda x, m: (x, m, 3.0), r"they are a tuple of 3"),
+    (lambda x, m: {"x": x}, r"they are a dict with keys \['x'\]"),
+    (lambda x, m: {"x": x, "mask": m, "scale": 3.0}, r"give 'scale', an argument of the model's forward with "
+                                                       r"a default, .* or make 'scale' required"),
+    (lambda x, m: x, r"they are one Tensor"),
+])
+def test_inputs_that_do_not_fit_a_forward_of_several_arguments_are_named(
+        inputs: Callable[[torch.Tensor, torch.Tensor], Any], message: str) -> None:
+    model = pm.masked()
+    (x, mask), _ = pm.masked_vectors(num_samples=4)
+    with pytest.raises(TypeError, match=message):
+        trace_chain(model).module(inputs(x, mask))
+    with pytest.raises(TypeError, match=message):
+        call_model(model, inputs(x, mask))
+
+
+def test_a_forward_with_one_required_argument_is_called_with_the_inputs_whole() -> None:
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    assert spread_arguments(model) is None and torch.equal(call_model(model, x), model(x))
+    assert spread_arguments(pm.masked()) == (("x", "mask"), ("scale",))
