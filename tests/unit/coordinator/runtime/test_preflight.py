@@ -75,14 +75,19 @@ def test_a_loss_that_does_not_take_the_output_is_named() -> None:
         job(loss="torch.nn:MSELoss", loss_kwargs={"reduction": "none"}).check()
 
 
-def test_an_embedding_with_sparse_gradients_is_refused_with_the_fix() -> None:
+@pytest.mark.parametrize(("factory", "cause", "fix"), [
+    # found on the model's layers, before it is built for real
+    ("sparse_embedding", "layer 0 (Embedding) is built with sparse=True", "build it with sparse=False"),
+    # no layer to find: found by the gradient of a sample
+    ("looked_up", "parameter 'table' gets a torch.sparse_coo gradient", "look it up with sparse=False"),
+], ids=["embedding-layer", "functional-lookup"])
+def test_sparse_gradients_are_refused_with_the_fix(factory: str, cause: str, fix: str) -> None:
     with pytest.raises(JobError) as info:
-        job(model=f"{B}:sparse_embedding", data=f"{B}:tokens").check()
+        job(model=f"{B}:{factory}", data=f"{B}:tokens").check()
     text = one_line(info.value)
-    assert text.startswith(f"model factory '{B}:sparse_embedding': layer 0 (Embedding) is built with "
-                           "sparse=True")
-    assert "build it with sparse=False" in text
-    job(model=f"{B}:sparse_embedding", model_kwargs={"sparse": False}, data=f"{B}:tokens").check()  # the fix
+    assert text.startswith(f"model factory '{B}:{factory}': {cause}")
+    assert fix in text
+    job(model=f"{B}:{factory}", model_kwargs={"sparse": False}, data=f"{B}:tokens").check()  # the fix
 
 
 def test_cells_and_data_of_different_dtypes_are_named() -> None:
@@ -198,16 +203,6 @@ def test_the_model_built_for_the_checks_is_the_one_planned() -> None:
     j = job(model=bad_models.one_linear, global_batch=33)
     checked = j.check()
     assert j.check() is checked  # kept until planning
-
-
-def test_a_sparse_lookup_without_an_embedding_layer_is_refused_by_its_gradient() -> None:
-    with pytest.raises(JobError) as info:
-        job(model=f"{B}:looked_up", data=f"{B}:tokens").check()
-    text = one_line(info.value)
-    assert text.startswith(f"model factory '{B}:looked_up': parameter 'table' gets a torch.sparse_coo "
-                           "gradient")
-    assert "look it up with sparse=False" in text
-    job(model=f"{B}:looked_up", model_kwargs={"sparse": False}, data=f"{B}:tokens").check()  # the fix
 
 
 def test_a_model_with_nothing_to_train_is_refused() -> None:
