@@ -5,7 +5,7 @@ Two kinds of source feed one stream of :data:`Event` s:
 * the workers' service hosts: one ROUTER socket connected to every worker ([Note: one socket for
   every worker]); requests go out at once (:meth:`EventLoop.send` never waits) and each reply
   becomes a :class:`Reply` event, validated against the type the request expects (a plain step reply
-  by the hand-written check of ``services/protocol/hot.py``, anything else by the models);
+  by the C decoder of ``services/protocol/hot.py``, anything else by the models);
 * the registry: a watch on ``/cellmesh/{job}/workers/`` turns a new or changed card into
   :class:`WorkerJoined` and a vanished one (drained, or its lease lapsed because the
   process died) into :class:`WorkerLost`. The watch runs on a thread that posts events
@@ -106,11 +106,11 @@ from comm.registry.follow import Change, Follower
 from comm.registry.presence import Presence
 from comm.rpc import Mailbox, RpcError, open_reply, request_frames
 from comm.rpc.framing import check_reply, reply_fields
-from comm.rpc.hot import BodyDecoder, plain_reply
+from comm.rpc.hot import PackedBody, RequestHeads
 from comm.sockets import CONTROL_HWM, make_socket
 from services.host.worker import coordinator_key
-from services.protocol import WorkerCard
-from services.protocol.hot import HOT_BODIES
+from services.protocol import StepReply, WorkerCard
+from services.protocol.hot import step_reply_frame
 
 __all__ = ["DEFAULT_PRESENCE_TTL", "Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
 
@@ -122,7 +122,7 @@ _WATCH_POLL = timedelta(seconds=0.25)  # how often the watch thread checks for c
 # plain ints: pyzmq builds an enum object for a flag combined per call, and for each ZMQ_EVENTS read
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _DRAIN_BATCH = 4096  # replies read per wake-up before the registry's events get a turn
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 COALESCE = timedelta(milliseconds=5)
 """The longest the loop lets replies gather before it reads again while many are outstanding
 ([Note: fewer wake-ups])."""
@@ -176,7 +176,6 @@ class _Request:
     method: str
     reply_type: type[BaseModel]
     sent: float
-    decoder: BodyDecoder | None  # the reply type's hand-written check (services/protocol/hot.py), if any
 
 
 class EventLoop:
@@ -219,6 +218,7 @@ class EventLoop:
         self._rids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
+        self._heads = RequestHeads()  # requests whose body comes packed ([Note: a request packed once])
         self._poller = zmq.Poller()
         self._posted: Mailbox[Event] = Mailbox("coordinator-loop")
         self._ready: deque[Event] = deque()
@@ -326,13 +326,16 @@ class EventLoop:
             self._poller.register(self._sock, zmq.POLLIN)
         return self._sock
 
-    def send(self, worker: str, service: str, method: str, request: BaseModel | Mapping[str, Any],
-             reply_type: type[BaseModel], *, tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
+    def send(self, worker: str, service: str, method: str,
+             request: BaseModel | Mapping[str, Any] | PackedBody, reply_type: type[BaseModel], *,
+             tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
         """Send ``request`` to ``service.method`` on ``worker``; its answer arrives as a :class:`Reply`.
 
         ``request`` is a message, or a message already dumped (``model_dump(mode="python")``),
-        which a caller sending the same large parts every step can build from cached pieces;
-        the service validates it either way.
+        which a caller sending the same large parts every step can build from cached pieces, or
+        such a dump packed once (:class:`~comm.rpc.hot.PackedBody`, no tensors) for a request that goes
+        to several services ([Note: a request packed once] in ``comm/rpc/hot.py``); the service
+        validates it either way.
 
         A request the socket cannot queue (see [Note: one socket for every worker]) is answered at
         once by a failed :class:`Reply` with code ``unreachable``.
@@ -347,7 +350,11 @@ class EventLoop:
         assert self._sock is not None
         request_id = next(self._ids)
         sent = time.time()
-        frames = request_frames(request_id, service, method, request, tensors)
+        if type(request) is PackedBody:
+            assert not tensors, "a packed request carries no tensors"
+            frames = [self._heads.frame(request_id, service, method, request)]
+        else:
+            frames = request_frames(request_id, service, method, request, tensors)  # type: ignore[arg-type]
         try:  # copied into ZeroMQ's buffers: the caller may change its tensors as soon as this returns
             self._sock.send(rid, _MORE)  # all or nothing: only the routing id's part can be refused
             for frame in frames[:-1]:
@@ -363,8 +370,7 @@ class EventLoop:
                         f"{self._addresses[worker]}: {why}; check that the worker runs and holds the job's "
                         "keys", sent=sent))
             return request_id
-        self._requests[request_id] = _Request(worker, service, method, reply_type, sent,
-                                              HOT_BODIES.get(reply_type))
+        self._requests[request_id] = _Request(worker, service, method, reply_type, sent)
         return request_id
 
     def forget(self, request_id: int) -> None:
@@ -432,44 +438,48 @@ class EventLoop:
         come one per wake-up, and that read costs half the exception. Either way the poller reads
         ``ZMQ_EVENTS`` itself before it sleeps, so no reply is left behind.
         """
+        recv, more = sock.recv, sock.get
         for n in range(_DRAIN_BATCH):
             try:  # one zmq.Again per drain (a drain reads several replies), not a ZMQ_EVENTS read per reply
-                parts = [sock.recv(_NOBLOCK, copy=False)]
+                rid = recv(_NOBLOCK)  # small parts as bytes: no Frame objects ([Note: a cold step])
             except zmq.Again:
                 return
-            while parts[-1].more:  # the rest of a message is there once its first part is
-                parts.append(sock.recv(_NOBLOCK, copy=False))
-            worker = self._worker_of.get(parts[0].bytes)
-            if worker is not None and len(parts) >= 2:  # else a late reply on a connection the loop dropped
-                reply = self._decode(worker, parts[1:])
+            # the rest of a message is there once its first part is; a ROUTER's message has a second
+            envelope = recv(_NOBLOCK) if more(_RCVMORE) else None
+            tensors = []
+            while envelope is not None and more(_RCVMORE):
+                tensors.append(recv(_NOBLOCK, copy=False))
+            worker = self._worker_of.get(rid)
+            if worker is not None and envelope is not None:  # else a late reply on a connection dropped
+                reply = self._decode(worker, envelope, tensors)
                 if reply is not None:
                     self._ready.append(reply)
             if n == 0 and not int(sock.get(_EVENTS)) & _POLLIN:  # see [Note: how a wake-up ends]
                 return
 
-    def _decode(self, worker: str, parts: list[zmq.Frame]) -> Reply | None:
+    def _decode(self, worker: str, frame: bytes, parts: list[zmq.Frame]) -> Reply | None:
+        """The reply in ``frame`` (its envelope) and ``parts`` (its tensors' frames), or None: malformed
+        (logged) or late."""
+        # a plain successful step reply is read in one C call ([Note: why the step reply is decoded in C] in
+        # services/protocol/hot.py); anything else, or what that declines, is validated by the models
+        request = None
+        if not parts:
+            hot = step_reply_frame(frame)
+            if hot is not None:
+                request = self._requests.pop(hot[0], None)
+                if request is None:
+                    return None  # a late reply to a forgotten request
+                if request.reply_type is StepReply:
+                    return Reply(id=hot[0], worker=worker, service=request.service, method=request.method,
+                                 ok=True, body=hot[1], sent=request.sent)
         source = f"worker {worker} (coordinator of {self.job})"
-        fields = reply_fields(parts[0].bytes, source)
+        fields = reply_fields(frame, source)
         if fields is None:
             return None
-        # the plain successful reply of a hot type is checked by hand ([Note: a fast path that only accepts]
-        # in comm/rpc/hot.py); anything else, or what the check declines, is validated by the models
-        plain = plain_reply(fields) if len(parts) == 1 else None
-        if plain is not None:
-            request = self._requests.pop(plain[0], None)
-            if request is None:
-                return None  # a late reply to a forgotten request
-            body = request.decoder(plain[1]) if request.decoder is not None else None
-            if body is not None:
-                return Reply(id=plain[0], worker=worker, service=request.service, method=request.method,
-                             ok=True, body=body, sent=request.sent)
-            envelope = check_reply(fields, source)
-            if envelope is None:
-                return None
-        else:
-            envelope = check_reply(fields, source)
-            if envelope is None:
-                return None
+        envelope = check_reply(fields, source)
+        if envelope is None:
+            return None
+        if request is None:
             request = self._requests.pop(envelope.id, None)
             if request is None:
                 return None  # a late reply to a forgotten request
@@ -479,7 +489,7 @@ class EventLoop:
                          ok=False, code=code, message=message, sent=request.sent)
 
         try:
-            body, tensors = open_reply(envelope, parts[1:], request.reply_type, request.service,
+            body, tensors = open_reply(envelope, parts, request.reply_type, request.service,
                                        request.method)
         except RpcError as exc:
             return failed(exc.code, exc.message)
