@@ -11,7 +11,8 @@ in one thread with nothing else in the process, the two ways a reply's first fra
   reply is decoded in C] in ``services/protocol/hot.py``);
 
 and what building a step's request costs (``comm.rpc.framing.request_frames`` of a ``RunStep`` naming
-its program, with the previous step's commit). Three replies: a hollow data-parallel worker's (2 actions),
+its program, with the previous step's commit, and the runtime's path: its body packed once, its envelope
+from a cached head, ``comm/rpc/hot.py``). Three replies: a hollow data-parallel worker's (2 actions),
 a 1F1B stage of 2 stages x 8 microbatches (32 actions, the traffic counters, a phase), and one with
 several phases and refusal counts.
 
@@ -38,6 +39,7 @@ if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shado
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from comm.rpc.framing import open_reply, read_reply, reply_frames, request_frames
+from comm.rpc.hot import PackedBody, RequestHeads
 from comm.traffic import TrafficCounts
 from services.protocol import CommitStep, OptimizerSpec, PhaseTiming, StepReply, pack_times
 from services.protocol.hot import step_reply_frame
@@ -128,7 +130,11 @@ def main() -> None:
                "microbatches": [list(range(8 * m, 8 * m + 8)) for m in range(8)]}
     build = per_call_us(lambda: request_frames(12, "run/compute-r0-s0", "run_step", request), args.number,
                         args.repeats)
-    print(f"\nbuilding a step's request (8 microbatches of 8 samples, a commit): {build:.1f} µs")
+    heads = RequestHeads()
+    packed = per_call_us(lambda: heads.frame(12, "run/compute-r0-s0", "run_step", PackedBody(request)),
+                         args.number, args.repeats)
+    print(f"\nbuilding a step's request (8 microbatches of 8 samples, a commit): {build:.1f} µs; "
+          f"packed (PackedBody, RequestHeads: the runtime's path) {packed:.1f} µs")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

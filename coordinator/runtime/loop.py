@@ -80,6 +80,39 @@ a hold, which costs the CPU it saves when the cores are shared; a fixed hold (a 
 parallel workers would take a 5 ms hold's 10%); and a multi-step request (one request starts K steps),
 which cuts the requests but not the replies, and would put fault detection, a checkpoint every N steps
 and a ``stop`` at a step out of the coordinator's step boundaries.
+
+[Note: a cold step]
+What a training step costs the coordinator, profiled (the coordinator thread's CPU split by hand around
+each piece, ``time.thread_time``; bench/train.py, under load; the timers add their own cold cost), before
+the changes below: one worker, about 500 µs a step: the reply's read 140-180 (msgpack 47, the hand check
+35, the ``Reply`` 11), the frames' reads 50-65, the poller 50 a wake-up (1.4 a step), the request's build
+and send 45-70, the commit's request 25-30, the step's bookkeeping (norm, non-finite, traffic, record) 25,
+the session's own between steps about 60. A stage of 1F1B 2x8 the same, per reply. At 256 hollow
+data-parallel workers, per reply: its read 38, its frames 27, its request 16, the poller 19. Each piece
+costs about ten times its warm cost: a step touches the coordinator once per 50-100 ms and the workers'
+compute evicts its caches in between, so what counts is how much code and memory a step touches, not
+how many instructions. So, decided by that profile:
+
+* the step reply is read in one C call (msgspec), envelope and body together, checked as the models
+  check them (``services/protocol/hot.py``, [Note: why the step reply is decoded in C]): 16-23 µs cold
+  for the decode against 74-110 for msgpack and the hand check;
+* a reply's frames are read as ``bytes`` (a ROUTER's routing id and envelope are small): no
+  ``zmq.Frame`` per part nor its ``.more`` and ``.bytes``; tensor frames stay zero-copy frames;
+* a step's request is packed once per replica, its envelope written from a head packed once per
+  service and method (``comm/rpc/hot.py``, [Note: a request packed once]), and the commit riding on it
+  is the first commit's dump with its step, scale and save patched (the model checks the first request
+  and the first commit; the services validate every one);
+* kept as they are: the step's bookkeeping (each value is read every step: the norm for clipping, the
+  non-finite check for skipping; the event lists were already built only when read,
+  ``coordinator/runtime/records.py``); the poller (one wake-up per reply of a short step is the floor
+  with one outstanding request; a blocking ``recv`` with a timeout in its place would need the registry
+  mailbox on the ROUTER itself and the hold's mailbox-only sleep rebuilt, for part of 50 µs);
+* not done, for issue 18: one request shared by every data-parallel replica (a PUB socket, or one frame
+  sent N times without a copy). Their requests differ by their samples, which the coordinator's sampler
+  draws, so a shared request needs the workers to draw their own from (step, replica), a change of the
+  data path; and what a send costs now is ZeroMQ's work per pipe and the system call, N of them either
+  way, not the encoding (a packed body costs one concatenation per request). Per-step replies stay: fault
+  detection, checkpoints and ``stop`` read them.
 """
 
 from __future__ import annotations
