@@ -1,4 +1,4 @@
-"""What reading a step reply costs the coordinator: the validating path against the hand check, warm and cold.
+"""What reading a step reply costs the coordinator: the validating path against the C decoder, warm and cold.
 
 The coordinator reads one ``StepReply`` per stage per step (``coordinator/runtime/loop.py``). This times,
 in one thread with nothing else in the process, the two ways a reply's first frame becomes a message:
@@ -6,11 +6,13 @@ in one thread with nothing else in the process, the two ways a reply's first fra
 * ``models``: msgpack, then pydantic's validation of the envelope (``ReplyEnvelope``) and of the body
   (``StepReply``), as every reply was read before the hand check (``comm.rpc.framing.read_reply`` and
   ``open_reply``);
-* ``hand``: msgpack, then ``comm.rpc.hot.plain_reply`` and ``services.protocol.hot.step_reply``, the
-  loop's path now ([Note: a fast path that only accepts] in ``comm/rpc/hot.py``);
+* ``msgspec``: ``services.protocol.hot.step_reply_frame``, the envelope and the body decoded and checked
+  in one msgspec call, then made the models without validation: the loop's path now ([Note: why the step
+  reply is decoded in C] in ``services/protocol/hot.py``);
 
 and what building a step's request costs (``comm.rpc.framing.request_frames`` of a ``RunStep`` naming
-its program, with the previous step's commit). Three replies: a hollow data-parallel worker's (2 actions),
+its program, with the previous step's commit, and the runtime's path: its body packed once, its envelope
+from a cached head, ``comm/rpc/hot.py``). Three replies: a hollow data-parallel worker's (2 actions),
 a 1F1B stage of 2 stages x 8 microbatches (32 actions, the traffic counters, a phase), and one with
 several phases and refusal counts.
 
@@ -36,12 +38,11 @@ from typing import Any
 if not __package__:  # run as `python bench/x.py`: keep bench/comm.py from shadowing the comm package
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from comm.codec import unpack_raw
 from comm.rpc.framing import open_reply, read_reply, reply_frames, request_frames
-from comm.rpc.hot import plain_reply
+from comm.rpc.hot import PackedBody, RequestHeads
 from comm.traffic import TrafficCounts
 from services.protocol import CommitStep, OptimizerSpec, PhaseTiming, StepReply, pack_times
-from services.protocol.hot import step_reply
+from services.protocol.hot import step_reply_frame
 
 
 def _reply(actions: int, *, losses: int, phases: list[PhaseTiming], traffic: TrafficCounts | None
@@ -73,12 +74,10 @@ def _models(frame: bytes) -> StepReply:
     return body
 
 
-def _hand(frame: bytes) -> StepReply:
-    plain = plain_reply(unpack_raw(frame, what="reply envelope"))
-    assert plain is not None
-    body = step_reply(plain[1])
-    assert body is not None
-    return body
+def _fast(frame: bytes) -> StepReply:
+    read = step_reply_frame(frame)
+    assert read is not None
+    return read[1]
 
 
 def per_call_us(fn: Callable[[], Any], number: int, repeats: int) -> float:
@@ -115,23 +114,27 @@ def main() -> None:
     parser.add_argument("--cold", type=int, default=300)
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f} at the start")
-    print("| reply | bytes | warm: models µs | hand µs | cold: models µs | hand µs |")
+    print("| reply | bytes | warm: models µs | msgspec µs | cold: models µs | msgspec µs |")
     print("|---|---|---|---|---|---|")
     for name, reply in REPLIES.items():
         frame = bytes(reply_frames(7, reply)[0])
-        assert _models(frame) == _hand(frame) == reply
+        assert _models(frame) == _fast(frame) == reply
         models = per_call_us(lambda f=frame: _models(f), args.number, args.repeats)
-        hand = per_call_us(lambda f=frame: _hand(f), args.number, args.repeats)
-        cold = cold_us({"models": lambda f=frame: _models(f), "hand": lambda f=frame: _hand(f)}, args.cold)
-        print(f"| {name} | {len(frame)} | {models:.1f} | {hand:.1f} | {cold['models']:.1f} "
-              f"| {cold['hand']:.1f} |")
+        fast = per_call_us(lambda f=frame: _fast(f), args.number, args.repeats)
+        cold = cold_us({"models": lambda f=frame: _models(f), "fast": lambda f=frame: _fast(f)}, args.cold)
+        print(f"| {name} | {len(frame)} | {models:.1f} | {fast:.1f} | {cold['models']:.1f} "
+              f"| {cold['fast']:.1f} |")
     optimizer = OptimizerSpec(name="SGD", kwargs={"lr": 0.01})
     commit = CommitStep(step=11, optimizer=optimizer, timeout_ms=300_000, train_step=11).model_dump()
     request = {"step": 12, "program": "train", "timeout_ms": 300_000, "loss_scale": 1.0, "commit": commit,
                "microbatches": [list(range(8 * m, 8 * m + 8)) for m in range(8)]}
     build = per_call_us(lambda: request_frames(12, "run/compute-r0-s0", "run_step", request), args.number,
                         args.repeats)
-    print(f"\nbuilding a step's request (8 microbatches of 8 samples, a commit): {build:.1f} µs")
+    heads = RequestHeads()
+    packed = per_call_us(lambda: heads.frame(12, "run/compute-r0-s0", "run_step", PackedBody(request)),
+                         args.number, args.repeats)
+    print(f"\nbuilding a step's request (8 microbatches of 8 samples, a commit): {build:.1f} µs; "
+          f"packed (PackedBody, RequestHeads: the runtime's path) {packed:.1f} µs")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -185,8 +185,8 @@ def read_reply(frame: bytes, source: str) -> ReplyEnvelope | None:
 def reply_fields(frame: bytes, source: str) -> dict[str, Any] | None:
     """The map in a reply's ``frame`` (version checked, not validated), or None (logged) when it is none.
 
-    :func:`read_reply` in two halves, for a reader that checks plain replies by hand first
-    (:func:`comm.rpc.hot.plain_reply`) and validates the rest with :func:`check_reply`.
+    :func:`read_reply` in two halves, for a reader that looks at the map before it validates it with
+    :func:`check_reply`.
     """
     try:
         return unpack_raw(frame, what="reply envelope")

@@ -74,6 +74,7 @@ from datetime import timedelta
 import torch
 
 from comm.codec import unpack
+from comm.rpc.hot import PackedBody
 from comm.traffic import TrafficCounts, latest_by
 from coordinator.planning.devices import DeviceError
 from coordinator.planning.plan import Plan
@@ -158,7 +159,8 @@ class Runtime:
         self._uncommitted = False  # the last step run awaits its commit
         self._pending = (0, 1.0)  # that step (train_step) and its commit's grad_scale
         self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
-        self._first_request = True
+        self._first_request = self._first_commit = True  # the first request, the first with a commit
+        self._commit_dump: dict[str, object] | None = None  # CommitStep dumped, for the fields that vary
         self.scaler = LossScaler(spec.scaler) if plan.precision == "fp16" else None
         self._shards = ParamShards(plan, spec.run, addresses, initial_params, spec.holders,
                                    clip_grad_norm=spec.clip_grad_norm)  # no shards in collective mode
@@ -327,23 +329,24 @@ class Runtime:
             return self._run_async(step, batches, upcoming, step + 1 if end is None else end)
         start, polled = time.time(), self.loop.poll_seconds
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
-        commit = self._commit_request(save) if self._uncommitted else None
+        commit = self._commit_fields(save) if self._uncommitted else None
         assert save is None or commit is not None, "a save rides on a commit: check can_save first"
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self._first_request:  # the request's shape, checked once by building one
-            RunStep(step=step, microbatches=[list(mb) for mb in batches[0]], program=TRAIN_PROGRAM,
-                    timeout_ms=timeout_ms, commit=commit, loss_scale=loss_scale)
-            self._first_request = False
-        # RunStep, dumped (the services validate it): what the step changes, and the program it runs
-        shared = {"step": step, "program": TRAIN_PROGRAM, "timeout_ms": timeout_ms, "loss_scale": loss_scale}
-        if commit is not None:
-            shared["commit"] = commit.model_dump(mode="python")
-        per_replica = [{**shared, "microbatches": [list(mb) for mb in mbs]} for mbs in batches]
+        # RunStep, dumped (the services validate it): what the step changes, and the program it runs; packed
+        # once per replica, whose stages all get it ([Note: a request packed once] in comm/rpc/hot.py)
+        shared: dict[str, object] = {"step": step, "program": TRAIN_PROGRAM, "timeout_ms": timeout_ms,
+                                     "loss_scale": loss_scale, "commit": commit}
+        requests = [{**shared, "microbatches": [list(mb) for mb in mbs]} for mbs in batches]
+        if self._first_request or (commit is not None and self._first_commit):  # the shape, checked once
+            RunStep.model_validate(requests[0])
+            self._first_request, self._first_commit = False, self._first_commit and commit is None
+        per_replica = [PackedBody(request) for request in requests]
         ids: dict[int, _Service] = {}
+        send = self.loop.send
         for sv in self.services:
-            ids[self.loop.send(sv.worker, sv.name, "run_step", per_replica[sv.replica], StepReply)] = sv
-        if commit is not None:
-            self._shards.send_round(self.loop, commit, save, self.spec.step_timeout)
+            ids[send(sv.worker, sv.name, "run_step", per_replica[sv.replica], StepReply)] = sv
+        if commit is not None and self._shards.services:  # the shards' part of the commit (none: no shards)
+            self._shards.send_round(self.loop, self._commit_request(save), save, self.spec.step_timeout)
         replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)
         if commit is not None:
             self.commits += 1
@@ -503,6 +506,15 @@ class Runtime:
         self._uncommitted = False
         return [*(part for r in replies.values() if isinstance(r.body, CommitReply) for part in r.body.saved),
                 *self._shards.saved()]
+
+    def _commit_fields(self, save: SaveRequest | None) -> dict[str, object]:
+        """``self._commit_request(save).model_dump(mode="python")``, built from the first one's dump: the rest
+        of a run's commits differ only in their step, scale and save (the services validate each)."""
+        if self._commit_dump is None:
+            self._commit_dump = self._commit_request(None).model_dump(mode="python")
+        train_step, scale = self._pending
+        return {**self._commit_dump, "step": self.commits, "grad_scale": scale, "train_step": train_step,
+                "save": None if save is None else save.model_dump(mode="python")}
 
     def _commit_request(self, save: SaveRequest | None) -> CommitStep:
         """The commit (number ``self.commits``) of the last step run, with ``save`` riding on it."""

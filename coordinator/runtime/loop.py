@@ -5,7 +5,7 @@ Two kinds of source feed one stream of :data:`Event` s:
 * the workers' service hosts: one ROUTER socket connected to every worker ([Note: one socket for
   every worker]); requests go out at once (:meth:`EventLoop.send` never waits) and each reply
   becomes a :class:`Reply` event, validated against the type the request expects (a plain step reply
-  by the hand-written check of ``services/protocol/hot.py``, anything else by the models);
+  by the C decoder of ``services/protocol/hot.py``, anything else by the models);
 * the registry: a watch on ``/cellmesh/{job}/workers/`` turns a new or changed card into
   :class:`WorkerJoined` and a vanished one (drained, or its lease lapsed because the
   process died) into :class:`WorkerLost`. The watch runs on a thread that posts events
@@ -80,6 +80,39 @@ a hold, which costs the CPU it saves when the cores are shared; a fixed hold (a 
 parallel workers would take a 5 ms hold's 10%); and a multi-step request (one request starts K steps),
 which cuts the requests but not the replies, and would put fault detection, a checkpoint every N steps
 and a ``stop`` at a step out of the coordinator's step boundaries.
+
+[Note: a cold step]
+What a training step costs the coordinator, profiled (the coordinator thread's CPU split by hand around
+each piece, ``time.thread_time``; bench/train.py, under load; the timers add their own cold cost), before
+the changes below: one worker, about 500 µs a step: the reply's read 140-180 (msgpack 47, the hand check
+35, the ``Reply`` 11), the frames' reads 50-65, the poller 50 a wake-up (1.4 a step), the request's build
+and send 45-70, the commit's request 25-30, the step's bookkeeping (norm, non-finite, traffic, record) 25,
+the session's own between steps about 60. A stage of 1F1B 2x8 the same, per reply. At 256 hollow
+data-parallel workers, per reply: its read 38, its frames 27, its request 16, the poller 19. Each piece
+costs about ten times its warm cost: a step touches the coordinator once per 50-100 ms and the workers'
+compute evicts its caches in between, so what counts is how much code and memory a step touches, not
+how many instructions. So, decided by that profile:
+
+* the step reply is read in one C call (msgspec), envelope and body together, checked as the models
+  check them (``services/protocol/hot.py``, [Note: why the step reply is decoded in C]): 16-23 µs cold
+  for the decode against 74-110 for msgpack and the hand check;
+* a reply's frames are read as ``bytes`` (a ROUTER's routing id and envelope are small): no
+  ``zmq.Frame`` per part nor its ``.more`` and ``.bytes``; tensor frames stay zero-copy frames;
+* a step's request is packed once per replica, its envelope written from a head packed once per
+  service and method (``comm/rpc/hot.py``, [Note: a request packed once]), and the commit riding on it
+  is the first commit's dump with its step, scale and save patched (the model checks the first request
+  and the first commit; the services validate every one);
+* kept as they are: the step's bookkeeping (each value is read every step: the norm for clipping, the
+  non-finite check for skipping; the event lists were already built only when read,
+  ``coordinator/runtime/records.py``); the poller (one wake-up per reply of a short step is the floor
+  with one outstanding request; a blocking ``recv`` with a timeout in its place would need the registry
+  mailbox on the ROUTER itself and the hold's mailbox-only sleep rebuilt, for part of 50 µs);
+* not done, for issue 18: one request shared by every data-parallel replica (a PUB socket, or one frame
+  sent N times without a copy). Their requests differ by their samples, which the coordinator's sampler
+  draws, so a shared request needs the workers to draw their own from (step, replica), a change of the
+  data path; and what a send costs now is ZeroMQ's work per pipe and the system call, N of them either
+  way, not the encoding (a packed body costs one concatenation per request). Per-step replies stay: fault
+  detection, checkpoints and ``stop`` read them.
 """
 
 from __future__ import annotations
@@ -106,11 +139,11 @@ from comm.registry.follow import Change, Follower
 from comm.registry.presence import Presence
 from comm.rpc import Mailbox, RpcError, open_reply, request_frames
 from comm.rpc.framing import check_reply, reply_fields
-from comm.rpc.hot import BodyDecoder, plain_reply
+from comm.rpc.hot import PackedBody, RequestHeads
 from comm.sockets import CONTROL_HWM, make_socket
 from services.host.worker import coordinator_key
-from services.protocol import WorkerCard
-from services.protocol.hot import HOT_BODIES
+from services.protocol import StepReply, WorkerCard
+from services.protocol.hot import step_reply_frame
 
 __all__ = ["DEFAULT_PRESENCE_TTL", "Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
 
@@ -122,7 +155,7 @@ _WATCH_POLL = timedelta(seconds=0.25)  # how often the watch thread checks for c
 # plain ints: pyzmq builds an enum object for a flag combined per call, and for each ZMQ_EVENTS read
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _DRAIN_BATCH = 4096  # replies read per wake-up before the registry's events get a turn
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 COALESCE = timedelta(milliseconds=5)
 """The longest the loop lets replies gather before it reads again while many are outstanding
 ([Note: fewer wake-ups])."""
@@ -176,7 +209,6 @@ class _Request:
     method: str
     reply_type: type[BaseModel]
     sent: float
-    decoder: BodyDecoder | None  # the reply type's hand-written check (services/protocol/hot.py), if any
 
 
 class EventLoop:
@@ -219,6 +251,7 @@ class EventLoop:
         self._rids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
+        self._heads = RequestHeads()  # requests whose body comes packed ([Note: a request packed once])
         self._poller = zmq.Poller()
         self._posted: Mailbox[Event] = Mailbox("coordinator-loop")
         self._ready: deque[Event] = deque()
@@ -326,13 +359,16 @@ class EventLoop:
             self._poller.register(self._sock, zmq.POLLIN)
         return self._sock
 
-    def send(self, worker: str, service: str, method: str, request: BaseModel | Mapping[str, Any],
-             reply_type: type[BaseModel], *, tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
+    def send(self, worker: str, service: str, method: str,
+             request: BaseModel | Mapping[str, Any] | PackedBody, reply_type: type[BaseModel], *,
+             tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> int:
         """Send ``request`` to ``service.method`` on ``worker``; its answer arrives as a :class:`Reply`.
 
         ``request`` is a message, or a message already dumped (``model_dump(mode="python")``),
-        which a caller sending the same large parts every step can build from cached pieces;
-        the service validates it either way.
+        which a caller sending the same large parts every step can build from cached pieces, or
+        such a dump packed once (:class:`~comm.rpc.hot.PackedBody`, no tensors) for a request that goes
+        to several services ([Note: a request packed once] in ``comm/rpc/hot.py``); the service
+        validates it either way.
 
         A request the socket cannot queue (see [Note: one socket for every worker]) is answered at
         once by a failed :class:`Reply` with code ``unreachable``.
@@ -347,7 +383,11 @@ class EventLoop:
         assert self._sock is not None
         request_id = next(self._ids)
         sent = time.time()
-        frames = request_frames(request_id, service, method, request, tensors)
+        if type(request) is PackedBody:
+            assert not tensors, "a packed request carries no tensors"
+            frames = [self._heads.frame(request_id, service, method, request)]
+        else:
+            frames = request_frames(request_id, service, method, request, tensors)  # type: ignore[arg-type]
         try:  # copied into ZeroMQ's buffers: the caller may change its tensors as soon as this returns
             self._sock.send(rid, _MORE)  # all or nothing: only the routing id's part can be refused
             for frame in frames[:-1]:
@@ -363,8 +403,7 @@ class EventLoop:
                         f"{self._addresses[worker]}: {why}; check that the worker runs and holds the job's "
                         "keys", sent=sent))
             return request_id
-        self._requests[request_id] = _Request(worker, service, method, reply_type, sent,
-                                              HOT_BODIES.get(reply_type))
+        self._requests[request_id] = _Request(worker, service, method, reply_type, sent)
         return request_id
 
     def forget(self, request_id: int) -> None:
@@ -432,44 +471,48 @@ class EventLoop:
         come one per wake-up, and that read costs half the exception. Either way the poller reads
         ``ZMQ_EVENTS`` itself before it sleeps, so no reply is left behind.
         """
+        recv, more = sock.recv, sock.get
         for n in range(_DRAIN_BATCH):
             try:  # one zmq.Again per drain (a drain reads several replies), not a ZMQ_EVENTS read per reply
-                parts = [sock.recv(_NOBLOCK, copy=False)]
+                rid = recv(_NOBLOCK)  # small parts as bytes: no Frame objects ([Note: a cold step])
             except zmq.Again:
                 return
-            while parts[-1].more:  # the rest of a message is there once its first part is
-                parts.append(sock.recv(_NOBLOCK, copy=False))
-            worker = self._worker_of.get(parts[0].bytes)
-            if worker is not None and len(parts) >= 2:  # else a late reply on a connection the loop dropped
-                reply = self._decode(worker, parts[1:])
+            # the rest of a message is there once its first part is; a ROUTER's message has a second
+            envelope = recv(_NOBLOCK) if more(_RCVMORE) else None
+            tensors = []
+            while envelope is not None and more(_RCVMORE):
+                tensors.append(recv(_NOBLOCK, copy=False))
+            worker = self._worker_of.get(rid)
+            if worker is not None and envelope is not None:  # else a late reply on a connection dropped
+                reply = self._decode(worker, envelope, tensors)
                 if reply is not None:
                     self._ready.append(reply)
             if n == 0 and not int(sock.get(_EVENTS)) & _POLLIN:  # see [Note: how a wake-up ends]
                 return
 
-    def _decode(self, worker: str, parts: list[zmq.Frame]) -> Reply | None:
+    def _decode(self, worker: str, frame: bytes, parts: list[zmq.Frame]) -> Reply | None:
+        """The reply in ``frame`` (its envelope) and ``parts`` (its tensors' frames), or None: malformed
+        (logged) or late."""
+        # a plain successful step reply is read in one C call ([Note: why the step reply is decoded in C] in
+        # services/protocol/hot.py); anything else, or what that declines, is validated by the models
+        request = None
+        if not parts:
+            hot = step_reply_frame(frame)
+            if hot is not None:
+                request = self._requests.pop(hot[0], None)
+                if request is None:
+                    return None  # a late reply to a forgotten request
+                if request.reply_type is StepReply:
+                    return Reply(id=hot[0], worker=worker, service=request.service, method=request.method,
+                                 ok=True, body=hot[1], sent=request.sent)
         source = f"worker {worker} (coordinator of {self.job})"
-        fields = reply_fields(parts[0].bytes, source)
+        fields = reply_fields(frame, source)
         if fields is None:
             return None
-        # the plain successful reply of a hot type is checked by hand ([Note: a fast path that only accepts]
-        # in comm/rpc/hot.py); anything else, or what the check declines, is validated by the models
-        plain = plain_reply(fields) if len(parts) == 1 else None
-        if plain is not None:
-            request = self._requests.pop(plain[0], None)
-            if request is None:
-                return None  # a late reply to a forgotten request
-            body = request.decoder(plain[1]) if request.decoder is not None else None
-            if body is not None:
-                return Reply(id=plain[0], worker=worker, service=request.service, method=request.method,
-                             ok=True, body=body, sent=request.sent)
-            envelope = check_reply(fields, source)
-            if envelope is None:
-                return None
-        else:
-            envelope = check_reply(fields, source)
-            if envelope is None:
-                return None
+        envelope = check_reply(fields, source)
+        if envelope is None:
+            return None
+        if request is None:
             request = self._requests.pop(envelope.id, None)
             if request is None:
                 return None  # a late reply to a forgotten request
@@ -479,7 +522,7 @@ class EventLoop:
                          ok=False, code=code, message=message, sent=request.sent)
 
         try:
-            body, tensors = open_reply(envelope, parts[1:], request.reply_type, request.service,
+            body, tensors = open_reply(envelope, parts, request.reply_type, request.service,
                                        request.method)
         except RpcError as exc:
             return failed(exc.code, exc.message)

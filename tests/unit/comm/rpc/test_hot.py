@@ -1,11 +1,12 @@
-"""The hand-written checks of the hot replies against the pydantic models they stand in for.
+"""The C decoder of the step reply against the pydantic models it stands in for; requests packed once.
 
-[Note: a fast path that only accepts] (``comm/rpc/hot.py``): whatever a check accepts, the model
-accepts too and builds an equal message (same values, same nested types, same fields given); what it
-declines the caller validates with the model. Proven here on random maps (hypothesis), on real
-messages mutated the way the security fuzzer mutates them (``tests/multiproc/security/frames.py``),
-and on every seed message of the protocol. Everything goes through msgpack first, so the values are
-the types a wire gives. And the checks must be worth having: a reply as a worker sends it is accepted.
+[Note: a fast path that only accepts] (``comm/rpc/hot.py``): whatever the decoder accepts, the models
+accept too (the envelope, then the body) and build an equal message (same values, same nested types,
+same fields given); what it declines the caller validates with the models. Proven here on random maps
+(hypothesis), on real messages mutated the way the security fuzzer mutates them
+(``tests/multiproc/security/frames.py``), and on every seed message of the protocol, each put in a reply
+frame as a worker's host frames it. Everything goes through msgpack first, so the values are the types a
+wire gives. And the decoder must be worth having: a reply as a worker sends it is accepted.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from comm.codec import unpack_raw
+from comm.codec import MAX_CONTROL_BYTES, unpack_raw
 from comm.rpc.envelope import ReplyEnvelope
-from comm.rpc.hot import plain_reply
+from comm.rpc.framing import reply_frames, request_frames
+from comm.rpc.hot import PackedBody, RequestHeads
 from comm.traffic import TrafficCounts
 from services.protocol import PhaseTiming, SavedPart, StepReply, TrafficReports, pack_times
 from services.protocol.compute import MAX_TIMES_BYTES, TIMING_BYTES
-from services.protocol.hot import HOT_BODIES, phase_timing, step_reply, traffic_counts
+from services.protocol.hot import step_reply_frame
 from tests.multiproc.security.frames import SEEDS, FrameMaker
 
 _TRAFFIC = {"bytes_sent": {"zmq": 10240, "gloo": 0}, "refused_frames": {"bad header": 2},
@@ -43,6 +45,32 @@ def _worker_reply(**changes: Any) -> dict[str, Any]:
                      grad_sq_norm=0.5, held_bytes=1024, peak_bytes=0, lead=None).model_dump(mode="python")
     body.update(changes)
     return _wire(body)
+
+
+def _frame(body: Any, **envelope: Any) -> bytes:
+    """A reply frame carrying ``body`` as a service host frames a successful reply (comm/rpc/framing.py)."""
+    fields = {"id": 3, "ok": True, "body": body, "error": None, "tensors": [], "v": 1, **envelope}
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def step_reply(body: Any) -> StepReply | None:
+    """The decoder on ``body`` in a plain reply's frame: the message, or None (declined)."""
+    read = step_reply_frame(_frame(body))
+    if read is not None:
+        assert read[0] == 3
+    return None if read is None else read[1]
+
+
+def phase_timing(value: Any) -> PhaseTiming | None:
+    """The decoder on a phase, in a worker's reply."""
+    read = step_reply(_worker_reply(phases=[value]))
+    return None if read is None else read.phases[0]
+
+
+def traffic_counts(value: Any) -> TrafficCounts | None:
+    """The decoder on traffic counters, in a worker's reply (None there is no counters: declined here)."""
+    read = step_reply(_worker_reply(traffic=value))
+    return None if read is None or read.traffic is None else read.traffic
 
 
 def _wire(value: Any) -> Any:
@@ -81,34 +109,37 @@ def _conforms(check: Any, model: type[BaseModel], value: Any) -> bool:
 
 
 def test_a_reply_as_a_worker_sends_it_takes_the_fast_path() -> None:
-    assert HOT_BODIES[StepReply] is step_reply
     body = _worker_reply()
+    framed = bytes(reply_frames(9, StepReply.model_validate(body))[0])  # the worker's own framing
+    read = step_reply_frame(framed)
+    assert read is not None and read[0] == 9
+    _same(read[1], StepReply.model_validate(body))
     assert _conforms(step_reply, StepReply, body)
     assert _conforms(step_reply, StepReply, _worker_reply(traffic=None, grad_sq_norm=None, phases=[],
                                                           losses=[], held_bytes=None))
 
 
-def test_the_check_knows_every_field_of_the_model() -> None:
-    """A field added to StepReply without a check makes every reply take the slow path: caught here."""
+def test_the_decoder_knows_every_field_of_the_model() -> None:
+    """A field added to StepReply without its mirror makes every reply take the slow path: caught here."""
     assert set(_worker_reply()) == set(StepReply.model_fields)
     assert step_reply(_worker_reply()) is not None
 
 
 @pytest.mark.parametrize(("field", "value", "converted"), [
     ("step", True, False), ("step", 1.0, False), ("step", "1", False), ("stage", None, False),
-    ("losses", [1], True), ("losses", [True], False), ("times", b"\0" * 8, False),
+    ("losses", [True], False), ("times", b"\0" * 8, False),
     ("times", [1.0, 2.0], False), ("times", "0123456789abcdef", False), ("times", None, False),
     ("times", b"\0" * (MAX_TIMES_BYTES + TIMING_BYTES), False), ("metric_sums", None, False),
     ("metric_sums", [0.0] * ((1 << 16) + 1), False), ("nonfinite_grads", ["a"] * 9, False),
     ("nonfinite_grads", [1], False),
     ("saved", [SavedPart(step=3, part="r0-s0", model=True).model_dump()], True),
-    ("saved", None, False), ("grad_sq_norm", 1, True), ("grad_sq_norm", "1.0", False),
+    ("saved", None, False), ("grad_sq_norm", "1.0", False),
     ("held_bytes", -1, False),
     ("held_bytes", True, False), ("peak_bytes", 0.0, False), ("lead", -3, False),
     ("phases", [{"name": "", "start": 0.0, "end": 1.0}], False),
     ("phases", [{"name": "x" * 257, "start": 0.0, "end": 1.0}], False),
     ("phases", [{"name": "x", "start": 0.0}], False),
-    ("phases", [{"name": "x", "start": 0, "end": 1.0}], True),
+    ("phases", [{"name": "x", "start": 0, "end": 1.0, "more": 1}], False),
     ("phases", {}, False), ("traffic", {}, True),
     ("traffic", {**_TRAFFIC, "bytes_sent": {"tcp": 1}}, False),
     ("traffic", {**_TRAFFIC, "bytes_sent": {"zmq": -1}}, False),
@@ -117,10 +148,11 @@ def test_the_check_knows_every_field_of_the_model() -> None:
     ("traffic", {**_TRAFFIC, "refused_frames": {"r" * 81: 1}}, False),
     ("traffic", {**_TRAFFIC, "refused_frames": {f"r{i}": 1 for i in range(33)}}, False),
     ("traffic", {**_TRAFFIC, "extra": {}}, False),
+    ("traffic", {**_TRAFFIC, "refused_frames": {b"r": 1}}, False),
 ])
 def test_each_rule_of_the_model_is_declined_when_broken(field: str, value: Any, converted: bool) -> None:
-    """Every rule of the model broken alone: the check declines, and the model decides (refusing it, or
-    for the few the check leaves to it, as an int where a float goes, accepting it)."""
+    """Every rule of the model broken alone: the decoder declines, and the model decides (refusing it, or
+    for the few the decoder leaves to it, as checkpoint parts, accepting it)."""
     body = _worker_reply(**{field: value})
     assert step_reply(body) is None
     if converted:
@@ -128,6 +160,13 @@ def test_each_rule_of_the_model_is_declined_when_broken(field: str, value: Any, 
     else:
         with pytest.raises(ValidationError):
             StepReply.model_validate(body)
+
+
+@pytest.mark.parametrize(("field", "value"), [("losses", [1, 2.5]), ("grad_sq_norm", 1),
+                                               ("phases", [{"name": "x", "start": 0, "end": 1.0}])])
+def test_an_int_where_a_float_goes_is_read_as_the_model_reads_it(field: str, value: Any) -> None:
+    """msgspec converts it as pydantic does: a float in the message either way."""
+    assert _conforms(step_reply, StepReply, _worker_reply(**{field: value}))
 
 
 def test_unknown_and_missing_fields_are_declined() -> None:
@@ -216,18 +255,19 @@ def test_mutated_replies_and_every_seed() -> None:
 
 
 def _envelope_conforms(fields: Any) -> bool:
-    if not isinstance(fields, dict):
-        return False
-    plain = plain_reply(fields)
-    if plain is None:
+    """Whether the decoder accepted the frame of ``fields`` (an envelope's map without the version);
+    asserts the models accept it too (the envelope, then its body) and build the same."""
+    read = step_reply_frame(msgpack.packb({**fields, "v": 1}, use_bin_type=True))
+    if read is None:
         return False
     ref = ReplyEnvelope.model_validate(fields)
-    assert ref.ok and ref.error is None and ref.tensors == [] and (ref.id, ref.body) == plain
+    assert ref.ok and ref.error is None and ref.tensors == [] and ref.id == read[0]
+    _same(read[1], StepReply.model_validate(ref.body))
     return True
 
 
 _ENVELOPE = st.fixed_dictionaries({"id": _maybe(st.integers(-1, 1 << 40)), "ok": _maybe(st.booleans()),
-                                   "body": _maybe(st.dictionaries(st.text(max_size=3), _SCALARS, max_size=2)),
+                                   "body": _maybe(st.just(_worker_reply())),
                                    "error": _maybe(st.none()), "tensors": _maybe(st.just([]))})
 
 
@@ -258,6 +298,50 @@ def test_envelopes_the_fuzzer_breaks() -> None:
         for _ in range(rng.randrange(1, 3)):
             maker._mutate_value(fields)
         _envelope_conforms(_wire(fields))
+
+
+def test_a_key_given_twice_reads_as_msgpack_reads_it() -> None:
+    """msgpack keeps a map's last value of a key; the decoder too, or declines (it checks every value)."""
+    body = _worker_reply()
+    del body["held_bytes"]
+    head = msgpack.packb(body, use_bin_type=True)
+    assert head[0] == 0x8C  # a fixmap of 12
+    twice = [b"\x8e" + head[1:] + msgpack.packb("held_bytes") + msgpack.packb(first)
+             + msgpack.packb("held_bytes") + msgpack.packb(7) for first in (5, -1)]  # 14 entries
+    for frame_body, accepted in zip(twice, (True, False), strict=True):
+        assert msgpack.unpackb(frame_body)["held_bytes"] == 7
+        frame = (b"\x86" + msgpack.packb("id") + msgpack.packb(3) + msgpack.packb("ok") + msgpack.packb(True)
+                 + msgpack.packb("error") + msgpack.packb(None) + msgpack.packb("tensors") + msgpack.packb([])
+                 + msgpack.packb("v") + msgpack.packb(1) + msgpack.packb("body") + frame_body)
+        read = step_reply_frame(frame)
+        assert (read is not None) == accepted
+        if read is not None:
+            _same(read[1], StepReply.model_validate(msgpack.unpackb(frame_body)))
+
+
+def test_frames_the_usual_reading_refuses_are_declined() -> None:
+    """Another protocol version, no version, not msgpack, not a map, over the size limit: declined, so the
+    usual reading (comm/rpc/framing.py's reply_fields) refuses them with its reason."""
+    body = _worker_reply()
+    assert step_reply_frame(_frame(body)) is not None
+    for frame in (_frame(body, v=2), msgpack.packb({"id": 3, "ok": True, "body": body, "error": None,
+                                                    "tensors": []}), b"\xc1garbage", msgpack.packb([1, 2]),
+                  b"", _frame(body)[:-3], _frame({**body, "losses": [0.5] * (MAX_CONTROL_BYTES // 9)})):
+        assert step_reply_frame(frame) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _VALUES, max_size=6), st.integers(0, 1 << 62),
+       st.text(min_size=1, max_size=20))
+def test_a_request_packed_once_reads_as_the_usual_frame(body: dict[str, Any], request_id: int,
+                                                        service: str) -> None:
+    """[Note: a request packed once]: the same map as request_frames' (the receiver cannot tell them
+    apart), for any body, id and service, the head cached or not."""
+    heads = RequestHeads()
+    usual = unpack_raw(request_frames(request_id, service, "run_step", body)[0])
+    for _ in range(2):
+        packed = heads.frame(request_id, service, "run_step", PackedBody(body))
+        assert _equal(unpack_raw(packed), usual)  # NaN equal to NaN
 
 
 def test_the_timings_travel_packed_and_read_back_as_lists() -> None:

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import torch
@@ -22,10 +21,11 @@ from comm.codec import Message, pack, unpack
 from comm.registry import KeepAlive, Lease, MemoryRegistry
 from comm.registry.presence import PresenceCard
 from comm.rpc import Call, Empty, RpcError, ServiceBase, ServiceHost
+from comm.rpc.hot import PackedBody
 from coordinator.runtime.loop import Event, EventLoop, Reply, WorkerJoined, WorkerLost
 from services.host.worker import coordinator_key
 from services.protocol import PhaseTiming, StepReply, WorkerCard, pack_times
-from services.protocol.hot import HOT_BODIES, step_reply
+from services.protocol.hot import step_reply_frame
 from tests.unit.comm.registry.flaky import FlakyRegistry
 
 WAIT = timedelta(seconds=10)
@@ -110,20 +110,20 @@ def test_replies_become_events(setup: tuple[MemoryRegistry, ServiceHost, EventLo
     assert "factor: Extra inputs are not permitted" in replies[wrong].message
 
 
-def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
+def test_step_replies_are_decoded_in_c_and_refused_as_the_model_refuses(
         setup: tuple[MemoryRegistry, ServiceHost, EventLoop], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plain step reply takes the hand-written check (comm/rpc/hot.py), a broken one is refused with the
+    """A plain step reply takes the C decoder (services/protocol/hot.py), a broken one is refused with the
     model's own reason, and the loop keeps serving."""
     _, _, loop = setup
     accepted: list[BaseModel] = []
 
-    def spy(body: dict[str, Any]) -> BaseModel | None:
-        message = step_reply(body)
-        if message is not None:
-            accepted.append(message)
-        return message
+    def spy(frame: bytes) -> tuple[int, StepReply] | None:
+        read = step_reply_frame(frame)
+        if read is not None:
+            accepted.append(read[1])
+        return read
 
-    monkeypatch.setitem(HOT_BODIES, StepReply, spy)
+    monkeypatch.setattr("coordinator.runtime.loop.step_reply_frame", spy)
     whole = StepReply(step=3, stage=0, losses=[0.5], times=pack_times([1.0, 2.0], [1.5, 2.5]),
                       phases=[PhaseTiming(name="optimizer", start=0.5, end=0.75)], held_bytes=8)
     good = loop.send("w0", "w", "echo", whole, StepReply)
@@ -140,7 +140,7 @@ def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
         assert isinstance(event, Reply)
         replies[event.id] = event
     assert replies[good].ok and replies[good].body == whole
-    assert accepted == [whole] and accepted[0] is replies[good].body  # the only one the check took
+    assert accepted == [whole] and accepted[0] is replies[good].body  # the only one the decoder took
     assert replies[good].body.model_fields_set == set(StepReply.model_fields)
     # fields missing (LooseStep dumps only its own): the model fills the defaults, as it always did
     assert replies[partial].ok
@@ -150,6 +150,30 @@ def test_step_replies_are_checked_by_hand_and_refused_as_the_model_refuses(
     assert "metric_sums" not in replies[negative].message  # a missing field with a default is no error
     assert not replies[uneven].ok and "times holds 24 bytes, not a whole number" in replies[uneven].message
     assert replies[good].ok and _next_scaled(loop).body == Scaled(factor=2.0)
+
+
+def test_a_packed_request_reaches_every_service_and_a_step_reply_where_none_is_expected_is_refused(
+        setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:
+    """A body packed once (PackedBody) goes to two services as two requests the host validates as any
+    other; a reply the C decoder reads as a step reply, to a request that expects another type, is left
+    to that type's model, which refuses it."""
+    _, _, loop = setup
+    whole = StepReply(step=3, stage=0, losses=[0.5], times=pack_times([1.0], [1.5]))
+    packed = PackedBody(whole.model_dump(mode="python"))
+    first = loop.send("w0", "w", "echo", packed, StepReply)
+    second = loop.send("w0", "w", "echo", packed, StepReply)
+    foreign = loop.send("w0", "w", "echo", packed, Scaled)
+    bad = loop.send("w0", "w", "scale", PackedBody({"factor": "x"}), Scaled)
+    replies = {}
+    for _ in range(4):
+        event = _next(loop)
+        assert isinstance(event, Reply)
+        replies[event.id] = event
+    assert replies[first].ok and replies[first].body == whole == replies[second].body
+    assert not replies[foreign].ok and replies[foreign].code == "bad_reply"
+    assert "Scaled" in replies[foreign].message
+    assert not replies[bad].ok and replies[bad].code == "bad_request" and "factor" in replies[bad].message
+    assert _next_scaled(loop).body == Scaled(factor=2.0)
 
 
 def _next_scaled(loop: EventLoop) -> Reply:
