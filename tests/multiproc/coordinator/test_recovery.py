@@ -14,8 +14,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
+from comm.rpc.hot import PackedBody
 from coordinator.planning.resources import Resources
 from coordinator.runtime.errors import JobFailed
 from coordinator.runtime.factories import job_factories
@@ -61,13 +63,15 @@ def _assert_failure_free(job: Job, result: FitResult) -> None:
 
 
 def _record_sends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
-    """Every request the coordinator's event loop sends from now on: (service, method, body)."""
+    """Every request the coordinator's event loop sends from now on: (service, method, body), a body packed
+    once for several requests (a step's) read back."""
     sent: list[tuple[str, str, Any]] = []
     send = EventLoop.send
 
     def recording(loop: EventLoop, worker: str, service: str, method: str, request: Any, *args: Any,
                   **kwargs: Any) -> int:
-        sent.append((service, method, request))
+        body = msgpack.unpackb(request.data, raw=False) if isinstance(request, PackedBody) else request
+        sent.append((service, method, body))
         return send(loop, worker, service, method, request, *args, **kwargs)
 
     monkeypatch.setattr(EventLoop, "send", recording)
