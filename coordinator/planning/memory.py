@@ -45,10 +45,20 @@ ZeRO-2 backward        ``G``, summed: the packed reduce-scatter inputs, held unt
                        ``G``, the larger (the packed gradients are gone when the forward gathers: an
                        upper bound on the larger of the two phases)
 ZeRO-3 units           transient: ``2 U + max(U_prev, U_next)`` gathered (the packed all-gather
-                       buffer and the storages it is copied into, the neighbour prefetched) plus, in
-                       the backward, ``2 G_U + G_next`` (the unit's whole gradient, its packed
-                       reduce-scatter input, the later unit's reduce-scatter still in flight)
+                       buffer and the storages it is copied into, the neighbour prefetched), or, in
+                       the backward, ``U + max(U_prev, U_next) + 2 G_U + G_next`` (the unit's whole
+                       gradient, its packed reduce-scatter input, the later unit's reduce-scatter
+                       still in flight): the larger ([Note: ZeRO-3's two phases])
 =====================  ==============================================================================
+
+[Note: ZeRO-3's two phases] A unit's forward holds ``2 U + max(U_prev, U_next)`` gathered; its backward
+holds the unit and its prefetched neighbour gathered (``U + max(U_prev, U_next)``: the packed all-gather
+buffer is gone once copied), its whole gradient and the packed reduce-scatter input (``2 G_U``) and the
+later unit's reduce-scatter (``G_next``). The two phases take turns, so a node's ZeRO-3 transient is the
+larger of the two, not their sum: ``flight`` is what the backward holds beyond the forward's gathered
+bytes, ``max(0, 2 G_U + G_next - U)``.
+Measured (``tests/multiproc/coordinator/test_memory.py``, one 64 MiB layer, F = 2, Adam): 422-486 MiB
+against 454 predicted; the sum predicted 519.
 
 ``U`` is the node's *unit*: consecutive nodes of parameters grouped up to ``plan.gather_bytes``
 (a node larger than that alone), as ZeRO-3 groups cells ([Note: units of several cells] in
@@ -347,7 +357,8 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
         recomputed=tuple(activation_bytes) if option.recompute else (0.0,) * len(nodes),
         stepped=tuple(step(nd) for nd in nodes),
         buffers=tuple(buffers(nd) for nd in nodes),
-        flight=tuple(2.0 * unit_of(i, grads=True) + unit_of(i, 1, grads=True) if three
+        flight=tuple(max(0.0, 2.0 * unit_of(i, grads=True) + unit_of(i, 1, grads=True) - unit_of(i))
+                     if three  # [Note: ZeRO-3's two phases]
                      else max(float(nd.largest_param_bytes), gather(i) - nd.grad_bytes) if zero == 2
                      else gather(i)
                      for i, nd in enumerate(nodes)),
