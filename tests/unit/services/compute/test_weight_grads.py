@@ -15,7 +15,7 @@ from torch import nn
 from comm.rpc import RpcClient
 from services.compute import weight_grads
 from services.compute.weight_grads import WeightGradStore, eligible_layers, in_place_backwards
-from services.protocol import Action, Empty, RunStep, StepReply, TensorsReply
+from services.protocol import Action, CommitStep, Empty, OptimizerSpec, RunStep, StepReply, TensorsReply
 from tests.unit.services.compute.test_compute_parts import MICROBATCHES_4, one_stage, parse_actions, reference
 
 __all__ = ["one_stage"]  # the fixture, used here too
@@ -370,3 +370,33 @@ def test_a_flush_from_no_gradients_hands_its_products_over_and_writes_them_again
     assert addresses[1] == addresses[0]
     assert addresses[2]["a"] != addresses[1]["a"] and addresses[2]["b"] == addresses[1]["b"]
     assert max(float((k - expected["a.weight"]).abs().max()) for k in keep) < TOL  # none was overwritten
+
+
+def test_a_lone_replica_s_next_step_writes_its_flush_into_the_gradients_it_handed_over(
+        one_stage: RpcClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three steps of a lone replica's 1F1B list, each from no gradients and the later ones carrying the
+    previous step's commit (the fused SGD at lr 0: the parameters stay): the first flush makes each deferred
+    weight's gradient, the next ones write into the same tensors (nothing holds them after the step's
+    reply, the gradients' read and the optimizer's step); every step's gradients are one process's."""
+    reused: list[bool] = []  # per product of a flush from no gradients: written into the one handed over
+    real = WeightGradStore._product
+
+    def product(self: WeightGradStore, index: int, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        spare = id(self._spares.get(index))  # its identity only: a reference would keep it from reuse
+        out = real(self, index, g, x)
+        reused.append(id(out) == spare)
+        return out
+
+    monkeypatch.setattr(WeightGradStore, "_product", product)
+    weight_grads._STORES.clear()
+    text = "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    grads_ref, _, _ = reference("skip_model")
+    for step in range(3):
+        still = OptimizerSpec(name="SGD", kwargs={"lr": 0.0})
+        commit = CommitStep(step=step - 1, optimizer=still) if step else None
+        one_stage.call("c", "run_step", RunStep(step=step, microbatches=MICROBATCHES_4, commit=commit,
+                                                actions=parse_actions(text)), StepReply)
+        _, got = one_stage.call("c", "gradients", Empty(), TensorsReply)
+        assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
+    (store,) = weight_grads._STORES.values()
+    assert len(store.layers) == 5 and reused == [False] * 5 + [True] * 10
