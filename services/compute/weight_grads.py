@@ -227,9 +227,13 @@ def _unshared(t: torch.Tensor) -> bool:
     """Whether nothing but the caller's one reference holds ``t`` or its memory: no other Python name, no
     ``.grad`` or saved tensor (its implementation's count), no view or detached alias (its storage's)."""
     storage = t.untyped_storage()  # one reference of its own to the storage
-    implementations = t._use_count()  # type: ignore[attr-defined]  # torch's stub lacks it
+    try:
+        implementations = t._use_count()  # type: ignore[attr-defined]  # torch's stub lacks it
+        storages = torch._C._storage_Use_Count(storage._cdata)
+    except (AttributeError, RuntimeError):  # a torch without these counters: never reuse
+        return False
     return (sys.getrefcount(t) <= 3 and implementations == 1  # the caller's name, ours, getrefcount's
-            and torch._C._storage_Use_Count(storage._cdata) == 2)
+            and storages == 2)
 
 
 def _hand_over(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
