@@ -64,25 +64,26 @@ factors, measured as in-step times over the profile's on the development machine
 small, once the backwards are priced as the workers run them). A plan's
 stages keep the forward and backward they took on average in that play (``StagePlan.forward_s``).
 
-[Note: the backward as the schedule runs it] A stage's backward costs what its list makes its worker
-do (``services/compute/weight_grads.py``, ``services/compute/executor.py``), from the profile's halves
+[Note: the backward as the schedule runs it] A stage's backward costs what its list makes its worker do
+(``services/compute/weight_grads.py``, ``services/compute/executor.py``), from the profile's halves
 ([Note: the backward's halves] in ``coordinator/planning/profile.py``). A product of held ``W`` s over
 ``k`` microbatches added in place costs the profile's ``W`` at ``k`` times the microbatch (timed up to
-the rows such a flush has: [Note: a flush's rows]); one through autograd (the step's first, which finds
-no ``.grad``, and a split list's last, which fires the hooks) that plus one microbatch's ``B - I - W``
-(a new weight-sized tensor and its addition into ``.grad``, whatever the rows: measured on 4 x
-Linear(1024), 2.6-2.9 ms over 8-64 rows, where ``B - I`` at ``k`` times the microbatch, the earlier
-price, gave 0.68x the product at 64 rows). GPipe's ``B`` s are ``I`` s, and its one product over
-every microbatch runs after the last backward's ``SEND_B``. 1F1B's (interleaved's) ``B`` s that hold
-their ``W`` (every one for a replica alone; with replicas all but the first and the last, which run
-plain) are ``I`` s, and the held ones are computed once their rows exceed 1/``HOLD_SHARE`` of the stage's
-deferred weights' bytes, and at the end: with replicas before the last ``B``, alone after its send.
-A split list's (zb-h1) runs of ``W`` s each compute their microbatches (alone: every queued one, and
-none while they stay within the share), the one after the last ``I`` all that are left. The simulator
-takes one backward and one ``W`` per stage, so a stage's are their mean over its list, and the work
-after the last send is its tail (``StageCosts.tail_s``: the stage before does not wait for it). Mixed
-precision (autocast) and profiles without halves price the plain backward. ``HOLD_SHARE`` is the
-executor's own constant (``services/compute/weight_grads.py``).
+the rows such a flush has: [Note: a flush's rows]); so does the step's first, which finds no ``.grad``:
+it writes its product into the tensor the last step handed over and hands it over as it is ([Note:
+handing a flush's gradients over] in ``services/compute/weight_grads.py``). One through autograd into a
+``.grad`` there is (a split list's last after earlier runs, which fires the hooks) costs that plus one
+microbatch's ``B - I - W`` (a new weight-sized tensor and its addition into ``.grad``, whatever the rows:
+measured on 4 x Linear(1024), 2.6-2.9 ms over 8-64 rows). GPipe's ``B`` s are ``I`` s, and its one
+product over every microbatch runs after the last backward's ``SEND_B``. 1F1B's (interleaved's) ``B`` s
+that hold their ``W`` (every one for a replica alone; with replicas all but the first and the last, which
+run plain) are ``I`` s, and the held ones are computed once their rows exceed 1/``HOLD_SHARE`` of the
+stage's deferred weights' bytes, and at the end: with replicas before the last ``B``, alone after its
+send. A split list's (zb-h1) runs of ``W`` s each compute their microbatches (alone: every queued one,
+and none while they stay within the share), the one after the last ``I`` all that are left. The simulator
+takes one backward and one ``W`` per stage, so a stage's are their mean over its list, and the work after
+the last send is its tail (``StageCosts.tail_s``: the stage before does not wait for it). Mixed precision
+(autocast) and profiles without halves price the plain backward. ``HOLD_SHARE`` is the executor's own
+constant (``services/compute/weight_grads.py``).
 
 [Note: several stages per worker] An interleaved shape (``chunks = v >= 2``, see [Note: interleaved
 shapes] in ``coordinator/planning/request.py``) places stage ``s`` of replica ``r`` on worker
@@ -612,7 +613,7 @@ def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists
         def in_place(k: int, a: int = a, b: int = b) -> float:  # W of k microbatches, one product, addmm_
             return sum(x for _, x in shared.halves(k * mb)[a:b])
 
-        def autograd(k: int, a: int = a, b: int = b) -> float:  # the same through autograd
+        def autograd(k: int, a: int = a, b: int = b) -> float:  # the same through autograd, into a .grad
             return in_place(k) + shared.autograd_extra(mb, a, b)
 
         w, after = 0.0, 0.0
@@ -622,10 +623,10 @@ def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists
             spent = _split_weights(kinds, alone, rows, limit, in_place, autograd)
             w = spent / max(1, kinds.count("W"))
             back = inp + w
-        elif defer[s]:  # GPipe: every B an I; after the last one's send, W over all through autograd
-            back, after = inp, autograd(count)
+        elif defer[s]:  # GPipe: every B an I; after the last one's send, W over all, from no .grad
+            back, after = inp, in_place(count)
         else:  # 1F1B, interleaved: I and the W's held, in groups
-            spent, after = _held_weights(count, alone, rows, limit, in_place, autograd)
+            spent, after = _held_weights(count, alone, rows, limit, in_place)
             back = (spent + (count - _plain_count(count, alone)) * inp
                     + _plain_count(count, alone) * plain) / count
         backward.append(back / speed[s])
@@ -663,24 +664,24 @@ def _plain_count(count: int, alone: bool) -> int:
     return 0 if alone else min(count, 2)
 
 
-def _held_weights(count: int, alone: bool, rows: float, limit: int, in_place: Callable[[int], float],
-                  autograd: Callable[[int], float]) -> tuple[float, float]:
+def _held_weights(count: int, alone: bool, rows: float, limit: int, in_place: Callable[[int], float]
+                  ) -> tuple[float, float]:
     """A 1F1B list's held ``W`` s (``services/compute/executor.py``): the seconds they take within its
     backwards, and after its last one's send. Each ``B`` that holds adds its rows; past ``limit`` the held
-    ones are computed in one product (the first of the step through autograd: no ``.grad`` yet); before the
-    last ``B`` (replicas: it then runs plain) or after its send (alone: it holds too)."""
+    ones are computed in one product (the first of the step, which finds no ``.grad``, as one in place: it
+    writes into the gradient tensor the last step's handed over); before the last ``B`` (replicas: it then
+    runs plain) or after its send (alone: it holds too)."""
     if count < 2:
         return 0.0, 0.0
-    held, within, graded = 0, 0.0, False
+    held, within = 0, 0.0
 
     def flush() -> float:
-        nonlocal held, graded
-        cost = in_place(held) if graded else autograd(held)
-        held, graded = 0, True
+        nonlocal held
+        cost = in_place(held)
+        held = 0
         return cost
 
     holding = range(count) if alone else range(1, count - 1)
-    graded = not alone  # with replicas the first B is plain: it leaves the .grad the held ones add into
     for j in holding:
         held += 1
         if j == count - 1:
@@ -694,7 +695,8 @@ def _split_weights(kinds: Sequence[str], alone: bool, rows: float, limit: int,
                    in_place: Callable[[int], float], autograd: Callable[[int], float]) -> float:
     """A split list's ``W`` s (zb-h1) in all, as the executor runs them: a run of consecutive ``W`` s is one
     product over its microbatches (alone: over every queued one, and none while they stay within
-    ``limit``); the first of the step and the one after the last ``I`` through autograd."""
+    ``limit``); the one after the last ``I`` through autograd into the ``.grad`` earlier runs made (the
+    first of the step, which finds none, as one in place)."""
     last_i = max(k for k, kind in enumerate(kinds) if kind == "I")
     queued, graded, spent = 0, False, 0.0  # I's whose rows wait, whether a flush made .grad
     for k, kind in enumerate(kinds):
@@ -711,7 +713,7 @@ def _split_weights(kinds: Sequence[str], alone: bool, rows: float, limit: int,
         else:
             n = run
         if n:
-            spent += autograd(n) if not graded or k > last_i else in_place(n)
+            spent += autograd(n) if graded and k > last_i else in_place(n)
             queued, graded = queued - n, True
     return spent
 

@@ -29,6 +29,23 @@ queued microbatch at the first ``W`` after it (the last contribution of the defe
 Earlier flushes add in place (``addmm_`` into ``.grad``: no weight-sized temporary, one pass over
 the gradient), which is what the disarmed hooks would have left.
 
+[Note: handing a flush's gradients over]
+``torch.autograd.backward(params, grads)`` copies each gradient it hands to a parameter without
+``.grad``: its caller still holds it, and autograd takes a gradient as it is only when nothing else
+does. A flush instead hands its products over from inside a backward (:class:`_HandOver`: a node of
+no elements on every parameter, whose backward returns the products, held by nothing else), so each
+becomes ``.grad`` as it is, with the hooks firing as before. And a step that starts from no gradients
+makes fresh weight-sized tensors, whose memory the allocator takes from the system page by page (the
+step before freed it, and it was given back): so the store keeps each weight gradient it handed over,
+and the next step's first flush writes its product into it (``mm(..., out=)``) once the step has
+dropped it, if nothing else holds it or its memory (a name, a ``.grad``, a view: else a new tensor).
+What the store so keeps is the deferred weights' gradient bytes, which the planner counts as held for
+the whole step anyway (``NodeProfile.grad_bytes``): from the step's ``zero_grad`` to its first flush
+they are held by the store instead of ``.grad``.
+Measured in one process, one thread, 8 x Linear(1024)+GELU, 8 microbatches of 8, the step's flush of
+64 rows through autograd, under load (load average 4.7-5.4): 89.3 ms and 16 352 page faults before,
+30.9 ms and none now (4 layers: 33.9 and 12.3 ms).
+
 GPipe runs every backward after every forward, so it holds all its microbatches' activations at
 its peak anyway; its ``B`` s defer too (:func:`defers`), and its last ``B`` ends with one flush of
 all of them. 1F1B does not: it would hold every microbatch's layer inputs and output gradients
@@ -79,6 +96,7 @@ second part and :meth:`~WeightGradStore.check` raises, naming the parameter. Mix
 
 from __future__ import annotations
 
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -185,6 +203,49 @@ class _DeferredLinear(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None
 
 
+class _HandOver(torch.autograd.Function):
+    """Hands gradients computed outside autograd to parameters through autograd: the output, of no
+    elements, depends on every parameter, and its backward returns the gradients it holds, taken out
+    of ``box`` so that nothing else refers to them ([Note: handing a flush's gradients over])."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, box: list[torch.Tensor],
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads, ctx.box = ctx.box, None
+        out: list[torch.Tensor | None] = [None, None]
+        while grads:
+            out.append(grads.pop(0))
+        return tuple(out)
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether nothing but the caller's one reference holds ``t`` or its memory: no other Python name, no
+    ``.grad`` or saved tensor (its implementation's count), no view or detached alias (its storage's)."""
+    storage = t.untyped_storage()  # one reference of its own to the storage
+    try:
+        implementations = t._use_count()  # type: ignore[attr-defined]  # torch's stub lacks it
+        storages = torch._C._storage_Use_Count(storage._cdata)
+    except (AttributeError, RuntimeError):  # a torch without these counters: never reuse
+        return False
+    return (sys.getrefcount(t) <= 3 and implementations == 1  # the caller's name, ours, getrefcount's
+            and storages == 2)
+
+
+def _hand_over(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Accumulate ``grads`` into ``params``' ``.grad`` as a backward would (each parameter's hooks fire
+    once), emptying ``grads``: a parameter without ``.grad`` takes its gradient as it is, no copy."""
+    anchor = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
+    box = list(grads)
+    grads.clear()
+    out: torch.Tensor = _HandOver.apply(anchor, box, *params)  # type: ignore[no-untyped-call]  # torch stub
+    torch.autograd.backward([out], [torch.empty_like(out)])
+
+
 class WeightGradStore:
     """Defers the weight gradients of ``module``'s eligible linear layers (see the module docstring).
 
@@ -205,6 +266,8 @@ class WeightGradStore:
         self._deferred: set[int] = set()  # ids of parameters the step deferred
         self._outside: dict[int, str] = {}  # id -> name of deferred parameters autograd accumulated into
         self._anchor = torch.empty(0, requires_grad=True)  # see _DeferredLinear
+        # per layer: the weight gradient a flush handed over, for the next step's first flush to write into
+        self._spares: dict[int, torch.Tensor] = {}
 
     @classmethod
     def of(cls, module: nn.Module) -> WeightGradStore:
@@ -290,8 +353,9 @@ class WeightGradStore:
         chosen = None if microbatches is None else set(microbatches)
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
+        handed: dict[int, int] = {}  # layer -> the address of its weight gradient, going through autograd
         with torch.no_grad():
-            for (_, layer), queue in zip(self._layers, self._queues, strict=True):
+            for index, ((_, layer), queue) in enumerate(zip(self._layers, self._queues, strict=True)):
                 rows = [e for mb in sorted(queue) if chosen is None or mb in chosen for e in queue[mb]]
                 for mb in [mb for mb in queue if chosen is None or mb in chosen]:
                     del queue[mb]
@@ -302,7 +366,8 @@ class WeightGradStore:
                 weight, bias = layer.weight, layer.bias
                 if final or weight.grad is None or (bias is not None and bias.grad is None):
                     params.append(weight)
-                    grads.append(g.t().mm(x))
+                    grads.append(self._product(index, g, x) if weight.grad is None else g.t().mm(x))
+                    handed[index] = grads[-1].data_ptr()
                     if bias is not None:
                         params.append(bias)
                         grads.append(g.sum(0))
@@ -314,11 +379,25 @@ class WeightGradStore:
         if params:
             self._flushing = True
             try:
-                torch.autograd.backward(params, grads)
+                _hand_over(params, grads)
             finally:
                 self._flushing = False
+            for index, ptr in handed.items():  # kept, to be written again once the step drops it
+                weight = self._layers[index][1].weight
+                if weight.grad is not None and weight.grad.data_ptr() == ptr:
+                    self._spares[index] = weight.grad
         if check:
             self.check()
+
+    def _product(self, index: int, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``g^T x`` for layer ``index``'s weight, into the gradient tensor the store handed over last time
+        when nothing else refers to it any more ([Note: handing a flush's gradients over])."""
+        spare = self._spares.pop(index, None)
+        if spare is not None and _unshared(spare) and spare.shape == (x.shape[1], g.shape[1])[::-1] \
+                and spare.dtype == x.dtype and spare.device == x.device:
+            return torch.mm(g.t(), x, out=spare)
+        del spare
+        return g.t().mm(x)
 
     def check(self) -> None:
         """Raise if a deferred parameter also got a gradient from plain autograd in this step.

@@ -387,9 +387,10 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     """Per-microbatch forward 1 ms and backward 2 ms a node, its halves I 0.9 ms and W 0.8 ms (half of each
     fixed): 2 nodes a stage at the profiled microbatch of 4. Worked out here, as the executor runs them
     (``services/compute/executor.py``): a product of ``k`` microbatches' W's in place costs W's fixed part
-    once and its per-row part ``k`` times; through autograd (the step's first, which finds no ``.grad``,
-    and the last, which fires the hooks) that and one microbatch's ``B - I - W`` (0.3 ms a node: the new
-    gradient tensor and its addition); GPipe's and a lone replica's last
+    once and its per-row part ``k`` times, and so does the step's first, which finds no ``.grad`` (written
+    into the tensor the last step handed over); through autograd into a ``.grad`` (zb-h1's last, which
+    fires the hooks) that and one microbatch's ``B - I - W`` (0.3 ms a node: the new gradient tensor and
+    its addition); GPipe's and a lone replica's last
     one runs after the last backward's send (the tail); mixed precision runs plain backwards."""
     base = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
     prof = _split(base, 0.45, 0.4, fixed=0.5)
@@ -409,30 +410,30 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     def in_place(k: int) -> float:  # W of k microbatches in one product: the fixed part once
         return 2 * (0.4e-3 + 0.4e-3 * k)
 
-    def autograd(k: int) -> float:  # the product in place and the new tensor's extra pass
+    def autograd(k: int) -> float:  # the product and the new tensor's extra pass into .grad
         return in_place(k) + 2 * (2e-3 - 0.9e-3 - 0.8e-3)
 
     # GPipe: every B an I, the one product over the 8 microbatches after the last send
-    assert stage0("gpipe", True) == pytest.approx((i, 0.0, autograd(8)))
-    assert stage0("gpipe", False) == pytest.approx((i, 0.0, autograd(8)))
+    assert stage0("gpipe", True) == pytest.approx((i, 0.0, in_place(8)))
+    assert stage0("gpipe", False) == pytest.approx((i, 0.0, in_place(8)))
     # 1F1B with replicas: the first and last B plain, the 6 between I's, their W's held (no rows: within
     # the share) and added in place before the last B
     assert stage0("1f1b", False) == pytest.approx(((6 * i + 2 * plain + in_place(6)) / 8, 0.0, 0.0))
     # alone: every B holds its W; the first product (no .grad yet) after the last send
-    assert stage0("1f1b", True) == pytest.approx((i, 0.0, autograd(8)))
-    # zb-h1 with replicas: each W apart (FFIWFIW...IW), the first through autograd, the last after the last
-    # I through autograd too; alone: every W held until the one after the last I
-    assert stage0("zb-h1", False) == pytest.approx((i + (2 * autograd(1) + 6 * in_place(1)) / 8,
-                                                    (2 * autograd(1) + 6 * in_place(1)) / 8, 0.0))
-    assert stage0("zb-h1", True) == pytest.approx((i + autograd(8) / 8, autograd(8) / 8, 0.0))
+    assert stage0("1f1b", True) == pytest.approx((i, 0.0, in_place(8)))
+    # zb-h1 with replicas: each W apart (FFIWFIW...IW), the first from no .grad, the last after the last I
+    # through autograd into the .grad the others made; alone: every W held until the one after the last I,
+    # which finds no .grad
+    assert stage0("zb-h1", False) == pytest.approx((i + (autograd(1) + 7 * in_place(1)) / 8,
+                                                    (autograd(1) + 7 * in_place(1)) / 8, 0.0))
+    assert stage0("zb-h1", True) == pytest.approx((i + in_place(8) / 8, in_place(8) / 8, 0.0))
     assert stage0("1f1b", True, "bf16") == pytest.approx((plain, 0.0, 0.0))
     # rows held: 48 KiB a node a microbatch, the limit an eighth of the stage's 2 MiB of weights (256 KiB):
-    # a product every 3 microbatches (288 KiB > 256 KiB), the first through autograd, the last 2 after
-    # the send
+    # a product every 3 microbatches (288 KiB > 256 KiB), the last 2 after the send
     rows = prof.model_copy(update={"nodes": tuple(nd.model_copy(update={"deferred_bytes": 48 * 1024})
                                                   for nd in prof.nodes)})
     assert stage0("1f1b", True, profile=rows) == pytest.approx(
-        (i + (autograd(3) + in_place(3)) / 8, 0.0, in_place(2)))
+        (i + (in_place(3) + in_place(3)) / 8, 0.0, in_place(2)))
     # with replicas: B0 plain, B1-B3 held and added, B4-B6 held and added before the last B (plain)
     assert stage0("1f1b", False, profile=rows) == pytest.approx(
         ((6 * i + 2 * plain + 2 * in_place(3)) / 8, 0.0, 0.0))
@@ -440,10 +441,10 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     fixed = PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8, schedule="gpipe", balance=[2, 2])
     plan = choose_plan(prof, res, fixed, global_batch=32)
     assert plan.stages[0].backward_s == pytest.approx(i + ACTION_OVERHEAD_S)
-    assert plan.stages[0].tail_s == pytest.approx(autograd(8))  # kept for the predicted timeline
+    assert plan.stages[0].tail_s == pytest.approx(in_place(8))  # kept for the predicted timeline
     assert plan.stages[0].weight_s == 0.0
     zb = choose_plan(prof, res, fixed.model_copy(update={"schedule": "zb-h1"}), global_batch=32)
-    assert zb.stages[0].weight_s == pytest.approx(autograd(8) / 8 + ACTION_OVERHEAD_S)
+    assert zb.stages[0].weight_s == pytest.approx(in_place(8) / 8 + ACTION_OVERHEAD_S)
     # unsplit profiles price every backward plain
     plain = choose_plan(base, res, PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8,
                                               schedule="gpipe", balance=[2, 2]), global_batch=32)

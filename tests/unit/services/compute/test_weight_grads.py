@@ -15,7 +15,7 @@ from torch import nn
 from comm.rpc import RpcClient
 from services.compute import weight_grads
 from services.compute.weight_grads import WeightGradStore, eligible_layers, in_place_backwards
-from services.protocol import Action, Empty, RunStep, StepReply, TensorsReply
+from services.protocol import Action, CommitStep, Empty, OptimizerSpec, RunStep, StepReply, TensorsReply
 from tests.unit.services.compute.test_compute_parts import MICROBATCHES_4, one_stage, parse_actions, reference
 
 __all__ = ["one_stage"]  # the fixture, used here too
@@ -328,3 +328,75 @@ def test_a_lone_replica_holds_its_zero_bubble_w_s_for_the_last_run(
     grads_ref, _, losses_ref = reference("skip_model")
     assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
     assert max(abs(a - b) for a, b in zip(reply.losses, losses_ref, strict=True)) < 1e-10
+
+
+def steps_from_no_gradients(store: WeightGradStore, net: Net, xs: list[torch.Tensor], gs: list[torch.Tensor],
+                            count: int, keep: list[torch.Tensor]) -> list[dict[str, int]]:
+    """``count`` steps, each from no gradients (as the executor's ``zero_grad``): forwards and I of every
+    microbatch, then one final flush; per step the address of each deferred weight's gradient. ``keep``
+    gets each step's ``a.weight.grad`` after the first (a reference held elsewhere)."""
+    addresses = []
+    for step in range(count):
+        for p in net.parameters():
+            p.grad = None
+        with store.deferring():
+            for i, (x, g) in enumerate(zip(xs, gs, strict=True)):
+                x.grad = None
+                store.microbatch = i
+                net(x).backward(g)
+            store.flush(None, final=True)
+        addresses.append({n: net.get_submodule(n).weight.grad.data_ptr() for n in store.layers})
+        if step >= 1:
+            keep.append(net.a.weight.grad)
+    return addresses
+
+
+def test_a_flush_from_no_gradients_hands_its_products_over_and_writes_them_again_next_step() -> None:
+    net, xs, gs = make()
+    fired: list[str] = []
+    for n, p in net.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p, n=n: fired.append(n))  # type: ignore[misc]
+    store = WeightGradStore(net)
+    keep: list[torch.Tensor] = []
+    addresses = steps_from_no_gradients(store, net, xs, gs, 4, keep)
+    expected = plain()
+    assert max_diff(grads(net, xs), expected) < TOL  # the last step's gradients are autograd's
+    # each deferred parameter's hook fired once a step (b is called twice a forward: still one contribution)
+    deferred = ["a.bias", "a.weight", "b.weight", "out.bias", "out.weight"]
+    assert sorted(n for n in fired if n in deferred) == sorted(deferred * 4)
+    # step 2 writes into the tensors step 1 handed over (no copy, no fresh memory); step 2's a.weight
+    # gradient, held by a name from then on, is left alone: steps 3 and 4 make a new one for a, the rest reuse
+    assert addresses[1] == addresses[0]
+    assert addresses[2]["a"] != addresses[1]["a"] and addresses[2]["b"] == addresses[1]["b"]
+    assert max(float((k - expected["a.weight"]).abs().max()) for k in keep) < TOL  # none was overwritten
+
+
+def test_a_lone_replica_s_next_step_writes_its_flush_into_the_gradients_it_handed_over(
+        one_stage: RpcClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three steps of a lone replica's 1F1B list, each from no gradients and the later ones carrying the
+    previous step's commit (the fused SGD at lr 0: the parameters stay): the first flush makes each deferred
+    weight's gradient, the next ones write into the same tensors (nothing holds them after the step's
+    reply, the gradients' read and the optimizer's step); every step's gradients are one process's."""
+    reused: list[bool] = []  # per product of a flush from no gradients: written into the one handed over
+    real = WeightGradStore._product
+
+    def product(self: WeightGradStore, index: int, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        spare = id(self._spares.get(index))  # its identity only: a reference would keep it from reuse
+        out = real(self, index, g, x)
+        reused.append(id(out) == spare)
+        return out
+
+    monkeypatch.setattr(WeightGradStore, "_product", product)
+    weight_grads._STORES.clear()
+    text = "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    grads_ref, _, _ = reference("skip_model")
+    for step in range(3):
+        still = OptimizerSpec(name="SGD", kwargs={"lr": 0.0})
+        commit = CommitStep(step=step - 1, optimizer=still) if step else None
+        one_stage.call("c", "run_step", RunStep(step=step, microbatches=MICROBATCHES_4, commit=commit,
+                                                actions=parse_actions(text)), StepReply)
+        _, got = one_stage.call("c", "gradients", Empty(), TensorsReply)
+        assert max(float((got[k] - grads_ref[k]).abs().max()) for k in grads_ref) < 1e-10
+    (store,) = weight_grads._STORES.values()
+    assert len(store.layers) == 5 and reused == [False] * 5 + [True] * 10
