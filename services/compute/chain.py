@@ -263,7 +263,6 @@ def _take_one_value(graph: fx.Graph, spread: tuple[tuple[str, ...], tuple[str, .
     placeholder's ``args``)."""
     required, optional = spread
     old = [nd for nd in graph.nodes if nd.op == "placeholder"]
-    assert len(old) == len(required) + len(optional), ([nd.target for nd in old], spread)
     with graph.inserting_before(old[0]):
         inputs = graph.placeholder("inputs")
     after = old[-1]
@@ -274,7 +273,11 @@ def _take_one_value(graph: fx.Graph, spread: tuple[tuple[str, ...], tuple[str, .
                 after = graph.call_function(argument, (inputs, required.index(name), required, optional))
             node.replace_all_uses_with(after)
         else:
-            default = node.args[0] if node.args else None
+            if not node.args:  # a keyword-only or variadic argument without a default
+                raise UntraceableError(f"the model's forward takes {name!r} with no default, which the "
+                                       "data's inputs cannot give (only its positional arguments are spread "
+                                       f"from them); give {name!r} a default or make it positional")
+            default = node.args[0]
             for user in list(node.users):
                 user.replace_input_with(node, default)
     for node in old:

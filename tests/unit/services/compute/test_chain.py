@@ -318,3 +318,18 @@ def test_a_forward_with_one_required_argument_is_called_with_the_inputs_whole() 
     x = torch.randn(4, 3)
     assert spread_arguments(model) is None and torch.equal(call_model(model, x), model(x))
     assert spread_arguments(pm.masked()) == (("x", "mask"), ("scale",))
+
+
+class KeywordOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, *, scale: float = 3.0) -> torch.Tensor:
+        return self.lin(x) * mask * scale
+
+
+def test_a_keyword_only_argument_keeps_its_default() -> None:
+    model = KeywordOnly()
+    x, mask = torch.randn(4, 3, dtype=torch.float64), torch.ones(4, 3, dtype=torch.float64)
+    assert torch.equal(trace_chain(model).module((x, mask)), model(x, mask))
