@@ -288,14 +288,16 @@ def batch_note(data_parallel: int, num_stages: int, request: PlanConfig, num_wor
     """Why a chosen plan of ``data_parallel x num_stages`` leaves workers idle, when the batch is why.
 
     None when it uses every worker, when the user fixed the replicas (then a batch that does
-    not divide is an error), or when every replica count that would use more workers divides
-    the batch (the planner then chose fewer workers for speed).
+    not divide is an error), or when some replica count that would use more workers divides
+    the batch (the planner could have taken it and chose fewer workers for speed: the batch
+    is not why, e.g. 16 samples on 4 workers run on 1 although 3 replicas are ruled out).
     """
     used = data_parallel * num_stages
     if used >= num_workers or request.data_parallel is not None or request.strategy == "pipeline":
         return None
-    ruled_out = [d for d in range(data_parallel + 1, num_workers // num_stages + 1) if global_batch % d]
-    if not ruled_out:
+    more = range(data_parallel + 1, num_workers // num_stages + 1)
+    ruled_out = [d for d in more if global_batch % d]
+    if not ruled_out or len(ruled_out) < len(more):
         return None
     d = ruled_out[-1]
     return (f"global_batch={global_batch} does not split evenly into {d} replicas, so the plan uses "

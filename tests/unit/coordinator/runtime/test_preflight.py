@@ -178,6 +178,8 @@ def test_the_batch_note_says_when_the_batch_left_workers_idle() -> None:
     assert batch_note(3, 1, PlanConfig(strategy="data_parallel"), 4, 3) is not None  # 3 samples on 4 workers
     assert batch_note(1, 1, auto, 2, 32) is None  # the planner chose one worker for speed
     assert batch_note(2, 1, auto, 2, 32) is None  # every worker used
+    assert batch_note(1, 1, auto, 4, 16) is None  # 2 or 4 replicas could run it: chosen for speed
+    assert batch_note(1, 1, auto, 3, 5) is not None  # neither 2 nor 3 replicas split 5 samples
     assert batch_note(1, 1, PlanConfig(data_parallel=1), 2, 33) is None  # the user fixed it
 
 
