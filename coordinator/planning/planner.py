@@ -936,6 +936,10 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                 reason = (f"{what} need{'s' if v == 1 else ''} {format_bytes(rank_memory[k])} per worker, "
                           f"{over[0].name} has {format_bytes(over[0].memory_bytes)}")
         reason = reason or cut_error
+        if not reason and option.zero >= 2 and profile.tied_across(bounds):
+            reason = (f"ZeRO-{option.zero} keeps a shard of each gradient, and this cut puts the holders "
+                      "of a tied parameter on different stages, which sum its whole gradient (plan.zero=1 "
+                      "runs it)")
         sync_time = max(sum(stages[s].sync_s for s in ss) for ss in held_by)
         # a rank starts after its stages' optimizer steps: the step moves by the least a rank saves
         pipeline = game.sim.step_time_s - min(sum(saved[s] for s in ss) for ss in held_by)

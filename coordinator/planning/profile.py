@@ -49,6 +49,7 @@ another size (affine in the size; bytes scale linearly).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import statistics
 import time
@@ -172,6 +173,9 @@ class Profile(BaseModel):
 
     ``runtime_bytes``: what a worker's runtime maps besides tensors
     (``coordinator/planning/runtime_bytes.py``; 0 in a profile written by hand or before it was measured).
+    ``ties``: the nodes that hold one trainable parameter together (tied weights, one group per
+    parameter that several nodes hold); a plan that cuts between them ties the stages
+    (``coordinator/runtime/tied.py``), which ZeRO-2 and 3 cannot run.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -184,6 +188,7 @@ class Profile(BaseModel):
     runtime_bytes: int = Field(default=0, ge=0)
     nodes: tuple[NodeProfile, ...] = Field(min_length=1)
     cuts: tuple[CutInfo, ...]
+    ties: tuple[tuple[int, ...], ...] = ()
 
     @model_validator(mode="after")
     def _shape(self) -> Profile:
@@ -191,7 +196,17 @@ class Profile(BaseModel):
             raise ValueError(f"{len(self.nodes)} nodes need {len(self.nodes) + 1} cuts, got {len(self.cuts)}")
         if [c.index for c in self.cuts] != list(range(len(self.cuts))):
             raise ValueError("cuts must be numbered 0..n in order")
+        for group in self.ties:
+            if len(group) < 2 or list(group) != sorted(set(group)) or group[-1] >= len(self.nodes):
+                raise ValueError(f"a tie {list(group)} must name 2 or more distinct nodes in order, of "
+                                 f"{len(self.nodes)}")
         return self
+
+    def tied_across(self, bounds: Sequence[int]) -> bool:
+        """Whether a plan cutting at ``bounds`` (``0 = b_0 < ... < b_p = n``) puts the holders of a tied
+        parameter on different stages."""
+        return any(bisect.bisect_right(bounds, group[0]) != bisect.bisect_right(bounds, group[-1])
+                   for group in self.ties)
 
     @property
     def num_nodes(self) -> int:
@@ -582,5 +597,8 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 weight_flush_s=flushed, weight_flush_scale=FLUSH_FACTOR if flushed > 0 else 0.0,
             ))
     device = next((str(p.device) for p in graph.module.parameters()), "cpu")
+    learned = {name for name, p in graph.chain.named_parameters() if p.requires_grad}
+    ties = tuple(sorted(nodes_ for name, nodes_ in graph.chain.holders().items()
+                        if name in learned and len(nodes_) > 1))
     return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,
-                   nodes=tuple(nodes), cuts=graph.cuts, runtime_bytes=runtime.runtime_bytes())
+                   nodes=tuple(nodes), cuts=graph.cuts, runtime_bytes=runtime.runtime_bytes(), ties=ties)

@@ -45,6 +45,18 @@ gradient stays gathered until the end of the backward. The cells need not form a
 a branch ends its part independently of the others. The memory held per unit in flight grows to
 ``unit_bytes`` (the planner's memory model counts the units as the runtime cuts them).
 
+[Note: the stage's own unit]
+A parameter that no one cell holds, because the model's own forward uses it (learned positions added in
+``forward``, a scalar temperature: a ``get_attr`` of the traced stage) or because two cells share it (a
+tied embedding and head), belongs to the *stage's* unit, as FSDP2 puts the parameters no child unit
+claims into the root module's: the unit's module is the stage module itself (``root``), so it is
+gathered before the stage's forward and freed after it, gathered again when the backward reaches the
+stage's outputs and freed once the stage's inputs have their gradients (or at the end of the backward):
+it is held for the whole of each forward and each backward, while the cells' units come and go inside.
+It comes first in the order (units of one dtype and device each), so its all-gather prefetches the first
+cell's and its reduce-scatter is the backward's last. Its bytes are held for a pass, not a cell; models
+keep such parameters small (positions, gains), except a tied embedding, which FSDP2 holds the same way.
+
 [Note: gradients across microbatches]
 A pipeline stage runs one backward per microbatch. Two choices: reduce-scatter each unit's
 gradient after every microbatch's backward and accumulate shards (the stage never holds a full
@@ -174,8 +186,8 @@ class FullyShard:
 
     Args:
         units: ``(name, module)`` per cell, in the stage's node order. Their trainable parameters
-            are sharded (a parameter may belong to one cell only); every rank passes the same
-            model, initialised alike.
+            are sharded (without ``root``, a parameter may belong to one cell only); every rank passes
+            the same model, initialised alike.
         comm: The sharding group (``F = comm.world_size``).
         replicate: Hybrid sharding: the group of the ranks holding the same segment in other
             sharding groups; each reduce-scattered segment is all-reduced (MEAN) over it.
@@ -183,6 +195,9 @@ class FullyShard:
         prefetch: Issue the next unit's all-gather before the current unit computes.
         unit_bytes: Consecutive cells share a unit up to this many bytes of parameters ([Note: units
             of several cells]); 0: a unit per cell.
+        root: The stage module enclosing the cells and the parameters of its own that no one cell holds
+            (used by its forward outside them, or shared by two cells), by name: they form the stage's
+            unit ([Note: the stage's own unit]); a parameter two cells share goes there too.
 
     Usage::
 
@@ -194,12 +209,14 @@ class FullyShard:
         opt.step(); opt.zero_grad()
 
     Raises:
-        ValueError: A parameter belongs to two cells, or a cell mixes dtypes or devices.
+        ValueError: A parameter belongs to two cells and no ``root`` is given, or a cell mixes dtypes or
+            devices.
     """
 
     def __init__(self, units: Sequence[tuple[str, nn.Module]], comm: Communicator, *,
                  replicate: Communicator | None = None, timeout: timedelta | None = None,
-                 prefetch: bool = True, unit_bytes: int = 0) -> None:
+                 prefetch: bool = True, unit_bytes: int = 0,
+                 root: tuple[nn.Module, Sequence[tuple[str, nn.Parameter]]] | None = None) -> None:
         self.comm = comm
         self.replicate = replicate
         self.timeout = timeout
@@ -213,9 +230,11 @@ class FullyShard:
         self._in_backward = False
         self._unit_of: dict[int, int] = {}  # id(module) -> its unit
         owner: dict[int, str] = {}
+        shared = {id(p) for _, p in root[1]} if root is not None else set()
         cells: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
         for name, module in units:
-            named = [(f"{name}.{n}", p) for n, p in module.named_parameters() if p.requires_grad]
+            named = [(f"{name}.{n}", p) for n, p in module.named_parameters()
+                     if p.requires_grad and id(p) not in shared]
             for pname, p in named:
                 if id(p) in owner:
                     raise ValueError(f"parameter {pname!r} is also {owner[id(p)]!r} of another unit: a "
@@ -229,6 +248,14 @@ class FullyShard:
                 raise ValueError(f"unit {name!r} mixes dtypes or devices {sorted(map(str, kinds))}: its "
                                  "parameters travel in one flat buffer; give them one dtype and device")
             cells.append((name, module, named))
+        if root is not None:  # first the stage's own units, one per dtype and device
+            by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+            for pname, p in root[1]:
+                if p.requires_grad:
+                    by_kind.setdefault((p.dtype, p.device), []).append((pname, p))
+            for (dtype, _), own in by_kind.items():
+                label = "stage" if len(by_kind) == 1 else f"stage ({dtype})"
+                self.units.append(self._make_unit(len(self.units), [(label, root[0], own)]))
         for group in _group_cells(cells, unit_bytes):
             self.units.append(self._make_unit(len(self.units), group))
         for unit in self.units:

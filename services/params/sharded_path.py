@@ -24,8 +24,10 @@ It offers what the compute service asks of ZeRO-1/2's :class:`~services.params.z
 parameters whole (the final state, a checkpoint's snapshot): an all-gather per unit, so every
 replica of the group must call it.
 
-A parameter used outside the leaf modules (a ``get_attr`` of a traced model's own forward) or by two
-of them cannot be a unit's: such a stage is refused at assignment, naming the parameter.
+A parameter used outside the leaf modules (a ``get_attr`` of a traced model's own forward: learned
+positions, a gain) or by two of them (a tied embedding and head) belongs to no cell's unit: it is the
+stage's own, gathered around each forward and backward of the whole stage ([Note: the stage's own unit]
+in ``services/params/fully_sharded.py``).
 """
 
 from __future__ import annotations
@@ -50,14 +52,12 @@ from services.protocol import ComputeOptions, PhaseTiming
 __all__ = ["FullyShardedPath", "stage_units"]
 
 
-def stage_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def stage_units(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
     """The units of a stage's module: each leaf module its graph calls, in graph order (a module that is
-    not an ``fx.GraphModule`` is one unit).
-
-    Raises:
-        ValueError: A trainable parameter is not held by exactly one of them (naming it and the fix).
-    """
+    not an ``fx.GraphModule`` is one unit), and the trainable parameters none of them holds alone (used
+    by the stage's own forward, or by two of them), by their names in ``module``: the stage's own."""
     units: list[tuple[str, nn.Module]] = []
+    direct: set[int] = set()  # read by the stage's own forward (a get_attr), even if a leaf holds it too
     if isinstance(module, fx.GraphModule):
         seen: set[int] = set()
         for node in module.graph.nodes:
@@ -66,15 +66,27 @@ def stage_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
                 if id(sub) not in seen:
                     seen.add(id(sub))
                     units.append((str(node.target), sub))
+            elif node.op == "get_attr":
+                attr = _attribute(module, str(node.target))
+                if isinstance(attr, nn.Parameter):
+                    direct.add(id(attr))
     else:
         units.append(("stage", module))
-    held = {id(p) for _, m in units for p in m.parameters()}
-    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
-    if outside:
-        raise ValueError(f"parameter {outside[0]!r} is used outside the stage's leaf modules (by the model's "
-                         "own forward), so plan.zero=3 cannot gather it with a unit: list its module in "
-                         "model.leaves, give the model as cells, or use plan.zero=2")
-    return units
+    holders: dict[int, int] = {}
+    for _, m in units:
+        for p in m.parameters():  # a module's parameters() lists a tensor it holds twice once
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    own = [(n, p) for n, p in module.named_parameters()
+           if p.requires_grad and (holders.get(id(p), 0) != 1 or id(p) in direct)]
+    return units, own
+
+
+def _attribute(module: nn.Module, target: str) -> object:
+    """What ``target`` (a dotted ``get_attr`` path) names on ``module``, or None."""
+    found: object = module
+    for part in target.split("."):
+        found = getattr(found, part, None)
+    return found
 
 
 class FullyShardedPath(CollectivePath):
@@ -86,7 +98,7 @@ class FullyShardedPath(CollectivePath):
             :class:`~services.params.grad_path.CollectivePath`).
 
     Raises:
-        ValueError: Not ``zero_stage`` 3, or a parameter no unit can hold (:func:`stage_units`).
+        ValueError: Not ``zero_stage`` 3.
     """
 
     def __init__(self, module: nn.Module, options: ComputeOptions) -> None:
@@ -97,7 +109,7 @@ class FullyShardedPath(CollectivePath):
         self.factor = options.shard_factor
         self.rank = options.replica % self.factor
         self._replicas = options.num_replicas
-        self._units = stage_units(module)
+        self._units, self._own = stage_units(module)
         self._unit_bytes = options.gather_bytes
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._fs: FullyShard | None = None
@@ -116,7 +128,8 @@ class FullyShardedPath(CollectivePath):
         shard_comm = self._groups_ready(timeout)
         if self._fs is None:
             self._fs = FullyShard(self._units, shard_comm, replicate=self._across, timeout=timeout,
-                                  unit_bytes=self._unit_bytes)
+                                  unit_bytes=self._unit_bytes,
+                                  root=(self._module, self._own) if self._own else None)
             by_name = dict(self._fs.named_shards())
             for unit in self._fs.units:
                 for name, p in zip(unit.names, unit.params, strict=True):

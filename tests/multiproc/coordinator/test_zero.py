@@ -33,7 +33,7 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
 }
 MODELS = {"mlp": f"{M}:mlp", "mixed": f"{Z}:mixed", "deep_mlp": f"{M}:deep_mlp",
-          "mixed_dtypes": f"{Z}:mixed_dtypes", "wide": f"{Z}:wide"}
+          "mixed_dtypes": f"{Z}:mixed_dtypes", "wide": f"{Z}:wide", "own_params": f"{Z}:own_params"}
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ HELD_OUT = "tests.multiproc.coordinator.eval_models:heldout"
 @pytest.fixture(scope="module")
 def harness() -> Iterator[LocalHarness]:
     factories = [f"{M}:{name}" for name in ("mlp", "deep_mlp", "regression", "mse")]
-    factories += [f"{Z}:mixed", f"{Z}:mixed_dtypes", f"{P}:spiky", HELD_OUT]
+    factories += [f"{Z}:mixed", f"{Z}:mixed_dtypes", f"{Z}:own_params", f"{P}:spiky", HELD_OUT]
     with LocalHarness([f"local-{i}" for i in range(4)], job="t-zero3", lease_ttl=timedelta(seconds=6),
                       factories=factories) as h:
         yield h
@@ -44,6 +44,18 @@ def test_fully_sharded_replicas_match_one_process(harness: LocalHarness, d: int,
     result = fit_and_compare(harness, make_job(model, optimizer, **dp(3, d, factor)))
     assert result.plan is not None and (result.plan.zero_stage, result.plan.shard_factor) == (3, factor)
     assert "reduce_scatter" in phases(result)
+
+
+@pytest.mark.parametrize("plan", [dp(3, 2), dp(3, 4, 2),
+                                  dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b",
+                                       zero=3, shard_factor=2, balance=[1, 3])], ids=["dp2", "hybrid", "pp2"])
+def test_parameters_no_leaf_module_holds_alone_are_the_stage_s_unit(harness: LocalHarness,
+                                                                    plan: dict[str, Any]) -> None:
+    """A gain and a temperature the model's forward uses itself, a weight two layers share and a weight
+    the forward reads again beside its layer: FSDP2 puts such parameters in the root module's unit, and
+    so does cellmesh (the stage's own unit, gathered around each pass of the stage)."""
+    result = fit_and_compare(harness, make_job("own_params", "adamw", **plan))
+    assert result.plan is not None and result.plan.zero_stage == 3
 
 
 @pytest.mark.parametrize(("gather_bytes", "optimizer"), [(3800, "adamw"), (1000, "sgd")])

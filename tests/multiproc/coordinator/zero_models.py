@@ -54,3 +54,29 @@ def wide(dtype: str = "float64") -> list[nn.Module]:
     dt = {"float64": torch.float64, "float32": torch.float32}[dtype]
     return [m.to(dt) for m in (nn.Linear(IN, 128), nn.Tanh(), nn.Linear(128, 1024), nn.Tanh(),
                                nn.Linear(1024, OUT))]
+
+
+class OwnParams(nn.Module):
+    """A plain module (traced) whose forward uses parameters no one leaf module holds: a gain and a 0-dim
+    temperature of its own, a weight two layers share, and a layer's weight read again by the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(IN, 8)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.mid = nn.Linear(8, 8)
+        self.again = nn.Linear(8, 8)
+        self.again.weight = self.mid.weight  # tied: two leaf modules, one parameter
+        self.down = nn.Linear(8, OUT)
+        self.temp = nn.Parameter(torch.tensor(1.2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x)) * self.gain
+        h = torch.tanh(self.mid(h))
+        h = torch.tanh(self.again(h))
+        return self.down(h) * self.temp + 0.01 * self.down.weight.sum()
+
+
+def own_params(dtype: str = "float64") -> nn.Module:
+    """:class:`OwnParams` in ``dtype``: its nodes up, gain, mid, again, down and the forward's own ops."""
+    return OwnParams().to({"float64": torch.float64, "float32": torch.float32}[dtype])

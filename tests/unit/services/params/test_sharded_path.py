@@ -1,5 +1,5 @@
-"""ZeRO-3's stage units: the leaf modules of a stage's graph in order; a parameter no unit can hold is
-refused, and so is an optimizer that cannot step row shards."""
+"""ZeRO-3's stage units: the leaf modules of a stage's graph in order, and the parameters none of them holds
+alone (the stage's own unit); an optimizer that cannot step row shards is refused."""
 
 from __future__ import annotations
 
@@ -19,27 +19,34 @@ M = "tests.multiproc.coordinator.models"
 def test_a_stage_s_units_are_its_leaf_modules_in_graph_order() -> None:
     model = [nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2), nn.LayerNorm(2)]
     chain = trace_chain(model)
-    units = stage_units(chain.stage_module(1, 4))
+    units, own = stage_units(chain.stage_module(1, 4))
+    assert own == []
     assert [name for name, _ in units] == ["cell1", "cell2", "cell3"]
     assert [type(m.module) for _, m in units] == [nn.Tanh, nn.Linear, nn.LayerNorm]
 
 
 class Free(nn.Module):
-    """A parameter its own forward uses, outside any leaf module."""
+    """Parameters its forward uses outside the leaves, one two leaves share, one read beside its leaf."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3)
         self.gain = nn.Parameter(torch.ones(3))
+        self.twin = nn.Linear(3, 3)
+        self.twin.weight = self.lin.weight
+        self.out = nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * self.gain
+        return self.out(self.twin(self.lin(x) * self.gain)) + self.out.bias.sum()
 
 
-def test_a_parameter_outside_the_leaf_modules_is_refused_naming_it() -> None:
+def test_parameters_no_leaf_module_holds_alone_are_the_stage_s_own() -> None:
     chain = trace_chain(Free())
-    with pytest.raises(ValueError, match=r"'gain' is used outside the stage's leaf modules.*leaves"):
-        stage_units(chain.stage_module(0, len(chain)))
+    module = chain.stage_module(0, len(chain))
+    units, own = stage_units(module)
+    assert [name for name, _ in units] == ["lin", "twin", "out"]
+    assert sorted(name for name, _ in own) == ["gain", "lin.weight", "out.bias"]
+    assert all(p is module.get_parameter(name) for name, p in own)
 
 
 def test_an_optimizer_that_is_not_elementwise_is_refused_with_zero3() -> None:
