@@ -1494,9 +1494,13 @@ def _explain(profile: Profile, resources: Resources, global_batch: int, cands: l
     least = min(planned, key=lambda c: c.plan.peak_memory_bytes if c.plan else math.inf)
     assert least.plan is not None
     budget = max(w.memory_bytes for w in resources.workers)
-    msg = (f"no plan fits in memory ({len(cands)} evaluated with {asked}). The least memory any of them "
-           f"needs is {format_bytes(least.plan.peak_memory_bytes)} per worker ({least.plan.summary()}: "
-           f"{least.reason}); the largest worker has {format_bytes(budget)}.")
+    memory_bound = least.plan.peak_memory_bytes > min(w.memory_bytes for w in resources.workers)
+    if not memory_bound:  # e.g. ZeRO-2 across a tie
+        msg = f"no plan the request allows can run ({len(cands)} evaluated with {asked}): {least.reason}."
+    else:
+        msg = (f"no plan fits in memory ({len(cands)} evaluated with {asked}). The least memory any of them "
+               f"needs is {format_bytes(least.plan.peak_memory_bytes)} per worker ({least.plan.summary()}: "
+               f"{least.reason}); the largest worker has {format_bytes(budget)}.")
     if fixed:
         search_only = PlanConfig(**request.model_dump(include=_SEARCH_FIELDS))
         free = [c for c in candidate_plans(profile, resources, search_only, global_batch=global_batch,
@@ -1505,6 +1509,8 @@ def _explain(profile: Profile, resources: Resources, global_batch: int, cands: l
             best = min(free, key=_rank)
             assert best.plan is not None
             return f"{msg} Without fixing {', '.join(fixed)}, this plan fits: {best.plan.summary()}."
+    if not memory_bound:
+        return msg
     unbuilt = _unbuilt_fit(profile, resources, global_batch, request, automatic or memory.AUTOMATIC)
     return (f"{msg} Give the workers at least {format_bytes(least.plan.peak_memory_bytes)} each, add "
             "workers (more pipeline stages split the parameters), use parameter-server mode or a smaller "
