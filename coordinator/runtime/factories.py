@@ -21,6 +21,13 @@ find them. A local worker gets ``code_dir`` on its ``PYTHONPATH`` from the harne
 ``python -m services.host.worker`` it has the current directory first on its path: both
 processes resolve a name to the same file. Workers started elsewhere (pods) find the
 factories on their own ``PYTHONPATH``.
+
+A module the coordinator imported from a directory it put on ``sys.path`` itself (a notebook's
+``sys.path.append``, a script's own folder) is found by a local worker too: as
+``multiprocessing``'s spawn hands a child its parent's ``sys.path``, a local run puts the
+directory each factory's top-level module came from on its workers' path
+(:func:`factory_roots`); the interpreter's own directories are left out, since every worker has
+them.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from services.compute.stage import SampleError, SampleSource
 from services.factories import factories_in_spec, resolve
 
 __all__ = ["FactoryRef", "build_chain", "build_data", "build_loss", "build_metric", "build_model", "chain_of",
-           "factory_path", "job_factories", "job_imports", "made_by", "seeded", "unwrapped"]
+           "factory_path", "factory_roots", "job_factories", "job_imports", "made_by", "seeded", "unwrapped"]
 
 FactoryRef = str | Callable[..., Any]
 
@@ -94,6 +101,26 @@ def factory_path(ref: FactoryRef, *, what: str, code_dir: str | None = None) -> 
     if resolve(path, what=what) is not ref:
         raise ValueError(f"{what} {path!r} does not resolve to the object given; pass its name instead")
     return path
+
+
+def factory_roots(factories: Sequence[str]) -> list[str]:
+    """The directories the top-level modules of ``factories`` were imported from, outside the interpreter's
+    own (``sys.prefix``, ``sys.base_prefix``): what a local worker needs on its path to import them as
+    this process did. A factory whose module is not imported here (yet) adds nothing."""
+    own = {str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}}
+    roots: list[str] = []
+    for name in factories:
+        top = name.partition(":")[0].partition(".")[0]
+        module = sys.modules.get(top)
+        where = getattr(module, "__file__", None)
+        if module is None or where is None:
+            continue
+        path = Path(where).resolve()
+        root = path.parent.parent if path.name == "__init__.py" else path.parent
+        text = str(root)
+        if not any(text == p or text.startswith(p + os.sep) for p in own) and text not in roots:
+            roots.append(text)
+    return roots
 
 
 def job_factories(config: JobConfig) -> list[str]:

@@ -73,7 +73,7 @@ from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.driver import Runtime
 from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.evaluation import Evaluation
-from coordinator.runtime.factories import build_chain, job_factories
+from coordinator.runtime.factories import build_chain, factory_roots, job_factories
 from coordinator.runtime.harness import LocalHarness, memory_limits
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import check_optimizer, model_structure
@@ -117,6 +117,7 @@ class Session:
         if pool is None:
             threads = max(1, min(w.cpus for w in job.resources.workers))
             code_dir = [config.runtime.code_dir] if config.runtime.code_dir is not None else []
+            code_dir += factory_roots(job_factories(config))  # [Note: where a job's modules are found]
             lease_ttl = timedelta(seconds=config.runtime.lease_ttl_s)
             pool = self.local = LocalHarness(names, job=job.name, lease_ttl=lease_ttl, threads=threads,
                                              python_path=code_dir, log_dir=job.log_dir,
