@@ -112,8 +112,9 @@ class ModelConfig(_Section):
     factory: FactoryName = Field(description="the model factory, 'package.module:function'")
     kwargs: FactoryKwargs = Field(default_factory=dict, description="its keyword arguments (plain values)")
     leaves: list[str] = Field(default_factory=list,
-                              description="qualified names of submodules traced as one node each "
-                                          "(an untraceable one, e.g. 'blocks.0.router')")
+                              description="submodules traced as one node each, by qualified name "
+                                          "(an untraceable one, e.g. 'blocks.0.router') or class name "
+                                          "(every submodule of the class, e.g. 'Router')")
 
 
 class DataConfig(_Section):

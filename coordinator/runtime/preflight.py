@@ -428,7 +428,12 @@ def _check_draws(config: JobConfig, root: nn.Module, source: SampleSource, chain
         untraced = _untraced_draw(chain, record)
         if untraced is not None:
             where = (f"submodule {untraced!r}" if untraced else "the model's own forward")
-            fix = (f"list it in model.leaves (model: {{leaves: [{untraced}]}}, Job(leaves=[{untraced!r}])) "
+            leaf = untraced
+            if untraced:  # a class that recurs (a block's attention): its name stands for all of them
+                kind = type(root.get_submodule(untraced)).__name__
+                if sum(type(m).__name__ == kind for m in root.modules()) > 1:
+                    leaf = kind
+            fix = (f"list it in model.leaves (model: {{leaves: [{leaf}]}}, Job(leaves=[{leaf!r}])) "
                    "so it runs as one node, or draw through an nn.Dropout module" if untraced else
                    "draw through a submodule (nn.Dropout) instead of a function in the forward")
             raise JobError(f"model factory {config.model.factory!r}: {where} draws random numbers (dropout) "

@@ -16,8 +16,8 @@ modules, and is cut only where ``pipe_split()`` marks were written into the mode
 What becomes a node (the leaf rule). Tracing runs the model's ``forward`` on proxies and stops at
 *leaf* modules, which it records as calls without looking inside:
 
-- a :class:`~services.compute.cell.Cell`, and every module named in ``leaves`` (qualified names,
-  the config's ``model.leaves``: how an untraceable submodule is run whole);
+- a :class:`~services.compute.cell.Cell`, and every module named in ``leaves`` (qualified names or
+  class names, the config's ``model.leaves``: how an untraceable submodule is run whole);
 - a child of a container (``nn.Sequential``/``ModuleList``/``ModuleDict``): a block of a stack,
   whatever it is (an ``nn.Sequential`` block too);
 - a ``torch.nn`` module (``nn.Linear``, ``nn.LayerNorm``...: torch.fx's own rule).
@@ -91,7 +91,7 @@ from torch.utils import _pytree
 from services.compute.cell import Cell, as_cells, cell_parameters
 
 __all__ = ["Chain", "ChainNode", "UntraceableError", "argument", "call_model", "is_cell_sequence",
-           "spread_arguments", "trace_chain"]
+           "leaf_names", "spread_arguments", "trace_chain"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -291,12 +291,43 @@ def _root_of(cells: Sequence[Cell]) -> nn.Sequential:
     return nn.Sequential(OrderedDict(zip(keys, cells, strict=True)))
 
 
+def leaf_names(root: nn.Module, leaves: Iterable[str]) -> tuple[str, ...]:
+    """The qualified names ``leaves`` stand for: each a submodule's qualified name, or a class name that
+    stands for every submodule of that class (``Router``: each block's router); a name inside another
+    leaf is dropped (it runs whole with it).
+
+    Raises:
+        ValueError: An entry names neither a submodule nor the class of one (listing some of them).
+    """
+    named = [(name, m) for name, m in root.named_modules() if name]
+    names = {name for name, _ in named}
+    out: list[str] = []
+    unknown: list[str] = []
+    for entry in leaves:
+        if entry in names:
+            out.append(entry)
+            continue
+        matches = [name for name, m in named if type(m).__name__ == entry]
+        outer = [n for n in matches if not any(n.startswith(f"{o}.") for o in matches)]
+        if outer:
+            out.extend(outer)
+        else:
+            unknown.append(entry)
+    if unknown:
+        listed = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "")
+        classes = ", ".join(sorted({type(m).__name__ for _, m in named})[:12])
+        raise ValueError(f"model.leaves names {unknown}, neither submodules of {type(root).__name__} (its "
+                         f"submodules: {listed}) nor classes of them ({classes})")
+    return tuple(n for n in dict.fromkeys(out) if not any(n.startswith(f"{o}.") for o in out))
+
+
 def trace_chain(model: nn.Module | Sequence[nn.Module], leaves: Iterable[str] = ()) -> Chain:
     """Traces ``model`` (what a model factory returned) into its chain of nodes.
 
     Args:
         model: A sequence of cells (see :func:`is_cell_sequence`) or any ``nn.Module``.
-        leaves: Qualified names of submodules to keep as one node each (``model.leaves``).
+        leaves: Submodules to keep as one node each (``model.leaves``): qualified names, or class
+            names standing for every submodule of the class (:func:`leaf_names`).
 
     Raises:
         UntraceableError: torch.fx cannot trace the model (the message names the submodule, the
@@ -314,12 +345,7 @@ def trace_chain(model: nn.Module | Sequence[nn.Module], leaves: Iterable[str] = 
     else:
         assert isinstance(model, nn.Module)
         root = model
-        names = {name for name, _ in root.named_modules() if name}
-        unknown = [name for name in wanted if name not in names]
-        if unknown:
-            listed = ", ".join(sorted(names)[:12]) + (", ..." if len(names) > 12 else "")
-            raise ValueError(f"model.leaves names {unknown}, not submodules of {type(root).__name__} "
-                             f"(its submodules: {listed})")
+        wanted = leaf_names(root, wanted)
     tracer = _ChainTracer(root, frozenset(wanted))
     try:
         graph = tracer.trace(root)

@@ -12,7 +12,7 @@ from torch import nn
 
 from services.compute.boundary import BoundaryError, flatten, unflatten
 from services.compute.cell import Cell
-from services.compute.chain import UntraceableError, call_model, spread_arguments, trace_chain
+from services.compute.chain import UntraceableError, call_model, leaf_names, spread_arguments, trace_chain
 from services.compute.stage import build_stage
 from services.factories import FactoryAllowList
 from services.protocol import Assignment, BoundarySpec, BoundaryTensor, ComputeOptions
@@ -149,11 +149,34 @@ def test_an_untraceable_submodule_is_named_with_why_and_the_fix() -> None:
 def test_leaves_name_submodules_and_coarsen_the_chain() -> None:
     chain = trace_chain(Net(), ["body"])
     assert [nd.name for nd in chain.nodes] == ["body", "out"]
-    with pytest.raises(ValueError, match=r"model.leaves names \['bdy'\], not submodules of Net \(its "
-                                         r"submodules: body, body.gate, body.lin, out\)"):
+    with pytest.raises(ValueError, match=r"model.leaves names \['bdy'\], neither submodules of Net \(its "
+                                         r"submodules: body, body.gate, body.lin, out\) nor classes of them "
+                                         r"\(Body, Gate, Linear\)"):
         trace_chain(Net(), ["bdy"])
     with pytest.raises(ValueError, match="sequence of cells, which are never traced into"):
         trace_chain([nn.Linear(2, 2)], ["0"])
+
+
+class Twice(nn.Module):
+    """Two bodies outside any container, each with an untraceable gate: one class name makes both leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Body(), Body()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def test_a_class_name_in_leaves_stands_for_every_submodule_of_the_class() -> None:
+    assert leaf_names(Twice(), ["Gate"]) == ("first.gate", "second.gate")
+    assert leaf_names(Twice(), ["Body", "Gate"]) == ("first", "second")  # a gate runs whole in its body
+    assert leaf_names(Twice(), ["first", "Body"]) == ("first", "second")
+    chain = trace_chain(Twice(), ["Gate"])
+    assert [nd.name for nd in chain.nodes] == ["first.lin", "first.gate", "second.lin", "second.gate"]
+    model = Twice()
+    x = torch.randn(4, 3)
+    assert torch.equal(run_stages(trace_chain(model, ["Gate"]), (0, 2, 4), x), model(x))
 
 
 def values_spec(grad: bool = True) -> BoundarySpec:
