@@ -125,9 +125,9 @@ itself to every ZeRO stage and recompute; not offload, whose cost in time (``sha
 host's step and the copies over PCIe) is not checked against a GPU's measurement yet. The plan
 section's fixed fields pass through whatever it says (the runtime then names what it does not run).
 A job narrows it further where its model or its sections rule an option out
-(``coordinator/runtime/job.py``: no ZeRO-3 with an evaluation section, no recompute over BatchNorm
-layers). Among the plans that fit, the planner takes a replicated one without recompute whenever
-one fits (``choose_plan``): sharding and recompute buy memory with time on the machines measured
+(``coordinator/runtime/job.py``: no sharding for an optimizer that is not elementwise, no recompute
+over BatchNorm layers). Among the plans that fit, the planner takes a replicated one without recompute
+whenever one fits (``choose_plan``): sharding and recompute buy memory with time on the machines measured
 (``docs/benchmarks.md``), and their time model is not yet checked against measurement, so they are
 what a plan reaches for when memory runs out, not what it tries first.
 """

@@ -217,10 +217,6 @@ class Runtime:
                         "the host, so the optimizer's host copy only adds a copy of the parameters and the "
                         "time to copy; drop plan.offload unless the workers run on CUDA", spec.run,
                         ", ".join(on_cpu))
-        if plan.zero_stage == 3 and spec.eval_data:  # a replica may sit an evaluation out; ZeRO-3 gathers
-            raise JobError("this version of cellmesh cannot evaluate under plan.zero=3 (every replica of a "
-                           "group gathers the parameters of each forward, and an evaluation may leave some "
-                           "without samples): drop the job's eval section, or use plan.zero 1 or 2")
         if plan.zero_stage:
             try:
                 check_elementwise(spec.optimizer.name)

@@ -14,6 +14,10 @@ model on the samples of its held-out data factory:
   contiguous shares over the plan's replicas, each into the plan's microbatches; here their
   sizes may differ by one sample (:func:`split_eval_batch`), and a replica with no sample of a
   short batch sits it out;
+* under ZeRO-3 every forward gathers its units' parameters from the whole sharding group, so every
+  replica must run as many forwards as the others: a replica with fewer microbatches of a batch (or
+  none) runs extra one-sample microbatches (:func:`pad_eval_split`, the batch's first sample) whose
+  loss and metric are left out of the sums;
 * how: the last step's update is committed first (a ``commit`` round carrying the checkpoint due
   at this step, or the final one at the end of a fit), so the evaluation sees the updated model
   and no checkpoint is skipped. Then each batch is one evaluation step: a ``RunStep`` with
@@ -50,7 +54,7 @@ if TYPE_CHECKING:
     from coordinator.runtime.driver import Runtime
 
 __all__ = ["Evaluation", "HeldOutSums", "eval_batches", "forward_actions", "held_out_count",
-           "split_eval_batch"]
+           "pad_eval_split", "split_eval_batch"]
 
 
 def eval_batches(num_samples: int, global_batch: int) -> list[list[int]]:
@@ -75,6 +79,15 @@ def split_eval_batch(indices: list[int], data_parallel: int, num_microbatches: i
     training batch, but of any length: sizes differ by one at most and empty microbatches are left out
     (a replica may get none)."""
     return [[mb for mb in _runs(share, num_microbatches) if mb] for share in _runs(indices, data_parallel)]
+
+
+def pad_eval_split(split: list[list[list[int]]]) -> list[list[list[int]]]:
+    """``split`` with every replica's microbatches made as many as the most any replica has, by adding
+    one-sample microbatches of the batch's first sample (for ZeRO-3, whose forwards gather together;
+    the added ones' results are not counted: only the first ``len(split[r])`` are)."""
+    most = max(len(mbs) for mbs in split)
+    first = next(mb[0] for mbs in split for mb in mbs)
+    return [[*mbs, *([first] for _ in range(most - len(mbs)))] for mbs in split]
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,8 +192,9 @@ class Evaluation:
         plan, sums, saved = runtime.plan, HeldOutSums(), []
         for batch in self.batches:
             split = split_eval_batch(batch, plan.data_parallel, plan.num_microbatches)
-            replies, parts = runtime.evaluate(done, split)
+            replies, parts = runtime.evaluate(done, pad_eval_split(split) if plan.zero_stage == 3 else split)
             saved += parts
             for replica, reply in replies:
-                sums.add(split[replica], reply.losses, reply.metric_sums)
+                real = len(split[replica])  # the padding's results (ZeRO-3) are not counted
+                sums.add(split[replica], reply.losses[:real], reply.metric_sums[:real])
         return sums.record(done, time.monotonic() - start), saved

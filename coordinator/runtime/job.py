@@ -352,13 +352,10 @@ class Job:
     def _automatic(self) -> Automatic:
         """The memory options the planner may pick for this job ([Note: what the automatic search may
         pick] in ``coordinator/planning/memory.py``): no sharding for an optimizer that is not elementwise,
-        no ZeRO-3 with an evaluation section (a replica may sit an evaluation out, and every ZeRO-3
-        forward gathers), no recompute over BatchNorm layers (their statistics would update twice)."""
+        no recompute over BatchNorm layers (their statistics would update twice)."""
         zero = AUTOMATIC.zero
         if self.optimizer.name in NOT_ELEMENTWISE:
             zero = (0,)
-        elif self.config.eval is not None:
-            zero = tuple(z for z in zero if z != 3)
         recompute = AUTOMATIC.recompute and not self._batch_norm
         return dataclasses.replace(AUTOMATIC, zero=zero, recompute=recompute)
 

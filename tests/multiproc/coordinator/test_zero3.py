@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from coordinator.planning.resources import Resources
-from coordinator.runtime.errors import JobError
 from coordinator.runtime.factories import job_factories
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import Job
@@ -142,11 +141,21 @@ def test_memory_per_worker_holds_a_shard_of_the_parameters(harness: LocalHarness
             assert two - three >= params * (n - 1) / n - 8 * 12, (n, two, three)
 
 
-def test_evaluation_is_refused_naming_the_fix(harness: LocalHarness) -> None:
-    job = make_job("mixed", "sgd", eval=HELD_OUT, eval_every_steps=2, **dp(3, 2))
-    with (pytest.raises(JobError, match=r"cannot evaluate under plan\.zero=3.*drop the job's eval section"),
-          job.attach(harness)):
-        job.fit(1)
+@pytest.mark.parametrize(("plan", "batch"), [
+    (dp(3, 4, 2), 12), (dict(data_parallel=2, num_stages=2, num_microbatches=4, schedule="gpipe", zero=3,
+                             shard_factor=2), 16)], ids=["hybrid", "pipeline"])
+def test_evaluation_under_zero3_equals_one_process(harness: LocalHarness, plan: dict[str, Any],
+                                                   batch: int) -> None:
+    """37 held-out samples leave a short last batch, and every forward of a sharding group gathers
+    together: in batches of 12, the last one sample leaves 3 of 4 replicas without any; in batches of 16
+    over 2 replicas of 4 microbatches, the last 5 give them 3 and 2 microbatches. The short ones run
+    padding forwards, left uncounted."""
+    job = make_job("mixed", "sgd", eval=HELD_OUT, eval_every_steps=2, eval_global_batch=batch, **plan)
+    result = fit_and_compare(harness, job)
+    ref = train_reference(job, STEPS)
+    assert [e.step for e in result.evals] == [e.step for e in ref.evals] == [2, 4, 5]
+    for got, want in zip(result.evals, ref.evals, strict=True):
+        assert got.num_samples == want.num_samples == 37 and abs(got.loss - want.loss) < TOL64, (got, want)
 
 
 def test_fp16_with_zero3_skips_the_overflowing_step_as_grad_scaler(harness: LocalHarness) -> None:

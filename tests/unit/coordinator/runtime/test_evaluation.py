@@ -16,6 +16,7 @@ from coordinator.runtime.evaluation import (
     HeldOutSums,
     eval_batches,
     forward_actions,
+    pad_eval_split,
     split_eval_batch,
 )
 from services.compute.actions import validate_stage
@@ -43,6 +44,15 @@ def test_a_batch_splits_contiguously_into_shares_that_differ_by_one(n: int, repl
     split = split_eval_batch(indices, replicas, microbatches)
     assert [[len(mb) for mb in share] for share in split] == sizes
     assert [i for share in split for mb in share for i in mb] == indices
+
+
+def test_zero3_pads_every_replica_to_the_most_microbatches_with_one_sample_ones() -> None:
+    split = split_eval_batch([30, 31, 32, 33, 34], 2, 4)  # 3 and 2 samples: 3 and 2 microbatches
+    assert pad_eval_split(split) == [[[30], [31], [32]], [[33], [34], [30]]]
+    sat_out = split_eval_batch([36], 4, 1)  # one sample over 4 replicas: 3 without any
+    assert sat_out == [[[36]], [], [], []] and pad_eval_split(sat_out) == [[[36]]] * 4
+    even = split_eval_batch(list(range(8)), 2, 2)
+    assert pad_eval_split(even) == even
 
 
 def test_an_even_batch_splits_as_a_training_batch() -> None:
