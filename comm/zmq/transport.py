@@ -76,6 +76,7 @@ __all__ = ["Body", "Deadline", "Transport"]
 log = logging.getLogger(__name__)
 
 _POLL_SLICE_MS = 100  # how often a blocked reader checks its deadline and peer liveness
+_CLOSE_WAIT_S = 2.0  # how long close() waits for a thread inside a channel ([Note: closing under ...])
 _CLOSED_GRACE_S = 1.0  # a peer that closed cleanly may still have messages on the wire
 STASH_LIMIT_BYTES = 4 << 30
 ZERO_COPY_MIN_BYTES = 64 << 10  # smaller bodies are copied into the message: cheaper than tracking them
@@ -243,6 +244,7 @@ class Transport:
         frames: list[Any] | None = None
         if box is not None and isinstance(body, np.ndarray) and size >= shm.MIN_BYTES:
             with ch.send_lock:
+                self._check_open(peer, "sending")
                 slot = box.put(body)
                 if slot is not None:
                     encoded = header.encode(slot)
@@ -255,6 +257,7 @@ class Transport:
         # a tracked zero-copy send costs ~0.1 ms of pyzmq bookkeeping: only a large body is worth it
         zero_copy = len(frames) == 2 and size >= ZERO_COPY_MIN_BYTES
         with ch.send_lock:
+            self._check_open(peer, "sending")
             while True:
                 try:
                     if zero_copy:
@@ -284,6 +287,7 @@ class Transport:
         dtype = dtype_name(t.dtype)
         assert t.is_cpu and t.is_contiguous(), "post needs a contiguous CPU tensor"
         with ch.send_lock:
+            self._check_open(peer, "sending")
             slot = box.put_from(t.data_ptr(), nbytes)
             if slot is None:
                 return False
@@ -309,6 +313,7 @@ class Transport:
         closed_since: float | None = None
         while True:
             with ch.recv_lock:
+                self._check_open(peer, "receiving")
                 if ch.inbox is not None and int(pull.get(zmq.EVENTS)) & zmq.POLLIN:
                     # [Note: the socket read while the ring feeds]
                     got = self._read_one(ch)
@@ -437,10 +442,13 @@ class Transport:
 
     def release(self, peer: int, body: Body) -> None:
         """``body`` (from :meth:`recv`) has been read: a shared-memory slot goes back to ``peer``."""
-        if isinstance(body, shm.ShmBody):
+        if isinstance(body, shm.ShmBody) and not self._closed:  # closed: the slot matters to nobody
             inbox = self.channels[peer].inbox
             assert inbox is not None
-            inbox.release(body)
+            # not under the receive lock, which a waiting reader holds for a poll slice: a close() meanwhile
+            # drops the slot table (the write below goes to a mapping the body itself keeps alive)
+            with contextlib.suppress(AttributeError):
+                inbox.release(body)
 
     def _stash(self, ch: _Channel, header: TensorHeader, body: Body) -> None:
         ch.stash_bytes += header.nbytes
@@ -452,27 +460,60 @@ class Transport:
             )
         if isinstance(body, shm.ShmBody):  # a stashed body must not hold a slot the sender waits for
             copied = _Copied(bytes(body.buffer))
-            self.release(ch.peer, body)
+            assert ch.inbox is not None  # under the receive lock, open: the slot goes back at once
+            ch.inbox.release(body)
             body = copied
         ch.stash.setdefault(header.key, deque()).append((header, body))
 
+    def _check_open(self, peer: int, what: str) -> None:
+        if self._closed:
+            raise CommError(f"rank {self.rank}: {what} with rank {peer}: this rank's communicator was closed "
+                            "(its service released the run, or a step failed and was abandoned)")
+
     def _check_progress(self, peer: int, deadline: Deadline, members: tuple[int, ...], what: str) -> None:
+        self._check_open(peer, f"waiting for rank {peer} {what}")
         self.rendezvous.check(members, deadline.op)
         if deadline.expired():
             raise deadline.timed_out(self.rank, f"rank {peer} {what}", peer=peer)
 
     def close(self) -> None:
+        """Close every channel's sockets and shared memory, each once no other thread is inside it.
+
+        [Note: closing under the channel's locks] A step that fails is abandoned from another thread
+        than the one still sending or receiving for it, and a ZeroMQ socket or a shared-memory mapping
+        closed under a thread that uses it fails that thread in ways no error names (a socket that is
+        no socket, a missing attribute; libzmq may abort, and a ``memmove`` into an unmapped inbox kills
+        the process). So ``_closed`` is set first (a thread waiting in a slice raises at its next look,
+        within ``_POLL_SLICE_MS``; an operation that starts later raises at once), then each channel is
+        closed holding both of its locks. A channel whose lock is not free within
+        ``_CLOSE_WAIT_S`` (a thread stuck outside the transport's loops) is left open, to its garbage
+        collection, with a warning: a leak, not a crash.
+        """
         if self._closed:
             return
         self._closed = True
         for ch in self.channels.values():
-            for sock in (ch.push, ch.pull):
-                if sock is not None:
-                    sock.close()
-            ch.stash.clear()
-            for box in (ch.inbox, ch.outbox):
-                if box is not None:
-                    box.close()
+            if not ch.send_lock.acquire(timeout=_CLOSE_WAIT_S):
+                log.warning("[rank %d] the channel to rank %d is still sending; left open", self.rank,
+                            ch.peer)
+                continue
+            try:
+                if not ch.recv_lock.acquire(timeout=_CLOSE_WAIT_S):
+                    log.warning("[rank %d] the channel from rank %d is still receiving; left open", self.rank,
+                                ch.peer)
+                    continue
+                try:
+                    for sock in (ch.push, ch.pull):
+                        if sock is not None:
+                            sock.close()
+                    ch.stash.clear()
+                    for box in (ch.inbox, ch.outbox):
+                        if box is not None:
+                            box.close()
+                finally:
+                    ch.recv_lock.release()
+            finally:
+                ch.send_lock.release()
         for path in self._ipc_paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
