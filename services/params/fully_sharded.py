@@ -49,13 +49,15 @@ a branch ends its part independently of the others. The memory held per unit in 
 A parameter that no one cell holds, because the model's own forward uses it (learned positions added in
 ``forward``, a scalar temperature: a ``get_attr`` of the traced stage) or because two cells share it (a
 tied embedding and head), belongs to the *stage's* unit, as FSDP2 puts the parameters no child unit
-claims into the root module's: the unit's module is the stage module itself (``root``), so it is
-gathered before the stage's forward and freed after it, gathered again when the backward reaches the
-stage's outputs and freed once the stage's inputs have their gradients (or at the end of the backward):
-it is held for the whole of each forward and each backward, while the cells' units come and go inside.
-It comes first in the order (units of one dtype and device each), so its all-gather prefetches the first
-cell's and its reduce-scatter is the backward's last. Its bytes are held for a pass, not a cell; models
-keep such parameters small (positions, gains), except a tied embedding, which FSDP2 holds the same way.
+claims into the root module's: the stage's own code reads it, between and around the cells, and with
+recompute (``services/compute/recompute.py``) that code runs in per-node modules, not the stage module,
+so no module's hooks could bracket its uses. So the stage's unit is *pinned*, as FSDP2 keeps its root
+unsharded between forward and backward: :meth:`FullyShard.gather_pinned` gathers it as each step begins
+(after the commit's update, so it is fresh), it stays gathered through every forward and backward of
+the step, and :meth:`FullyShard.finish` (or :meth:`FullyShard.abandon`) frees it after its
+reduce-scatter, the backward's last (it comes first in the order, one unit per dtype and device). Its
+bytes are held for the whole step; models keep such parameters small (positions, gains), except a tied
+embedding, which FSDP2 holds the same way.
 
 [Note: gradients across microbatches]
 A pipeline stage runs one backward per microbatch. Two choices: reduce-scatter each unit's
@@ -156,6 +158,7 @@ class Unit:
     layout: ShardLayout
     segment: torch.Tensor
     shards: list[nn.Parameter]
+    pinned: bool = False  # the stage's own unit: gathered for the whole step ([Note: the stage's own unit])
     state: Literal["free", "gathering", "gathered"] = "free"
     gather_out: torch.Tensor | None = None
     gather_work: Work | None = None
@@ -256,10 +259,16 @@ class FullyShard:
             for (dtype, _), own in by_kind.items():
                 label = "stage" if len(by_kind) == 1 else f"stage ({dtype})"
                 self.units.append(self._make_unit(len(self.units), [(label, root[0], own)]))
+                self.units[-1].pinned = True
         for group in _group_cells(cells, unit_bytes):
             self.units.append(self._make_unit(len(self.units), group))
         for unit in self.units:
-            self._hook(unit)
+            if unit.pinned:  # no module's forward brackets its uses: only its gradients are hooked
+                for p in unit.params:
+                    self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        self._on_grad))
+            else:
+                self._hook(unit)
 
     # -- building --------------------------------------------------------------------
 
@@ -327,8 +336,18 @@ class FullyShard:
                 shard.grad = grad
             unit.reduce_in = unit.reduce_out = unit.reduce_work = None
             unit.ready.clear()
+            if unit.pinned:  # the step's update comes next: the next step gathers it anew
+                self._release(unit.index)
         self._next_launch = 0
         self.armed = False
+
+    def gather_pinned(self) -> None:
+        """As a step begins, after the commit's update: gather the stage's own units anew and keep them for
+        the step ([Note: the stage's own unit]). Every rank of the group calls it at each step."""
+        for unit in self.units:
+            if unit.pinned:
+                self._release(unit.index)  # gathered before the last update (an evaluation's): stale
+                self._ensure(unit.index)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every sharded parameter whole (a copy), by name: one all-gather per unit, so every rank of
@@ -498,7 +517,7 @@ class FullyShard:
 
     def _end_backward(self) -> None:
         for unit in self.units:
-            if unit.state != "free":
+            if unit.state != "free" and not unit.pinned:
                 self._release(unit.index)
         self._in_backward = False
 

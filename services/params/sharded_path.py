@@ -26,8 +26,8 @@ replica of the group must call it.
 
 A parameter used outside the leaf modules (a ``get_attr`` of a traced model's own forward: learned
 positions, a gain) or by two of them (a tied embedding and head) belongs to no cell's unit: it is the
-stage's own, gathered around each forward and backward of the whole stage ([Note: the stage's own unit]
-in ``services/params/fully_sharded.py``).
+stage's own, gathered as each step begins and held through it ([Note: the stage's own unit] in
+``services/params/fully_sharded.py``).
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class FullyShardedPath(CollectivePath):
         self._fs.timeout = timeout
         self._fs.armed = False
         self.launched = False
+        self._fs.gather_pinned()  # the stage's own unit, for the whole step
 
     def _groups_ready(self, timeout: timedelta) -> Communicator:
         if self._shard_comm is None:

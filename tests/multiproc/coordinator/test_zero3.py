@@ -47,12 +47,16 @@ def test_fully_sharded_replicas_match_one_process(harness: LocalHarness, d: int,
 
 @pytest.mark.parametrize("plan", [dp(3, 2), dp(3, 4, 2),
                                   dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b",
-                                       zero=3, shard_factor=2, balance=[1, 3])], ids=["dp2", "hybrid", "pp2"])
+                                       zero=3, shard_factor=2, balance=[1, 3]),
+                                  dict(data_parallel=2, num_stages=2, num_microbatches=2, schedule="1f1b",
+                                       zero=3, shard_factor=2, balance=[1, 3], recompute=True)],
+                         ids=["dp2", "hybrid", "pp2", "pp2-recompute"])
 def test_parameters_no_leaf_module_holds_alone_are_the_stage_s_unit(harness: LocalHarness,
                                                                     plan: dict[str, Any]) -> None:
     """A gain and a temperature the model's forward uses itself, a weight two layers share and a weight
     the forward reads again beside its layer: FSDP2 puts such parameters in the root module's unit, and
-    so does cellmesh (the stage's own unit, gathered around each pass of the stage)."""
+    so does cellmesh (the stage's own unit, gathered for the step: with recompute, the stage's own code
+    runs in per-node modules that no hook brackets)."""
     result = fit_and_compare(harness, make_job("own_params", "adamw", **plan))
     assert result.plan is not None and result.plan.zero_stage == 3
 
