@@ -244,7 +244,8 @@ class Transport:
         frames: list[Any] | None = None
         if box is not None and isinstance(body, np.ndarray) and size >= shm.MIN_BYTES:
             with ch.send_lock:
-                self._check_open(peer, "sending")
+                if self._closed:  # [Note: closing under the channel's locks]
+                    raise self._closed_error(f"sending to rank {peer}")
                 slot = box.put(body)
                 if slot is not None:
                     encoded = header.encode(slot)
@@ -257,7 +258,8 @@ class Transport:
         # a tracked zero-copy send costs ~0.1 ms of pyzmq bookkeeping: only a large body is worth it
         zero_copy = len(frames) == 2 and size >= ZERO_COPY_MIN_BYTES
         with ch.send_lock:
-            self._check_open(peer, "sending")
+            if self._closed:  # [Note: closing under the channel's locks]
+                raise self._closed_error(f"sending to rank {peer}")
             while True:
                 try:
                     if zero_copy:
@@ -287,7 +289,8 @@ class Transport:
         dtype = dtype_name(t.dtype)
         assert t.is_cpu and t.is_contiguous(), "post needs a contiguous CPU tensor"
         with ch.send_lock:
-            self._check_open(peer, "sending")
+            if self._closed:  # [Note: closing under the channel's locks]
+                raise self._closed_error(f"sending to rank {peer}")
             slot = box.put_from(t.data_ptr(), nbytes)
             if slot is None:
                 return False
@@ -313,7 +316,8 @@ class Transport:
         closed_since: float | None = None
         while True:
             with ch.recv_lock:
-                self._check_open(peer, "receiving")
+                if self._closed:  # [Note: closing under the channel's locks]
+                    raise self._closed_error(f"receiving from rank {peer}")
                 if ch.inbox is not None and int(pull.get(zmq.EVENTS)) & zmq.POLLIN:
                     # [Note: the socket read while the ring feeds]
                     got = self._read_one(ch)
@@ -465,13 +469,13 @@ class Transport:
             body = copied
         ch.stash.setdefault(header.key, deque()).append((header, body))
 
-    def _check_open(self, peer: int, what: str) -> None:
-        if self._closed:
-            raise CommError(f"rank {self.rank}: {what} with rank {peer}: this rank's communicator was closed "
-                            "(its service released the run, or a step failed and was abandoned)")
+    def _closed_error(self, what: str) -> CommError:
+        return CommError(f"rank {self.rank}: {what}: this rank's communicator was closed (its service "
+                         "released the run, or a step failed and was abandoned)")
 
     def _check_progress(self, peer: int, deadline: Deadline, members: tuple[int, ...], what: str) -> None:
-        self._check_open(peer, f"waiting for rank {peer} {what}")
+        if self._closed:  # [Note: closing under the channel's locks]
+            raise self._closed_error(f"waiting for rank {peer} {what}")
         self.rendezvous.check(members, deadline.op)
         if deadline.expired():
             raise deadline.timed_out(self.rank, f"rank {peer} {what}", peer=peer)
