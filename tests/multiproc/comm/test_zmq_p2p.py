@@ -6,6 +6,7 @@ as two processes on one host would have).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -13,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from comm.errors import CommError
 from comm.zmq import shm
 from comm.zmq.communicator import ZmqCommunicator
 from tests.harness.threads import run_ranks, zmq_pair
@@ -103,3 +105,37 @@ def test_a_ping_pong_wakes_each_sleeping_receiver_at_once(pair: list[ZmqCommunic
     start = time.monotonic()
     run_ranks([side(c0), side(c1)])
     assert time.monotonic() - start < rounds * 0.1 / 4, "receivers slept through their doorbells"
+
+
+def test_closing_a_rank_under_its_waiting_and_sending_threads_fails_them_by_name(
+        pair: list[ZmqCommunicator]) -> None:
+    """A step abandoned from another thread closes the communicator while the step's threads still wait
+    in it ([Note: closing under the channel's locks] in comm/zmq/transport.py): each fails within a poll
+    slice with an error naming the close, and nothing touches a closed socket or an unmapped inbox."""
+    c0, c1 = pair
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            c0.irecv(torch.empty(4096), src=1, tag=7).wait(TIMEOUT)  # rank 1 never sends it
+        except Exception as exc:
+            errors.append(exc)
+
+    def send() -> None:
+        try:
+            for _ in range(10_000):  # rank 1 never receives: the slots, the ring, then the socket fill
+                c0.isend(torch.ones(4096), dst=1, tag=8).wait(TIMEOUT)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receive), threading.Thread(target=send)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    c0.close()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads) and time.monotonic() - start < 5
+    assert len(errors) == 2, errors
+    assert all(isinstance(e, CommError) and "this rank's communicator was closed" in str(e) for e in errors), errors
