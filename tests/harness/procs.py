@@ -9,7 +9,8 @@ Usage::
 How it works:
 
 * The parent hosts the registry (a :class:`~comm.registry.server.RegistryServer` on
-  loopback). Each child is a ``multiprocessing`` "spawn" process that connects with
+  loopback). Each child is a ``multiprocessing`` "forkserver" process (see [Note: ranks from a
+  fork server] below) that connects with
   :class:`~comm.registry.remote.RemoteRegistry`, builds its communicator with
   :func:`comm.factory.init_communicator` under a prefix unique to the group, and
   reports ready.
@@ -27,6 +28,18 @@ How it works:
 
 Cross-process limits: arguments and results must be msgpack-encodable (maps, lists,
 str, bytes, int, float, bool, None); tuples arrive as lists.
+
+[Note: ranks from a fork server]
+A fresh interpreter spends over a second of CPU importing torch before it builds a communicator, and
+the conformance suite alone starts some 40 ranks. So the children come from multiprocessing's
+fork server, started once per test process with the third-party libraries of :data:`PRELOAD`
+imported (never a cellmesh module: several read the environment when imported, and each child
+imports them afresh after its environment is in place), with the BLAS and OpenMP thread counts at 1
+while they load, so the server has no thread to lose in a fork. A forked child is not the test
+process's child, so it gets what ``spawn`` gave it by other means: the parent's environment at
+:meth:`RankGroup.start` (then ``OMP_NUM_THREADS=1`` and the group's ``env`` over it) and torch's
+intra-op threads set to 1; it watches for its parent's end by the parent's pid, not ``getppid``.
+``CELLMESH_TEST_START_METHOD=spawn`` starts fresh interpreters instead (to compare, or to debug).
 """
 
 from __future__ import annotations
@@ -59,6 +72,11 @@ DEFAULT_START_TIMEOUT = timedelta(seconds=90)
 DEFAULT_RUN_TIMEOUT = timedelta(seconds=60)
 # A child with no command for this long (its parent presumably gone) exits.
 CHILD_IDLE_LIMIT_S = 900.0
+START_METHOD_ENV = "CELLMESH_TEST_START_METHOD"
+PRELOAD = ("torch", "torch.distributed", "numpy", "zmq", "msgpack", "pydantic")
+"""What the fork server imports once for every rank (third-party only: [Note: ranks from a fork server])."""
+_QUIET_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_server_lock = threading.Lock()
 
 _live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
 _ids = itertools.count(1)
@@ -111,7 +129,8 @@ class RankGroup:
         liveness_ttl: the rendezvous lease TTL (default 10 s; fault tests use 1 s).
         start_timeout: bound on spawning the children and building the communicators.
         options: extra keyword arguments for ``init_communicator`` (msgpack-encodable).
-        env: environment variables set in each child before it imports torch.
+        env: environment variables set in each child before it imports cellmesh (torch is already imported:
+            see [Note: ranks from a fork server]).
     """
 
     def __init__(
@@ -174,7 +193,7 @@ class RankGroup:
         _live_groups.add(self)
         try:
             self._server = RegistryServer().start()
-            ctx = multiprocessing.get_context("spawn")
+            ctx = _context()
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 config = _pack({
@@ -187,6 +206,7 @@ class RankGroup:
                     "liveness_ttl_s": self.liveness_ttl.total_seconds(),
                     "options": self.options,
                     "env": self.env,
+                    "parent_env": dict(os.environ),
                     "parent_pid": os.getpid(),
                 })
                 proc = ctx.Process(
@@ -352,6 +372,40 @@ class RankGroup:
         return results
 
 
+def _context() -> multiprocessing.context.BaseContext:
+    """The start method's context; the fork server started (once) with :data:`PRELOAD` imported, quietly."""
+    method = os.environ.get(START_METHOD_ENV, "forkserver").strip() or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'forkserver' (the default) or 'spawn'")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        from multiprocessing import forkserver
+
+        with _server_lock:
+            ctx.set_forkserver_preload(list(PRELOAD))
+            saved = {name: os.environ.get(name) for name in _QUIET_THREADS}
+            os.environ.update(_QUIET_THREADS)  # the server inherits them while it imports
+            try:
+                forkserver.ensure_running()
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+    return ctx
+
+
+def _parent_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _stop_process(proc: BaseProcess) -> None:
     """SIGTERM, then SIGKILL, with short bounded joins; a stopped process is continued first."""
     if proc.is_alive():
@@ -384,6 +438,8 @@ def _child_main(config_bytes: bytes, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which tears down
     faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) prints every thread's Python stack
     config = _unpack(config_bytes)
+    os.environ.clear()  # a forked rank has the fork server's environment: put the parent's in place
+    os.environ.update(config["parent_env"])
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(config["env"])
     comm: Any = None
@@ -430,7 +486,7 @@ def _serve(conn: Connection, comm: Any, parent_pid: int) -> None:
     idle_since = time.monotonic()
     while time.monotonic() - idle_since < CHILD_IDLE_LIMIT_S:
         if not conn.poll(1.0):
-            if os.getppid() != parent_pid:
+            if not _parent_alive(parent_pid):
                 return  # orphaned
             continue
         try:

@@ -110,3 +110,72 @@ def test_bad_input_names_what_is_wrong() -> None:
         layout.pack([torch.zeros(3, 2), torch.zeros(1)])
     with pytest.raises(ValueError, match="segment has"):
         layout.segment_views(torch.zeros(3), 0)
+
+
+# [Note: an unpack without a view per parameter]: the packer, the unpacker and the slots made once
+EVEN = [(4, 3), (6,), (2, 2, 2)]  # rows that split evenly over 2: one copy per parameter into its slot
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("shapes", [SHAPES, EVEN], ids=["uneven", "even"])
+def test_slots_pack_what_pack_one_packs(world: int, shapes: list[tuple[int, ...]]) -> None:
+    tensors = _tensors(shapes)
+    layout = ShardLayout([t.shape for t in tensors], world)
+    expected = layout.pack(tensors)
+    for _ in range(2):  # the second time into a buffer that already holds values: padding zeroed again
+        buffer = torch.full((layout.numel,), float("nan"), dtype=torch.float64)
+        slots = layout.slots(buffer)
+        assert len(slots) == len(tensors)
+        for i, t in enumerate(tensors):
+            layout.pack_slot(slots[i], i, t if i != 1 else None)
+        want = layout.pack([t if i != 1 else None for i, t in enumerate(tensors)])
+        assert torch.equal(buffer, want), (world, shapes)
+    assert torch.equal(layout.pack(tensors), expected)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_the_packer_fills_a_segment_and_the_unpacker_writes_the_other_ranks_rows(world: int) -> None:
+    tensors = _tensors(SHAPES)
+    layout = ShardLayout([t.shape for t in tensors], world)
+    packed = layout.pack(tensors)
+    for rank in range(world):
+        shards = [layout.shard_of(t, i, rank) for i, t in enumerate(tensors)]
+        packer = layout.packer(shards, rank)
+        assert packer is not None
+        segment = torch.zeros(layout.segment_numel, dtype=torch.float64)
+        packer(segment)
+        for view, shard in zip(layout.segment_views(segment, rank), shards, strict=True):
+            assert torch.equal(view, shard)
+        out = [torch.full_like(t, -1.0) for t in tensors]
+        unpacker = layout.unpacker(out, skip=rank)
+        assert unpacker is not None
+        unpacker(packed)
+        for i, (t, o) in enumerate(zip(tensors, out, strict=True)):
+            mine = layout.shard_of(o, i, rank)
+            assert torch.equal(mine, torch.full_like(mine, -1.0)), (world, rank, i)  # its own rows: left
+            for r in range(world):
+                if r != rank:
+                    got, want = layout.shard_of(o, i, r), layout.shard_of(t, i, r)
+                    assert torch.equal(got, want), (world, rank, r, i)
+    whole = [torch.zeros_like(t) for t in tensors]
+    every = layout.unpacker(whole)
+    assert every is not None
+    every(packed)
+    assert all(torch.equal(a, b) for a, b in zip(whole, tensors, strict=True))
+
+
+def test_the_packer_and_unpacker_refuse_what_they_cannot_serve() -> None:
+    layout = ShardLayout([(4, 3)], 2)
+    strided = torch.zeros(3, 4).t()
+    assert layout.unpacker([strided]) is None  # not contiguous: unpack() makes its views each time
+    assert layout.packer([torch.zeros(3, 2).t()], 0) is None
+    with pytest.raises(ValueError, match="expected shape"):
+        layout.unpacker([torch.zeros(3, 4)])
+    with pytest.raises(ValueError, match="shard has shape"):
+        layout.packer([torch.zeros(3, 3)], 0)
+    unpacker = layout.unpacker([torch.zeros(4, 3)], skip=0)
+    assert unpacker is not None
+    with pytest.raises(ValueError, match="packed buffer has 12 elements, got 3"):
+        unpacker(torch.zeros(3))
+    with pytest.raises(ValueError, match="packed buffer has"):
+        layout.slots(torch.zeros(5))
