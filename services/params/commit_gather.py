@@ -84,7 +84,7 @@ from torch.utils.hooks import RemovableHandle
 from comm.base import Communicator, Work
 from comm.errors import CommError, CommTimeoutError
 from comm.factory import wire_device
-from services.params.layout import Packer, ShardLayout, Unpacker
+from services.params.layout import ShardLayout
 
 __all__ = ["GATHER_BYTES", "IN_FLIGHT", "CommitGather", "forward_order", "ramp"]
 
@@ -111,9 +111,6 @@ class _Bucket:
     full: torch.Tensor | None = None  # in flight: the whole packed bucket
     work: Work | None = None
     in_place: bool = False  # in flight into the parameter itself ([Note: a bucket gathered in place])
-    packer: Packer | None = None  # this rank's shards into its segment (None: views made each time; used
-    # when the gathered buffer is on the parameters' device)
-    unpacker: Unpacker | None = None  # the other ranks' rows into the parameters (None: as packer)
 
     def bytes(self) -> int:
         if self.in_place:
@@ -214,10 +211,7 @@ class CommitGather:
 
     def _add(self, params: list[nn.Parameter], shards: dict[int, torch.Tensor]) -> None:
         layout = ShardLayout([p.shape for p in params], self.world)
-        mine = [shards[id(p)] for p in params]
-        self.buckets.append(_Bucket(len(self.buckets), params, mine, layout,
-                                    packer=layout.packer(mine, self.rank),
-                                    unpacker=layout.unpacker([p.detach() for p in params], skip=self.rank)))
+        self.buckets.append(_Bucket(len(self.buckets), params, [shards[id(p)] for p in params], layout))
 
     # -- public ------------------------------------------------------------------------
 
@@ -316,8 +310,9 @@ class CommitGather:
             full = torch.empty(b.layout.numel, dtype=b.params[0].dtype, device=device)
             n = b.layout.segment_numel
             segment = full[self.rank * n:(self.rank + 1) * n]
-            if b.packer is not None and device == b.params[0].device:  # no device to cross
-                b.packer(segment)  # [Note: an unpack without a view per parameter] in layout.py
+            if (device == b.params[0].device  # no padding, no device to cross: one copy
+                    and sum(s.numel() for s in b.shards) == n):
+                torch.cat([s.reshape(-1) for s in b.shards], out=segment)
             else:  # the padding of short shards is sent unset: unpack reads no padding
                 torch._foreach_copy_(b.layout.segment_views(segment, self.rank), b.shards)
         try:
@@ -339,10 +334,7 @@ class CommitGather:
             raise CommError(f"{self._what(b)}: {exc}") from exc
         if not b.in_place:  # this rank's rows are the optimizer's, current already
             with torch.no_grad():
-                if b.unpacker is not None:
-                    b.unpacker(b.full)
-                else:
-                    b.layout.unpack(b.full, [p.detach() for p in b.params], skip=self.rank)
+                b.layout.unpack(b.full, [p.detach() for p in b.params], skip=self.rank)
         b.state, b.segment, b.full, b.work, b.in_place = "whole", None, None, None, False
         self._flight.remove(b)
 

@@ -102,8 +102,6 @@ class Bucket:
     staged: torch.Tensor | None = None  # the CPU copy a CPU backend reduces, for a buffer on a GPU
     layout: ShardLayout | None = None  # reduce_scatter mode: the dim-0 layout of the buffer
     direct: bool = False  # reduce_scatter mode: one parameter whose gradient is the buffer as it is
-    views: list[torch.Tensor] = field(default_factory=list)  # all_reduce mode: each parameter's view
-    slots: tuple[torch.Tensor, ...] = ()  # reduce_scatter mode: ShardLayout.slots of the step's buffer
 
 
 def _packs_as_itself(p: nn.Parameter, world: int) -> bool:
@@ -222,9 +220,7 @@ class GradSync:
                                            direct=indices[0] in alone))
             else:
                 buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-                bucket = Bucket(b, params, names, offsets, buffer)
-                bucket.views = [self._view(bucket, pos) for pos in range(len(params))]
-                self.buckets.append(bucket)
+                self.buckets.append(Bucket(b, params, names, offsets, buffer))
             for pos, p in enumerate(params):
                 self._where[id(p)] = (b, pos)
         self._next_launch = 0
@@ -237,10 +233,7 @@ class GradSync:
     # -- during backward ----------------------------------------------------------------
 
     def _view(self, bucket: Bucket, pos: int) -> torch.Tensor:
-        """Parameter ``pos`` of ``bucket``'s slice of the buffer, shaped as the parameter (all_reduce mode:
-        made once, the buffer lives as long as the bucket)."""
-        if bucket.views:
-            return bucket.views[pos]
+        """Parameter ``pos`` of ``bucket``'s slice of the buffer, shaped as the parameter."""
         p = bucket.params[pos]
         return bucket.buffer[bucket.offsets[pos]:bucket.offsets[pos] + p.numel()].view_as(p)
 
@@ -256,20 +249,17 @@ class GradSync:
             p.grad = None
             return
         if bucket.layout is not None:
-            if bucket.buffer.numel() != bucket.layout.numel:  # the step's first gradient of the bucket
+            if bucket.buffer.numel() != bucket.layout.numel:
                 bucket.buffer = torch.empty(bucket.layout.numel, dtype=p.dtype, device=p.device)
-                bucket.slots = bucket.layout.slots(bucket.buffer)
-            bucket.layout.pack_slot(bucket.slots[pos], pos, p.grad)
+            bucket.layout.pack_one(bucket.buffer, pos, p.grad)
             p.grad = None
             return
         view = self._view(bucket, pos)
         grad = p.grad
-        if grad is view:
-            return  # already the view: autograd accumulated in place
         if grad is None:
             view.zero_()
         elif grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.dtype == view.dtype:
-            return  # the view as another tensor object
+            return  # already the view: autograd accumulated in place
         else:
             view.copy_(grad)
         if self.mode == "all_reduce":
@@ -296,7 +286,7 @@ class GradSync:
         if self.mode == "reduce_scatter":  # a finished reduce-scatter's input is not needed any more
             for done in self.buckets[:self._next_launch]:
                 if done.work is not None and done.buffer.numel() and done.work.is_completed():
-                    done.buffer, done.staged, done.slots = done.buffer.new_empty(0), None, ()
+                    done.buffer, done.staged = done.buffer.new_empty(0), None
 
     def _launch(self, bucket: Bucket) -> None:
         wire = bucket.buffer.to(wire_device(self.comm.backend, bucket.buffer.device))  # a CPU copy, or itself
@@ -337,7 +327,6 @@ class GradSync:
                                                            async_op=True))
                 shards.append(self._shard(bucket, bucket.shard))
                 bucket.buffer = bucket.buffer.new_empty(0)  # the full gradients are gone
-                bucket.slots = ()
                 bucket.shard = None
             elif bucket.staged is not None:  # reduced on the CPU: back into the GPU bucket param.grad views
                 bucket.buffer.copy_(bucket.staged)
@@ -366,7 +355,6 @@ class GradSync:
             bucket.staged = None
             if bucket.layout is not None:
                 bucket.buffer = bucket.buffer.new_empty(0)
-                bucket.slots = ()
         self._next_launch = 0
 
     def close(self) -> None:

@@ -105,7 +105,6 @@ class ZeroPath(CollectivePath):
         self.rank = options.replica % self.factor
         self._replicas = options.num_replicas
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._ids = {name: id(p) for name, p in module.named_parameters()}  # ZeRO-2's shards come by name
         self._rows = {id(p): ShardLayout([p.shape], self.factor) for p in self._params}
         # id(param) -> this rank's rows of it (a view)
         self._shards = {id(p): self._rows[id(p)].shard_of(p.detach(), 0, self.rank) for p in self._params}
@@ -184,8 +183,9 @@ class ZeroPath(CollectivePath):
         if self._shard_comm is not None:  # what no forward of the step gathered: whole between steps
             self._gather.settle(self._shard_comm, timeout)
         if self.stage == 2:
-            ids = self._ids
-            self._grads = {ids[name]: grad for s in shards for name, grad in s.grads.items()}
+            by_name = {name: grad for s in shards for name, grad in s.grads.items()}
+            named = {name: p for name, p in self._module.named_parameters()}
+            self._grads = {id(named[name]): grad for name, grad in by_name.items()}
             self._segments = [s.segment for s in shards]
         return PhaseTiming(name="all_reduce" if self.stage == 1 else "reduce_scatter", start=start,
                            end=time.time())

@@ -71,8 +71,6 @@ def train_replica(comm: Communicator, *, optimizer: str, steps: int, seed: int, 
     share = GLOBAL_BATCH // comm.world_size
     chunk = share // microbatches
     views = True
-    first: list[torch.Tensor | None] = []  # step 0's gradient objects
-    same = True  # each step's param.grad is the same view object as step 0's (made once per bucket)
     for step in range(steps):
         x, y = batch(step, seed)
         opt.zero_grad(set_to_none=set_to_none)
@@ -84,12 +82,9 @@ def train_replica(comm: Communicator, *, optimizer: str, steps: int, seed: int, 
         views = views and all(  # zero-copy: every gradient is a view into its bucket
             p.grad is not None and p.grad.data_ptr() == b.buffer[off:].data_ptr()
             for b in sync.buckets for p, off in zip(b.params, b.offsets, strict=True))
-        grads = [p.grad for b in sync.buckets for p in b.params]
-        first = first or grads
-        same = same and all(g is f for g, f in zip(grads, first, strict=True))
         opt.step()
     sync.close()
-    return {"buckets": len(sync.buckets), "views": views, "same_views": same,
+    return {"buckets": len(sync.buckets), "views": views,
             "params": {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}}
 
 

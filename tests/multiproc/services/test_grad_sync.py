@@ -53,8 +53,6 @@ def test_accumulated_microbatches_in_bucket_views_match_one_process(pair: RankGr
     ref = dp_checks.reference("sgd", STEPS, SEED)
     for r, result in enumerate(results):
         assert result["views"], f"rank {r}: param.grad is not a view into its bucket"
-        # the views are made once: ZeRO-1's commit keeps its rows' views while param.grad is the same
-        assert result["same_views"], f"rank {r}: param.grad is a new view object in a later step"
         got = _params(result["params"])
         for name, expected in ref.items():
             diff = (got[name] - expected.reshape(-1)).abs().max().item()
