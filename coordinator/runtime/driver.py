@@ -80,7 +80,7 @@ from coordinator.planning.devices import DeviceError
 from coordinator.planning.plan import Plan
 from coordinator.runtime.accumulation import accumulated_schedule
 from coordinator.runtime.async_steps import AsyncProgress
-from coordinator.runtime.clipping import global_norm, grad_scale
+from coordinator.runtime.clipping import global_norm, grad_scale, norm_parts
 from coordinator.runtime.devices import place_devices
 from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.evaluation import forward_actions
@@ -360,17 +360,19 @@ class Runtime:
         overflow = self.scaler is not None and overflowed(self.spec.run, step, bodies, self.scaler,
                                                           last_good=self._last_good)
         skipped = overflow or bad is not None
+        parts = norm_parts(self.plan.zero_stage, self.plan.shard_factor)
+        norm = global_norm(bodies, loss_scale, parts)
         self._uncommitted = not skipped  # a step that is not finite is dropped: never committed
         if not skipped:
             self._last_good = (step, loss)
             # the commit unscales fp16's gradients and clips them by the global norm of the unscaled ones
-            self._pending = (step, grad_scale(bodies, self.spec.clip_grad_norm, loss_scale))
+            self._pending = (step, grad_scale(bodies, self.spec.clip_grad_norm, loss_scale, parts))
         elif bad is not None and not overflow:
             refuse(self.spec.run, self.spec.nonfinite, step, *bad, last_good=self._last_good)
         ended = time.time()
         return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=ended,
                           coordinator_s=max(0.0, (ended - start) - (self.loop.poll_seconds - polled)),
-                          skipped=skipped, loss_scale=loss_scale, grad_norm=global_norm(bodies, loss_scale),
+                          skipped=skipped, loss_scale=loss_scale, grad_norm=norm,
                           replies=bodies, actions=self._actions,
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))

@@ -353,8 +353,6 @@ class StepExecutor:
         bad, sq_norm = check_grads(grads)
         if self._tied is not None and self._tied.mirrors:  # another stage owns them: counted there, once
             sq_norm = check_grads([(n, g) for n, g in grads if n not in self._tied.mirrors])[1]
-        if self._grad_path is not None:  # ZeRO-2: each replica holds a shard; the group's parts added
-            sq_norm = self._grad_path.group_sq_norm(sq_norm, self._left("adding the gradient norm's parts"))
         final = self._grad_path is None or self._grad_path.updates_locally
         return bad[:MAX_NONFINITE_NAMED], sq_norm if final else None
 

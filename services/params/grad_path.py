@@ -76,11 +76,6 @@ class GradientPath:
         replica: its shards; otherwise each ``.grad`` that is not None)."""
         return [(n, p.grad) for n, p in params if p.grad is not None]
 
-    def group_sq_norm(self, sq_norm: float, timeout: timedelta) -> float:
-        """The squared norm of the whole gradient from this replica's ``sq_norm`` of :meth:`held_grads`
-        (ZeRO-2: the group's parts added up, a collective; otherwise ``sq_norm`` itself)."""
-        return sq_norm
-
     def exchange(self, step: int, params: Sequence[tuple[str, nn.Parameter]],
                  timeout: timedelta, *, train_step: int) -> PhaseTiming | None:
         """Parameter server: push this step's gradients, pull the updated values into ``params``.

@@ -19,7 +19,7 @@ Per step::
               the next forward gathers each unit
 
 It offers what the compute service asks of ZeRO-1/2's :class:`~services.params.zero.ZeroPath`
-(``optimizer_params``, ``attach_grads``, ``held_grads``, ``group_sq_norm``, ``full_state``,
+(``optimizer_params``, ``attach_grads``, ``held_grads``, ``full_state``,
 ``shard_restored``, ``held_bytes``) and :meth:`~FullyShardedPath.whole` for what reads the
 parameters whole (the final state, a checkpoint's snapshot): an all-gather per unit, so every
 replica of the group must call it.
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from comm.base import Communicator, ReduceOp
+from comm.base import Communicator
 from comm.factory import wire_device
 from services.checkpoint.stage_state import OptimizerState
 from services.params.fully_sharded import FullyShard, storage_bytes
@@ -179,12 +179,6 @@ class FullyShardedPath(CollectivePath):
             if grad is not None:
                 out.append((n, grad))
         return out
-
-    def group_sq_norm(self, sq_norm: float, timeout: timedelta) -> float:
-        assert self._shard_comm is not None, "begin() first"
-        total = torch.tensor([sq_norm], dtype=torch.float64)
-        self._shard_comm.all_reduce(total, ReduceOp.SUM, timeout=timeout)
-        return float(total[0])
 
     def abandon(self) -> None:
         if self._fs is not None:

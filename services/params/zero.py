@@ -34,9 +34,10 @@ matrix); :func:`check_elementwise` refuses them naming the fix.
 [Note: gradients of a sharded step]
 Clipping and the non-finite check read the gradients this replica holds after the path
 (:meth:`ZeroPath.held_grads`): ZeRO-1, the full average, as plain data parallelism; ZeRO-2, its
-shard only, so :meth:`ZeroPath.group_sq_norm` adds the group's squared norms (one scalar
-all-reduce SUM in the group; a NaN anywhere makes every replica's NaN) and every replica reports
-the whole gradient's norm, which the coordinator reads from replica 0 as always.
+shard only, so each replica reports its rows' squared norm and the non-finite ones among its rows,
+and the coordinator adds the group's parts and stops or skips the step on any replica's
+(``coordinator/runtime/clipping.py``): no collective of the workers' (a scalar all-reduce in the
+group once did it, on the step's critical path).
 
 [Note: ZeRO-2 in a pipeline]
 A stage runs one backward per microbatch and its gradients accumulate in ``param.grad`` (full
@@ -65,7 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comm.base import Communicator, ReduceOp
+from comm.base import Communicator
 from comm.factory import wire_device
 from services.checkpoint.stage_state import OptimizerState
 from services.params.commit_gather import CommitGather
@@ -194,15 +195,6 @@ class ZeroPath(CollectivePath):
         if self.stage == 1:
             return super().held_grads(params)
         return [(n, self._grads[id(p)]) for n, p in params if id(p) in self._grads]
-
-    def group_sq_norm(self, sq_norm: float, timeout: timedelta) -> float:
-        if self.stage == 1:
-            return sq_norm
-        assert self._shard_comm is not None, "begin() first"
-        device = wire_device(self._shard_comm.backend, self._params[0].device if self._params else "cpu")
-        total = torch.tensor([sq_norm], dtype=torch.float64, device=device)
-        self._shard_comm.all_reduce(total, ReduceOp.SUM, timeout=timeout)
-        return float(total[0])
 
     def abandon(self) -> None:
         super().abandon()

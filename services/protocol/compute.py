@@ -452,7 +452,8 @@ class StepReply(Message):
     traffic: TrafficCounts | None = None
     saved: list[SavedPart] = Field(default_factory=list, max_length=1 << 10)  # parts written since last reply
     # the sum of the squared L2 norms of the stage's parameter gradients once final (after the
-    # all-reduce: every replica's is the same), for clipping by the global norm; None on the
+    # all-reduce: every replica's is the same; sharded gradients, ZeRO-2/3: this replica's rows, the
+    # coordinator adds the group's parts), for clipping by the global norm; None on the
     # parameter-server path (the shards hold the averaged gradient) and in a step without backwards
     grad_sq_norm: float | None = None
     # bytes of the stage's parameters, the gradients it holds and its optimizer state as the step ends

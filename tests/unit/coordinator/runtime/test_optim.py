@@ -13,7 +13,7 @@ from coordinator.planning.config import FLAT_KEYS, ConfigError, SchedulerKwargs,
 from coordinator.planning.data import BatchSampler, split_batch
 from coordinator.planning.schedules import build_schedule, peak_in_flight
 from coordinator.runtime.accumulation import accumulated_schedule, step_batches
-from coordinator.runtime.clipping import global_norm, grad_scale
+from coordinator.runtime.clipping import global_norm, grad_scale, norm_parts
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.job import Job
 from coordinator.runtime.preflight import check_optimizer
@@ -145,3 +145,17 @@ def test_the_coefficient_adds_one_replica_per_stage() -> None:
     server = [(_Service("w0", "s0", 0, 0), _reply(0, None)), (_Service("w1", "s0b", 1, 0), _reply(0, None))]
     assert global_norm(server) is None and grad_scale(server, 2.0) == 1.0  # the shards clip instead
     assert math.isnan(grad_scale([(_Service("w0", "s0", 0, 0), _reply(0, math.inf))], 1.0))
+
+
+def test_sharded_gradients_add_the_first_groups_parts() -> None:
+    # ZeRO-2/3, 4 replicas in groups of 2 (hybrid): each replica reports its rows' part; groups hold the same rows
+    rows = [torch.tensor([3.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 4.0], dtype=torch.float64)]
+    whole = float(torch.nn.utils.get_total_norm(rows))  # 5
+    parts = norm_parts(2, 2)
+    bodies = [(_Service(f"w{r}", f"s{r}", r, 0), _reply(0, float(rows[r % 2].square().sum()))) for r in range(4)]
+    assert parts == 2 and norm_parts(1, 2) == 1 and norm_parts(3, 4) == 4 and norm_parts(0, 1) == 1
+    assert global_norm(bodies, parts=parts) == pytest.approx(whole, rel=1e-15)
+    assert global_norm(bodies) == 3.0  # replica 0's alone: one part, what a replicated plan reads
+    assert grad_scale(bodies, 2.5, parts=parts) == pytest.approx(2.5 / (5.0 + 1e-6), rel=1e-15)
+    bad = [*bodies[:1], (_Service("w1", "s1", 1, 0), _reply(0, math.nan)), *bodies[2:]]
+    assert math.isnan(grad_scale(bad, 1.0, parts=parts))  # a NaN in any part of the group
