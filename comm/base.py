@@ -166,10 +166,14 @@ class Communicator(abc.ABC):
         *,
         timeout: timedelta | None = None,
         async_op: bool = False,
+        reuse_input: bool = False,
     ) -> Work:
         """Reduce ``tensor`` across ranks and give rank r the r-th of ``world_size`` equal parts.
 
-        ``tensor.numel()`` must be ``world_size * output.numel()``.
+        ``tensor.numel()`` must be ``world_size * output.numel()``. ``reuse_input``: the caller is done
+        with ``tensor`` (a packed buffer it drops after the call), so the backend may reduce in it instead
+        of in a copy; its values are unspecified once the work completed. ``tensor`` is left as it was
+        otherwise.
         """
 
     @abc.abstractmethod

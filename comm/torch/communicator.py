@@ -335,6 +335,7 @@ class TorchCommunicator(Communicator):
         *,
         timeout: timedelta | None = None,
         async_op: bool = False,
+        reuse_input: bool = False,  # the process group reduces out of place anyway
     ) -> Work:
         self._check_device(tensor, "reduce_scatter_tensor")
         self._check_device(output, "reduce_scatter_tensor")

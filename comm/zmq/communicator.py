@@ -221,7 +221,7 @@ class ZmqCommunicator(Communicator):
 
     def reduce_scatter_tensor(self, output: torch.Tensor, tensor: torch.Tensor,
                               op: ReduceOp = ReduceOp.SUM, *, timeout: timedelta | None = None,
-                              async_op: bool = False) -> Work:
+                              async_op: bool = False, reuse_input: bool = False) -> Work:
         n = self.world_size
         check_sizes("reduce_scatter_tensor", "tensor", tensor, "output", output, n)
         reduce = collectives.reducer(ReduceOp(op), tensor.dtype)
@@ -231,17 +231,23 @@ class ZmqCommunicator(Communicator):
 
         def run() -> None:
             deadline = self._deadline(timeout, deadline_op)
-            owned = self._scratch_lock.acquire(blocking=False)  # another thread's call uses it: a copy
+            # the ring reduces in its buffer: the input itself when the caller gave it up
+            # (``reuse_input``), else a copy in the kept scratch (a fresh one while another thread's
+            # call holds the scratch)
+            in_place = reuse_input and tensor.is_contiguous()
+            owned = not in_place and self._scratch_lock.acquire(blocking=False)
             try:
-                work = self._working_copy(tensor) if owned else tensor.detach().reshape(-1).clone()
+                work = (tensor.detach().view(-1) if in_place else self._working_copy(tensor) if owned
+                        else tensor.detach().reshape(-1).clone())
                 m = output.numel()
                 if n > 1 and m > 0:
                     collectives.ring(self._g, work, seq, deadline, d=-1, steps=n - 1, reduce_steps=n - 1,
                                      reduce=reduce, segments=[(i * m, m) for i in range(n)])
-                mine = work[self._rank * m:(self._rank + 1) * m]
+                mine = work[self._rank * m:(self._rank + 1) * m].view(output.shape)
                 if ReduceOp(op) is ReduceOp.MEAN:
-                    mine.div_(n)
-                output.copy_(mine.view(output.shape))
+                    torch.div(mine, n, out=output)
+                else:
+                    output.copy_(mine)
             finally:
                 if owned:
                     self._scratch_lock.release()

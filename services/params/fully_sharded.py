@@ -549,7 +549,8 @@ class FullyShard:
         unit.reduce_out = torch.empty(unit.layout.segment_numel, dtype=packed.dtype, device=wire)
         try:
             unit.reduce_work = self.comm.reduce_scatter_tensor(unit.reduce_out, unit.reduce_in, ReduceOp.MEAN,
-                                                               timeout=self.timeout, async_op=True)
+                                                               timeout=self.timeout, async_op=True,
+                                                               reuse_input=True)  # dropped once it ends
         except Exception as exc:
             raise FullyShardError(f"unit {unit.name!r}: reduce-scattering its gradients: {exc}") from exc
 

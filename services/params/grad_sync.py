@@ -297,8 +297,11 @@ class GradSync:
             assert bucket.layout is not None
             n = bucket.layout.segment_numel
             bucket.shard = torch.empty(n, dtype=wire.dtype, device=wire.device)
+            # the packed buffer (or a direct bucket's gradient, dropped from its parameter) is read by nothing
+            # once it is reduced: the backend may reduce in it rather than in a copy
             bucket.work = self.comm.reduce_scatter_tensor(bucket.shard, wire, ReduceOp.MEAN,
-                                                          timeout=self.timeout, async_op=True)
+                                                          timeout=self.timeout, async_op=True,
+                                                          reuse_input=True)
 
     # -- after backward -----------------------------------------------------------------
 

@@ -231,17 +231,19 @@ def check_reduce_scatter_tensor(comm: Communicator, *, seed: int,
     dev, world, me = _device(comm), comm.world_size, comm.rank
     for op_name in ops:
         op = ReduceOp(op_name)
-        for index, dname, dtype, n, layout in _cases():
+        for (index, dname, dtype, n, layout), reuse in itertools.product(_cases(), (False, True)):
             if op is ReduceOp.MEAN and not dtype.is_floating_point:
                 continue
-            label = _label(f"reduce_scatter_tensor[{op_name}]", dname, n, layout)
+            # reuse_input: the backend may reduce in the input (its values are unspecified after)
+            label = _label(f"reduce_scatter_tensor[{op_name}{', reuse_input' if reuse else ''}]", dname, n,
+                           layout)
             case_seed = seed * 1000 + index
             inputs = [_input(case_seed, r, world * n, dtype) for r in range(world)]
             check = _reference(op, [t[me * n:(me + 1) * n] for t in inputs], dtype)
             src = _Strided(inputs[me], layout, dev)
             out = _empty(n, dtype, layout, dev)
-            _attempt(failures, label, comm.reduce_scatter_tensor, out.view, src.view, op)
-            unchanged = _exact(f"{label} (input modified)", src.view, inputs[me])
+            _attempt(failures, label, comm.reduce_scatter_tensor, out.view, src.view, op, reuse_input=reuse)
+            unchanged = None if reuse else _exact(f"{label} (input modified)", src.view, inputs[me])
             for problem in (check(label, out.view), unchanged):
                 if problem:
                     failures.append(problem)
