@@ -39,6 +39,13 @@ holds only its shards. With ``across`` (hybrid sharding: ``comm`` is
 one group of ``F`` replicas, ``across`` the replicas holding the same shard in the other
 groups) each shard is then all-reduced (MEAN) across the groups.
 
+[Note: the gradient shards kept]
+A bucket's segment (this replica's averaged rows, ``1 / F`` of the bucket) is made by the first
+reduce-scatter and written by every later one, with its :class:`Shard` and the views in it: a step's
+shards replace the last step's, which the commit before that step's backward has stepped with. So a
+replica holds one segment per bucket between steps (as it did, a new one each step), and a step makes
+no views of its own. A bucket reduced on the CPU for a GPU gets a new device copy each step.
+
 [Note: a large gradient reduce-scattered as it is]
 A parameter of at least :data:`DIRECT_BYTES` whose rows split evenly over the group, stored
 contiguously (a large weight: every layer of ``bench.models:mlp``), packs as itself: rank ``r``'s
@@ -102,6 +109,9 @@ class Bucket:
     staged: torch.Tensor | None = None  # the CPU copy a CPU backend reduces, for a buffer on a GPU
     layout: ShardLayout | None = None  # reduce_scatter mode: the dim-0 layout of the buffer
     direct: bool = False  # reduce_scatter mode: one parameter whose gradient is the buffer as it is
+    # reduce_scatter mode: the segment the reduce-scatters write, kept step to step, and its Shard (views
+    # made once): [Note: the gradient shards kept]
+    kept: Shard | None = None
 
 
 def _packs_as_itself(p: nn.Parameter, world: int) -> bool:
@@ -296,7 +306,10 @@ class GradSync:
         else:
             assert bucket.layout is not None
             n = bucket.layout.segment_numel
-            bucket.shard = torch.empty(n, dtype=wire.dtype, device=wire.device)
+            kept = bucket.kept
+            bucket.shard = (kept.segment if kept is not None and kept.segment.dtype == wire.dtype
+                            and kept.segment.device == wire.device
+                            else torch.empty(n, dtype=wire.dtype, device=wire.device))
             # the packed buffer (or a direct bucket's gradient, dropped from its parameter) is read by nothing
             # once it is reduced: the backend may reduce in it rather than in a copy
             bucket.work = self.comm.reduce_scatter_tensor(bucket.shard, wire, ReduceOp.MEAN,
@@ -345,9 +358,14 @@ class GradSync:
         return shards
 
     def _shard(self, bucket: Bucket, segment: torch.Tensor) -> Shard:
+        if bucket.kept is not None and bucket.kept.segment is segment:
+            return bucket.kept
         assert bucket.layout is not None
         views = bucket.layout.segment_views(segment, self.comm.rank)
-        return Shard(bucket.index, segment, dict(zip(bucket.names, views, strict=True)))
+        shard = Shard(bucket.index, segment, dict(zip(bucket.names, views, strict=True)))
+        if segment.device == bucket.buffer.device:  # the reduce-scatters' own segment: kept
+            bucket.kept = shard
+        return shard
 
     def reset(self) -> None:
         """Forget a step abandoned midway (buckets gathered but not finished)."""

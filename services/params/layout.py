@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardLayout", "chunk_rows", "row_range", "rows_of"]
+__all__ = ["ShardLayout", "UnpackPlan", "chunk_rows", "row_range", "rows_of"]
 
 
 def rows_of(shape: Sequence[int]) -> int:
@@ -52,6 +52,24 @@ def row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
     c = chunk_rows(rows, world)
     start = min(rank * c, rows)
     return start, min(start + c, rows)
+
+
+@dataclass(frozen=True)
+class UnpackPlan:
+    """:meth:`ShardLayout.unpack_plan`: the copies of one unpack, for any packed buffer of ``numel``."""
+
+    numel: int
+    dst: list[torch.Tensor]
+    places: list[tuple[tuple[int, ...], tuple[int, ...], int]]  # (size, stride, offset) in the buffer
+
+    def run(self, buffer: torch.Tensor) -> None:
+        """Copy out of ``buffer`` (contiguous, ``numel`` elements) into the destinations."""
+        if buffer.numel() != self.numel or not buffer.is_contiguous():
+            raise ValueError(f"the packed buffer has {self.numel} contiguous elements, got {buffer.numel()}")
+        base = buffer.storage_offset()
+        if self.dst:
+            torch._foreach_copy_(self.dst, [buffer.as_strided(size, stride, base + offset)
+                                            for size, stride, offset in self.places])
 
 
 @dataclass(frozen=True)
@@ -193,6 +211,24 @@ class ShardLayout:
             dst.append(flat[whole * c:])
             src.append(slot[whole, :rest])
         return dst, src
+
+    def unpack_plan(self, into: Sequence[torch.Tensor], *, skip: int | None = None) -> UnpackPlan | None:
+        """What :meth:`unpack` into ``into`` (with ``skip``) copies, worked out once for every buffer to come:
+        the destination views and each source's place in a packed buffer (None: some of ``into`` is not
+        contiguous, so the copies are not views of one buffer; unpack each time). Unpacking a bucket each
+        step then makes one view per copy instead of several per parameter."""
+        if len(into) != len(self._entries):
+            raise ValueError(f"the layout has {len(self._entries)} parameters, got {len(into)}")
+        if not into or any(not t.is_contiguous() for t in into):
+            return None
+        meta = torch.empty(self.numel, dtype=into[0].dtype, device="meta")  # geometry only
+        dst: list[torch.Tensor] = []
+        places: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        for i, t in enumerate(into):
+            d, s = self._unpack_pairs(meta, i, t, skip)
+            dst += d
+            places += [(tuple(v.shape), v.stride(), int(v.storage_offset())) for v in s]
+        return UnpackPlan(self.numel, dst, places)
 
     def unpack(self, buffer: torch.Tensor, into: Sequence[torch.Tensor], *, skip: int | None = None) -> None:
         """Copy every parameter from the packed ``buffer`` into ``into`` (full tensors, layout order):

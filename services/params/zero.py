@@ -183,7 +183,10 @@ class ZeroPath(CollectivePath):
         self._sync.armed = False
         if self._shard_comm is not None:  # what no forward of the step gathered: whole between steps
             self._gather.settle(self._shard_comm, timeout)
-        if self.stage == 2:
+        # the last step's segments again: their views are mapped already ([Note: the gradient shards kept])
+        kept = len(shards) == len(self._segments) and all(
+            s.segment is seg for s, seg in zip(shards, self._segments, strict=True))
+        if self.stage == 2 and not kept:
             by_name = {name: grad for s in shards for name, grad in s.grads.items()}
             named = {name: p for name, p in self._module.named_parameters()}
             self._grads = {id(named[name]): grad for name, grad in by_name.items()}

@@ -148,11 +148,13 @@ def test_the_coefficient_adds_one_replica_per_stage() -> None:
 
 
 def test_sharded_gradients_add_the_first_groups_parts() -> None:
-    # ZeRO-2/3, 4 replicas in groups of 2 (hybrid): each replica reports its rows' part; groups hold the same rows
+    # ZeRO-2/3, 4 replicas in groups of 2 (hybrid): each replica reports its rows' part; the groups hold the
+    # same rows
     rows = [torch.tensor([3.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 4.0], dtype=torch.float64)]
     whole = float(torch.nn.utils.get_total_norm(rows))  # 5
     parts = norm_parts(2, 2)
-    bodies = [(_Service(f"w{r}", f"s{r}", r, 0), _reply(0, float(rows[r % 2].square().sum()))) for r in range(4)]
+    bodies = [(_Service(f"w{r}", f"s{r}", r, 0), _reply(0, float(rows[r % 2].square().sum())))
+              for r in range(4)]
     assert parts == 2 and norm_parts(1, 2) == 1 and norm_parts(3, 4) == 4 and norm_parts(0, 1) == 1
     assert global_norm(bodies, parts=parts) == pytest.approx(whole, rel=1e-15)
     assert global_norm(bodies) == 3.0  # replica 0's alone: one part, what a replicated plan reads

@@ -67,6 +67,29 @@ def test_unpack_skipping_a_rank_leaves_its_rows_and_writes_every_other(world: in
                     assert torch.equal(got, want), (world, skip, r, i)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_an_unpack_planned_once_copies_what_unpack_does_from_any_later_buffer(world: int) -> None:
+    """A gather's copies worked out at its first step serve every later step's fresh buffer."""
+    tensors = _tensors(SHAPES)
+    layout = ShardLayout([t.shape for t in tensors], world)
+    for skip in (None, *range(world)):
+        planned = [torch.full_like(t, -1.0) for t in tensors]
+        plan = layout.unpack_plan(planned, skip=skip)
+        assert plan is not None
+        for step in range(3):  # a new buffer, somewhere else in memory, each time
+            step_tensors = [t + step for t in tensors]
+            pad = torch.zeros(step + 1, dtype=torch.float64)
+            packed = torch.cat([pad, layout.pack(step_tensors)])[step + 1:]  # offset in its storage
+            want = [torch.full_like(t, -1.0) for t in tensors]
+            layout.unpack(packed, want, skip=skip)
+            plan.run(packed)
+            for i, (got, ref) in enumerate(zip(planned, want, strict=True)):  # skip's rows: -1 in both
+                assert torch.equal(got, ref), (world, skip, step, i)
+    assert layout.unpack_plan([torch.zeros(2, 3, dtype=torch.float64).t(), *tensors[1:]]) is None  # strided
+    with pytest.raises(ValueError, match="contiguous elements"):
+        plan.run(torch.zeros(layout.numel + 1, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shards_cover_each_parameter_once(world: int) -> None:
     for t in _tensors(SHAPES):
