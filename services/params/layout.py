@@ -148,11 +148,17 @@ class ShardLayout:
     def pack_one(self, buffer: torch.Tensor, i: int, tensor: torch.Tensor | None) -> None:
         """Write parameter ``i`` (None: zeros) into its place in ``buffer``, padding with zeros."""
         e = self._entries[i]
+        n = e.shape.numel()
+        if (tensor is not None and n and n == self.world * e.chunk_numel and buffer.is_contiguous()
+                and tensor.is_contiguous()):  # rows split evenly: one strided copy, no padding to zero
+            slot = buffer.as_strided((self.world, e.chunk_numel), (self.segment_numel, 1),
+                                     buffer.storage_offset() + e.offset)
+            slot.copy_(tensor.view(self.world, e.chunk_numel))
+            return
         slot = self.slot(buffer, i)
         if tensor is None:
             slot.zero_()
             return
-        n = e.shape.numel()
         flat = slot.reshape(-1) if slot.is_contiguous() else None
         if flat is not None:  # one rank, or a one-parameter bucket: the slot is the buffer itself
             flat[:n].copy_(tensor.reshape(-1))
