@@ -95,6 +95,11 @@ were 1.20-1.24 x the prediction at 130-185 M parameters.
 frames of the bucket in flight stay with the process. Measured (2 workers, one 64 MiB float32
 bucket): the all-reduce and the reduce-scatter each left 95-96 MiB more resident, 1.5 x the bucket
 (:data:`TRANSPORT_FRAMES_PER_BUCKET`); four 64 MiB buckets launched during the backward left 44 MiB.
+The reduce-scatter's figure held the communicator's working copy of its input (1 x the bucket, kept
+for the next call); ZeRO-2 and 3 now let it reduce in their packed input (``reuse_input``), and the
+same test's ZeRO-2 worker peaked 96 MiB lower (the copy, and the last step's gradient shard no longer
+held beside the new one), ZeRO-3's 64 MiB lower: 0.5 x the bucket for a reduce-scatter's frames
+(:data:`TRANSPORT_FRAMES_PER_SCATTERED_BUCKET`).
 
 [Note: what the model does not see] Freed tensors below the 32 MiB mmap threshold stay in the heap
 too, and a thread's freed memory serves its own arena only: on 64 MiB of parameters in four 16 MiB
@@ -144,6 +149,7 @@ from coordinator.planning.profile import NodeProfile
 
 __all__ = ["AUTOMATIC", "BUCKET_BYTES", "COMMIT_GATHER_IN_FLIGHT", "GATHER_BYTES", "REPLICATED",
            "SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING", "TRANSPORT_FRAMES_PER_BUCKET",
+           "TRANSPORT_FRAMES_PER_SCATTERED_BUCKET",
            "ZERO3_GATHERED_UNITS", "Automatic", "MemoryOption", "NodeMemory", "memory_options", "node_memory",
            "units"]
 
@@ -159,8 +165,9 @@ GATHER_BYTES = 4 << 20
 # ZeRO-1/2's all-gather buckets held at once (services/params/commit_gather.py's IN_FLIGHT).
 COMMIT_GATHER_IN_FLIGHT = 2
 # Resident bytes the transport's frames leave per byte of the bucket in flight (see [Note: the
-# transport's frames]).
+# transport's frames]): an all-reduce's, and a reduce-scatter's (ZeRO-2/3: it reduces in its input)
 TRANSPORT_FRAMES_PER_BUCKET = 1.5
+TRANSPORT_FRAMES_PER_SCATTERED_BUCKET = 0.5
 
 
 @dataclass(frozen=True)
@@ -340,7 +347,8 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
     def frames(nd: NodeProfile) -> float:  # [Note: the transport's frames]
         if not collective or not nd.grad_bytes:
             return 0.0
-        return TRANSPORT_FRAMES_PER_BUCKET * max(nd.largest_param_bytes, min(nd.grad_bytes, BUCKET_BYTES))
+        per = TRANSPORT_FRAMES_PER_SCATTERED_BUCKET if zero >= 2 else TRANSPORT_FRAMES_PER_BUCKET
+        return per * max(nd.largest_param_bytes, min(nd.grad_bytes, BUCKET_BYTES))
 
     def around(i: int) -> float:  # ZeRO-3: the neighbouring unit prefetched while node i's computes
         if of[i] < 0:  # no unit of its own: its neighbours' units

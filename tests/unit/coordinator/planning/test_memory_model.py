@@ -62,24 +62,28 @@ def use(params: float, grads: float, optimizer: float, activations: float, comm:
 
 # one stage of all four nodes: P = G = 10, S = 20, A = 5 MiB, inputs 0.875 MiB; the largest cell 4 MiB,
 # the largest activations 2 MiB (node 3 both). The transport's frames: 1.5 x the largest bucket (node 3's
-# gradient): 6 MiB. Units of 4 MiB: nodes 0-1 (3 MiB), node 2, node 3. ZeRO-1/2's gather at node 3: its
-# bucket (4) and its neighbour's (3), each a segment (1 / F) and the whole bucket; ZeRO-2's packed
-# gradients (10, summed) and, at node 3, the larger of its gradient (4) and the gather less it;
-# ZeRO-3, the larger of a unit's forward (2 U + its neighbour) and backward (U + its neighbour + 2 G + the
-# next unit's G): at node 2, gathered 2 x 3 + 4 and the backward's 2 x 3 + 4 - 3 more, frames 1.5 x 3 (21.5);
-# at node 3, 2 x 4 + 3 and 2 x 4 - 4 more, frames 6 (21); with recompute node 3's A (2) tips it to node 3
+# gradient): 6 MiB; 0.5 x a node's bucket under ZeRO-2/3 (the reduce-scatter reduces in its input).
+# Units of 4 MiB: nodes 0-1 (3 MiB), node 2, node 3. ZeRO-1/2's gather at node 3: its bucket (4) and
+# its neighbour's (3), each a segment (1 / F) and the whole bucket; ZeRO-2's packed gradients (10,
+# summed) and the larger of a node's gradient and the gather less it, with its frames: at node 2
+# 1.5 x (3 + 4) - 3 and 0.5 x 3 (9), above node 3's 1.5 x 7 - 4 and 0.5 x 4 (8.5);
+# ZeRO-3, the larger of a unit's forward (2 U + its neighbour) and backward (U + its neighbour + 2 G +
+# the next unit's G): at node 2, gathered 2 x 3 + 4 and the backward's 2 x 3 + 4 - 3 more, frames
+# 0.5 x 3 (18.5); at node 3, 2 x 4 + 3 and 2 x 4 - 4 more, frames 2 (17); with recompute each adds its
+# A, and node 2 (19.5) stays above node 3 (19)
 ONE_STAGE = [
     # (replicas, zero, shard factor, recompute) -> the worker's breakdown
     (2, 0, None, False, use(10, 10, 20, 5, 6)),
     (2, 1, None, False, use(10, 10, 20 / 2, 5, 1.5 * 7 + 6)),
-    (2, 2, None, False, use(10, 10 / 2, 20 / 2, 5, 10 + (1.5 * 7 - 4) + 6)),
-    (2, 3, None, False, use(10 / 2 + 2 * 3 + 4, 10 / 2, 20 / 2, 5, (2 * 3 + 4 - 3) + 1.5 * 3)),
+    (2, 2, None, False, use(10, 10 / 2, 20 / 2, 5, 10 + (1.5 * 7 - 3) + 0.5 * 3)),
+    (2, 3, None, False, use(10 / 2 + 2 * 3 + 4, 10 / 2, 20 / 2, 5, (2 * 3 + 4 - 3) + 0.5 * 3)),
     (2, 0, None, True, use(10, 10, 20, 0.875 + 2, 6)),
-    (2, 3, None, True, use(10 / 2 + 2 * 4 + 3, 10 / 2, 20 / 2, 0.875 + 2, (2 * 4 - 4) + 6)),
+    (2, 3, None, True, use(10 / 2 + 2 * 3 + 4, 10 / 2, 20 / 2, 0.875 + 1, (2 * 3 + 4 - 3) + 0.5 * 3)),
     (4, 1, None, False, use(10, 10, 20 / 4, 5, 1.25 * 7 + 6)),
-    (4, 2, None, False, use(10, 10 / 4, 20 / 4, 5, 10 + (1.25 * 7 - 4) + 6)),
-    (4, 3, None, False, use(10 / 4 + 2 * 3 + 4, 10 / 4, 20 / 4, 5, (2 * 3 + 4 - 3) + 1.5 * 3)),
-    (4, 2, 2, False, use(10, 10 / 2, 20 / 2, 5, 10 + (1.5 * 7 - 4) + 6)),  # hybrid: groups of 2, replicated
+    (4, 2, None, False, use(10, 10 / 4, 20 / 4, 5, 10 + (1.25 * 7 - 3) + 0.5 * 3)),
+    (4, 3, None, False, use(10 / 4 + 2 * 3 + 4, 10 / 4, 20 / 4, 5, (2 * 3 + 4 - 3) + 0.5 * 3)),
+    # hybrid: groups of 2, replicated
+    (4, 2, 2, False, use(10, 10 / 2, 20 / 2, 5, 10 + (1.5 * 7 - 3) + 0.5 * 3)),
 ]
 
 
@@ -98,21 +102,22 @@ def test_one_stage_per_worker_memory_by_hand(d: int, zero: int, factor: int | No
     assert Plan.from_json(plan.to_json()) == plan
 
 
-# two stages (nodes 0-1: P 3, A 2, inputs 0.25; nodes 2-3: P 7, A 3, inputs 0.625 MiB), 2 replicas, GPipe
-# of 2 microbatches (2 in flight); the gradients accumulate whole over the microbatches. Frames: 1.5 x the
-# stage's largest gradient (3 and 6 MiB). Units of 4 MiB: nodes 0-1 (3 MiB), node 2, node 3; a unit's
-# neighbour counts across the stage's edge (node 2's for nodes 0-1: an upper bound). ZeRO-1/2's gather:
-# 1.5 x (3 + 3) in stage 0, 1.5 x (4 + 3) at node 3; ZeRO-2 holds the gradients whole (2 microbatches)
-# and their packed copies; ZeRO-3: units 0-1 gathered twice and node 2's prefetched (2 x 3 + 3), in the
-# backward their gradient twice and node 2's in flight less the unit (2 x 3 + 3 - 3); stage 1 peaks at
-# node 2 (2 x 3 + 4 gathered, 2 x 3 + 4 - 3 more in the backward, frames 1.5 x 3)
+# two stages (nodes 0-1: P 3, A 2, inputs 0.25; nodes 2-3: P 7, A 3, inputs 0.625 MiB), 2 replicas, GPipe of
+# 2 microbatches (2 in flight); the gradients accumulate whole over the microbatches. Frames: 1.5 x the
+# stage's largest gradient (3 and 6 MiB), 0.5 x the node's under ZeRO-2/3. Units of 4 MiB: nodes 0-1 (3
+# MiB), node 2, node 3; a unit's neighbour counts across the stage's edge (node 2's for nodes 0-1: an upper
+# bound). ZeRO-1/2's gather: 1.5 x (3 + 3) in stage 0, 1.5 x (4 + 3) at node 3; ZeRO-2 holds the gradients
+# whole (2 microbatches) and their packed copies, and peaks at nodes 0 and 2 (the gather less their
+# gradient, their frames); ZeRO-3: units 0-1 gathered twice and node 2's prefetched (2 x 3 + 3), in the
+# backward their gradient twice and node 2's in flight less the unit (2 x 3 + 3 - 3); stage 1 peaks at node
+# 2 (2 x 3 + 4 gathered, 2 x 3 + 4 - 3 more in the backward, frames 0.5 x 3)
 PIPELINE = [
     (0, False, [use(3, 3, 6, 2 * 2, 3), use(7, 7, 14, 3 * 2, 6)]),
     (1, False, [use(3, 3, 6 / 2, 4, 1.5 * 6 + 3), use(7, 7, 14 / 2, 6, 1.5 * 7 + 6)]),
-    (2, False, [use(3, 3, 6 / 2, 4, 3 + (1.5 * 6 - 2) + 3),
-                use(7, 7, 14 / 2, 6, 7 + (1.5 * 7 - 4) + 6)]),  # whole grads, as ZeRO-1
-    (3, False, [use(3 / 2 + 2 * 3 + 3, 3, 6 / 2, 4, (2 * 3 + 3 - 3) + 3),
-                use(7 / 2 + 2 * 3 + 4, 7, 14 / 2, 6, (2 * 3 + 4 - 3) + 1.5 * 3)]),
+    (2, False, [use(3, 3, 6 / 2, 4, 3 + (1.5 * 6 - 1) + 0.5 * 1),
+                use(7, 7, 14 / 2, 6, 7 + (1.5 * 7 - 3) + 0.5 * 3)]),  # whole grads, as ZeRO-1
+    (3, False, [use(3 / 2 + 2 * 3 + 3, 3, 6 / 2, 4, (2 * 3 + 3 - 3) + 0.5 * 2),
+                use(7 / 2 + 2 * 3 + 4, 7, 14 / 2, 6, (2 * 3 + 4 - 3) + 0.5 * 3)]),
     (0, True, [use(3, 3, 6, 0.25 * 2 + 1, 3), use(7, 7, 14, 0.625 * 2 + 2, 6)]),
 ]
 
@@ -341,10 +346,10 @@ def test_the_memory_floor_counts_the_zero_stages_the_planner_may_use() -> None:
 
 
 def test_the_optimizer_steps_temporaries_are_a_transient_sharded_with_the_state() -> None:
-    """Adam's step needs twice its largest parameter at once: counted as a node's transient (the larger
-    of it and ZeRO-3's gathered cells), on this worker's rows under ZeRO, nowhere when offloaded; the
-    transport's frames (1.5 x the largest gradient, 4500 B) on top, ZeRO-1/2's gather buffers (1.5 x the
-    bucket: both nodes, one unit of 4000 B) the other transient."""
+    """Adam's step needs twice its largest parameter at once: counted as a node's transient (the larger of it
+    and ZeRO-3's gathered cells), on this worker's rows under ZeRO, nowhere when offloaded; the
+    transport's frames (1.5 x the largest gradient, 4500 B; 0.5 x under ZeRO-2/3) on top, ZeRO-1/2's
+    gather buffers (1.5 x the bucket: both nodes, one unit of 4000 B) the other transient."""
     from coordinator.planning.memory import MemoryOption, node_memory
     from coordinator.planning.profile import NodeProfile
 
@@ -366,17 +371,18 @@ def test_the_optimizer_steps_temporaries_are_a_transient_sharded_with_the_state(
     assert peak(MemoryOption()) == b(4000, 4000, 8000 + 2000, 200, 4500)
     # ZeRO-1/2: the step's temporaries (1000) are less than the gather's buffers (6000)
     assert peak(MemoryOption(zero=1, shard_factor=2)) == b(4000, 4000, 4000, 200, 6000 + 4500)
-    # ZeRO-2: its packed gradients (4000) and the gather less b's gradient (3000)
-    assert peak(MemoryOption(zero=2, shard_factor=2)) == b(4000, 2000, 4000, 200, 4000 + 3000 + 4500)
+    # ZeRO-2: its packed gradients (4000) and, at a, the gather less a's gradient (5000) and a's frames
+    # (0.5 x 1000: a reduce-scatter reduces in its input)
+    assert peak(MemoryOption(zero=2, shard_factor=2)) == b(4000, 2000, 4000, 200, 4000 + 5000 + 500)
     # ZeRO-3 gathers the unit of both twice (8000 B) in the forward; its backward holds it once and its
     # gradient twice (12000 B: 4000 more); more than its step's 1000. In units of one node, b and its
     # neighbour gathered (7000 B), then b's gradient twice less b once (3000 more)
-    assert peak(MemoryOption(zero=3, shard_factor=2)) == b(2000 + 8000, 2000, 4000, 200, 4000 + 4500)
+    assert peak(MemoryOption(zero=3, shard_factor=2)) == b(2000 + 8000, 2000, 4000, 200, 4000 + 1500)
     assert peak(MemoryOption(zero=3, shard_factor=2, gather_bytes=1)) == b(2000 + 7000, 2000, 4000, 200,
-                                                                          3000 + 4500)
+                                                                          3000 + 1500)
     assert peak(MemoryOption(offload=True), on_cuda=True) == b(4000, 4000, 0, 200, 4500)
     assert peak(MemoryOption(offload=True), on_cuda=True).total < peak(MemoryOption()).total
     # on the CPU the state and the step stay, and the master copy of the parameters comes on top
     assert peak(MemoryOption(offload=True)) == b(4000, 4000, 8000 + 4000 + 2000, 200, 4500)
     assert peak(MemoryOption(zero=3, shard_factor=2, offload=True)) == b(2000 + 8000, 2000, 4000 + 2000, 200,
-                                                                       4000 + 4500)
+                                                                       4000 + 1500)
