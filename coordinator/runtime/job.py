@@ -450,8 +450,9 @@ class Job:
         session = self._session
         if session is None:
             raise RuntimeError("the job's session is closed")
-        done = len(session.recoveries)
+        done = session.reported  # a worker lost while the session placed its plan is this fit's too
         records, stage_state = session.fit(steps, callback)
+        session.reported = len(session.recoveries)
         state = state_dict_of(session.model, session.chain.named_tensors(), stage_state)
         if session.checkpointer is not None:  # beside the checkpoints: the final model as a plain file
             save_state_dict(state, session.checkpointer.root / FINAL_MODEL)

@@ -140,6 +140,7 @@ class Session:
         self.runtime: Runtime | None = None
         self.evaluation = Evaluation.of(config)  # None: the job evaluates nothing
         self.recoveries: list[Recovery] = []
+        self.reported = 0  # how many of them a fit returned already
         self.failures: list[JobFailed] = []
         # workers lost for good (no replacement came), with the incarnation that was lost
         self.gone: dict[str, str | None] = {}
@@ -159,7 +160,12 @@ class Session:
             if self.local is not None:
                 self.local.start()
             self.loop = EventLoop(self.harness.registry, self.harness.job).start()
-            self._place(self.plan, self.resume)
+            try:
+                self._place(self.plan, self.resume)
+            except JobFailed as exc:  # a worker lost while placing: recovered as one lost in a step
+                failure: JobFailed | None = exc
+                while failure is not None:
+                    failure = self._recover(failure)
             log.info("[coordinator %s] up in %.1fs", self.job.name, time.monotonic() - started)
         except BaseException:
             self.close()

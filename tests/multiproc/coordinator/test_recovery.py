@@ -116,6 +116,36 @@ def test_a_worker_killed_inside_a_step_is_replaced_and_the_run_ends_failure_free
     _assert_failure_free(job, result)
 
 
+@pytest.mark.parametrize(("method", "sig"), [("assign", signal.SIGKILL), ("load_program", signal.SIGSTOP)])
+def test_a_worker_lost_while_the_first_plan_is_placed_is_replaced_and_the_run_ends_failure_free(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, sig: int) -> None:
+    """Killed as its stage is assigned, or frozen as its program loads: before any step (before: the fit
+    raised JobFailed, 'lost its registry lease during placing the stages', and trained nothing)."""
+    job = _job(tmp_path, ONE_F_ONE_B)
+    holder: list[LocalHarness] = []
+    send = EventLoop.send
+
+    def failing(loop: EventLoop, worker: str, service: str, name: str, request: Any, *args: Any,
+                **kwargs: Any) -> int:
+        sent = send(loop, worker, service, name, request, *args, **kwargs)
+        if worker == "local-1" and name == method and holder:
+            holder.pop().kill(worker, sig)
+        return sent
+
+    monkeypatch.setattr(EventLoop, "send", failing)
+    with _harness(job, tmp_path) as harness:
+        holder.append(harness)
+        with job.attach(harness):
+            result = job.fit(STEPS)
+    assert not holder, f"local-1 was never sent {method}"
+    [recovery] = result.recoveries
+    assert recovery.worker == "local-1" and recovery.action == "replaced worker local-1", recovery
+    assert recovery.resumed_step == 0, recovery
+    phases = ("placing the stages", "loading the stages' programs")
+    assert any(f"during {phase}" in recovery.reason for phase in phases), recovery
+    _assert_failure_free(job, result)
+
+
 def test_a_frozen_worker_is_noticed_within_its_lease_fenced_and_replaced(tmp_path: Path) -> None:
     job = _job(tmp_path, ONE_F_ONE_B)
     stopped: list[float] = []
