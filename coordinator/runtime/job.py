@@ -65,7 +65,13 @@ from coordinator.runtime.devices import DeviceRequest, local_resources, profile_
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.factories import build_data, build_model, factory_path, unwrapped
 from coordinator.runtime.harness import LocalHarness
-from coordinator.runtime.preflight import Checked, batch_norm_of, check_job, model_structure
+from coordinator.runtime.preflight import (
+    Checked,
+    batch_norm_of,
+    check_enough_samples,
+    check_job,
+    model_structure,
+)
 from coordinator.runtime.records import EvalRecord, Recovery, StepRecord
 from coordinator.runtime.runspec import RunSpec
 from coordinator.runtime.scaler import ScalerState
@@ -250,6 +256,7 @@ class Job:
         if n is None:
             raise ValueError(f"data factory {data.factory!r} returns a loader: give data.num_samples "
                              "(Job(num_samples=...))")
+        check_enough_samples(self.config, n)
         return BatchSampler(n, data.global_batch, shuffle=data.shuffle, seed=data.seed)
 
     def check(self) -> Checked:

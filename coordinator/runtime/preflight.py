@@ -22,8 +22,8 @@ training. :func:`check_job` runs them in order, cheapest first:
    collective mode: [Note: BatchNorm sees the global batch] in ``services/compute/batchnorm.py``);
 4. the model built for real: a factory that raises is named with the line of the user's
    code that raised (``coordinator/runtime/factories.py``);
-5. the data: inputs and targets of one length (``SampleSource``), and a sample microbatch
-   loads;
+5. the data: inputs and targets of one length (``SampleSource``), at least one global batch
+   of samples, and a sample microbatch loads;
 6. the sample through the nodes one by one (each node's stage module), then the loss: the
    first cell or node that fails is named with what it was given (``cell 'cell2' fails on the
    output of cell 'cell1', a [8, 12] float32 tensor: mat1 and mat2 shapes cannot be
@@ -81,8 +81,8 @@ from services.params import scheduling
 from services.params.zero import check_elementwise
 from services.protocol import OptimizerSpec, SchedulerSpec
 
-__all__ = ["Checked", "batch_norm_of", "check_job", "check_optimizer", "model_structure", "node_bytes",
-           "sample_size"]
+__all__ = ["Checked", "batch_norm_of", "check_enough_samples", "check_job", "check_optimizer",
+           "model_structure", "node_bytes", "sample_size"]
 
 log = logging.getLogger(__name__)
 
@@ -445,6 +445,19 @@ def _check_draws(config: JobConfig, root: nn.Module, source: SampleSource, chain
         raise JobError(f"model factory {config.model.factory!r}: {problem}")
 
 
+def check_enough_samples(config: JobConfig, num_samples: int | None) -> None:
+    """Refuse data of fewer samples than one global batch (a step could not be drawn).
+
+    Raises:
+        JobError: Naming the data factory, its sample count and ``data.global_batch``.
+    """
+    batch = config.data.global_batch
+    if num_samples is not None and num_samples < batch:
+        raise JobError(f"data factory {config.data.factory!r} gives {num_samples} samples, fewer than one "
+                       f"global batch (data.global_batch={batch}): lower data.global_batch to at most "
+                       f"{num_samples} or give more samples")
+
+
 def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checked:
     """Run every check of the module docstring on ``config`` for ``resources``; keep what they built.
 
@@ -455,7 +468,8 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
 
     Raises:
         JobError: The optimizer or its scheduler refuses its arguments, a factory raises or returns
-            something unusable, the data is inconsistent, a node or the loss fails on the sample,
+            something unusable, the data is inconsistent (or holds less than one global batch), a node
+            or the loss fails on the sample,
             the loss's gradients on it are unusable, or the plan asks for more stages than nodes.
         coordinator.planning.request.PlanningError: No plan can hold the model, the global batch
             does not split into the fixed replicas or microbatches, or the fixed microbatches or
@@ -473,6 +487,7 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
     if not measured:  # measured built for real: still before any profiling
         _measure(config, resources, optimizer, built, chain)
     source = build_data(data.factory, data.kwargs, data.seed)
+    check_enough_samples(config, data.num_samples or source.num_samples)
     loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
     size = sample_size(data.global_batch, resources.num_workers)
     indices = list(range(min(size, source.num_samples or data.num_samples or SAMPLE_MAX)))

@@ -101,6 +101,18 @@ def test_inputs_and_targets_of_different_lengths_are_refused() -> None:
         job(data=f"{B}:uneven").check()
 
 
+def test_data_of_fewer_samples_than_one_global_batch_is_refused_naming_both() -> None:
+    """Before: a bare ``ValueError: global_batch=128 must be between 1 and the 64 samples of the data``
+    when the fit began, naming neither the factory nor the field; ``check`` passed."""
+    wanted = (rf"data factory '{M}:regression' gives 64 samples, fewer than one global batch "
+              r"\(data.global_batch=128\): lower data.global_batch to at most 64")
+    too_big = job(global_batch=128)
+    with pytest.raises(JobError, match=wanted):
+        too_big.check()
+    with pytest.raises(JobError, match=wanted):  # what Job.fit builds before any worker starts
+        too_big.sampler()
+
+
 @pytest.mark.parametrize(("plan", "option"), [
     ({"num_stages": 3}, "plan.num_stages=3"),
     ({"balance": [1, 1, 1]}, "plan.balance=[1, 1, 1]"),
