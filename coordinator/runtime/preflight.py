@@ -22,8 +22,9 @@ training. :func:`check_job` runs them in order, cheapest first:
    collective mode: [Note: BatchNorm sees the global batch] in ``services/compute/batchnorm.py``);
 4. the model built for real: a factory that raises is named with the line of the user's
    code that raised (``coordinator/runtime/factories.py``);
-5. the data: inputs and targets of one length (``SampleSource``), at least one global batch
-   of samples, and a sample microbatch loads;
+5. the data: inputs and targets of one length (``SampleSource``), its size known (and for
+   tensors, no smaller than ``data.num_samples`` says), at least one global batch of samples,
+   and a sample microbatch loads;
 6. the sample through the nodes one by one (each node's stage module), then the loss: the
    first cell or node that fails is named with what it was given (``cell 'cell2' fails on the
    output of cell 'cell1', a [8, 12] float32 tensor: mat1 and mat2 shapes cannot be
@@ -458,6 +459,24 @@ def check_enough_samples(config: JobConfig, num_samples: int | None) -> None:
                        f"{num_samples} or give more samples")
 
 
+def _check_num_samples(config: JobConfig, source: SampleSource) -> None:
+    """Check 5's count: the samples are known, there are as many as ``data.num_samples`` says (tensors:
+    a loader's are its own business) and at least one global batch.
+
+    Raises:
+        JobError: Naming the data factory, the field and the fix.
+    """
+    data = config.data
+    given, held = data.num_samples, source.num_samples
+    if given is None and held is None:
+        raise JobError(f"data factory {data.factory!r} returns a loader: give data.num_samples "
+                       "(Job(num_samples=...))")
+    if given is not None and held is not None and given > held:
+        raise JobError(f"data.num_samples={given} but data factory {data.factory!r} returns {held} samples: "
+                       "lower data.num_samples or leave it out")
+    check_enough_samples(config, given or held)
+
+
 def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checked:
     """Run every check of the module docstring on ``config`` for ``resources``; keep what they built.
 
@@ -487,7 +506,7 @@ def check_job(config: JobConfig, resources: Resources, optimizer: str) -> Checke
     if not measured:  # measured built for real: still before any profiling
         _measure(config, resources, optimizer, built, chain)
     source = build_data(data.factory, data.kwargs, data.seed)
-    check_enough_samples(config, data.num_samples or source.num_samples)
+    _check_num_samples(config, source)
     loss_fn = build_loss(config.loss.factory, config.loss.kwargs)
     size = sample_size(data.global_batch, resources.num_workers)
     indices = list(range(min(size, source.num_samples or data.num_samples or SAMPLE_MAX)))

@@ -113,6 +113,20 @@ def test_data_of_fewer_samples_than_one_global_batch_is_refused_naming_both() ->
         too_big.sampler()
 
 
+@pytest.mark.parametrize(("fields", "wanted"), [
+    ({"num_samples": 1000}, rf"data.num_samples=1000 but data factory '{M}:regression' returns 64 samples: "
+                            "lower data.num_samples or leave it out"),
+    ({"data": f"{M}:failing_data"},
+     rf"data factory '{M}:failing_data' returns a loader: give data.num_samples"),
+])
+def test_a_sample_count_the_data_does_not_have_is_refused_naming_the_field(fields: dict[str, Any],
+                                                                           wanted: str) -> None:
+    """Before: check passed; more samples than the tensors hold failed step 0 on a worker ('sample indices
+    [675, ...] are beyond the 64 samples of the data'), a loader without a count failed the fit's start."""
+    with pytest.raises(JobError, match=wanted):
+        job(**fields).check()
+
+
 @pytest.mark.parametrize(("plan", "option"), [
     ({"num_stages": 3}, "plan.num_stages=3"),
     ({"balance": [1, 1, 1]}, "plan.balance=[1, 1, 1]"),
