@@ -151,6 +151,7 @@ class Checkpointer:
         self.every_seconds = every_seconds
         self.keep = keep
         self._last = time.monotonic()
+        self._owed: int | None = None  # a step that was due while no commit could carry its save
         self._pending: dict[int, _Pending] = {}
         self.published: list[Path] = []
         root.mkdir(parents=True, exist_ok=True)
@@ -158,12 +159,22 @@ class Checkpointer:
             shutil.rmtree(stale, ignore_errors=True)
 
     def due(self, step: int) -> bool:
-        """Whether to checkpoint once ``step`` steps are done (never twice for one step)."""
+        """Whether to checkpoint once ``step`` steps are done (never twice for one step); also at the steps
+        after one deferred (:meth:`defer`), until a checkpoint is begun."""
         if step == 0 or step in self._pending or any(k == step for k, _ in _published(self.root)[-1:]):
             return False
-        if self.every_steps is not None and step % self.every_steps == 0:
-            return True
+        if self.every_steps is not None:
+            if step % self.every_steps == 0:
+                return True
+            if self._owed is not None and self._owed < step < self._owed + self.every_steps:
+                return True
         return self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds
+
+    def defer(self, step: int) -> None:
+        """Checkpoint ``step`` was due but no commit completes that step (it was skipped: fp16's overflow,
+        ``runtime.nonfinite: skip``), so no save can ride on one: take it at the next step instead."""
+        if self._owed is None:
+            self._owed = step
 
     def begin(self, trainer: TrainerState, parts: Iterable[str]) -> SaveRequest:
         """Stage checkpoint ``trainer.step``; the request for the commit that completes that step.
@@ -174,6 +185,7 @@ class Checkpointer:
         staging.mkdir(parents=True)
         self._pending[trainer.step] = _Pending(trainer, staging, set(parts))
         self._last = time.monotonic()
+        self._owed = None
         return SaveRequest(directory=str(staging.resolve()), step=trainer.step)
 
     def cancel(self, step: int) -> None:

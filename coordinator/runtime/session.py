@@ -272,8 +272,11 @@ class Session:
             assert runtime is not None
             k = self.job.steps_done
             save = None
-            if ckpt is not None and runtime.can_save and ckpt.due(k):
-                save = ckpt.begin(self.trainer_state(k), runtime.parts)
+            if ckpt is not None and ckpt.due(k):
+                if runtime.can_save:
+                    save = ckpt.begin(self.trainer_state(k), runtime.parts)
+                elif k - 1 in records and records[k - 1].skipped:  # no commit to carry the save: next step
+                    ckpt.defer(k)
             def batches_of(j: int, plan: Plan = plan) -> list[list[list[int]]]:
                 return step_batches(self.sampler, j, self.accumulate, plan.data_parallel,
                                     plan.num_microbatches)

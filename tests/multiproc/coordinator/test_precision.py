@@ -168,3 +168,23 @@ def test_fp16_loss_scale_is_checkpointed_and_resumed(harness: LocalHarness, tmp_
     assert [r.skipped for r in resumed.steps] == [True, False, False]
     ref = train_reference(again, STEPS)
     assert max_abs_diff(resumed.state_dict, ref.state_dict) < TOL_FP16
+
+
+def test_a_checkpoint_due_after_a_skipped_step_is_taken_one_step_later(harness: LocalHarness,
+                                                                       tmp_path: Path) -> None:
+    """Step 3 (index 2) overflows: the checkpoint due once 3 steps are done has no commit to ride on. It is
+    taken after step 4 and resumes to the uninterrupted run's parameters, bit for bit (before: it was
+    lost, the next one came at step 6 and a failure in between rolled back to the start)."""
+    fields = dict(data_parallel=2, num_stages=1, num_microbatches=1, checkpoint_directory=str(tmp_path),
+                  checkpoint_every_steps=3, checkpoint_keep=5)
+    full = make_job("fp16", **fields)
+    with full.attach(harness):
+        uninterrupted = full.fit(6)
+    assert [r.skipped for r in uninterrupted.steps] == [False, False, True, False, False, False]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000006"]
+    again = make_job("fp16", **fields)
+    with again.attach(harness, resume=tmp_path / "step-00000004"):
+        resumed = again.fit(2)
+    assert [r.step for r in resumed.steps] == [4, 5]
+    assert max_abs_diff(resumed.state_dict, uninterrupted.state_dict) == 0.0
+

@@ -67,6 +67,18 @@ def test_a_failed_part_drops_its_checkpoint_and_staging_is_cleaned_at_start(tmp_
     assert not Path(left.directory).exists()
 
 
+def test_a_checkpoint_due_at_a_skipped_step_is_taken_at_the_next_one(tmp_path: Path) -> None:
+    """A step skipped (fp16's overflow) has no commit for the save to ride on: the session does not begin
+    it, and the checkpoint is owed until one is begun (before: lost, none until the next multiple)."""
+    ckpt = Checkpointer(tmp_path, every_steps=3, every_seconds=None, keep=5)
+    assert [s for s in range(7) if ckpt.due(s)] == [3, 6]
+    ckpt.defer(3)  # ... but step 3's commit was skipped: not begun
+    assert ckpt.due(4) and ckpt.due(5)
+    ckpt.begin(_trainer(4), ["a"])
+    assert [s for s in range(5, 10) if ckpt.due(s)] == [6, 9]  # back on the multiples
+    assert [s for s in range(10, 13) if ckpt.due(s)] == [12]  # nothing owed once begun
+
+
 def test_due_by_time(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path, every_steps=None, every_seconds=0.05, keep=1)
     assert not ckpt.due(1)
