@@ -97,7 +97,8 @@ def test_plan_dry_runs_a_two_host_resource_file(spec: Path, tmp_path: Path,
 def test_plan_dry_runs_256_workers(spec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     resources = tmp_path / "cluster.json"
     resources.write_text(json.dumps({"hosts": [{"name": "n", "count": 32, "workers": 8, "memory": "1GiB"}]}))
-    args = ["--set", "data.global_batch=256", "--data-parallel", "64", "--stages", "4", "--runners-up", "0"]
+    args = ["--set", "data.global_batch=256", "--set", "data.kwargs.num_samples=256", "--data-parallel", "64",
+            "--stages", "4", "--runners-up", "0"]  # 256 samples: a job of fewer than one batch is refused
     assert cli.main(["plan", str(spec), "--resources", str(resources), *args]) == 0
     out = capsys.readouterr().out
     assert "resources: 256 workers (256 cpu) on 32 host(s) (32 of 8)" in out
