@@ -322,7 +322,9 @@ def summary(result: RunResult) -> str:
         tail = losses[-min(10, len(losses)):]
         lines.append(f"done: {len(losses)} steps in {result.seconds:.1f}s, {result.samples_per_s:.1f} "
                      f"samples/s after the first step ({result.overall_samples_per_s:.1f} overall)")
-        lines.append(f"loss {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {len(losses)} "
+        steps = result.fit.steps  # counted from the job's start: a resumed run's first is not step 1
+        first, final = (steps[0].step + 1, steps[-1].step + 1) if steps else (1, len(losses))
+        lines.append(f"loss {losses[0]:.4f} at step {first} -> {losses[-1]:.4f} at step {final} "
                      f"(mean of the last {len(tail)}: {sum(tail) / len(tail):.4f})")
     else:
         lines.append("done: 0 steps; the state_dict holds the initial parameters")

@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.commands.run import OutputError, check_writable, report, save_outputs
+from coordinator.commands.jobspec import LoadedJob
+from coordinator.commands.run import OutputError, RunResult, check_writable, report, save_outputs, summary
 from coordinator.commands.rundir import RunDir
 from coordinator.runtime.errors import JobError
+from coordinator.runtime.job import FitResult
 from coordinator.runtime.nonfinite import NonFiniteStep
+from coordinator.runtime.records import StepRecord
 
 STATE = {"w": torch.arange(4.0), "b": torch.zeros(2)}
 
@@ -67,3 +70,16 @@ def test_a_bad_job_is_one_line_and_exit_code_2(exc: Exception) -> None:
     err = io.StringIO()
     assert report(exc, err=err) == 2
     assert err.getvalue() == f"cellmesh: error: {exc}\n"
+
+
+def test_the_summary_of_a_resumed_run_names_its_steps_from_the_job_s_start(tmp_path: Path) -> None:
+    """Resumed at step 4 of 24: 'loss ... at step 5 -> ... at step 24' (before: 'at step 1 -> ... at step
+    20', while the resume line and the recoveries count from the job's start)."""
+    steps = [StepRecord(step=k, loss=1.0 / (k + 1), num_samples=16, start=0.0, end=0.0, coordinator_s=0.0)
+             for k in range(4, 24)]
+    fit = FitResult(losses=[r.loss for r in steps], state_dict=STATE, steps=steps)
+    loaded = LoadedJob(job=None, name="tiny", source="job spec tiny.yaml", module=None)  # type: ignore[arg-type]
+    result = RunResult(loaded=loaded, fit=fit, run_dir=RunDir(tmp_path), output=None, seconds=1.0,
+                       samples_per_s=1.0, overall_samples_per_s=1.0)
+    assert "loss 0.2000 at step 5 -> 0.0417 at step 24 " in summary(result)
+
