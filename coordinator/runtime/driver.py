@@ -328,10 +328,15 @@ class Runtime:
         commit = self._commit_fields(save) if self._uncommitted else None
         assert save is None or commit is not None, "a save rides on a commit: check can_save first"
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        # fp16: a replica weighs its loss by its share of the global batch under the scale, as one process's
+        # loss is (the replicas' gradients are then averaged; the unscale gives the factor back), so its fp16
+        # backward holds one process's values and overflows where one process's does (before: at d times
+        # them, a step one process keeps was skipped and the scale halved)
+        replica_scale = loss_scale / self.plan.data_parallel if self.scaler is not None else loss_scale
         # RunStep, dumped (the services validate it): what the step changes, and the program it runs; packed
         # once per replica, whose stages all get it ([Note: a request packed once] in comm/rpc/hot.py)
         shared: dict[str, object] = {"step": step, "program": TRAIN_PROGRAM, "timeout_ms": timeout_ms,
-                                     "loss_scale": loss_scale, "commit": commit}
+                                     "loss_scale": replica_scale, "commit": commit}
         requests = [{**shared, "microbatches": [list(mb) for mb in mbs]} for mbs in batches]
         if self._first_request or (commit is not None and self._first_commit):  # the shape, checked once
             RunStep.model_validate(requests[0])
@@ -361,12 +366,12 @@ class Runtime:
                                                           last_good=self._last_good)
         skipped = overflow or bad is not None
         parts = norm_parts(self.plan.zero_stage, self.plan.shard_factor)
-        norm = global_norm(bodies, loss_scale, parts)
+        norm = global_norm(bodies, replica_scale, parts)
         self._uncommitted = not skipped  # a step that is not finite is dropped: never committed
         if not skipped:
             self._last_good = (step, loss)
             # the commit unscales fp16's gradients and clips them by the global norm of the unscaled ones
-            self._pending = (step, grad_scale(bodies, self.spec.clip_grad_norm, loss_scale, parts))
+            self._pending = (step, grad_scale(bodies, self.spec.clip_grad_norm, replica_scale, parts))
         elif bad is not None and not overflow:
             refuse(self.spec.run, self.spec.nonfinite, step, *bad, last_good=self._last_good)
         ended = time.time()

@@ -188,3 +188,18 @@ def test_a_checkpoint_due_after_a_skipped_step_is_taken_one_step_later(harness: 
     assert [r.step for r in resumed.steps] == [4, 5]
     assert max_abs_diff(resumed.state_dict, uninterrupted.state_dict) == 0.0
 
+
+def test_fp16_replicas_overflow_where_one_process_does(harness: LocalHarness) -> None:
+    """Step 3's targets x10: one process's fp16 backward at the initial scale stays finite (x13 would not).
+    Each replica weighs its loss by its share of the global batch, as one process does, so nothing is
+    skipped either (before: each replica's backward held twice one process's values, overflowed, and the
+    step was dropped and the scale halved, ending 0.1 away from one process)."""
+    job = make_job("fp16", **PLANS["dp2"])
+    job.config.data.kwargs["factor"] = 10.0
+    with job.attach(harness):
+        result = job.fit(STEPS)
+    assert [r.skipped for r in result.steps] == [False] * STEPS
+    assert [r.loss_scale for r in result.steps] == [2.0 ** 16] * STEPS
+    ref = train_reference(job, STEPS)
+    assert max_abs_diff(result.state_dict, ref.state_dict) < TOL_FP16
+
