@@ -192,6 +192,11 @@ class Runtime:
             JobFailed: A worker refused an assignment (a factory error, a bad option) or vanished.
         """
         plan, spec = self.plan, self.spec
+        # a worker whose card vanished before this runtime was made (lost while the previous runtime was
+        # released after another loss) sends no loss event now: it is lost, not a placement to wait on
+        gone = [w for w in self.workers if self._incarnations[w] is None]
+        if gone:
+            raise self._lost(gone[0], "placing the stages", None)
         cards = {w: card for w in self.workers if (card := self._card(w)) is not None}  # what each one has
         try:
             placed = place_devices(plan, spec.devices, cards)

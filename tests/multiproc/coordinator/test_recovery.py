@@ -146,6 +146,20 @@ def test_a_worker_lost_while_the_first_plan_is_placed_is_replaced_and_the_run_en
     _assert_failure_free(job, result)
 
 
+def test_two_workers_killed_in_one_step_are_both_replaced_and_the_run_ends_failure_free(
+        tmp_path: Path) -> None:
+    """The second loss is seen while the first one's runtime is released, its card gone before the next
+    runtime places: it is lost too (before: the placement waited 120 s for it, 'placing the stages: no
+    reply within 120s from worker local-0', and the job stopped)."""
+    job = _job(tmp_path, DP)
+    with _harness(job, tmp_path, worker_env={"local-0": {ENV: "5:backward"}, "local-1": {ENV: "5:backward"}}
+                  ) as harness, job.attach(harness):
+        result = job.fit(STEPS)
+        failures = job._session.failures  # type: ignore[union-attr]
+    assert result.recoveries and sorted(f.worker for f in failures) == ["local-0", "local-1"], failures
+    _assert_failure_free(job, result)
+
+
 def test_a_frozen_worker_is_noticed_within_its_lease_fenced_and_replaced(tmp_path: Path) -> None:
     job = _job(tmp_path, ONE_F_ONE_B)
     stopped: list[float] = []
