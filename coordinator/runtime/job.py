@@ -345,15 +345,26 @@ class Job:
             plan = choose_plan(self._profile, resources, batch_norm_request(config.plan, layers),
                                global_batch=batch, automatic=self._automatic())
         except PlanningError as exc:
-            shape = {"data_parallel": None, "num_stages": None, "balance": None, "strategy": "auto"}
-            fixed = [k for k in shape if getattr(config.plan, k) not in (None, "auto")]
-            if not fixed:
-                raise
-            log.warning("the plan section's %s do not fit %d workers (%s); planning without them",
-                        ", ".join(f"plan.{k}" for k in fixed), resources.num_workers, exc)
-            request = batch_norm_request(config.plan.model_copy(update=shape), layers)
-            plan = choose_plan(self._profile, resources, request, global_batch=batch,
-                               automatic=self._automatic())
+            shape: dict[str, Any] = {"data_parallel": None, "num_stages": None, "balance": None,
+                                     "strategy": "auto"}
+            # then the sharding, which needs replicas the workers left may not hold (one worker: none)
+            sharding: dict[str, Any] = {**shape, "zero": None, "shard_factor": None}
+            error: PlanningError = exc
+            for dropped in (shape, sharding):
+                fixed = [k for k in dropped if getattr(config.plan, k) not in (None, "auto")]
+                if not fixed or (dropped is sharding and config.plan.zero is None):
+                    continue
+                try:
+                    request = batch_norm_request(config.plan.model_copy(update=dropped), layers)
+                    plan = choose_plan(self._profile, resources, request, global_batch=batch,
+                                       automatic=self._automatic())
+                except PlanningError as again:
+                    error = again
+                    continue
+                log.warning("the plan section's %s do not fit %d workers (%s); planning without them",
+                            ", ".join(f"plan.{k}" for k in fixed), resources.num_workers, exc)
+                return self._placed(plan, resources)
+            raise error from None
         return self._placed(plan, resources)
 
     def _automatic(self) -> Automatic:

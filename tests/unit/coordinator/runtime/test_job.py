@@ -53,3 +53,18 @@ def test_a_config_and_fields_together_are_refused() -> None:
     config = Job(model=f"{M}:mlp", data=f"{M}:regression", loss=f"{M}:mse").config
     with pytest.raises(TypeError, match="not both"):
         Job(config, num_stages=2)
+
+
+def test_replanning_on_one_worker_left_drops_a_fixed_zero_stage_it_cannot_shard_over(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A worker lost for good (elastic): ZeRO-3 over 2 replicas on the 1 worker left trains replicated, and
+    back on 2 workers sharded again (before: 'no plan fits the 1 workers left (local-0): plan.zero=3 shards
+    a stage's state across 2 or more collective replicas ...', and the job stopped)."""
+    job = Job(model=f"{M}:mlp", data=f"{M}:regression", loss=f"{M}:mse", global_batch=16, data_parallel=2,
+              num_stages=1, num_microbatches=1, zero=3, shard_factor=2, resources=Resources.local(2))
+    assert job.plan().zero_stage == 3
+    with caplog.at_level("WARNING"):
+        alone = job.replan(Resources.local(1))
+    assert (alone.num_workers, alone.zero_stage) == (1, 0), alone.summary()
+    assert "plan.zero, plan.shard_factor do not fit 1 workers" in caplog.text
+    assert job.replan(Resources.local(2)).zero_stage == 3
