@@ -40,7 +40,15 @@ from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 __all__ = [
@@ -92,7 +100,14 @@ OptimizerKwargs = dict[str, float | int | bool | list[float]]
 # the same union as services.protocol.SchedulerKwargs (a unit test keeps them equal)
 SchedulerKwargs = dict[str, str | int | float | bool | list[int] | list[float]]
 FactoryName = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$")]
-Positive = Annotated[int, Field(ge=1)]
+def _not_a_bool(value: Any) -> Any:
+    """A count given as true/false (YAML's ``yes``) is a mistake, not 1 or 0."""
+    if isinstance(value, bool):
+        raise ValueError(f"give a number, not {str(value).lower()}")
+    return value
+
+
+Positive = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=1)]
 DEFAULT_STEPS = 100
 _DEFAULT_LR: OptimizerKwargs = {"lr": 0.01}
 

@@ -60,6 +60,8 @@ def test_defaults_and_sections() -> None:
      ["field 'model.factory': String should match pattern", "'no colon'"]),
     (with_(plan={"num_stages": 0}),
      ["field 'plan.num_stages': Input should be greater than or equal to 1 (got 0)"]),
+    (with_(data={"factory": "pkg.m:data", "global_batch": True}),  # YAML's `global_batch: yes` (before: 1)
+     ["field 'data.global_batch': give a number, not true (got True)"]),
     (with_(plan={"mode": "ps"}), ["field 'plan.mode'", "'collective' or 'parameter_server' (got 'ps')"]),
     (with_(plan={"schedule": "zigzag"}), ["field 'plan.schedule': unknown schedule 'zigzag'; use one of"]),
     (with_(plan={"strategy": "pipeline", "data_parallel": 2}),
