@@ -127,10 +127,15 @@ def test_a_worker_lost_while_the_first_plan_is_placed_is_replaced_and_the_run_en
 
     def failing(loop: EventLoop, worker: str, service: str, name: str, request: Any, *args: Any,
                 **kwargs: Any) -> int:
-        sent = send(loop, worker, service, name, request, *args, **kwargs)
         if worker == "local-1" and name == method and holder:
-            holder.pop().kill(worker, sig)
-        return sent
+            # frozen first, so it cannot answer; killed after the send, so the send itself succeeds
+            if sig == signal.SIGSTOP:
+                holder.pop().kill(worker, sig)
+            else:
+                sent = send(loop, worker, service, name, request, *args, **kwargs)
+                holder.pop().kill(worker, sig)
+                return sent
+        return send(loop, worker, service, name, request, *args, **kwargs)
 
     monkeypatch.setattr(EventLoop, "send", failing)
     with _harness(job, tmp_path) as harness:
