@@ -13,6 +13,14 @@ count of 2 or more replicas divides ``B``. When the planner chose, the batch may
 out the shapes that use every worker (33 samples on 2 workers: one replica);
 :func:`batch_note` says so in one line, the plan it chose and the batch that would use them.
 
+[Note: no split backward on one stage] A schedule that splits the backward (zb-h1) exists to fill a
+pipeline's bubbles with weight gradients; one stage has none. The search leaves it out for one stage
+unless the request names it: measured (``bench/train.py``'s MLP, 2026-11-29), one stage ran 7% slower
+under it on one worker (44.5-45.7 ms a step against gpipe's 41.4-42.7) and 20% slower in data
+parallelism over 2 (61.8-63.2 against 49.7-54.0: the weight gradients, and so the all-reduce's buckets,
+come only after the whole input backward), while the cost model priced it 10% faster, so every
+one-stage plan the planner chose ran zb-h1.
+
 [Note: interleaved shapes] A schedule of ``CHUNKED`` (``interleaved-1f1b``) puts ``v`` (``chunks``)
 stages on each worker: ``p = v R`` stages on ``R`` workers per replica, so ``p`` may exceed the
 workers. Unless the request fixes them, ``v`` runs over ``2..MAX_SEARCHED_CHUNKS`` and ``R`` from 2
@@ -40,7 +48,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from coordinator.planning.config import Mode, PlanConfig
-from coordinator.planning.schedules import CHUNKED, SCHEDULES, schedule_problem
+from coordinator.planning.schedules import CHUNKED, SCHEDULES, SPLIT, schedule_problem
 
 __all__ = [
     "MAX_SEARCHED_CHUNKS",
@@ -237,6 +245,7 @@ def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int
         if schedule not in CHUNKED:
             if fixed.chunks in (None, 1):
                 shapes += [(d, p, mode, schedule, m, 1) for p in stage_counts if d * p <= fixed.num_workers
+                           and (p > 1 or schedule not in SPLIT or request.schedule is not None)
                            for mode in modes for m in counts]
             continue
         for v in fixed.chunk_counts():

@@ -360,6 +360,9 @@ if tuple(SCHEDULES) != SCHEDULE_NAMES:  # the job config checks names without im
                       f"{tuple(SCHEDULES)}")
 # the schedules whose workers hold several stages (see [Note: chunks]): built with their chunk count
 CHUNKED: dict[str, Callable[[int, int, int], Schedule]] = {"interleaved-1f1b": interleaved_1f1b}
+# schedules whose backward is split in I and W to fill a pipeline's bubbles: nothing to fill on one stage
+# ([Note: no split backward on one stage] in coordinator/planning/request.py)
+SPLIT: frozenset[str] = frozenset({"zb-h1"})
 
 
 def schedule_problem(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> str | None:

@@ -449,3 +449,22 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     plain = choose_plan(base, res, PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8,
                                               schedule="gpipe", balance=[2, 2]), global_batch=32)
     assert plain.stages[0].backward_s == pytest.approx(4e-3 + ACTION_OVERHEAD_S)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_one_stage_is_not_given_a_split_backward_unless_asked(workers: int) -> None:
+    """[Note: no split backward on one stage]: zb-h1 fills a pipeline's bubbles; one stage has none, and ran
+    slower under it (measured), though the cost model priced it faster."""
+    profile = Profile.synthetic([2e-3] * 4, param_bytes=[1 << 20] * 4, activation_bytes=[1 << 20] * 4,
+                                cut_bytes=[1 << 16] * 3, microbatch_size=4)
+    resources = Resources.local(workers)
+    one = PlanConfig(data_parallel=workers, num_stages=1, num_microbatches=1)
+    assert choose_plan(profile, resources, one, global_batch=8 * workers).schedule_name != "zb-h1"
+    asked = PlanConfig(data_parallel=workers, num_stages=1, num_microbatches=1, schedule="zb-h1")
+    assert choose_plan(profile, resources, asked, global_batch=8 * workers).schedule_name == "zb-h1"
+    if workers == 2:  # a pipeline may still get it
+        piped = PlanConfig(data_parallel=1, num_stages=2, num_microbatches=8, schedule="zb-h1")
+        assert choose_plan(profile, resources, piped, global_batch=16).schedule_name == "zb-h1"
+        shapes = {(c.num_stages, c.schedule_name) for c in candidate_plans(
+            profile, resources, PlanConfig(data_parallel=1, num_microbatches=8), global_batch=16)}
+        assert (2, "zb-h1") in shapes and (1, "zb-h1") not in shapes
