@@ -83,7 +83,10 @@ takes their largest (``CutProblem.transient_bytes``).
 [Note: the optimizer's step] torch's per-parameter optimizers allocate temporaries while they step
 a parameter (Adam: ``exp_avg_sq.sqrt()`` and its quotient, twice the parameter; the profile's
 ``step_temporary_bytes`` of the node's largest). They count as a node's transient, as ZeRO-3's
-gathered cells and the recomputed cell's activations: a stage's peak takes the largest of them
+gathered cells, the recomputed cell's activations and the transport's frames (the step runs after the
+backward's collectives, in the heap their frames left free: measured, the replicated worker of
+``tests/multiproc/coordinator/test_memory.py`` peaked at 0.78 x the sum once its gradient stopped being
+copied into a bucket, and at 0.98-1.00 x the larger): a stage's peak takes the largest of them
 (under ``optimizer`` where the step's are the largest), on top of the activations in flight -- an
 upper bound, since the step runs once the activations are freed, that keeps the cutter's sum
 (``CutProblem.transient_bytes``) and the plan's breakdown one formula. Measured (``bench/largest.py``, an MLP
@@ -259,7 +262,7 @@ class NodeMemory:
 
     @cached_property  # read per stage the cutter prices: made once per node list
     def transient(self) -> tuple[float, ...]:
-        return tuple(max(g + f + r, t) + fr for g, f, r, t, fr in zip(
+        return tuple(max(g + f + r + fr, t) for g, f, r, t, fr in zip(
             self.gathered, self._or_zeros(self.flight), self.recomputed, self._or_zeros(self.stepped),
             self._or_zeros(self.frames), strict=True))
 
@@ -274,7 +277,8 @@ class NodeMemory:
         flight = self._or_zeros(self.flight)[node] if node is not None else 0.0
         frames = self._or_zeros(self.frames)[node] if node is not None else 0.0
         # the step's temporaries where they exceed the node's other transients ([Note: the optimizer's step])
-        stepping = transient[peak] - frames - gathered - flight - recomputed if peak is not None else 0.0
+        others = frames + gathered + flight + recomputed
+        stepping = max(0.0, transient[peak] - others) if peak is not None else 0.0
         return MemoryUse(
             params=int(sum(self.params[start:stop]) + gathered), grads=int(sum(self.grads[start:stop])),
             optimizer=int(sum(self.optimizer[start:stop]) + stepping),

@@ -39,6 +39,14 @@ holds only its shards. With ``across`` (hybrid sharding: ``comm`` is
 one group of ``F`` replicas, ``across`` the replicas holding the same shard in the other
 groups) each shard is then all-reduced (MEAN) across the groups.
 
+[Note: a large gradient all-reduced as it is]
+In all_reduce mode too, a contiguous parameter of at least :data:`DIRECT_BYTES` gets a bucket of its own
+whose buffer is its gradient as autograd made it: the all-reduce averages ``param.grad`` in place. A
+bucket view would cost a copy of every such gradient each step (the step sets ``.grad`` to None, so
+autograd makes a new tensor, which the hook copied into the view: 34 MB a step on ``bench.models:mlp``)
+and the bucket's own memory besides; later microbatches of a pipeline stage accumulate into
+``param.grad`` as autograd does. The bucket lets go of the gradient once it is averaged.
+
 [Note: the gradient shards kept]
 A bucket's segment (this replica's averaged rows, ``1 / F`` of the bucket) is made by the first
 reduce-scatter and written by every later one, with its :class:`Shard` and the views in it: a step's
@@ -108,7 +116,7 @@ class Bucket:
     shard: torch.Tensor | None = None  # reduce_scatter mode: this rank's part
     staged: torch.Tensor | None = None  # the CPU copy a CPU backend reduces, for a buffer on a GPU
     layout: ShardLayout | None = None  # reduce_scatter mode: the dim-0 layout of the buffer
-    direct: bool = False  # reduce_scatter mode: one parameter whose gradient is the buffer as it is
+    direct: bool = False  # one parameter whose gradient is the buffer as it is (either mode)
     # reduce_scatter mode: the segment the reduce-scatters write, kept step to step, and its Shard (views
     # made once): [Note: the gradient shards kept]
     kept: Shard | None = None
@@ -214,8 +222,9 @@ class GradSync:
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         world = comm.world_size
-        alone = ({i for i, (_, p) in enumerate(named) if _packs_as_itself(p, world)
-                  and p.numel() * p.element_size() >= direct_bytes} if mode == "reduce_scatter" else set())
+        # [Note: a large gradient reduce-scattered as it is], [Note: a large gradient all-reduced as it is]
+        alone = {i for i, (_, p) in enumerate(named) if p.numel() * p.element_size() >= direct_bytes
+                 and (_packs_as_itself(p, world) if mode == "reduce_scatter" else p.is_contiguous())}
         for b, indices in enumerate(assign_buckets(sizes, bucket_bytes, alone, first_bytes)):
             params = [named[i][1] for i in indices]
             offsets, total = [], 0
@@ -228,6 +237,9 @@ class GradSync:
                 buffer = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
                 self.buckets.append(Bucket(b, params, names, offsets, buffer, layout=layout,
                                            direct=indices[0] in alone))
+            elif indices[0] in alone:  # its gradient, once autograd made it
+                buffer = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
+                self.buckets.append(Bucket(b, params, names, offsets, buffer, direct=True))
             else:
                 buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
                 self.buckets.append(Bucket(b, params, names, offsets, buffer))
@@ -251,6 +263,13 @@ class GradSync:
         """Bring parameter ``pos``'s gradient into the bucket (all_reduce: make ``.grad`` the view;
         reduce_scatter: pack it, then drop ``.grad``)."""
         p = bucket.params[pos]
+        if bucket.direct and self.mode == "all_reduce":  # [Note: a large gradient all-reduced as it is]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # no gradient this step: zeros, as any bucket's
+            elif not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+            bucket.buffer = p.grad.detach().view(-1)
+            return
         if bucket.direct:  # [Note: a large gradient reduce-scattered as it is]
             grad = p.grad
             bucket.buffer = (grad.detach().reshape(-1) if grad is not None and grad.is_contiguous()
@@ -346,6 +365,8 @@ class GradSync:
                 bucket.shard = None
             elif bucket.staged is not None:  # reduced on the CPU: back into the GPU bucket param.grad views
                 bucket.buffer.copy_(bucket.staged)
+            if bucket.direct and bucket.layout is None:  # param.grad holds it: the bucket lets go
+                bucket.buffer = bucket.buffer.new_empty(0)
             bucket.ready.clear()
             bucket.work = None
             bucket.staged = None
@@ -374,7 +395,7 @@ class GradSync:
             bucket.work = None
             bucket.shard = None
             bucket.staged = None
-            if bucket.layout is not None:
+            if bucket.layout is not None or bucket.direct:
                 bucket.buffer = bucket.buffer.new_empty(0)
         self._next_launch = 0
 
