@@ -58,16 +58,18 @@ def reference(optimizer: str, steps: int, seed: int, odd: bool = False) -> dict[
 
 def train_replica(comm: Communicator, *, optimizer: str, steps: int, seed: int, bucket_bytes: int,
                   microbatches: int = 1, set_to_none: bool = True,
-                  first_bytes: int = FIRST_BUCKET_BYTES) -> dict[str, Any]:
+                  first_bytes: int = FIRST_BUCKET_BYTES, direct_bytes: int = 1 << 40) -> dict[str, Any]:
     """Train on this rank's contiguous share of every global batch, gradients averaged by GradSync.
 
     With several ``microbatches`` the share is split and their gradients accumulate, the
-    hooks disarmed for every backward but the last (as a pipeline stage does).
+    hooks disarmed for every backward but the last (as a pipeline stage does). ``direct_bytes``: a
+    parameter this large is all-reduced in its own ``.grad`` (1: every one), not in a bucket view.
     """
     torch.set_num_threads(1)
     model = make_model(seed)
     opt = make_optimizer(optimizer, model)
-    sync = GradSync(model, comm, bucket_bytes=bucket_bytes, first_bytes=first_bytes)
+    sync = GradSync(model, comm, bucket_bytes=bucket_bytes, first_bytes=first_bytes,
+                    direct_bytes=direct_bytes)
     share = GLOBAL_BATCH // comm.world_size
     chunk = share // microbatches
     views = True
@@ -79,12 +81,13 @@ def train_replica(comm: Communicator, *, optimizer: str, steps: int, seed: int, 
             mine = slice(comm.rank * share + m * chunk, comm.rank * share + (m + 1) * chunk)
             (nn.functional.mse_loss(model(x[mine]), y[mine]) / microbatches).backward()
         sync.finish()
-        views = views and all(  # zero-copy: every gradient is a view into its bucket
+        views = views and all(  # zero-copy: every gradient is a view into its bucket (or its own buffer)
             p.grad is not None and p.grad.data_ptr() == b.buffer[off:].data_ptr()
-            for b in sync.buckets for p, off in zip(b.params, b.offsets, strict=True))
+            for b in sync.buckets if not b.direct for p, off in zip(b.params, b.offsets, strict=True))
         opt.step()
     sync.close()
     return {"buckets": len(sync.buckets), "views": views,
+            "direct": [n for b in sync.buckets if b.direct for n in b.names],
             "params": {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}}
 
 

@@ -59,6 +59,25 @@ def test_accumulated_microbatches_in_bucket_views_match_one_process(pair: RankGr
             assert diff < 1e-10, f"rank {r} {name}: max abs diff {diff:.3g} (set_to_none={set_to_none})"
 
 
+@pytest.mark.parametrize(("optimizer", "microbatches", "set_to_none"),
+                         [("sgd", 1, True), ("adam", 1, True), ("sgd", 2, True), ("sgd", 2, False)])
+def test_gradients_all_reduced_as_they_are_match_one_process(pair: RankGroup, optimizer: str,
+                                                             microbatches: int, set_to_none: bool) -> None:
+    """[Note: a large gradient all-reduced as it is], every parameter so (``direct_bytes=1``): averaged in its
+    own ``.grad``, accumulated there over microbatches, zeroed in place or set to None between steps."""
+    results = pair.run("tests.multiproc.services.dp_checks:train_replica", optimizer=optimizer, steps=STEPS,
+                       seed=SEED, bucket_bytes=25 << 20, microbatches=microbatches, set_to_none=set_to_none,
+                       direct_bytes=1)
+    ref = dp_checks.reference(optimizer, STEPS, SEED)
+    names = [n for n, p in dp_checks.make_model(SEED).named_parameters()]
+    for r, result in enumerate(results):
+        assert sorted(result["direct"]) == sorted(names), result["direct"]  # every parameter alone, as itself
+        got = _params(result["params"])
+        for name, expected in ref.items():
+            diff = (got[name] - expected.reshape(-1)).abs().max().item()
+            assert diff < 1e-10, f"rank {r} {name}: max abs diff {diff:.3g}"
+
+
 @pytest.mark.parametrize("direct_bytes", [1 << 40, 1])
 def test_reduce_scatter_shards_are_the_averaged_gradient(pair: RankGroup, direct_bytes: int) -> None:
     """Packed buckets; and (``direct_bytes=1``) every parameter whose rows split evenly in a bucket of its
