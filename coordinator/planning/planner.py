@@ -22,7 +22,9 @@ loopback figure, sockets fall short of it).
 
 - collective: a ring all-reduce, ``2 S + 2 (d-1) lat``, launched bucket by bucket during
   the last microbatch's backward. Only the backward that runs after the first bucket
-  (``DEFAULT_BUCKET_BYTES``, filled from the last parameters) is ready can hide it;
+  (``FIRST_BUCKET_BYTES``, filled from the last parameters) is ready can hide it, and on a CPU
+  host only as far as the host has cores to spare for the collective's own work ([Note: the sync's own
+  CPU]);
 - parameter server: the stage's parameters and optimizer state are sharded over its
   ``d`` workers (each keeps ``1/d`` of the optimizer state and a master copy of ``1/d``
   of the parameters). Every shard is reached through a socket, the worker's own too, so
@@ -196,7 +198,7 @@ from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, NodeProfile, P
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
 from coordinator.planning.schedules import Step, schedule_steps, stage_holds
-from coordinator.planning.sharding import optimizer_s, sharded_sync
+from coordinator.planning.sharding import gradient_collectives, optimizer_s, sharded_sync
 from coordinator.planning.simulator import (
     DEFAULT_WEIGHT_FRACTION,
     Sharing,
@@ -205,11 +207,11 @@ from coordinator.planning.simulator import (
     play,
 )
 from services.compute.weight_grads import HOLD_SHARE
-from services.params.grad_sync import DEFAULT_BUCKET_BYTES
+from services.params.grad_sync import FIRST_BUCKET_BYTES
 
 __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWIDTH_BPS",
            "OPTIMIZER_BANDWIDTH_BPS", "OPTIMIZER_TRAFFIC", "SHARED_HOST_BACKWARD_SLOWDOWN",
-           "SHARED_HOST_FORWARD_SLOWDOWN", "TRANSFER_OVERHEAD_S", "Candidate", "CellBytes",
+           "SHARED_HOST_FORWARD_SLOWDOWN", "SYNC_CPU_BPS", "TRANSFER_OVERHEAD_S", "Candidate", "CellBytes",
            "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "cut_problem",
            "format_candidates", "memory_floor"]
 
@@ -275,6 +277,24 @@ SHARED_HOST_BACKWARD_SLOWDOWN = 1.15
 # the next action boundary sees it complete; 0.2-0.4 ms per 32 KB transfer measured on the
 # development machine against the 0.11 ms the link figures give.
 TRANSFER_OVERHEAD_S = 2e-4
+# [Note: the sync's own CPU] A CPU worker's gradient collectives are work for its cores, not only time
+# on the link: the ring copies each chunk into and out of the transport and adds the received ones (with
+# the shared-memory transport of one host, nothing but that work). A backward hides them only where the
+# host has a core to spare for the communication thread; where the workers' compute threads already want
+# every core of the host (the default: a local job's workers together have the machine's cores), the
+# collectives take turns with the backward, and a step is as long as the two together. So a stage's
+# collectives during its last backward leave at least their CPU time, the bytes each rank moves over
+# SYNC_CPU_BPS, unhidden, times the share of its host's sync threads that find no spare core (cores less
+# the shape's workers' threads, over its workers). Measured on the development machine (2 cores, quiet,
+# bench/train.py): data parallel over 2 workers of bench.models:mlp (34 MB of gradients, one all-reduce
+# moving 34 MB per rank) spent 15.5-16 ms of its communication thread's CPU per step, and its 32-sample
+# forward and backward took 32.7 ms instead of the profile's 24-27 ms, with 10.4 ms of all-reduce left
+# after the backward: the model that hid the all-reduce behind the backward predicted 0.83 of the step.
+# A pipeline's stages sync only at the step's end, so counting every worker of the host as busy then
+# overstates the contention of a pipeline with replicas (one stage's replicas may sync while another's
+# idle in its bubble); GPU workers sync with NCCL and are never counted, nor are workers whose host's
+# cores are not given (``Worker.host_cpus``; ``Resources.local`` gives them), as elsewhere in the model.
+SYNC_CPU_BPS = 2.1e9
 # The read of a stage's gradients before it replies (finite? and their squared norm), in bytes
 # per second: 1.2-1.4 ms for 17 MB measured (the step's tail grew by that much when it came).
 GRADIENT_CHECK_BANDWIDTH_BPS = 14e9
@@ -291,8 +311,10 @@ def _sync(mode: Mode, grad_bytes: float, d: int, hidden: float, bw: float, lat: 
 
 
 def _after_first_bucket(grads: Sequence[float], backward: Sequence[float]) -> float:
-    """The backward time left once the first bucket is ready (nodes' gradients fill it from the last)."""
-    need = min(float(DEFAULT_BUCKET_BYTES), sum(grads))
+    """The backward time left once the first bucket is ready (nodes' gradients fill it from the last): the
+    first bucket of ``services/params/grad_sync.py`` is small (``FIRST_BUCKET_BYTES``), and a parameter of
+    that size goes alone, so the collectives start with the backward's first large gradient."""
+    need = min(float(FIRST_BUCKET_BYTES), sum(grads))
     filled = 0.0
     for i in reversed(range(len(grads))):
         filled += grads[i]
@@ -549,6 +571,24 @@ def _twins(workers: Sequence[Sequence[Worker]]) -> list[bool]:
     hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
     return [len([w for w in ws if w.device == "cpu" and w.host is not None]) > len(hosts[s])
             for s, ws in enumerate(workers)]
+
+
+def _sync_starved(resources: Resources, stage_workers: Sequence[Sequence[Worker]]) -> list[float]:
+    """Per stage, the share of its replicas' gradient-sync threads that find no core to spare on their
+    host while the shape's workers compute (the most over its hosts): see [Note: the sync's own CPU]. 0
+    for GPU workers, and for CPU workers whose host's cores are not given (``Worker.host_cpus``: its
+    workers' ``cpus`` together then, none waiting for a core)."""
+    threads: dict[object, int] = {}
+    workers: dict[object, list[str]] = {}
+    for w in {w.name: w for ws in stage_workers for w in ws}.values():
+        if w.device == "cpu" and w.host is not None and w.host_cpus is not None:  # its host's cores known
+            host = resources.host_of(w.name)
+            threads[host] = threads.get(host, 0) + w.cpus
+            workers.setdefault(host, []).append(w.name)
+    starved = {host: 1.0 - min(1.0, max(0, resources.host_cores(names[0]) - threads[host]) / len(names))
+               for host, names in workers.items()}
+    return [max((starved.get(resources.host_of(w.name), 0.0) for w in ws), default=0.0)
+            for ws in stage_workers]
 
 
 def _sharing(resources: Resources | None, rank_workers: Sequence[Sequence[Worker]]) -> Sharing:
@@ -889,6 +929,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                    cut_error: str) -> Candidate:
         spans = list(itertools.pairwise(bounds))
         memory = shared.memory(option, mode, d, m, mb, on_cuda)
+        starved = _sync_starved(resources, workers) if d > 1 and mode == "collective" else [0.0] * p
         times = shared.times(mb)
         fwd, bwd = game.costs.forward_s, game.costs.backward_s
         stages = []
@@ -902,9 +943,12 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                                           for f, b_ in times[a:b]])
             link_bw, link_lat = shared.link(names)
             if mode == "collective":
+                # what no backward hides: the collectives' CPU work where the host has no core for it
+                unhideable = starved[s] * gradient_collectives(
+                    option, d, grad, bandwidth=SYNC_CPU_BPS * speed[s], latency=0.0) if d > 1 else 0.0
                 sync = sharded_sync(option, d, grad, params, hidden=hidden, compute_s=m * (fwd[s] + bwd[s]),
                                     num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
-                                    latency=link_lat)
+                                    latency=link_lat, unhideable=unhideable)
                 step = optimizer_s(option, grad, params, traffic=traffic,
                                    device_bandwidth=OPTIMIZER_BANDWIDTH_BPS * speed[s], on_cuda=on_cuda)
             else:

@@ -38,7 +38,7 @@ from __future__ import annotations
 from coordinator.planning.memory import MemoryOption
 
 __all__ = ["FORWARD_SHARE", "HOST_OPTIMIZER_BANDWIDTH_BPS", "OFFLOAD_BANDWIDTH_BPS", "ZERO3_PREFETCH_HIDDEN",
-           "optimizer_s", "ring_pass", "sharded_sync"]
+           "gradient_collectives", "optimizer_s", "ring_pass", "sharded_sync"]
 
 # The share of ZeRO-3's per-microbatch gathers that prefetching the next cell's hides behind the
 # current cell's compute (at most that compute): a guess to be measured once the services run it.
@@ -60,7 +60,7 @@ def ring_pass(nbytes: float, ranks: int, bandwidth: float, latency: float) -> fl
 
 def sharded_sync(option: MemoryOption, data_parallel: int, grad_bytes: float, param_bytes: float, *,
                  hidden: float, compute_s: float, num_microbatches: int, bandwidth: float,
-                 latency: float) -> float:
+                 latency: float, unhideable: float = 0.0) -> float:
     """A collective stage's sync time left unhidden under ``option`` (see [Note: sharded sync cost]).
 
     Args:
@@ -74,15 +74,14 @@ def sharded_sync(option: MemoryOption, data_parallel: int, grad_bytes: float, pa
         num_microbatches: Per step.
         bandwidth: The collective's bandwidth (link times efficiency).
         latency: The link's latency.
+        unhideable: Of the collectives during the backward, what no backward hides (their CPU work where
+            the host has no core to spare for it: [Note: the sync's own CPU] in
+            ``coordinator/planning/planner.py``).
     """
     d, f = data_parallel, option.shard_factor if option.zero else 1
     if d == 1:
         return 0.0
-    if option.zero <= 1:
-        during = 2 * ring_pass(grad_bytes, d, bandwidth, latency)
-    else:
-        during = (ring_pass(grad_bytes, f, bandwidth, latency)
-                  + 2 * ring_pass(grad_bytes / f, d // f, bandwidth, latency))
+    during = gradient_collectives(option, d, grad_bytes, bandwidth=bandwidth, latency=latency)
     after = 0.0
     if option.zero in (1, 2) and param_bytes > 0:  # bucket by bucket behind the first forward
         buckets = max(1, -(-int(param_bytes) // option.gather_bytes))
@@ -93,7 +92,19 @@ def sharded_sync(option: MemoryOption, data_parallel: int, grad_bytes: float, pa
     if option.zero == 3:
         gathers = 2 * num_microbatches * ring_pass(param_bytes, f, bandwidth, latency)
         after = max(gathers * (1 - ZERO3_PREFETCH_HIDDEN), gathers - compute_s)
-    return max(0.0, during - hidden) + after
+    return max(0.0, during - hidden, unhideable) + after
+
+
+def gradient_collectives(option: MemoryOption, data_parallel: int, grad_bytes: float, *, bandwidth: float,
+                         latency: float) -> float:
+    """The gradient collectives of a stage's last backward under ``option`` (the table's middle column):
+    an all-reduce of ``G`` over ``d``, or ZeRO-2/3's reduce-scatter over ``F`` and the shard's all-reduce
+    over the groups; at ``bandwidth`` bytes per second and ``latency`` per ring step."""
+    d, f = data_parallel, option.shard_factor if option.zero else 1
+    if option.zero <= 1:
+        return 2 * ring_pass(grad_bytes, d, bandwidth, latency)
+    return (ring_pass(grad_bytes, f, bandwidth, latency)
+            + 2 * ring_pass(grad_bytes / f, d // f, bandwidth, latency))
 
 
 def optimizer_s(option: MemoryOption, grad_bytes: float, param_bytes: float, *, traffic: float,

@@ -19,6 +19,7 @@ from coordinator.planning.planner import (
     GRADIENT_CHECK_BANDWIDTH_BPS,
     SHARED_HOST_BACKWARD_SLOWDOWN,
     SHARED_HOST_FORWARD_SLOWDOWN,
+    SYNC_CPU_BPS,
     TRANSFER_OVERHEAD_S,
     _backwards,
     _Shared,
@@ -223,15 +224,37 @@ def test_step_pays_the_optimizer_and_the_messages() -> None:
 
 
 def test_only_backward_after_the_first_bucket_hides_the_all_reduce() -> None:
-    # 4 nodes of 16 MiB of gradients: the first 25 MiB bucket is ready once the last two
-    # nodes' backwards ran, so only the first two nodes' backwards can hide the all-reduce
-    prof = Profile.synthetic([1e-3] * 4, backward_s=[1.0] * 4, param_bytes=[16 * MiB] * 4, microbatch_size=4)
+    # 4 nodes of 16 MiB of gradients: the first bucket (FIRST_BUCKET_BYTES, 1 MiB) is full with the last
+    # node's gradient, so the three nodes' backwards before it hide the all-reduce, the last one's does not
+    prof = Profile.synthetic([1e-3] * 4, backward_s=[1e-3] * 4, param_bytes=[16 * MiB] * 4, microbatch_size=4)
     plan = choose_plan(prof, workers(2, 10_000 * MiB), PlanConfig(data_parallel=2, mode="collective"),
                        global_batch=8)
     res = workers(2, 10_000 * MiB)
     allreduce = 64 * MiB / (COLLECTIVE_EFFICIENCY * res.bandwidth_bps) + 2 * res.latency_s
     # two replicas on one host compete all the time: their backwards run at the shared-host pace
-    assert plan.sync_time_s == pytest.approx(max(0.0, allreduce - 2.0 * SHARED_HOST_BACKWARD_SLOWDOWN))
+    assert allreduce > 4e-3  # longer than the whole backward: what hides it shows
+    assert plan.sync_time_s == pytest.approx(allreduce - 3e-3 * SHARED_HOST_BACKWARD_SLOWDOWN)
+
+
+def test_a_host_without_a_core_to_spare_cannot_hide_the_sync_behind_the_backward() -> None:
+    """[Note: the sync's own CPU]: the all-reduce's own CPU work hides behind the backward only on the host's
+    spare cores; without one it is left unhidden, with one core for two sync threads half of it."""
+    # a long backward after the first bucket: the wire time of the all-reduce hides completely
+    prof = Profile.synthetic([1e-3] * 4, backward_s=[0.5] * 4, param_bytes=[16 * MiB] * 4, microbatch_size=4)
+    cpu_work = 64 * MiB / SYNC_CPU_BPS  # an all-reduce over 2 moves the gradients' bytes per rank
+
+    def sync(host_cpus: int | None, device: str = "cpu") -> float:
+        res = Resources(workers=tuple(
+            Worker(name=f"w{i}", memory_bytes=10_000 * MiB, host="h", host_cpus=host_cpus, device=device,
+                   gpus=1 if device == "cuda" else 0) for i in range(2)))
+        plan = choose_plan(prof, res, PlanConfig(data_parallel=2, mode="collective"), global_batch=8)
+        return plan.sync_time_s
+
+    assert sync(None) == 0.0  # the host's cores not given: none waits for a core (as before)
+    assert sync(4) == 0.0  # two spare cores for the two sync threads
+    assert sync(2) == pytest.approx(cpu_work)  # the workers' threads want both cores
+    assert sync(3) == pytest.approx(cpu_work / 2)  # one spare core for two sync threads
+    assert sync(2, "cuda") == 0.0  # NCCL: no CPU work
 
 
 def test_only_workers_sharing_a_host_slow_each_other_down() -> None:
