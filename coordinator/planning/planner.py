@@ -392,7 +392,18 @@ class _Shared:
         return cast(T, self._memo[key])
 
     def times(self, mb: int) -> list[tuple[float, float]]:
-        return self._get(("times", mb), lambda: self.profile.node_times(mb))
+        """Every node's forward (warm: [Note: a warm forward] in profile.py) and backward at ``mb``."""
+        def make() -> list[tuple[float, float]]:
+            warm = self.profile.node_warm(mb)
+            return [(w, b) for w, (_, b) in zip(warm, self.profile.node_times(mb), strict=True)]
+        return self._get(("times", mb), make)
+
+    def cold(self, mb: int) -> list[float]:
+        """Every node's forward at ``mb`` with its weights cold, less the warm one: once per step."""
+        def make() -> list[float]:
+            warm = self.profile.node_warm(mb)
+            return [max(0.0, f - w) for w, (f, _) in zip(warm, self.profile.node_times(mb), strict=True)]
+        return self._get(("cold", mb), make)
 
     def halves(self, mb: int) -> list[tuple[float, float]]:
         """Every node's ``I`` and ``W`` at microbatch ``mb`` ([Note: the backward's halves] in profile.py)."""
@@ -888,8 +899,10 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         if (bounds, recompute) in played:
             return played[bounds, recompute]
         spans = list(itertools.pairwise(bounds))
-        times = shared.times(mb)
-        alone_f = [sum(f for f, _ in times[a:b]) / speed[s] for s, (a, b) in enumerate(spans)]
+        times, cold = shared.times(mb), shared.cold(mb)
+        # a stage's first microbatch finds its weights cold, the later ones warm ([Note: a warm forward])
+        alone_f = [(sum(f for f, _ in times[a:b]) + sum(cold[a:b]) / m) / speed[s]
+                   for s, (a, b) in enumerate(spans)]
         alone_b, alone_w, tails = _backwards(shared, mb, spans, lists, defer, precision, recompute, speed,
                                              d == 1)
         start = tuple(reference_optimizer(a, b, s) for s, (a, b) in enumerate(spans))

@@ -257,6 +257,26 @@ def test_a_host_without_a_core_to_spare_cannot_hide_the_sync_behind_the_backward
     assert sync(2, "cuda") == 0.0  # NCCL: no CPU work
 
 
+def test_a_stage_pays_its_cold_forward_once_a_step() -> None:
+    """[Note: a warm forward] in profile.py: a stage's first microbatch finds its weights cold, the rest warm;
+    the planner prices a microbatch's forward at the warm time and the difference once per step."""
+    cold = Profile.synthetic([3e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
+    warm = cold.model_copy(update={"nodes": tuple(nd.model_copy(update={"warm_forward_s": 1e-3})
+                                                  for nd in cold.nodes)})
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=1000 * MiB) for i in range(2)))  # apart
+    for m in (1, 2, 8):
+        fixed = PlanConfig(num_stages=2, data_parallel=1, num_microbatches=m, schedule="gpipe")
+        before = choose_plan(cold, res, fixed, global_batch=4 * m)
+        plan = choose_plan(warm, res, fixed, global_batch=4 * m)
+        for a, b in zip(before.stages, plan.stages, strict=True):
+            assert a.forward_s == pytest.approx(2 * 3e-3 + ACTION_OVERHEAD_S)
+            assert b.forward_s == pytest.approx(2 * 1e-3 + 2 * 2e-3 / m + ACTION_OVERHEAD_S)
+        if m == 1:  # one microbatch: its forward is the cold one, as before
+            assert plan.step_time_s == pytest.approx(before.step_time_s)
+        else:
+            assert plan.step_time_s < before.step_time_s
+
+
 def test_only_workers_sharing_a_host_slow_each_other_down() -> None:
     prof = Profile.synthetic([1e-3] * 4, backward_s=[2e-3] * 4, param_bytes=[MiB] * 4, microbatch_size=4)
 

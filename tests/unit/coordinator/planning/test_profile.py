@@ -114,6 +114,27 @@ def test_times_are_affine_in_the_microbatch_size() -> None:
         prof.nodes[0].model_copy().model_validate({**prof.nodes[0].model_dump(), "forward_fixed_s": 1.0})
 
 
+def test_a_warm_forward_is_timed_and_never_above_the_forward() -> None:
+    """[Note: a warm forward]: each node's forward is also timed right after another, at both sizes; a
+    profile without it (written by hand, or before it) prices the forward for both."""
+    sample = torch.randn(8, 16)
+    prof = profile_graph(build_graph(mlp(), sample), sample, repeats=3, num_threads=1)
+    for nd in prof.nodes:
+        assert nd.warm_forward_s is not None and 0 < nd.warm_forward_s <= nd.forward_s
+        assert 0 <= nd.warm_forward_fixed_s <= nd.warm_forward_s
+        for scale in (0.5, 1.0, 4.0, 16.0):
+            assert 0 <= nd.warm_at(scale) <= nd.times_at(scale)[0]
+    node = prof.nodes[0].model_copy(update={"forward_s": 3.0, "forward_fixed_s": 1.0, "warm_forward_s": 2.0,
+                                            "warm_forward_fixed_s": 0.5})
+    assert node.warm_at(1.0) == 2.0 and node.warm_at(4.0) == 0.5 + 1.5 * 4
+    assert prof.node_warm(16) == [nd.warm_at(2.0) for nd in prof.nodes]
+    hand = Profile.synthetic([1e-3, 2e-3])
+    assert hand.node_warm(1) == [t for t, _ in hand.node_times(1)]
+    with pytest.raises(ValueError, match="warm forward"):
+        Profile.model_validate({**hand.model_dump(), "nodes": [
+            {**hand.nodes[0].model_dump(), "warm_forward_s": 2e-3}, hand.nodes[1].model_dump()]})
+
+
 def test_a_model_with_a_fixed_batch_scales_linearly() -> None:
     class Fixed(nn.Module):
         def __init__(self) -> None:
