@@ -134,7 +134,8 @@ class _Channel:
         self.recv_lock = threading.Lock()
         self.stash: dict[MessageKey, deque[tuple[TensorHeader, Body]]] = {}
         self.stash_bytes = 0
-        self.address = ""
+        self.address = ""  # where the PUSH socket connects (set by Transport.connect, used at the first send)
+        self.inbox_path = ""  # the peer's shared-memory inbox for this rank ("" : none)
         self.inbox: shm.Inbox | None = None  # messages from this peer in shared memory
         self.outbox: shm.Outbox | None = None  # messages to this peer in shared memory
         self.poller: zmq.Poller | None = None  # the PULL socket and the inbox's doorbell, with an inbox
@@ -202,23 +203,46 @@ class Transport:
         return {"data": tcp, "ipc": ipc, "shm": inboxes, "host_key": host_key()}
 
     def connect(self, cards: list[dict[str, Any]]) -> None:
-        """Connect a PUSH socket to every peer's PULL socket bound for this rank (IPC if same host)."""
+        """Take each peer's address for this rank's messages (its PULL socket bound for this rank, over IPC
+        on the same host); the PUSH socket connects at the first message (see [Note: connecting at the
+        first message])."""
         mine = host_key()
         for peer, ch in self.channels.items():
             card = cards[peer]
             ipc = card.get("ipc", {}).get(str(self.rank))
             use_ipc = self.transport != "tcp" and ipc and card.get("host_key") == mine
-            address = ipc if use_ipc else card["data"][str(self.rank)]
-            ch.push = make_socket(zmq.PUSH, SocketLimits.data(), curve="client", plane="data")
-            ch.push.connect(address)
-            ch.address = address
+            ch.address = ipc if use_ipc else card["data"][str(self.rank)]
             inbox = card.get("shm", {}).get(str(self.rank))
-            if use_ipc and inbox and shm.available():
-                try:
-                    ch.outbox = shm.Outbox(str(inbox))
-                except OSError as exc:
-                    log.warning("[rank %d] cannot map rank %d's shared-memory inbox (%s); using the socket",
-                                self.rank, peer, exc)
+            ch.inbox_path = str(inbox) if use_ipc and inbox and shm.available() else ""
+
+    def _opened(self, ch: _Channel) -> _Channel:
+        """``ch`` with its PUSH socket connected (and the peer's inbox mapped), at its first message.
+
+        [Note: connecting at the first message]
+        A communicator's collectives and transfers send to few of its peers: a ring's next rank, recursive
+        doubling's log2 N partners, a pipeline's neighbours. Connecting to every peer at the start made a
+        rank of N open N - 1 sockets and CURVE handshakes it mostly never used (a data-parallel group of
+        1,024 workers: about a million connections, see docs/benchmarks.md). A channel connects at its
+        first message instead; ZeroMQ queues that message until the handshake is done, as it queued the
+        first message of a connection made at the start. Until then the peer's liveness is the
+        rendezvous's, as before.
+        """
+        if ch.push is not None:
+            return ch
+        with ch.send_lock:
+            if self._closed:  # [Note: closing under the channel's locks]
+                raise self._closed_error(f"connecting to rank {ch.peer}")
+            if ch.push is None:
+                push = make_socket(zmq.PUSH, SocketLimits.data(), curve="client", plane="data")
+                push.connect(ch.address)
+                if ch.inbox_path:
+                    try:
+                        ch.outbox = shm.Outbox(ch.inbox_path)
+                    except OSError as exc:
+                        log.warning("[rank %d] cannot map rank %d's shared-memory inbox (%s); using the "
+                                    "socket", self.rank, ch.peer, exc)
+                ch.push = push
+        return ch
 
     # -- sending ----------------------------------------------------------------------
 
@@ -237,7 +261,7 @@ class Transport:
         high-water mark, bounded by ``deadline``. The body's bytes count as sent by ``zmq``
         (:data:`comm.traffic.SENT`) once shared memory or libzmq took them.
         """
-        ch = self.channels[peer]
+        ch = self._opened(self.channels[peer])
         assert ch.push is not None
         size = body.nbytes if isinstance(body, np.ndarray) else len(body)
         box = ch.outbox
@@ -281,7 +305,7 @@ class Transport:
         full, no free slot, a body under ``shm.MIN_BYTES``): send it with :meth:`send` then.
         Raises ValueError for a dtype the wire does not carry (nothing sent).
         """
-        ch = self.channels[peer]
+        ch = self._opened(self.channels[peer])
         box = ch.outbox
         nbytes = t.nbytes
         if box is None or not self._ring or nbytes < shm.MIN_BYTES:

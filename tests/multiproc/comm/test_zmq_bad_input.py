@@ -193,7 +193,8 @@ def test_garbage_in_the_shared_memory_ring_is_dropped_and_the_rank_keeps_serving
     c0, c1 = pair
     counted = Refusals()
     monkeypatch.setattr(refusals, "REFUSALS", counted)
-    channel = c0._transport.channels[1]
+    # a channel connects (and maps the peer's inbox) at its first message: this one's is the garbage
+    channel = c0._transport._opened(c0._transport.channels[1])
     assert channel.outbox is not None
     with channel.send_lock:
         for record, _ in RING_GARBAGE.values():
