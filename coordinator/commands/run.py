@@ -49,7 +49,6 @@ from types import FrameType
 from typing import Any, TextIO
 
 import torch
-from torch import nn
 
 from coordinator.commands.jobspec import JobSpecError, LoadedJob, load_job
 from coordinator.commands.output import apply_logging, open_recorder
@@ -69,8 +68,8 @@ from coordinator.runtime.checkpoints import (
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.job import FitResult, Job, StepCallback
+from coordinator.runtime.preflight import check_optimizer
 from coordinator.runtime.records import Recovery, StepRecord
-from services.compute.stage import make_optimizer
 
 __all__ = ["REPORTED", "USER_ERRORS", "OutputError", "RunOptions", "RunResult", "Terminated",
            "check_writable", "demo_job_path", "describe_error", "exit_code", "report", "run_demo_job",
@@ -170,7 +169,7 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
     """
     out = out or sys.stdout
     job = loaded.job
-    make_optimizer(job.optimizer, [nn.Parameter(torch.zeros(1))])  # refuses bad arguments now, not in a step
+    check_optimizer(job.config)  # refuses bad arguments now, not in a step
     if options.output is not None:
         check_writable(options.output)
     sampler = job.sampler()

@@ -48,6 +48,8 @@ for planning (:class:`Checked`): the built model's chain, the sample and the Bat
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -83,7 +85,7 @@ from services.params.zero import check_elementwise
 from services.protocol import OptimizerSpec, SchedulerSpec
 
 __all__ = ["Checked", "batch_norm_of", "check_enough_samples", "check_job", "check_optimizer",
-           "model_structure", "node_bytes", "sample_size"]
+           "model_structure", "node_bytes", "optimizer_keywords", "sample_size"]
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +188,50 @@ def _keeps_no_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> bo
     return not any(isinstance(v, torch.Tensor) for state in optimizer.state.values() for v in state.values())
 
 
+def optimizer_keywords(name: str) -> list[str] | None:
+    """The keyword arguments ``torch.optim.{name}`` takes besides its parameters, in its signature's order;
+    None when it is not an optimizer class or takes any keyword (``**kwargs``)."""
+    cls = None if name.startswith("_") else getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return None
+    try:
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):  # no signature to read: torch itself judges the arguments
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in named and p.name != "params"]  # cellmesh passes params
+
+
+def _check_optimizer_keywords(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a keyword the optimizer does not take, naming it, a close match and the keywords it takes.
+
+    Raises:
+        JobError: ``optimizer.kwargs`` has a key ``torch.optim.{name}`` does not take.
+    """
+    accepted = optimizer_keywords(name)
+    if accepted is None:
+        return
+    unknown = [key for key in kwargs if key not in accepted]
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, accepted, n=1)
+        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise JobError(f"optimizer.kwargs: {name} takes no keyword {', '.join(named)}; it takes "
+                   f"{', '.join(accepted)}; fix optimizer.kwargs")
+
+
 def check_optimizer(config: JobConfig) -> None:
     """Check 0: build the optimizer and its scheduler as the workers will, over a throwaway parameter, and
     step both once.
 
     Raises:
         JobError: The optimizer or the scheduler is unknown, unsupported (not elementwise, with
-            ``plan.zero`` 1, 2 or 3) or refuses its arguments.
+            ``plan.zero`` 1, 2 or 3) or refuses its arguments (an unknown keyword: named with the
+            keywords the optimizer takes).
     """
     section = config.optimizer
     if config.plan.zero:  # [Note: elementwise optimizers] in services/params/zero.py
@@ -200,6 +239,7 @@ def check_optimizer(config: JobConfig) -> None:
             check_elementwise(section.name)
         except ValueError as exc:
             raise JobError(f"optimizer: {exc}") from None
+    _check_optimizer_keywords(section.name, section.kwargs)
     optimizer_spec = OptimizerSpec(name=section.name, kwargs=dict(section.kwargs))
     param = nn.Parameter(torch.zeros(1))
     try:

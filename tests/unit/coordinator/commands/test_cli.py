@@ -158,3 +158,16 @@ def test_a_malformed_setting_is_a_usage_error(argv: list[str], needle: str,
         cli.main(["run", "job.yaml", *argv])
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_an_unknown_optimizer_keyword_in_a_spec_is_refused_before_a_worker_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"model: {{factory: {M}:mlp}}\ndata: {{factory: {M}:regression, global_batch: 16}}\n"
+                    f"loss: {{factory: {M}:mse}}\n"
+                    "optimizer: {name: SGD, kwargs: {lr: 0.1, momentun: 0.9}}\n")
+    assert cli.main(["run", str(spec), "--workers", "2", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cellmesh: error: optimizer.kwargs: SGD takes no keyword 'momentun' (did you mean "
+                          "'momentum'?)"), err
+    assert not (tmp_path / "run").exists()  # refused before the run directory, the plan or a worker

@@ -18,7 +18,7 @@ from coordinator.planning.request import PlanningError, batch_note, check_batch
 from coordinator.planning.resources import Resources, Worker
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.job import Job
-from coordinator.runtime.preflight import node_bytes
+from coordinator.runtime.preflight import check_optimizer, node_bytes, optimizer_keywords
 from tests.multiproc.coordinator import bad_models
 
 M = "tests.multiproc.coordinator.models"
@@ -252,3 +252,26 @@ def test_a_backward_that_raises_is_named() -> None:
     text = one_line(info.value)
     assert text.startswith(f"model factory '{B}:no_backward': the backward of the loss on a sample fails: ")
     assert "the derivative for 'round_up' is not implemented" in text
+
+
+def test_an_unknown_optimizer_keyword_is_named_with_a_close_match_and_the_keywords_taken() -> None:
+    """Before: a spec's typo reached torch and ``cellmesh run`` printed ``ValueError: optimizer SGD({...}):
+    SGD.__init__() got an unexpected keyword argument 'momentun'``, naming no field."""
+    bad = job(optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentun": 0.9})
+    with pytest.raises(JobError) as info:
+        check_optimizer(bad.config)
+    text = one_line(info.value)
+    assert text.startswith("optimizer.kwargs: SGD takes no keyword 'momentun' (did you mean 'momentum'?); it "
+                           "takes lr, momentum, dampening, weight_decay, nesterov"), text
+    assert text.endswith("; fix optimizer.kwargs"), text
+    with pytest.raises(JobError, match=r"^optimizer.kwargs: SGD takes no keyword 'momentun'"):
+        bad.plan()  # what the Python API runs before any worker starts
+    with pytest.raises(JobError, match=r"no keyword 'xyzzy'; it takes lr, betas"):  # nothing close
+        check_optimizer(job(optimizer="AdamW", optimizer_kwargs={"xyzzy": 1}).config)
+    says = r"no keyword 'params', 'weight_decai' \(did you mean 'weight_decay'\?\)"
+    with pytest.raises(JobError, match=says):  # cellmesh passes the parameters itself
+        check_optimizer(job(optimizer="Adam", optimizer_kwargs={"params": [], "weight_decai": 0.1}).config)
+    good = {"lr": 0.1, "momentum": 0.9, "nesterov": True}
+    check_optimizer(job(optimizer="SGD", optimizer_kwargs=good).config)
+    assert optimizer_keywords("NoSuchOptimizer") is None  # named by the check that builds it
+
