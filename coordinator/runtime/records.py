@@ -103,7 +103,8 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class Recovery:
-    """One failure the session survived, for the run record and the terminal."""
+    """One failure the session survived, for the run record and the terminal: one per lost worker (two
+    lost in one step are two records, with the step training went on from in both)."""
 
     at: float  # when it was noticed (time.time())
     step: int | None  # the step that was running

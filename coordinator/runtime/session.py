@@ -139,7 +139,9 @@ class Session:
         self.loop: EventLoop | None = None
         self.runtime: Runtime | None = None
         self.evaluation = Evaluation.of(config)  # None: the job evaluates nothing
-        self.recoveries: list[Recovery] = []
+        self.recoveries: list[Recovery] = []  # one per lost worker (and per worker come back)
+        # lost workers replaced whose new runtime lost another before it placed: recorded once one places
+        self._unplaced: list[tuple[JobFailed, float, float, str]] = []
         self.reported = 0  # how many of them a fit returned already
         self.failures: list[JobFailed] = []
         # workers lost for good (no replacement came), with the incarnation that was lost
@@ -380,14 +382,21 @@ class Session:
             plan = self._replan()
             action = f"re-planned on {len(self._workers_left())} workers without {failure.worker}"
         checkpoint = self._rollback_point()
-        self._place(plan, checkpoint)
-        recovery = Recovery(at=noticed, step=failure.step, worker=failure.worker, reason=str(failure),
-                            action=action, resumed_step=self.job.steps_done, plan=plan.summary(),
-                            seconds=time.monotonic() - started)
-        self.recoveries.append(recovery)
+        try:
+            self._place(plan, checkpoint)
+        except JobFailed as again:  # another worker lost: its recovery places, and records this one too
+            if again.lost:
+                self._unplaced.append((failure, noticed, started, action))
+            raise
+        resumed = self.job.steps_done
+        for lost_one, at, began, done in [*self._unplaced, (failure, noticed, started, action)]:
+            self.recoveries.append(Recovery(at=at, step=lost_one.step, worker=lost_one.worker,
+                                            reason=str(lost_one), action=done, resumed_step=resumed,
+                                            plan=plan.summary(), seconds=time.monotonic() - began))
+        self._unplaced.clear()
         log.warning("[coordinator %s] %s; training goes on from step %d (%s) on %s", self.job.name, action,
                     self.job.steps_done + 1, f"checkpoint {checkpoint.name}" if checkpoint else "the start",
-                    recovery.plan)
+                    plan.summary())
 
     @property
     def _replace_timeout(self) -> timedelta:

@@ -155,13 +155,18 @@ def test_two_workers_killed_in_one_step_are_both_replaced_and_the_run_ends_failu
         tmp_path: Path) -> None:
     """The second loss is seen while the first one's runtime is released, its card gone before the next
     runtime places: it is lost too (before: the placement waited 120 s for it, 'placing the stages: no
-    reply within 120s from worker local-0', and the job stopped)."""
+    reply within 120s from worker local-0', and the job stopped). Each lost worker has its record (before:
+    only the one lost while placing, local-1, was in FitResult.recoveries)."""
     job = _job(tmp_path, DP)
     with _harness(job, tmp_path, worker_env={"local-0": {ENV: "5:backward"}, "local-1": {ENV: "5:backward"}}
                   ) as harness, job.attach(harness):
         result = job.fit(STEPS)
         failures = job._session.failures  # type: ignore[union-attr]
-    assert result.recoveries and sorted(f.worker for f in failures) == ["local-0", "local-1"], failures
+    assert sorted(f.worker for f in failures) == ["local-0", "local-1"], failures
+    assert sorted((r.worker, r.action) for r in result.recoveries) == [
+        ("local-0", "replaced worker local-0"), ("local-1", "replaced worker local-1")], result.recoveries
+    assert len({r.resumed_step for r in result.recoveries}) == 1, result.recoveries  # one rollback for both
+    assert [r.step for r in result.recoveries if r.worker == failures[0].worker] == [5], result.recoveries
     _assert_failure_free(job, result)
 
 
@@ -230,3 +235,4 @@ def test_without_a_replacement_the_job_goes_on_on_the_workers_left_and_back_on_a
     assert len(actions) == 2 and "local-1 came back" in actions[1], actions
     assert result.plan is not None and result.plan.num_workers == 2
     _assert_failure_free(job, result)
+
