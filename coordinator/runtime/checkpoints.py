@@ -28,21 +28,40 @@ When every service's part is in, the coordinator writes the two ``.metadata`` fi
 the commit of the checkpoint. Then the oldest beyond ``keep`` are removed. A part that fails
 to be written drops that checkpoint (a warning; the previous ones stay). When the run fails,
 :meth:`Checkpointer.salvage` publishes a staged checkpoint whose parts are all on storage even
-if not all were reported yet. A process killed
+if not all were reported yet (see [Note: salvaging after a failure]). A process killed
 at any moment leaves the published checkpoints as they were, and at most a staging
 directory, removed by the next checkpointer on that root.
+
+[Note: salvaging after a failure]
+The parts are written behind the steps (a part of a small model lands a few steps after its
+commit, one of a large model many), so when a worker is lost the newest staged checkpoint is
+often still being written by the live workers. The session rolls back to the newest published
+checkpoint, so :meth:`Checkpointer.salvage` first settles each staged one, oldest first:
+
+* every part on storage: published;
+* a part missing whose worker is lost (the failure's worker, or one whose card vanished or
+  changed incarnation): skipped at once, with a warning naming the parts and the workers. Its
+  writer died with its process, so the part never comes;
+* only parts of live workers missing: waited for, polling the storage, up to the step timeout
+  (``runtime.step_timeout_s``) for all the staged checkpoints together; what is still missing
+  then is skipped with a warning naming the parts, their workers and the time waited.
+
+Before, a checkpoint still being written was dropped at once: a worker killed a step or two after
+a checkpoint was due made the run roll back to the one before, and redo those steps.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -64,6 +83,8 @@ TRAINER = "trainer.json"
 FINAL_MODEL = "model.pt"  # the last fit's final state_dict, beside the step-* checkpoints
 _PREFIX = "step-"
 _STAGING = ".staging-"
+_SALVAGE_POLL_S = 0.02  # how often a salvage looks for the parts live workers are writing
+_LOST_EVERY_S = 0.25  # and asks which workers are lost
 
 
 class TrainerState(BaseModel):
@@ -218,21 +239,63 @@ class Checkpointer:
                 published.append(self._publish(self._pending.pop(part.step)))
         return published
 
-    def salvage(self) -> list[Path]:
+    def salvage(self, writers: Mapping[str, str] | None = None,
+                lost: Callable[[], Collection[str]] = frozenset, timeout: timedelta = timedelta(0),
+                ) -> list[Path]:
         """After a failure: publish each staged checkpoint whose parts are all on storage, though not
         all reported (a part is complete once its ``.metadata`` is there: DCP renames it last); drop
-        the others. The published paths."""
+        the others (see [Note: salvaging after a failure]). The published paths.
+
+        Args:
+            writers: Each part's worker.
+            lost: The workers lost now (asked again while waiting: another may be lost meanwhile).
+            timeout: How long to wait, for every staged checkpoint together, for parts that live workers
+                are still writing.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
         published: list[Path] = []
         for step in sorted(self._pending):
-            pending = self._pending[step]
-            written = all((part_dirs(pending.staging, p)[1] / dcp.METADATA).is_file() for p in pending.parts)
-            if written:  # a part's model files are complete before its training state is written
-                pending.model_parts = {p for p in pending.parts
-                                       if (part_dirs(pending.staging, p)[0] / dcp.METADATA).is_file()}
+            if self._settle(step, writers or {}, lost, deadline, timeout):
                 published.append(self._publish(self._pending.pop(step)))
             else:
                 self.cancel(step)
         return published
+
+    def _settle(self, step: int, writers: Mapping[str, str], lost: Callable[[], Collection[str]],
+                deadline: float, timeout: timedelta) -> bool:
+        """Whether every part of staged checkpoint ``step`` is on storage, waiting for live workers' parts
+        until ``deadline``; False (a warning says why) when a part will not come."""
+        pending, began, said = self._pending[step], time.monotonic(), False
+        gone: set[str] = set()
+        asked = -math.inf
+        while True:
+            missing = sorted(p for p in pending.parts
+                             if not (part_dirs(pending.staging, p)[1] / dcp.METADATA).is_file())
+            if not missing:  # a part's model files are complete before its training state is written
+                pending.model_parts = {p for p in pending.parts
+                                       if (part_dirs(pending.staging, p)[0] / dcp.METADATA).is_file()}
+                if said:
+                    log.info("checkpoint of step %d: its last parts were on storage %.2fs after the failure",
+                             step, time.monotonic() - began)
+                return True
+            if time.monotonic() - asked >= _LOST_EVERY_S:  # a registry read: less often than the files
+                gone, asked = set(lost()), time.monotonic()
+            orphans = [p for p in missing if writers.get(p) in gone]
+            of = ", ".join(sorted({writers.get(p, "?") for p in orphans or missing}))
+            if orphans:
+                log.warning("checkpoint of step %d skipped: part(s) %s not on storage, and their worker(s) "
+                            "%s lost: a part's writer dies with its worker", step, ", ".join(orphans), of)
+                return False
+            if time.monotonic() >= deadline:
+                log.warning("checkpoint of step %d skipped: waited %.1fs (runtime.step_timeout_s: %.1fs in "
+                            "all) for part(s) %s that worker(s) %s were writing; not on storage yet", step,
+                            time.monotonic() - began, timeout.total_seconds(), ", ".join(missing), of)
+                return False
+            if not said:
+                log.info("checkpoint of step %d: waiting up to %.1fs for part(s) %s that worker(s) %s are "
+                         "still writing", step, deadline - time.monotonic(), ", ".join(missing), of)
+                said = True
+            time.sleep(_SALVAGE_POLL_S)
 
     def _publish(self, pending: _Pending) -> Path:
         staging, step = pending.staging, pending.trainer.step

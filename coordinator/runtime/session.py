@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from comm.codec import unpack
 from coordinator.planning.plan import Plan
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources
@@ -79,6 +80,7 @@ from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.preflight import check_optimizer, model_structure
 from coordinator.runtime.records import EvalRecord, Recovery, StepRecord
 from coordinator.runtime.tied import shared_parameters
+from services.protocol import WorkerCard
 
 if TYPE_CHECKING:
     from coordinator.runtime.job import Job
@@ -90,6 +92,14 @@ log = logging.getLogger(__name__)
 _runs = itertools.count()
 _PROCESS_TAG = uuid.uuid4().hex[:4]
 RELEASE_TIMEOUT = timedelta(seconds=5)  # releasing the old runtime's services after a failure
+
+
+def part_writers(runtime: Runtime) -> dict[str, str]:
+    """Each checkpoint part of ``runtime`` (``Runtime.parts``) -> the worker that writes it."""
+    writers = {f"r{sv.replica}-s{sv.stage}": sv.worker for sv in runtime.services}
+    shards = runtime._shards  # the parameter shards' parts (Runtime.parts names them the same way)
+    writers.update({shards.part(sv): sv.worker for sv in shards.services})
+    return writers
 
 
 class Session:
@@ -404,12 +414,38 @@ class Session:
 
     def _drop_runtime(self, lost: str = "") -> None:
         """Release the failed runtime's services on the live workers; publish the checkpoints it finished
-        writing (a part written but not reported yet counts), drop the others."""
+        writing (a part written but not reported yet counts; one live workers are still writing is waited
+        for, bounded by the step timeout), drop the others ([Note: salvaging after a failure])."""
+        runtime = self.runtime
         if self.checkpointer is not None:
-            self._announce(self.checkpointer.salvage())
+            writers = part_writers(runtime) if runtime is not None else {}
+            timeout = timedelta(seconds=self.job.config.runtime.step_timeout_s)
+            salvaged = self.checkpointer.salvage(writers, lambda: self._lost_writers(writers, lost), timeout)
+            self._announce(salvaged)
         if self.runtime is not None:
             self.runtime.close(RELEASE_TIMEOUT, skip=lost)
             self.runtime = None
+
+    def _lost_writers(self, writers: dict[str, str], lost: str) -> set[str]:
+        """Of the workers writing checkpoint parts, those lost: ``lost`` (the failure's), and each whose card
+        vanished or changed incarnation since the runtime placed its services. The cards are read from the
+        registry: the event loop's members change only as this thread reads its events."""
+        assert self.loop is not None
+        loop, runtime = self.loop, self.runtime
+        try:
+            members = {kv.key.removeprefix(loop.prefix): unpack(kv.value, WorkerCard)
+                       for kv in loop.registry.list(loop.prefix)}
+        except Exception as exc:  # the registry briefly away, a card of another version: what the loop read
+            log.info("[coordinator %s] reading the worker cards: %s; using the members last seen",
+                     self.job.name, exc)
+            members = dict(loop.members)
+        out = {lost} if lost else set()
+        for worker in set(writers.values()):
+            card = members.get(worker)
+            placed = runtime.placed_incarnation(worker) if runtime is not None else None
+            if card is None or (placed is not None and card.incarnation != placed):
+                out.add(worker)
+        return out
 
     def _rollback_point(self) -> Path | None:
         """The newest checkpoint (this job's, else the one the session resumed from); None: the start."""

@@ -8,6 +8,7 @@ parameters with one process training the same batches (``train_reference``), und
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from datetime import timedelta
@@ -113,6 +114,61 @@ def test_a_worker_killed_inside_a_step_is_replaced_and_the_run_ends_failure_free
     # died before its own part of the newest was on storage (its write runs behind the steps)
     newest = (int(fault.split(":")[0]) - 1) // EVERY * EVERY
     assert recovery.resumed_step in (newest, max(0, newest - EVERY)), recovery
+    _assert_failure_free(job, result)
+
+
+def _part_of(job: Job, worker: str) -> str:
+    """The checkpoint part ``worker`` writes (one stage replica per worker)."""
+    runtime = job._session.runtime  # type: ignore[union-attr]
+    assert runtime is not None
+    [part] = [f"r{sv.replica}-s{sv.stage}" for sv in runtime.services if sv.worker == worker]
+    return part
+
+
+def test_a_checkpoint_live_workers_are_still_writing_is_waited_for_and_rolled_back_to(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """local-1 is killed as step 7 arrives, once its own part of checkpoint 6 is on storage; local-0's
+    part is still being written (its writer sleeps 4 s first: slow storage). Before: the rollback went
+    to checkpoint 3 (the staged checkpoint 6 was dropped at once) and redid steps 4-6; now it waits for
+    local-0's part and goes on from 6."""
+    job = _job(tmp_path, DP)
+    staged = tmp_path / "ckpt"
+    envs = {"local-0": {ENV: "6:save:delay=4"}, "local-1": {ENV: "7:step"}}
+    with _harness(job, tmp_path, worker_env=envs) as harness, job.attach(harness):
+        def hold_step_7(record: Any) -> None:
+            if record.step != 6 or job._session.recoveries:  # type: ignore[union-attr]
+                return
+            mine, theirs = _part_of(job, "local-1"), _part_of(job, "local-0")
+            deadline = time.monotonic() + 10
+            while not list(staged.glob(f".staging-step-00000006-*/train/parts/{mine}/.metadata")):
+                assert time.monotonic() < deadline, "local-1 did not write its part of checkpoint 6 in 10 s"
+                time.sleep(0.01)
+            assert not list(staged.glob(f".staging-step-00000006-*/train/parts/{theirs}/.metadata")), (
+                "local-0's part was on storage before local-1's: too slow a machine for the 4 s delay")
+
+        with caplog.at_level("INFO", logger="coordinator.runtime.checkpoints"):
+            result = job.fit(STEPS, callback=hold_step_7)
+    [recovery] = result.recoveries
+    assert recovery.worker == "local-1" and recovery.step == 7, recovery
+    assert recovery.resumed_step == 6, (recovery, caplog.text)
+    assert "checkpoint of step 6: waiting up to" in caplog.text, caplog.text
+    _assert_failure_free(job, result)
+
+
+def test_a_checkpoint_whose_part_died_with_its_worker_is_skipped_saying_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """local-1 is killed as it starts writing its part of checkpoint 6: that checkpoint cannot complete,
+    so the rollback goes to checkpoint 3 (whose parts are all on storage: local-1 wrote its own first),
+    at once, and a warning says why."""
+    job = _job(tmp_path, DP)
+    with (_harness(job, tmp_path, worker_env={"local-1": {ENV: "6:save"}}) as harness, job.attach(harness),
+          caplog.at_level("INFO", logger="coordinator.runtime.checkpoints")):
+        result = job.fit(STEPS)
+    [recovery] = result.recoveries
+    assert recovery.worker == "local-1" and recovery.resumed_step == 3, (recovery, caplog.text)
+    skipped = (r"checkpoint of step 6 skipped: part\(s\) r\d-s0 not on storage, and their worker\(s\) "
+               "local-1 lost: a part's writer dies with its worker")
+    assert re.search(skipped, caplog.text), caplog.text
     _assert_failure_free(job, result)
 
 

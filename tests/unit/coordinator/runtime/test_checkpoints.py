@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -100,3 +101,56 @@ def test_resume_finds_the_newest_or_says_what_is_missing(tmp_path: Path) -> None
         resolve_resume(True, None)
     with pytest.raises(dcp.CheckpointFormatError, match=r"trainer\.json"):
         read_trainer(tmp_path)
+
+
+def test_a_salvage_waits_for_the_parts_live_workers_are_writing(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Before: a checkpoint whose parts were still being written when a worker was lost was dropped at once,
+    and the run rolled back to the one before."""
+    ckpt = Checkpointer(tmp_path, every_steps=3, every_seconds=None, keep=2)
+    writers = {"r0-s0": "local-0", "r1-s0": "local-1"}
+    request = ckpt.begin(_trainer(6), list(writers))
+    _write(request.directory, 6, "r1-s0", {"w": torch.ones(2)})  # the lost worker's own part is on storage
+    late = threading.Timer(0.3, _write, (request.directory, 6, "r0-s0", {}))  # a live worker's, behind
+    late.start()
+    start = time.monotonic()
+    with caplog.at_level("INFO", logger="coordinator.runtime.checkpoints"):
+        published = ckpt.salvage(writers, lambda: {"local-1"}, timedelta(seconds=30))
+    late.join()
+    assert published == [tmp_path / "step-00000006"] == [newest(tmp_path)] and time.monotonic() - start >= 0.3
+    assert torch.equal(model_state(tmp_path / "step-00000006")["w"], torch.ones(2))
+    assert "checkpoint of step 6: waiting up to 30.0s for part(s) r0-s0 that worker(s) local-0 are still " \
+           "writing" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(("lost", "timeout", "says"), [
+    ({"local-1"}, 30.0, "checkpoint of step 6 skipped: part(s) r1-s0 not on storage, and their worker(s) "
+                        "local-1 lost: a part's writer dies with its worker"),
+    (set(), 0.2, "checkpoint of step 6 skipped: waited 0.2s (runtime.step_timeout_s: 0.2s in all) for "
+                 "part(s) r1-s0 that worker(s) local-1 were writing; not on storage yet"),
+])
+def test_a_salvage_skips_a_part_that_will_not_come_saying_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, lost: set[str], timeout: float, says: str) -> None:
+    ckpt = Checkpointer(tmp_path, every_steps=3, every_seconds=None, keep=2)
+    writers = {"r0-s0": "local-0", "r1-s0": "local-1"}
+    earlier = ckpt.begin(_trainer(3), list(writers))
+    for part in writers:
+        _write(earlier.directory, 3, part, {})
+    request = ckpt.begin(_trainer(6), list(writers))
+    _write(request.directory, 6, "r0-s0", {})
+    start = time.monotonic()
+    with caplog.at_level("INFO", logger="coordinator.runtime.checkpoints"):
+        published = ckpt.salvage(writers, lambda: lost, timedelta(seconds=timeout))
+    assert published == [tmp_path / "step-00000003"] == [newest(tmp_path)] and ckpt.pending == []
+    assert time.monotonic() - start < timeout + 2.0 and not Path(request.directory).exists()
+    assert says in caplog.text, caplog.text
+
+
+def test_a_worker_lost_while_a_salvage_waits_ends_the_wait(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, every_steps=3, every_seconds=None, keep=2)
+    request = ckpt.begin(_trainer(6), ["r0-s0", "r1-s0"])
+    _write(request.directory, 6, "r0-s0", {})
+    start = time.monotonic()
+    lost = lambda: {"local-0", "local-1"} if time.monotonic() - start > 0.2 else {"local-0"}  # noqa: E731
+    assert ckpt.salvage({"r0-s0": "local-0", "r1-s0": "local-1"}, lost, timedelta(seconds=30)) == []
+    assert 0.2 <= time.monotonic() - start < 5.0  # its card vanished: its part will not come
