@@ -249,7 +249,6 @@ class StepExecutor:
         self._hold_limit = self._store.weight_bytes() // HOLD_SHARE if self._store is not None else 0
         # the last backward's microbatch whose SEND_B then runs the step's last W's (None: none waits)
         self._tail: int | None = None
-        self._after_turns = False  # the step's last W's wait until the worker's other stages ran their list
         self._w_runs = weight_runs(request.actions)
         # recompute: what a node's recomputation must see as its forward did ([Note: recompute per cell])
         self._replays: list[Replay] = [replaying]
@@ -318,10 +317,6 @@ class StepExecutor:
                     self._turns.done(k)
                 self._poll_sends()
             action = None
-            if self._after_turns:  # see _send_grad
-                assert self._turns is not None
-                self._turns.ended()
-                self._last_weights(timed=False)
             if self._tail is not None:  # a list whose last backward's SEND_B never came (not a valid one)
                 self._last_weights()
             for k, work, _ in self._sends:
@@ -513,9 +508,9 @@ class StepExecutor:
             self._last_weights()
         self._ends[self._k] = time.time()
 
-    def _last_weights(self, *, timed: bool = True) -> None:
+    def _last_weights(self) -> None:
         """The step's last W's, which waited for the last backward's SEND_B ([Note: the last W after the
-        send]), timed as part of that backward (``timed``)."""
+        send]), timed as part of that backward."""
         self._tail = None
         if self._defers:
             assert self._store is not None
@@ -523,8 +518,7 @@ class StepExecutor:
         else:
             self._flush_held()
         assert self._last_backward is not None
-        if timed:
-            self._ends[self._last_backward] = time.time()
+        self._ends[self._last_backward] = time.time()
 
     def _flush_held(self) -> None:
         """The held in-between B's W's, one product per layer, added into ``.grad`` in place."""
@@ -571,11 +565,6 @@ class StepExecutor:
         mb.input_grads = []
         if self._tail == action.microbatch:
             self._poll_sends()  # the send's own time ends here, not after the W's
-            if self._turns is not None and self._turns.later(self._k):
-                # another stage of this worker still has actions, its backwards on the pipeline's path: the
-                # last W's, which nobody waits for, run once the worker's list ran
-                self._after_turns = True
-                return
             self._last_weights()
 
 

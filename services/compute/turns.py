@@ -131,24 +131,6 @@ class RankTurns:
                                        f"{position} of the worker's order); the order stands at position "
                                        f"{self._next} ({at}), whose stage did not run it")
 
-    def _ended(self, step: int, stage: int, deadline: float) -> None:
-        """Block until every position of ``step`` ran (bounded by ``deadline``)."""
-        with self._cond:
-            while True:
-                if self._step != step:
-                    return  # the turns moved on: this step's have all run
-                if self._failed is not None:
-                    raise RuntimeError(f"another stage of this worker failed step {step}: {self._failed}")
-                if self._next >= len(self.order):
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    if self._next >= len(self.order):
-                        return
-                    raise TimeoutError(f"stage {stage}: waited until the step's deadline for the worker's other "
-                                       f"stages to end step {step}; the order stands at position {self._next} "
-                                       f"({self.order[self._next]})")
-
     def _done(self, step: int, position: int) -> None:
         with self._cond:
             if self._step == step and self._next == position:
@@ -177,19 +159,6 @@ class StepTurns:
     def done(self, k: int) -> None:
         """Action ``k`` ran: the next position's turn."""
         self._rank._done(self._step, self._positions[k])
-
-    def later(self, k: int) -> bool:
-        """Whether the worker's order holds actions after this stage's action ``k`` (another stage's)."""
-        return self._positions[k] + 1 < len(self._rank.order)
-
-    def ended(self) -> None:
-        """Block until the worker's every action of the step ran (bounded by the step's deadline).
-
-        Raises:
-            TimeoutError: The deadline passed first.
-            RuntimeError: Another stage of the worker failed the step.
-        """
-        self._rank._ended(self._step, self._stage, self._deadline)
 
 
 def positions(rank: RankTurns | None, stage: int, actions: Sequence[Action], source: str) -> list[int] | None:

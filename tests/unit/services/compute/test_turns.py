@@ -94,36 +94,3 @@ def test_the_services_of_a_rank_share_its_turns_until_the_last_releases_them() -
     turns.release("run/r0/rank1")
     assert turns.acquire("run/r0/rank1", SCHEDULE.rank_actions(1)) is not a
     turns.release("run/r0/rank1")
-
-
-def test_a_stage_waits_for_the_end_of_the_workers_turns() -> None:
-    """``ended``: a stage whose list ran waits (bounded) until the worker's other stage ran its own, as the
-    step's last weight gradients of a stage that is not the worker's last do ([Note: the last W after the
-    send] in services/compute/executor.py)."""
-    rank = turns.RankTurns("job/r0/rank0", ORDER)
-    mine = [k for k, a in enumerate(ORDER) if a.stage == 2]
-    ended_at: list[int] = []
-    ran: list[Action] = []
-
-    def stage2() -> None:
-        actions = SCHEDULE.actions[2]
-        with rank.step(0, 2, rank.positions(2, actions), time.monotonic() + 10) as st:
-            for k in range(len(actions)):
-                st.wait(k)
-                ran.append(actions[k])
-                st.done(k)
-            assert st.later(len(actions) - 1) == (mine[-1] + 1 < len(ORDER))
-            st.ended()
-            ended_at.append(len(ran))
-
-    t = threading.Thread(target=stage2)
-    t.start()
-    assert run_stage(rank, 0, ran) == []
-    t.join(10)
-    assert ended_at == [len(ORDER)]  # not before stage 0's last action ran
-    # a stage left alone waits until the step's deadline, and says where the order stands
-    lonely = turns.RankTurns("job/r0/rank0", ORDER)
-    actions = SCHEDULE.actions[2]
-    with lonely.step(0, 2, lonely.positions(2, actions), time.monotonic() + 0.2) as st:
-        with pytest.raises(TimeoutError, match="other stages to end step 0; the order stands at position 0"):
-            st.ended()
