@@ -294,6 +294,9 @@ TRANSFER_OVERHEAD_S = 2e-4
 # overstates the contention of a pipeline with replicas (one stage's replicas may sync while another's
 # idle in its bubble); GPU workers sync with NCCL and are never counted, nor are workers whose host's
 # cores are not given (``Worker.host_cpus``; ``Resources.local`` gives them), as elsewhere in the model.
+# A parameter server's pushes and pulls, which no backward hides anyway, are as much CPU work per byte:
+# they cost at least the 2 G bytes each worker moves at SYNC_CPU_BPS, as much of it as the same share of
+# starved threads, so collective mode, which moves 2 (d-1)/d G, stays the faster of the two.
 SYNC_CPU_BPS = 2.1e9
 # The read of a stage's gradients before it replies (finite? and their squared norm), in bytes
 # per second: 1.2-1.4 ms for 17 MB measured (the step's tail grew by that much when it came).
@@ -582,6 +585,17 @@ def _twins(workers: Sequence[Sequence[Worker]]) -> list[bool]:
     hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
     return [len([w for w in ws if w.device == "cpu" and w.host is not None]) > len(hosts[s])
             for s, ws in enumerate(workers)]
+
+
+def _sync_cpu(mode: Mode, option: MemoryOption, d: int, grad_bytes: float, speed: float) -> float:
+    """The CPU seconds a stage's gradient sync costs each of its ``d`` workers of ``speed``: the bytes it
+    moves per rank (the collectives of the last backward; a parameter server's push and pull, ``2 G``)
+    at :data:`SYNC_CPU_BPS` ([Note: the sync's own CPU])."""
+    if d <= 1:
+        return 0.0
+    if mode == "collective":
+        return gradient_collectives(option, d, grad_bytes, bandwidth=SYNC_CPU_BPS * speed, latency=0.0)
+    return 2 * grad_bytes / (SYNC_CPU_BPS * speed)
 
 
 def _sync_starved(resources: Resources, stage_workers: Sequence[Sequence[Worker]]) -> list[float]:
@@ -942,7 +956,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                    cut_error: str) -> Candidate:
         spans = list(itertools.pairwise(bounds))
         memory = shared.memory(option, mode, d, m, mb, on_cuda)
-        starved = _sync_starved(resources, workers) if d > 1 and mode == "collective" else [0.0] * p
+        starved = _sync_starved(resources, workers) if d > 1 else [0.0] * p
         times = shared.times(mb)
         fwd, bwd = game.costs.forward_s, game.costs.backward_s
         stages = []
@@ -957,15 +971,16 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             link_bw, link_lat = shared.link(names)
             if mode == "collective":
                 # what no backward hides: the collectives' CPU work where the host has no core for it
-                unhideable = starved[s] * gradient_collectives(
-                    option, d, grad, bandwidth=SYNC_CPU_BPS * speed[s], latency=0.0) if d > 1 else 0.0
+                unhideable = starved[s] * _sync_cpu(mode, option, d, grad, speed[s])
                 sync = sharded_sync(option, d, grad, params, hidden=hidden, compute_s=m * (fwd[s] + bwd[s]),
                                     num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
                                     latency=link_lat, unhideable=unhideable)
                 step = optimizer_s(option, grad, params, traffic=traffic,
                                    device_bandwidth=OPTIMIZER_BANDWIDTH_BPS * speed[s], on_cuda=on_cuda)
             else:
-                sync = _sync(mode, grad, d, hidden, link_bw, link_lat)
+                # its pushes and pulls are CPU work too ([Note: the sync's own CPU])
+                sync = max(_sync(mode, grad, d, hidden, link_bw, link_lat),
+                           starved[s] * _sync_cpu(mode, option, d, grad, speed[s]))
                 step = game.costs.start_s[s]
             saved.append(game.costs.start_s[s] - step)
             held = problem.held_bytes(s) or ()
@@ -1093,13 +1108,16 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     sync = [0.0] * p
     if d > 1:
         slow = 1.0 if sharing is None else sharing.most_stretch()  # the most a backward is stretched
+        assert shared.resources is not None
+        starved = _sync_starved(shared.resources, at.workers)  # the candidate's CPU floor, as it has it
         for s in range(p):
             hidden = (bwd[s] + ACTION_OVERHEAD_S) * slow  # at most the whole backward hides it
             link_bw, link_lat = at.stage_link(s)
+            cpu = starved[s] * _sync_cpu(mode, REPLICATED, d, grads[s], speed[s])
             sync[s] = (sharded_sync(REPLICATED, d, grads[s], params[s], hidden=hidden, compute_s=0.0,
                                     num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
-                                    latency=link_lat) if mode == "collective"
-                       else _sync(mode, grads[s], d, hidden, link_bw, link_lat))
+                                    latency=link_lat, unhideable=cpu) if mode == "collective"
+                       else max(_sync(mode, grads[s], d, hidden, link_bw, link_lat), cpu))
     sync_time = max(sum(sync[s] for s in range(k, p, setup.ranks)) for k in range(setup.ranks))
     check = max(grads[s] / speed[s] for s in range(p)) / GRADIENT_CHECK_BANDWIDTH_BPS
     return max(loose, float(pipeline + sync_time + 2 * CONTROL_MESSAGE_S + check))

@@ -243,11 +243,11 @@ def test_a_host_without_a_core_to_spare_cannot_hide_the_sync_behind_the_backward
     prof = Profile.synthetic([1e-3] * 4, backward_s=[0.5] * 4, param_bytes=[16 * MiB] * 4, microbatch_size=4)
     cpu_work = 64 * MiB / SYNC_CPU_BPS  # an all-reduce over 2 moves the gradients' bytes per rank
 
-    def sync(host_cpus: int | None, device: str = "cpu") -> float:
+    def sync(host_cpus: int | None, device: str = "cpu", mode: str = "collective") -> float:
         res = Resources(workers=tuple(
             Worker(name=f"w{i}", memory_bytes=10_000 * MiB, host="h", host_cpus=host_cpus, device=device,
                    gpus=1 if device == "cuda" else 0) for i in range(2)))
-        plan = choose_plan(prof, res, PlanConfig(data_parallel=2, mode="collective"), global_batch=8)
+        plan = choose_plan(prof, res, PlanConfig(data_parallel=2, mode=mode), global_batch=8)
         return plan.sync_time_s
 
     assert sync(None) == 0.0  # the host's cores not given: none waits for a core (as before)
@@ -255,6 +255,10 @@ def test_a_host_without_a_core_to_spare_cannot_hide_the_sync_behind_the_backward
     assert sync(2) == pytest.approx(cpu_work)  # the workers' threads want both cores
     assert sync(3) == pytest.approx(cpu_work / 2)  # one spare core for two sync threads
     assert sync(2, "cuda") == 0.0  # NCCL: no CPU work
+    # a parameter server's push and pull move 2 G a worker: CPU work too, never cheaper than the all-reduce
+    wire = sync(None, mode="parameter_server")
+    assert sync(2, mode="parameter_server") == pytest.approx(max(2 * cpu_work, wire))
+    assert sync(2, mode="parameter_server") > sync(2)
 
 
 def test_a_stage_pays_its_cold_forward_once_a_step() -> None:
