@@ -305,17 +305,23 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         ph = np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
         holding = mem_static + (ph[:, None] - ph[starts])
 
+    masked: dict[tuple[object, ...], np.ndarray] = {}  # stages alike in memory share their costs
+
     def stage_cost(s: int) -> np.ndarray:
         held = problem.held_bytes(s)
         if mem_static is None or held is None:
             return cost
-        if held not in mem_act:
-            pa = np.concatenate([[0.0], np.cumsum(held)])
-            mem_act[held] = pa[:, None] - pa[starts]
         assert problem.memory_limit is not None and problem.in_flight is not None
-        static = holding if problem.holds is not None and problem.holds[s] else mem_static
-        over = static + mem_act[held] * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
-        return np.where(over, np.inf, cost)
+        holds = problem.holds is not None and problem.holds[s]
+        key = (held, problem.in_flight[s], problem.memory_limit[s], holds)
+        if key not in masked:
+            if held not in mem_act:
+                pa = np.concatenate([[0.0], np.cumsum(held)])
+                mem_act[held] = pa[:, None] - pa[starts]
+            static = holding if holds else mem_static
+            over = static + mem_act[held] * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
+            masked[key] = np.where(over, np.inf, cost)
+        return masked[key]
 
     first = stage_cost(0)  # stage 0 covers [0, j): the start 0, where the band holds it
     at_zero = (starts == 0) & ~outside
