@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -17,6 +18,7 @@ from coordinator.planning.cutting import (
     CutProblem,
     cut_even,
     cut_min_max,
+    fits_memory,
     get_cutter,
     register_cutter,
 )
@@ -77,6 +79,41 @@ def test_min_max_equals_brute_force(problem: CutProblem) -> None:
 @given(problem=problems(memory=True))
 def test_min_max_equals_brute_force_under_memory_limits(problem: CutProblem) -> None:
     assert_exact(problem)
+
+
+@st.composite
+def memory_problems(draw: st.DrawFn) -> CutProblem:
+    """Problems under memory limits with every memory term the cutter sums: deferred bytes on deferring
+    stages, held weight-gradient rows on holding ones."""
+    base = draw(problems(memory=True))
+    n, k = base.num_nodes, base.num_stages
+    extra: dict[str, object] = {}
+    if draw(st.booleans()):
+        extra["deferred_bytes"] = tuple(draw(st.lists(st.floats(0, 4), min_size=n, max_size=n)))
+        extra["defers"] = tuple(draw(st.lists(st.booleans(), min_size=k, max_size=k)))
+    if draw(st.booleans()):
+        extra["hold_bytes"] = tuple(draw(st.lists(st.floats(0, 6), min_size=n, max_size=n)))
+        extra["holds"] = tuple(draw(st.lists(st.booleans(), min_size=k, max_size=k)))
+    return dataclasses.replace(base, **extra)  # type: ignore[arg-type]
+
+
+@settings(max_examples=600, deadline=None)
+@given(problem=memory_problems())
+def test_fits_memory_says_exactly_whether_some_cut_fits(problem: CutProblem) -> None:
+    """[Note: a cut that cannot fit]: the O(k n) memory test against every cut."""
+    n, k = problem.num_nodes, problem.num_stages
+    some = False
+    for inner in itertools.combinations(range(1, n), k - 1):
+        try:
+            problem.check((0, *inner, n))
+        except CutError:
+            continue
+        some = True
+        break
+    assert fits_memory(problem) == some
+    if not some:  # and the cutter refuses it without a search
+        with pytest.raises(CutError, match="memory limits"):
+            cut_min_max(problem)
 
 
 def test_a_stage_exactly_at_its_memory_limit_fits() -> None:
