@@ -301,6 +301,12 @@ class Runtime:
         """The checkpoint parts the services write (each stage's replicas share its tensors)."""
         return [f"r{sv.replica}-s{sv.stage}" for sv in self.services] + self._shards.parts
 
+    def part_writers(self) -> dict[str, str]:
+        """Each checkpoint part (:meth:`parts`) -> the worker that writes it."""
+        writers = {f"r{sv.replica}-s{sv.stage}": sv.worker for sv in self.services}
+        writers.update({self._shards.part(sv): sv.worker for sv in self._shards.services})
+        return writers
+
     @property
     def can_save(self) -> bool:
         """Whether the next :meth:`run_step` or :meth:`commit` carries a commit (a save rides on it)."""

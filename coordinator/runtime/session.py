@@ -94,14 +94,6 @@ _PROCESS_TAG = uuid.uuid4().hex[:4]
 RELEASE_TIMEOUT = timedelta(seconds=5)  # releasing the old runtime's services after a failure
 
 
-def part_writers(runtime: Runtime) -> dict[str, str]:
-    """Each checkpoint part of ``runtime`` (``Runtime.parts``) -> the worker that writes it."""
-    writers = {f"r{sv.replica}-s{sv.stage}": sv.worker for sv in runtime.services}
-    shards = runtime._shards  # the parameter shards' parts (Runtime.parts names them the same way)
-    writers.update({shards.part(sv): sv.worker for sv in shards.services})
-    return writers
-
-
 class Session:
     """The harness, event loop and runtime of one ``with job:`` block (see the module docstring).
 
@@ -418,7 +410,7 @@ class Session:
         for, bounded by the step timeout), drop the others ([Note: salvaging after a failure])."""
         runtime = self.runtime
         if self.checkpointer is not None:
-            writers = part_writers(runtime) if runtime is not None else {}
+            writers = runtime.part_writers() if runtime is not None else {}
             timeout = timedelta(seconds=self.job.config.runtime.step_timeout_s)
             salvaged = self.checkpointer.salvage(writers, lambda: self._lost_writers(writers, lost), timeout)
             self._announce(salvaged)
