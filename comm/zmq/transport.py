@@ -234,7 +234,12 @@ class Transport:
                 raise self._closed_error(f"connecting to rank {ch.peer}")
             if ch.push is None:
                 push = make_socket(zmq.PUSH, SocketLimits.data(), curve="client", plane="data")
-                push.connect(ch.address)
+                try:
+                    push.connect(ch.address)
+                except zmq.ZMQError as exc:  # a card's address ZeroMQ cannot take: no socket left behind
+                    push.close(linger=0)
+                    raise CommError(f"rank {self.rank}: cannot connect to rank {ch.peer} at {ch.address!r}: "
+                                    f"{exc}") from exc
                 if ch.inbox_path:
                     try:
                         ch.outbox = shm.Outbox(ch.inbox_path)

@@ -280,8 +280,9 @@ def fits_memory(problem: CutProblem) -> bool:
     tests hold it against the brute force); a problem with transient bytes (a window's maximum, not a
     difference of sums) is left to the programme.
     """
-    limits, held0 = problem.memory_limit, problem.held_bytes(0)
-    if limits is None or problem.static_bytes is None or held0 is None or problem.in_flight is None:
+    limits = problem.memory_limit
+    if limits is None or problem.static_bytes is None or problem.activation_bytes is None \
+            or problem.in_flight is None:
         return True
     if problem.transient_bytes is not None and any(problem.transient_bytes):
         return True

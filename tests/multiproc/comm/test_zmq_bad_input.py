@@ -19,6 +19,7 @@ import zmq
 
 from comm import refusals
 from comm.codec import PROTOCOL_VERSION
+from comm.errors import CommError
 from comm.refusals import Refusals
 from comm.zmq import shm
 from comm.zmq.communicator import ZmqCommunicator
@@ -154,6 +155,21 @@ def test_garbage_is_dropped_and_the_rank_keeps_serving(
             assert len(said) == 1 and needle in said[0], (reason, dropped)
     finally:
         attacker.close()
+
+
+def test_an_address_zeromq_cannot_take_fails_the_first_send_by_name(pair: list[ZmqCommunicator]) -> None:
+    """A channel connects at its first message ([Note: connecting at the first message] in
+    comm/zmq/transport.py): a card's address that ZeroMQ refuses fails that send, naming the peer and the
+    address, and leaves no socket behind; the other direction keeps working."""
+    c0, c1 = pair
+    channel = c0._transport.channels[1]
+    channel.address = "tcp://no such host:port"
+    with pytest.raises(CommError, match=r"cannot connect to rank 1 at 'tcp://no such host:port'"):
+        c0.send(torch.zeros(4), dst=1, timeout=timedelta(seconds=2))
+    assert channel.push is None
+    got = torch.empty(3)
+    run_ranks([lambda: c1.send(torch.arange(3.0), dst=0), lambda: c0.recv(got, src=1, timeout=TIMEOUT)])
+    assert torch.equal(got, torch.arange(3.0))
 
 
 def test_shape_mismatch_is_a_clear_error(pair: list[ZmqCommunicator]) -> None:
