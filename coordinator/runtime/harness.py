@@ -300,11 +300,21 @@ class LocalHarness:
     def worker_key(self, name: str) -> str:
         return worker_key(self.job, name)
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to worker ``name`` (fault injection)."""
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Send ``sig`` to worker ``name`` (fault injection).
+
+        A SIGSTOP returns once every thread of the process is stopped: the kernel stops a process's threads
+        one by one as each is next scheduled, so on a loaded host its other threads (the socket's I/O
+        thread, a service thread) could otherwise still answer a request sent right after ``kill``.
+
+        Raises:
+            TimeoutError: With SIGSTOP, a thread still ran after ``timeout``.
+        """
         proc = self.procs[name]
         if proc.poll() is None:
             os.kill(proc.pid, sig)
+            if sig == signal.SIGSTOP:
+                wait_stopped(proc.pid, timeout, f"worker {name}")
 
     def replace(self, name: str, timeout: timedelta) -> str | None:
         """Kill worker ``name``'s process (whatever its state) and start a new one under the same name;
@@ -418,3 +428,28 @@ class LocalHarness:
 def _close_all() -> None:
     for harness in list(_live):
         harness.close()
+
+
+def wait_stopped(pid: int, timeout: timedelta, what: str) -> None:
+    """Wait until every thread of ``pid`` is stopped (state ``T`` or ``t`` in ``/proc``; Linux only: a
+    no-op elsewhere) or gone."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        running = []
+        for task in tasks.glob("*"):
+            try:
+                # the state follows the command name's closing parenthesis
+                state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                continue  # the thread (or the process) is gone
+            if state not in ("T", "t", "Z", "X"):
+                running.append(task.name)
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} (pid {pid}): threads {running} still not stopped "
+                               f"{timeout.total_seconds():.0f}s after SIGSTOP")
+        time.sleep(0.001)
