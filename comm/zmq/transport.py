@@ -1,8 +1,11 @@
 """Point-to-point channels of the ZeroMQ backend: sockets, message matching, deadlines, liveness.
 
-Every ordered pair of ranks (i -> j) has its own channel: i owns a PUSH socket
-connected to a PULL socket that j bound for i alone. So a receiver reads exactly the
-peer it waits for, and ZeroMQ's per-connection ordering gives per-pair FIFO order.
+Every ordered pair of ranks (i -> j) that exchanges messages has its own channel: i owns a
+PUSH socket connected to a PULL socket that j bound for i alone. So a receiver reads exactly
+the peer it waits for, and ZeroMQ's per-connection ordering gives per-pair FIFO order. A
+channel is made when it is first used: the card gives only the rank's door, which a sender
+asks for the channel's address at its first message ([Note: one door per rank, channels on
+demand] in ``comm/zmq/door.py``).
 
 Matching. A reader wants one message key ``(group, kind, seq, tag, part)``. It first
 looks in the channel's stash (messages read earlier that belonged to another
@@ -70,6 +73,7 @@ from comm.wire import (
     encode_header,
 )
 from comm.zmq import shm
+from comm.zmq.door import ChannelAddress, ChannelRequest, Door, ask
 
 __all__ = ["Body", "Deadline", "Transport"]
 
@@ -134,8 +138,9 @@ class _Channel:
         self.recv_lock = threading.Lock()
         self.stash: dict[MessageKey, deque[tuple[TensorHeader, Body]]] = {}
         self.stash_bytes = 0
-        self.address = ""  # where the PUSH socket connects (set by Transport.connect, used at the first send)
+        self.address = ""  # where the PUSH socket connects (the peer's door tells, at the first send)
         self.inbox_path = ""  # the peer's shared-memory inbox for this rank ("" : none)
+        self.bound = ChannelAddress(tcp="")  # where the PULL socket listens, once bound
         self.inbox: shm.Inbox | None = None  # messages from this peer in shared memory
         self.outbox: shm.Outbox | None = None  # messages to this peer in shared memory
         self.poller: zmq.Poller | None = None  # the PULL socket and the inbox's doorbell, with an inbox
@@ -159,63 +164,94 @@ class Transport:
         self.rank = rendezvous.rank
         self.world_size = rendezvous.world_size
         self.host = host or default_host()
-        self.channels: dict[int, _Channel] = {}
+        self.channels: dict[int, _Channel] = {}  # made as first used ([Note: one door per rank, ...])
         self.bad_messages = 0
         self._ring = shm.ring_enabled()
         self._closed = False
+        self._lock = threading.Lock()  # makes channels and binds their PULL sockets
+        self._door: Door | None = None
+        self._cards: list[dict[str, Any]] = []
+        self._with_inbox: set[int] = set()
+        self._host_key = host_key()
 
     def bind(self) -> dict[str, Any]:
-        """Bind one PULL socket per peer; return the card entries peers connect with.
+        """Open this rank's door; return the card entries peers find it with (a few hundred bytes, whatever
+        the group's size: [Note: one door per rank, channels on demand] in ``comm/zmq/door.py``).
 
-        Each PULL socket is bound on TCP and, unless ``transport="tcp"``, also on a Unix
-        domain socket (``ipc://``): a peer on the same host (same hostname and boot id)
-        connects over IPC, which skips the TCP stack (see docs/benchmarks.md), and writes
-        large bodies into the shared-memory inbox made for it (``comm/zmq/shm.py``).
+        The door is bound on TCP and, unless ``transport="tcp"``, also on a Unix domain socket
+        (``ipc://``); so is each channel it opens: a peer on the same host (same hostname and boot id)
+        connects over IPC, which skips the TCP stack (see docs/benchmarks.md), and writes large bodies
+        into the shared-memory inbox made for it (``comm/zmq/shm.py``).
         """
-        tcp: dict[str, str] = {}
-        ipc: dict[str, str] = {}
-        inboxes: dict[str, str] = {}
         # at most a budget of same-host peers gets an inbox ([Note: which peers get an inbox], shm.py)
-        with_inbox = set(shm.inbox_peers(self.rank, self.world_size, shm.inbox_budget())) \
-            if self.transport != "tcp" and shm.available() else set()
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                continue
-            ch = _Channel(peer)
-            ch.pull = make_socket(zmq.PULL, SocketLimits.data(), curve="server", plane="data")
-            tcp[str(peer)] = bind_port(ch.pull, self.host)
-            if self.transport != "tcp":
-                path = os.path.join(tempfile.gettempdir(), f"cm-{uuid.uuid4().hex[:16]}.sock")
-                ch.pull.bind(f"ipc://{path}")
-                self._ipc_paths.append(path)
-                ipc[str(peer)] = f"ipc://{path}"
-                if peer in with_inbox:
-                    try:
-                        ch.inbox = shm.Inbox()
-                        inboxes[str(peer)] = ch.inbox.path
-                        ch.poller = zmq.Poller()
-                        ch.poller.register(ch.pull, zmq.POLLIN)
-                        ch.poller.register(ch.inbox.bell, zmq.POLLIN)
-                    except OSError as exc:  # /dev/shm full or missing: bodies go through the socket
-                        log.warning("[rank %d] no shared-memory inbox for rank %d (%s); using the socket",
-                                    self.rank, peer, exc)
-            self.channels[peer] = ch
-        return {"data": tcp, "ipc": ipc, "shm": inboxes, "host_key": host_key()}
+        if self.transport != "tcp" and shm.available():
+            self._with_inbox = set(shm.inbox_peers(self.rank, self.world_size, shm.inbox_budget()))
+        self._door = Door(self.rank, self.world_size, self.host, ipc=self.transport != "tcp",
+                          open_channel=self._answer_door)
+        return {"door": self._door.tcp, "door_ipc": self._door.ipc, "host_key": self._host_key}
 
     def connect(self, cards: list[dict[str, Any]]) -> None:
-        """Take each peer's address for this rank's messages (its PULL socket bound for this rank, over IPC
-        on the same host); the PUSH socket connects at the first message (see [Note: connecting at the
-        first message])."""
-        mine = host_key()
-        for peer, ch in self.channels.items():
-            card = cards[peer]
-            ipc = card.get("ipc", {}).get(str(self.rank))
-            use_ipc = self.transport != "tcp" and ipc and card.get("host_key") == mine
-            ch.address = ipc if use_ipc else card["data"][str(self.rank)]
-            inbox = card.get("shm", {}).get(str(self.rank))
-            ch.inbox_path = str(inbox) if use_ipc and inbox and shm.available() else ""
+        """Keep the peers' cards: a channel's PUSH socket connects at its first message, to the address the
+        peer's door gives (see [Note: connecting at the first message])."""
+        self._cards = cards
 
-    def _opened(self, ch: _Channel) -> _Channel:
+    def _channel(self, peer: int) -> _Channel:
+        ch = self.channels.get(peer)
+        if ch is None:
+            if not 0 <= peer < self.world_size or peer == self.rank:
+                raise CommError(f"rank {self.rank}: rank {peer} is not a peer in a group of "
+                                f"{self.world_size}")
+            with self._lock:
+                ch = self.channels.setdefault(peer, _Channel(peer))
+        return ch
+
+    def _answer_door(self, request: ChannelRequest) -> ChannelAddress:
+        """The door's callback: the channel from ``request.src``, bound if it was not."""
+        return self._inbound(self._channel(request.src), request.host_key).bound
+
+    def _inbound(self, ch: _Channel, peer_host: str | None = None) -> _Channel:
+        """``ch`` with its PULL socket bound (and the peer's shared-memory inbox made, if it gets one).
+
+        ``peer_host``: the peer's host key (its card's when not given).
+        """
+        if ch.pull is not None:
+            return ch
+        with self._lock:
+            if self._closed:  # [Note: closing under the channel's locks]
+                raise self._closed_error(f"opening the channel from rank {ch.peer}")
+            if ch.pull is not None:  # bound by another thread meanwhile
+                return ch  # type: ignore[unreachable]  # mypy does not see the other thread
+            if peer_host is None:
+                peer_host = self._cards[ch.peer].get("host_key") if self._cards else None
+            pull = make_socket(zmq.PULL, SocketLimits.data(), curve="server", plane="data")
+            try:
+                tcp, ipc, inbox = bind_port(pull, self.host), "", None
+                if self.transport != "tcp":
+                    path = os.path.join(tempfile.gettempdir(), f"cm-{uuid.uuid4().hex[:16]}.sock")
+                    pull.bind(f"ipc://{path}")
+                    self._ipc_paths.append(path)
+                    ipc = f"ipc://{path}"
+                    if ch.peer in self._with_inbox and peer_host == self._host_key:
+                        try:
+                            inbox = shm.Inbox()
+                        except OSError as exc:  # /dev/shm full or missing: bodies go through the socket
+                            log.warning("[rank %d] no shared-memory inbox for rank %d (%s); using the socket",
+                                        self.rank, ch.peer, exc)
+            except zmq.ZMQError as exc:
+                pull.close(linger=0)
+                raise CommError(f"rank {self.rank}: cannot bind the channel from rank {ch.peer}: "
+                                f"{exc}") from exc
+            if inbox is not None:
+                ch.inbox = inbox
+                ch.poller = zmq.Poller()
+                ch.poller.register(pull, zmq.POLLIN)
+                ch.poller.register(inbox.bell, zmq.POLLIN)
+            ch.bound = ChannelAddress(tcp=tcp, ipc=ipc, shm=inbox.path if inbox is not None else "")
+            ch.pull = pull  # last: a reader takes the channel as bound once it is set
+        return ch
+
+    def _opened(self, ch: _Channel, deadline: Deadline | None = None,
+                members: tuple[int, ...] = ()) -> _Channel:
         """``ch`` with its PUSH socket connected (and the peer's inbox mapped), at its first message.
 
         [Note: connecting at the first message]
@@ -223,9 +259,13 @@ class Transport:
         doubling's log2 N partners, a pipeline's neighbours. Connecting to every peer at the start made a
         rank of N open N - 1 sockets and CURVE handshakes it mostly never used (a data-parallel group of
         1,024 workers: about a million connections, see docs/benchmarks.md). A channel connects at its
-        first message instead; ZeroMQ queues that message until the handshake is done, as it queued the
-        first message of a connection made at the start. Until then the peer's liveness is the
-        rendezvous's, as before.
+        first message instead, to the address the peer's door gives for it (``comm/zmq/door.py``); ZeroMQ
+        queues that message until the handshake is done, as it queued the first message of a connection
+        made at the start. Until then the peer's liveness is the rendezvous's, as before.
+
+        Raises:
+            CommError: The peer's door refused or could not be reached; or ZeroMQ refuses its address.
+            PeerLostError, CommTimeoutError: The peer was lost, or ``deadline`` passed, while asking.
         """
         if ch.push is not None:
             return ch
@@ -233,6 +273,8 @@ class Transport:
             if self._closed:  # [Note: closing under the channel's locks]
                 raise self._closed_error(f"connecting to rank {ch.peer}")
             if ch.push is None:
+                if not ch.address:
+                    self._ask(ch, deadline, members)
                 push = make_socket(zmq.PUSH, SocketLimits.data(), curve="client", plane="data")
                 try:
                     push.connect(ch.address)
@@ -248,6 +290,26 @@ class Transport:
                                     "socket", self.rank, ch.peer, exc)
                 ch.push = push
         return ch
+
+    def _ask(self, ch: _Channel, deadline: Deadline | None, members: tuple[int, ...]) -> None:
+        """Ask ``ch``'s peer's door for the channel's address (under the channel's send lock)."""
+        if not self._cards:
+            raise CommError(f"rank {self.rank}: sending to rank {ch.peer} before the ranks met (connect)")
+        card = self._cards[ch.peer]
+        same_host = self.transport != "tcp" and card.get("host_key") == self._host_key
+        door = card.get("door_ipc") if same_host and card.get("door_ipc") else card.get("door")
+        if not isinstance(door, str) or not door:
+            raise CommError(f"rank {self.rank}: rank {ch.peer}'s card gives no door: {sorted(card)}")
+        wait = deadline or Deadline(timedelta(seconds=60), f"opening the channel to rank {ch.peer}")
+
+        def check() -> None:
+            self._check_progress(ch.peer, wait, members or (self.rank, ch.peer), "to open its channel")
+
+        got = ask(door, ChannelRequest(src=self.rank, host_key=self._host_key), deadline_at=wait.at,
+                  slice_ms=_POLL_SLICE_MS, check=check, what=f"rank {self.rank}: opening the channel to "
+                  f"rank {ch.peer}")
+        ch.address = got.ipc if same_host and got.ipc else got.tcp
+        ch.inbox_path = got.shm if same_host and got.ipc and got.shm and shm.available() else ""
 
     # -- sending ----------------------------------------------------------------------
 
@@ -266,7 +328,9 @@ class Transport:
         high-water mark, bounded by ``deadline``. The body's bytes count as sent by ``zmq``
         (:data:`comm.traffic.SENT`) once shared memory or libzmq took them.
         """
-        ch = self._opened(self.channels[peer])
+        ch = self.channels.get(peer)
+        if ch is None or ch.push is None:
+            ch = self._opened(self._channel(peer), deadline, members)
         assert ch.push is not None
         size = body.nbytes if isinstance(body, np.ndarray) else len(body)
         box = ch.outbox
@@ -310,7 +374,9 @@ class Transport:
         full, no free slot, a body under ``shm.MIN_BYTES``): send it with :meth:`send` then.
         Raises ValueError for a dtype the wire does not carry (nothing sent).
         """
-        ch = self._opened(self.channels[peer])
+        ch = self._channel(peer)
+        if ch.push is None:  # never blocking: the first message opens the channel in send()
+            return False
         box = ch.outbox
         nbytes = t.nbytes
         if box is None or not self._ring or nbytes < shm.MIN_BYTES:
@@ -339,7 +405,9 @@ class Transport:
 
         Hand the body back with :meth:`release` once it has been read.
         """
-        ch = self.channels[peer]
+        ch = self.channels.get(peer)
+        if ch is None or ch.pull is None:
+            ch = self._inbound(self._channel(peer))
         pull = ch.pull
         assert pull is not None
         closed_since: float | None = None
@@ -476,7 +544,7 @@ class Transport:
     def release(self, peer: int, body: Body) -> None:
         """``body`` (from :meth:`recv`) has been read: a shared-memory slot goes back to ``peer``."""
         if isinstance(body, shm.ShmBody) and not self._closed:  # closed: the slot matters to nobody
-            inbox = self.channels[peer].inbox
+            inbox = self._channel(peer).inbox
             assert inbox is not None
             # not under the receive lock, which a waiting reader holds for a poll slice: a close() meanwhile
             # drops the slot table (the write below goes to a mapping the body itself keeps alive)
@@ -524,8 +592,11 @@ class Transport:
         """
         if self._closed:
             return
-        self._closed = True
-        for ch in self.channels.values():
+        with self._lock:  # no channel is made or bound after this
+            self._closed = True
+        if self._door is not None:
+            self._door.close()
+        for ch in list(self.channels.values()):
             if not ch.send_lock.acquire(timeout=_CLOSE_WAIT_S):
                 log.warning("[rank %d] the channel to rank %d is still sending; left open", self.rank,
                             ch.peer)

@@ -36,9 +36,6 @@ def test_past_the_budget_peers_talk_through_the_socket_and_stay_exact(
 
     try:
         run_ranks([make(r) for r in range(WORLD)], timeout=60)
-        for rank, comm in comms.items():
-            inboxes = {p for p, ch in comm._transport.channels.items() if ch.inbox is not None}
-            assert inboxes == {(rank + 1) % WORLD, (rank - 1) % WORLD}, (rank, inboxes)
 
         def step(rank: int) -> Callable[[], None]:
             def run() -> None:
@@ -58,6 +55,13 @@ def test_past_the_budget_peers_talk_through_the_socket_and_stay_exact(
             return run
 
         run_ranks([step(r) for r in range(WORLD)], timeout=90)
+        for rank, comm in comms.items():
+            # channels are bound as peers send (the ring's previous rank, the far one): of those, the ones
+            # the budget chose ({rank - 1, rank + 1}) have an inbox
+            bound = {p for p, ch in comm._transport.channels.items() if ch.pull is not None}
+            inboxes = {p for p, ch in comm._transport.channels.items() if ch.inbox is not None}
+            assert bound == {(rank - 1) % WORLD, (rank + WORLD // 2) % WORLD}, (rank, bound)
+            assert inboxes == {(rank - 1) % WORLD}, (rank, inboxes)
     finally:
         for comm in comms.values():
             comm.close()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import msgpack
 import pytest
 import torch
 
@@ -132,21 +133,29 @@ def test_doubling_sums_in_its_documented_tree_on_four_ranks() -> None:
         assert torch.equal(outs[2], (x1 + x0) + x2)
 
 
-def test_a_rank_connects_only_to_the_peers_it_sends_to() -> None:
-    """[Note: connecting at the first message] in comm/zmq/transport.py: a ring all-reduce over 8 ranks
-    connects each rank to its next rank alone, recursive doubling to its log2 8 partners; nothing at the
-    start, and the results as before."""
+def test_a_rank_connects_only_to_the_peers_it_sends_to_and_binds_only_for_those_it_hears() -> None:
+    """[Note: connecting at the first message] in comm/zmq/transport.py and [Note: one door per rank,
+    channels on demand] in comm/zmq/door.py: a ring all-reduce over 8 ranks connects each rank to its next
+    rank alone and binds a channel for its previous rank alone, recursive doubling adds its log2 8
+    partners; nothing at the start but the door, the card the same size for 8 ranks as for 2, and the
+    results as before."""
     with zmq_world(8, "/t/lazy8") as comms:
         def connected(c: ZmqCommunicator) -> set[int]:
             return {peer for peer, ch in c._transport.channels.items() if ch.push is not None}
 
-        assert all(connected(c) == set() for c in comms)
+        def bound(c: ZmqCommunicator) -> set[int]:
+            return {peer for peer, ch in c._transport.channels.items() if ch.pull is not None}
+
+        assert all(connected(c) == set() and bound(c) == set() for c in comms)
+        assert {len(msgpack.packb(c._transport._cards[c.rank])) for c in comms} <= set(range(250))
         inputs = _inputs(8, 4097, torch.float64, seed=11)
         outs = _run(comms, "ring", inputs)
         assert torch.allclose(outs[0], torch.stack(inputs).sum(0), rtol=1e-12, atol=1e-12)
         assert [connected(c) for c in comms] == [{(r + 1) % 8} for r in range(8)]
+        assert [bound(c) for c in comms] == [{(r - 1) % 8} for r in range(8)]
         _run(comms, "doubling", inputs)
         assert [connected(c) for c in comms] == [{(r + 1) % 8, r ^ 1, r ^ 2, r ^ 4} for r in range(8)]
+        assert [bound(c) for c in comms] == [{(r - 1) % 8, r ^ 1, r ^ 2, r ^ 4} for r in range(8)]
 
 
 def test_doubling_of_several_parts_and_zero_copy_bodies() -> None:

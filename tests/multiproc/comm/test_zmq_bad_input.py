@@ -73,8 +73,10 @@ GARBAGE: dict[str, tuple[list[bytes], str, str]] = {
 
 
 def _data_address(comm: ZmqCommunicator, peer: int) -> str:
-    """The address of ``comm``'s data socket that receives from ``peer``."""
-    channel = comm._transport.channels[peer]
+    """The address of ``comm``'s data socket that receives from ``peer`` (bound now if it was not: a
+    channel is bound when its peer first asks the door for it, comm/zmq/door.py)."""
+    transport = comm._transport
+    channel = transport._inbound(transport._channel(peer))
     assert channel.pull is not None
     endpoint = channel.pull.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(endpoint, bytes)
@@ -162,8 +164,8 @@ def test_an_address_zeromq_cannot_take_fails_the_first_send_by_name(pair: list[Z
     comm/zmq/transport.py): a card's address that ZeroMQ refuses fails that send, naming the peer and the
     address, and leaves no socket behind; the other direction keeps working."""
     c0, c1 = pair
-    channel = c0._transport.channels[1]
-    channel.address = "tcp://no such host:port"
+    channel = c0._transport._channel(1)
+    channel.address = "tcp://no such host:port"  # as if the door had said so
     with pytest.raises(CommError, match=r"cannot connect to rank 1 at 'tcp://no such host:port'"):
         c0.send(torch.zeros(4), dst=1, timeout=timedelta(seconds=2))
     assert channel.push is None
@@ -210,7 +212,7 @@ def test_garbage_in_the_shared_memory_ring_is_dropped_and_the_rank_keeps_serving
     counted = Refusals()
     monkeypatch.setattr(refusals, "REFUSALS", counted)
     # a channel connects (and maps the peer's inbox) at its first message: this one's is the garbage
-    channel = c0._transport._opened(c0._transport.channels[1])
+    channel = c0._transport._opened(c0._transport._channel(1))
     assert channel.outbox is not None
     with channel.send_lock:
         for record, _ in RING_GARBAGE.values():
@@ -241,7 +243,7 @@ def test_garbage_on_the_socket_is_read_while_the_ring_feeds_every_receive(
     try:
         for frames in bad:
             attacker.send_multipart(frames)
-        pull = c1._transport.channels[0].pull
+        pull = c1._transport._channel(0).pull
         assert pull is not None and pull.poll(int(TIMEOUT.total_seconds() * 1000), zmq.POLLIN)
         for k in range(len(bad) + 2):  # every message is in the ring before its receive starts
             c0.send(torch.full((4,), float(k)), dst=1)
@@ -253,3 +255,54 @@ def test_garbage_on_the_socket_is_read_while_the_ring_feeds_every_receive(
         assert {r: n for (kind, r), n in counted.counts().items() if kind == "frame"} == {"data/encoding": 3}
     finally:
         attacker.close()
+
+
+def _door_request(**kw: object) -> bytes:
+    data = msgpack.packb({"v": PROTOCOL_VERSION, "src": 0, "host_key": "h", **kw}, use_bin_type=True)
+    assert isinstance(data, bytes)
+    return data
+
+
+# name: (frames a peer sends the door, the reason it is counted under, what the error reply says)
+DOOR_GARBAGE: dict[str, tuple[list[bytes], str, str]] = {
+    "not msgpack": ([b"\xc1\xc1 not msgpack"], "request", "not msgpack"),
+    "a list, not a map": ([_pack(0, "h")], "request", "expected a msgpack map"),
+    "wrong protocol version": ([_door_request(v=PROTOCOL_VERSION + 1)], "request", "protocol version"),
+    "unknown field": ([_door_request(evil=1)], "request", "evil"),
+    "src as a string": ([_door_request(src="0")], "request", "src"),
+    "src outside the group": ([_door_request(src=7)], "request", "not another rank"),
+    "src is the door's own rank": ([_door_request(src=1)], "request", "not another rank"),
+    "negative src": ([_door_request(src=-1)], "request", "src"),
+    "two frames": ([_door_request(), b"more"], "frames", "one frame"),
+}
+
+
+def test_garbage_at_the_door_is_answered_with_an_error_and_the_door_keeps_serving(
+    pair: list[ZmqCommunicator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The door (comm/zmq/door.py) is the one address a rank's card gives: each bad request gets an error
+    reply naming what is wrong and is counted by reason; the door still opens channels afterwards."""
+    c0, c1 = pair
+    counted = Refusals()
+    monkeypatch.setattr(refusals, "REFUSALS", counted)
+    door = c1._transport._door
+    assert door is not None
+    asker = zmq.Context.instance().socket(zmq.DEALER)
+    asker.setsockopt(zmq.LINGER, 0)
+    asker.connect(door.tcp)
+    try:
+        for name, (frames, _, needle) in DOOR_GARBAGE.items():
+            asker.send_multipart(frames)
+            assert asker.poll(int(TIMEOUT.total_seconds() * 1000), zmq.POLLIN), name
+            reply = msgpack.unpackb(asker.recv())
+            assert needle in reply["error"] and not reply["tcp"], (name, reply)
+        oversized = b"\x00" * 8192  # over the door's message size: the connection is dropped, no reply
+        asker.send(oversized)
+        assert not asker.poll(300, zmq.POLLIN)
+    finally:
+        asker.close()
+    expected = Counter(f"door/{reason}" for _, reason, _ in DOOR_GARBAGE.values())
+    assert {r: n for (k, r), n in counted.counts().items() if k == "frame"} == expected
+    assert door.served == 0  # nothing was opened for garbage
+    _all_reduce_and_p2p(c0, c1)  # rank 0 asks the door now: a channel, and the ranks still talk
+    assert door.served == 1 and set(c1._transport.channels) == {0}

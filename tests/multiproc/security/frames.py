@@ -9,6 +9,9 @@ Three kinds, one per kind of port:
   (wrong fields, wrong types, wrong versions, huge sizes, truncated tensors);
 * data frames (:meth:`FrameMaker.data`), for a PULL socket of the zmq transport: tensor
   headers (``comm/wire.py``) broken the same way, with their bodies;
+* door requests (:meth:`FrameMaker.door`), for a rank's door (``comm/zmq/door.py``): random
+  bytes, and channel requests with a defect (an unknown field, a wrong version or type, a field
+  missing, a second frame);
 * raw TCP bytes (:meth:`FrameMaker.raw_tcp`): not even ZeroMQ's greeting.
 
 A fuzzer that holds the job's keys may still send nothing that does work: a frame that
@@ -350,6 +353,30 @@ class FrameMaker:
         for defect in sorted(chosen, key=lambda d: d is _not_twelve_fields):  # the one that cuts fields last
             defect(self, fields, body)
         return [_pack(fields), *body]
+
+
+    def door(self) -> list[bytes]:
+        """One request for a rank's door (``comm/zmq/door.py``), each with a certain defect."""
+        self.made += 1
+        r = self.rng
+        if r.random() < 0.1:
+            return [r.randbytes(r.randrange(0, 256)) for _ in range(r.randrange(1, 4))]
+        fields: dict[str, Any] = {"v": PROTOCOL_VERSION, "src": r.randrange(0, 4),
+                                  "host_key": "h" * r.randrange(40)}
+        defect = r.randrange(6)
+        if defect == 0:
+            fields[r.choice(["evil", "tcp", "shm", "srcs"])] = r.choice([1, "x", None, [1]])
+        elif defect == 1:
+            fields["v"] = r.choice(_BAD_VERSIONS)
+        elif defect == 2:
+            fields["src"] = r.choice([-1, "0", None, 1.5, [0], True])
+        elif defect == 3:
+            del fields[r.choice(["src", "host_key"])]
+        elif defect == 4:
+            fields["host_key"] = r.choice([7, None, "k" * 600, b"h"])
+        else:
+            return [_pack(fields), b"extra", *([b"x"] * r.randrange(0, 2))]  # a request is one frame
+        return [_pack(fields)]
 
 
 def _pack(value: Any) -> bytes:

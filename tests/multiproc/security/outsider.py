@@ -62,6 +62,7 @@ class Targets(BaseModel):
     workers: dict[str, Port]  # by worker name: the worker's service host
     registry: Port
     data: list[Port]
+    doors: list[Port] = []  # each rank's door, where a peer asks for its channel (comm/zmq/door.py)
     server_public_key: str  # no secret: every client of the job must know it
     marker: str = ""  # the file an executed command would create
 
@@ -179,6 +180,7 @@ def attack(targets: Targets, keys_dir: str | None) -> dict[str, Any]:
     try:
         requests = [(label, addr, svc, method, body.model_dump(mode="python"))
                     for label, addr, svc, method, body in _attempts(targets)] + _registry_writes(targets)
+        ask = msgpack.packb({"v": 1, "src": 0, "host_key": "elsewhere"}, use_bin_type=True)
         for who, configure in _identities(targets, keys_dir, ["worker"]).items():
             socks = []
             for i, (label, address, service, method, body) in enumerate(requests):
@@ -187,6 +189,11 @@ def attack(targets: Targets, keys_dir: str | None) -> dict[str, Any]:
                 sock = _socket(ctx, zmq.DEALER, address, configure)
                 sock.send_multipart(request_frames(i + 1, service, method, body))
                 socks.append((label, sock))
+            if who in OUTSIDERS:  # a worker's key opens channels by design: the doors are an outsider's
+                for door in targets.doors:
+                    sock = _socket(ctx, zmq.DEALER, door.address, configure)
+                    sock.send(ask)
+                    socks.append((f"door {door.address}: a channel", sock))
             report[who] = _await(socks, ANSWER_WAIT_S if who.endswith("-key") else REFUSED_WAIT_S)
             for _, sock in socks:
                 sock.close(0)
@@ -208,7 +215,8 @@ def fuzz(targets: Targets, keys_dir: str | None, frames: int, seed: int) -> dict
     weights = {"coordinator-key": 4, "worker-key": 4, "stranger": 1, "plain": 1}
     names = [n for n in identities for _ in range(weights[n])]
     control = [*targets.workers.values(), targets.registry]
-    ports = [("control", p) for p in control] + [("data", p) for p in targets.data]
+    ports = ([("control", p) for p in control] + [("data", p) for p in targets.data]
+             + [("door", p) for p in targets.doors])
     socks: dict[tuple[str, str], zmq.Socket[bytes]] = {}
     sent: Counter[str] = Counter()
     replies: Counter[str] = Counter()
@@ -217,7 +225,7 @@ def fuzz(targets: Targets, keys_dir: str | None, frames: int, seed: int) -> dict
     def sock_for(kind: str, port: Port, who: str) -> zmq.Socket[bytes]:
         key = (port.address, who)
         if key not in socks:
-            zmq_kind = zmq.DEALER if kind == "control" else zmq.PUSH
+            zmq_kind = zmq.PUSH if kind == "data" else zmq.DEALER
             socks[key] = _socket(ctx, zmq_kind, port.address, identities[who], hwm=200)
         return socks[key]
 
@@ -228,6 +236,9 @@ def fuzz(targets: Targets, keys_dir: str | None, frames: int, seed: int) -> dict
             while sock.poll(0):
                 reply = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
                 error = reply.get("error") or {}
+                if isinstance(error, str):  # a door's answer: an error names what was wrong, or a channel
+                    replies[f"{who}: door {'refused' if error else 'opened a channel'}"] += 1
+                    continue
                 replies[f"{who}: {error.get('code', 'ok')}"] += 1
 
     started = time.monotonic()
@@ -260,6 +271,11 @@ def fuzz(targets: Targets, keys_dir: str | None, frames: int, seed: int) -> dict
                 if maker.made >= STREAM_FRAMES:
                     continue
                 message = maker.control(service, service_kind)
+            elif kind == "door":
+                maker = makers.setdefault("door", FrameMaker(seed))
+                if maker.made >= STREAM_FRAMES:
+                    continue
+                message = maker.door()
             else:
                 assert port.peer is not None
                 maker = makers.setdefault(port.peer, FrameMaker(seed))

@@ -18,12 +18,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
 from comm import auth
 from comm.codec import unpack
 from comm.logs import log_to_file
+from comm.zmq.door import ChannelRequest, ask
 from coordinator.planning.resources import Resources
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.job import FitResult, Job
@@ -62,18 +64,39 @@ def targets_of(harness: LocalHarness, marker: Path) -> Targets:
             if kind is not None:
                 services[name] = kind
         workers[card.name] = Port(address=card.address, services=services)
-    data: list[Port] = []
-    for kv in registry.list("/"):
-        if "/members/" not in kv.key:
-            continue
-        card = msgpack.unpackb(kv.value, raw=False)
-        for peer, address in sorted(card.get("data", {}).items()):
-            data.append(Port(address=address, peer=int(peer)))  # rank card["rank"]'s socket for ``peer``
     credentials = auth.installed()
     assert credentials is not None, "the harness installs the coordinator's keys in this process"
+    groups: dict[str, dict[int, dict[str, Any]]] = {}  # a communicator's prefix -> rank -> card
+    for kv in registry.list("/"):
+        if "/members/" in kv.key:
+            prefix, rank = kv.key.rsplit("/members/", 1)
+            groups.setdefault(prefix, {})[int(rank)] = msgpack.unpackb(kv.value, raw=False)
+    doors: list[Port] = []
+    data: list[Port] = []
+    for cards in groups.values():
+        for card in cards.values():
+            doors.append(Port(address=card["door"], services={"door": "door"}))
+            # each rank's channel for every peer, as an insider finds it: asking the rank's door (it binds
+            # the channel if that peer never sent to the rank)
+            for peer in sorted(cards):
+                if card["door"] != cards[peer]["door"]:
+                    got = ask(card["door"], ChannelRequest(src=peer, host_key="elsewhere"),
+                              deadline_at=time.monotonic() + 30, slice_ms=100, check=_no_wait_past(30),
+                              what=f"asking {card['door']} for rank {peer}'s channel")
+                    data.append(Port(address=got.tcp, peer=peer))  # the card's rank's socket for ``peer``
     return Targets(job=harness.job, workers=workers,
                    registry=Port(address=harness.registry_url, services={"registry": "registry"}),
-                   data=data, server_public_key=credentials.keys.server.public, marker=str(marker))
+                   data=data, doors=doors, server_public_key=credentials.keys.server.public,
+                   marker=str(marker))
+
+
+def _no_wait_past(seconds: float) -> Callable[[], None]:
+    deadline = time.monotonic() + seconds
+
+    def check() -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a rank's door did not answer within {seconds:.0f}s")
+    return check
 
 
 def steal_worker_keys(harness: LocalHarness) -> Path:

@@ -15,12 +15,13 @@ import pytest
 import zmq
 from pydantic import ValidationError
 
-from comm.codec import unpack_raw
+from comm.codec import unpack, unpack_raw
 from comm.errors import ProtocolError
 from comm.rpc.envelope import RequestEnvelope
 from comm.rpc.framing import decode_tensors
 from comm.wire import decode_header
 from comm.zmq import shm
+from comm.zmq.door import ChannelRequest
 from tests.multiproc.security.frames import (
     SEEDS,
     SERVICE_METHODS,
@@ -95,7 +96,18 @@ def test_every_data_frame_is_dropped(peer: int) -> None:
         assert refusal_of_data(frames, peer) is not None, f"data message {i} would be taken: {frames[0]!r}"
 
 
+def test_every_door_request_is_refused() -> None:
+    maker = FrameMaker(SEED)
+    for i in range(N):
+        frames = maker.door()
+        if len(frames) != 1:
+            continue  # the door answers any request of more than one frame with an error
+        with pytest.raises(ProtocolError):
+            unpack(frames[0], ChannelRequest, what=f"door request {i}")
+
+
 def test_the_stream_is_deterministic() -> None:
     a, b = FrameMaker(7), FrameMaker(7)
     assert [a.control("w", "worker") for _ in range(50)] == [b.control("w", "worker") for _ in range(50)]
     assert [a.data(1) for _ in range(50)] == [b.data(1) for _ in range(50)]
+    assert [a.door() for _ in range(50)] == [b.door() for _ in range(50)]

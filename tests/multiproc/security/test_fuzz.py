@@ -79,6 +79,11 @@ def test_ten_thousand_bad_frames_change_nothing_crash_nothing_and_log_little(tmp
     assert replies.get("worker-key: forbidden", 0) > 50, replies
     assert not [k for k in replies if k.endswith(": ok") or k.endswith(": internal")], replies
     assert not [k for k in replies if k.startswith(("stranger", "plain"))], replies  # outsiders: silence
+    # the doors (comm/zmq/door.py) answered the key holders' garbage with errors and opened nothing
+    assert targets.doors and sum(v for k, v in sent.items() if k.startswith("door ")) > 100, sent
+    refused = replies.get("coordinator-key: door refused", 0) + replies.get("worker-key: door refused", 0)
+    assert refused > 50, replies
+    assert not [k for k in replies if k.endswith("door opened a channel")], replies
 
     # nothing crashed, nothing changed
     assert run.workers_alive_at_end and run.worker_exit_codes == {"local-0": 0, "local-1": 0}

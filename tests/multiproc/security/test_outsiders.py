@@ -58,10 +58,12 @@ def test_outsiders_are_never_served_and_a_stolen_worker_key_is_forbidden(tmp_pat
     (targets,) = found
     compute = [s for p in targets.workers.values() for s, kind in p.services.items()
                if kind == "compute"]
-    assert len(compute) == 2 and targets.data, targets  # both stages were there to attack, and the data plane
+    # both stages were there to attack, and the data plane's channels and doors
+    assert len(compute) == 2 and targets.data and targets.doors, targets
     for who in ("plain", "stranger"):
         attempts = report[who]
-        assert len(attempts) == 2 + 4 * len(compute) + 4, attempts  # assign per worker, 4 per stage, 4 writes
+        # assign per worker, 4 per stage, 4 registry writes, a channel asked of every rank's door
+        assert len(attempts) == 2 + 4 * len(compute) + 4 + len(targets.doors), attempts
         answered = {label: reply for label, reply in attempts.items() if reply is not None}
         assert not answered, f"an outsider ({who}) was answered: {answered}"
     stolen = report["worker-key"]
