@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from comm.registry.memory import MemoryRegistry  # noqa: E402
 from comm.zmq.communicator import ZmqCommunicator  # noqa: E402
 
-TIMEOUT = timedelta(seconds=120)
+TIMEOUT = timedelta(seconds=300)  # also the leases: 256 ranks in one process keep theirs slowly
 
 
 def _fds() -> int:
@@ -67,7 +67,7 @@ def measure(n: int, mesh_up_to: int) -> dict[str, Any]:
 
     def make(rank: int) -> None:
         comms[rank] = ZmqCommunicator.create(rank=rank, world_size=n, registry=registry,
-                                             prefix=f"/bench/ch{n}", timeout=TIMEOUT)
+                                             prefix=f"/bench/ch{n}", timeout=TIMEOUT, liveness_ttl=TIMEOUT)
 
     errors: list[BaseException] = []
 

@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import resource
 import socket
+import tempfile
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -52,6 +55,7 @@ __all__ = [
     "bind_port",
     "default_host",
     "free_port",
+    "ipc_endpoint",
     "make_socket",
     "shared_context",
 ]
@@ -177,6 +181,25 @@ def bind_port(sock: zmq.Socket[bytes], host: str | None = None, port: int = 0) -
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(endpoint, bytes)
     return endpoint.decode()
+
+
+_ABSTRACT_IPC = platform.system() == "Linux"  # Linux's abstract namespace for Unix sockets
+
+
+def ipc_endpoint(name: str) -> tuple[str, str | None]:
+    """A fresh Unix-socket endpoint for ``name`` (a short label) to bind: ``(endpoint, file)``.
+
+    On Linux it is in the abstract namespace (``ipc://@...``): no file, so nothing is left behind when the
+    process is killed (file sockets in the temporary directory piled up by the thousand under fault tests),
+    and any process of the host's network namespace reaches it, as it reaches the loopback TCP port the
+    same socket binds (the socket's CURVE or PLAIN mechanism is what admits a peer). Elsewhere it is a file
+    in the temporary directory, to unlink once closed (``file``; None for the abstract namespace).
+    """
+    unique = f"cm-{name}-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+    if _ABSTRACT_IPC:
+        return f"ipc://@{unique}", None
+    path = os.path.join(tempfile.gettempdir(), f"{unique}.sock")
+    return f"ipc://{path}", path
 
 
 def free_port(host: str = LOOPBACK) -> int:

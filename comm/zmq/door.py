@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -42,7 +41,7 @@ from pydantic import Field
 from comm.codec import Message, pack, unpack
 from comm.errors import CommError, ProtocolError
 from comm.refusals import peer_address, refuse
-from comm.sockets import SocketLimits, bind_port, make_socket, shared_context
+from comm.sockets import SocketLimits, bind_port, ipc_endpoint, make_socket, shared_context
 
 __all__ = ["ChannelAddress", "ChannelRequest", "Door", "ask"]
 
@@ -87,14 +86,13 @@ class Door:
         self._open = open_channel
         self._sock = make_socket(zmq.ROUTER, SocketLimits(max_message=DOOR_MAX_MESSAGE), curve="server",
                                  plane="data")
-        self._path = ""
+        self._path: str | None = None
         try:
             self.tcp = bind_port(self._sock, host)
             self.ipc = ""
             if ipc:
-                self._path = os.path.join(tempfile.gettempdir(), f"cm-door-{uuid.uuid4().hex[:16]}.sock")
-                self._sock.bind(f"ipc://{self._path}")
-                self.ipc = f"ipc://{self._path}"
+                self.ipc, self._path = ipc_endpoint(f"door{rank}")
+                self._sock.bind(self.ipc)
         except BaseException:
             self._sock.close(linger=0)
             raise

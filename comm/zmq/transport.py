@@ -46,10 +46,8 @@ import contextlib
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
-import uuid
 from collections import deque
 from datetime import timedelta
 from typing import Any, Literal
@@ -62,7 +60,7 @@ from comm.base import timeout_error
 from comm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
 from comm.refusals import peer_address, refuse
 from comm.rendezvous import Rendezvous
-from comm.sockets import SocketLimits, bind_port, default_host, make_socket
+from comm.sockets import SocketLimits, bind_port, default_host, ipc_endpoint, make_socket
 from comm.traffic import SENT, ZMQ
 from comm.wire import (
     MessageKey,
@@ -227,10 +225,10 @@ class Transport:
             try:
                 tcp, ipc, inbox = bind_port(pull, self.host), "", None
                 if self.transport != "tcp":
-                    path = os.path.join(tempfile.gettempdir(), f"cm-{uuid.uuid4().hex[:16]}.sock")
-                    pull.bind(f"ipc://{path}")
-                    self._ipc_paths.append(path)
-                    ipc = f"ipc://{path}"
+                    ipc, path = ipc_endpoint(f"ch{self.rank}")
+                    pull.bind(ipc)
+                    if path is not None:
+                        self._ipc_paths.append(path)
                     if ch.peer in self._with_inbox and peer_host == self._host_key:
                         try:
                             inbox = shm.Inbox()
