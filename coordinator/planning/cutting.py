@@ -315,7 +315,13 @@ def fits_memory(problem: CutProblem) -> bool:
 
 def _banded(problem: CutProblem, limit: float) -> Bounds | None:
     """The programme of :func:`cut_min_max` over the starts within ``limit`` compute of each end (see
-    [Note: the band]); None when its answer exceeds ``limit`` (or none exists within the band)."""
+    [Note: the band]); None when its answer exceeds ``limit`` (or none exists within the band).
+
+    The first stage starts at 0 and the last one ends at ``n``: their costs are one row each (a vector over
+    the ends, a vector over the starts), so only the stages between them build the ``n x w`` band. A plan of
+    one or two stages (most of a free search's cuts within memory) never builds it: the band of two stages
+    is most of the chain wide.
+    """
     n, k = problem.num_nodes, problem.num_stages
     prefix = problem._prefix
     ends = np.arange(n + 1)
@@ -324,66 +330,123 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
     else:  # two more starts than the sum says: rounding may not drop one that belongs
         lowest = np.maximum(np.searchsorted(prefix, prefix - limit, side="left") - 2, 0)
     width = max(1, int((ends - lowest).max()))
-    starts = ends[:, None] - width + np.arange(width)[None, :]  # starts[j, t]: ascending, t = width-1 is j-1
-    outside = starts < lowest[:, None]
-    starts = np.maximum(starts, 0)
     w = np.asarray(problem.cut_s, dtype=np.float64).copy()
     w[0] = w[n] = 0.0
-    # the same float operations as the dense cost[i, j]: (prefix[j] - prefix[i]) + w[i] + w[j]
-    cost = prefix[:, None] - prefix[starts] + w[starts] + w[:, None]
-    invalid = outside | (starts >= ends[:, None])
+    allowed = None
     if problem.cuttable is not None:
         allowed = np.asarray(problem.cuttable, dtype=bool).copy()
         allowed[0] = allowed[n] = True
-        invalid |= ~allowed[starts] | ~allowed[:, None]
-    cost = np.where(invalid, np.inf, cost)
-    mem_static = None
-    mem_act: dict[tuple[float, ...], np.ndarray] = {}  # per-node held bytes -> [j, t] of nodes [starts, j)
-    if problem.memory_limit is not None:
+    memory = problem.memory_limit is not None
+    ps = ph = None
+    transient = None
+    if memory:
         assert problem.static_bytes is not None and problem.activation_bytes is not None
         ps = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
-        mem_static = ps[:, None] - ps[starts]
         if problem.transient_bytes is not None and any(problem.transient_bytes):
-            mem_static = mem_static + _band_max(problem.transient_bytes, width)
-    holding = mem_static  # a stage that holds weight-gradient rows: its static bytes with them, made once
-    if mem_static is not None and problem.hold_bytes is not None and any(problem.hold_bytes):
-        ph = np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
-        holding = mem_static + (ph[:, None] - ph[starts])
+            transient = np.asarray(problem.transient_bytes, dtype=np.float64)
+        if problem.hold_bytes is not None and any(problem.hold_bytes):
+            ph = np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
+    act_prefix: dict[tuple[float, ...], np.ndarray] = {}
 
-    masked: dict[tuple[object, ...], np.ndarray] = {}  # stages alike in memory share their costs
+    def acts(held: tuple[float, ...]) -> np.ndarray:
+        if held not in act_prefix:
+            act_prefix[held] = np.concatenate([[0.0], np.cumsum(held)])
+        return act_prefix[held]
 
-    def stage_cost(s: int) -> np.ndarray:
+    def over_memory(s: int, j: np.ndarray, i: np.ndarray, window: np.ndarray | None) -> np.ndarray | None:
+        """Where stage ``s`` running nodes ``[i, j)`` exceeds its memory (None: no limit); ``window``: the
+        transient bytes' maximum over the same nodes. The same float operations as the band's."""
         held = problem.held_bytes(s)
-        if mem_static is None or held is None:
-            return cost
-        assert problem.memory_limit is not None and problem.in_flight is not None
-        holds = problem.holds is not None and problem.holds[s]
-        key = (held, problem.in_flight[s], problem.memory_limit[s], holds)
-        if key not in masked:
-            if held not in mem_act:
-                pa = np.concatenate([[0.0], np.cumsum(held)])
-                mem_act[held] = pa[:, None] - pa[starts]
-            static = holding if holds else mem_static
-            over = static + mem_act[held] * problem.in_flight[s] > _with_slack(problem.memory_limit[s])
-            masked[key] = np.where(over, np.inf, cost)
-        return masked[key]
+        if not memory or held is None:
+            return None
+        assert ps is not None and problem.memory_limit is not None and problem.in_flight is not None
+        static = ps[j] - ps[i]
+        if window is not None:
+            static = static + window
+        if ph is not None and problem.holds is not None and problem.holds[s]:
+            static = static + (ph[j] - ph[i])
+        pa = acts(held)
+        room = _with_slack(problem.memory_limit[s])
+        over: np.ndarray = static + (pa[j] - pa[i]) * problem.in_flight[s] > room
+        return over
 
-    first = stage_cost(0)  # stage 0 covers [0, j): the start 0, where the band holds it
-    at_zero = (starts == 0) & ~outside
-    best = np.where(at_zero.any(axis=1), np.where(at_zero, first, np.inf).min(axis=1), np.inf)
+    # the first stage, [0, j) for every end j: where the band reaches the start 0
+    first = (prefix - prefix[0] + w[0]) + w
+    bad = (lowest != 0) | (ends == 0)
+    if allowed is not None:
+        bad |= ~allowed
+    over = over_memory(0, ends, np.zeros(n + 1, dtype=np.int64),
+                       None if transient is None else _prefix_max(transient))
+    if over is not None:
+        bad |= over
+    best = np.where(bad, np.inf, first)
     choice = np.zeros((k, n + 1), dtype=np.int64)
-    for s in range(1, k):
-        cand = np.maximum(best[starts], stage_cost(s))  # cand[j, t]: stages < s end at starts[j, t]
-        pick = np.argmin(cand, axis=1)  # the first minimum: the earliest start, as the dense programme
-        choice[s] = starts[ends, pick]
-        best = cand[ends, pick]
-    if not (math.isfinite(best[n]) and best[n] <= limit):
+    if k > 2:  # the stages between the first and the last: the band, ends x starts
+        # starts[j, t]: ascending; t = width - 1 is j - 1
+        starts = ends[:, None] - width + np.arange(width)[None, :]
+        outside = starts < lowest[:, None]
+        starts = np.maximum(starts, 0)
+        # the same float operations as the dense cost[i, j]: (prefix[j] - prefix[i]) + w[i] + w[j]
+        cost = prefix[:, None] - prefix[starts] + w[starts] + w[:, None]
+        invalid = outside | (starts >= ends[:, None])
+        if allowed is not None:
+            invalid |= ~allowed[starts] | ~allowed[:, None]
+        cost = np.where(invalid, np.inf, cost)
+        window = None if transient is None else _band_max(problem.transient_bytes or (), width)
+        masked: dict[tuple[object, ...], np.ndarray] = {}  # stages alike in memory share their costs
+
+        def stage_cost(s: int) -> np.ndarray:
+            held = problem.held_bytes(s)
+            if not memory or held is None:
+                return cost
+            assert problem.memory_limit is not None and problem.in_flight is not None
+            holds = problem.holds is not None and problem.holds[s]
+            key = (held, problem.in_flight[s], problem.memory_limit[s], holds)
+            if key not in masked:
+                over = over_memory(s, ends[:, None], starts, window)
+                masked[key] = cost if over is None else np.where(over, np.inf, cost)
+            return masked[key]
+
+        for s in range(1, k - 1):
+            cand = np.maximum(best[starts], stage_cost(s))  # cand[j, t]: stages < s end at starts[j, t]
+            pick = np.argmin(cand, axis=1)  # the first minimum: the earliest start, as the dense programme
+            choice[s] = starts[ends, pick]
+            best = cand[ends, pick]
+    if k > 1:  # the last stage, [i, n) for the starts i within the band of n
+        row = n - width + np.arange(width)
+        outside_n = row < lowest[n]
+        row = np.maximum(row, 0)
+        last = prefix[n] - prefix[row] + w[row] + w[n]
+        bad = outside_n | (row >= n)
+        if allowed is not None:
+            bad |= ~allowed[row]
+        over = over_memory(k - 1, np.full(width, n), row,
+                           None if transient is None else _suffix_max(transient)[row])
+        if over is not None:
+            bad |= over
+        cand_n = np.maximum(best[row], np.where(bad, np.inf, last))
+        pick_n = int(np.argmin(cand_n))
+        choice[k - 1][n] = row[pick_n]
+        final = float(cand_n[pick_n])
+    else:
+        final = float(best[n])
+    if not (math.isfinite(final) and final <= limit):
         return None
     bounds = [n]
     for s in range(k - 1, 0, -1):
         bounds.append(int(choice[s][bounds[-1]]))
     bounds.append(0)
     return tuple(reversed(bounds))
+
+
+def _prefix_max(values: np.ndarray) -> np.ndarray:
+    """``out[j] = max(values[:j])`` (0 for j = 0)."""
+    return np.concatenate([[0.0], np.maximum.accumulate(values)])
+
+
+def _suffix_max(values: np.ndarray) -> np.ndarray:
+    """``out[i] = max(values[i:])`` (0 for i = n)."""
+    return np.concatenate([np.maximum.accumulate(values[::-1])[::-1], [0.0]])
 
 
 def _band_max(values: Sequence[float], width: int) -> np.ndarray:

@@ -45,7 +45,12 @@ def dense_min_max(problem: CutProblem) -> tuple[int, ...]:
             return cost
         pa = np.concatenate([[0.0], np.cumsum(held)])
         assert problem.memory_limit is not None and problem.in_flight is not None
-        over = mem_static + (pa[None, :] - pa[:, None]) * problem.in_flight[s] > _with_slack(
+        static = mem_static
+        if problem.holds is not None and problem.holds[s] and problem.hold_bytes is not None \
+                and any(problem.hold_bytes):  # a stage holding weight-gradient rows
+            ph = np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
+            static = mem_static + (ph[None, :] - ph[:, None])
+        over = static + (pa[None, :] - pa[:, None]) * problem.in_flight[s] > _with_slack(
             problem.memory_limit[s])
         return np.where(over, np.inf, cost)
 
@@ -104,6 +109,34 @@ def test_long_uneven_chains_with_memory_and_ties(seed: int) -> None:
     same_as_dense(CutProblem(tuple(compute), tuple(cuts), k, cuttable))
     same_as_dense(CutProblem(tuple(compute), tuple(cuts), k, cuttable, static, act, in_flight, limit,
                              transient_bytes=transient))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_to_six_stages_with_every_memory_term(seed: int) -> None:
+    """The first stage's and the last stage's rows (the programme builds no band for one or two stages)
+    against the dense programme: transients, deferring and holding stages, cuttable positions, ties."""
+    rng = random.Random(1000 + seed)
+    for _ in range(10):
+        n = rng.randint(1, 30)
+        k = rng.randint(1, min(6, n))
+        compute = tuple(rng.choice([0.0, 1.0, rng.uniform(0, 5)]) for _ in range(n))
+        cuts = tuple(rng.choice([0.0, 0.2, rng.uniform(0, 2)]) for _ in range(n + 1))
+        cuttable = tuple(rng.random() > 0.2 for _ in range(n + 1)) if rng.random() < 0.5 else None
+        static = tuple(rng.uniform(0, 4) for _ in range(n))
+        act = tuple(rng.uniform(0, 1) for _ in range(n))
+        in_flight = tuple(rng.randint(1, 4) for _ in range(k))
+        limit = tuple(rng.uniform(0.8, 3.0) * (sum(static) + sum(act)) / k for _ in range(k))
+        extra: dict[str, object] = {}
+        if rng.random() < 0.5:
+            extra["transient_bytes"] = tuple(rng.uniform(0, 2) for _ in range(n))
+        if rng.random() < 0.5:
+            extra["deferred_bytes"] = tuple(rng.uniform(0, 2) for _ in range(n))
+            extra["defers"] = tuple(rng.random() < 0.5 for _ in range(k))
+        if rng.random() < 0.5:
+            extra["hold_bytes"] = tuple(rng.uniform(0, 1) for _ in range(n))
+            extra["holds"] = tuple(rng.random() < 0.5 for _ in range(k))
+        same_as_dense(CutProblem(compute, cuts, k, cuttable, static, act, in_flight, limit,
+                                 **extra))  # type: ignore[arg-type]
 
 
 def test_a_thousand_nodes_into_128_stages_is_fast() -> None:
