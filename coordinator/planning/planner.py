@@ -197,7 +197,7 @@ from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, NodeProfile, Profile, format_bytes
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import Step, schedule_steps, stage_holds
+from coordinator.planning.schedules import schedule_steps, stage_holds, stage_kinds
 from coordinator.planning.sharding import gradient_collectives, optimizer_s, sharded_sync
 from coordinator.planning.simulator import (
     DEFAULT_WEIGHT_FRACTION,
@@ -412,6 +412,15 @@ class _Shared:
         """Every node's ``I`` and ``W`` at microbatch ``mb`` ([Note: the backward's halves] in profile.py)."""
         return self._get(("halves", mb), lambda: self.profile.node_halves(mb))
 
+    def weight_sum(self, mb: int, start: int, stop: int) -> float:
+        """The ``W`` s of nodes ``[start, stop)`` at microbatch ``mb``, summed in node order (as a stage's
+        held products are priced for each count of microbatches: asked again by every shape with that cut)."""
+        key = ("weight sum", mb, start, stop)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = sum(x for _, x in self.halves(mb)[start:stop])
+        return cast(float, got)
+
     def autograd_extra(self, mb: int, start: int, stop: int) -> float:
         """What a product of held ``W`` s costs nodes ``[start, stop)`` more through autograd than in place:
         one microbatch's plain backward less its ``I`` and ``W`` (a new weight-sized gradient tensor and
@@ -610,6 +619,8 @@ def _sync_starved(resources: Resources, stage_workers: Sequence[Sequence[Worker]
             host = resources.host_of(w.name)
             threads[host] = threads.get(host, 0) + w.cpus
             workers.setdefault(host, []).append(w.name)
+    if not workers:  # GPU workers, or hosts whose cores are not given: no sync waits for a core
+        return [0.0] * len(stage_workers)
     starved = {host: 1.0 - min(1.0, max(0, resources.host_cores(names[0]) - threads[host]) / len(names))
                for host, names in workers.items()}
     return [max((starved.get(resources.host_of(w.name), 0.0) for w in ws), default=0.0)
@@ -655,7 +666,7 @@ def _shards_as_asked(request: PlanConfig, shape: Shape) -> bool:
     return mode == "collective" and d >= 2 and factor >= 2 and d % factor == 0
 
 
-def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists: Sequence[Sequence[Step]],
+def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists: Sequence[Sequence[str]],
                defer: Sequence[bool], precision: str, recompute: bool, speed: Sequence[float], alone: bool
                ) -> tuple[list[float], list[float], list[float]]:
     """Per stage, one microbatch's backward as its list runs it, on average, its ``W`` (0 where the list
@@ -667,7 +678,7 @@ def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists
     scale = mb / shared.profile.microbatch_size
     backward, weight, tail = [], [], []
     for s, (a, b) in enumerate(spans):
-        kinds = [step.kind for step in lists[s]]
+        kinds = lists[s]  # the kinds of the stage's list (stage_kinds)
         redo = sum(f for f, _ in times[a:b]) if recompute else 0.0  # the backward pays the forward again
         plain = sum(b_ for _, b_ in times[a:b]) + redo
         inp = sum(i for i, _ in halves[a:b]) + redo
@@ -676,7 +687,7 @@ def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists
         rows = sum(nd.deferred_bytes for nd in nodes[a:b]) * scale  # one microbatch's held rows
 
         def in_place(k: int, a: int = a, b: int = b) -> float:  # W of k microbatches, one product, addmm_
-            return sum(x for _, x in shared.halves(k * mb)[a:b])
+            return shared.weight_sum(k * mb, a, b)
 
         def autograd(k: int, a: int = a, b: int = b) -> float:  # the same through autograd, into a .grad
             return in_place(k) + shared.autograd_extra(mb, a, b)
@@ -883,7 +894,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     precision = request.precision
     setup = _setup(shared, shape, global_batch, request, automatic)
     mb, ranks, placement, at = setup.mb, setup.ranks, setup.placement, setup.at
-    order, lists = schedule_steps(sched_name, p, m, v)  # per rank, per stage
+    order = schedule_steps(sched_name, p, m, v)[0]  # per rank
+    lists = stage_kinds(sched_name, p, m, v)  # per stage, how each runs its backwards
     in_flight, defer, limit = setup.in_flight, setup.defer, setup.limit
     workers, speed, on_cuda = at.workers, at.speed, at.on_cuda
     runtime = setup.runtime
@@ -1077,7 +1089,7 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     cut = np.asarray(bounds)
     fwd, _, grads, params = ((x[cut[1:]] - x[cut[:-1]]).tolist() for x in sums)
     # the backwards as the simulator is given them (the schedule's lists say how each runs)
-    lists = schedule_steps(sched_name, p, m, v)[1]
+    lists = stage_kinds(sched_name, p, m, v)
     bwd, wgt, _ = _backwards(shared, mb, list(itertools.pairwise(bounds)), lists, setup.defer,
                              setup.precision, False, speed, d == 1)  # a tail only adds: a lower bound
     fwd_bytes, bwd_bytes = shared.scaled(mb)

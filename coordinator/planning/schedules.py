@@ -435,6 +435,34 @@ def schedule_steps(name: str, num_stages: int, num_microbatches: int, chunks: in
     return lists, lists
 
 
+UNSPLIT_CHUNKED = frozenset({"interleaved-1f1b"})
+"""Chunked schedules whose stages run each microbatch's forward and whole backward once (no ``I`` / ``W``):
+:func:`stage_kinds` gives their kinds without building them (``tests/unit/coordinator/planning/
+test_schedule_kinds.py`` holds it against the built lists)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_kinds(name: str, num_stages: int, num_microbatches: int,
+                chunks: int = 1) -> tuple[tuple[str, ...], ...]:
+    """Per stage, the kinds of its list in :func:`schedule_steps` (transfers included), in order; for an
+    unsplit chunked schedule (:data:`UNSPLIT_CHUNKED`) its ``F`` s then its ``B`` s instead, which is all
+    that a schedule without split backwards is asked of (how many backwards, none split), and costs no
+    build: the planner's bound asks it of thousands of shapes, and an interleaved schedule of 128 stages
+    takes tens of milliseconds to build (``schedule_steps`` keeps 64). Kept small: one tuple per stage.
+
+    Raises:
+        ValueError: As :func:`schedule_steps`.
+    """
+    if name in UNSPLIT_CHUNKED:
+        problem = schedule_problem(name, num_stages, num_microbatches, chunks)
+        if problem is not None:
+            raise ValueError(problem)
+        each = ("F",) * num_microbatches + ("B",) * num_microbatches
+        return (each,) * num_stages
+    return tuple(tuple(step.kind for step in steps)
+                 for steps in schedule_steps(name, num_stages, num_microbatches, chunks)[1])
+
+
 @functools.lru_cache(maxsize=4096)
 def stage_holds(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> tuple[tuple[int, ...],
                                                                                             tuple[bool, ...]]:
