@@ -482,13 +482,12 @@ def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Seq
     pace is that of the host where it wants the most cores.
     """
     n = len(durations)
-    cores = list(sharing.cores)
-    wants = [list(w) for w in sharing.wants]
+    cores, wants, homes = _host_classes(sharing)
     for r in range(n):  # a rank on no shared host: a host of its own, which never crowds
         if not wants[r]:
             wants[r] = [(len(cores), 1.0, 1)]
             cores.append(1.0)
-    home = [h if h is not None else wants[r][0][0] for r, h in enumerate(sharing.homes())]
+    home = [h if h is not None else wants[r][0][0] for r, h in enumerate(homes)]
     hosts = len(cores)
     slow = (1.0, sharing.forward_slowdown, sharing.backward_slowdown)
     wanted = [0.0] * hosts  # cores wanted by each host's busy ranks
@@ -610,6 +609,49 @@ def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Seq
     assert pos == [len(d) for d in durations], "a Schedule is free of deadlocks by construction"
     return Timing(name, tuple(tuple(r) for r in ranks), tuple(tuple(a) for a in steps),
                   tuple(map(tuple, starts)), tuple(map(tuple, ends)), now, tuple(busy))
+
+
+MERGE_ALIKE_HOSTS = True
+"""Whether :func:`_host_classes` merges hosts alike (off: every host played, the tests' reference)."""
+
+
+def _host_classes(sharing: Sharing
+                  ) -> tuple[list[float], list[list[tuple[int, float, int]]], list[int | None]]:
+    """``sharing``'s hosts with the hosts alike merged: the cores, each rank's wants and its home (None: no
+    shared host), over one host of each class.
+
+    Hosts alike (the same cores, and every rank wanting there the same cores for the same number of
+    workers) see the same ranks busy at every moment, so their clocks and paces are the same all along:
+    playing one of them is playing each. A data-parallel plan over many hosts puts its replicas' workers
+    alike on them (a pipeline of 16 stages over 128 hosts of 8 workers: two classes, not 128), and a
+    rank's every busy or idle turn touched every host its replicas use.
+    """
+    if not MERGE_ALIKE_HOSTS:
+        return list(sharing.cores), [list(w) for w in sharing.wants], list(sharing.homes())
+    column: dict[int, list[tuple[int, float, int]]] = {}
+    for r, want in enumerate(sharing.wants):
+        for h, k, w in want:
+            column.setdefault(h, []).append((r, k, w))
+    classes: dict[tuple[object, ...], int] = {}
+    of: dict[int, int] = {}  # host -> its class
+    cores: list[float] = []
+    for h in sorted(column):
+        key = (sharing.cores[h], tuple(column[h]))
+        if key not in classes:
+            classes[key] = len(cores)
+            cores.append(sharing.cores[h])
+        of[h] = classes[key]
+    wants: list[list[tuple[int, float, int]]] = []
+    for want in sharing.wants:
+        seen: set[int] = set()
+        mine = []
+        for h, k, w in want:  # a rank on two hosts of one class counts on that class once
+            if of[h] not in seen:
+                seen.add(of[h])
+                mine.append((of[h], k, w))
+        wants.append(mine)
+    home = [None if h is None else of[h] for h in sharing.homes()]
+    return cores, wants, home
 
 
 def simulate(schedule: Schedule, costs: StageCosts, sharing: Sharing | None = None) -> SimResult:

@@ -252,3 +252,47 @@ def test_a_tail_runs_after_the_last_send_and_delays_only_its_own_stage() -> None
     # on shared cores (one host of 2 cores, no slowdown) the same
     shared = Sharing((2.0,), (((0, 1.0, 1),), ((0, 1.0, 1),)))
     assert play("gpipe", order, [(0,), (1,)], tailed, shared).step_time_s == pytest.approx(14.0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_hosts_alike_play_as_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared-core play merges hosts alike (``simulator._host_classes``): the same timing as playing
+    every host, on random placements of replicas over hosts, symmetric (where the merge applies) or not."""
+    import coordinator.planning.simulator as simulator
+
+    rng = random.Random(seed)
+    p = rng.randint(1, 5)
+    m = rng.randint(1, 8)
+    name = rng.choice(["gpipe", "1f1b", "zb-h1"])
+    steps = [[Step(a.stage, a.kind, a.microbatch) for a in acts]
+             for acts in (build_schedule(name, p, m).rank_actions(r) for r in range(p))]
+    costs = StageCosts(tuple(rng.uniform(0.5, 2) for _ in range(p)),
+                       tuple(rng.uniform(1, 4) for _ in range(p)),
+                       tuple(rng.uniform(0, 0.3) for _ in range(p - 1)),
+                       tuple(rng.uniform(0, 0.3) for _ in range(p - 1)),
+                       start_s=tuple(rng.choice([0.0, rng.uniform(0, 1)]) for _ in range(p)))
+    replicas = rng.randint(1, 6)
+    per_host = rng.randint(1, 4)  # workers a host holds
+    symmetric = seed % 3 != 0
+    workers = [(r, d) for d in range(replicas) for r in range(p)]
+    if not symmetric:
+        rng.shuffle(workers)
+    hosts = (len(workers) + per_host - 1) // per_host
+    wants: list[dict[int, tuple[float, int]]] = [{} for _ in range(p)]
+    for index, (r, _) in enumerate(workers):
+        h = index // per_host
+        k, n = wants[r].get(h, (0.0, 0))
+        wants[r][h] = (k + rng.choice([1.0, 1.0, 2.0]) if not symmetric else k + 1.0, n + 1)
+    sharing = Sharing(tuple(float(rng.choice([1, 2, 3])) if not symmetric else 2.0 for _ in range(hosts)),
+                      tuple(tuple((h, k, n) for h, (k, n) in want.items()) for want in wants),
+                      rng.choice([1.0, 1.2]), rng.choice([1.0, 1.5]))
+    ranks = [(r,) for r in range(p)]
+    merged = play(name, steps, ranks, costs, sharing)
+    if symmetric and replicas > 1 and per_host == 1:  # the case the merge is for: it merged
+        assert len(simulator._host_classes(sharing)[0]) < len(sharing.cores)
+    monkeypatch.setattr(simulator, "MERGE_ALIKE_HOSTS", False)
+    every = play(name, steps, ranks, costs, sharing)
+    assert merged.step_time_s == pytest.approx(every.step_time_s, rel=1e-9, abs=1e-12)
+    for a, b in zip(merged.ends, every.ends, strict=True):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+    assert merged.busy_s == pytest.approx(every.busy_s, rel=1e-9, abs=1e-12)
