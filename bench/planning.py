@@ -16,6 +16,7 @@ loaded machine does not inflate as much). The fast and exhaustive plans are comp
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -35,12 +36,31 @@ from coordinator.planning.request import plan_shapes, resolve  # noqa: E402
 from coordinator.planning.resources import Resources  # noqa: E402
 
 MB = 10**6
-# (nodes, workers, fixed stages or None)
-CASES: dict[str, list[tuple[int, int, int | None]]] = {
+# (nodes, workers, fixed stages or None[, resources: "local" (default), "gpu-hosts" or "cpu-hosts"])
+CASES: dict[str, list[tuple[Any, ...]]] = {
     "examples": [(8, 2, None), (12, 4, None), (16, 8, None)],
     "issue": [(64, 8, None), (128, 64, None), (256, 256, None)],
     "cluster": [(1000, 1024, 16), (1000, 1024, 128), (1000, 1024, None)],
+    # the same on a cluster's resource list: hosts of 8 workers, 100 GB/s inside a host, 12.5 GB/s between
+    "hosts": [(1000, 1024, 16, "gpu-hosts"), (1000, 1024, None, "gpu-hosts"), (1000, 1024, 16, "cpu-hosts"),
+              (1000, 1024, None, "cpu-hosts")],
 }
+
+
+def resources(kind: str, w: int) -> Resources:
+    """The case's resource list: ``local`` (this host's ``w`` workers, 80 GiB each) or hosts of 8 workers
+    (``gpu-hosts``: a GPU each, 20x the profiled speed; ``cpu-hosts``: 4 of a host's 32 cores each)."""
+    from coordinator.planning.resources import LinkSpeed, Resources, Worker
+    if kind == "local":
+        return Resources.local(w, memory_bytes=80 * 2**30)
+    gpu = kind == "gpu-hosts"
+    return Resources(workers=tuple(
+        Worker(name=f"h{i // 8}-{i % 8}", device="cuda" if gpu else "cpu", gpus=int(gpu),
+               cpus=8 if gpu else 4, memory_bytes=(80 if gpu else 64) * 2**30, host=f"h{i // 8}",
+               host_cpus=None if gpu else 32, speed=20.0 if gpu else 1.0) for i in range(w)),
+        bandwidth_bps=12.5e9, latency_s=20e-6, intra_host=LinkSpeed(bandwidth_bps=100e9, latency_s=5e-6))
+
+
 _CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -48,14 +68,15 @@ from coordinator.planning.config import PlanConfig
 from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import Profile
 from coordinator.planning.resources import Resources
-n, w, stages = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+#RESOURCES
+n, w, stages, kind = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
 prof = Profile.synthetic([1e-3] * n, param_bytes=[4 * 10**6] * n, activation_bytes=[10**6] * n,
                          cut_bytes=[256 * 1024] * (n - 1))
-res = Resources.local(w, memory_bytes=80 * 2**30)
+res = resources(kind, w)
 t0, c0 = time.perf_counter(), time.process_time()
 plan = choose_plan(prof, res, PlanConfig(num_stages=stages), global_batch=4 * w)
 print(json.dumps({"s": time.perf_counter() - t0, "cpu": time.process_time() - c0, "plan": plan.summary()}))
-"""
+""".replace("#RESOURCES", inspect.getsource(resources))
 
 
 def profile(nodes: int) -> Profile:
@@ -63,11 +84,12 @@ def profile(nodes: int) -> Profile:
                              cut_bytes=[256 * 1024] * (nodes - 1))
 
 
-def baseline(tree: str, nodes: int, workers: int, stages: int | None, timeout: float) -> dict[str, Any]:
+def baseline(tree: str, nodes: int, workers: int, stages: int | None, kind: str, timeout: float
+             ) -> dict[str, Any]:
     """``choose_plan`` of the checkout ``tree`` on the case, in a subprocess (None past ``timeout``)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     try:
-        command = [sys.executable, "-c", _CHILD, tree, str(nodes), str(workers), json.dumps(stages)]
+        command = [sys.executable, "-c", _CHILD, tree, str(nodes), str(workers), json.dumps(stages), kind]
         out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=True)
     except subprocess.TimeoutExpired:
         return {"s": None, "cpu": None, "plan": f"stopped after {timeout:.0f} s"}
@@ -75,8 +97,9 @@ def baseline(tree: str, nodes: int, workers: int, stages: int | None, timeout: f
     return result
 
 
-def run_case(nodes: int, workers: int, stages: int | None, args: argparse.Namespace) -> dict[str, Any]:
-    prof, res = profile(nodes), Resources.local(workers, memory_bytes=80 * 2**30)
+def run_case(nodes: int, workers: int, stages: int | None, kind: str, args: argparse.Namespace
+             ) -> dict[str, Any]:
+    prof, res = profile(nodes), resources(kind, workers)
     request, batch = PlanConfig(num_stages=stages), 4 * workers
     shapes = len(plan_shapes(request, resolve(request, nodes, nodes, workers), batch))
     t0, c0 = time.perf_counter(), time.process_time()
@@ -95,7 +118,7 @@ def run_case(nodes: int, workers: int, stages: int | None, args: argparse.Namesp
         row["exhaustive_s"] = time.perf_counter() - t0
         row["same_plan"] = every == fast
     if args.baseline:
-        before = baseline(args.baseline, nodes, workers, stages, args.timeout)
+        before = baseline(args.baseline, nodes, workers, stages, kind, args.timeout)
         row["baseline_s"], row["baseline_cpu_s"] = before["s"], before.get("cpu")
         row["baseline_plan"] = before["plan"]
     return row
@@ -114,8 +137,11 @@ def main() -> None:
     print(f"{'nodes x workers':>16} {'stages':>6} {'batch':>6} {'shapes':>7} {'before s':>9} {'cpu':>6} "
           f"{'exhaust s':>9} {'fast s':>8} {'cpu':>6} {'runners':>8}  same  plan")
     for group in args.cases.split(","):
-        for nodes, workers, stages in CASES[group]:
-            row = run_case(nodes, workers, stages, args)
+        for case in CASES[group]:
+            nodes, workers, stages = case[:3]
+            kind = case[3] if len(case) > 3 else "local"
+            row = run_case(nodes, workers, stages, kind, args)
+            row["resources"] = kind
             rows.append(row)
             before, every = row.get("baseline_s"), row.get("exhaustive_s")
             before_s = ("-" if "baseline_plan" not in row else f">{args.timeout:.0f}" if before is None
@@ -125,7 +151,8 @@ def main() -> None:
             before_cpu_s = "-" if before_cpu is None else f"{before_cpu:.2f}"
             runners = row.get("runners_up_s")
             runners_s = "-" if runners is None else f"{runners:.3f}"
-            print(f"{f'{nodes} x {workers}':>16} {stages or 'any':>6} {row['global_batch']:>6} "
+            where = f"{nodes} x {workers}" + ("" if kind == "local" else f" {kind}")
+            print(f"{where:>16} {stages or 'any':>6} {row['global_batch']:>6} "
                   f"{row['shapes']:>7} {before_s:>9} {before_cpu_s:>6} {every_s:>9} {row['fast_s']:>8.3f} "
                   f"{row['fast_cpu_s']:>6.3f} {runners_s:>8}  {row.get('same_plan', '-')!s:>4}  "
                   f"{row['plan']}", flush=True)
