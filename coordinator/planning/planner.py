@@ -1245,7 +1245,10 @@ def _cut_free_bounds(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     # the sync: a rank's at least the mean of the stages' (their latencies left out: a stage without
     # gradients has none); collective replicas hide at most the whole backward, slowed and waiting for
     # cores as much as a host can make it, on the slowest
-    bandwidth = COLLECTIVE_EFFICIENCY * resources.fastest_link[0]
+    # a stage's replicas on more workers than a host holds span hosts: their slowest link joins two hosts
+    bandwidth = COLLECTIVE_EFFICIENCY * np.where(d > resources.most_on_a_host,
+                                                 resources.fastest_link_between_hosts[0],
+                                                 resources.fastest_link[0])
     hidden = row[:, 4] * _most_stretch(resources, d * ranks) / min(w.speed for w in workers)
     sync = np.where(collective, np.maximum(0.0, 2 * (d - 1) / d * grads / bandwidth - hidden),
                     2 * grads / bandwidth)

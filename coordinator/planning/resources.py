@@ -264,6 +264,23 @@ class Resources(BaseModel):
             speeds.append((self.intra_host.bandwidth_bps, self.intra_host.latency_s))
         return max(bw for bw, _ in speeds), min(lat for _, lat in speeds)
 
+    @functools.cached_property
+    def fastest_link_between_hosts(self) -> Speed:
+        """:attr:`fastest_link` without the link inside a host: the fastest any two workers of different
+        hosts can have (a group of more workers than one host holds has such a pair)."""
+        speeds = [self.default_link, *((lk.bandwidth_bps, lk.latency_s) for lk in self.links),
+                  *((hl.bandwidth_bps, hl.latency_s) for hl in self.host_links)]
+        return max(bw for bw, _ in speeds), min(lat for _, lat in speeds)
+
+    @functools.cached_property
+    def most_on_a_host(self) -> int:
+        """The most workers one host holds (a worker without a host is a host of its own)."""
+        counts: dict[str, int] = {}
+        for w in self.workers:
+            if w.host is not None:
+                counts[w.host] = counts.get(w.host, 0) + 1
+        return max(counts.values(), default=1)
+
     def _class_link(self, ha: HostKey, hb: HostKey) -> Speed:
         """The link of two workers on hosts ``ha`` and ``hb`` that no per-worker link names."""
         if ha == hb and ha[0] == "host":

@@ -280,6 +280,27 @@ def _zb_h1(p: int, m: int) -> Lists:
     return tuple(stages)
 
 
+def _zb_h1_kinds(p: int, m: int) -> tuple[tuple[str, ...], ...]:
+    """:func:`_zb_h1` 's lists as their kinds alone (the same order; no :class:`Step` built)."""
+    stages = []
+    for s in range(p):
+        fwd = ("RECV_F",) * (s > 0) + ("F",) + ("SEND_F",) * (s < p - 1)
+        inp = ("RECV_B",) * (s < p - 1) + ("I",) + ("SEND_B",) * (s > 0)
+        warmup = min(p - s - 1, m)
+        kinds = list(fwd * warmup)
+        weights = 0
+        for i in range(m):
+            if i + warmup < m:
+                kinds += fwd
+            kinds += inp
+            if i >= s:
+                kinds.append("W")
+                weights += 1
+        kinds += ["W"] * (m - weights)
+        stages.append(tuple(kinds))
+    return tuple(stages)
+
+
 def interleaved_group(num_ranks: int, num_microbatches: int) -> int | None:
     """The microbatches interleaved 1F1B runs per chunk in a row (its *group*), or None if ``m`` is refused.
 
@@ -444,19 +465,22 @@ test_schedule_kinds.py`` holds it against the built lists)."""
 @functools.lru_cache(maxsize=4096)
 def stage_kinds(name: str, num_stages: int, num_microbatches: int,
                 chunks: int = 1) -> tuple[tuple[str, ...], ...]:
-    """Per stage, the kinds of its list in :func:`schedule_steps` (transfers included), in order; for an
-    unsplit chunked schedule (:data:`UNSPLIT_CHUNKED`) its ``F`` s then its ``B`` s instead, which is all
-    that a schedule without split backwards is asked of (how many backwards, none split), and costs no
-    build: the planner's bound asks it of thousands of shapes, and an interleaved schedule of 128 stages
-    takes tens of milliseconds to build (``schedule_steps`` keeps 64). Kept small: one tuple per stage.
+    """Per stage, the kinds of its list in :func:`schedule_steps` (transfers included), in order (zb-h1's
+    made without building its steps); for an unsplit chunked schedule (:data:`UNSPLIT_CHUNKED`) its ``F`` s
+    then its ``B`` s instead, which is all that a schedule without split backwards is asked of (how many
+    backwards, none split), and costs no build: the planner's bound asks it of thousands of shapes, and an
+    interleaved schedule of 128 stages takes tens of milliseconds to build (``schedule_steps`` keeps 64).
+    Kept small: one tuple per stage.
 
     Raises:
         ValueError: As :func:`schedule_steps`.
     """
-    if name in UNSPLIT_CHUNKED:
+    if name in UNSPLIT_CHUNKED or name == "zb-h1":
         problem = schedule_problem(name, num_stages, num_microbatches, chunks)
         if problem is not None:
             raise ValueError(problem)
+        if name == "zb-h1":
+            return _zb_h1_kinds(num_stages, num_microbatches)
         each = ("F",) * num_microbatches + ("B",) * num_microbatches
         return (each,) * num_stages
     return tuple(tuple(step.kind for step in steps)

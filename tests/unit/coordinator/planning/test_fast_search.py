@@ -23,7 +23,7 @@ from coordinator.planning.memory import AUTOMATIC, REPLICATED
 from coordinator.planning.planner import _rank, candidate_plans, choose_plan
 from coordinator.planning.profile import Profile
 from coordinator.planning.request import PlanningError
-from coordinator.planning.resources import LinkSpeed, Resources, Worker
+from coordinator.planning.resources import HostLink, LinkSpeed, Resources, Worker
 from coordinator.planning.schedules import (
     Step,
     build_schedule,
@@ -343,3 +343,28 @@ def test_the_fast_search_agrees_on_random_small_jobs() -> None:
         request = PlanConfig(max_microbatches=4, **rng.choice(fixed))  # type: ignore[arg-type]
         fast, exhaustive = both_searches(prof, res, request)
         assert fast == exhaustive
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replicas_over_more_workers_than_a_host_holds_are_bounded_by_a_link_between_hosts(seed: int) -> None:
+    """The cut-free bound prices a stage's replicas on more workers than one host holds at the fastest
+    link between hosts (``Resources.fastest_link_between_hosts``), not inside one: hosts of 2-4 workers
+    with a fast link inside and slow ones between (some pairs of hosts faster), gradients large enough
+    that the sync decides. The fast search still picks what the exhaustive one does."""
+    rng = random.Random(100 + seed)
+    per_host, hosts = rng.randint(2, 4), rng.randint(2, 4)
+    n = rng.randint(3, 8)
+    prof = Profile.synthetic([rng.choice([5e-4, 1e-3]) for _ in range(n)],
+                             param_bytes=[rng.choice([16 * MiB, 64 * MiB]) for _ in range(n)],
+                             activation_bytes=[MiB] * n, cut_bytes=[256 * KiB] * (n - 1), microbatch_size=2)
+    host_links = tuple(HostLink(a=f"h{a}", b=f"h{a + 1}", bandwidth_bps=rng.choice([2e9, 5e9]),
+                                latency_s=1e-5) for a in range(hosts - 1) if rng.random() < 0.5)
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=BIG, device="cuda", gpus=1,
+                                         host=f"h{i // per_host}") for i in range(per_host * hosts)),
+                    bandwidth_bps=1e9, latency_s=2e-5, host_links=host_links,
+                    intra_host=LinkSpeed(bandwidth_bps=100e9, latency_s=5e-6))
+    assert res.most_on_a_host == per_host
+    assert res.fastest_link_between_hosts[0] == max([1e9, *(hl.bandwidth_bps for hl in host_links)])
+    assert res.fastest_link[0] == 100e9
+    fast, exhaustive = both_searches(prof, res, PlanConfig(max_microbatches=4))
+    assert fast == exhaustive

@@ -35,8 +35,8 @@ def test_an_unsplit_chunked_schedule_runs_each_microbatch_once_unsplit(name: str
 
 @pytest.mark.parametrize("name", sorted(set(SCHEDULES) - UNSPLIT_CHUNKED))
 def test_other_schedules_give_their_lists_kinds_in_order(name: str) -> None:
-    for p in (1, 2, 3, 5, 8):
-        for m in (1, 2, 4, 7, 16):
+    for p in (1, 2, 3, 5, 8, 16):
+        for m in (1, 2, 4, 7, 16, 64):
             if schedule_problem(name, p, m, 1) is not None:
                 continue
             assert stage_kinds(name, p, m) == tuple(tuple(step.kind for step in steps)
