@@ -144,6 +144,11 @@ class Door:
             address = self._open(request)
         except CommError as exc:
             return ChannelAddress(error=str(exc)[:2000])
+        except Exception as exc:  # a bug here must not end the door: the peer hears of it, the log has it
+            log.exception("[rank %d] the channel door failed to open the channel from rank %d", self.rank,
+                          request.src)
+            return ChannelAddress(error=f"rank {self.rank} failed to open the channel: "
+                                        f"{type(exc).__name__}: {exc}"[:2000])
         self.served += 1
         return address
 

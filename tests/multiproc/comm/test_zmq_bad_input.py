@@ -8,6 +8,7 @@ confused or hostile peer would send it.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -23,6 +24,7 @@ from comm.errors import CommError
 from comm.refusals import Refusals
 from comm.zmq import shm
 from comm.zmq.communicator import ZmqCommunicator
+from comm.zmq.door import ChannelRequest, ask
 from tests.harness.threads import run_ranks, zmq_pair
 
 TIMEOUT = timedelta(seconds=20)
@@ -306,3 +308,31 @@ def test_garbage_at_the_door_is_answered_with_an_error_and_the_door_keeps_servin
     assert door.served == 0  # nothing was opened for garbage
     _all_reduce_and_p2p(c0, c1)  # rank 0 asks the door now: a channel, and the ranks still talk
     assert door.served == 1 and set(c1._transport.channels) == {0}
+
+
+def test_a_door_that_fails_to_open_a_channel_says_so_and_keeps_serving(
+        pair: list[ZmqCommunicator], caplog: pytest.LogCaptureFixture) -> None:
+    """An unexpected error while the door opens a channel (a bug, not the peer's fault) reaches the sender as
+    a CommError naming it, is logged with its traceback, and the door opens the channel when asked again."""
+    c0, c1 = pair
+    door = c1._transport._door
+    assert door is not None
+    opened = door._open
+    calls = 0
+
+    def broken(request: object) -> object:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("boom")
+
+    door._open = broken  # type: ignore[assignment]
+    with caplog.at_level(logging.ERROR, logger="comm.zmq.door"), \
+            pytest.raises(CommError, match=r"failed to open the channel: RuntimeError: boom"):
+        c0.send(torch.zeros(4), dst=1, timeout=timedelta(seconds=5))
+    assert calls == 1 and any(r.exc_info for r in caplog.records if r.name == "comm.zmq.door")
+    door._open = opened  # type: ignore[method-assign]
+    # the failed send spent its sequence number (a failed operation leaves the pair out of step, as any
+    # failed send does): the door itself is asked again, as a peer would
+    got = ask(door.tcp, ChannelRequest(src=0, host_key="elsewhere"), deadline_at=time.monotonic() + 20,
+              slice_ms=100, check=lambda: None, what="asking again")
+    assert got.tcp and not got.error and door.served == 1
