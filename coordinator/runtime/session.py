@@ -493,8 +493,16 @@ class Session:
             self.loop.connect(name, self.loop.members[name].address)
         self._drop_runtime()
         plan = self._replan()
-        self._place(plan, checkpoint)
         action = f"re-planned on {len(self._workers_left())} workers: {', '.join(back)} came back"
+        try:
+            self._place(plan, checkpoint)
+        except BaseException as exc:  # the record stays, saying how it ended (the failure's own comes next)
+            self.recoveries.append(Recovery(at=time.time(), step=step, worker=", ".join(back),
+                                            reason="worker registered again",
+                                            action=f"{action}; placing that plan failed: {exc}"[:2000],
+                                            resumed_step=self.job.steps_done, plan=plan.summary(),
+                                            seconds=time.monotonic() - started))
+            raise
         self.recoveries.append(Recovery(at=time.time(), step=step, worker=", ".join(back),
                                         reason="worker registered again", action=action,
                                         resumed_step=self.job.steps_done, plan=plan.summary(),

@@ -292,3 +292,40 @@ def test_without_a_replacement_the_job_goes_on_on_the_workers_left_and_back_on_a
     assert result.plan is not None and result.plan.num_workers == 2
     _assert_failure_free(job, result)
 
+
+
+def test_a_worker_that_comes_back_and_is_lost_again_while_placed_keeps_both_records(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker returns (a new plan on two), and is killed as that plan's stage is assigned to it: the
+    "came back" re-plan keeps its record, saying the placing failed (before: it was dropped), the loss
+    gets its own, and the job ends on the worker left."""
+    job = _job(tmp_path, DP, replace_timeout_s=1.0)
+    holder: list[LocalHarness] = []
+    send = EventLoop.send
+    returned: list[bool] = []
+
+    def failing(loop: EventLoop, worker: str, service: str, name: str, request: Any, *args: Any,
+                **kwargs: Any) -> int:
+        sent = send(loop, worker, service, name, request, *args, **kwargs)
+        if worker == "local-1" and name == "assign" and returned and holder:
+            holder.pop().kill(worker)
+        return sent
+
+    monkeypatch.setattr(EventLoop, "send", failing)
+    with _harness(job, tmp_path, replacements=False) as harness, job.attach(harness):
+        def lose_then_return(record: Any) -> None:
+            if record.step == 2 and not job._session.recoveries:  # type: ignore[union-attr]
+                harness.kill("local-1")
+            if record.step == 5 and len(job._session.recoveries) == 1:  # type: ignore[union-attr]
+                harness.restart("local-1")
+                returned.append(True)
+                holder.append(harness)
+
+        result = job.fit(STEPS, callback=lose_then_return)
+    assert not holder, "the returned worker was never assigned a stage"
+    actions = [r.action for r in result.recoveries]
+    assert actions[0] == "re-planned on 1 workers without local-1", actions
+    came_back = [a for a in actions if "local-1 came back" in a]
+    assert len(came_back) == 1 and "placing that plan failed" in came_back[0], actions
+    assert len(actions) == 3 and "local-1" in actions[2], actions
+    _assert_failure_free(job, result)
