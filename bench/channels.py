@@ -39,18 +39,18 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _on_every_rank(comms: list[ZmqCommunicator], fn: Any) -> float:
-    """Run ``fn(comm)`` on a thread per rank; the wall seconds until all finished."""
+def _in_threads(items: list[Any], fn: Any) -> float:
+    """Run ``fn(item)`` on a thread per item; the wall seconds until all finished (the first error raised)."""
     errors: list[BaseException] = []
 
-    def run(c: ZmqCommunicator) -> None:
+    def run(item: Any) -> None:
         try:
-            fn(c)
+            fn(item)
         except BaseException as exc:  # reported after the join
             errors.append(exc)
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in comms]
+    threads = [threading.Thread(target=run, args=(item,), daemon=True) for item in items]
     for t in threads:
         t.start()
     for t in threads:
@@ -69,23 +69,7 @@ def measure(n: int, mesh_up_to: int) -> dict[str, Any]:
         comms[rank] = ZmqCommunicator.create(rank=rank, world_size=n, registry=registry,
                                              prefix=f"/bench/ch{n}", timeout=TIMEOUT, liveness_ttl=TIMEOUT)
 
-    errors: list[BaseException] = []
-
-    def made(rank: int) -> None:
-        try:
-            make(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=made, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT.total_seconds())
-    if errors:
-        raise errors[0]
-    met_s = time.perf_counter() - start
+    met_s = _in_threads(list(range(n)), make)
     row: dict[str, Any] = {"ranks": n, "meet_s": met_s,
                            "card_bytes": len(msgpack.packb(comms[0]._transport._cards[0], use_bin_type=True))}
 
@@ -121,10 +105,10 @@ def measure(n: int, mesh_up_to: int) -> dict[str, Any]:
         if name == "mesh" and n > mesh_up_to:  # one process's descriptors would not hold N^2 sockets
             row.update({"mesh_s": None, "fds_mesh": None, "bound_mesh": None, "connected_mesh": None})
             continue
-        row[f"{name}_s"] = _on_every_rank(comms, fn)
+        row[f"{name}_s"] = _in_threads(comms, fn)
         row[f"fds_{name}"] = per_rank()
         row[f"bound_{name}"], row[f"connected_{name}"] = channels()
-    _on_every_rank(comms, lambda c: c.close())
+    _in_threads(comms, lambda c: c.close())
     registry.close()
     return row
 
