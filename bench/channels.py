@@ -13,10 +13,10 @@ every rank reads at the rendezvous.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,23 +40,11 @@ def _fds() -> int:
 
 
 def _in_threads(items: list[Any], fn: Any) -> float:
-    """Run ``fn(item)`` on a thread per item; the wall seconds until all finished (the first error raised)."""
-    errors: list[BaseException] = []
-
-    def run(item: Any) -> None:
-        try:
-            fn(item)
-        except BaseException as exc:  # reported after the join
-            errors.append(exc)
+    """Run ``fn(item)`` on a thread per item (the tests' ``run_ranks``); the wall seconds it took."""
+    from tests.harness.threads import run_ranks
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(item,), daemon=True) for item in items]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT.total_seconds())
-    if errors:
-        raise errors[0]
+    run_ranks([functools.partial(fn, item) for item in items], timeout=TIMEOUT.total_seconds())
     return time.perf_counter() - start
 
 

@@ -272,14 +272,10 @@ class Resources(BaseModel):
                   *((hl.bandwidth_bps, hl.latency_s) for hl in self.host_links)]
         return max(bw for bw, _ in speeds), min(lat for _, lat in speeds)
 
-    @functools.cached_property
+    @property
     def most_on_a_host(self) -> int:
         """The most workers one host holds (a worker without a host is a host of its own)."""
-        counts: dict[str, int] = {}
-        for w in self.workers:
-            if w.host is not None:
-                counts[w.host] = counts.get(w.host, 0) + 1
-        return max(counts.values(), default=1)
+        return max(len(group) for group in self.host_groups)
 
     def _class_link(self, ha: HostKey, hb: HostKey) -> Speed:
         """The link of two workers on hosts ``ha`` and ``hb`` that no per-worker link names."""
