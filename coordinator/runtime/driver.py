@@ -86,7 +86,7 @@ from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.evaluation import forward_actions
 from coordinator.runtime.heap import release, settle
 from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
-from coordinator.runtime.nonfinite import first_nonfinite, overflowed, refuse
+from coordinator.runtime.nonfinite import NonFiniteStep, first_nonfinite, overflowed, refuse
 from coordinator.runtime.records import StepRecord, _Service
 from coordinator.runtime.runspec import RunSpec, boundary_spec
 from coordinator.runtime.scaler import LossScaler
@@ -111,9 +111,11 @@ from services.protocol import (
     TensorsReply,
     TiedOptions,
     TurnsOptions,
+    WindowReply,
     WorkerCard,
     WorkerStatus,
 )
+from services.protocol.compute import MAX_WINDOW_STEPS
 
 __all__ = ["Runtime"]
 
@@ -123,6 +125,12 @@ PROBE_TIMEOUT = timedelta(seconds=2)
 NAMED = 8  # workers a message names before it counts the rest (a line per message, not per worker)
 TRAIN_PROGRAM = "train"  # the name of each stage's training program (RunStep.program)
 Batches = Sequence[Sequence[Sequence[int]]]  # [replica][microbatch] -> sample indices
+
+
+def _step_end(body: StepReply) -> list[float]:
+    """When a stage's step ended by its own timings (its last action's or phase's end)."""
+    ends = list(body.ends) if body.num_timed else []
+    return [*ends, *(p.end for p in body.phases)]
 
 
 def _some(items: Sequence[str]) -> str:
@@ -334,6 +342,33 @@ class Runtime:
         if self.plan.staleness:
             assert save is None, "an asynchronous plan takes no checkpoint"
             return self._run_async(step, batches, upcoming, step + 1 if end is None else end)
+        return self.run_steps(step, [batches], save)[0]
+
+    @property
+    def window(self) -> int:
+        """How many steps one request may carry: 1, or :data:`MAX_WINDOW_STEPS` where the stages can decide
+        every commit themselves (one replica, the collective path, no fp16 loss scale: see [Note: a window
+        of steps] in ``services/protocol/compute.py``)."""
+        if (self.plan.staleness or self.plan.data_parallel > 1 or self.scaler is not None
+                or self._shards.services or self.plan.mode != "collective"):
+            return 1
+        return MAX_WINDOW_STEPS
+
+    def run_steps(self, step: int, batches: Sequence[Batches], save: SaveRequest | None = None
+                  ) -> list[StepRecord]:
+        """Run steps ``step .. step + len(batches) - 1`` (``batches[k]``: step ``step + k``'s, as
+        :meth:`run_step` takes them) in one request per stage: the stages commit each step but the last
+        themselves ([Note: a window of steps] in ``services/protocol/compute.py``); at most :attr:`window`
+        steps. Their records, in order: fewer than asked when a step that is not finite stops the job (then
+        :class:`~coordinator.runtime.nonfinite.NonFiniteStep` is raised, as by :meth:`run_step`).
+
+        ``save`` rides on the commit the request carries (the previous step's), as in :meth:`run_step`.
+
+        Raises:
+            JobFailed: Naming the worker, the service and the step.
+        """
+        assert 1 <= len(batches) <= self.window, f"{len(batches)} steps in one request, at most {self.window}"
+        assert not self.plan.staleness
         start, polled = time.time(), self.loop.poll_seconds
         timeout_ms = int(self.spec.step_timeout.total_seconds() * 1000)
         commit = self._commit_fields(save) if self._uncommitted else None
@@ -348,27 +383,80 @@ class Runtime:
         # once per replica, whose stages all get it ([Note: a request packed once] in comm/rpc/hot.py)
         shared: dict[str, object] = {"step": step, "program": TRAIN_PROGRAM, "timeout_ms": timeout_ms,
                                      "loss_scale": replica_scale, "commit": commit}
-        requests = [{**shared, "microbatches": [list(mb) for mb in mbs]} for mbs in batches]
-        if self._first_request or (commit is not None and self._first_commit):  # the shape, checked once
-            RunStep.model_validate(requests[0])
+        if len(batches) > 1:
+            shared["window"] = {"microbatches": [[list(mb) for mb in later[0]]
+                                                 for later in batches[1:]],
+                                "optimizer": self.spec.optimizer.model_dump(mode="python"),
+                                "first_commit": self.commits + (commit is not None),
+                                "clip_grad_norm": self.spec.clip_grad_norm, "nonfinite": self.spec.nonfinite}
+        requests = [{**shared, "microbatches": [list(mb) for mb in mbs]} for mbs in batches[0]]
+        if self._first_request or (commit is not None and self._first_commit) or len(batches) > 1:
+            RunStep.model_validate(requests[0])  # the shape, checked once (a window's each time: few)
             self._first_request, self._first_commit = False, self._first_commit and commit is None
         per_replica = [PackedBody(request) for request in requests]
         ids: dict[int, _Service] = {}
         send = self.loop.send
+        kind = WindowReply if len(batches) > 1 else StepReply
         for sv in self.services:
-            ids[send(sv.worker, sv.name, "run_step", per_replica[sv.replica], StepReply)] = sv
+            ids[send(sv.worker, sv.name, "run_step", per_replica[sv.replica], kind)] = sv
         if commit is not None and self._shards.services:  # the shards' part of the commit (none: no shards)
             self._shards.send_round(self.loop, self._commit_request(save), save, self.spec.step_timeout)
-        replies = self._gather(ids, f"step {step}", self.spec.step_timeout + timedelta(seconds=10), step)
+        what = f"step {step}" if len(batches) == 1 else f"steps {step}-{step + len(batches) - 1}"
+        replies = self._gather(ids, what, self.spec.step_timeout * len(batches) + timedelta(seconds=10), step)
         if commit is not None:
             self.commits += 1
+        per_step = self._per_step(ids, replies, len(batches))
+        records: list[StepRecord] = []
+        ended = time.time()
+        coordinator_s = max(0.0, (ended - start) - (self.loop.poll_seconds - polled)) / len(per_step)
+        for k, (bodies, committed) in enumerate(per_step):
+            last = k == len(per_step) - 1
+            end = ended if last else max((t for _, body in bodies for t in _step_end(body)), default=ended)
+            try:
+                records.append(self._account(step + k, batches[k], bodies, committed, loss_scale,
+                                             replica_scale, start, end, coordinator_s))
+            except NonFiniteStep as exc:
+                exc.before = records
+                raise
+            start = end
+        return records
+
+    def _per_step(self, ids: dict[int, _Service], replies: dict[int, Reply], steps: int
+                  ) -> list[tuple[list[tuple[_Service, StepReply]], bool | None]]:
+        """Each step's replies (by service) and whether the stages committed it (None: the request's last
+        step, whose commit is the coordinator's)."""
+        if steps == 1:
+            bodies = []
+            for rid, reply in replies.items():
+                assert isinstance(reply.body, StepReply)
+                bodies.append((ids[rid], reply.body))
+            return [(bodies, None)]
+        windows = []
+        for rid, reply in replies.items():
+            assert isinstance(reply.body, WindowReply)
+            windows.append((ids[rid], reply.body))
+        counts = {len(w.steps) for _, w in windows}
+        verdicts = {tuple(w.committed) for _, w in windows}
+        if len(counts) != 1 or len(verdicts) != 1:  # every stage applies stage 0's verdicts: a bug if not
+            raise JobError(f"the stages of a window of {steps} steps disagree on its commits: "
+                           + "; ".join(f"stage {sv.stage} ran {len(w.steps)} steps, committed {w.committed}"
+                                       for sv, w in windows))
+        ran = counts.pop()
+        committed = verdicts.pop()
+        return [([(sv, w.steps[k]) for sv, w in windows], committed[k] if k < ran - 1 else None)
+                for k in range(ran)]
+
+    def _account(self, step: int, batches: Batches, bodies: list[tuple[_Service, StepReply]],
+                 committed: bool | None, loss_scale: float, replica_scale: float, start: float, end: float,
+                 coordinator_s: float) -> StepRecord:
+        """The record of ``step`` from its replies; decide its commit (``committed`` None), or check the
+        stages' (True: they committed it, False: they dropped it)."""
         total = sum(len(mb) for per in batches for mb in per)
         loss = 0.0
-        bodies: list[tuple[_Service, StepReply]] = []
-        for rid, reply in replies.items():
-            sv, body = ids[rid], reply.body
-            assert isinstance(body, StepReply)
-            bodies.append((sv, body))
+        for sv, body in bodies:
+            if body.step != step:
+                raise JobError(f"stage {sv.stage} (worker {sv.worker}) answered step {body.step} for step "
+                               f"{step}")
             for m, value in enumerate(body.losses):
                 loss += value * len(batches[sv.replica][m]) / total
         self.traffic.update(latest_by((sv.worker, body.traffic) for sv, body in bodies))
@@ -378,17 +466,23 @@ class Runtime:
         skipped = overflow or bad is not None
         parts = norm_parts(self.plan.zero_stage, self.plan.shard_factor)
         norm = global_norm(bodies, replica_scale, parts)
-        self._uncommitted = not skipped  # a step that is not finite is dropped: never committed
-        if not skipped:
+        if committed is not None and committed == skipped:
+            raise JobError(f"step {step}: the stages {'committed' if committed else 'dropped'} it, and its "
+                           f"replies say it is {'not ' if skipped else ''}finite")
+        if committed:  # the stages applied it: the next request carries no commit of it
             self._last_good = (step, loss)
-            # the commit unscales fp16's gradients and clips them by the global norm of the unscaled ones
-            self._pending = (step, grad_scale(bodies, self.spec.clip_grad_norm, replica_scale, parts))
-        elif bad is not None and not overflow:
-            refuse(self.spec.run, self.spec.nonfinite, step, *bad, last_good=self._last_good)
-        ended = time.time()
-        return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=ended,
-                          coordinator_s=max(0.0, (ended - start) - (self.loop.poll_seconds - polled)),
-                          skipped=skipped, loss_scale=loss_scale, grad_norm=norm,
+            self.commits += 1
+            self._uncommitted = False
+        else:
+            self._uncommitted = committed is None and not skipped  # a dropped step is never committed
+            if not skipped:
+                self._last_good = (step, loss)
+                # the commit unscales fp16's gradients and clips them by the global norm of the unscaled ones
+                self._pending = (step, grad_scale(bodies, self.spec.clip_grad_norm, replica_scale, parts))
+            elif bad is not None and not overflow:
+                refuse(self.spec.run, self.spec.nonfinite, step, *bad, last_good=self._last_good)
+        return StepRecord(step=step, loss=loss, num_samples=total, start=start, end=end,
+                          coordinator_s=coordinator_s, skipped=skipped, loss_scale=loss_scale, grad_norm=norm,
                           replies=bodies, actions=self._actions,
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
                           traffic=dict(self.traffic))

@@ -122,7 +122,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -142,8 +142,8 @@ from comm.rpc.framing import check_reply, reply_fields
 from comm.rpc.hot import PackedBody, RequestHeads
 from comm.sockets import CONTROL_HWM, make_socket
 from services.host.worker import coordinator_key
-from services.protocol import StepReply, WorkerCard
-from services.protocol.hot import step_reply_frame
+from services.protocol import StepReply, WindowReply, WorkerCard
+from services.protocol.hot import step_reply_frame, window_reply_frame
 
 __all__ = ["DEFAULT_PRESENCE_TTL", "Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
 
@@ -242,6 +242,7 @@ class EventLoop:
         self.members: dict[str, WorkerCard] = {}
         self.poll_seconds = 0.0  # time spent waiting in the poller (the rest is the coordinator's work)
         self.wakeups = 0
+        self.requests = Counter[str]()  # requests sent, by method
         self.coalesce, self.coalesce_share, self.coalesce_min = coalesce, coalesce_share, coalesce_min
         self._hold = False  # the last wake-up read replies with many outstanding: let the next ones gather
         self._sock: zmq.Socket[bytes] | None = None  # made at the first connect ([Note: one socket ...])
@@ -404,6 +405,7 @@ class EventLoop:
                         "keys", sent=sent))
             return request_id
         self._requests[request_id] = _Request(worker, service, method, reply_type, sent)
+        self.requests[method] += 1
         return request_id
 
     def forget(self, request_id: int) -> None:
@@ -505,6 +507,15 @@ class EventLoop:
                 if request.reply_type is StepReply:
                     return Reply(id=hot[0], worker=worker, service=request.service, method=request.method,
                                  ok=True, body=hot[1], sent=request.sent)
+            else:
+                window = window_reply_frame(frame)
+                if window is not None:
+                    request = self._requests.pop(window[0], None)
+                    if request is None:
+                        return None  # a late reply to a forgotten request
+                    if request.reply_type is WindowReply:
+                        return Reply(id=window[0], worker=worker, service=request.service,
+                                     method=request.method, ok=True, body=window[1], sent=request.sent)
         source = f"worker {worker} (coordinator of {self.job})"
         fields = reply_fields(frame, source)
         if fields is None:

@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 
 from coordinator.runtime.errors import JobError
-from coordinator.runtime.records import _Service
+from coordinator.runtime.records import StepRecord, _Service
 from coordinator.runtime.scaler import LossScaler
 from services.protocol import StepReply
 
@@ -53,6 +53,7 @@ class NonFiniteStep(JobError):
         self.step = step
         self.stage = stage
         self.last_good_loss = last_good_loss
+        self.before: list[StepRecord] = []  # the steps of its window before it, committed (Runtime.run_steps)
 
 
 def first_nonfinite(bodies: Sequence[tuple[_Service, StepReply]]) -> tuple[_Service, str] | None:

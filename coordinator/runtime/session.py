@@ -77,6 +77,7 @@ from coordinator.runtime.evaluation import Evaluation
 from coordinator.runtime.factories import build_chain, factory_roots, job_factories
 from coordinator.runtime.harness import LocalHarness, memory_limits
 from coordinator.runtime.loop import EventLoop
+from coordinator.runtime.nonfinite import NonFiniteStep
 from coordinator.runtime.preflight import check_optimizer, model_structure
 from coordinator.runtime.records import EvalRecord, Recovery, StepRecord
 from coordinator.runtime.tied import shared_parameters
@@ -91,6 +92,8 @@ log = logging.getLogger(__name__)
 
 _runs = itertools.count()
 _PROCESS_TAG = uuid.uuid4().hex[:4]
+# a window of steps lasts about this long by the plan's predicted step ([Note: a window of steps])
+WINDOW_SECONDS = 0.5
 RELEASE_TIMEOUT = timedelta(seconds=5)  # releasing the old runtime's services after a failure
 
 
@@ -285,17 +288,45 @@ class Session:
                 return step_batches(self.sampler, j, self.accumulate, plan.data_parallel,
                                     plan.num_microbatches)
 
-            # an asynchronous plan may send a replica later steps' batches ahead (async_steps.py)
-            record = runtime.run_step(k, batches_of(k), save, upcoming=batches_of, end=end)
-            if ckpt is not None:
-                self._announce(ckpt.record(record.saved))
-            self.job.steps_done += 1
-            records[k] = record
-            if self.evaluation is not None and self.evaluation.due(self.job.steps_done, end):
-                record.eval = self._evaluate(self.evaluation, runtime, end)
-            if callback is not None:
-                callback(record)
+            steps = self._window(runtime, plan, k, end)
+            try:
+                if steps == 1:  # an asynchronous plan may send a replica later steps ahead (async_steps.py)
+                    done = [runtime.run_step(k, batches_of(k), save, upcoming=batches_of, end=end)]
+                else:
+                    done = runtime.run_steps(k, [batches_of(j) for j in range(k, k + steps)], save)
+            except NonFiniteStep as exc:  # the steps of the window before it were committed: they count
+                for record in exc.before:
+                    self._done(record, records, runtime, end, callback)
+                raise
+            for record in done:
+                self._done(record, records, runtime, end, callback)
             self._use_returned()
+
+    def _done(self, record: StepRecord, records: dict[int, StepRecord], runtime: Runtime, end: int,
+              callback: Callable[[StepRecord], None] | None) -> None:
+        """Count a finished step: its checkpoint parts, its record, the evaluation due after it, the callback
+        (in that order)."""
+        if self.checkpointer is not None:
+            self._announce(self.checkpointer.record(record.saved))
+        self.job.steps_done += 1
+        records[record.step] = record
+        if self.evaluation is not None and self.evaluation.due(self.job.steps_done, end):
+            record.eval = self._evaluate(self.evaluation, runtime, end)
+        if callback is not None:
+            callback(record)
+
+    def _window(self, runtime: Runtime, plan: Plan, k: int, end: int) -> int:
+        """How many steps from step ``k`` go in one request ([Note: a window of steps] in
+        ``services/protocol/compute.py``): ``runtime.steps_per_request`` (0: about :data:`WINDOW_SECONDS`
+        of the plan's predicted steps), at most what the plan allows and what is left of the fit; a window
+        ends where a checkpoint rides on the next commit or an evaluation is due."""
+        steps = min(runtime.window, end - k, self.job.config.runtime.steps_per_request or max(
+            1, int(WINDOW_SECONDS / max(plan.step_time_s, 1e-6))))
+        for i in range(1, steps):
+            if ((self.checkpointer is not None and self.checkpointer.due(k + i))
+                    or (self.evaluation is not None and self.evaluation.due(k + i, end))):
+                return i
+        return steps
 
     def _evaluate(self, evaluation: Evaluation, runtime: Runtime, end: int) -> EvalRecord:
         """Commit with the checkpoint due (the final one at ``end``), then evaluate (see evaluation.py)."""

@@ -109,6 +109,8 @@ from pydantic import BaseModel, ValidationError
 
 from comm import traffic
 from comm.codec import describe_validation_error
+from comm.factory import wire_device
+from comm.logs import log_context
 from comm.memcap import PeakProbe, is_allocation_failure, out_of_memory_message
 from comm.rpc import Call, RpcError, ServiceBase
 from services import faults
@@ -129,6 +131,7 @@ from services.compute.programs import Programs
 from services.compute.randomness import ModelRandomness
 from services.compute.stage import Stage, build_stage, check_samples, make_optimizer
 from services.compute.update import local_update, scale_grads
+from services.compute.window import Verdict, agree
 from services.factories import FactoryAllowList
 from services.link import PipelineLink
 from services.params import scheduling
@@ -151,8 +154,11 @@ from services.protocol import (
     Reconnect,
     RunStep,
     SavedParts,
+    StepReply,
+    StepWindow,
     TensorsReply,
     TrafficReports,
+    WindowReply,
     ZeroGradRequest,
 )
 
@@ -328,56 +334,112 @@ class CellComputeService(ServiceBase):
             if self._poisoned is not None:
                 raise RpcError("comm_failed", f"stage {stage.index}: {self._poisoned}; reconnect every stage "
                                               "under a new comm_prefix before the next step")
-            optimizer = self._commit_optimizer(request.commit) if request.commit is not None else None
+            window = request.window
+            optimizer = (self._commit_optimizer(request.commit) if request.commit is not None else
+                         self._commit_optimizer(CommitStep(step=0, optimizer=window.optimizer))
+                         if window is not None else None)
         try:
             request, trains = self._programs.resolve(request)
             check_samples(stage, request.microbatches, request.source)
+            for later in window.microbatches if window is not None else ():
+                check_samples(stage, later, request.source)
+            if window is not None and (not trains or request.source == "eval"):
+                raise ValueError("a window of steps takes a training list (with backwards); send the steps "
+                                 "of this list one by one")
+            if window is not None and (self._replicas > 1 or not self._path.updates_locally):
+                raise ValueError("a window of steps is for one replica updating locally (its stages decide "
+                                 "each commit together); this stage has "
+                                 + (f"{self._replicas} replicas" if self._replicas > 1 else
+                                    "its update on the parameter server") + ": send the steps one by one")
             positions = turns.positions(self._turns, stage.index, request.actions, request.source)
         except ValueError as exc:  # an unknown program, a ScheduleError, a sample out of range, BatchNorm
             raise RpcError("bad_request", f"step {request.step}: {exc}") from None
         timeout = timedelta(milliseconds=request.timeout_ms)
 
         def run() -> BaseModel:
-            deadline = time.monotonic() + timeout.total_seconds()
-            if self._batch_norm_sync is not None:
-                self._batch_norm_sync.begin(deadline)
-            faults.at(request.step, "step")
-            phases: list[PhaseTiming] = []
-            if request.commit is not None:  # the previous step's update first: it was complete
-                phases = self._apply_commit(request.commit, optimizer, timeout, request.step)
-            try:
-                comm = self._link.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
-                self._path.begin(timedelta(seconds=max(0.0, deadline - time.monotonic())))
-            except (TimeoutError, RuntimeError) as exc:
-                raise StepFailed(f"stage {stage.index}, step {request.step}: {exc}",
-                                 transfers_posted=False) from exc
-            start = time.monotonic()
-            try:
-                with (evaluating(stage.module) if request.source == "eval" else contextlib.nullcontext(),
-                      turns.taking(self._turns, request.step, stage.index, positions, deadline) as taking):
-                    reply = StepExecutor(stage, comm, request, trains, deadline, self._path,
-                                         self._precision, self._tied, self._randomness, taking).run()
-            except TimeoutError as exc:  # the worker's previous step did not end
-                self._path.abandon()
-                raise StepFailed(f"stage {stage.index}, step {request.step}: {exc}",
-                                 transfers_posted=False) from exc
-            except StepFailed as exc:
-                self._path.abandon()
-                reduced = self._batch_norm_sync is not None and self._batch_norm_sync.reduced
-                if exc.transfers_posted or self._path.launched or reduced:
-                    with self._lock:
-                        self._poisoned = f"step {request.step} failed after posting transfers"
-                raise
-            log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
-                      time.monotonic() - start)
-            lead = self._path.lead if request.commit is not None else None  # async parameter server
-            return reply.model_copy(update={"phases": [*phases, *reply.phases], "lead": lead,
-                                            "held_bytes": self._held_bytes(),
-                                            "peak_bytes": self._probe.peak(), "traffic": self._traffic.report(
-                                                traffic.snapshot(), training=request.source != "eval"),
-                                            "saved": self._writer.finished()})
+            reply = self._one_step(request, request.commit, optimizer, trains, positions, timeout)
+            if window is None:
+                return reply
+            replies, committed = [reply], []
+            commits = window.first_commit
+            for k, microbatches in enumerate(window.microbatches):
+                verdict = self._verdict(reply, window, timeout)
+                if verdict.action == "stop":
+                    break
+                committed.append(verdict.action == "commit")
+                commit = None
+                if verdict.action == "commit":
+                    commit = CommitStep(step=commits, optimizer=window.optimizer,
+                                        timeout_ms=request.timeout_ms, grad_scale=verdict.grad_scale,
+                                        train_step=request.step + k)
+                    commits += 1
+                later = request.model_copy(update={"step": request.step + k + 1, "microbatches": microbatches,
+                                                   "commit": None, "window": None})
+                with log_context(step=later.step):  # the records of each step of the window name it
+                    reply = self._one_step(later, commit, optimizer, trains, positions, timeout)
+                replies.append(reply)
+            return WindowReply(steps=replies, committed=committed)
 
-        self._submit(call, f"step {request.step}", timeout, run)
+        steps = 1 + (len(window.microbatches) if window is not None else 0)
+        self._submit(call, f"step {request.step}" if steps == 1 else
+                     f"steps {request.step}-{request.step + steps - 1}", timeout * steps, run)
+
+    def _verdict(self, reply: StepReply, window: StepWindow, timeout: timedelta) -> Verdict:
+        """Every stage's verdict on the commit of the step ``reply`` answers ([Note: a window of steps])."""
+        stage = self._stage
+        try:
+            comm = self._link.wait(timeout)
+            device = wire_device(comm.backend, stage.device) if comm is not None else stage.device
+            return agree(comm, stage.index, stage.num_stages, reply, window.clip_grad_norm, window.nonfinite,
+                         device, timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            with self._lock:
+                self._poisoned = f"step {reply.step}'s verdict failed"
+            raise StepFailed(f"stage {stage.index}, step {reply.step}: agreeing on its commit: {exc}",
+                             transfers_posted=True) from exc
+
+    def _one_step(self, request: RunStep, commit: CommitStep | None, optimizer: torch.optim.Optimizer | None,
+                  trains: bool, positions: list[int] | None, timeout: timedelta) -> StepReply:
+        """Apply ``commit`` (the previous step's), then run the step ``request`` names; its reply."""
+        stage = self._stage
+        deadline = time.monotonic() + timeout.total_seconds()
+        if self._batch_norm_sync is not None:
+            self._batch_norm_sync.begin(deadline)
+        faults.at(request.step, "step")
+        phases: list[PhaseTiming] = []
+        if commit is not None:  # the previous step's update first: it was complete
+            phases = self._apply_commit(commit, optimizer, timeout, request.step)
+        try:
+            comm = self._link.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            self._path.begin(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+        except (TimeoutError, RuntimeError) as exc:
+            raise StepFailed(f"stage {stage.index}, step {request.step}: {exc}",
+                             transfers_posted=False) from exc
+        start = time.monotonic()
+        try:
+            with (evaluating(stage.module) if request.source == "eval" else contextlib.nullcontext(),
+                  turns.taking(self._turns, request.step, stage.index, positions, deadline) as taking):
+                reply = StepExecutor(stage, comm, request, trains, deadline, self._path,
+                                     self._precision, self._tied, self._randomness, taking).run()
+        except TimeoutError as exc:  # the worker's previous step did not end
+            self._path.abandon()
+            raise StepFailed(f"stage {stage.index}, step {request.step}: {exc}",
+                             transfers_posted=False) from exc
+        except StepFailed as exc:
+            self._path.abandon()
+            reduced = self._batch_norm_sync is not None and self._batch_norm_sync.reduced
+            if exc.transfers_posted or self._path.launched or reduced:
+                with self._lock:
+                    self._poisoned = f"step {request.step} failed after posting transfers"
+            raise
+        log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
+                  time.monotonic() - start)
+        lead = self._path.lead if commit is not None else None  # async parameter server
+        return reply.model_copy(update={"phases": [*phases, *reply.phases], "lead": lead,
+                                        "held_bytes": self._held_bytes(),
+                                        "peak_bytes": self._probe.peak(), "traffic": self._traffic.report(
+                                            traffic.snapshot(), training=request.source != "eval"),
+                                        "saved": self._writer.finished()})
 
     def rpc_load_program(self, request: LoadProgram, call: Call) -> Empty:
         try:

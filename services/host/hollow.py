@@ -28,6 +28,9 @@ differs (:data:`HOLLOW_BUILDERS`, handed to the worker: the worker's code is not
   replicas' all-reduce rings in one Python process on a shared machine would measure that process,
   not the coordinator. The data-parallel groups' rendezvous keys are therefore missing from the
   registry counts (one key per replica and placement, not per step).
+* A window of steps (``RunStep.window``) runs as the real stage runs it: after each step the stages
+  agree on its commit over the pipeline communicator (``services/compute/window.py``), and the reply
+  is the real :class:`~services.protocol.WindowReply`.
 * The reply is the real :class:`~services.protocol.StepReply`: one timing per action, a loss per
   microbatch on the last stage (:data:`HOLLOW_LOSS`), a gradient norm when the step trains, the
   process's traffic counters, the stage's held bytes.
@@ -74,6 +77,7 @@ from comm.sockets import shared_context
 from services.compute.actions import validate_stage
 from services.compute.boundary import empty_buffers, transfer_tag
 from services.compute.stage import build_stage
+from services.compute.window import agree
 from services.factories import FactoryAllowList
 from services.host.worker import SERVICE_BUILDERS, ServiceBuilder, Worker, allowed_factories
 from services.link import PipelineLink
@@ -95,6 +99,7 @@ from services.protocol import (
     StepReply,
     TensorsReply,
     TrafficReports,
+    WindowReply,
     ZeroGradRequest,
     pack_times,
 )
@@ -266,22 +271,44 @@ class HollowCompute(ServiceBase):
             raise RpcError("bad_request", f"step {request.step}: {exc}") from None
         timeout = timedelta(milliseconds=request.timeout_ms)
 
-        def run() -> BaseModel:
+        window = request.window
+        if window is not None and (not trains or self._options.num_replicas > 1):
+            raise RpcError("bad_request", f"step {request.step}: a window of steps is for one replica's "
+                                          "training list")
+
+        def one(step: int, microbatches: list[list[int]], committed: bool) -> StepReply:
             deadline = time.monotonic() + timeout.total_seconds()
-            if request.commit is not None:
+            if committed:
                 self._updates += 1
             comm = self._link.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
-            starts, ends = self._walk(actions, request.microbatches, comm, deadline)
+            starts, ends = self._walk(actions, microbatches, comm, deadline)
             last = self._index == self._stages - 1
-            return StepReply(step=request.step, stage=self._index,
-                             losses=[HOLLOW_LOSS] * len(request.microbatches) if last else [],
+            return StepReply(step=step, stage=self._index,
+                             losses=[HOLLOW_LOSS] * len(microbatches) if last else [],
                              times=pack_times(starts, ends),
                              traffic=self._traffic.report(traffic.snapshot(),
                                                           training=request.source != "eval"),
                              grad_sq_norm=1.0 if trains and self._options.grad_path == "collective" else None,
                              held_bytes=self._held_bytes)
 
-        self._submit(call, f"step {request.step}", timeout, run)
+        def run() -> BaseModel:
+            reply = one(request.step, request.microbatches, request.commit is not None)
+            if window is None:
+                return reply
+            replies, committed = [reply], []
+            for k, microbatches in enumerate(window.microbatches):  # the stages' verdicts, as real ones agree
+                comm = self._link.wait(timeout)
+                verdict = agree(comm, self._index, self._stages, reply, window.clip_grad_norm,
+                                window.nonfinite, "cpu", timeout)
+                if verdict.action == "stop":
+                    break
+                committed.append(verdict.action == "commit")
+                reply = one(request.step + k + 1, microbatches, verdict.action == "commit")
+                replies.append(reply)
+            return WindowReply(steps=replies, committed=committed)
+
+        steps = 1 + (len(window.microbatches) if window is not None else 0)
+        self._submit(call, f"step {request.step}", timeout * steps, run)
 
     def _walk(self, actions: Sequence[Action], microbatches: list[list[int]], comm: Communicator | None,
               deadline: float) -> tuple[list[float], list[float]]:

@@ -59,12 +59,14 @@ from comm.traffic import MAX_REASON_CHARS, MAX_REASONS, TrafficCounts
 from services.protocol.compute import (
     MAX_NONFINITE_NAMED,
     MAX_TIMES_BYTES,
+    MAX_WINDOW_STEPS,
     TIMING_BYTES,
     PhaseTiming,
     StepReply,
+    WindowReply,
 )
 
-__all__ = ["step_reply_frame"]
+__all__ = ["step_reply_frame", "window_reply_frame"]
 
 _NAME_CHARS = 256  # comm.rpc.envelope.Name
 _MAX_METRICS = 1 << 16  # StepReply.metric_sums
@@ -119,11 +121,31 @@ class _StepEnvelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     tensors: _Empty
 
 
+class _Window(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """:class:`WindowReply`."""
+
+    steps: Annotated[list[_Step], msgspec.Meta(min_length=1, max_length=MAX_WINDOW_STEPS)]
+    committed: Annotated[list[bool], msgspec.Meta(max_length=MAX_WINDOW_STEPS)]
+
+
+class _WindowEnvelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """:class:`_StepEnvelope` carrying a :class:`_Window`."""
+
+    v: Literal[PROTOCOL_VERSION]  # type: ignore[valid-type]
+    id: _Count
+    ok: Literal[True]
+    body: _Window
+    error: None
+    tensors: _Empty
+
+
 _decode = msgspec.msgpack.Decoder(_StepEnvelope).decode
+_decode_window = msgspec.msgpack.Decoder(_WindowEnvelope).decode
 _DecodeError = msgspec.DecodeError  # ValidationError is one
 _asdict = msgspec.structs.asdict
 _PHASE_FIELDS = frozenset(PhaseTiming.model_fields)
 _STEP_FIELDS = frozenset(StepReply.model_fields)
+_WINDOW_FIELDS = frozenset(WindowReply.model_fields)
 
 
 def step_reply_frame(frame: bytes) -> tuple[int, StepReply] | None:
@@ -135,7 +157,28 @@ def step_reply_frame(frame: bytes) -> tuple[int, StepReply] | None:
         envelope = _decode(frame)
     except _DecodeError:
         return None
-    body = envelope.body
+    reply = _step(envelope.body)
+    return None if reply is None else (envelope.id, reply)
+
+
+def window_reply_frame(frame: bytes) -> tuple[int, WindowReply] | None:
+    """:func:`step_reply_frame` for a :class:`WindowReply` (a window of steps' replies)."""
+    if len(frame) > MAX_CONTROL_BYTES:
+        return None
+    try:
+        envelope = _decode_window(frame)
+    except _DecodeError:
+        return None
+    window = envelope.body
+    if len(window.committed) != len(window.steps) - 1:
+        return None
+    steps = [_step(body) for body in window.steps]
+    if any(step is None for step in steps):
+        return None
+    return envelope.id, trusted(WindowReply, {"steps": steps, "committed": window.committed}, _WINDOW_FIELDS)
+
+
+def _step(body: _Step) -> StepReply | None:
     if len(body.times) % TIMING_BYTES:
         return None
     values = _asdict(body)  # the fields by name, in the model's order (C); then the nested messages
@@ -143,4 +186,4 @@ def step_reply_frame(frame: bytes) -> tuple[int, StepReply] | None:
         values["phases"] = [trusted(PhaseTiming, _asdict(p), _PHASE_FIELDS) for p in body.phases]
     if body.traffic is not None:
         values["traffic"] = trusted(TrafficCounts, _asdict(body.traffic))
-    return envelope.id, trusted(StepReply, values, _STEP_FIELDS)
+    return trusted(StepReply, values, _STEP_FIELDS)

@@ -49,7 +49,8 @@ def small_job(log_dir: Path) -> Job:
                optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, model_kwargs={"dtype": "float64"},
                data_kwargs={"dtype": "float64"}, global_batch=16, seed=5, step_timeout_s=60,
                resources=Resources.local(workers=2), data_parallel=1, num_stages=2, num_microbatches=2,
-               schedule="1f1b", log_dir=log_dir)
+               schedule="1f1b", log_dir=log_dir,
+               steps_per_request=2)  # windows of 2 steps: the callback paces the steps while the attack runs
 
 
 def targets_of(harness: LocalHarness, marker: Path) -> Targets:

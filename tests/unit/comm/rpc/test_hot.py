@@ -27,9 +27,9 @@ from comm.rpc.envelope import ReplyEnvelope
 from comm.rpc.framing import reply_frames, request_frames
 from comm.rpc.hot import PackedBody, RequestHeads
 from comm.traffic import TrafficCounts
-from services.protocol import PhaseTiming, SavedPart, StepReply, TrafficReports, pack_times
+from services.protocol import PhaseTiming, SavedPart, StepReply, TrafficReports, WindowReply, pack_times
 from services.protocol.compute import MAX_TIMES_BYTES, TIMING_BYTES
-from services.protocol.hot import step_reply_frame
+from services.protocol.hot import step_reply_frame, window_reply_frame
 from tests.multiproc.security.frames import SEEDS, FrameMaker
 
 _TRAFFIC = {"bytes_sent": {"zmq": 10240, "gloo": 0}, "refused_frames": {"bad header": 2},
@@ -370,3 +370,42 @@ def test_the_traffic_counters_ride_on_a_reply_when_they_changed() -> None:
     more = TrafficCounts.model_validate({**_TRAFFIC, "bytes_sent": {"zmq": 10241, "gloo": 0}})
     assert reports.report(more) is more and reports.report(more) is None
     assert TrafficReports().report(more) is more  # a stage placed anew reports at once
+
+
+def window_reply(body: Any) -> WindowReply | None:
+    """The window decoder on ``body`` in a plain reply's frame: the message, or None (declined)."""
+    read = window_reply_frame(_frame(body))
+    if read is not None:
+        assert read[0] == 3
+    return None if read is None else read[1]
+
+
+def test_a_window_reply_as_a_worker_sends_it_takes_the_fast_path() -> None:
+    steps = [_worker_reply(step=7 + k) for k in range(3)]
+    model = WindowReply.model_validate({"steps": steps, "committed": [True, False]})
+    read = window_reply_frame(bytes(reply_frames(9, model)[0]))
+    assert read is not None and read[0] == 9
+    _same(read[1], model)
+    assert set(WindowReply.model_fields) == {"steps", "committed"}  # the decoder's mirror, field by field
+
+
+@pytest.mark.parametrize("body", [
+    {"steps": [], "committed": []},  # no step
+    {"steps": [{}], "committed": []},  # a step without its fields
+    {"steps": [_worker_reply(), _worker_reply()], "committed": []},  # a verdict short
+    {"steps": [_worker_reply()], "committed": [True]},  # a verdict too many
+    {"steps": [_worker_reply()] * 65, "committed": [True] * 64},  # past MAX_WINDOW_STEPS
+    {"steps": [_worker_reply(times=b"\0" * 8)], "committed": []},  # a timing cut short
+    {"steps": [_worker_reply()], "committed": [], "extra": 1},
+    {"steps": [_worker_reply()], "committed": "no"},
+])
+def test_a_bad_window_is_declined_and_the_model_refuses_it_too(body: Any) -> None:
+    assert window_reply(_wire(body)) is None
+    with pytest.raises(ValidationError):
+        WindowReply.model_validate(_wire(body))
+
+
+def test_a_step_reply_is_no_window_and_a_window_no_step_reply() -> None:
+    assert window_reply(_worker_reply()) is None
+    assert step_reply({"steps": [_worker_reply()], "committed": []}) is None
+    assert _conforms(window_reply, WindowReply, {"steps": [_worker_reply()], "committed": []})
