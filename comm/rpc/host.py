@@ -126,6 +126,12 @@ class ServiceHost:
         with self._lock:
             return sorted(self._services)
 
+    def finished_steps(self) -> dict[str, int]:
+        """Each hosted service's :attr:`~comm.rpc.service.ServiceBase.finished_step`, where it has one."""
+        with self._lock:
+            found = {name: entry[0].finished_step for name, entry in self._services.items()}
+        return {name: step for name, step in found.items() if step is not None}
+
     def start(self) -> ServiceHost:
         self._thread = threading.Thread(target=self._serve, name=f"service-host-{self.address}", daemon=True)
         self._thread.start()

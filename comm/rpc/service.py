@@ -145,6 +145,9 @@ class ServiceBase:
     """
 
     error_codes: ClassVar[tuple[tuple[type[Exception], str], ...]] = ()
+    # the last training step the service finished (None: none yet or not a step service), which its
+    # worker's status reports: where a window of several steps stopped (WorkerStatus.finished)
+    finished_step: int | None = None
 
     def rpc_methods(self) -> dict[str, Method]:
         methods: dict[str, Method] = {}

@@ -368,10 +368,10 @@ class RuntimeConfig(_Section):
                                                            "(default: the job file's directory)")
     steps_per_request: int = Field(default=0, ge=0, le=64,
                                    description="steps the coordinator hands the stages in one request, which "
-                                               "then commit each step but the last themselves (one replica, "
-                                               "collective, no fp16 only; others take 1). 0: as many as take "
-                                               "about half a second by the plan's predicted step; 1: one "
-                                               "request per step")
+                                               "then commit each step but the last themselves (collective, "
+                                               "ZeRO-1 at most, no fp16; others take 1). 0: as many as take "
+                                               "about a second, by the last step's time; 1: one request per "
+                                               "step")
     memory_cap: bool = Field(default=False, description="cap each local CPU worker's process at its "
                                                         "resource's memory_bytes: an allocation beyond it "
                                                         "fails the step")

@@ -164,6 +164,8 @@ class Runtime:
         self.addresses = dict(addresses)
         self.initial_params = initial_params
         self.commits = 0  # updates committed so far
+        self._span: tuple[int, int] | None = None  # the steps of the request in flight (first, count)
+        self._finished: dict[str, int] = {}  # each service's last finished step, by the last status probe
         self._uncommitted = False  # the last step run awaits its commit
         self._pending = (0, 1.0)  # that step (train_step) and its commit's grad_scale
         self._last_good: tuple[int, float] | None = None  # the last finite step and its loss
@@ -347,9 +349,9 @@ class Runtime:
     @property
     def window(self) -> int:
         """How many steps one request may carry: 1, or :data:`MAX_WINDOW_STEPS` where the stages can decide
-        every commit themselves (one replica, the collective path, no fp16 loss scale: see [Note: a window
-        of steps] in ``services/protocol/compute.py``)."""
-        if (self.plan.staleness or self.plan.data_parallel > 1 or self.scaler is not None
+        every commit themselves (the collective path with the whole gradient on every replica, ZeRO-1 at
+        most; no fp16 loss scale: see [Note: a window of steps] in ``services/protocol/compute.py``)."""
+        if (self.plan.staleness or self.scaler is not None or self.plan.zero_stage >= 2
                 or self._shards.services or self.plan.mode != "collective"):
             return 1
         return MAX_WINDOW_STEPS
@@ -383,13 +385,15 @@ class Runtime:
         # once per replica, whose stages all get it ([Note: a request packed once] in comm/rpc/hot.py)
         shared: dict[str, object] = {"step": step, "program": TRAIN_PROGRAM, "timeout_ms": timeout_ms,
                                      "loss_scale": replica_scale, "commit": commit}
-        if len(batches) > 1:
-            shared["window"] = {"microbatches": [[list(mb) for mb in later[0]]
-                                                 for later in batches[1:]],
-                                "optimizer": self.spec.optimizer.model_dump(mode="python"),
-                                "first_commit": self.commits + (commit is not None),
-                                "clip_grad_norm": self.spec.clip_grad_norm, "nonfinite": self.spec.nonfinite}
+        window: dict[str, object] = {"optimizer": self.spec.optimizer.model_dump(mode="python"),
+                                     "first_commit": self.commits + (commit is not None),
+                                     "clip_grad_norm": self.spec.clip_grad_norm,
+                                     "nonfinite": self.spec.nonfinite}
         requests = [{**shared, "microbatches": [list(mb) for mb in mbs]} for mbs in batches[0]]
+        if len(batches) > 1:  # each replica's samples of the later steps
+            for r, request in enumerate(requests):
+                request["window"] = {**window, "microbatches": [[list(mb) for mb in later[r]]
+                                                                for later in batches[1:]]}
         if self._first_request or (commit is not None and self._first_commit) or len(batches) > 1:
             RunStep.model_validate(requests[0])  # the shape, checked once (a window's each time: few)
             self._first_request, self._first_commit = False, self._first_commit and commit is None
@@ -402,7 +406,12 @@ class Runtime:
         if commit is not None and self._shards.services:  # the shards' part of the commit (none: no shards)
             self._shards.send_round(self.loop, self._commit_request(save), save, self.spec.step_timeout)
         what = f"step {step}" if len(batches) == 1 else f"steps {step}-{step + len(batches) - 1}"
-        replies = self._gather(ids, what, self.spec.step_timeout * len(batches) + timedelta(seconds=10), step)
+        self._span = (step, len(batches))  # a failure names the step of the window it happened in
+        try:
+            replies = self._gather(ids, what, self.spec.step_timeout * len(batches) + timedelta(seconds=10),
+                                   step)
+        finally:
+            self._span = None
         if commit is not None:
             self.commits += 1
         per_step = self._per_step(ids, replies, len(batches))
@@ -752,11 +761,24 @@ class Runtime:
         now = self._incarnation(worker)
         return now is None or now != self._incarnations.get(worker)
 
-    def _lost(self, worker: str, what: str, step: int | None) -> JobFailed:
+    def _lost(self, worker: str, what: str, step: int | None, *, probed: bool = False) -> JobFailed:
         hosted = self._hosted(worker)
+        if not probed and self._span is not None and self._span[1] > 1:  # which step of the window: ask
+            self._unresponsive()
         return JobFailed(f"worker {worker} (hosting {', '.join(hosted)}) lost its registry lease during "
                          f"{what}: its process died, stopped or was restarted", worker=worker,
-                         service=hosted[0] if hosted else "", step=step, lost=True)
+                         service=hosted[0] if hosted else "", step=self._failed_step(step), lost=True)
+
+    def _failed_step(self, step: int | None) -> int | None:
+        """The step a failure during the request in flight happened in: with a window of several steps, the
+        first one a service of it has not finished by the last status probe (its first step if none
+        answered), else ``step``."""
+        span = self._span
+        if span is None or span[1] == 1 or step != span[0]:
+            return step
+        finished = [self._finished[sv.name] for sv in self.services if sv.name in self._finished]
+        first, count = span
+        return min(max(min(finished, default=first - 1) + 1, first), first + count - 1)
 
     def _failure(self, reply: Reply, sv: _Service, what: str, step: int | None) -> JobFailed:
         replaced = [w for w in self.workers if self._gone(w)]
@@ -764,6 +786,7 @@ class Runtime:
             return self._lost(replaced[0], what, step)
         detail = f"worker {sv.worker}, service {sv.name}: [{reply.code}] {reply.message}"
         silent = self._unresponsive()
+        step = self._failed_step(step)
         if silent:
             hosted = self._hosted(silent[0])
             return JobFailed(f"{what} failed: worker {silent[0]} (hosting {', '.join(hosted)}) does not "
@@ -782,6 +805,8 @@ class Runtime:
                 break
             if isinstance(event, Reply) and event.id in ids:
                 answered.add(ids[event.id])
+                if isinstance(event.body, WorkerStatus):
+                    self._finished.update(event.body.finished)
         for i in ids:
             self.loop.forget(i)
         return [w for w in self.workers if w not in answered]

@@ -92,8 +92,8 @@ log = logging.getLogger(__name__)
 
 _runs = itertools.count()
 _PROCESS_TAG = uuid.uuid4().hex[:4]
-# a window of steps lasts about this long by the plan's predicted step ([Note: a window of steps])
-WINDOW_SECONDS = 0.5
+# a window of steps lasts about this long, by the last step's time ([Note: a window of steps])
+WINDOW_SECONDS = 1.0
 RELEASE_TIMEOUT = timedelta(seconds=5)  # releasing the old runtime's services after a failure
 
 
@@ -288,7 +288,8 @@ class Session:
                 return step_batches(self.sampler, j, self.accumulate, plan.data_parallel,
                                     plan.num_microbatches)
 
-            steps = self._window(runtime, plan, k, end)
+            last = records.get(k - 1)
+            steps = self._window(runtime, plan, k, end, last.seconds if last is not None else None)
             try:
                 if steps == 1:  # an asynchronous plan may send a replica later steps ahead (async_steps.py)
                     done = [runtime.run_step(k, batches_of(k), save, upcoming=batches_of, end=end)]
@@ -315,13 +316,15 @@ class Session:
         if callback is not None:
             callback(record)
 
-    def _window(self, runtime: Runtime, plan: Plan, k: int, end: int) -> int:
+    def _window(self, runtime: Runtime, plan: Plan, k: int, end: int, last_s: float | None) -> int:
         """How many steps from step ``k`` go in one request ([Note: a window of steps] in
         ``services/protocol/compute.py``): ``runtime.steps_per_request`` (0: about :data:`WINDOW_SECONDS`
-        of the plan's predicted steps), at most what the plan allows and what is left of the fit; a window
-        ends where a checkpoint rides on the next commit or an evaluation is due."""
+        of steps as long as the last one, ``last_s``, or as the plan predicts before the first), at most
+        what the plan allows and what is left of the fit; a window ends where a checkpoint rides on the
+        next commit or an evaluation is due."""
+        step_s = last_s if last_s is not None else plan.step_time_s
         steps = min(runtime.window, end - k, self.job.config.runtime.steps_per_request or max(
-            1, int(WINDOW_SECONDS / max(plan.step_time_s, 1e-6))))
+            1, int(WINDOW_SECONDS / max(step_s, 1e-6))))
         for i in range(1, steps):
             if ((self.checkpointer is not None and self.checkpointer.due(k + i))
                     or (self.evaluation is not None and self.evaluation.due(k + i, end))):

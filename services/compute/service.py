@@ -232,6 +232,7 @@ class CellComputeService(ServiceBase):
         self._precision = options.precision
         self._part = f"r{options.replica}-s{stage.index}"
         self._replica, self._replicas = options.replica, options.num_replicas
+        self._zero_stage = options.zero_stage
         self._writer = PartWriter(before_write=lambda snap: faults.at(snap.step, "save"))  # fault injection
         self._restored = Restored()
         self._turns = turns.acquire(options.turns.key, options.turns.order) if options.turns else None
@@ -335,9 +336,11 @@ class CellComputeService(ServiceBase):
                 raise RpcError("comm_failed", f"stage {stage.index}: {self._poisoned}; reconnect every stage "
                                               "under a new comm_prefix before the next step")
             window = request.window
-            optimizer = (self._commit_optimizer(request.commit) if request.commit is not None else
-                         self._commit_optimizer(CommitStep(step=0, optimizer=window.optimizer))
-                         if window is not None else None)
+            optimizer = self._commit_optimizer(request.commit) if request.commit is not None else None
+            if window is not None and self._optimizer_spec not in (None, window.optimizer):
+                raise RpcError("bad_request", f"stage {stage.index}: the optimizer is "
+                                              f"{self._optimizer_spec}; the window's is {window.optimizer} "
+                                              "(reassign the stage to change it)")
         try:
             request, trains = self._programs.resolve(request)
             check_samples(stage, request.microbatches, request.source)
@@ -346,10 +349,10 @@ class CellComputeService(ServiceBase):
             if window is not None and (not trains or request.source == "eval"):
                 raise ValueError("a window of steps takes a training list (with backwards); send the steps "
                                  "of this list one by one")
-            if window is not None and (self._replicas > 1 or not self._path.updates_locally):
-                raise ValueError("a window of steps is for one replica updating locally (its stages decide "
-                                 "each commit together); this stage has "
-                                 + (f"{self._replicas} replicas" if self._replicas > 1 else
+            if window is not None and (self._zero_stage >= 2 or not self._path.updates_locally):
+                raise ValueError("a window of steps is for stages updating locally whose replicas hold the "
+                                 "whole gradient (the stages decide each commit together); this stage has "
+                                 + (f"plan.zero={self._zero_stage}" if self._zero_stage >= 2 else
                                     "its update on the parameter server") + ": send the steps one by one")
             positions = turns.positions(self._turns, stage.index, request.actions, request.source)
         except ValueError as exc:  # an unknown program, a ScheduleError, a sample out of range, BatchNorm
@@ -357,7 +360,8 @@ class CellComputeService(ServiceBase):
         timeout = timedelta(milliseconds=request.timeout_ms)
 
         def run() -> BaseModel:
-            reply = self._one_step(request, request.commit, optimizer, trains, positions, timeout)
+            held = optimizer
+            reply = self._one_step(request, request.commit, held, trains, positions, timeout)
             if window is None:
                 return reply
             replies, committed = [reply], []
@@ -373,10 +377,13 @@ class CellComputeService(ServiceBase):
                                         timeout_ms=request.timeout_ms, grad_scale=verdict.grad_scale,
                                         train_step=request.step + k)
                     commits += 1
+                    if held is None:  # built at its first update, as a commit the coordinator sends builds it
+                        with self._lock:
+                            held = self._commit_optimizer(commit)
                 later = request.model_copy(update={"step": request.step + k + 1, "microbatches": microbatches,
                                                    "commit": None, "window": None})
                 with log_context(step=later.step):  # the records of each step of the window name it
-                    reply = self._one_step(later, commit, optimizer, trains, positions, timeout)
+                    reply = self._one_step(later, commit, held, trains, positions, timeout)
                 replies.append(reply)
             return WindowReply(steps=replies, committed=committed)
 
@@ -390,8 +397,14 @@ class CellComputeService(ServiceBase):
         try:
             comm = self._link.wait(timeout)
             device = wire_device(comm.backend, stage.device) if comm is not None else stage.device
+            group = self._path.group() if self._replicas > 1 else None
+            if self._replicas > 1 and group is None:
+                raise RuntimeError(f"the data-parallel group of {self._replicas} replicas is not formed")
+            group_device = wire_device(group.backend, stage.device) if group is not None else stage.device
+            with self._lock:
+                closing = self._closed
             return agree(comm, stage.index, stage.num_stages, reply, window.clip_grad_norm, window.nonfinite,
-                         device, timeout)
+                         device, timeout, group, group_device, closing)
         except (TimeoutError, RuntimeError) as exc:
             with self._lock:
                 self._poisoned = f"step {reply.step}'s verdict failed"
@@ -434,6 +447,8 @@ class CellComputeService(ServiceBase):
             raise
         log.debug("%s step %d: %d actions in %.3fs", self._tag, request.step, len(request.actions),
                   time.monotonic() - start)
+        if request.source != "eval":
+            self.finished_step = request.step
         lead = self._path.lead if commit is not None else None  # async parameter server
         return reply.model_copy(update={"phases": [*phases, *reply.phases], "lead": lead,
                                         "held_bytes": self._held_bytes(),

@@ -37,21 +37,22 @@ class Report:
 
     finite: bool  # its losses (the last stage's) and its gradients are all finite
     sq_norm: float | None  # its gradients' squared L2 norm (StepReply.grad_sq_norm)
+    closing: bool = False  # its service is closing (its worker drains): the window ends here, everywhere
 
     @classmethod
-    def of(cls, reply: StepReply) -> Report:
+    def of(cls, reply: StepReply, closing: bool = False) -> Report:
         finite = not reply.nonfinite_grads and all(math.isfinite(v) for v in reply.losses)
-        return cls(finite=finite, sq_norm=reply.grad_sq_norm)
+        return cls(finite=finite, sq_norm=reply.grad_sq_norm, closing=closing)
 
     def tensor(self, device: torch.device | str) -> torch.Tensor:
         sq = self.sq_norm
-        return torch.tensor([1.0 if self.finite else 0.0, 0.0 if sq is None else 1.0, sq or 0.0],
-                            dtype=torch.float64, device=device)
+        return torch.tensor([1.0 if self.finite else 0.0, 0.0 if sq is None else 1.0, sq or 0.0,
+                             1.0 if self.closing else 0.0], dtype=torch.float64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> Report:
-        finite, has_norm, sq = t.tolist()
-        return cls(finite=finite == 1.0, sq_norm=sq if has_norm == 1.0 else None)
+        finite, has_norm, sq, closing = t.tolist()
+        return cls(finite=finite == 1.0, sq_norm=sq if has_norm == 1.0 else None, closing=closing == 1.0)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,11 @@ def decide(reports: list[Report], clip_grad_norm: float | None, nonfinite: Liter
            ) -> Verdict:
     """The verdict on a step whose stages (in stage order) reported ``reports``: what the coordinator
     decides from their replies. Not finite anywhere: ``nonfinite`` (stop or skip). Else commit, with the
-    clipping coefficient of the stages' norms added up (1 without clipping, or when a stage has no norm)."""
+    clipping coefficient of the stages' norms added up (1 without clipping, or when a stage has no norm).
+    A stage closing stops the window there, the step not committed (the coordinator commits it, or its
+    successor rolls back)."""
+    if any(r.closing for r in reports):
+        return Verdict(action="stop")
     if not all(r.finite for r in reports):
         return Verdict(action=nonfinite)
     norms = [r.sq_norm for r in reports]
@@ -90,18 +95,35 @@ def decide(reports: list[Report], clip_grad_norm: float | None, nonfinite: Liter
 
 def agree(comm: Communicator | None, stage: int, num_stages: int, reply: StepReply,
           clip_grad_norm: float | None, nonfinite: Literal["stop", "skip"], device: torch.device | str,
-          timeout: timedelta) -> Verdict:
-    """The verdict every stage of the pipeline applies to the step ``reply`` answers (this stage's).
+          timeout: timedelta, group: Communicator | None = None, group_device: torch.device | str = "cpu",
+          closing: bool = False) -> Verdict:
+    """The verdict every stage of every replica applies to the step ``reply`` answers (this stage's).
 
-    Stage 0 receives every other stage's report, decides and sends the verdict to each; the others send
-    their report and wait for it. ``device``: where the communicator takes its tensors. Each wait is
-    bounded by ``timeout``.
+    With replicas (``group``: the stage's data-parallel communicator), the stage first adds up over the
+    group whether each replica's report is finite: the replicas' gradients are the same after their
+    all-reduce, their losses are not, so a loss that is not finite in one replica counts in every one.
+    Then stage 0 of each replica receives every other stage's report, decides and sends the verdict to
+    each; the others send their report and wait for it. Every replica's stage 0 decides on the same
+    reports, so every replica applies the same verdict. ``device`` / ``group_device``: where each
+    communicator takes its tensors. Each wait is bounded by ``timeout``. ``closing``: this stage's
+    service is closing, which every stage of every replica learns with the verdict (a window ends at the
+    same step everywhere, so no stage waits on one that left).
 
     Raises:
         TimeoutError: A report or the verdict did not come within ``timeout`` (naming which).
-        RuntimeError: The communicator failed.
+        RuntimeError: A communicator failed.
     """
-    own = Report.of(reply)
+    own = Report.of(reply, closing)
+    if group is not None and group.world_size > 1:
+        bad = torch.tensor([0.0 if own.finite else 1.0, 1.0 if own.closing else 0.0], dtype=torch.float64,
+                           device=group_device)
+        try:
+            group.all_reduce(bad, timeout=timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"stage {stage}: the replicas' reports on step {reply.step} did not meet "
+                               f"within {timeout.total_seconds():.1f}s: {exc}") from exc
+        not_finite, closing_ = bad.tolist()
+        own = Report(finite=not_finite == 0.0, sq_norm=own.sq_norm, closing=closing_ > 0.0)
     if comm is None or num_stages == 1:
         return decide([own], clip_grad_norm, nonfinite)
     if stage != 0:
@@ -115,7 +137,7 @@ def agree(comm: Communicator | None, stage: int, num_stages: int, reply: StepRep
         return Verdict.from_tensor(got.cpu())
     reports = [own]
     for peer in range(1, num_stages):
-        got = torch.empty(3, dtype=torch.float64, device=device)
+        got = torch.empty(4, dtype=torch.float64, device=device)
         try:
             comm.irecv(got, peer, tag=REPORT_TAG).wait(timeout)
         except TimeoutError as exc:

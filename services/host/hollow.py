@@ -272,9 +272,8 @@ class HollowCompute(ServiceBase):
         timeout = timedelta(milliseconds=request.timeout_ms)
 
         window = request.window
-        if window is not None and (not trains or self._options.num_replicas > 1):
-            raise RpcError("bad_request", f"step {request.step}: a window of steps is for one replica's "
-                                          "training list")
+        if window is not None and not trains:
+            raise RpcError("bad_request", f"step {request.step}: a window of steps takes a training list")
 
         def one(step: int, microbatches: list[list[int]], committed: bool) -> StepReply:
             deadline = time.monotonic() + timeout.total_seconds()
@@ -282,6 +281,8 @@ class HollowCompute(ServiceBase):
                 self._updates += 1
             comm = self._link.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
             starts, ends = self._walk(actions, microbatches, comm, deadline)
+            if request.source != "eval":
+                self.finished_step = step
             last = self._index == self._stages - 1
             return StepReply(step=step, stage=self._index,
                              losses=[HOLLOW_LOSS] * len(microbatches) if last else [],
@@ -296,10 +297,13 @@ class HollowCompute(ServiceBase):
             if window is None:
                 return reply
             replies, committed = [reply], []
-            for k, microbatches in enumerate(window.microbatches):  # the stages' verdicts, as real ones agree
+            # the stages' verdicts, as real ones agree (the replicas' part skipped, as their gradient sync)
+            for k, microbatches in enumerate(window.microbatches):
                 comm = self._link.wait(timeout)
+                with self._lock:
+                    closing = self._closed
                 verdict = agree(comm, self._index, self._stages, reply, window.clip_grad_norm,
-                                window.nonfinite, "cpu", timeout)
+                                window.nonfinite, "cpu", timeout, closing=closing)
                 if verdict.action == "stop":
                     break
                 committed.append(verdict.action == "commit")

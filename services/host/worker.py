@@ -171,7 +171,8 @@ class _Control(ServiceBase):
 
     def rpc_status(self, request: Empty, call: Call) -> WorkerStatus:
         services = [n for n in self.worker.host.names() if n != "worker"]
-        return WorkerStatus(name=self.worker.name, services=services, draining=self.worker.draining.is_set())
+        return WorkerStatus(name=self.worker.name, services=services, draining=self.worker.draining.is_set(),
+                            finished=self.worker.host.finished_steps())
 
 
 class Worker:

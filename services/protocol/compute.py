@@ -387,13 +387,18 @@ class StepWindow(Message):
       skip; or stop, per ``nonfinite``) and sends the verdict to every stage. Stage 0 ends a 1F1B or
       GPipe step last, so the reports wait for it, and the verdict reaches a stage before the
       activation it waits for anyway;
+    * with replicas, each stage first sums over its data-parallel group (one all-reduce of one float)
+      whether each replica's report is finite: after the gradients' all-reduce every replica holds the
+      same gradients and norms, but not the same losses. Every replica's stage 0 then decides on the same
+      reports, and every replica applies the same verdict;
     * a committed step is ``CommitStep(step=first_commit + k, optimizer=optimizer, grad_scale=...,
       train_step=...)`` as the coordinator would have sent it; a skipped step commits nothing; a stop
       ends the window there, the step not committed, and the reply says so;
     * the window's last step is committed by the next request, as every step is without a window.
 
-    Only plans whose commit depends on nothing beyond what the stages report take windows (one replica,
-    the collective path, no fp16 loss scale: ``coordinator/runtime/driver.py``'s ``Runtime.window``).
+    Only plans whose commit depends on nothing beyond what the stages report take windows (the
+    collective path, every replica holding the whole gradient (ZeRO-1 at most), no fp16 loss scale:
+    ``coordinator/runtime/driver.py``'s ``Runtime.window``); the others send one step per request.
     """
 
     microbatches: list[Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],

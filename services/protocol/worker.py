@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -56,3 +56,5 @@ class WorkerStatus(Message):
     name: str
     services: list[str]
     draining: bool
+    # the last training step each step service finished (a window of steps' progress when it failed)
+    finished: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict, max_length=1 << 10)

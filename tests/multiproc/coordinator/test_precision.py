@@ -129,9 +129,9 @@ def test_bf16_matches_one_process_in_bf16_and_not_float32(harness: LocalHarness,
     if shape.num_stages > 1:  # the activations and their gradients cross the cut as bf16
         assert [t.dtype for t in shape.stages[0].outgoing.tensors] == ["bfloat16"]
     if plan == "gpipe2x4":  # per step, each stage sends the batch's [16, HIDDEN] activations or gradients,
-        # and, the steps running in one window, stage 0 its verdict (2 float64) and stage 1 its report (3)
+        # and, the steps running in one window, stage 0 its verdict (2 float64) and stage 1 its report (4)
         for stage, worker in enumerate(shape.placement[0]):
-            window = (16, 24)[stage]
+            window = (16, 32)[stage]
             assert sent_per_step(result, worker) == [BATCH * models.HIDDEN * 2 + window] * (STEPS - 1), worker
 
 

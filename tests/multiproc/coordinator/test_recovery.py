@@ -131,7 +131,7 @@ def test_a_checkpoint_live_workers_are_still_writing_is_waited_for_and_rolled_ba
     part is still being written (its writer sleeps 4 s first: slow storage). Before: the rollback went
     to checkpoint 3 (the staged checkpoint 6 was dropped at once) and redid steps 4-6; now it waits for
     local-0's part and goes on from 6."""
-    job = _job(tmp_path, DP)
+    job = _job(tmp_path, DP, steps_per_request=1)  # the callback after step 6 holds step 7 back
     staged = tmp_path / "ckpt"
     envs = {"local-0": {ENV: "6:save:delay=4"}, "local-1": {ENV: "7:step"}}
     with _harness(job, tmp_path, worker_env=envs) as harness, job.attach(harness):
@@ -213,7 +213,9 @@ def test_two_workers_killed_in_one_step_are_both_replaced_and_the_run_ends_failu
     runtime places: it is lost too (before: the placement waited 120 s for it, 'placing the stages: no
     reply within 120s from worker local-0', and the job stopped). Each lost worker has its record (before:
     only the one lost while placing, local-1, was in FitResult.recoveries)."""
-    job = _job(tmp_path, DP)
+    # one step per request: with every worker of a window lost, no survivor tells which of its steps they
+    # died in, and the recovery names the window's first ([Note: a window of steps])
+    job = _job(tmp_path, DP, steps_per_request=1)
     with _harness(job, tmp_path, worker_env={"local-0": {ENV: "5:backward"}, "local-1": {ENV: "5:backward"}}
                   ) as harness, job.attach(harness):
         result = job.fit(STEPS)
@@ -223,6 +225,20 @@ def test_two_workers_killed_in_one_step_are_both_replaced_and_the_run_ends_failu
         ("local-0", "replaced worker local-0"), ("local-1", "replaced worker local-1")], result.recoveries
     assert len({r.resumed_step for r in result.recoveries}) == 1, result.recoveries  # one rollback for both
     assert [r.step for r in result.recoveries if r.worker == failures[0].worker] == [5], result.recoveries
+    _assert_failure_free(job, result)
+
+
+@pytest.mark.parametrize("plan", ["dp", "1f1b"])
+def test_a_worker_lost_inside_a_window_is_named_at_the_step_it_died_in(tmp_path: Path, plan: str) -> None:
+    """Windows of 3 steps (the checkpoints every 3 end them too: steps 0-2, 3-5, 6-8, 9): local-1 dies in
+    step 8, the window's last; the survivor's status says it finished step 7, so the failure and its
+    recovery name step 8. The rollback goes to checkpoint 6, or to 3 when 6 is still being written."""
+    job = _job(tmp_path, DP if plan == "dp" else ONE_F_ONE_B, steps_per_request=3)
+    with _harness(job, tmp_path, worker_env={"local-1": {ENV: "8:backward"}}) as harness, job.attach(harness):
+        result = job.fit(STEPS)
+    [recovery] = result.recoveries
+    assert (recovery.worker, recovery.step) == ("local-1", 8), recovery
+    assert recovery.resumed_step in (3, 6), recovery
     _assert_failure_free(job, result)
 
 

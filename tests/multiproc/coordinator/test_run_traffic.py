@@ -73,8 +73,10 @@ def _connect_after_handshake(sock: zmq.Socket[bytes], address: str) -> None:
 def test_the_run_metrics_show_the_bytes_sent_and_the_frames_refused(tmp_path: Path) -> None:
     spec = tmp_path / "dp.json"
     spec.write_text(json.dumps({**SPEC, "steps": STEPS, "plan": {"data_parallel": REPLICAS}}))
+    # one step per request: the garbage sent after step 0 reaches the workers while later steps run
     options = RunOptions(job=str(spec), settings={"runtime.workers": REPLICAS, "logging.metrics_port": 0,
-                                                  "logging.run_dir": str(tmp_path / "run")})
+                                                  "logging.run_dir": str(tmp_path / "run"),
+                                                  "runtime.steps_per_request": 1})
     loaded = load_job(str(spec), options.settings)
     out = io.StringIO()
     sockets: list[zmq.Socket[bytes]] = []

@@ -88,19 +88,40 @@ def test_one_step_per_request_when_asked(harness: LocalHarness) -> None:
     assert sent["run_step"] == 2 * 4
 
 
-def test_replicas_take_no_windows(harness: LocalHarness) -> None:
-    job = make_job(steps_per_request=8, data_parallel=2, num_stages=1, num_microbatches=1)
+@pytest.mark.parametrize("plan", ["dp2", "zero1"])
+def test_replicas_agree_on_every_commit_of_a_window(harness: LocalHarness, plan: str) -> None:
+    zero = {"zero": 1, "shard_factor": 2} if plan == "zero1" else {}
+    job = make_job(steps_per_request=3, data_parallel=2, num_stages=1, num_microbatches=1,
+                   clip_grad_norm=MAX_NORM, **zero)
+    result, sent = fit(harness, job, 6)
+    check_parity(job, result, 6)
+    assert sent["run_step"] == 2 * 2  # windows of 3: one request per replica each
+
+
+def test_a_sharded_gradient_takes_no_windows(harness: LocalHarness) -> None:
+    job = make_job(steps_per_request=8, data_parallel=2, num_stages=1, num_microbatches=1, zero=2,
+                   shard_factor=2)
     result, sent = fit(harness, job, 4)
     check_parity(job, result, 4)
-    assert sent["run_step"] == 2 * 4  # replicas would need every replica's verdict: one step per request
+    assert sent["run_step"] == 2 * 4  # each replica's norm is a part: the coordinator adds them, per step
 
 
-def nan_job(nonfinite: str) -> Job:
-    """Sample 20 holds a NaN: without shuffling, step 2 (index 1) of global batches of 16 takes it."""
+def test_a_loss_not_finite_in_one_replica_is_dropped_by_every_replica(harness: LocalHarness) -> None:
+    job = nan_job("skip", data_parallel=2, num_stages=1, num_microbatches=1)
+    result, sent = fit(harness, job, 4)
+    assert sent["run_step"] == 2  # one window on each replica
+    assert [r.skipped for r in result.steps] == [False, True, False, False]
+    ref = train_reference(job, 4)
+    assert max_abs_diff(result.state_dict, ref.state_dict) < TOL
+
+
+def nan_job(nonfinite: str, **plan: Any) -> Job:
+    """Sample 20 holds a NaN: without shuffling, step 2 (index 1) of global batches of 16 takes it (in
+    replica 0's half under data parallel 2)."""
     return Job(model=f"{M}:mlp", data=f"{B}:nan_at", data_kwargs={"indices": [20], "value": "nan"},
                loss=f"{M}:mse", optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
                global_batch=BATCH, shuffle=False, seed=3, resources=Resources.local(2), step_timeout_s=30,
-               nonfinite=nonfinite, steps_per_request=4, **PIPE)
+               nonfinite=nonfinite, steps_per_request=4, **{**PIPE, **plan})
 
 
 def test_a_step_that_is_not_finite_inside_a_window_is_skipped_by_every_stage(harness: LocalHarness) -> None:

@@ -46,10 +46,16 @@ def test_the_stages_decide_as_the_coordinator_would(specs: list[tuple[list[float
 
 
 @pytest.mark.parametrize("report", [Report(True, 0.125), Report(False, None), Report(True, None),
-                                    Report(False, math.inf)])
+                                    Report(False, math.inf), Report(True, 0.5, closing=True)])
 def test_a_report_crosses_as_a_tensor(report: Report) -> None:
     back = Report.from_tensor(report.tensor("cpu"))
-    assert back.finite == report.finite and back.sq_norm == report.sq_norm
+    assert (back.finite, back.sq_norm, back.closing) == (report.finite, report.sq_norm, report.closing)
+
+
+def test_a_stage_closing_stops_the_window_whatever_the_step() -> None:
+    for finite in (True, False):
+        reports = [Report(True, 0.25), Report(finite, 0.5, closing=True)]
+        assert decide(reports, 0.1, "skip") == Verdict("stop")
 
 
 @pytest.mark.parametrize("verdict", [Verdict("commit", 0.37), Verdict("skip"), Verdict("stop")])
