@@ -415,6 +415,9 @@ class Runtime:
         if commit is not None:
             self.commits += 1
         per_step = self._per_step(ids, replies, len(batches))
+        if len(per_step) > 1:  # a window's counters ride on its last replies: each record made now shows them
+            self.traffic.update(latest_by((sv.worker, body.traffic)
+                                          for bodies, _ in per_step for sv, body in bodies))
         records: list[StepRecord] = []
         ended = time.time()
         coordinator_s = max(0.0, (ended - start) - (self.loop.poll_seconds - polled)) / len(per_step)

@@ -361,7 +361,8 @@ class CellComputeService(ServiceBase):
 
         def run() -> BaseModel:
             held = optimizer
-            reply = self._one_step(request, request.commit, held, trains, positions, timeout)
+            reply = self._one_step(request, request.commit, held, trains, positions, timeout,
+                                   counters=window is None)
             if window is None:
                 return reply
             replies, committed = [reply], []
@@ -383,8 +384,10 @@ class CellComputeService(ServiceBase):
                 later = request.model_copy(update={"step": request.step + k + 1, "microbatches": microbatches,
                                                    "commit": None, "window": None})
                 with log_context(step=later.step):  # the records of each step of the window name it
-                    reply = self._one_step(later, commit, held, trains, positions, timeout)
+                    reply = self._one_step(later, commit, held, trains, positions, timeout, counters=False)
                 replies.append(reply)
+            # the worker's counters once, on the window's last reply (the coordinator keeps the latest)
+            replies[-1] = replies[-1].model_copy(update={"traffic": self._traffic.report(traffic.snapshot())})
             return WindowReply(steps=replies, committed=committed)
 
         steps = 1 + (len(window.microbatches) if window is not None else 0)
@@ -412,8 +415,10 @@ class CellComputeService(ServiceBase):
                              transfers_posted=True) from exc
 
     def _one_step(self, request: RunStep, commit: CommitStep | None, optimizer: torch.optim.Optimizer | None,
-                  trains: bool, positions: list[int] | None, timeout: timedelta) -> StepReply:
-        """Apply ``commit`` (the previous step's), then run the step ``request`` names; its reply."""
+                  trains: bool, positions: list[int] | None, timeout: timedelta, *, counters: bool = True,
+                  ) -> StepReply:
+        """Apply ``commit`` (the previous step's), then run the step ``request`` names; its reply (with the
+        worker's traffic counters if ``counters`` and they changed)."""
         stage = self._stage
         deadline = time.monotonic() + timeout.total_seconds()
         if self._batch_norm_sync is not None:
@@ -453,7 +458,8 @@ class CellComputeService(ServiceBase):
         return reply.model_copy(update={"phases": [*phases, *reply.phases], "lead": lead,
                                         "held_bytes": self._held_bytes(),
                                         "peak_bytes": self._probe.peak(), "traffic": self._traffic.report(
-                                            traffic.snapshot(), training=request.source != "eval"),
+                                            traffic.snapshot(), training=request.source != "eval")
+                                        if counters else None,
                                         "saved": self._writer.finished()})
 
     def rpc_load_program(self, request: LoadProgram, call: Call) -> Empty:

@@ -275,7 +275,8 @@ class HollowCompute(ServiceBase):
         if window is not None and not trains:
             raise RpcError("bad_request", f"step {request.step}: a window of steps takes a training list")
 
-        def one(step: int, microbatches: list[list[int]], committed: bool) -> StepReply:
+        def one(step: int, microbatches: list[list[int]], committed: bool, counters: bool = True
+                ) -> StepReply:
             deadline = time.monotonic() + timeout.total_seconds()
             if committed:
                 self._updates += 1
@@ -287,13 +288,14 @@ class HollowCompute(ServiceBase):
             return StepReply(step=step, stage=self._index,
                              losses=[HOLLOW_LOSS] * len(microbatches) if last else [],
                              times=pack_times(starts, ends),
-                             traffic=self._traffic.report(traffic.snapshot(),
-                                                          training=request.source != "eval"),
+                             traffic=(self._traffic.report(traffic.snapshot(),
+                                                           training=request.source != "eval")
+                                      if counters else None),
                              grad_sq_norm=1.0 if trains and self._options.grad_path == "collective" else None,
                              held_bytes=self._held_bytes)
 
         def run() -> BaseModel:
-            reply = one(request.step, request.microbatches, request.commit is not None)
+            reply = one(request.step, request.microbatches, request.commit is not None, window is None)
             if window is None:
                 return reply
             replies, committed = [reply], []
@@ -307,8 +309,9 @@ class HollowCompute(ServiceBase):
                 if verdict.action == "stop":
                     break
                 committed.append(verdict.action == "commit")
-                reply = one(request.step + k + 1, microbatches, verdict.action == "commit")
+                reply = one(request.step + k + 1, microbatches, verdict.action == "commit", False)
                 replies.append(reply)
+            replies[-1] = replies[-1].model_copy(update={"traffic": self._traffic.report(traffic.snapshot())})
             return WindowReply(steps=replies, committed=committed)
 
         steps = 1 + (len(window.microbatches) if window is not None else 0)
