@@ -94,6 +94,7 @@ _runs = itertools.count()
 _PROCESS_TAG = uuid.uuid4().hex[:4]
 # a window of steps lasts about this long, by the last step's time ([Note: a window of steps])
 WINDOW_SECONDS = 1.0
+FIRST_WINDOW = 4  # steps in the first window, before any step was measured
 RELEASE_TIMEOUT = timedelta(seconds=5)  # releasing the old runtime's services after a failure
 
 
@@ -149,6 +150,7 @@ class Session:
         self._unplaced: list[tuple[JobFailed, float, float, str]] = []
         self.reported = 0  # how many of them a fit returned already
         self.failures: list[JobFailed] = []
+        self._step_s: float | None = None  # the last step's seconds: how long a window of steps is
         # workers lost for good (no replacement came), with the incarnation that was lost
         self.gone: dict[str, str | None] = {}
         self._stopped_on = ""  # the lost worker the job stopped on (over its restart budget)
@@ -288,8 +290,7 @@ class Session:
                 return step_batches(self.sampler, j, self.accumulate, plan.data_parallel,
                                     plan.num_microbatches)
 
-            last = records.get(k - 1)
-            steps = self._window(runtime, plan, k, end, last.seconds if last is not None else None)
+            steps = self._window(runtime, plan, k, end, self._step_s)
             try:
                 if steps == 1:  # an asynchronous plan may send a replica later steps ahead (async_steps.py)
                     done = [runtime.run_step(k, batches_of(k), save, upcoming=batches_of, end=end)]
@@ -311,6 +312,7 @@ class Session:
             self._announce(self.checkpointer.record(record.saved))
         self.job.steps_done += 1
         records[record.step] = record
+        self._step_s = record.seconds
         if self.evaluation is not None and self.evaluation.due(self.job.steps_done, end):
             record.eval = self._evaluate(self.evaluation, runtime, end)
         if callback is not None:
@@ -319,12 +321,13 @@ class Session:
     def _window(self, runtime: Runtime, plan: Plan, k: int, end: int, last_s: float | None) -> int:
         """How many steps from step ``k`` go in one request ([Note: a window of steps] in
         ``services/protocol/compute.py``): ``runtime.steps_per_request`` (0: about :data:`WINDOW_SECONDS`
-        of steps as long as the last one, ``last_s``, or as the plan predicts before the first), at most
-        what the plan allows and what is left of the fit; a window ends where a checkpoint rides on the
-        next commit or an evaluation is due."""
-        step_s = last_s if last_s is not None else plan.step_time_s
-        steps = min(runtime.window, end - k, self.job.config.runtime.steps_per_request or max(
-            1, int(WINDOW_SECONDS / max(step_s, 1e-6))))
+        of steps as long as the last one, ``last_s``; before the session's first step, as the plan predicts
+        but at most :data:`FIRST_WINDOW`: a prediction may be far off), at most what the plan allows and
+        what is left of the fit; a window ends where a checkpoint rides on the next commit or an evaluation
+        is due."""
+        auto = (max(1, int(WINDOW_SECONDS / max(last_s, 1e-6))) if last_s is not None else
+                min(FIRST_WINDOW, max(1, int(WINDOW_SECONDS / max(plan.step_time_s, 1e-6)))))
+        steps = min(runtime.window, end - k, self.job.config.runtime.steps_per_request or auto)
         for i in range(1, steps):
             if ((self.checkpointer is not None and self.checkpointer.due(k + i))
                     or (self.evaluation is not None and self.evaluation.due(k + i, end))):

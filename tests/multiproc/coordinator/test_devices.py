@@ -36,7 +36,9 @@ def harness() -> Iterator[LocalHarness]:
 
 
 def make_job(resources: Resources | None = None, **fields: Any) -> Job:
-    """Two replicas of a two-stage pipeline: both kinds of group talk every step."""
+    """Two replicas of a two-stage pipeline: both kinds of group talk every step. One step per request:
+    the bytes are read from the first and the last step's records (a window's records share its end's)."""
+    fields = {"steps_per_request": 1, **fields}
     return Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:regression", optimizer="Adam",
                optimizer_kwargs={"lr": 0.01}, global_batch=16, seed=5, data_parallel=2, num_stages=2,
                num_microbatches=2, resources=resources or Resources.local(workers=4), step_timeout_s=30,

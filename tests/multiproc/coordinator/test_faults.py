@@ -27,7 +27,8 @@ LEASE = timedelta(seconds=2)
 def test_worker_killed_mid_step_stops_the_job_naming_it(plan: dict[str, object]) -> None:
     job = Job(model=f"{M}:slow_mlp", model_kwargs={"seconds": 0.3}, loss=f"{M}:mse", data=f"{M}:regression",
               global_batch=16, resources=Resources.local(2), step_timeout_s=60,
-              lease_ttl_s=LEASE.total_seconds(), max_restarts=0, **plan)  # type: ignore[arg-type]
+              lease_ttl_s=LEASE.total_seconds(), max_restarts=0, steps_per_request=1,  # the callback paces
+              **plan)  # type: ignore[arg-type]
     harness = LocalHarness(["local-0", "local-1"], job="t-faults", lease_ttl=LEASE,
                            factories=job_factories(job.config))
     killed_at: list[float] = []
