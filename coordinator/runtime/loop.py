@@ -498,23 +498,15 @@ class EventLoop:
         # a plain successful step reply is read in one C call ([Note: why the step reply is decoded in C] in
         # services/protocol/hot.py); anything else, or what that declines, is validated by the models
         request = None
-        # a window's frame names its body's first field, "steps", within its first bytes (msgpack fixstr 0xa5)
-        if not parts and frame.find(b"\xa5steps", 0, 64) >= 0:
-            window = window_reply_frame(frame)
-            if window is not None:
-                request = self._requests.pop(window[0], None)
-                if request is None:
-                    return None  # a late reply to a forgotten request
-                if request.reply_type is WindowReply:
-                    return Reply(id=window[0], worker=worker, service=request.service, method=request.method,
-                                 ok=True, body=window[1], sent=request.sent)
-        elif not parts:
-            hot = step_reply_frame(frame)
+        if not parts:
+            # a window's frame names its body's first field, "steps", in its first bytes (msgpack fixstr 0xa5)
+            window = frame.find(b"\xa5steps", 0, 64) >= 0
+            hot = window_reply_frame(frame) if window else step_reply_frame(frame)
             if hot is not None:
                 request = self._requests.pop(hot[0], None)
                 if request is None:
                     return None  # a late reply to a forgotten request
-                if request.reply_type is StepReply:
+                if request.reply_type is (WindowReply if window else StepReply):
                     return Reply(id=hot[0], worker=worker, service=request.service, method=request.method,
                                  ok=True, body=hot[1], sent=request.sent)
         source = f"worker {worker} (coordinator of {self.job})"
