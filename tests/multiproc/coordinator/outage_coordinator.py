@@ -25,11 +25,12 @@ FACTORIES = [f"{M}:mlp", f"{M}:regression", f"{M}:mse"]
 
 
 def make_job(resources: Resources) -> Job:
-    """Two data-parallel replicas of the float64 MLP, so the data plane (an all-reduce) runs every step."""
+    """Two data-parallel replicas of the float64 MLP, so the data plane (an all-reduce) runs every step; one
+    step per request, so steps go on while the callback paces them (a window would run ahead of it)."""
     return Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:regression", optimizer="SGD",
                optimizer_kwargs={"lr": 0.05, "momentum": 0.9}, model_kwargs={"dtype": "float64"},
                data_kwargs={"dtype": "float64"}, global_batch=16, seed=5, resources=resources,
-               step_timeout_s=30, data_parallel=2, num_stages=1, num_microbatches=1)
+               step_timeout_s=30, data_parallel=2, num_stages=1, num_microbatches=1, steps_per_request=1)
 
 
 def main(argv: Sequence[str]) -> int:

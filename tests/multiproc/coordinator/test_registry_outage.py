@@ -1,8 +1,8 @@
 """Registry outages and orphaned workers, with real processes.
 
-* etcd stopped (SIGSTOP) for 30 s while a job trains: every lease lapses and etcd revokes them
-  all the moment it resumes. Training goes on (the data plane never needs etcd), nobody quits,
-  the cards come back with new leases, and the final parameters are the one-process reference's.
+* etcd stopped (SIGSTOP) for 10 s (over three leases) while a job trains: every lease lapses and
+  etcd revokes them all the moment it resumes. Training goes on (the data plane never needs etcd),
+  nobody quits, the cards come back with new leases, and the final parameters are the one-process reference's.
 * A coordinator killed with SIGKILL: its workers leave within their lease (+2 s), each with one
   WARNING line in its log and exit code 0, whether the registry died with the coordinator (the
   embedded one) or outlived it (etcd: the coordinator's presence key lapsed).
@@ -33,9 +33,9 @@ from tests.harness.workers import WorkerProcess, start_worker
 from tests.multiproc.coordinator.outage_coordinator import FACTORIES, make_job
 
 ROOT = Path(__file__).resolve().parents[3]
-OUTAGE = 30.0  # seconds etcd is stopped
-PACE = 0.25  # the shortest step: the callback sleeps the rest, so the outage spans ~120 steps, not thousands
-STEPS = 155  # PACE * STEPS = 39 s: a few steps before, the outage, then more than OUTAGE_GRACE after
+OUTAGE = 10.0  # seconds etcd is stopped: over three of the workers' leases, so every lease lapses
+PACE = 0.25  # the shortest step: the callback sleeps the rest, so the outage spans ~40 steps, not thousands
+STEPS = 75  # PACE * STEPS = 19 s: a few steps before, the outage, then more than OUTAGE_GRACE after
 LEASE = 3.0  # the workers' lease, seconds
 TOL64 = 1e-9
 
