@@ -394,11 +394,11 @@ class Runtime:
                                      "first_commit": self.commits + (commit is not None),
                                      "clip_grad_norm": self.spec.clip_grad_norm,
                                      "nonfinite": self.spec.nonfinite}
-        requests = [{**shared, "microbatches": [list(mb) for mb in mbs]} for mbs in batches[0]]
+        # the samples go as given (msgpack packs any sequence as an array): a copy would read every index
+        requests = [{**shared, "microbatches": mbs} for mbs in batches[0]]
         if len(batches) > 1:  # each replica's samples of the later steps
             for r, request in enumerate(requests):
-                request["window"] = {**window, "microbatches": [[list(mb) for mb in later[r]]
-                                                                for later in batches[1:]]}
+                request["window"] = {**window, "microbatches": [later[r] for later in batches[1:]]}
         if (self._first_request or (commit is not None and self._first_commit)
                 or (len(batches) > 1 and self._first_window)):
             RunStep.model_validate(requests[0])  # the shape, checked once (and a window's once)
@@ -439,9 +439,11 @@ class Runtime:
         if commit is not None:
             self.commits += 1
         per_step = self._per_step(ids, replies, len(batches))
+        traffic: dict[str, TrafficCounts] | None = None
         if len(per_step) > 1:  # a window's counters ride on its last replies: each record made now shows them
             self.traffic.update(latest_by((sv.worker, body.traffic)
                                           for bodies, _ in per_step for sv, body in bodies))
+            traffic = dict(self.traffic)  # one copy the window's records share (a worker's entry per record)
         records: list[StepRecord] = []
         ended = time.time()
         coordinator_s = max(0.0, (ended - start) - (self.loop.poll_seconds - polled)) / len(per_step)
@@ -450,7 +452,7 @@ class Runtime:
             end = ended if last else max((t for _, body in bodies for t in _step_end(body)), default=ended)
             try:
                 records.append(self._account(step + k, batches[k], bodies, committed, loss_scale,
-                                             replica_scale, start, end, coordinator_s))
+                                             replica_scale, start, end, coordinator_s, traffic))
             except NonFiniteStep as exc:
                 exc.before = records
                 raise
@@ -484,9 +486,10 @@ class Runtime:
 
     def _account(self, step: int, batches: Batches, bodies: list[tuple[_Service, StepReply]],
                  committed: bool | None, loss_scale: float, replica_scale: float, start: float, end: float,
-                 coordinator_s: float) -> StepRecord:
+                 coordinator_s: float, traffic: dict[str, TrafficCounts] | None = None) -> StepRecord:
         """The record of ``step`` from its replies; decide its commit (``committed`` None), or check the
-        stages' (True: they committed it, False: they dropped it)."""
+        stages' (True: they committed it, False: they dropped it). ``traffic``: the workers' counters the
+        record shows (None: the latest, with this step's)."""
         total = sum(len(mb) for per in batches for mb in per)
         loss = 0.0
         for sv, body in bodies:
@@ -495,7 +498,9 @@ class Runtime:
                                f"{step}")
             for m, value in enumerate(body.losses):
                 loss += value * len(batches[sv.replica][m]) / total
-        self.traffic.update(latest_by((sv.worker, body.traffic) for sv, body in bodies))
+        if traffic is None:
+            self.traffic.update(latest_by((sv.worker, body.traffic) for sv, body in bodies))
+            traffic = dict(self.traffic)
         bad = first_nonfinite(bodies)
         overflow = self.scaler is not None and overflowed(self.spec.run, step, bodies, self.scaler,
                                                           last_good=self._last_good)
@@ -521,7 +526,7 @@ class Runtime:
                           coordinator_s=coordinator_s, skipped=skipped, loss_scale=loss_scale, grad_norm=norm,
                           replies=bodies, actions=self._actions,
                           saved=[*(part for _, body in bodies for part in body.saved), *self._shards.saved()],
-                          traffic=dict(self.traffic))
+                          traffic=traffic)
 
     def _run_async(self, step: int, batches: Batches, upcoming: Callable[[int], Batches] | None,
                    last: int) -> StepRecord:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,6 +28,19 @@ def test_every_sample_of_an_epoch_at_most_once(n: int, b: int, shuffle: bool, se
         assert set(used) <= set(range(n))
         if n % b == 0:
             assert sorted(used) == list(range(n))
+
+
+@given(n=st.sampled_from([3, 64, 1000, 70_000]), seed=st.integers(0, 3),
+       steps=st.lists(st.integers(0, 5_000), min_size=1, max_size=12))
+def test_each_epoch_is_its_own_seeded_draw_in_any_order_of_steps(n: int, seed: int, steps: list[int]) -> None:
+    """The orders drawn ahead are the ones drawn one epoch at a time, whatever steps are asked (a resume
+    goes back), so a run's samples do not depend on the order its steps were asked in."""
+    b = max(1, n // 7)
+    sampler = BatchSampler(n, b, seed=seed)
+    for step in steps:
+        epoch, k = divmod(step, sampler.steps_per_epoch)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+        assert sampler.indices(step) == order[k * b:(k + 1) * b]
 
 
 def test_split_is_contiguous_replicas_then_microbatches() -> None:
