@@ -11,25 +11,28 @@ is not what is timed. Plan kinds:
 * ``pp``: one pipeline of N stages (GPipe, 4 microbatches; a model of N cells), only up to 64;
 * ``both``: 4 stages (1F1B, 4 microbatches) times N/4 replicas.
 
-Per configuration it reports: the seconds until every worker's card was registered (``up``), the
-plan and the placement (``place``: every stage assigned and its program loaded); over ``--steps``
-steps after ``--warmup``: the coordinator's main-thread CPU per step and per reply (and replies per
-CPU second: the events it handles), the event loop's wake-ups per step, the whole process's CPU per
-step (the registry it serves and the watch included), the wall time per step, the registry writes
-(revision) and the watch events the coordinator's loop saw per step, the registry keys of the job,
-the coordinator's memory per worker (its RSS growth from before the fleet started, over N); then
+Per configuration it reports: the seconds until every worker's card was registered (``up``), the plan
+and the placement (``place``: every stage assigned and its program loaded); over ``--steps`` steps after
+``--warmup``: the coordinator's main-thread CPU per step and per reply (and replies per CPU second: the
+events it handles), the event loop's wake-ups per step, the ``run_step`` requests per stage and step
+(under 1 where a request carries a window of steps: ``--steps-per-request``), the whole process's CPU
+per step (the registry it serves and the watch included), the wall time per step, the registry writes
+(revision) and the watch events the coordinator's loop saw per step, the registry keys of the job, the
+coordinator's memory per worker (its RSS growth from before the fleet started, over N); then
 (``--lost``) the seconds from crashing one worker (as ``kill -9``: its lease lapses) until the session
 stops with the failure.
 
     python bench/hollow.py --workers 16 64 256 512 [--kinds dp both pp] [--registry embedded etcd]
                            [--steps 10] [--warmup 2] [--lease-ttl 15] [--lost]
                            [--action-ms 0] [--action-jitter 0] [--coalesce-ms auto 0]
+                           [--steps-per-request 0 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import resource
 import sys
@@ -86,8 +89,10 @@ def plan_fields(kind: str, workers: int) -> dict[str, Any]:
     raise ValueError(f"unknown plan kind {kind!r}: dp, pp or both")
 
 
-def make_job(kind: str, workers: int, name: str, *, step_timeout_s: float = 120) -> Any:
-    """A job of the fixed plan ``kind`` on ``workers`` hollow workers (a 4-sample microbatch)."""
+def make_job(kind: str, workers: int, name: str, *, step_timeout_s: float = 120, steps_per_request: int = 0
+             ) -> Any:
+    """A job of the fixed plan ``kind`` on ``workers`` hollow workers (a 4-sample microbatch);
+    ``steps_per_request``: ``runtime.steps_per_request`` (0: windows of about a second of steps)."""
     from coordinator.planning.resources import Resources
     from coordinator.runtime.job import Job
 
@@ -100,7 +105,7 @@ def make_job(kind: str, workers: int, name: str, *, step_timeout_s: float = 120)
                # a hollow worker holds no tensors: the plan (fixed) must not depend on this machine's memory
                # shared by N (at 512 the memory model's fixed part no longer fits 0.8 x 23 GiB / 512)
                resources=Resources.local(workers=workers, memory_bytes=HOLLOW_MEMORY),
-               step_timeout_s=step_timeout_s, max_restarts=0,
+               step_timeout_s=step_timeout_s, max_restarts=0, steps_per_request=steps_per_request,
                name=name, **fields)
 
 
@@ -142,6 +147,8 @@ class Figures:
     fleet_rss_per_worker_bytes: float = 0.0
     lost_s: float | None = None
     coalesce_ms: float = 0.0
+    steps_per_request: int = 0  # asked (0: auto)
+    requests_per_step: float = 0.0  # run_step requests the coordinator sent, per stage and step
 
     @property
     def cpu_per_reply_us(self) -> float:
@@ -177,18 +184,18 @@ def registry_url(kind: str) -> Iterator[str | None]:
 
 def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, lease_ttl: float,
             lost: bool, action_ms: float = 0.0, action_jitter: float = 0.0,
-            coalesce_ms: float | None = None) -> Figures:
+            coalesce_ms: float | None = None, steps_per_request: int = 0) -> Figures:
     from coordinator.runtime.errors import JobFailed
     from services.host.hollow_pool import HollowPool
 
-    figures = Figures(workers, kind, registry)
+    figures = Figures(workers, kind, registry, steps_per_request=steps_per_request)
     job_name = f"hollow-{kind}-{workers}-{registry}"
     base_rss = rss_bytes()
     with registry_url(registry) as url, HollowPool(workers, job_name, registry=url, factories=FACTORIES,
                                                    lease_ttl=timedelta(seconds=lease_ttl),
                                                    action_ms=action_ms, action_jitter=action_jitter) as pool:
         figures.up_s = pool.up_seconds
-        job = make_job(kind, workers, job_name)
+        job = make_job(kind, workers, job_name, steps_per_request=steps_per_request)
         started = time.monotonic()
         job.plan()
         figures.plan_s = time.monotonic() - started
@@ -211,6 +218,7 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             loop._track = counted  # type: ignore[method-assign]
             job.fit(warmup)
             revision, events, wakeups = pool.registry.revision(), seen[0], loop.wakeups
+            requests = loop.requests["run_step"]
             cpu, main, wall = process_cpu(), time.thread_time(), time.monotonic()
             result = job.fit(steps)
             figures.wall_per_step_s = (time.monotonic() - wall) / steps
@@ -220,6 +228,8 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             figures.watch_events_per_step = (seen[0] - events) / steps
             figures.wakeups_per_step = (loop.wakeups - wakeups) / steps
             figures.replies_per_step = len(result.steps[-1].replies)
+            figures.requests_per_step = ((loop.requests["run_step"] - requests)
+                                         / (steps * max(1, figures.replies_per_step)))
             figures.steps = steps
             assert all(len(r.replies) == figures.replies_per_step for r in result.steps)
             figures.keys = len(pool.registry.list(f"/cellmesh/{job_name}/"))
@@ -242,7 +252,8 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
 
 
 def table(rows: list[Figures]) -> str:
-    head = ("| workers | plan | hold ms | registry | up s | plan s | place s | step wall ms "
+    head = ("| workers | plan | hold ms | steps/request asked | requests/step | registry | up s | plan s "
+            "| place s | step wall ms "
             "| coord. CPU ms/step "
             "| µs/reply | replies/CPU-s | wake-ups/step | process CPU ms/step | writes/step | watch ev./step "
             "| keys "
@@ -251,7 +262,8 @@ def table(rows: list[Figures]) -> str:
     for f in rows:
         lost = f"{f.lost_s:.2f}" if f.lost_s is not None else "—"
         lines.append(
-            f"| {f.workers} | {f.kind} | {f.coalesce_ms:g} | {f.registry} | {f.up_s:.1f} | {f.plan_s:.1f} "
+            f"| {f.workers} | {f.kind} | {f.coalesce_ms:g} | {f.steps_per_request or 'auto'} "
+            f"| {f.requests_per_step:.2f} | {f.registry} | {f.up_s:.1f} | {f.plan_s:.1f} "
             f"| {f.place_s:.1f} "
             f"| {f.wall_per_step_s * 1e3:.0f} | {f.main_cpu_per_step_s * 1e3:.1f} | {f.cpu_per_reply_us:.0f} "
             f"| {f.replies_per_cpu_s:,.0f} | {f.wakeups_per_step:.0f} | {f.process_cpu_per_step_s * 1e3:.1f} "
@@ -278,6 +290,9 @@ def main() -> None:
     parser.add_argument("--coalesce-ms", nargs="+", default=["auto"],
                         help="the event loop's longest hold while replies gather (auto: the loop's own; 0: "
                              "none); several: each in turn")
+    parser.add_argument("--steps-per-request", type=int, nargs="+", default=[0],
+                        help="runtime.steps_per_request (0: windows of about a second); several: each "
+                             "in turn")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -287,11 +302,12 @@ def main() -> None:
             for kind in args.kinds:
                 if kind == "pp" and workers > args.max_pp:
                     continue
-                for hold in args.coalesce_ms:
+                for hold, per_request in itertools.product(args.coalesce_ms, args.steps_per_request):
                     coalesce = None if hold == "auto" else float(hold)
                     figures = measure(workers, kind, registry, steps=args.steps, warmup=args.warmup,
                                       lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
-                                      action_jitter=args.action_jitter, coalesce_ms=coalesce)
+                                      action_jitter=args.action_jitter, coalesce_ms=coalesce,
+                                      steps_per_request=per_request)
                     rows.append(figures)
                     print(table([figures]).splitlines()[-1], flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -30,7 +30,7 @@ import msgpack
 
 from comm.errors import PeerLostError, RegistryError
 from comm.registry.base import Lease, Registry
-from comm.registry.follow import Change, Follower
+from comm.registry.follow import FOLLOW_POLL, Change, Follower
 from comm.registry.keepalive import KeepAlive
 
 __all__ = ["DEFAULT_LIVENESS_TTL", "Rendezvous"]
@@ -76,6 +76,7 @@ class Rendezvous:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._follower: Follower | None = None
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/members/{rank}"
@@ -131,14 +132,14 @@ class Rendezvous:
 
     def _watch(self, known: dict[str, bytes], start_revision: int) -> None:
         members = f"{self.prefix}/members/"
-        follower = Follower(self.registry, members, in_doubt=self._keepalive.in_doubt)
+        follower = self._follower = Follower(self.registry, members, in_doubt=self._keepalive.in_doubt)
         try:
             follower.begin(known, start_revision)
         except Exception as exc:  # the registry went away just now: the follower lists again when it answers
             log.debug("[rank %d] liveness watch on %s could not start yet: %s", self.rank, members, exc)
         try:
-            while not self._stop.is_set():
-                for change in follower.poll(timedelta(seconds=0.2)):
+            while not self._stop.is_set():  # close() closes the follower: a long poll ends at once
+                for change in follower.poll(FOLLOW_POLL):
                     self._on_change(change)
         finally:
             follower.close()
@@ -214,6 +215,8 @@ class Rendezvous:
         except Exception:  # the registry may be gone at shutdown; the lease lapses anyway
             log.debug("[rank %d] could not mark card closed", self.rank, exc_info=True)
         self._keepalive.stop(revoke=True)
+        if self._follower is not None:
+            self._follower.close()  # ends the watcher's long poll ([Note: a follower's long poll])
         if self._watcher is not None:
             self._watcher.join(timeout=2)
 

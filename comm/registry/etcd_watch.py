@@ -13,6 +13,7 @@ watch fails: :meth:`EtcdWatch.get` raises :class:`RegistryError`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -124,6 +125,8 @@ class EtcdWatch(Watch):
         if self._stop.is_set():
             return
         self._stop.set()
+        with contextlib.suppress(queue.Full):  # a get() waiting in another thread returns now, cancelled
+            self._queue.put_nowait(RegistryError(f"the watch on {self._prefix!r} was cancelled"))
         with self._lock:
             call, done = self._call, self._stream_done
         if done is not None:

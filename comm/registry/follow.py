@@ -15,12 +15,26 @@ watch (``comm/rendezvous.py``) and a worker's watch on its coordinator
   not answer a poll), the follower lists the prefix again once the registry answers, watches
   from there and reports the difference from what it knew (a key missing then is held as above).
 
-Use from one thread: :meth:`Follower.poll` in a loop, :meth:`Follower.close` at the end.
+Use from one thread: :meth:`Follower.poll` in a loop, :meth:`Follower.close` at the end; ``close``
+may come from another thread, and ends a poll waiting in the loop's thread at once.
+
+[Note: a follower's long poll]
+A follower's thread polls with :data:`FOLLOW_POLL`, seconds, not a fraction of one. A watch answers
+at its first event whatever the wait (a served registry's long poll, etcd's stream, the memory
+registry's condition), so a long wait costs a change no latency; what a short one costs is requests:
+each poll of a served registry (``comm/registry/remote.py``) is one RPC to the coordinator's one
+registry thread. With every worker's watch on its coordinator polling every 0.25 s and every
+communicator rank's liveness watch every 0.2 s, 256 hollow workers in pipelines sent it ~2,300
+requests a second, 0.4-0.6 of a core, and at 512 it fell behind until leases lapsed
+(docs/benchmarks.md, "Hollow workers"). The threads stop by closing their follower, not by waking to
+check a flag. What a long poll delays is only a deletion held through a registry outage, reported at
+the first poll after its grace: up to one poll late.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,9 +43,12 @@ from datetime import timedelta
 from comm.registry.base import EventType, Registry, Watch, WatchEvent
 from comm.registry.keepalive import OUTAGE_GRACE
 
-__all__ = ["Change", "Follower"]
+__all__ = ["FOLLOW_POLL", "Change", "Follower"]
 
 log = logging.getLogger(__name__)
+
+FOLLOW_POLL = timedelta(seconds=5)
+"""How long a following thread's :meth:`Follower.poll` waits ([Note: a follower's long poll])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +89,7 @@ class Follower:
         self._watch: Watch | None = None
         self._failed_at: float | None = None  # the last failure of this follower's own watch
         self._failing = False
+        self._closed = threading.Event()  # set by close(), from any thread
 
     @property
     def values(self) -> dict[str, bytes]:
@@ -100,6 +118,8 @@ class Follower:
         """The changes that came within ``timeout`` (often none). Never raises for a failing registry:
         it waits ``timeout`` and tries again at the next call."""
         changes: list[Change] = []
+        if self._closed.is_set():
+            return changes
         try:
             if self._watch is None:
                 changes += self._resync()
@@ -108,15 +128,19 @@ class Follower:
                 if event is not None and self._accepts(event.key):
                     changes += self._apply(event)
         except Exception as exc:  # the registry's failures, whatever their kind: list again when it answers
+            if self._closed.is_set():  # close() from another thread cancelled the watch this poll waited on
+                return []
             self._lose_watch(exc)
             time.sleep(timeout.total_seconds())
         return changes + self._due()
 
     def close(self) -> None:
-        """Cancel the watch. Idempotent."""
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        """Cancel the watch; a :meth:`poll` waiting on it in another thread returns at once (no change).
+        Idempotent."""
+        self._closed.set()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -160,6 +184,9 @@ class Follower:
         revision = self._registry.revision()
         listed = {kv.key: kv.value for kv in self._registry.list(self._prefix) if self._accepts(kv.key)}
         self._watch = self._registry.watch(self._prefix, start_revision=revision + 1)
+        if self._closed.is_set():  # closed from another thread meanwhile: the new watch is not followed
+            self.close()
+            return []
         if self._failing:
             self._failing = False
             log.info("the registry answers again: %r listed again (%d keys)", self._prefix, len(listed))

@@ -13,6 +13,10 @@
 * leases with a deadline; a reaper thread sleeps until the earliest deadline and
   deletes the keys of every lapsed lease, so watchers see their ``DELETE`` events
   within milliseconds of expiry. Any positive TTL is allowed, sub-second ones too.
+  The deadlines wait in a heap, an entry pushed per grant and refresh and an outdated one
+  skipped when it comes up: finding the lapsed leases costs a refresh ``log L``, not a pass
+  over all ``L`` leases (a served registry refreshes every worker's and every communicator
+  rank's lease, so that pass made the refreshes' cost grow as ``L^2``).
 
 [Note: revision cursors] A reader of the history (a :class:`MemoryWatch`, or a remote
 watch's long poll through the server) remembers the next revision it wants. A read
@@ -24,6 +28,7 @@ repeats an event, and an idle reader's cursor still advances past unrelated chan
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import logging
 import threading
@@ -112,6 +117,7 @@ class MemoryRegistry(Registry):
         self._reaper_wakeup = threading.Condition(self._lock)  # a lease was granted / closing
         self._data: dict[str, _Entry] = {}
         self._leases: dict[int, _LeaseState] = {}
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, lease id), a heap; stale entries skipped
         self._lease_ids = itertools.count(1)
         self._revision = 1  # as etcd: an empty store is at revision 1
         self._events: list[WatchEvent] = []
@@ -195,6 +201,7 @@ class MemoryRegistry(Registry):
             self._check_open()
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = _LeaseState(seconds, time.monotonic() + seconds)
+            self._push_deadline(lease_id)
             self._reaper_wakeup.notify()
         return MemoryLease(self, lease_id, ttl)
 
@@ -225,6 +232,7 @@ class MemoryRegistry(Registry):
             if state is None:
                 raise LeaseExpiredError(f"lease {lease_id} not found (expired or revoked); grant a new one")
             state.deadline = now + state.ttl
+            self._push_deadline(lease_id)
 
     def revoke_lease(self, lease_id: int) -> None:
         """Delete the lease and its keys now; a lease that is already gone is a no-op."""
@@ -402,8 +410,20 @@ class MemoryRegistry(Registry):
             events.append(WatchEvent(EventType.DELETE, key, b"", revision))
         self._record(events)
 
+    def _push_deadline(self, lease_id: int) -> None:
+        """Queue the lease's current deadline (under the lock); older entries of it go stale."""
+        heapq.heappush(self._deadlines, (self._leases[lease_id].deadline, lease_id))
+        if len(self._deadlines) > 2 * len(self._leases) + 64:  # mostly stale: keep one entry per lease
+            self._deadlines = [(s.deadline, i) for i, s in self._leases.items()]
+            heapq.heapify(self._deadlines)
+
     def _expire_due(self, now: float) -> None:
-        for lease_id in [i for i, s in self._leases.items() if s.deadline <= now]:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, lease_id = heapq.heappop(heap)
+            state = self._leases.get(lease_id)
+            if state is None or state.deadline != deadline:  # revoked, lapsed or refreshed since
+                continue
             logger.debug("lease %d lapsed", lease_id)
             self._end_lease(lease_id)
 
@@ -412,8 +432,8 @@ class MemoryRegistry(Registry):
             while not self._closed:
                 now = time.monotonic()
                 self._expire_due(now)
-                next_deadline = min((s.deadline for s in self._leases.values()), default=None)
-                timeout = None if next_deadline is None else max(0.0, next_deadline - now)
+                # the earliest entry may be stale (a refreshed lease): then the reaper wakes early, once
+                timeout = None if not self._deadlines else max(0.0, self._deadlines[0][0] - now)
                 self._reaper_wakeup.wait(timeout)
 
 

@@ -32,7 +32,7 @@ from pydantic import Field
 from comm.codec import Message, pack, unpack
 from comm.errors import ProtocolError
 from comm.registry.base import Lease, Registry
-from comm.registry.follow import Change, Follower
+from comm.registry.follow import FOLLOW_POLL, Change, Follower
 from comm.registry.keepalive import OUTAGE_GRACE, KeepAlive
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "Presence", "PresenceCard", "PresenceMonitor"]
@@ -133,7 +133,7 @@ class PresenceMonitor:
     """
 
     def __init__(self, registry: Registry, key: str, *, in_doubt: Callable[[], bool],
-                 what: str = "the coordinator", poll: timedelta = timedelta(seconds=0.25)) -> None:
+                 what: str = "the coordinator", poll: timedelta = FOLLOW_POLL) -> None:
         self.key = key
         self.what = what
         self.gone = threading.Event()
@@ -155,10 +155,12 @@ class PresenceMonitor:
         return self
 
     def close(self) -> None:
-        """Stop following (bounded: one poll). Idempotent."""
+        """Stop following: the follower's long poll ends at once ([Note: a follower's long poll] in
+        ``comm/registry/follow.py``). Idempotent."""
         self._stop.set()
+        self._follower.close()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self._poll.total_seconds() * 4 + 5)
+            self._thread.join(5)
 
     def _run(self) -> None:
         try:

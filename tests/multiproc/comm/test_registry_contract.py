@@ -565,6 +565,29 @@ def test_memory_lapse_is_prompt_with_many_leases() -> None:
             assert -0.02 <= late <= 0.15, late  # ~0.1 s, with room for a busy 2-core machine
 
 
+def test_memory_refreshed_leases_outlive_their_ttl_and_the_rest_lapse_in_deadline_order() -> None:
+    """Deadlines change with every refresh (the heap keeps outdated entries, skipped, and compacts them):
+    a lease refreshed many times past its TTL holds its key; the ones let go lapse, each at its own time."""
+    with MemoryRegistry() as reg, reg.watch("/r/") as watch:
+        kept = reg.lease(timedelta(seconds=0.5))
+        reg.put("/r/kept", b"x", lease=kept)
+        dropped = [reg.lease(timedelta(seconds=0.4 + i * 0.1)) for i in range(3)]
+        for i, lease in enumerate(dropped):
+            reg.put(f"/r/{i}", b"x", lease=lease)
+        _collect(watch, 4)
+        t0 = time.monotonic()
+        for _ in range(300):  # over 1.2 s of refreshes, far more entries than leases
+            kept.refresh()
+            for lease in dropped[1:]:  # only until 0.2 s: then these two are let go too
+                if time.monotonic() - t0 < 0.2:
+                    lease.refresh()
+            time.sleep(0.004)
+        lapsed = [_next_event(watch, timedelta(seconds=2)) for _ in range(3)]
+        assert [(e.type, e.key) for e in lapsed] == [(EventType.DELETE, f"/r/{i}") for i in range(3)]
+        assert [kv.key for kv in reg.list("/r/")] == ["/r/kept"]
+        kept.refresh()
+
+
 # -- the served registry ----------------------------------------------------------------
 
 
