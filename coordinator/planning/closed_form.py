@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["cut_free_bound", "pipeline_bound"]
+__all__ = ["cut_free_bound", "pipeline_bound", "rank_bounds"]
 
 # schedule kinds of :func:`cut_free_bound`
 FILL_AND_DRAIN, FILL, CHUNKS, BUSIEST = 0, 1, 2, 3
@@ -64,7 +64,21 @@ KINDS = {"gpipe": FILL_AND_DRAIN, "1f1b": FILL_AND_DRAIN, "zb-h1": FILL, "interl
 def pipeline_bound(name: str, num_microbatches: int, num_ranks: int, forward_s: Sequence[float],
                    backward_s: Sequence[float], activation_s: Sequence[float], gradient_s: Sequence[float],
                    start_s: Sequence[float], weight_s: Sequence[float] | None = None) -> float:
-    """A lower bound on the simulated step of schedule ``name`` (see [Note: the bound]).
+    """A lower bound on the simulated step of schedule ``name`` (see [Note: the bound]): the largest of
+    :func:`rank_bounds`, with the same arguments."""
+    return max(rank_bounds(name, num_microbatches, num_ranks, forward_s, backward_s, activation_s, gradient_s,
+                           start_s, weight_s)[0])
+
+
+def rank_bounds(name: str, num_microbatches: int, num_ranks: int, forward_s: Sequence[float],
+                backward_s: Sequence[float], activation_s: Sequence[float], gradient_s: Sequence[float],
+                start_s: Sequence[float], weight_s: Sequence[float] | None = None
+                ) -> tuple[list[float], list[float]]:
+    """Per rank ``r``, a lower bound on the simulated step from ``r``'s chain alone (see [Note: the
+    bound]): when ``r``'s first action may start, plus its actions' times, plus what must follow its last;
+    and the time ``r`` is busy (its starts and its actions). Each bound is that rank's actions' times plus
+    a term they do not change: a rank whose actions take longer (a shared host's slowdown,
+    :meth:`~coordinator.planning.simulator.Sharing.crowded_time`) moves its bound by as much.
 
     Args:
         name: ``gpipe``, ``1f1b``, ``zb-h1`` or ``interleaved-1f1b`` (any other: the busiest rank's work).
@@ -87,31 +101,33 @@ def pipeline_bound(name: str, num_microbatches: int, num_ranks: int, forward_s: 
     for s in range(p):
         begin[s % rr] += start_s[s]
         busy[s % rr] += work[s]
+    occupied = [b + w for b, w in zip(begin, busy, strict=True)]
     if name not in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
-        return max(b + w for b, w in zip(begin, busy, strict=True))
+        return occupied, occupied
     head = [begin[0]]  # when rank r's first action may start
     for r in range(1, rr):
         s = r - 1  # the stage before, on rank r - 1 (its first chunk)
         arrive = head[-1] + (activation_s[s - 1] if s > 0 else 0.0) + forward_s[s] + activation_s[s]
         head.append(max(begin[r], arrive))
-    bound, tail = 0.0, 0.0  # tail: the drain below rank r, stages r-1..0
+    bounds: list[float] = []
+    tail = 0.0  # the drain below rank r, stages r-1..0
     for r in range(rr):
         end = head[r] + busy[r]
         if r > 0:
             j = r - 1
             tail += gradient_s[j] + backward_s[j] + (gradient_s[j - 1] if j > 0 else 0.0)
         if name != "zb-h1":
-            bound = max(bound, end + tail)
+            bounds.append(end + tail)
             continue
         assert weight_s is not None
         late = min(r + 1, m) * weight_s[r]  # the W's after the last I and its send
-        sent = end - late
-        bound = max(bound, end)
-        t = sent
+        t = end - late  # when its last I's gradients were sent
+        bound = end
         for j in range(r - 1, -1, -1):
             t += gradient_s[j] + (backward_s[j] - weight_s[j]) + (gradient_s[j - 1] if j > 0 else 0.0)
             bound = max(bound, t + min(j + 1, m) * weight_s[j])
-    return bound
+        bounds.append(bound)
+    return bounds, occupied
 
 
 def cut_free_bound(kind: np.ndarray, num_microbatches: np.ndarray, num_stages: np.ndarray,

@@ -178,7 +178,7 @@ from typing import TypeVar, cast, get_args
 import numpy as np
 
 from coordinator.planning import memory
-from coordinator.planning.closed_form import BUSIEST, KINDS, cut_free_bound, pipeline_bound
+from coordinator.planning.closed_form import BUSIEST, KINDS, cut_free_bound, rank_bounds
 from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter, may_fit
 from coordinator.planning.graph import CutInfo, TensorMeta
@@ -567,8 +567,16 @@ class _Placed:
         self._shared = shared
         self._stage_links: dict[int, tuple[float, float]] = {}
         self._sharing: dict[int, Sharing | None] = {}
-
+        self._starved: list[float] | None = None
         self.num_stages = num_stages
+
+    @property
+    def starved(self) -> list[float]:
+        """Per stage, :func:`_sync_starved` of these workers (one pass over them per placement)."""
+        if self._starved is None:
+            assert self._shared.resources is not None
+            self._starved = _sync_starved(self._shared.resources, self.workers)
+        return self._starved
 
     def stage_link(self, stage: int) -> tuple[float, float]:
         """The slowest link among the stage's replicas."""
@@ -968,7 +976,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
                    cut_error: str) -> Candidate:
         spans = list(itertools.pairwise(bounds))
         memory = shared.memory(option, mode, d, m, mb, on_cuda)
-        starved = _sync_starved(resources, workers) if d > 1 else [0.0] * p
+        starved = at.starved if d > 1 else [0.0] * p
         times = shared.times(mb)
         fwd, bwd = game.costs.forward_s, game.costs.backward_s
         stages = []
@@ -1104,24 +1112,30 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     share = 1.0 if mode == "collective" else 1.0 / d
     start = [grads[s] * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed[s] for s in range(p)]
-    pipeline = pipeline_bound(sched_name, m, setup.ranks, forward, backward,
-                              [_transfer(fwd_bytes[c], bw, lat) for c in inner],
-                              [_transfer(bwd_bytes[c], bw, lat) for c in inner], start,
-                              # W in the same share of each backward as the simulator is given
-                              [w * backward[s] / (bwd[s] + ACTION_OVERHEAD_S) for s, w in enumerate(weights)]
-                              if weights else [t * DEFAULT_WEIGHT_FRACTION for t in backward])
+    # W in the same share of each backward as the simulator is given
+    shares = ([w * backward[s] / (bwd[s] + ACTION_OVERHEAD_S) for s, w in enumerate(weights)] if weights
+              else [t * DEFAULT_WEIGHT_FRACTION for t in backward])
+    ends, occupied = rank_bounds(sched_name, m, setup.ranks, forward, backward,
+                                 [_transfer(fwd_bytes[c], bw, lat) for c in inner],
+                                 [_transfer(bwd_bytes[c], bw, lat) for c in inner], start, shares)
+    pipeline = max(ends)
     sharing = at.sharing(setup.ranks)
-    if sharing is not None:  # a host's cores do at most their count of seconds of work per second
+    if sharing is not None:
         held = [range(k, p, setup.ranks) for k in range(setup.ranks)]
+        # a host's cores do at most their count of seconds of work per second
         pipeline = max(pipeline, sharing.least_time(
             [m * sum(fwd[s] / speed[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
             [m * sum(bwd[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
             [sum(start[s] for s in ss) for ss in held]))
+        # and its busy workers slow each other (the stages slowed for certain above are slowed already)
+        pipeline = max(pipeline, sharing.crowded_time(
+            ends, occupied, [m * sum(forward[s] for s in ss if not certain[s]) for ss in held],
+            [m * sum(backward[s] for s in ss if not certain[s]) for ss in held]))
     sync = [0.0] * p
     if d > 1:
         slow = 1.0 if sharing is None else sharing.most_stretch()  # the most a backward is stretched
         assert shared.resources is not None
-        starved = _sync_starved(shared.resources, at.workers)  # the candidate's CPU floor, as it has it
+        starved = at.starved  # the candidate's CPU floor, as it has it
         for s in range(p):
             hidden = (bwd[s] + ACTION_OVERHEAD_S) * slow  # at most the whole backward hides it
             link_bw, link_lat = at.stage_link(s)

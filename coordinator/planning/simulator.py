@@ -34,10 +34,25 @@ update; a rank waiting for a receive sleeps), each of them runs at ``min(1, c / 
 a forward, backward, I or W runs at ``1 / slowdown`` of that again while more than one *worker*
 of the host is busy (``forward_slowdown``, ``backward_slowdown``: the shared caches and memory
 bandwidth, which the profile, taken by one process alone, does not see). A rank on several hosts
-runs at its slowest host's rate. The play is then event by event: at each start or end of an
-action the rates are taken again, and the next end is the earliest one at those rates. Without a
-host holding two busy workers this is the plain play above, which :func:`play` runs then (it is
-the faster of the two).
+runs at the rate of its *home*, the host where it wants the most cores (:meth:`Sharing.homes`). The
+play is then event by event: at each start or end of an action the rates are taken again, and the
+next end is the earliest one at those rates. Without a host holding two busy workers this is the
+plain play above, which :func:`play` runs then (it is the faster of the two).
+
+[Note: a crowded host's slowdown] The planner bounds a shape's step before it plays it
+(``coordinator/planning/closed_form.py``), and on hosts of CPU workers the bound at each rank's own
+pace fell 8-10% short of the play: eight workers of a host are nearly always busy together, so
+nearly every forward and backward runs slowed. What the slowdown costs at least, whatever the
+order of events: write ``s`` for the larger slowdown and ``A_r`` for the time rank ``r`` is busy
+while no other worker of its home is (*alone*). A forward of ``F`` seconds at its own pace takes at
+least ``s_f F - (s_f - 1) a`` where ``a`` is its time alone (alone it runs at most at its pace,
+otherwise at most at ``1 / s_f`` of it), so a rank whose bound at its own pace is ``e_r``, with
+``F_r`` and ``B_r`` of forwards and backwards in it, ends no earlier than ``e_r + (s_f - 1) F_r +
+(s_b - 1) B_r - (s - 1) A_r``. Two ranks of one home are never alone at once, so over any ``k`` of
+them the ``A_r`` sum to at most the step ``T``: ``k T >= sum (e_r + ...) - (s - 1) T``, that is
+``T >= sum (e_r + (s_f - 1) F_r + (s_b - 1) B_r) / (k + s - 1)`` (:meth:`Sharing.crowded_time` takes
+the best ``k`` of each home). Eight equal ranks of a home with ``B = 2 F`` give about 1.1 times their
+bound at their own pace.
 
 Everything a rank spends waiting is idle; the bubble fraction is total idle time over
 ``num_ranks * step_time``. For equal stages and free transfers it is ``(p-1)/(m+p-1)``
@@ -49,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +224,38 @@ class Sharing:
             load[h] += k * (f * forward[r] + b * backward[r] + other[r])
             alone[h] = max(alone[h], worst * min(k, self.cores[h]) / self.cores[h] if crowded else 1.0)
         return max((x / (c * a) for x, c, a in zip(load, self.cores, alone, strict=True)), default=0.0)
+
+    def crowded_time(self, ends: Sequence[float], occupied: Sequence[float], forward: Sequence[float],
+                     backward: Sequence[float]) -> float:
+        """A lower bound on the step when rank ``r`` could end no earlier than ``ends[r]`` at its own pace,
+        is busy ``occupied[r]`` at that pace, and ``forward[r]`` and ``backward[r]`` of that are forwards
+        and backwards not yet slowed (see [Note: a crowded host's slowdown]); 0 where none is slowed."""
+        extra = max(self.forward_slowdown, self.backward_slowdown) - 1.0
+        if extra <= 0.0:
+            return 0.0
+        fs, bs = self.forward_slowdown - 1.0, self.backward_slowdown - 1.0
+        by_home: dict[int, list[int]] = {}
+        for r, home in enumerate(self.homes()):
+            if home is not None:
+                by_home.setdefault(home, []).append(r)
+        others = max(2, math.ceil(1.0 + extra))  # the busiest others a rank alone keeps idle, at least
+        best = 0.0
+        for ranks in by_home.values():
+            slowed = [fs * forward[r] + bs * backward[r] for r in ranks]
+            late = sorted((ends[r] + x for r, x in zip(ranks, slowed, strict=True)), reverse=True)
+            total = 0.0
+            for k, v in enumerate(late, start=1):  # any k of them together
+                total += v
+                best = max(best, total / (k + extra))
+            if len(ranks) <= others:
+                continue
+            busy = sorted(((occupied[r] + x, i) for i, (r, x) in enumerate(zip(ranks, slowed, strict=True))),
+                          reverse=True)
+            for i, r in enumerate(ranks):  # one rank, and the busiest others idle while it is alone
+                idle = [b for b, j in busy[:others + 1] if j != i][:others]
+                mean = sum(idle) / others
+                best = max(best, mean, (ends[r] + slowed[i] + extra * mean) / (1.0 + extra))
+        return best
 
     def most_stretch(self) -> float:
         """The most any busy rank's pace can be divided by: its host's cores all wanted, its kind slowed."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from coordinator.planning import planner
-from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound
+from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound, rank_bounds
 from coordinator.planning.config import PlanConfig
 from coordinator.planning.cutting import get_cutter
 from coordinator.planning.memory import AUTOMATIC, REPLICATED
@@ -32,7 +32,7 @@ from coordinator.planning.schedules import (
     schedule_steps,
     stage_holds,
 )
-from coordinator.planning.simulator import StageCosts, play
+from coordinator.planning.simulator import Sharing, StageCosts, play
 from services.compute.weight_grads import defers
 
 MiB = 2**20
@@ -181,6 +181,56 @@ def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
         assert bound <= step * (1 + 1e-12)
         if even and name in ("gpipe", "1f1b") and not any(costs.start_s):  # equal stages: close to the step
             assert bound >= 0.9 * step
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_crowded_host_bound_never_exceeds_the_shared_play(seed: int) -> None:
+    """``Sharing.crowded_time`` ([Note: a crowded host's slowdown]) from ``rank_bounds`` at the ranks' own
+    pace, against the shared-core play, on random schedules, costs, hosts and placements: ranks of 1-3
+    workers on hosts of 1-8 cores, homes shared or not, slowdowns up to 2. Where every rank's home holds
+    4 or more equal ranks that are kept busy, it must also lift the bound at their own pace."""
+    rng = random.Random(700 + seed)
+    lifted = packed = 0
+    for case in range(120):
+        name, p, m, v = random_schedule(rng)
+        if schedule_problem(name, p, m, v):
+            continue
+        dense = case % 4 == 0  # every rank on one host, equal stages, many microbatches: kept busy
+        if dense:
+            m = max(m, 2 * p)
+        even = dense or rng.random() < 0.3
+        costs = StageCosts(tuple(1.0 if even else rng.uniform(0.1, 2) for _ in range(p)),
+                           tuple(2.0 if even else rng.uniform(0.1, 4) for _ in range(p)),
+                           tuple(0.01 if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
+                           tuple(0.01 if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
+                           start_s=tuple(rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(p)))
+        order = schedule_steps(name, p, m, v)[0]
+        ranks = len(order)
+        hosts = 1 if dense else rng.randint(1, 4)
+        wants = []
+        for _ in range(ranks):
+            mine: dict[int, tuple[float, int]] = {}
+            for _ in range(1 if dense else rng.choice([1, 1, 2, 3])):
+                h = rng.randrange(hosts)
+                k, n = mine.get(h, (0.0, 0))
+                mine[h] = (k + (1.0 if dense else rng.choice([1.0, 2.0])), n + 1)
+            wants.append(tuple((h, k, n) for h, (k, n) in mine.items()))
+        fs, bs = (1.05, 1.15) if dense else (rng.uniform(1, 2), rng.uniform(1, 2))
+        sharing = Sharing(tuple(float(ranks if dense else rng.choice([1, 2, 4, 8])) for _ in range(hosts)),
+                          tuple(wants), fs, bs)
+        held = [tuple(range(r, p, ranks)) for r in range(ranks)]
+        step = play(name, order, held, costs, sharing).step_time_s
+        ends, occupied = rank_bounds(name, m, ranks, costs.forward_s, costs.backward_s,
+                                     costs.activation_transfer_s, costs.gradient_transfer_s, costs.start_s,
+                                     costs.weight_s)
+        forward = [m * sum(costs.forward_s[s] for s in ss) for ss in held]
+        backward = [m * sum(costs.backward_s[s] for s in ss) for ss in held]
+        crowded = sharing.crowded_time(ends, occupied, forward, backward)
+        assert crowded <= step * (1 + 1e-9), (name, p, m, v, sharing)
+        if dense and ranks >= 4:
+            packed += 1
+            lifted += crowded > max(ends) * 1.03
+    assert lifted >= 0.8 * packed > 0
 
 
 @pytest.mark.parametrize("seed", range(4))
