@@ -41,13 +41,14 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import re
 import resource
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["MemoryCap", "PeakProbe", "apply_cap", "installed_cap", "is_allocation_failure",
-           "out_of_memory_message", "status_bytes"]
+           "out_of_memory_message", "release_freed", "status_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +140,15 @@ def is_allocation_failure(exc: BaseException) -> bool:
     return False
 
 
+_BARE_MEMORY_ERROR = re.compile(r"MemoryError:(?=\s*(?:$|;))")
+
+
 def out_of_memory_message(failed: str) -> str:
     """``failed`` (what ran and the allocation's error), against the cap in force, and the fix."""
     cap = installed_cap()
     detail = " ".join(failed.split("\n\n", 1)[0].split())
+    # Python's own MemoryError carries no text: say what it means
+    detail = _BARE_MEMORY_ERROR.sub("MemoryError: can't allocate memory (Python's allocator)", detail)
     held = status_bytes("VmData")
     if cap is not None:
         limit = (f"worker {cap.worker} holds {_fmt(max(0, held - cap.baseline_bytes))} of its memory cap "
@@ -151,6 +157,13 @@ def out_of_memory_message(failed: str) -> str:
         limit = f"the worker process (no --memory-limit; {_fmt(held)} of data mapped) ran out of memory"
     return (f"{detail}; {limit}. Fix: a plan that holds less per worker (plan.zero 1/2/3, plan.recompute, a "
             "smaller microbatch, more workers) or a larger memory_bytes in the resource list")
+
+
+def release_freed() -> None:
+    """Collect garbage and hand the heap's free pages back to the system (glibc): what a failed
+    allocation's unwound frames freed stops counting against the cap."""
+    gc.collect()
+    _malloc_trim()
 
 
 def _malloc_trim() -> None:

@@ -135,7 +135,7 @@ from pydantic import BaseModel
 from comm.codec import unpack
 from comm.errors import ProtocolError
 from comm.registry.base import Registry
-from comm.registry.follow import Change, Follower
+from comm.registry.follow import FOLLOW_POLL, Change, Follower
 from comm.registry.presence import Presence
 from comm.rpc import Mailbox, RpcError, open_reply, request_frames
 from comm.rpc.framing import check_reply, reply_fields
@@ -151,7 +151,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PRESENCE_TTL = timedelta(seconds=2)
 """The coordinator's presence lease: its workers on etcd notice it died this long after (etcd's smallest)."""
-_WATCH_POLL = timedelta(seconds=0.25)  # how often the watch thread checks for close()
+_WATCH_POLL = FOLLOW_POLL  # the watch thread's long poll: close() closes the follower, which ends it
 # plain ints: pyzmq builds an enum object for a flag combined per call, and for each ZMQ_EVENTS read
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _DRAIN_BATCH = 4096  # replies read per wake-up before the registry's events get a turn
@@ -287,6 +287,7 @@ class EventLoop:
         """Stop the watch, close every socket, withdraw the presence. Idempotent."""
         self._stop.set()
         if self._thread is not None:
+            self._follower.close()  # ends the watch thread's poll in flight
             self._thread.join(2 * _WATCH_POLL.total_seconds() + 1)
         if self._sock is not None:
             self._sock.close()

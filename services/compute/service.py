@@ -111,7 +111,7 @@ from comm import traffic
 from comm.codec import describe_validation_error
 from comm.factory import wire_device
 from comm.logs import log_context
-from comm.memcap import PeakProbe, is_allocation_failure, out_of_memory_message
+from comm.memcap import PeakProbe, is_allocation_failure, out_of_memory_message, release_freed
 from comm.rpc import Call, RpcError, ServiceBase
 from services import faults
 from services.checkpoint.dcp import CheckpointFormatError
@@ -309,6 +309,10 @@ class CellComputeService(ServiceBase):
             finally:
                 with self._lock:
                     self._busy = None  # before answering: the caller may send the next request at once
+            if error is not None and error[0] == "out_of_memory":
+                # the failed step's tensors are garbage now: hand their heap back before answering, or the
+                # worker meets the next request at its cap (a thread's stack, a connection's buffers)
+                release_freed()
             if error is not None:
                 call.fail(*error)
             elif reply is not None:
