@@ -136,8 +136,10 @@ three bounds, each tighter and dearer than the one before (``_bound_order``):
    and every such shape is cut and placed), and the shapes are sorted by it once;
 2. a shape that comes up gets its placement, its cut ignoring memory (computed once per stages,
    microbatch size, recompute, link and speed, and shared by the modes and schedules) and the bound of
-   ``closed_form.pipeline_bound`` from the stage costs the simulator would be given (a shared host's
-   slowdown where it is certain: replicas on one host; the sync as if the whole backward hid it), and
+   ``closed_form.rank_bounds`` from the stage costs the simulator would be given (a shared host's
+   slowdown where it is certain: replicas on one host; on a host whose workers are busy together, the
+   least it costs them, [Note: a crowded host's slowdown] in ``simulator.py``; the sync as if the whole
+   backward hid it), and
    waits in a heap under it; where that cut does not fit memory it keeps its first bound, and a shape
    whose chain fits no cut at all (``cutting.may_fit``) leaves the search;
 3. a shape that comes up again is played in the simulator, exactly as the exhaustive search plays it.
