@@ -733,11 +733,16 @@ class CellComputeService(ServiceBase):
             turns.release(self._turns.key)
 
         # Closing a communicator waits for its in-flight operations (one to a dead peer waits
-        # out its timeout): never on the host thread, which serves every service of the worker.
+        # out its timeout): not on the host thread, which serves every service of the worker,
+        # unless no thread can start (the release must not fail: the service is gone either way).
         def close_comms() -> None:
             self._link.close()
             self._path.close()
             if self._tied is not None:
                 self._tied.close()
 
-        threading.Thread(target=close_comms, daemon=True, name=f"close-stage{self._stage.index}").start()
+        try:
+            threading.Thread(target=close_comms, daemon=True, name=f"close-stage{self._stage.index}").start()
+        except RuntimeError as exc:  # no memory for a thread's stack (a worker at its memory cap)
+            log.warning("%s closing its communicators on the host thread: %s", self._tag, exc)
+            close_comms()

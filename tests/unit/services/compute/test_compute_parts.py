@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +156,33 @@ def test_the_squared_norm_of_finite_gradients_is_exact_past_their_dtype() -> Non
     grads = [torch.randn(5, 3, dtype=torch.float64), torch.randn(7, dtype=torch.float64)]
     total = torch.nn.utils.get_total_norm(grads)  # torch's own, as clip_grad_norm_ computes it
     assert check_grads([("x", grads[0]), ("y", grads[1])])[1] == pytest.approx(float(total) ** 2, rel=1e-14)
+
+
+def test_a_released_stage_closes_its_communicators_even_when_no_thread_can_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker at its memory cap may have no room for a thread's stack: the release closes the
+    communicators on its own thread instead of failing (and leaving them open)."""
+    options = ComputeOptions(stage=0, num_stages=1, data=f"{MODELS}:regression", loss=f"{MODELS}:mse")
+    factories = FactoryAllowList.of([f"{MODELS}:{n}" for n in ("skip_model", "regression", "mse")], "a test")
+    closed: list[str] = []
+    for refused in (False, True):
+        service = CellComputeService.from_assignment(Assignment(
+            service="c", kind="compute", factory=f"{MODELS}:skip_model", nodes=[0, 4], seed=7,
+            options=options.model_dump()), factories)
+        monkeypatch.setattr(service._link, "close", lambda: closed.append("link"))
+        monkeypatch.setattr(service._path, "close", lambda: closed.append("path"))
+        start = threading.Thread.start
+
+        def no_stack(thread: threading.Thread, start: Any = start, refused: bool = refused) -> None:
+            if refused and thread.name.startswith("close-stage"):
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", no_stack)
+        service.on_close()
+        monkeypatch.undo()
+        deadline = time.monotonic() + 10
+        while len(closed) < 2 and time.monotonic() < deadline:  # the closing thread, where it started
+            time.sleep(0.01)
+        assert closed == ["link", "path"], (refused, closed)
+        closed.clear()
