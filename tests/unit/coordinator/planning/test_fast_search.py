@@ -160,6 +160,16 @@ def random_schedule(rng: random.Random) -> tuple[str, int, int, int]:
     return name, p, m, rng.choice([2, 3]) if name == "interleaved-1f1b" else 1
 
 
+def random_costs(rng: random.Random, p: int, even: bool, transfer: float) -> StageCosts:
+    """Stage costs drawn at random (``even``: forward 1, backward 2 and ``transfer`` on every stage and
+    cut), some stages starting late."""
+    return StageCosts(tuple(1.0 if even else rng.uniform(0.1, 2) for _ in range(p)),
+                      tuple(2.0 if even else rng.uniform(0.1, 4) for _ in range(p)),
+                      tuple(transfer if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
+                      tuple(transfer if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
+                      start_s=tuple(rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(p)))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
     rng = random.Random(seed)
@@ -168,11 +178,7 @@ def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
         if schedule_problem(name, p, m, v):
             continue
         even = rng.random() < 0.3
-        costs = StageCosts(tuple(1.0 if even else rng.uniform(0.1, 2) for _ in range(p)),
-                           tuple(2.0 if even else rng.uniform(0.1, 4) for _ in range(p)),
-                           tuple(0.1 if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
-                           tuple(0.1 if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
-                           start_s=tuple(rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(p)))
+        costs = random_costs(rng, p, even, 0.1)
         order = schedule_steps(name, p, m, v)[0]
         ranks = len(order)
         step = play(name, order, [tuple(range(r, p, ranks)) for r in range(ranks)], costs).step_time_s
@@ -199,11 +205,7 @@ def test_the_crowded_host_bound_never_exceeds_the_shared_play(seed: int) -> None
         if dense:
             m = max(m, 2 * p)
         even = dense or rng.random() < 0.3
-        costs = StageCosts(tuple(1.0 if even else rng.uniform(0.1, 2) for _ in range(p)),
-                           tuple(2.0 if even else rng.uniform(0.1, 4) for _ in range(p)),
-                           tuple(0.01 if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
-                           tuple(0.01 if even else rng.uniform(0, 0.3) for _ in range(p - 1)),
-                           start_s=tuple(rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(p)))
+        costs = random_costs(rng, p, even, 0.01)
         order = schedule_steps(name, p, m, v)[0]
         ranks = len(order)
         hosts = 1 if dense else rng.randint(1, 4)
