@@ -160,8 +160,10 @@ def out_of_memory_message(failed: str) -> str:
 
 
 def release_freed() -> None:
-    """Collect garbage and hand the heap's free pages back to the system (glibc): what a failed
-    allocation's unwound frames freed stops counting against the cap."""
+    """Collect garbage and trim the heap (glibc). A failed step's frames can sit in reference cycles
+    (an exception, its traceback, the frames holding tensors) until the collector runs: collected,
+    their large tensors (``mmap``'d, ``comm/allocator.py``) go back to the system at once and stop
+    counting against the cap; the small ones' pages go back as far as the heap can be trimmed."""
     gc.collect()
     _malloc_trim()
 

@@ -310,8 +310,8 @@ class CellComputeService(ServiceBase):
                 with self._lock:
                     self._busy = None  # before answering: the caller may send the next request at once
             if error is not None and error[0] == "out_of_memory":
-                # the failed step's tensors are garbage now: hand their heap back before answering, or the
-                # worker meets the next request at its cap (a thread's stack, a connection's buffers)
+                # the failed step's tensors may wait in reference cycles for the collector: free them before
+                # answering, or the worker meets the next request at its cap (a thread's stack, a buffer)
                 release_freed()
             if error is not None:
                 call.fail(*error)
