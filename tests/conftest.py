@@ -1,7 +1,9 @@
-"""Session-wide test plumbing: GPU gating and the cleanup of stray rank processes."""
+"""Session-wide test plumbing: GPU gating, the runtime's bytes measured once, and the cleanup of stray
+rank processes."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +13,20 @@ from hypothesis import settings
 # than hypothesis's default 200 ms deadline, which would fail a correct test.
 settings.register_profile("cellmesh", deadline=None)
 settings.load_profile("cellmesh")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Measure the worker runtime's bytes once for the whole run (before xdist starts its workers, which
+    inherit it, as do the coordinators the tests start): each coordinator process would otherwise spend
+    3-4 s of CPU measuring the same constant of this machine. ``test_runtime_memory.py`` still measures
+    it for real; a value set by the caller is kept."""
+    from coordinator.planning import runtime_bytes
+
+    if hasattr(config, "workerinput") or os.environ.get(runtime_bytes.ENV):
+        return
+    measured = runtime_bytes.runtime_bytes()
+    if measured > 0:  # a failed measurement (0, logged) is left to each coordinator to retry
+        os.environ[runtime_bytes.ENV] = str(measured)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

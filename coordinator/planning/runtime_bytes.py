@@ -3,18 +3,23 @@
 [Note: the runtime's bytes] A worker's peak since its assignment (``StepReply.peak_bytes``,
 ``comm/memcap.py``'s ``PeakProbe``) counts, besides the stage's tensors and the gradient path's
 buffers, what its runtime maps on first use: the step thread's malloc arena and stack, autograd's
-engine, the modules the optimizer imports on its first step (``torch._dynamo``), the transport's
-I/O thread. None of it depends on the model, so it is measured once per coordinator process, the
-way a worker meets it: a fresh interpreter loads what a worker loads before an assignment (the
-compute service and its imports, cellmesh's malloc thresholds), starts a :class:`PeakProbe`, then
-runs a tiny model's forward, backward and Adam step on a new thread next to a zmq context, and
-prints the probe's peak. Measured here: 38 MiB (torch 2.x, glibc), against 36-43 MiB of the
-workers' peaks no tensor accounts for.
+engine, the transport's I/O thread. None of it depends on the model, so it is measured once per
+coordinator process, the way a worker meets it: a fresh interpreter loads what a worker loads before
+an assignment (the compute service and its imports, the modules every worker loads at start,
+``services.host.worker.RUNTIME_MODULES``, cellmesh's malloc thresholds), starts a
+:class:`PeakProbe`, then runs a tiny model's forward, backward and Adam step on a new thread next to
+a zmq context, and prints the probe's peak. Measured here: 11 MiB (torch 2.13, glibc). It was 38 MiB
+while workers imported ``torch._dynamo`` (any optimizer's constructor needs it) at their first
+assignment, inside the peak; they load it at start now.
 
 The planner adds it to every stage's peak (``MemoryUse.runtime``); the profile carries it
 (``Profile.runtime_bytes``). The interpreter starts when profiling starts and is read when it ends
 (:class:`RuntimeProbe`), so the imports overlap the profile; a failure or a timeout is logged and
 counts 0 (the prediction is then short by that much).
+
+``CELLMESH_RUNTIME_BYTES`` (a byte count) skips the measurement: for a coordinator whose interpreter
+is not the workers' (another image, GPU workers whose runtime is counted by the device), or one that
+plans many jobs on one machine and has measured it once.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import subprocess
 import sys
 import threading
 
-__all__ = ["RUNTIME_PROBE_TIMEOUT_S", "RuntimeProbe", "runtime_bytes", "start"]
+__all__ = ["ENV", "RUNTIME_PROBE_TIMEOUT_S", "RuntimeProbe", "runtime_bytes", "start"]
 
 log = logging.getLogger(__name__)
 
+ENV = "CELLMESH_RUNTIME_BYTES"  # set: the runtime's bytes as given, nothing measured
 RUNTIME_PROBE_TIMEOUT_S = 120.0  # the interpreter's imports take 3-10 s on a loaded 2-core machine
 
 _SCRIPT = """
@@ -38,6 +44,9 @@ import zmq
 from comm.allocator import tune_malloc
 tune_malloc()
 import services.compute.service  # what a worker has loaded before its first assignment
+from services.host.worker import RUNTIME_MODULES
+for module in RUNTIME_MODULES:
+    __import__(module)
 from comm.memcap import PeakProbe
 probe = PeakProbe().start()
 context = zmq.Context()
@@ -92,20 +101,36 @@ class RuntimeProbe:
         return int(lines[-1])
 
 
+def _given() -> int | None:
+    """``$CELLMESH_RUNTIME_BYTES`` as a byte count, None when unset; a clear error when it is not one."""
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"${ENV}={text!r} is not a byte count: set a whole number of bytes (the worker "
+                         f"runtime's bytes, e.g. 40000000), or unset it to have them measured")
+    return int(text)
+
+
 def start() -> None:
-    """Start the measurement unless it ran or runs already (:func:`runtime_bytes` reads it)."""
+    """Start the measurement unless it ran or runs already, or ``$CELLMESH_RUNTIME_BYTES`` gives it."""
     global _running
     with _lock:
-        if _measured is None and _running is None:
+        if _measured is None and _running is None and _given() is None:
             _running = RuntimeProbe()
 
 
 def runtime_bytes() -> int:
-    """The runtime's bytes (see [Note: the runtime's bytes]), measured on the first call in this process."""
+    """The runtime's bytes (see [Note: the runtime's bytes]): ``$CELLMESH_RUNTIME_BYTES`` when set, else
+    measured on the first call in this process."""
     global _measured, _running
+    given = _given()
+    if given is not None:
+        return given
     start()
     with _lock:
         if _measured is None:
-            assert _running is not None
+            if _running is None:  # the variable was unset between start() and here
+                _running = RuntimeProbe()
             _measured, _running = _running.result(), None
         return _measured

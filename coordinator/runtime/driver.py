@@ -69,7 +69,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -796,7 +796,7 @@ class Runtime:
     def _lost(self, worker: str, what: str, step: int | None, *, probed: bool = False) -> JobFailed:
         hosted = self._hosted(worker)
         if not probed and self._span is not None and self._span[1] > 1:  # which step of the window: ask
-            self._unresponsive()
+            self._unresponsive(gone={worker})  # the survivors; the lost one would only run out the clock
         return JobFailed(f"worker {worker} (hosting {', '.join(hosted)}) lost its registry lease during "
                          f"{what}: its process died, stopped or was restarted", worker=worker,
                          service=hosted[0] if hosted else "", step=self._failed_step(step), lost=True)
@@ -826,15 +826,21 @@ class Runtime:
                              service=hosted[0] if hosted else "", step=step, lost=True)
         return JobFailed(f"{what} failed: {detail}", worker=sv.worker, service=sv.name, step=step)
 
-    def _unresponsive(self) -> list[str]:
-        """The placed workers that do not answer ``worker.status`` within :data:`PROBE_TIMEOUT`."""
-        ids = {self.loop.send(w, "worker", "status", Empty(), WorkerStatus): w for w in self.workers}
+    def _unresponsive(self, gone: Collection[str] = ()) -> list[str]:
+        """The placed workers that do not answer ``worker.status`` within :data:`PROBE_TIMEOUT`, not asking
+        those known ``gone`` and no longer waiting for one whose card vanishes meanwhile (both count as
+        unresponsive)."""
+        ids = {self.loop.send(w, "worker", "status", Empty(), WorkerStatus): w
+               for w in self.workers if w not in gone}
         answered: set[str] = set()
+        vanished: set[str] = set()
         deadline = time.monotonic() + PROBE_TIMEOUT.total_seconds()
-        while len(answered) < len(ids):
+        while len(answered) + len(vanished) < len(ids):
             event = self.loop.next_event(timedelta(seconds=max(0.0, deadline - time.monotonic())))
             if event is None:
                 break
+            if isinstance(event, WorkerLost) and event.name in ids.values() and self._gone(event.name):
+                vanished.add(event.name)
             if isinstance(event, Reply) and event.id in ids:
                 answered.add(ids[event.id])
                 if isinstance(event.body, WorkerStatus):

@@ -10,6 +10,9 @@ forks a child per request, as multiprocessing's ``forkserver`` start method does
 * Only third-party libraries are preloaded (:data:`PRELOAD`), never a cellmesh module: several
   read the environment when imported (fault injection, the shared-memory threshold), so each child
   imports cellmesh afresh, after its own environment is in place. That costs about 0.3 s.
+  It includes what every worker loads before its first assignment anyway (``services/host/worker.py``:
+  ``torch.distributed.checkpoint`` and ``torch._dynamo``, which any optimizer's constructor imports),
+  another 1-2 s of CPU per worker.
 * The server stays single-threaded (its libraries start no thread on import, with the BLAS and
   OpenMP thread counts at 1 while they load); a child sets torch's intra-op threads from its own
   ``OMP_NUM_THREADS``, since OpenMP read the variable when it loaded.
@@ -54,8 +57,8 @@ __all__ = ["ENABLE_ENV", "PRELOAD", "ForkServer", "ForkedProcess", "enabled", "s
 log = logging.getLogger(__name__)
 
 ENABLE_ENV = "CELLMESH_FORK_SERVER"
-PRELOAD = ("torch", "torch.nn", "torch.optim", "torch.distributed", "torch.utils.checkpoint", "numpy", "zmq",
-           "msgpack", "pydantic", "yaml")
+PRELOAD = ("torch", "torch.nn", "torch.optim", "torch.distributed", "torch.distributed.checkpoint",
+           "torch._dynamo", "torch.utils.checkpoint", "numpy", "zmq", "msgpack", "pydantic", "yaml")
 """What the server imports once for every child (third-party only; see the note)."""
 _QUIET_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 START_TIMEOUT_S = 60.0  # the server's imports, on a loaded machine

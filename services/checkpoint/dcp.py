@@ -26,13 +26,16 @@ import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.storage import WriteResult
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+# torch.distributed.checkpoint is imported where it is used: it pulls in torch.distributed.tensor, about
+# a second of a coordinator's start that only a job writing or reading a checkpoint needs. A worker
+# loads it with its compute service, before the stage's peak is measured (services/compute/service.py).
 
 __all__ = ["CheckpointFormatError", "keys", "load", "merge_parts", "publish", "save_part"]
 
@@ -51,12 +54,17 @@ def save_part(tensors: Mapping[str, torch.Tensor], directory: Path) -> None:
 
     Only this process takes part (``no_dist``): safe from any thread, no process group needed.
     """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     directory.mkdir(parents=True, exist_ok=True)
     dcp_save(dict(tensors), storage_writer=FileSystemWriter(directory, sync_files=True, overwrite=True),
              no_dist=True)
 
 
 def _read_metadata(directory: Path) -> Metadata:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
     if not (directory / METADATA).is_file():
         raise CheckpointFormatError(f"{directory} is not a complete checkpoint: it has no {METADATA} "
                                     "(a save that did not finish, or not a cellmesh/DCP checkpoint)")
@@ -69,6 +77,10 @@ def merge_parts(root: Path, parts: Sequence[Path]) -> Metadata:
     Raises:
         CheckpointFormatError: A part is incomplete, or two parts hold the same key.
     """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
     merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={})
     owner: dict[str, Path] = {}
     for part in parts:
@@ -98,6 +110,8 @@ def keys(directory: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     Raises:
         CheckpointFormatError: ``directory`` is not a complete checkpoint.
     """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, value in _read_metadata(directory).state_dict_metadata.items():
         if isinstance(value, TensorStorageMetadata):
@@ -118,6 +132,9 @@ def load(directory: Path, wanted: Sequence[str]) -> dict[str, torch.Tensor]:
                                     "missing): it was saved from another model")
     out = {k: torch.empty(have[k][1], dtype=have[k][0]) for k in wanted}
     if out:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
         dcp_load(out, storage_reader=FileSystemReader(directory), no_dist=True)
     return out
 

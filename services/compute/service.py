@@ -105,6 +105,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+
+# the checkpoint path's modules count as the runtime's bytes: loaded here, before an assignment's peak
+# is measured, not at the stage's first save (services/checkpoint/dcp.py imports them where used)
+import torch.distributed.checkpoint
 from pydantic import BaseModel, ValidationError
 
 from comm import traffic
@@ -253,8 +257,9 @@ class CellComputeService(ServiceBase):
             options = ComputeOptions.model_validate(assignment.options)
         except ValidationError as exc:
             raise RpcError("bad_request", f"compute options: {describe_validation_error(exc)}") from None
-        if options.recompute:  # imported at assignment (stage.py): the runtime's bytes, not the stage's
-            importlib.import_module("torch._dynamo")
+        # a worker loaded it at start (services/host/worker.py); a service hosted elsewhere loads it here,
+        # before the peak: the optimizer's constructor and recompute import it, the runtime's bytes
+        importlib.import_module("torch._dynamo")
         probe = PeakProbe().start()  # the worker's peak from here: the stage's tensors and what runs them
         try:
             stage = build_stage(assignment, options, factories)

@@ -52,6 +52,7 @@ that stream to the run directory's ``workers/NAME.log``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import secrets
@@ -132,6 +133,20 @@ def _memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 0
+
+
+RUNTIME_MODULES = ("torch", "torch.distributed.checkpoint", "torch._dynamo")
+"""What every worker imports before its memory cap and its first assignment: any optimizer's
+constructor imports ``torch._dynamo`` (1-2 s of CPU, tens of MiB), the checkpoint path
+``torch.distributed.checkpoint``. Loaded at start they are the process's baseline, the same in a
+forked worker (the fork server preloads them) and a fresh interpreter, and never part of a stage's
+measured peak or its cap (the runtime probe, ``coordinator/planning/runtime_bytes.py``, loads them
+first too)."""
+
+
+def _load_runtime() -> None:
+    for module in RUNTIME_MODULES:
+        importlib.import_module(module)
 
 
 def _gpus() -> int:
@@ -446,10 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     launch.export()  # RANK, WORLD_SIZE, ... for torch.distributed code in the job's factories
     tune_malloc()
+    _load_runtime()  # before the cap: the libraries are the process's baseline, not the plan's budget
     name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"
     limit = args.memory_limit if args.memory_limit is not None else launch.memory_limit
     if limit is not None:
-        _gpus()  # torch imported first: its libraries are the process's baseline, not the plan's budget
         try:
             apply_cap(name, limit)
         except ValueError as exc:

@@ -16,11 +16,26 @@ from coordinator.planning.resources import Resources, Worker
 MiB = 2**20
 
 
-def test_a_fresh_interpreter_measures_the_runtime_once() -> None:
+def test_a_fresh_interpreter_measures_the_runtime_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(runtime_bytes.ENV, raising=False)  # the suite's conftest sets it once for the run
+    monkeypatch.setattr(runtime_bytes, "_measured", None)
+    monkeypatch.setattr(runtime_bytes, "_running", None)
     measured = runtime_bytes.runtime_bytes()
     # torch's autograd engine, the step thread, the optimizer's lazy imports: tens of MiB, not hundreds
     assert 4 * MiB < measured < 300 * MiB, measured
     assert runtime_bytes.runtime_bytes() == measured  # once per process
+
+
+def test_the_environment_gives_the_runtime_bytes_without_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime_bytes, "_measured", None)
+    monkeypatch.setattr(runtime_bytes, "_running", None)
+    monkeypatch.setattr(runtime_bytes, "RuntimeProbe", None)  # calling it would fail the test
+    monkeypatch.setenv(runtime_bytes.ENV, "41943040")
+    runtime_bytes.start()
+    assert runtime_bytes.runtime_bytes() == 40 * MiB
+    monkeypatch.setenv(runtime_bytes.ENV, "40 MiB")
+    with pytest.raises(ValueError, match=r"CELLMESH_RUNTIME_BYTES='40 MiB' is not a byte count"):
+        runtime_bytes.runtime_bytes()
 
 
 def test_a_failed_measurement_counts_zero_and_says_why(monkeypatch: pytest.MonkeyPatch,
