@@ -151,6 +151,7 @@ class LocalHarness:
         self._temporary_logs = log_dir is None
         self.procs: dict[str, WorkerProcess] = {}
         self.cards: dict[str, WorkerCard] = {}
+        self.exited_at: dict[str, float] = {}  # when a worker's process was last seen to end on its own
         self._server: RegistryServer | None = None
         self._closed = False
         self.secure = secure
@@ -255,6 +256,7 @@ class LocalHarness:
         proc.wait()
         if self._closed or self.procs.get(name) is not proc:
             return
+        self.exited_at[name] = time.time()
         key = self.worker_key(name)
         with contextlib.suppress(Exception):  # the registry may be closing with the harness
             kv = self.registry.get(key)

@@ -20,6 +20,7 @@ import pytest
 
 from comm.rpc.hot import PackedBody
 from coordinator.planning.resources import Resources
+from coordinator.runtime.driver import PROBE_TIMEOUT
 from coordinator.runtime.errors import JobFailed
 from coordinator.runtime.factories import job_factories
 from coordinator.runtime.harness import LocalHarness
@@ -107,9 +108,12 @@ def test_a_worker_killed_inside_a_step_is_replaced_and_the_run_ends_failure_free
     sent = _record_sends(monkeypatch)
     with _harness(job, tmp_path, worker_env={"local-1": {ENV: fault}}) as harness, job.attach(harness):
         result = job.fit(STEPS)
+        exited = harness.exited_at["local-1"]
     [recovery] = result.recoveries
     _assert_programs_sent_once_per_placement(sent, 2)  # the replacement's stages (all new) got theirs
     assert recovery.worker == "local-1" and recovery.action == "replaced worker local-1", recovery
+    # the harness deleted the dead process's card: noticed at once, not after a lease or a probe's timeout
+    assert recovery.at - exited < min(LEASE, PROBE_TIMEOUT).total_seconds(), recovery.at - exited
     # the newest checkpoint taken before the failing step, or the one before it when the killed worker
     # died before its own part of the newest was on storage (its write runs behind the steps)
     newest = (int(fault.split(":")[0]) - 1) // EVERY * EVERY
