@@ -63,6 +63,7 @@ Secret mounted read-only; they never go into a ConfigMap or a repository.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -127,7 +128,7 @@ WARN_INTERVAL = 60.0
 """Seconds between two warnings for the same peer and reason; the refusals in between are counted."""
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ: where libzmq sends a context's ZAP requests
 _ZAP_VERSION = b"1.0"
-_POLL_MS = 200  # how often the handler thread checks whether it was asked to stop
+_POLL_MS = 60_000  # the longest poll: stop() wakes the handler through its pipe at once
 
 
 def _z85_key(value: str) -> str:
@@ -332,10 +333,12 @@ class ZapHandler:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _wake: tuple[int, int] | None = None  # stop() writes to it: the handler sleeps until a request or stop
 
     def start(self, timeout: float = 5.0) -> None:
         ready = threading.Event()
         failure: list[BaseException] = []
+        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._serve, args=(ready, failure), name="cellmesh-zap",
                                         daemon=True)
         self._thread.start()
@@ -346,8 +349,15 @@ class ZapHandler:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        if self._wake is not None:
+            with contextlib.suppress(OSError):  # a full pipe: the handler is awake anyway
+                os.write(self._wake[1], b"x")
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive() and self._wake is not None:
+                for fd in self._wake:
+                    os.close(fd)
+                self._wake = None
 
     def set_keys(self, keys: JobKeys | None) -> None:
         """Admit ``keys`` only (a new generation: every other key is refused from now on)."""
@@ -390,9 +400,13 @@ class ZapHandler:
             ready.set()
             return
         ready.set()
+        assert self._wake is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake[0], zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not sock.poll(_POLL_MS):
+                if not dict(poller.poll(_POLL_MS)).get(sock):
                     continue
                 request = sock.recv_multipart()
                 sock.send_multipart(self._answer(request))

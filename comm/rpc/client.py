@@ -3,15 +3,21 @@
 Each call sends ``[envelope, *tensor frames]`` (:mod:`comm.rpc.framing`) on a DEALER socket
 and waits for the reply that echoes its request id; a reply to an earlier call that timed
 out arrives later with the old id and is dropped, so it is never taken for the answer to
-the next one. Waits are sliced (100 ms), so :meth:`RpcClient.close` from another thread
-ends a call in flight promptly. For many calls in flight at once, see :mod:`comm.rpc.pipeline`.
+the next one. A call waits in one poll on its socket and the client's wake pipe, which
+:meth:`RpcClient.close` from another thread writes to: the close ends a call in flight at once, and a
+long poll (a registry watch's, 5 s) costs one wake-up, not one every slice (a client polled in 100 ms
+slices: each idle watch of a worker woke its thread 10 times a second). For many calls in flight at
+once, see :mod:`comm.rpc.pipeline`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -26,7 +32,11 @@ __all__ = ["RpcClient"]
 
 R = TypeVar("R", bound=BaseModel)
 
-_SLICE_MS = 100  # the longest wait before a call checks whether the client was closed
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class RpcClient:
@@ -45,6 +55,14 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closing = False
+        self._wake_lock = threading.Lock()
+        # close() writes to the pipe; a call's poll watches its read end with the socket
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self._pollers: dict[int, zmq.Poller] = {event: zmq.Poller() for event in (zmq.POLLIN, zmq.POLLOUT)}
+        for event, poller in self._pollers.items():
+            poller.register(self._sock, event)
+            poller.register(self._wake_r, zmq.POLLIN)
 
     def call(
         self,
@@ -96,10 +114,18 @@ class RpcClient:
     def close(self) -> None:
         """Close the socket; idempotent. A call in flight on another thread raises ``closed``."""
         self._closing = True
+        with self._wake_lock:  # never a write to a closed (or reused) descriptor
+            if self._fds.alive:
+                with contextlib.suppress(OSError):  # a full pipe: awake either way
+                    os.write(self._wake_w, b"x")  # wakes a call's poll on another thread
         with self._lock:
             if self._sock is not None:
+                for poller in self._pollers.values():
+                    poller.unregister(self._sock)
                 self._sock.close()
                 self._sock = None
+            with self._wake_lock:
+                self._fds()
 
     def __enter__(self) -> RpcClient:
         return self
@@ -124,12 +150,14 @@ class RpcClient:
                                        f"{limit.total_seconds():.1f}s (the host does not read)") from None
 
     def _wait(self, sock: zmq.Socket[bytes], deadline: float, what: str, event: int = zmq.POLLIN) -> bool:
-        """Whether ``sock`` got ready for ``event`` before ``deadline``, in slices that notice close()."""
+        """Whether ``sock`` got ready for ``event`` before ``deadline``; a close() ends the wait at once."""
+        poller = self._pollers[event]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             if self._closing:
                 raise RpcError("closed", f"the client of {self.address} was closed during {what}")
-            if sock.poll(min(_SLICE_MS, int(left * 1000) + 1), event):
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if ready.get(sock, 0) & event:
                 return True

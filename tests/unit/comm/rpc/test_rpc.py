@@ -252,6 +252,24 @@ def test_closing_a_client_ends_a_call_in_flight(toy: tuple[ServiceHost, Toy, Rpc
         client.call("toy", "echo", Echo(text="x"), Echo)
 
 
+def test_a_long_wait_is_one_poll_not_a_wake_up_per_slice(toy: tuple[ServiceHost, Toy, RpcClient],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call waits for its reply in one poll (close() wakes it through the client's pipe): an idle
+    worker's registry watches long-poll 5 s at a time, and woke 10 times a second in 100 ms slices."""
+    _, _, client = toy
+    poller = client._pollers[zmq.POLLIN]
+    polls: list[int | None] = []
+    poll = poller.poll
+
+    def counting(timeout: int | None = None) -> list[tuple[object, int]]:
+        polls.append(timeout)
+        return poll(timeout)
+
+    monkeypatch.setattr(poller, "poll", counting)
+    assert client.call("toy", "wait", Wait(ms=600, answer="body"), Echo)[0] == Echo(text="late")
+    assert len(polls) <= 2, polls  # one, and one more only for a reply that was not this call's
+
+
 def test_a_client_times_out_naming_the_call() -> None:
     host = ServiceHost("127.0.0.1")
     host.add("toy", Toy())
