@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,6 +223,19 @@ def test_the_keys_of_another_job_of_the_process_are_admitted_until_it_releases_t
     assert not served(theirs, REFUSED_MS) and served(Credentials(keys, "worker"))
     handler.set_keys(keys)  # a new generation replaces every key
     assert handler.others == []
+
+
+def test_the_handler_sleeps_until_a_request_and_stops_at_once(keys: JobKeys) -> None:
+    """No polling while idle (its poll is woken by a request or by stop()), and stop() ends it at once."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    handler = ensure_zap_handler(ctx, keys)
+    try:
+        assert handler._thread is not None and handler._thread.is_alive()
+        started = time.monotonic()
+        handler.stop()
+        assert not handler._thread.is_alive() and time.monotonic() - started < 1
+    finally:
+        ctx.term()
 
 
 def test_keys_round_trip_through_a_private_file(tmp_path: Path, keys: JobKeys) -> None:
