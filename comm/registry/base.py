@@ -31,6 +31,8 @@ from comm.errors import RegistryTimeoutError
 
 __all__ = [
     "DEFAULT_REGISTRY_TIMEOUT",
+    "QUIET_RELIST_MAX_S",
+    "QUIET_RELIST_S",
     "EventType",
     "KeyValue",
     "Lease",
@@ -40,6 +42,8 @@ __all__ = [
 ]
 
 DEFAULT_REGISTRY_TIMEOUT = timedelta(seconds=30)
+QUIET_RELIST_S = 0.5  # wait_for's first quiet spell before it lists again (a watch that lost events)
+QUIET_RELIST_MAX_S = 5.0  # ...and its longest
 
 
 class EventType(str, enum.Enum):
@@ -199,7 +203,9 @@ class Registry(abc.ABC):
         group of ``g`` members forming reads ``g`` entries and ``g`` events, not ``g`` listings of up to
         ``g`` entries each. Events are applied in batches (all that are queued), so the listing never
         shows a replayed change the first listing had already seen undone; a listing is taken afresh
-        whenever the watch stays quiet for half a second.
+        whenever the watch stays quiet for a while: half a second at first, twice as long each quiet
+        spell after, up to :data:`QUIET_RELIST_MAX_S` (the ranks of a large group waiting on one
+        registry each listed every half second: a thousand listings a second at 512 ranks).
 
         Raises:
             RegistryTimeoutError: naming ``what`` and the last listing seen, after ``timeout``.
@@ -211,6 +217,7 @@ class Registry(abc.ABC):
             return items
         with self.watch(prefix, start_revision=start + 1) as watch:
             state = {kv.key: kv for kv in self.list(prefix)}
+            quiet = QUIET_RELIST_S
             while True:
                 items = [state[key] for key in sorted(state)]
                 if predicate(items):
@@ -221,9 +228,10 @@ class Registry(abc.ABC):
                         f"timed out after {timeout.total_seconds():.1f}s waiting for {what} "
                         f"under {prefix!r}; present: {[kv.key for kv in items]}"
                     )
-                event = watch.get(timedelta(seconds=min(left, 0.5)))
+                event = watch.get(timedelta(seconds=min(left, quiet)))
                 if event is None:  # quiet: take a fresh listing (a watch that lost events cannot lose us)
                     state = {kv.key: kv for kv in self.list(prefix)}
+                    quiet = min(2 * quiet, QUIET_RELIST_MAX_S)
                     continue
                 while event is not None:
                     _apply(state, event)
