@@ -44,7 +44,6 @@ from comm.refusals import Refusals
 from comm.registry import (
     EventType,
     KeepAlive,
-    KeyValue,
     MemoryRegistry,
     Registry,
     RegistryServer,
@@ -72,6 +71,7 @@ from comm.rpc import (
 from comm.sockets import bind_port, make_socket
 from tests.harness.certs import make_certs, openssl_available
 from tests.harness.etcd import EtcdServer, etcd_available
+from tests.harness.spies import record_calls
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 EVENT_WAIT = timedelta(seconds=5)  # the bound on waiting for an event that must come
@@ -498,14 +498,8 @@ def test_wait_for_follows_comings_and_goings_and_lists_once(registry: Registry, 
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Members join, one leaves and one is rewritten while the wait runs: the listing returned is the
     registry's own at that moment, built from the watch's events rather than a listing per event."""
-    listings: list[str] = []
     real_list = registry.list
-
-    def counted(prefix: str) -> list[KeyValue]:
-        listings.append(prefix)
-        return real_list(prefix)
-
-    monkeypatch.setattr(registry, "list", counted)
+    listings = record_calls(monkeypatch, registry, "list")
     registry.put(ns + "gone", b"soon")
 
     def churn() -> None:

@@ -9,8 +9,9 @@ from datetime import timedelta
 import pytest
 
 from comm.errors import RegistryTimeoutError
-from comm.registry import KeyValue, MemoryRegistry
+from comm.registry import MemoryRegistry
 from comm.registry.base import QUIET_RELIST_MAX_S, QUIET_RELIST_S
+from tests.harness.spies import record_calls
 
 PREFIX = "/cellmesh/t/members/"
 
@@ -18,14 +19,7 @@ PREFIX = "/cellmesh/t/members/"
 def test_a_quiet_wait_lists_again_after_spells_that_double(monkeypatch: pytest.MonkeyPatch) -> None:
     with MemoryRegistry() as registry:
         registry.put(PREFIX + "0", b"card")
-        lists: list[str] = []
-        listing = registry.list
-
-        def counting(prefix: str) -> list[KeyValue]:
-            lists.append(prefix)
-            return listing(prefix)
-
-        monkeypatch.setattr(registry, "list", counting)
+        lists = record_calls(monkeypatch, registry, "list")
         wait = 3.2  # quiet spells of 0.5, 1 and 2 s: three listings after the first two
         with pytest.raises(RegistryTimeoutError, match="2 ranks"):
             registry.wait_for(PREFIX, lambda kvs: len(kvs) >= 2, timeout=timedelta(seconds=wait),
