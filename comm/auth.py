@@ -338,7 +338,9 @@ class ZapHandler:
     def start(self, timeout: float = 5.0) -> None:
         ready = threading.Event()
         failure: list[BaseException] = []
-        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = os.pipe()  # not inherited by children (os.pipe's default); never blocks a writer
+        for fd in self._wake:
+            os.set_blocking(fd, False)
         self._thread = threading.Thread(target=self._serve, args=(ready, failure), name="cellmesh-zap",
                                         daemon=True)
         self._thread.start()

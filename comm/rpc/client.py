@@ -57,7 +57,8 @@ class RpcClient:
         self._closing = False
         self._wake_lock = threading.Lock()
         # close() writes to the pipe; a call's poll watches its read end with the socket
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_r, self._wake_w = os.pipe()  # not inherited by children (os.pipe's default)
+        os.set_blocking(self._wake_w, False)  # a full pipe never blocks close()
         self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self._pollers: dict[int, zmq.Poller] = {event: zmq.Poller() for event in (zmq.POLLIN, zmq.POLLOUT)}
         for event, poller in self._pollers.items():
