@@ -59,7 +59,10 @@ log = logging.getLogger(__name__)
 ENABLE_ENV = "CELLMESH_FORK_SERVER"
 PRELOAD = ("torch", "torch.nn", "torch.optim", "torch.distributed", "torch.distributed.checkpoint",
            "torch._dynamo", "torch.utils.checkpoint", "numpy", "zmq", "msgpack", "pydantic", "yaml")
-"""What the server imports once for every child (third-party only; see the note)."""
+"""What the server imports once for every child (third-party only; see the note). It holds
+``services.host.worker.RUNTIME_MODULES``, what every worker loads at start, spelled out here because the
+server imports no cellmesh module (``tests/unit/coordinator/runtime/test_forkserver_preload.py`` keeps
+the two in step)."""
 _QUIET_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 START_TIMEOUT_S = 60.0  # the server's imports, on a loaded machine
 SPAWN_TIMEOUT_S = 10.0  # one fork and its reply
