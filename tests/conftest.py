@@ -1,5 +1,5 @@
-"""Session-wide test plumbing: GPU gating, the runtime's bytes measured once, and the cleanup of stray
-rank processes."""
+"""Session-wide test plumbing: GPU gating, the runtime's bytes measured once, the root logger restored
+after each test, the cleanup of stray rank processes."""
 
 from __future__ import annotations
 
@@ -49,3 +49,17 @@ def _reap_rank_processes() -> Iterator[None]:
     from tests.harness.procs import reap_all
 
     reap_all()
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging() -> Iterator[None]:
+    """Give each test the root logger's handlers and level back as they were: a command run in-process
+    installs a handler on the stderr pytest captured for that test, which is closed afterwards, and a
+    later test's records written there would each print a logging error."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

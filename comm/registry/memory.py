@@ -18,6 +18,17 @@
   over all ``L`` leases (a served registry refreshes every worker's and every communicator
   rank's lease, so that pass made the refreshes' cost grow as ``L^2``).
 
+[Note: leases of a stalled server] A served registry lives in the coordinator's process. When that
+process stalls (a long garbage collection, a call that holds the GIL, the machine's load), the
+workers' refreshes wait unread in the server's socket while the clock runs on; had the leases lapsed
+on the clock alone, the first thread to run after the stall would expire every lease whose refresh
+sat in the queue, and the coordinator would take its live workers for dead. So each server attached
+(:meth:`MemoryRegistry.attach_server`) says up to which instant it has read its requests
+(:meth:`comm.rpc.host.ServiceHost.read_up_to`), and a lease lapses only once every server has read
+past its deadline: a refresh sent in time is always applied first. (etcd does the like when a new
+leader takes over: it extends every lease rather than expire them for the time without one.) A lease
+whose deadline passed while a server was idle costs one wake-up of that server, milliseconds.
+
 [Note: revision cursors] A reader of the history (a :class:`MemoryWatch`, or a remote
 watch's long poll through the server) remembers the next revision it wants. A read
 never splits a revision: it returns whole revisions only, plus the revision it has
@@ -50,6 +61,9 @@ DEFAULT_HISTORY = 100_000
 
 DEFAULT_READ_LIMIT = 1000
 """Events handed out per read (a read may exceed it to finish a revision)."""
+
+_CATCH_UP_POLL_S = 0.005
+"""How often the reaper looks again at a due lease while a server catches up on its requests."""
 
 Listener = Callable[[int], None]
 """Called with the new revision after every change, under the registry's lock: must not block."""
@@ -125,6 +139,8 @@ class MemoryRegistry(Registry):
         self._listeners: dict[int, Listener] = {}
         self._listener_ids = itertools.count()
         self._closed = False
+        self._servers: dict[int, tuple[Callable[[], float], Callable[[], None]]] = {}  # read_up_to, wake
+        self._server_ids = itertools.count()
         self._reaper = threading.Thread(target=self._reap, name="memory-registry-reaper", daemon=True)
         self._reaper.start()
 
@@ -205,6 +221,23 @@ class MemoryRegistry(Registry):
             self._reaper_wakeup.notify()
         return MemoryLease(self, lease_id, ttl)
 
+    def attach_server(self, read_up_to: Callable[[], float], wake: Callable[[], None]) -> Callable[[], None]:
+        """Let leases lapse only up to ``read_up_to()``: the ``time.monotonic()`` instant before which the
+        server has handled every request it received (see [Note: leases of a stalled server]). ``wake``
+        (any thread, must not block) asks the server to read its requests soon. Returns the detach
+        function; a server must detach when it stops, or no lease lapses past its last read.
+        """
+        with self._lock:
+            server = next(self._server_ids)
+            self._servers[server] = (read_up_to, wake)
+
+        def detach() -> None:
+            with self._lock:
+                if self._servers.pop(server, None) is not None:
+                    self._reaper_wakeup.notify()
+
+        return detach
+
     def lease_handle(self, lease_id: int) -> MemoryLease:
         """A handle on an existing lease, by id (for the server, which receives ids).
 
@@ -227,7 +260,7 @@ class MemoryRegistry(Registry):
         with self._lock:
             self._check_open()
             now = time.monotonic()
-            self._expire_due(now)  # a lapsed lease the reaper has not reached yet is still lapsed
+            self._expire_due(self._lapse_clock(now))  # a lapsed lease the reaper has not reached is lapsed
             state = self._leases.get(lease_id)
             if state is None:
                 raise LeaseExpiredError(f"lease {lease_id} not found (expired or revoked); grant a new one")
@@ -349,7 +382,7 @@ class MemoryRegistry(Registry):
     def _live_lease_id(self, lease: Lease | None) -> int | None:
         if lease is None:
             return None
-        self._expire_due(time.monotonic())
+        self._expire_due(self._lapse_clock(time.monotonic()))
         if lease.id not in self._leases:
             raise LeaseExpiredError(f"lease {lease.id} not found (expired or revoked); grant a new one")
         return lease.id
@@ -427,13 +460,28 @@ class MemoryRegistry(Registry):
             logger.debug("lease %d lapsed", lease_id)
             self._end_lease(lease_id)
 
+    def _lapse_clock(self, now: float) -> float:
+        """The instant up to which leases may lapse (under the lock): ``now``, or earlier while a server
+        has not read its requests up to ``now`` ([Note: leases of a stalled server])."""
+        for read_up_to, _ in self._servers.values():
+            now = min(now, read_up_to())
+        return now
+
     def _reap(self) -> None:
+        woken_at: float | None = None  # the lapse clock when the servers were last asked to read
         with self._lock:
             while not self._closed:
                 now = time.monotonic()
-                self._expire_due(now)
+                upto = self._lapse_clock(now)
+                self._expire_due(upto)
                 # the earliest entry may be stale (a refreshed lease): then the reaper wakes early, once
                 timeout = None if not self._deadlines else max(0.0, self._deadlines[0][0] - now)
+                if timeout == 0.0:  # due, but a server has not read up to it: ask it to, look again soon
+                    if woken_at != upto:
+                        woken_at = upto
+                        for _, wake in self._servers.values():
+                            wake()
+                    timeout = _CATCH_UP_POLL_S
                 self._reaper_wakeup.wait(timeout)
 
 

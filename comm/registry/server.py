@@ -85,6 +85,8 @@ class RegistryService(ServiceBase):
         self._recheck_queued = False
         self._rechecked = registry.revision()  # the revision the last re-check covered
         self._unsubscribe = registry.subscribe(self._on_change)
+        # leases lapse only up to what this host has read: [Note: leases of a stalled server]
+        self._detach = registry.attach_server(host.read_up_to, host.wake)
 
     @property
     def parked(self) -> int:
@@ -157,6 +159,7 @@ class RegistryService(ServiceBase):
         return None
 
     def on_close(self) -> None:
+        self._detach()
         self._unsubscribe()
         self._parked.clear()
 

@@ -53,6 +53,12 @@ log = logging.getLogger(__name__)
 _BATCH = 64  # requests handled per wake-up before posted work and deadlines get a turn
 _IDLE_WAIT_MS = 1000  # the longest sleep with nothing due (shutdown wakes the thread itself)
 _STALE_COMPACT = 256  # answered calls left in the deadline heap before it is rebuilt
+
+
+def _nothing() -> None:
+    """Posted by :meth:`ServiceHost.wake`: the turn of the loop is the point."""
+
+
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _HANDSHAKE_REASONS = {
     int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH): "mechanism",
@@ -101,6 +107,7 @@ class ServiceHost:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._thread_id: int | None = None
+        self._read_up_to = time.monotonic()  # see read_up_to; written by the host thread only
         self._lock = threading.Lock()  # guards _services; handlers run on the host thread
         self._closed = False
         self.bad_requests = 0
@@ -136,6 +143,23 @@ class ServiceHost:
         self._thread = threading.Thread(target=self._serve, name=f"service-host-{self.address}", daemon=True)
         self._thread.start()
         return self
+
+    def read_up_to(self) -> float:
+        """A ``time.monotonic()`` instant before which every request that reached the socket has been
+        handled (now, while the thread is not running). Callable from any thread.
+
+        A registry served here lets leases lapse only up to this instant (see [Note: leases of a stalled
+        server] in ``comm/registry/memory.py``): while this process is stalled (a long collection, a
+        call that holds the GIL, a frozen process), refreshes wait in the socket unread, and the instant
+        stays where the stall began.
+        """
+        if self._thread is None or not self._thread.is_alive():
+            return time.monotonic()
+        return self._read_up_to
+
+    def wake(self) -> None:
+        """Make the host thread run its loop once soon (it then reads its socket), from any thread."""
+        self._mailbox.put(_nothing)
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the host thread: at once when called from it (or before start), else queued."""
@@ -194,13 +218,16 @@ class ServiceHost:
                 self._mailbox.clear_wakeups()
             for fn in self._mailbox.take():
                 self._run(fn)
-            if self._sock in ready:
-                for _ in range(_BATCH):
-                    try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
+            # read the socket at every turn (not only when it polled readable), so read_up_to advances
+            # with each wake-up: a request queued before ``checked`` is handled before the read says Again
+            for _ in range(_BATCH):
+                checked = time.monotonic()
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    self._read_up_to = checked
+                    break
+                self._handle(frames)
             if self._monitor is not None and self._monitor in ready:
                 self._count_failed_handshakes(self._monitor)
             self._expire()
