@@ -169,9 +169,9 @@ def train(loaded: LoadedJob, options: RunOptions, out: TextIO | None = None, *,
     """
     out = out or sys.stdout
     job = loaded.job
-    check_optimizer(job.config)  # refuses bad arguments now, not in a step
-    if options.output is not None:
+    if options.output is not None:  # first: the cheapest check (the optimizer's imports torch._dynamo)
         check_writable(options.output)
+    check_optimizer(job.config)  # refuses bad arguments now, not in a step
     sampler = job.sampler()
     job.check()  # a bad job is refused here: before a run directory, a plan or a worker
     say = functools.partial(print, file=out, flush=True)
