@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -77,6 +77,7 @@ class Rendezvous:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._follower: Follower | None = None
+        self._loss_listeners: list[Callable[[], None]] = []
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/members/{rank}"
@@ -159,9 +160,21 @@ class Rendezvous:
                 return
             how = "closed" if rank in self._closed_cards else "lost"
             self._lost[rank] = how
+            listeners = list(self._loss_listeners)
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not stop the watch
+                log.exception("[rank %d] a loss listener failed", self.rank)
         if how == "lost":
             after = " (it vanished in a registry outage and did not come back)" if change.after_outage else ""
             log.warning("[rank %d] peer rank %d lost its liveness lease%s", self.rank, rank, after)
+
+    def on_loss(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (on the watch thread; it must not block) each time a rank is found gone, after
+        :meth:`lost` shows it: a thread blocked on a peer wakes to look (``comm/zmq/transport.py``)."""
+        with self._lock:
+            self._loss_listeners.append(listener)
 
     def lost(self) -> dict[int, str]:
         """Ranks that are gone: ``{rank: "lost" | "closed"}``."""

@@ -38,6 +38,14 @@ garbage) would wait unread for as long as the ring keeps up, and garbage would b
 only when the receiver happens to fall behind. So every look first asks the socket whether a message is
 queued (``ZMQ_EVENTS``, one cheap call) and reads one if so: a socket never holds an unread message
 for longer than the receiver's next receive.
+
+[Note: a receiver woken, not polling]
+A receiver blocked on a peer sleeps in one poll on its socket, its inbox's doorbell and its channel's
+wake pipe, until the message, its deadline, or a wake-up: :meth:`Transport.close` and a rank found gone
+(:meth:`Rendezvous.on_loss`) write to every channel's pipe, and the receiver then looks at the
+rendezvous and its deadline. (It used to wake every 100 ms to look: a pipeline's blocked ranks cost
+ten wake-ups a second each, thousands a second in a process of many hollow workers.) A look a second
+(:data:`_LONGEST_SLEEP_MS`) stays, in case a wake-up is missed.
 """
 
 from __future__ import annotations
@@ -77,7 +85,8 @@ __all__ = ["Body", "Deadline", "Transport"]
 
 log = logging.getLogger(__name__)
 
-_POLL_SLICE_MS = 100  # how often a blocked reader checks its deadline and peer liveness
+_POLL_SLICE_MS = 100  # how often a blocked sender (or a channel's opening) checks its deadline and liveness
+_LONGEST_SLEEP_MS = 1000  # the longest a blocked reader sleeps unwoken ([Note: a receiver woken, ...])
 _CLOSE_WAIT_S = 2.0  # how long close() waits for a thread inside a channel ([Note: closing under ...])
 _CLOSED_GRACE_S = 1.0  # a peer that closed cleanly may still have messages on the wire
 STASH_LIMIT_BYTES = 4 << 30
@@ -141,7 +150,8 @@ class _Channel:
         self.bound = ChannelAddress(tcp="")  # where the PULL socket listens, once bound
         self.inbox: shm.Inbox | None = None  # messages from this peer in shared memory
         self.outbox: shm.Outbox | None = None  # messages to this peer in shared memory
-        self.poller: zmq.Poller | None = None  # the PULL socket and the inbox's doorbell, with an inbox
+        self.poller: zmq.Poller | None = None  # the PULL socket, the inbox's doorbell, the wake pipe
+        self.wake: tuple[int, int] | None = None  # the wake pipe (read end, write end), once bound
 
 
 class Transport:
@@ -167,6 +177,8 @@ class Transport:
         self._ring = shm.ring_enabled()
         self._closed = False
         self._lock = threading.Lock()  # makes channels and binds their PULL sockets
+        self._wake_lock = threading.Lock()  # guards the channels' wake pipes' descriptors
+        rendezvous.on_loss(self._wake_receivers)
         self._door: Door | None = None
         self._cards: list[dict[str, Any]] = []
         self._with_inbox: set[int] = set()
@@ -239,11 +251,16 @@ class Transport:
                 pull.close(linger=0)
                 raise CommError(f"rank {self.rank}: cannot bind the channel from rank {ch.peer}: "
                                 f"{exc}") from exc
+            ch.poller = zmq.Poller()
+            ch.poller.register(pull, zmq.POLLIN)
             if inbox is not None:
                 ch.inbox = inbox
-                ch.poller = zmq.Poller()
-                ch.poller.register(pull, zmq.POLLIN)
                 ch.poller.register(inbox.bell, zmq.POLLIN)
+            wake = os.pipe()  # [Note: a receiver woken, not polling]
+            for fd in wake:
+                os.set_blocking(fd, False)
+            ch.poller.register(wake[0], zmq.POLLIN)
+            ch.wake = wake
             ch.bound = ChannelAddress(tcp=tcp, ipc=ipc, shm=inbox.path if inbox is not None else "")
             ch.pull = pull  # last: a reader takes the channel as bound once it is set
         return ch
@@ -423,30 +440,38 @@ class Transport:
                 got = self._find(ch, key)
                 if got is not None:
                     return got
-                inbox, poller = ch.inbox, ch.poller
-                slice_ms = min(_POLL_SLICE_MS, deadline.left_ms() + 1)
-                if inbox is not None and poller is not None:
+                inbox, poller, wake = ch.inbox, ch.poller, ch.wake
+                assert poller is not None and wake is not None  # made with the PULL socket
+                sleep_ms = min(_LONGEST_SLEEP_MS, deadline.left_ms() + 1)
+                if closed_since is not None:  # a peer closed: its last messages get a grace, no more
+                    grace_s = closed_since + _CLOSED_GRACE_S - time.monotonic()
+                    sleep_ms = min(sleep_ms, int(grace_s * 1000) + 1)
+                if inbox is not None:
                     inbox.sleeping()  # then one more look: see [Note: the shared-memory inbox]
-                    try:
+                try:
+                    if inbox is not None:
                         got = self._find(ch, key)
                         if got is not None:
                             return got
-                        events = poller.poll(slice_ms)
-                    finally:
+                    events = poller.poll(max(0, sleep_ms))
+                finally:
+                    if inbox is not None:
                         inbox.awake()
-                    ready = bool(events)
-                    socket_ready = any(item is pull for item, _ in events)
-                else:
-                    socket_ready = ready = bool(pull.poll(slice_ms, zmq.POLLIN))
+                socket_ready = woken = False
+                for item, _ in events:
+                    socket_ready = socket_ready or item is pull
+                    woken = woken or item == wake[0]
+                if woken:
+                    _drain(wake[0])
                 if socket_ready:
                     got = self._read_one(ch)
                     if got is not None:
                         if got[0].key == key:
                             return got
                         self._stash(ch, *got)
-                if ready:
+                if events and not woken:
                     continue
-            # nothing arrived within a slice: is the peer still there, is time up?
+            # woken, or nothing arrived: is the peer still there, is time up?
             try:
                 self._check_progress(peer, deadline, members, "to send")
             except PeerLostError:
@@ -575,6 +600,15 @@ class Transport:
         if deadline.expired():
             raise deadline.timed_out(self.rank, f"rank {peer} {what}", peer=peer)
 
+    def _wake_receivers(self) -> None:
+        """Wake every receiver blocked in this transport to look at its peers and its deadline ([Note: a
+        receiver woken, not polling]); any thread, never blocks."""
+        with self._wake_lock:  # a pipe is closed under it: never a write to a descriptor reused since
+            for ch in list(self.channels.values()):
+                if ch.wake is not None:
+                    with contextlib.suppress(BlockingIOError):  # full: it is woken already
+                        os.write(ch.wake[1], b"\0")
+
     def close(self) -> None:
         """Close every channel's sockets and shared memory, each once no other thread is inside it.
 
@@ -592,6 +626,7 @@ class Transport:
             return
         with self._lock:  # no channel is made or bound after this
             self._closed = True
+        self._wake_receivers()  # each raises at its next look, now rather than at its next timeout
         if self._door is not None:
             self._door.close()
         for ch in list(self.channels.values()):
@@ -612,6 +647,10 @@ class Transport:
                     for box in (ch.inbox, ch.outbox):
                         if box is not None:
                             box.close()
+                    with self._wake_lock:
+                        wake, ch.wake = ch.wake, None
+                    for fd in wake or ():
+                        os.close(fd)
                 finally:
                     ch.recv_lock.release()
             finally:
@@ -619,6 +658,13 @@ class Transport:
         for path in self._ipc_paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _drain(fd: int) -> None:
+    """Read a non-blocking pipe empty."""
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass
 
 
 def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline,
