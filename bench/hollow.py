@@ -25,7 +25,7 @@ stops with the failure.
     python bench/hollow.py --workers 16 64 256 512 [--kinds dp both pp] [--registry embedded etcd]
                            [--steps 10] [--warmup 2] [--lease-ttl 15] [--lost]
                            [--action-ms 0] [--action-jitter 0] [--coalesce-ms auto 0]
-                           [--steps-per-request 0 1]
+                           [--steps-per-request 0 1] [--per-process 128]
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def registry_url(kind: str) -> Iterator[str | None]:
 
 def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, lease_ttl: float,
             lost: bool, action_ms: float = 0.0, action_jitter: float = 0.0,
-            coalesce_ms: float | None = None, steps_per_request: int = 0) -> Figures:
+            coalesce_ms: float | None = None, steps_per_request: int = 0, per_process: int | None = None
+            ) -> Figures:
     from coordinator.runtime.errors import JobFailed
     from services.host.hollow_pool import HollowPool
 
@@ -193,7 +194,9 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
     base_rss = rss_bytes()
     with registry_url(registry) as url, HollowPool(workers, job_name, registry=url, factories=FACTORIES,
                                                    lease_ttl=timedelta(seconds=lease_ttl),
-                                                   action_ms=action_ms, action_jitter=action_jitter) as pool:
+                                                   action_ms=action_ms, action_jitter=action_jitter,
+                                                   **({} if per_process is None else
+                                                      {"per_process": per_process})) as pool:
         figures.up_s = pool.up_seconds
         job = make_job(kind, workers, job_name, steps_per_request=steps_per_request)
         started = time.monotonic()
@@ -234,7 +237,7 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             assert all(len(r.replies) == figures.replies_per_step for r in result.steps)
             figures.keys = len(pool.registry.list(f"/cellmesh/{job_name}/"))
             figures.rss_per_worker_bytes = (rss_bytes() - base_rss) / workers
-            figures.fleet_rss_per_worker_bytes = fleet_rss(pool.pid) / workers
+            figures.fleet_rss_per_worker_bytes = sum(map(fleet_rss, pool.pids)) / workers
             if lost:
                 victim = pool.names[workers // 2]
                 crashed: list[float] = []
@@ -282,6 +285,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lease-ttl", type=float, default=15.0,
                         help="the hollow workers' leases (many share one process: see docs/benchmarks.md)")
+    parser.add_argument("--per-process", type=int, default=None,
+                        help="hollow workers per fleet process (default: hollow_pool.PER_PROCESS)")
     parser.add_argument("--lost", action="store_true", help="then crash one worker and time the stop")
     parser.add_argument("--action-ms", type=float, default=0.0, help="how long a hollow forward takes")
     parser.add_argument("--action-jitter", type=float, default=0.0,
@@ -307,7 +312,7 @@ def main() -> None:
                     figures = measure(workers, kind, registry, steps=args.steps, warmup=args.warmup,
                                       lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
                                       action_jitter=args.action_jitter, coalesce_ms=coalesce,
-                                      steps_per_request=per_request)
+                                      steps_per_request=per_request, per_process=args.per_process)
                     rows.append(figures)
                     print(table([figures]).splitlines()[-1], flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -1,5 +1,6 @@
 """The coordinator's side of a hollow fleet: a :class:`~coordinator.runtime.cluster.WorkerPool` of N hollow
-workers in one child process (``python -m services.host.hollow``, see ``services/host/hollow.py``).
+workers in child processes of up to ``per_process`` workers each (``python -m services.host.hollow``, see
+``services/host/hollow.py``).
 
 As :class:`~coordinator.runtime.harness.LocalHarness` does for real worker processes, the pool makes
 the job's keys and speaks them from this process (CURVE, the job's ZAP handler), serves the embedded
@@ -8,6 +9,13 @@ fleet with the workers' copy of the keys and waits, bounded, until every card is
 worker is not replaced (:meth:`HollowPool.replace` returns None: a node gone for good), so a session
 with ``runtime.max_restarts=0`` stops on the first loss: what the benchmark times. :meth:`crash` stops
 one worker as ``kill -9`` would (its lease lapses; nobody deletes its card).
+
+[Note: a fleet in several processes] One interpreter runs about six threads per hollow worker (its
+service host, registry lease, pipeline door and rank lease, the clients' waits). When a placement wakes
+hundreds of them at once, they queue for the one GIL, and a waiting thread wakes every switch interval
+(5 ms) to ask for it: 512 workers in one process put about 700 threads in the run queue (a load average
+of 800 on 2 cores), and the leases' refreshes waited past their 30 s. A fleet of ``per_process``
+(:data:`PER_PROCESS`) workers a process keeps that queue to what one process of them makes.
 """
 
 from __future__ import annotations
@@ -33,11 +41,15 @@ from services.host.hollow import SHM_ENV
 from services.host.worker import worker_key
 from services.protocol import WorkerCard
 
-__all__ = ["HollowPool"]
+__all__ = ["PER_PROCESS", "HollowPool"]
+
+PER_PROCESS = 128
+"""Hollow workers per fleet process by default ([Note: a fleet in several processes])."""
 
 
 class HollowPool:
-    """``count`` hollow workers named ``local-0``.. (``Resources.local(count)``'s names) in one child process.
+    """``count`` hollow workers named ``local-0``.. (``Resources.local(count)``'s names) in child processes of
+    ``per_process`` workers each (the last may hold fewer).
 
     Args:
         count: How many workers.
@@ -51,6 +63,7 @@ class HollowPool:
         action_ms: How long a hollow forward takes (a backward twice).
         action_jitter: Each compute action lasts up to this fraction longer, at random (stragglers).
         start_timeout: Bounds the start until every card is registered.
+        per_process: Workers per fleet process ([Note: a fleet in several processes]).
         log: Where the fleet's stderr goes (default: a temporary file, named in errors, removed at close
             when the fleet exited cleanly).
     """
@@ -58,8 +71,12 @@ class HollowPool:
     def __init__(self, count: int, job: str, *, registry: str | None = None, factories: Sequence[str] = (),
                  lease_ttl: timedelta = timedelta(seconds=5), action_ms: float = 0.0,
                  action_jitter: float = 0.0,
-                 start_timeout: timedelta = timedelta(seconds=300), log: Path | None = None) -> None:
+                 start_timeout: timedelta = timedelta(seconds=300), per_process: int = PER_PROCESS,
+                 log: Path | None = None) -> None:
+        if per_process < 1:
+            raise ValueError(f"per_process must be at least 1, got {per_process}")
         self.names = [f"local-{i}" for i in range(count)]
+        self.per_process = per_process
         self.job = job
         self.lease_ttl = lease_ttl
         self._url = registry
@@ -74,8 +91,8 @@ class HollowPool:
         self._keys: auth.JobKeys | None = None
         self._keys_dir: Path | None = None
         self._previous: auth.Credentials | None = None
-        self._proc: subprocess.Popen[str] | None = None
-        self._lines: list[str] = []
+        self._procs: list[subprocess.Popen[str]] = []  # fleet k holds workers k * per_process ..
+        self._lines: list[list[str]] = []  # each fleet's stdout lines
         self._line_ready = threading.Condition()
         self.cards: dict[str, WorkerCard] = {}
         self.up_seconds = 0.0  # from spawning the fleet until every card was registered
@@ -93,9 +110,10 @@ class HollowPool:
         return self._url
 
     @property
-    def pid(self) -> int:
-        assert self._proc is not None, "start() first"
-        return self._proc.pid
+    def pids(self) -> list[int]:
+        """The fleet processes' ids."""
+        assert self._procs, "start() first"
+        return [proc.pid for proc in self._procs]
 
     def address(self, name: str) -> str:
         return self.cards[name].address
@@ -129,16 +147,20 @@ class HollowPool:
                    auth.KEYS_DIR_ENV: str(self._keys_dir),
                    "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")]
                                                  if p)}
-            with open(self._log, "ab") as output:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "services.host.hollow", "--registry", self.registry_url, "--job",
-                     self.job, "--workers", str(len(self.names)), "--lease-ttl",
-                     str(self.lease_ttl.total_seconds()), "--action-ms", str(self._action_ms),
-                     "--action-jitter", str(self._action_jitter),
-                     "--keys-dir", str(self._keys_dir), *factories],
-                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=output, text=True,
-                    start_new_session=True)
-            threading.Thread(target=self._read, daemon=True, name=f"hollow-{self.job}").start()
+            for k, first in enumerate(range(0, len(self.names), self.per_process)):
+                workers = min(self.per_process, len(self.names) - first)
+                with open(self._log, "ab") as output:
+                    self._procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "services.host.hollow", "--registry", self.registry_url,
+                         "--job", self.job, "--workers", str(workers), "--first", str(first), "--lease-ttl",
+                         str(self.lease_ttl.total_seconds()), "--action-ms", str(self._action_ms),
+                         "--action-jitter", str(self._action_jitter),
+                         "--keys-dir", str(self._keys_dir), *factories],
+                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=output, text=True,
+                        start_new_session=True))
+                self._lines.append([])
+                threading.Thread(target=self._read, args=(k,), daemon=True,
+                                 name=f"hollow-{self.job}-{k}").start()
             self._wait_registered()
             self.up_seconds = time.monotonic() - started
         except BaseException:
@@ -146,11 +168,12 @@ class HollowPool:
             raise
         return self
 
-    def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
+    def _read(self, k: int) -> None:
+        stdout = self._procs[k].stdout
+        assert stdout is not None
+        for line in stdout:
             with self._line_ready:
-                self._lines.append(line.strip())
+                self._lines[k].append(line.strip())
                 self._line_ready.notify_all()
 
     def _wait_registered(self) -> None:
@@ -164,10 +187,10 @@ class HollowPool:
                     self.cards[card.name] = card
             if len(self.cards) == len(wanted):
                 return
-            assert self._proc is not None
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"the hollow fleet exited with code {self._proc.returncode} before every "
-                                   f"worker registered; its log: {self._log}")
+            for proc in self._procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a hollow fleet process exited with code {proc.returncode} before "
+                                       f"every worker registered; the fleet's log: {self._log}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(self.cards)} of {len(wanted)} hollow workers registered under "
                                    f"{prefix} within {self._start_timeout.total_seconds():.0f}s; the "
@@ -180,18 +203,21 @@ class HollowPool:
         Raises:
             TimeoutError: The fleet did not confirm within ``timeout``.
         """
-        return float(self._command(f"crash {name}", f"crashed {name} ", timeout).split()[-1])
+        k = self.names.index(name) // self.per_process
+        return float(self._command(k, f"crash {name}", f"crashed {name} ", timeout).split()[-1])
 
-    def _command(self, command: str, answer: str, timeout: timedelta) -> str:
-        assert self._proc is not None and self._proc.stdin is not None
+    def _command(self, k: int, command: str, answer: str, timeout: timedelta) -> str:
+        """Send fleet process ``k`` ``command``; its first line after it that starts with ``answer``."""
+        stdin = self._procs[k].stdin
+        assert stdin is not None
         with self._line_ready:
-            seen = len(self._lines)
-        self._proc.stdin.write(command + "\n")
-        self._proc.stdin.flush()
+            seen = len(self._lines[k])
+        stdin.write(command + "\n")
+        stdin.flush()
         deadline = time.monotonic() + timeout.total_seconds()
         with self._line_ready:
             while True:
-                for line in self._lines[seen:]:
+                for line in self._lines[k][seen:]:
                     if line.startswith(answer):
                         return line
                 left = deadline - time.monotonic()
@@ -202,21 +228,25 @@ class HollowPool:
 
     def close(self, grace: timedelta = timedelta(seconds=20)) -> None:
         """Drain the fleet (SIGTERM, then SIGKILL after ``grace``), stop the registry, restore the keys."""
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.terminate()
+        for proc in self._procs:  # every fleet drains at once
+            if proc.poll() is None:
+                proc.terminate()
+        clean = True
+        deadline = time.monotonic() + grace.total_seconds()
+        for proc in self._procs:
             try:
-                self._proc.wait(grace.total_seconds())
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
-            for stream in (self._proc.stdin, self._proc.stdout):
+                proc.kill()
+                proc.wait(5)
+            clean = clean and proc.returncode == 0
+            for stream in (proc.stdin, proc.stdout):
                 if stream is not None:
                     with contextlib.suppress(OSError, ValueError):
                         stream.close()
-            if self._temporary_log and self._proc.returncode == 0 and self._log is not None:
-                shutil.rmtree(self._log.parent, ignore_errors=True)
-            self._proc = None
+        if self._procs and self._temporary_log and clean and self._log is not None:
+            shutil.rmtree(self._log.parent, ignore_errors=True)
+        self._procs = []
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._server.shutdown(timeout=timedelta(seconds=5))
