@@ -682,7 +682,19 @@ def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists
     """Per stage, one microbatch's backward as its list runs it, on average, its ``W`` (0 where the list
     does not split its backwards) and the weight gradients it computes after its last backward's send
     (its tail). ``alone``: one replica (no data parallel). See [Note: the backward as the schedule runs
-    it]."""
+    it]. Once per search for each set of arguments: the shapes of a cut, a schedule and a microbatch count
+    ask for the same (half of them, a free search on 128 CPU hosts)."""
+    key = ("backwards", mb, tuple(spans), tuple(map(tuple, lists)), tuple(defer), precision, recompute,
+           tuple(speed), alone)
+    got = shared._get(key, lambda: _stage_backwards(shared, mb, spans, lists, defer, precision, recompute,
+                                                     speed, alone))
+    return list(got[0]), list(got[1]), list(got[2])
+
+
+def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
+                     lists: Sequence[Sequence[str]], defer: Sequence[bool], precision: str, recompute: bool,
+                     speed: Sequence[float], alone: bool) -> tuple[list[float], list[float], list[float]]:
+    """:func:`_backwards`, computed."""
     times, halves = shared.times(mb), shared.halves(mb)
     nodes = shared.profile.nodes
     scale = mb / shared.profile.microbatch_size
