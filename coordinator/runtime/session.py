@@ -494,6 +494,11 @@ class Session:
             JobFailed: No plan fits the workers left.
         """
         left = set(self._workers_left())
+        if not left:
+            gone = ", ".join(sorted(self.gone))
+            raise JobFailed(f"no worker is left to plan on: every worker of the job ({gone}) was lost and "
+                            "none was replaced; start workers again (or give the job replacements) and "
+                            "resume from its last checkpoint", step=self.job.steps_done)
         resources = Resources(workers=tuple(w for w in self.job.resources.workers if w.name in left),
                               bandwidth_bps=self.job.resources.bandwidth_bps,
                               latency_s=self.job.resources.latency_s)

@@ -33,7 +33,10 @@ pytestmark = pytest.mark.timeout(120)
 
 M = "tests.multiproc.coordinator.models"
 STEPS, EVERY = 10, 3
-LEASE = timedelta(seconds=2)
+# A killed worker's card goes with its process, so most tests' leases only have to hold under load; a
+# frozen worker is noticed when its lease lapses, so the tests that freeze one keep it short.
+LEASE = timedelta(seconds=8)
+FREEZE_LEASE = timedelta(seconds=2)
 TOL = 1e-9
 DP: dict[str, Any] = dict(data_parallel=2, num_stages=1, num_microbatches=2)
 GPIPE: dict[str, Any] = dict(data_parallel=1, num_stages=2, num_microbatches=4, schedule="gpipe")
@@ -42,16 +45,18 @@ INTERLEAVED: dict[str, Any] = dict(data_parallel=1, num_stages=4, chunks=2, num_
                                    schedule="interleaved-1f1b", balance=[2, 1, 2, 1])  # local-1: stages 1, 3
 
 
-def _job(tmp_path: Path, plan: dict[str, Any], **extra: Any) -> Job:
+def _job(tmp_path: Path, plan: dict[str, Any], lease: timedelta = LEASE, **extra: Any) -> Job:
     return Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:regression", optimizer="Adam",
                optimizer_kwargs={"lr": 0.01}, global_batch=16, resources=Resources.local(2),
                step_timeout_s=30,
-               lease_ttl_s=LEASE.total_seconds(), checkpoint_directory=str(tmp_path / "ckpt"),
+               lease_ttl_s=lease.total_seconds(), checkpoint_directory=str(tmp_path / "ckpt"),
                checkpoint_every_steps=EVERY, **plan, **extra)
 
 
 def _harness(job: Job, tmp_path: Path, **kwargs: Any) -> LocalHarness:
-    return LocalHarness(["local-0", "local-1"], job=f"t-rec-{job.name}", lease_ttl=LEASE,
+    """The job's two workers, their cards under the job's lease."""
+    lease = timedelta(seconds=job.config.runtime.lease_ttl_s)
+    return LocalHarness(["local-0", "local-1"], job=f"t-rec-{job.name}", lease_ttl=lease,
                         factories=job_factories(job.config), log_dir=tmp_path / "logs", **kwargs)
 
 
@@ -181,7 +186,7 @@ def test_a_worker_lost_while_the_first_plan_is_placed_is_replaced_and_the_run_en
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, sig: int) -> None:
     """Killed as its stage is assigned, or frozen as its program loads: before any step (before: the fit
     raised JobFailed, 'lost its registry lease during placing the stages', and trained nothing)."""
-    job = _job(tmp_path, ONE_F_ONE_B)
+    job = _job(tmp_path, ONE_F_ONE_B, lease=FREEZE_LEASE if sig == signal.SIGSTOP else LEASE)
     holder: list[LocalHarness] = []
     send = EventLoop.send
 
@@ -248,7 +253,7 @@ def test_a_worker_lost_inside_a_window_is_named_at_the_step_it_died_in(tmp_path:
 
 
 def test_a_frozen_worker_is_noticed_within_its_lease_fenced_and_replaced(tmp_path: Path) -> None:
-    job = _job(tmp_path, ONE_F_ONE_B)
+    job = _job(tmp_path, ONE_F_ONE_B, lease=FREEZE_LEASE)
     stopped: list[float] = []
     with _harness(job, tmp_path) as harness, job.attach(harness):
         frozen_pid = harness.procs["local-0"].pid
@@ -262,7 +267,7 @@ def test_a_frozen_worker_is_noticed_within_its_lease_fenced_and_replaced(tmp_pat
         assert harness.procs["local-0"].pid != frozen_pid
     [recovery] = result.recoveries
     noticed = recovery.at - stopped[0]
-    assert noticed < LEASE.total_seconds() + 2.0, f"a frozen worker was noticed after {noticed:.1f}s"
+    assert noticed < FREEZE_LEASE.total_seconds() + 2.0, f"a frozen worker was noticed after {noticed:.1f}s"
     _assert_failure_free(job, result)
 
 
@@ -313,6 +318,19 @@ def test_without_a_replacement_the_job_goes_on_on_the_workers_left_and_back_on_a
     assert result.plan is not None and result.plan.num_workers == 2
     _assert_failure_free(job, result)
 
+
+def test_every_worker_lost_for_good_stops_the_job_saying_none_is_left(tmp_path: Path) -> None:
+    job = _job(tmp_path, DP, replace_timeout_s=1.0)
+    with _harness(job, tmp_path, replacements=False) as harness, job.attach(harness):
+        def lose_both(record: Any) -> None:
+            if record.step == 2:
+                harness.kill("local-1")
+                harness.kill("local-0")
+
+        with pytest.raises(JobFailed) as failed:
+            job.fit(STEPS, callback=lose_both)
+    message = str(failed.value)
+    assert "no worker is left to plan on" in message and "local-0, local-1" in message, message
 
 
 def test_a_worker_that_comes_back_and_is_lost_again_while_placed_keeps_both_records(
