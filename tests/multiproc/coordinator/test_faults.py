@@ -19,7 +19,8 @@ from coordinator.runtime.job import Job
 pytestmark = pytest.mark.timeout(90)
 
 M = "tests.multiproc.coordinator.models"
-LEASE = timedelta(seconds=2)
+LEASE = timedelta(seconds=6)  # the killed worker's card goes with its process; the survivor's must hold
+STOP_WITHIN_S = 5.0  # from the kill until the job stops naming it
 
 
 @pytest.mark.parametrize("plan", [dict(data_parallel=1, num_stages=2, num_microbatches=2, balance=[3, 4]),
@@ -52,6 +53,6 @@ def test_worker_killed_mid_step_stops_the_job_naming_it(plan: dict[str, object])
     assert failed.worker == "local-1" and "local-1" in message, message
     assert failed.step == 1 and "step 1" in message, message
     assert failed.service.endswith(("compute-r0-s1", "compute-r1-s0")), message
-    assert stopped < LEASE.total_seconds() + 3, f"the job took {stopped:.1f}s to stop: {message}"
+    assert stopped < STOP_WITHIN_S, f"the job took {stopped:.1f}s to stop: {message}"
     assert released < 5, f"releasing the survivors' services took {released:.1f}s"
     assert all(p.poll() is not None for p in harness.procs.values()), "a worker outlived the harness"
