@@ -1,10 +1,11 @@
-"""32 hollow workers (``services/host/hollow.py``) in one process, driven by the real coordinator.
+"""32 hollow workers (``services/host/hollow.py``) in three fleet processes, driven by the real coordinator.
 
 One fleet serves every job of the module; each job fixes its plan (data parallel, a pipeline, both)
 and trains a few steps. Every step must finish with a reply from every stage of every replica, every
 worker must take part, and the pipelines' stages must have moved their boundary tensors over the
-real communicator. A crashed worker (its lease left to lapse, as ``kill -9`` leaves it) stops a
-session with ``runtime.max_restarts=0`` naming it (the last test: that worker stays down).
+real communicator, within and across the fleet's processes. A crashed worker (its lease left to
+lapse, as ``kill -9`` leaves it) stops a session with ``runtime.max_restarts=0`` naming it (the last
+test: that worker, of the second process, stays down).
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from services.host.hollow_pool import HollowPool
 pytestmark = pytest.mark.timeout(120)
 
 WORKERS = 32
+PER_PROCESS = 12  # three fleet processes: 12, 12 and 8 workers
 STEPS = 2
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[HollowPool]:
-    with HollowPool(WORKERS, "t-hollow", factories=FACTORIES, lease_ttl=timedelta(seconds=3)) as pool:
+    with HollowPool(WORKERS, "t-hollow", factories=FACTORIES, lease_ttl=timedelta(seconds=3),
+                    per_process=PER_PROCESS) as pool:
+        assert len(set(pool.pids)) == 3
         yield pool
 
 
@@ -61,11 +65,11 @@ def test_every_worker_answers_every_step(fleet: HollowPool, kind: str) -> None:
 
 
 def test_a_crashed_worker_stops_the_session_naming_it(fleet: HollowPool) -> None:
-    """The module's last test: the fleet's worker local-2 stays crashed."""
-    job = make_job("dp", 4, "t-hollow-lost", step_timeout_s=30)  # on local-0..3
+    """The module's last test: the fleet's worker local-14 (its second process's) stays crashed."""
+    job = make_job("dp", 16, "t-hollow-lost", step_timeout_s=30)  # on local-0..15
     with job.attach(fleet):
         job.fit(1)
-        threading.Timer(0.2, fleet.crash, args=("local-2",)).start()
-        with pytest.raises(JobFailed, match=r"local-2 .*lost its registry lease") as failed:
+        threading.Timer(0.2, fleet.crash, args=("local-14",)).start()
+        with pytest.raises(JobFailed, match=r"local-14 .*lost its registry lease") as failed:
             job.fit(10_000)
-    assert failed.value.worker == "local-2"
+    assert failed.value.worker == "local-14"
