@@ -1,7 +1,8 @@
 """The real coordinator against hundreds of hollow workers: what a step costs it, and how that grows.
 
-Starts N hollow workers in one child process (``services/host/hollow.py``: the real worker host
-and registry lease, a compute that does no tensor work) and the real coordinator in this one
+Starts N hollow workers (``services/host/hollow.py``: the real worker host and registry lease, a compute
+that does no tensor work) in child processes of up to 128 each (``--per-process``; [Note: a fleet in
+several processes] in ``services/host/hollow_pool.py``), and the real coordinator in this one
 (``Job.attach`` on a :class:`~services.host.hollow_pool.HollowPool`), with the embedded registry
 (served by this process, as a local run's) or a real etcd (``--registry etcd``: started here,
 ``tests/harness/etcd.py``). The plan is fixed (every shape field given), so the planner's search
