@@ -1,7 +1,7 @@
 """A served registry whose process stalls keeps the leases its holders refreshed in time.
 
-The rank process holds a lease of 1 s through the test process's registry server; the test process
-then holds the GIL for 2.5 s (a C call through ``ctypes.PyDLL``, which does not release it), so the
+The rank process holds a lease of 2 s through the test process's registry server; the test process
+then holds the GIL for 3.5 s (a C call through ``ctypes.PyDLL``, which does not release it), so the
 holder's refreshes wait unread in the server's socket past the lease's deadline. The lease must
 survive: see [Note: leases of a stalled server] in ``comm/registry/memory.py``. Once the holder stops
 refreshing, the lease still lapses on time.
@@ -20,8 +20,8 @@ from tests.harness.procs import RankGroup
 
 pytestmark = pytest.mark.timeout(60)
 
-TTL_S = 1.0
-STALL_S = 2.5
+TTL_S = 2.0
+STALL_S = 3.5
 KEY = "/stall/holder"
 
 

@@ -46,4 +46,5 @@ def test_closing_the_communicator_wakes_its_blocked_receiver() -> None:
         [outcome] = group.run(f"{W}:closed_while_waiting", ranks=[1], peer=0, close_after_s=0.5,
                               timeout_s=DEADLINE_S, timeout=timedelta(seconds=60))
     assert outcome["error"] is not None and "closed" in outcome["message"], outcome
-    assert outcome["waited"] < 0.5 + 2.0, outcome  # at once after the close, not at the deadline
+    # woken by the close (which first closes the rendezvous: a registry write or two), not at the deadline
+    assert outcome["waited"] < DEADLINE_S / 2, outcome
