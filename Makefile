@@ -39,7 +39,7 @@ lint: $(VENV)/.dev-installed
 # three test processes on two cores: the multi-process tests spend much of their time waiting (process
 # starts, rendezvous, sockets), so two left the cores a quarter idle (measured: 9:58 with -n 2, 8:10 with -n 3)
 test: $(VENV)/.dev-installed etcd lint
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --max-worker-restart 0
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/comm.py

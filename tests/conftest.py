@@ -1,5 +1,21 @@
 """Session-wide test plumbing: GPU gating, the runtime's bytes measured once, the root logger restored
-after each test, the cleanup of stray rank processes."""
+after each test, the cleanup of stray rank processes.
+
+[Note: a stuck test ends, and says where]
+A test that runs past ``timeout`` (pyproject.toml) is failed by pytest-timeout's ``signal`` method: it
+raises in the main thread, so the test fails alone, with the traceback of where it waited, and its
+worker goes on. The ``thread`` method ends the whole worker with ``os._exit`` instead, and
+pytest-xdist 3.8 cannot always hand a crashed worker's files to its replacement under ``--dist
+loadfile``: once it gave the new worker a finished file as an empty batch, and the run waited for
+it until CI's limit.
+
+A signal is handled only once the main thread is back in Python: a test stuck in C for good is not
+ended by it. ``faulthandler_timeout`` with ``faulthandler_exit_on_timeout`` is the backstop, past every
+test's own timeout: faulthandler's own C thread writes every thread's stack to the worker's stderr
+(which reaches the run's output) and ends the process. ``make test`` passes ``--max-worker-restart
+0``, so such a crash stops the run at once, naming the test, instead of risking the re-queue above.
+``tests/unit/test_suite_timeouts.py`` checks both.
+"""
 
 from __future__ import annotations
 
