@@ -63,7 +63,6 @@ Secret mounted read-only; they never go into a ConfigMap or a repository.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -80,6 +79,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from zmq.utils import z85
 
 from comm import refusals
+from comm.wake import WakePipe
 
 __all__ = [
     "DATA_PLANE_ENV",
@@ -333,14 +333,12 @@ class ZapHandler:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
-    _wake: tuple[int, int] | None = None  # stop() writes to it: the handler sleeps until a request or stop
+    _wake: WakePipe | None = None  # stop() wakes it: the handler sleeps until a request or stop
 
     def start(self, timeout: float = 5.0) -> None:
         ready = threading.Event()
         failure: list[BaseException] = []
-        self._wake = os.pipe()  # not inherited by children (os.pipe's default); never blocks a writer
-        for fd in self._wake:
-            os.set_blocking(fd, False)
+        self._wake = WakePipe()  # [Note: a wake pipe] in comm/wake.py
         self._thread = threading.Thread(target=self._serve, args=(ready, failure), name="cellmesh-zap",
                                         daemon=True)
         self._thread.start()
@@ -352,13 +350,11 @@ class ZapHandler:
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         if self._wake is not None:
-            with contextlib.suppress(OSError):  # a full pipe: the handler is awake anyway
-                os.write(self._wake[1], b"x")
+            self._wake.wake()
         if self._thread is not None:
             self._thread.join(timeout)
             if not self._thread.is_alive() and self._wake is not None:
-                for fd in self._wake:
-                    os.close(fd)
+                self._wake.close()  # else it closes when the handler is collected
                 self._wake = None
 
     def set_keys(self, keys: JobKeys | None) -> None:
@@ -405,7 +401,7 @@ class ZapHandler:
         assert self._wake is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake[0], zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 if not dict(poller.poll(_POLL_MS)).get(sock):

@@ -3,21 +3,18 @@
 Each call sends ``[envelope, *tensor frames]`` (:mod:`comm.rpc.framing`) on a DEALER socket
 and waits for the reply that echoes its request id; a reply to an earlier call that timed
 out arrives later with the old id and is dropped, so it is never taken for the answer to
-the next one. A call waits in one poll on its socket and the client's wake pipe, which
-:meth:`RpcClient.close` from another thread writes to: the close ends a call in flight at once, and a
-long poll (a registry watch's, 5 s) costs one wake-up, not one every slice (a client polled in 100 ms
-slices: each idle watch of a worker woke its thread 10 times a second). For many calls in flight at
-once, see :mod:`comm.rpc.pipeline`.
+the next one. A call waits in one poll on its socket and the client's wake pipe ([Note: a wake
+pipe] in :mod:`comm.wake`), which :meth:`RpcClient.close` from another thread wakes: the close ends
+a call in flight at once, and a long poll (a registry watch's, 5 s) costs one wake-up, not one every
+slice (a client polled in 100 ms slices: each idle watch of a worker woke its thread 10 times a
+second). For many calls in flight at once, see :mod:`comm.rpc.pipeline`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -27,16 +24,11 @@ from pydantic import BaseModel
 
 from comm.rpc.framing import NamedTensors, RpcError, open_reply, read_reply, request_frames
 from comm.sockets import make_socket
+from comm.wake import WakePipe
 
 __all__ = ["RpcClient"]
 
 R = TypeVar("R", bound=BaseModel)
-
-
-def _close_fds(*fds: int) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 class RpcClient:
@@ -55,15 +47,11 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closing = False
-        self._wake_lock = threading.Lock()
-        # close() writes to the pipe; a call's poll watches its read end with the socket
-        self._wake_r, self._wake_w = os.pipe()  # not inherited by children (os.pipe's default)
-        os.set_blocking(self._wake_w, False)  # a full pipe never blocks close()
-        self._fds = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self._wake = WakePipe()  # close() wakes a call's poll, which watches it with the socket
         self._pollers: dict[int, zmq.Poller] = {event: zmq.Poller() for event in (zmq.POLLIN, zmq.POLLOUT)}
         for event, poller in self._pollers.items():
             poller.register(self._sock, event)
-            poller.register(self._wake_r, zmq.POLLIN)
+            poller.register(self._wake.fd, zmq.POLLIN)
 
     def call(
         self,
@@ -115,18 +103,15 @@ class RpcClient:
     def close(self) -> None:
         """Close the socket; idempotent. A call in flight on another thread raises ``closed``."""
         self._closing = True
-        with self._wake_lock:  # never a write to a closed (or reused) descriptor
-            if self._fds.alive:
-                with contextlib.suppress(OSError):  # a full pipe: awake either way
-                    os.write(self._wake_w, b"x")  # wakes a call's poll on another thread
+        self._wake.wake()  # a call's poll on another thread
         with self._lock:
             if self._sock is not None:
                 for poller in self._pollers.values():
                     poller.unregister(self._sock)
+                    poller.unregister(self._wake.fd)
                 self._sock.close()
                 self._sock = None
-            with self._wake_lock:
-                self._fds()
+            self._wake.close()
 
     def __enter__(self) -> RpcClient:
         return self

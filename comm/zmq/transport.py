@@ -70,6 +70,7 @@ from comm.refusals import peer_address, refuse
 from comm.rendezvous import Rendezvous
 from comm.sockets import SocketLimits, bind_port, default_host, ipc_endpoint, make_socket
 from comm.traffic import SENT, ZMQ
+from comm.wake import WakePipe
 from comm.wire import (
     MessageKey,
     TensorHeader,
@@ -151,7 +152,7 @@ class _Channel:
         self.inbox: shm.Inbox | None = None  # messages from this peer in shared memory
         self.outbox: shm.Outbox | None = None  # messages to this peer in shared memory
         self.poller: zmq.Poller | None = None  # the PULL socket, the inbox's doorbell, the wake pipe
-        self.wake: tuple[int, int] | None = None  # the wake pipe (read end, write end), once bound
+        self.wake: WakePipe | None = None  # the wake pipe, once bound ([Note: a wake pipe] in comm/wake.py)
 
 
 class Transport:
@@ -177,7 +178,6 @@ class Transport:
         self._ring = shm.ring_enabled()
         self._closed = False
         self._lock = threading.Lock()  # makes channels and binds their PULL sockets
-        self._wake_lock = threading.Lock()  # guards the channels' wake pipes' descriptors
         rendezvous.on_loss(self._wake_receivers)
         self._door: Door | None = None
         self._cards: list[dict[str, Any]] = []
@@ -256,10 +256,8 @@ class Transport:
             if inbox is not None:
                 ch.inbox = inbox
                 ch.poller.register(inbox.bell, zmq.POLLIN)
-            wake = os.pipe()  # [Note: a receiver woken, not polling]
-            for fd in wake:
-                os.set_blocking(fd, False)
-            ch.poller.register(wake[0], zmq.POLLIN)
+            wake = WakePipe()  # [Note: a receiver woken, not polling]
+            ch.poller.register(wake.fd, zmq.POLLIN)
             ch.wake = wake
             ch.bound = ChannelAddress(tcp=tcp, ipc=ipc, shm=inbox.path if inbox is not None else "")
             ch.pull = pull  # last: a reader takes the channel as bound once it is set
@@ -460,9 +458,9 @@ class Transport:
                 socket_ready = woken = False
                 for item, _ in events:
                     socket_ready = socket_ready or item is pull
-                    woken = woken or item == wake[0]
+                    woken = woken or item == wake.fd
                 if woken:
-                    _drain(wake[0])
+                    wake.drain()
                 if socket_ready:
                     got = self._read_one(ch)
                     if got is not None:
@@ -603,11 +601,10 @@ class Transport:
     def _wake_receivers(self) -> None:
         """Wake every receiver blocked in this transport to look at its peers and its deadline ([Note: a
         receiver woken, not polling]); any thread, never blocks."""
-        with self._wake_lock:  # a pipe is closed under it: never a write to a descriptor reused since
-            for ch in list(self.channels.values()):
-                if ch.wake is not None:
-                    with contextlib.suppress(BlockingIOError):  # full: it is woken already
-                        os.write(ch.wake[1], b"\0")
+        for ch in list(self.channels.values()):
+            wake = ch.wake
+            if wake is not None:
+                wake.wake()  # nothing once closed
 
     def close(self) -> None:
         """Close every channel's sockets and shared memory, each once no other thread is inside it.
@@ -647,10 +644,9 @@ class Transport:
                     for box in (ch.inbox, ch.outbox):
                         if box is not None:
                             box.close()
-                    with self._wake_lock:
-                        wake, ch.wake = ch.wake, None
-                    for fd in wake or ():
-                        os.close(fd)
+                    wake, ch.wake = ch.wake, None
+                    if wake is not None:
+                        wake.close()
                 finally:
                     ch.recv_lock.release()
             finally:
@@ -658,13 +654,6 @@ class Transport:
         for path in self._ipc_paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-
-
-def _drain(fd: int) -> None:
-    """Read a non-blocking pipe empty."""
-    with contextlib.suppress(BlockingIOError):
-        while os.read(fd, 4096):
-            pass
 
 
 def wait_trackers(trackers: list[zmq.MessageTracker], deadline: Deadline,
