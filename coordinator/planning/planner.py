@@ -258,11 +258,20 @@ def _transfer(nbytes: float, bandwidth: float, latency: float) -> float:
 COLLECTIVE_EFFICIENCY = 0.85
 # A control message from the coordinator to a stage's step thread, or a reply back: 0.5-0.9 ms
 # measured (bench/train.py "dispatch" and "tail"): more than the link latency, as each end
-# validates and dispatches it.
-CONTROL_MESSAGE_S = 6e-4
+# validates and dispatches it. Within a window of steps ([Note: a window of steps] in
+# services/protocol/compute.py) the stages' own exchange takes its place: timed on each worker of data
+# parallel 2 and 1F1B 2x8 (bench/train.py, 2026-11-30), the reply's making 0.74-0.91 ms, the turn to
+# the verdict 0.36-0.45 ms, the verdict 0.64-1.35 ms and the next step's start 0.15 ms: 1.9-2.8 ms a
+# step, two of these.
+CONTROL_MESSAGE_S = 1.1e-3
 # A fused optimizer step reads and writes this many bytes per parameter byte, by the
 # optimizer kinds of coordinator/planning/profile.py (parameter, gradient and state each read, the
-# parameter and state written); at 25 GB/s it matched the 1.7-4.1 ms of SGD over 17-34 MB.
+# parameter and state written); at 25 GB/s it matched the 1.7-4.1 ms of SGD over 17-34 MB timed
+# alone. Inside bench/train.py's steps (2026-11-30, the update's "optimizer" phase, its gradients
+# cold since the backward) SGD took 6.4 ms over 34 MB on one worker and 6.9 ms on each of data
+# parallel's two, 3.1-3.5 ms over 17 MB and 1.5-2.1 ms over 8.5 MB on each pipeline stage: ~16 GB/s.
+# Left at 25 GB/s: at 16 the planner moved pipelines with replicas under Adam to the parameter server
+# (its update split over the replicas), which nothing measured yet says is faster.
 OPTIMIZER_TRAFFIC: dict[str, float] = {"sgd": 3.0, "momentum": 5.0, "adam": 7.0, "adamw": 7.0}
 OPTIMIZER_BANDWIDTH_BPS = 25e9
 # Compute while another CPU worker of the host computes, against the profile taken by one
@@ -301,8 +310,10 @@ TRANSFER_OVERHEAD_S = 2e-4
 # starved threads, so collective mode, which moves 2 (d-1)/d G, stays the faster of the two.
 SYNC_CPU_BPS = 2.1e9
 # The read of a stage's gradients before it replies (finite? and their squared norm), in bytes
-# per second: 1.2-1.4 ms for 17 MB measured (the step's tail grew by that much when it came).
-GRADIENT_CHECK_BANDWIDTH_BPS = 14e9
+# per second: 1.2-1.4 ms for 17 MB measured when it came (the step's tail grew by that much); timed on
+# each worker inside bench/train.py's steps (2026-11-30, another worker busy beside it), 1.9-2.3 ms for
+# 17 MB (1F1B 2x8) and 4.1-4.2 ms for 34 MB (data parallel 2): ~8 GB/s.
+GRADIENT_CHECK_BANDWIDTH_BPS = 8e9
 
 
 def _sync(mode: Mode, grad_bytes: float, d: int, hidden: float, bw: float, lat: float) -> float:
