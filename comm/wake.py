@@ -63,6 +63,7 @@ class WakePipe:
                         pass
 
     def close(self) -> None:
-        """Close both ends; idempotent. Unregister :attr:`fd` from every poller first."""
+        """Close both ends; idempotent. No poll may watch :attr:`fd` afterwards (its number may be reused):
+        unregister it, or close once its sleeper is gone."""
         with self._lock:
             self._fds()
