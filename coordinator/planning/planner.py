@@ -873,18 +873,23 @@ def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig
     ranks = p // v  # workers per replica: stage s on rank s % ranks (see [Note: chunks] in schedules.py)
     mb = global_batch // (d * m)
     profile = shared.profile
-    placement = place(resources, d, p, ranks, traffic=lambda: step_traffic(profile, p, m, mb))
-    at = shared.placed(placement, p)
-    in_flight, defers = stage_holds(sched_name, p, m, v)
-    defer = [deferring and request.precision == "fp32" for deferring in defers]
-    # a worker's stages share its memory less its runtime's (host memory: not a GPU's): the cutter gives
-    # each its 1/v share, the fit is checked per worker
-    runtime = 0 if at.on_cuda else profile.runtime_bytes
-    limit = [float(least - runtime) / v for least in at.memory]
-    options = memory_options(request, d, mode, at.on_cuda, automatic)
-    holds = tuple(not deferring and request.precision == "fp32" for deferring in defers)
-    return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, options, runtime,
-                  request.precision, holds)
+
+    def make() -> _Setup:  # all but the memory options: the modes share it
+        placement = place(resources, d, p, ranks, traffic=lambda: step_traffic(profile, p, m, mb))
+        at = shared.placed(placement, p)
+        in_flight, defers = stage_holds(sched_name, p, m, v)
+        defer = [deferring and request.precision == "fp32" for deferring in defers]
+        # a worker's stages share its memory less its runtime's (host memory: not a GPU's): the cutter gives
+        # each its 1/v share, the fit is checked per worker
+        runtime = 0 if at.on_cuda else profile.runtime_bytes
+        limit = [float(least - runtime) / v for least in at.memory]
+        holds = tuple(not deferring and request.precision == "fp32" for deferring in defers)
+        return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, [], runtime,
+                      request.precision, holds)
+
+    common = shared._get(("setup", d, p, sched_name, m, v, global_batch, request.precision), make)
+    return dataclasses.replace(common, shape=shape,
+                               options=memory_options(request, d, mode, common.at.on_cuda, automatic))
 
 
 def _free_cut(shared: _Shared, problem: CutProblem, key: tuple[object, ...], cutter: Cutter,

@@ -521,6 +521,7 @@ def stage_holds(name: str, num_stages: int, num_microbatches: int, chunks: int =
             tuple(defers(cast(Sequence[Action], acts)) for acts in lists))
 
 
+@functools.lru_cache(maxsize=4096)  # a search asks again for each replica count and mode
 def _interleaved_holds(p: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """:func:`stage_holds` of interleaved 1F1B: its ranks' forwards and backwards in :func:`_interleaved`'s
     order, counted per stage without building the lists (a stage defers when all its forwards come

@@ -128,10 +128,12 @@ TRAIN_PROGRAM = "train"  # the name of each stage's training program (RunStep.pr
 Batches = Sequence[Sequence[Sequence[int]]]  # [replica][microbatch] -> sample indices
 
 
-def _step_end(body: StepReply) -> list[float]:
-    """When a stage's step ended by its own timings (its last action's or phase's end)."""
-    ends = list(body.ends) if body.num_timed else []
-    return [*ends, *(p.end for p in body.phases)]
+def _step_end(body: StepReply) -> float | None:
+    """When a stage's step ended by its own timings (its last action's or phase's end; None: untimed)."""
+    ends = [p.end for p in body.phases]
+    if body.num_timed:
+        ends.append(max(body.ends))  # one pass in C over a step's few dozen actions
+    return max(ends, default=None)
 
 
 def _some(items: Sequence[str]) -> str:
@@ -449,7 +451,8 @@ class Runtime:
         coordinator_s = max(0.0, (ended - start) - (self.loop.poll_seconds - polled)) / len(per_step)
         for k, (bodies, committed) in enumerate(per_step):
             last = k == len(per_step) - 1
-            end = ended if last else max((t for _, body in bodies for t in _step_end(body)), default=ended)
+            end = ended if last else max((t for _, body in bodies if (t := _step_end(body)) is not None),
+                                         default=ended)
             try:
                 records.append(self._account(step + k, batches[k], bodies, committed, loss_scale,
                                              replica_scale, start, end, coordinator_s, traffic))
