@@ -35,11 +35,13 @@ def pytest_configure(config: pytest.Config) -> None:
     """Measure the worker runtime's bytes once for the whole run (before xdist starts its workers, which
     inherit it, as do the coordinators the tests start): each coordinator process would otherwise spend
     3-4 s of CPU measuring the same constant of this machine. ``test_runtime_memory.py`` still measures
-    it for real; a value set by the caller is kept."""
+    it for real; a value set by the caller is kept. Nothing is kept in the user's cache (the tests that
+    keep it give their own directory): the suite measures this machine as it is."""
     from coordinator.planning import runtime_bytes
 
     if hasattr(config, "workerinput") or os.environ.get(runtime_bytes.ENV):
         return
+    os.environ.setdefault(runtime_bytes.CACHE_ENV, "off")
     measured = runtime_bytes.runtime_bytes()
     if measured > 0:  # a failed measurement (0, logged) is left to each coordinator to retry
         os.environ[runtime_bytes.ENV] = str(measured)

@@ -20,21 +20,44 @@ counts 0 (the prediction is then short by that much).
 ``CELLMESH_RUNTIME_BYTES`` (a byte count) skips the measurement: for a coordinator whose interpreter
 is not the workers' (another image, GPU workers whose runtime is counted by the device), or one that
 plans many jobs on one machine and has measured it once.
+
+[Note: the runtime's bytes, kept] The measuring interpreter costs every ``cellmesh run`` and
+``cellmesh plan`` its imports: 3-10 s of a 2-core machine's CPU beside the profile, and on a loaded
+one the command waited 5.4 s for it after the profile had ended. Its answer changes only with the
+interpreter, the libraries and cellmesh's own code, so a successful measurement is kept in a file of
+the user's cache (``$CELLMESH_CACHE_DIR``, else ``$XDG_CACHE_HOME/cellmesh``, else
+``~/.cache/cellmesh``; ``CELLMESH_CACHE_DIR=off`` keeps nothing), named by a fingerprint of all of
+them (:func:`fingerprint`: the interpreter's path and version, the versions of torch, pyzmq and
+numpy, the C library, this probe's script, and the bytes of every module under ``comm/`` and
+``services/``, the code a worker runs). Any change measures again; a failed measurement (0) is never
+kept; a cache that cannot be read or written (a read-only home in a pod) is skipped with a debug
+line, never an error. Deleting the file measures again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import logging
 import os
+import platform
 import subprocess
 import sys
+import tempfile
 import threading
+import time
+from pathlib import Path
 
-__all__ = ["ENV", "RUNTIME_PROBE_TIMEOUT_S", "RuntimeProbe", "runtime_bytes", "start"]
+__all__ = ["CACHE_ENV", "ENV", "RUNTIME_PROBE_TIMEOUT_S", "RuntimeProbe", "cache_dir", "fingerprint",
+           "runtime_bytes", "start"]
 
 log = logging.getLogger(__name__)
 
 ENV = "CELLMESH_RUNTIME_BYTES"  # set: the runtime's bytes as given, nothing measured
+CACHE_ENV = "CELLMESH_CACHE_DIR"  # where measurements are kept ("off": nowhere); see [Note: ..., kept]
+_ROOT = Path(__file__).resolve().parents[2]  # the tree holding comm/ and services/
+_WORKER_CODE = ("comm", "services")  # what a worker runs: its bytes are part of the fingerprint
 RUNTIME_PROBE_TIMEOUT_S = 120.0  # the interpreter's imports take 3-10 s on a loaded 2-core machine
 
 _SCRIPT = """
@@ -112,17 +135,104 @@ def _given() -> int | None:
     return int(text)
 
 
+def cache_dir() -> Path | None:
+    """Where measurements are kept (see [Note: the runtime's bytes, kept]); None: nowhere."""
+    given = os.environ.get(CACHE_ENV, "").strip()
+    if given.lower() == "off":
+        return None
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if base:
+        return Path(base) / "cellmesh"
+    try:
+        return Path.home() / ".cache" / "cellmesh"
+    except RuntimeError:  # no home directory to be found
+        return None
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def fingerprint() -> str:
+    """What the measurement depends on, hashed: the interpreter, the libraries, the probe's script and the
+    workers' code (see [Note: the runtime's bytes, kept])."""
+    digest = hashlib.sha256()
+    for part in (sys.executable, sys.version, *map(_version, ("torch", "pyzmq", "numpy")),
+                 " ".join(platform.libc_ver()), _SCRIPT):
+        digest.update(part.encode() + b"\0")
+    for top in _WORKER_CODE:
+        for path in sorted((_ROOT / top).rglob("*.py")):
+            digest.update(str(path.relative_to(_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:32]
+
+
+_key: str | None = None
+
+
+def _cache_file() -> Path | None:
+    global _key
+    where = cache_dir()
+    if where is None:
+        return None
+    if _key is None:
+        try:
+            _key = fingerprint()
+        except OSError as exc:  # a module that cannot be read: nothing kept
+            log.debug("the runtime's bytes: no fingerprint (%s); nothing kept", exc)
+            return None
+    return where / f"runtime-bytes-{_key}.json"
+
+
+def _kept() -> int | None:
+    """The kept measurement for this fingerprint, or None."""
+    path = _cache_file()
+    if path is None:
+        return None
+    try:
+        value = json.loads(path.read_text())["bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _keep(value: int) -> None:
+    """Keep a successful measurement (best effort: a cache that cannot be written is skipped)."""
+    path = _cache_file()
+    if path is None or value <= 0:
+        return
+    record = {"bytes": value, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "python": sys.executable, "torch": _version("torch")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".runtime-bytes-", delete=False) as out:
+            json.dump(record, out)
+        os.replace(out.name, path)  # whole or not at all: another process may read it meanwhile
+    except OSError as exc:
+        log.debug("the runtime's bytes: not kept in %s: %s", path.parent, exc)
+
+
 def start() -> None:
-    """Start the measurement unless it ran or runs already, or ``$CELLMESH_RUNTIME_BYTES`` gives it."""
-    global _running
+    """Start the measurement unless it ran or runs already, ``$CELLMESH_RUNTIME_BYTES`` gives it, or it is
+    kept (see [Note: the runtime's bytes, kept])."""
+    global _running, _measured
     with _lock:
         if _measured is None and _running is None and _given() is None:
-            _running = RuntimeProbe()
+            kept = _kept()
+            if kept is not None:
+                _measured = kept
+            else:
+                _running = RuntimeProbe()
 
 
 def runtime_bytes() -> int:
     """The runtime's bytes (see [Note: the runtime's bytes]): ``$CELLMESH_RUNTIME_BYTES`` when set, else
-    measured on the first call in this process."""
+    kept from an earlier measurement of the same fingerprint, else measured on the first call in this
+    process (and kept)."""
     global _measured, _running
     given = _given()
     if given is not None:
@@ -133,4 +243,5 @@ def runtime_bytes() -> int:
             if _running is None:  # the variable was unset between start() and here
                 _running = RuntimeProbe()
             _measured, _running = _running.result(), None
+            _keep(_measured)
         return _measured
