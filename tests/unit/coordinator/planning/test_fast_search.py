@@ -356,7 +356,7 @@ def test_the_bound_with_the_placement_never_exceeds_the_played_step(seed: int) -
             assert bound <= placed <= cand.step_time_s * (1 + 1e-9), (shape, sizes, cores, slow)
             checked += 1
             lifted += placed > bound * 1.001
-    assert lifted > 0 and checked > 0, (lifted, checked)  # 3-17% of the candidates on 40 seeds
+    assert lifted > 0 and checked > 0, (lifted, checked)  # 3-16% of the candidates on 40 seeds
 
 
 def test_the_host_bound_by_hand() -> None:
