@@ -36,6 +36,7 @@ line, never an error. Deleting the file measures again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -197,7 +198,7 @@ def _kept() -> int | None:
         value = json.loads(path.read_text())["bytes"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return value if isinstance(value, int) and value > 0 else None
+    return value if type(value) is int and value > 0 else None  # not a bool, not a float
 
 
 def _keep(value: int) -> None:
@@ -207,13 +208,18 @@ def _keep(value: int) -> None:
         return
     record = {"bytes": value, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "python": sys.executable, "torch": _version("torch")}
+    written: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".runtime-bytes-", delete=False) as out:
+            written = out.name
             json.dump(record, out)
-        os.replace(out.name, path)  # whole or not at all: another process may read it meanwhile
+        os.replace(written, path)  # whole or not at all: another process may read it meanwhile
     except OSError as exc:
         log.debug("the runtime's bytes: not kept in %s: %s", path.parent, exc)
+        if written is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(written)
 
 
 def start() -> None:

@@ -131,7 +131,8 @@ def test_the_workers_code_is_in_the_fingerprint(monkeypatch: pytest.MonkeyPatch,
     assert runtime_bytes.fingerprint() != before
 
 
-@pytest.mark.parametrize("broken", ["0", "not json", '{"bytes": "lots"}', '{"bytes": -5}', "[]"])
+@pytest.mark.parametrize("broken", ["0", "not json", '{"bytes": "lots"}', '{"bytes": -5}', '{"bytes": true}',
+                                    '{"bytes": 1e7}', "[]"])
 def test_a_failed_or_broken_measurement_is_not_kept_nor_read(fresh: Path, monkeypatch: pytest.MonkeyPatch,
                                                              broken: str) -> None:
     if broken == "0":  # a failed measurement counts 0 and leaves no file
