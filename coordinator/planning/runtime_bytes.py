@@ -31,7 +31,7 @@ them (:func:`fingerprint`: the interpreter's path and version, the versions of t
 numpy, the C library, this probe's script, and the bytes of every module under ``comm/`` and
 ``services/``, the code a worker runs). Any change measures again; a failed measurement (0) is never
 kept; a cache that cannot be read or written (a read-only home in a pod) is skipped with a debug
-line, never an error. Deleting the file measures again.
+line, never an error. Deleting the file measures again; the cache keeps the 16 newest measurements.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ ENV = "CELLMESH_RUNTIME_BYTES"  # set: the runtime's bytes as given, nothing mea
 CACHE_ENV = "CELLMESH_CACHE_DIR"  # where measurements are kept ("off": nowhere); see [Note: ..., kept]
 _ROOT = Path(__file__).resolve().parents[2]  # the tree holding comm/ and services/
 _WORKER_CODE = ("comm", "services")  # what a worker runs: its bytes are part of the fingerprint
+KEPT = 16  # measurements kept in the cache, the newest
 RUNTIME_PROBE_TIMEOUT_S = 120.0  # the interpreter's imports take 3-10 s on a loaded 2-core machine
 
 _SCRIPT = """
@@ -215,11 +216,24 @@ def _keep(value: int) -> None:
             written = out.name
             json.dump(record, out)
         os.replace(written, path)  # whole or not at all: another process may read it meanwhile
+        _prune(path.parent)
     except OSError as exc:
         log.debug("the runtime's bytes: not kept in %s: %s", path.parent, exc)
         if written is not None:
             with contextlib.suppress(OSError):
                 os.unlink(written)
+
+
+def _prune(where: Path) -> None:
+    """Keep the :data:`KEPT` newest measurements (each venv and each version of the code leaves its own)."""
+    def age(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # another process pruned it meanwhile
+            return 0.0
+    for old in sorted(where.glob("runtime-bytes-*.json"), key=age, reverse=True)[KEPT:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def start() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,15 @@ def test_the_cache_follows_xdg_and_the_home(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert runtime_bytes.cache_dir() == tmp_path / "home" / ".cache" / "cellmesh"
+
+
+def test_the_cache_keeps_the_newest_measurements(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in range(runtime_bytes.KEPT + 3):  # older measurements, of other code: oldest first
+        old = fresh / f"runtime-bytes-old{k:02d}.json"
+        old.write_text('{"bytes": 1}')
+        os.utime(old, (1_000_000 + k, 1_000_000 + k))
+    assert runtime_bytes.runtime_bytes() == 12 * MiB
+    left = sorted(p.name for p in fresh.glob("runtime-bytes-*.json"))
+    assert len(left) == runtime_bytes.KEPT
+    assert f"runtime-bytes-{runtime_bytes.fingerprint()}.json" in left  # the newest stays
+    assert "runtime-bytes-old00.json" not in left and "runtime-bytes-old18.json" in left
