@@ -22,7 +22,7 @@ from coordinator.planning.cutting import get_cutter
 from coordinator.planning.memory import AUTOMATIC, REPLICATED
 from coordinator.planning.planner import _rank, candidate_plans, choose_plan
 from coordinator.planning.profile import Profile
-from coordinator.planning.request import PlanningError
+from coordinator.planning.request import PlanningError, Shape
 from coordinator.planning.resources import HostLink, LinkSpeed, Resources, Worker
 from coordinator.planning.schedules import (
     Step,
@@ -273,6 +273,32 @@ def test_the_bound_over_every_cut_never_exceeds_the_played_step(seed: int) -> No
         assert loose <= step * (1 + 1e-12), (name, p, m, v)
 
 
+def random_chain(rng: random.Random) -> Profile:
+    """A chain of 3-9 nodes of random times, bytes and crossings; half the time its backwards timed as
+    halves (I and W, part of W fixed), each schedule pricing them its way."""
+    n = rng.randint(3, 9)
+    times = [rng.uniform(2e-4, 3e-3) for _ in range(n)]
+    prof = Profile.synthetic(times, backward_s=[t * rng.uniform(1, 3) for t in times],
+                             param_bytes=[rng.randint(1, 8) * MiB for _ in range(n)],
+                             activation_bytes=[MiB] * n, microbatch_size=2,
+                             cut_bytes=[rng.randint(1, 64) * KiB for _ in range(n - 1)])
+    if rng.random() < 0.5:
+        prof = prof.model_copy(update={"nodes": tuple(nd.model_copy(update={
+            "input_backward_s": nd.backward_s * rng.uniform(0.3, 0.6), "weight_s": nd.backward_s * h,
+            "weight_fixed_s": nd.backward_s * h * rng.uniform(0, 1)})
+            for nd in prof.nodes for h in [rng.uniform(0.2, 0.7)])})
+    return prof
+
+
+def replicated(prof: Profile, res: Resources, request: PlanConfig
+               ) -> tuple[list[planner.Candidate], list[Shape]]:
+    """Every replicated candidate played for 16 samples, and its shape."""
+    cands = [c for c in candidate_plans(prof, res, request, global_batch=16)
+             if c.option == REPLICATED and c.plan is not None]
+    return cands, [(c.data_parallel, c.num_stages, c.mode, c.schedule_name, c.num_microbatches, c.chunks)
+                   for c in cands]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_bounds_on_one_host_never_exceed_the_played_step(seed: int) -> None:
     """Both bounds of the fast search (over every cut, with the host's cores; with the shape's cut) against
@@ -281,25 +307,12 @@ def test_the_bounds_on_one_host_never_exceed_the_played_step(seed: int) -> None:
     rng = random.Random(300 + seed)
     tight = crowded = 0
     for _ in range(4):
-        n = rng.randint(3, 9)
-        times = [rng.uniform(2e-4, 3e-3) for _ in range(n)]
-        prof = Profile.synthetic(times, backward_s=[t * rng.uniform(1, 3) for t in times],
-                                 param_bytes=[rng.randint(1, 8) * MiB for _ in range(n)],
-                                 activation_bytes=[MiB] * n, microbatch_size=2,
-                                 cut_bytes=[rng.randint(1, 64) * KiB for _ in range(n - 1)])
-        if rng.random() < 0.5:  # backwards timed as halves, each schedule pricing them its way
-            prof = prof.model_copy(update={"nodes": tuple(nd.model_copy(update={
-                "input_backward_s": nd.backward_s * rng.uniform(0.3, 0.6), "weight_s": nd.backward_s * h,
-                "weight_fixed_s": nd.backward_s * h * rng.uniform(0, 1)})
-                for nd in prof.nodes for h in [rng.uniform(0.2, 0.7)])})
+        prof = random_chain(rng)
         count, cores, cpus = rng.randint(2, 8), rng.choice([1, 2, 3, 8]), rng.choice([1, 1, 2])
         res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=BIG, host="h", cpus=cpus,
                                              host_cpus=cores) for i in range(count)))
         request = PlanConfig(max_microbatches=4)
-        cands = [c for c in candidate_plans(prof, res, request, global_batch=16)
-                 if c.option == REPLICATED and c.plan is not None]
-        shapes = [(c.data_parallel, c.num_stages, c.mode, c.schedule_name, c.num_microbatches, c.chunks)
-                  for c in cands]
+        cands, shapes = replicated(prof, res, request)
         shared = planner._Shared(prof, res)
         loose = planner._cut_free_bounds(shared, shapes, 16)
         cutter = get_cutter(request.cutter)
@@ -325,17 +338,7 @@ def test_the_bound_with_the_placement_never_exceeds_the_played_step(seed: int) -
     rng = random.Random(700 + seed)
     lifted = checked = 0
     for _ in range(4):
-        n = rng.randint(3, 9)
-        times = [rng.uniform(2e-4, 3e-3) for _ in range(n)]
-        prof = Profile.synthetic(times, backward_s=[t * rng.uniform(1, 3) for t in times],
-                                 param_bytes=[rng.randint(1, 8) * MiB for _ in range(n)],
-                                 activation_bytes=[MiB] * n, microbatch_size=2,
-                                 cut_bytes=[rng.randint(1, 64) * KiB for _ in range(n - 1)])
-        if rng.random() < 0.5:  # backwards timed as halves
-            prof = prof.model_copy(update={"nodes": tuple(nd.model_copy(update={
-                "input_backward_s": nd.backward_s * rng.uniform(0.3, 0.6), "weight_s": nd.backward_s * h,
-                "weight_fixed_s": nd.backward_s * h * rng.uniform(0, 1)})
-                for nd in prof.nodes for h in [rng.uniform(0.2, 0.7)])})
+        prof = random_chain(rng)
         sizes = [rng.randint(1, 4) for _ in range(rng.randint(2, 4))]
         cores = rng.choice([None, 2, 8])
         slow = rng.randrange(sum(sizes) + 1)  # this worker runs at half speed (none past the end)
@@ -344,10 +347,7 @@ def test_the_bound_with_the_placement_never_exceeds_the_played_step(seed: int) -
                    speed=0.5 if sum(sizes[:h]) + i == slow else 1.0)
             for h, size in enumerate(sizes) for i in range(size)))
         request = PlanConfig(max_microbatches=4)
-        cands = [c for c in candidate_plans(prof, res, request, global_batch=16)
-                 if c.option == REPLICATED and c.plan is not None]
-        shapes = [(c.data_parallel, c.num_stages, c.mode, c.schedule_name, c.num_microbatches, c.chunks)
-                  for c in cands]
+        cands, shapes = replicated(prof, res, request)
         shared = planner._Shared(prof, res)
         loose, rest = planner._cut_free_parts(shared, shapes, 16)
         for cand, shape, bound, other in zip(cands, shapes, loose.tolist(), rest.tolist(), strict=True):
