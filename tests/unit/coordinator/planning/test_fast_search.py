@@ -415,6 +415,10 @@ def test_stage_holds_is_what_the_built_schedules_hold() -> None:
                     steps = [[Step(a.stage, a.kind, a.microbatch) for a in built.rank_actions(r)]
                              for r in range(built.num_ranks)]
                     assert order == tuple(map(tuple, steps))
+    for p, m, v in [(16, 32, 2), (16, 16, 4), (24, 24, 3), (32, 64, 4), (12, 8, 3)]:  # interleaved, longer
+        built = build_schedule("interleaved-1f1b", p, m, v)
+        peaks = tuple(peak_in_flight(acts) for acts in built.actions)
+        assert stage_holds("interleaved-1f1b", p, m, v) == (peaks, tuple(defers(acts) for acts in built.actions))
 
 
 def test_the_fast_search_agrees_on_random_small_jobs() -> None:
