@@ -418,7 +418,8 @@ def test_stage_holds_is_what_the_built_schedules_hold() -> None:
     for p, m, v in [(16, 32, 2), (16, 16, 4), (24, 24, 3), (32, 64, 4), (12, 8, 3)]:  # interleaved, longer
         built = build_schedule("interleaved-1f1b", p, m, v)
         peaks = tuple(peak_in_flight(acts) for acts in built.actions)
-        assert stage_holds("interleaved-1f1b", p, m, v) == (peaks, tuple(defers(acts) for acts in built.actions))
+        deferring = tuple(defers(acts) for acts in built.actions)
+        assert stage_holds("interleaved-1f1b", p, m, v) == (peaks, deferring)
 
 
 def test_the_fast_search_agrees_on_random_small_jobs() -> None:
