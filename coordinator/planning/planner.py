@@ -632,6 +632,15 @@ def _sync_cpu(mode: Mode, option: MemoryOption, d: int, grad_bytes: float, speed
     return 2 * grad_bytes / (SYNC_CPU_BPS * speed)
 
 
+def _update_s(optimizer: str, grad_bytes: float, share: float, speed: float) -> float:
+    """A stage's replicated optimizer step, the simulation's start: ``share`` of its gradients' bytes (1
+    collective; a parameter server's shard, ``1 / d``) times the optimizer's memory traffic at
+    :data:`OPTIMIZER_BANDWIDTH_BPS` on a worker of ``speed``. The plays, the bounds and the bound over every
+    cut take it from here, so they round alike."""
+    traffic = OPTIMIZER_TRAFFIC.get(optimizer, OPTIMIZER_TRAFFIC["adam"])
+    return grad_bytes * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed
+
+
 def _sync_starved(resources: Resources, stage_workers: Sequence[Sequence[Worker]]) -> list[float]:
     """Per stage, the share of its replicas' gradient-sync threads that find no core to spare on their
     host while the shape's workers compute (the most over its hosts): see [Note: the sync's own CPU]. 0
@@ -961,7 +970,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         """The stage's replicated optimizer step (the simulation's start; ZeRO shrinks it, see
         [Note: choosing the memory options])."""
         share = 1.0 if mode == "collective" else 1.0 / d  # a parameter shard updates 1/d of the stage
-        return sum(nd.grad_bytes for nd in nodes[a:b]) * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed[s]
+        return _update_s(profile.optimizer, sum(nd.grad_bytes for nd in nodes[a:b]), share, speed[s])
 
     def play_cut(bounds: tuple[int, ...], recompute: bool, problem: CutProblem) -> _Played:
         if (bounds, recompute) in played:
@@ -1127,8 +1136,7 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     workers = shared.by_name
     fastest = max(w.speed for w in workers.values())
     grads = float(sum(nd.grad_bytes for nd in shared.profile.nodes))
-    traffic = OPTIMIZER_TRAFFIC.get(shared.profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
-    starts = grads * (1.0 if mode == "collective" else 1.0 / d) * traffic / OPTIMIZER_BANDWIDTH_BPS / fastest
+    starts = _update_s(shared.profile.optimizer, grads, 1.0 if mode == "collective" else 1.0 / d, fastest)
     slowed = _chain_totals(shared, setup.mb)[1][0]  # every node's forward and least backward, slowed
     work = m * (slowed + 2 * p * ACTION_OVERHEAD_S) + starts
     extra = max(SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN) - 1.0
@@ -1185,9 +1193,8 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     backward = [bwd[s] * slowed[s] + ACTION_OVERHEAD_S for s in range(p)]
     weights = _weights(bwd, wgt)
     inner = bounds[1:-1]
-    traffic = OPTIMIZER_TRAFFIC.get(profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
     share = 1.0 if mode == "collective" else 1.0 / d
-    start = [grads[s] * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed[s] for s in range(p)]
+    start = [_update_s(profile.optimizer, grads[s], share, speed[s]) for s in range(p)]
     # W in the same share of each backward as the simulator is given
     shares = ([w * backward[s] / (bwd[s] + ACTION_OVERHEAD_S) for s, w in enumerate(weights)] if weights
               else [t * DEFAULT_WEIGHT_FRACTION for t in backward])
@@ -1337,8 +1344,7 @@ def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     transfer = 2 * cheapest[which, np.minimum(p - 1, longest - 1)]
     fastest = max(w.speed for w in workers)
     grads = float(sum(nd.grad_bytes for nd in shared.profile.nodes))
-    traffic = OPTIMIZER_TRAFFIC.get(shared.profile.optimizer, OPTIMIZER_TRAFFIC["adam"])
-    start = np.where(collective, 1.0, 1.0 / d) * grads * traffic / OPTIMIZER_BANDWIDTH_BPS / fastest
+    start = np.where(collective, 1.0, 1.0 / d) * _update_s(shared.profile.optimizer, grads, 1.0, fastest)
     least_cut = np.array([c[0] for c in cuts])[which]
     loose = cut_free_bound(kind, m, p, ranks, row[:, 0] + 2 * p * ACTION_OVERHEAD_S, transfer, start,
                            row[:, 1] + 2 * ACTION_OVERHEAD_S, row[:, 2] + 2 * ACTION_OVERHEAD_S,
