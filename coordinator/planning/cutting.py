@@ -141,9 +141,6 @@ class CutProblem:
                 and (len(self.hold_bytes) != n or len(self.holds) != self.num_stages)):
             raise ValueError("hold_bytes (n entries) and holds (one per stage) come together")
         object.__setattr__(self, "_prefix", np.concatenate([[0.0], np.cumsum(self.compute_s)]))
-        if self.activation_bytes is not None and self.deferred_bytes is not None:
-            object.__setattr__(self, "_deferring", tuple(
-                max(a, d) for a, d in zip(self.activation_bytes, self.deferred_bytes, strict=True)))
 
     @property
     def num_nodes(self) -> int:
@@ -161,8 +158,12 @@ class CutProblem:
         or for a stage that defers its weight gradients the larger of those and its deferred bytes."""
         if self.activation_bytes is None:
             return None
-        if self.defers is None or self._deferring is None or not self.defers[stage]:
+        if self.defers is None or self.deferred_bytes is None or not self.defers[stage]:
             return self.activation_bytes
+        if self._deferring is None:  # made when first asked: most problems are only cut for compute
+            object.__setattr__(self, "_deferring", tuple(np.maximum(
+                np.asarray(self.activation_bytes, dtype=np.float64),
+                np.asarray(self.deferred_bytes, dtype=np.float64)).tolist()))
         return self._deferring
 
     def stage_memory(self, stage: int, start: int, stop: int) -> float:

@@ -173,6 +173,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -438,6 +439,13 @@ class _Shared:
             got = self._memo[key] = sum(x for _, x in self.halves(mb)[start:stop])
         return cast(float, got)
 
+    def holding(self) -> tuple[list[int], list[int]]:
+        """Per node, its part of :func:`held_limit`'s weight bytes and the rows it holds for a deferred ``W``
+        at the profiled microbatch."""
+        nodes = self.profile.nodes
+        return self._get(("holding",), lambda: ([_holding_bytes(nd) for nd in nodes],
+                                                [nd.deferred_bytes for nd in nodes]))
+
     def autograd_extra(self, mb: int, start: int, stop: int) -> float:
         """What a product of held ``W`` s costs nodes ``[start, stop)`` more through autograd than in place:
         one microbatch's plain backward less its ``I`` and ``W`` (a new weight-sized gradient tensor and
@@ -648,17 +656,18 @@ def _sync_starved(resources: Resources, stage_workers: Sequence[Sequence[Worker]
     workers' ``cpus`` together then, none waiting for a core)."""
     threads: dict[object, int] = {}
     workers: dict[object, list[str]] = {}
+    home: dict[str, object] = {}  # every worker's host
     for w in {w.name: w for ws in stage_workers for w in ws}.values():
+        host = home[w.name] = resources.host_of(w.name)
         if w.device == "cpu" and w.host is not None and w.host_cpus is not None:  # its host's cores known
-            host = resources.host_of(w.name)
             threads[host] = threads.get(host, 0) + w.cpus
             workers.setdefault(host, []).append(w.name)
     if not workers:  # GPU workers, or hosts whose cores are not given: no sync waits for a core
         return [0.0] * len(stage_workers)
     starved = {host: 1.0 - min(1.0, max(0, resources.host_cores(names[0]) - threads[host]) / len(names))
                for host, names in workers.items()}
-    return [max((starved.get(resources.host_of(w.name), 0.0) for w in ws), default=0.0)
-            for ws in stage_workers]
+    share = {name: starved.get(host, 0.0) for name, host in home.items()}  # per worker: its host's
+    return [max([share[w.name] for w in ws], default=0.0) for ws in stage_workers]
 
 
 def _sharing(resources: Resources | None, rank_workers: Sequence[Sequence[Worker]]) -> Sharing:
@@ -720,7 +729,7 @@ def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
                      speed: Sequence[float], alone: bool) -> tuple[list[float], list[float], list[float]]:
     """:func:`_backwards`, computed."""
     times, halves = shared.times(mb), shared.halves(mb)
-    nodes = shared.profile.nodes
+    holding, deferred = shared.holding()
     scale = mb / shared.profile.microbatch_size
     backward, weight, tail = [], [], []
     for s, (a, b) in enumerate(spans):
@@ -729,26 +738,30 @@ def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
         plain = sum(b_ for _, b_ in times[a:b]) + redo
         inp = sum(i for i, _ in halves[a:b]) + redo
         count = kinds.count("B")
-        limit = held_limit(nodes[a:b])
-        rows = sum(nd.deferred_bytes for nd in nodes[a:b]) * scale  # one microbatch's held rows
+        rows = sum(deferred[a:b]) * scale  # one microbatch's held rows
+        limit = int(sum(holding[a:b])) // HOLD_SHARE  # held_limit
 
         def in_place(k: int, a: int = a, b: int = b) -> float:  # W of k microbatches, one product, addmm_
             return shared.weight_sum(k * mb, a, b)
-
-        def autograd(k: int, a: int = a, b: int = b) -> float:  # the same through autograd, into a .grad
-            return in_place(k) + shared.autograd_extra(mb, a, b)
 
         w, after = 0.0, 0.0
         if precision != "fp32" or (not count and "I" not in kinds):  # autocast: plain autograd throughout
             back = plain
         elif "I" in kinds:  # split: I, and the W's as the executor groups them
-            spent = _split_weights(kinds, alone, rows, limit, in_place, autograd)
+            spent = 0.0
+            crossing = _crossing(rows, limit, kinds.count("I"))
+            for n, through_autograd in _split_products(tuple(kinds), alone, crossing):
+                spent += in_place(n) + shared.autograd_extra(mb, a, b) if through_autograd else in_place(n)
             w = spent / max(1, kinds.count("W"))
             back = inp + w
         elif defer[s]:  # GPipe: every B an I; after the last one's send, W over all, from no .grad
             back, after = inp, in_place(count)
         else:  # 1F1B, interleaved: I and the W's held, in groups
-            spent, after = _held_weights(count, alone, rows, limit, in_place)
+            within, last = _held_products(count, alone, _crossing(rows, limit, count))
+            spent = 0.0
+            for n in within:
+                spent += in_place(n)
+            after = in_place(last) if last else 0.0
             back = (spent + (count - _plain_count(count, alone)) * inp
                     + _plain_count(count, alone) * plain) / count
         backward.append(back / speed[s])
@@ -761,9 +774,12 @@ def held_limit(nodes: Sequence[NodeProfile]) -> int:
     """The held rows' bytes past which a stage's executor computes its held ``W`` s: 1/``HOLD_SHARE`` of
     its deferred layers' weight bytes (``WeightGradStore.weight_bytes``; a profile without them: the
     parameters of the nodes with layers to defer)."""
-    weights = sum(nd.deferred_weight_bytes or (nd.param_bytes if nd.split or nd.deferred_bytes else 0)
-                  for nd in nodes)
-    return int(weights) // HOLD_SHARE
+    return int(sum(map(_holding_bytes, nodes))) // HOLD_SHARE
+
+
+def _holding_bytes(nd: NodeProfile) -> int:
+    """A node's part of :func:`held_limit`'s weight bytes."""
+    return nd.deferred_weight_bytes or (nd.param_bytes if nd.split or nd.deferred_bytes else 0)
 
 
 def hold_bytes(nodes: Sequence[NodeProfile], scale: float, count: int, alone: bool) -> tuple[float, ...]:
@@ -786,41 +802,58 @@ def _plain_count(count: int, alone: bool) -> int:
     return 0 if alone else min(count, 2)
 
 
-def _held_weights(count: int, alone: bool, rows: float, limit: int, in_place: Callable[[int], float]
-                  ) -> tuple[float, float]:
-    """A 1F1B list's held ``W`` s (``services/compute/executor.py``): the seconds they take within its
-    backwards, and after its last one's send. Each ``B`` that holds adds its rows; past ``limit`` the held
-    ones are computed in one product (the first of the step, which finds no ``.grad``, as one in place: it
-    writes into the gradient tensor the last step's handed over); before the last ``B`` (replicas: it then
-    runs plain) or after its send (alone: it holds too)."""
+def _crossing(rows: float, limit: int, most: int) -> int:
+    """The fewest held microbatches of ``rows`` bytes each, at most ``most``, whose rows exceed ``limit``
+    (``k * rows > limit``, as the executor compares them); 0 when no count up to ``most`` does. A list
+    never holds more than its backwards, so counts past them need no answer (and the lists' products
+    depend on this count alone: :func:`_held_products`)."""
+    if most < 1 or not most * rows > limit:
+        return 0
+    lo, hi = 0, most  # the comparison is false at lo, true at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if mid * rows > limit:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_products(count: int, alone: bool, crossing: int) -> tuple[tuple[int, ...], int]:
+    """A 1F1B list's held ``W`` s (``services/compute/executor.py``) as the products it computes: how many
+    microbatches each product within its backwards covers, in order, and the one after its last one's send
+    (0: none). Each ``B`` that holds adds its rows; once ``crossing`` of them exceed the limit
+    (:func:`_crossing`; 0: never) the held ones are computed in one product (the first of the step, which
+    finds no ``.grad``, as one in place: it writes into the gradient tensor the last step's handed over);
+    before the last ``B`` (replicas: it then runs plain) or after its send (alone: it holds too). It depends
+    on the counts alone: the stages of every shape with these ask for the same."""
     if count < 2:
-        return 0.0, 0.0
-    held, within = 0, 0.0
-
-    def flush() -> float:
-        nonlocal held
-        cost = in_place(held)
-        held = 0
-        return cost
-
-    holding = range(count) if alone else range(1, count - 1)
-    for j in holding:
+        return (), 0
+    held = 0
+    within: list[int] = []
+    for j in range(count) if alone else range(1, count - 1):
         held += 1
         if j == count - 1:
-            return within, flush()  # alone: after the send
-        if held * rows > limit:
-            within += flush()
-    return within + (flush() if held else 0.0), 0.0
+            return tuple(within), held  # alone: after the send
+        if crossing and held >= crossing:
+            within.append(held)
+            held = 0
+    if held:
+        within.append(held)
+    return tuple(within), 0
 
 
-def _split_weights(kinds: Sequence[str], alone: bool, rows: float, limit: int,
-                   in_place: Callable[[int], float], autograd: Callable[[int], float]) -> float:
-    """A split list's ``W`` s (zb-h1) in all, as the executor runs them: a run of consecutive ``W`` s is one
-    product over its microbatches (alone: over every queued one, and none while they stay within
-    ``limit``); the one after the last ``I`` through autograd into the ``.grad`` earlier runs made (the
-    first of the step, which finds none, as one in place)."""
+@functools.lru_cache(maxsize=4096)
+def _split_products(kinds: tuple[str, ...], alone: bool, crossing: int) -> tuple[tuple[int, bool], ...]:
+    """A split list's ``W`` s (zb-h1) as the executor runs them: per product, how many microbatches it covers
+    and whether it goes through autograd, in order. A run of consecutive ``W`` s is one product over its
+    microbatches (alone: over every queued one, and none until ``crossing`` of them exceed the held limit,
+    :func:`_crossing`; 0: never); the one after the last ``I`` through autograd into the ``.grad`` earlier
+    runs made (the first of the step, which finds none, as one in place)."""
     last_i = max(k for k, kind in enumerate(kinds) if kind == "I")
-    queued, graded, spent = 0, False, 0.0  # I's whose rows wait, whether a flush made .grad
+    queued, graded = 0, False  # I's whose rows wait, whether a product made .grad
+    out: list[tuple[int, bool]] = []
     for k, kind in enumerate(kinds):
         if kind == "I":
             queued += 1
@@ -831,13 +864,13 @@ def _split_weights(kinds: Sequence[str], alone: bool, rows: float, limit: int,
         if k > last_i:
             n = queued
         elif alone:
-            n = queued if queued * rows > limit else 0
+            n = queued if crossing and queued >= crossing else 0
         else:
             n = run
         if n:
-            spent += autograd(n) if graded and k > last_i else in_place(n)
+            out.append((n, graded and k > last_i))
             queued, graded = queued - n, True
-    return spent
+    return tuple(out)
 
 
 def _weights(backward: Sequence[float], weight: Sequence[float]) -> tuple[float, ...]:

@@ -73,6 +73,7 @@ each holds); with one stage per rank, rank ``s`` is stage ``s``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -200,9 +201,13 @@ class Sharing:
                 per_host[h] += n
         return any(n > 1 for n in per_host)
 
-    def homes(self) -> list[int | None]:
+    def homes(self) -> tuple[int | None, ...]:
         """Per rank, the host whose pace it runs at: where it wants the most cores (None: no shared host)."""
-        return [max(w, key=lambda x: x[1])[0] if w else None for w in self.wants]
+        return self._homes
+
+    @functools.cached_property
+    def _homes(self) -> tuple[int | None, ...]:
+        return tuple(max(w, key=lambda x: x[1])[0] if w else None for w in self.wants)
 
     def least_time(self, forward: Sequence[float], backward: Sequence[float],
                    other: Sequence[float]) -> float:

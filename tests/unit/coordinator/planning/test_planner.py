@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 from torch import nn
 
@@ -22,6 +24,7 @@ from coordinator.planning.planner import (
     SYNC_CPU_BPS,
     TRANSFER_OVERHEAD_S,
     _backwards,
+    _crossing,
     _Shared,
     candidate_plans,
     choose_plan,
@@ -496,6 +499,21 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
     plain = choose_plan(base, res, PlanConfig(num_stages=2, data_parallel=1, num_microbatches=8,
                                               schedule="gpipe", balance=[2, 2]), global_batch=32)
     assert plain.stages[0].backward_s == pytest.approx(4e-3 + ACTION_OVERHEAD_S)
+
+
+@given(rows=st.one_of(st.floats(0, 1e12, allow_nan=False), st.integers(0, 4096).map(float),
+                     st.integers(1, 64).map(lambda k: 0.1 * k)),
+       limit=st.one_of(st.integers(0, 10**12), st.integers(0, 300)), most=st.integers(0, 200))
+@settings(max_examples=500)
+def test_the_held_count_that_crosses_the_limit_is_the_first_one_whose_rows_exceed_it(rows: float, limit: int,
+                                                                                       most: int) -> None:
+    """The fewest held microbatches whose rows exceed the limit, as the executor compares them
+    (``k * rows > limit``), counted one by one; 0 when no count up to the backwards does."""
+    assert _crossing(rows, limit, most) == next((k for k in range(1, most + 1) if k * rows > limit), 0)
+    # a count too large to walk to: the same comparison, found by halving
+    k = _crossing(1e-9, 1, 10**18)
+    assert k * 1e-9 > 1 and not (k - 1) * 1e-9 > 1
+    assert _crossing(5e-324, 1, 10**18) == 0
 
 
 @pytest.mark.parametrize("workers", [1, 2])
