@@ -436,7 +436,12 @@ class _Shared:
         key = ("weight sum", mb, start, stop)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = sum(x for _, x in self.halves(mb)[start:stop])
+            if ("halves", mb) in self._memo:
+                got = sum(x for _, x in self.halves(mb)[start:stop])
+            else:  # a product's rows: only its nodes, not every node at a size asked of few spans
+                scale = mb / self.profile.microbatch_size
+                got = sum(nd.halves_at(scale)[1] for nd in self.profile.nodes[start:stop])
+            self._memo[key] = got
         return cast(float, got)
 
     def holding(self) -> tuple[list[int], list[int]]:
@@ -854,13 +859,16 @@ def _split_products(kinds: tuple[str, ...], alone: bool, crossing: int) -> tuple
     last_i = max(k for k, kind in enumerate(kinds) if kind == "I")
     queued, graded = 0, False  # I's whose rows wait, whether a product made .grad
     out: list[tuple[int, bool]] = []
+    runs = [0] * (len(kinds) + 1)  # the W's from each position on, in a row
+    for k in range(len(kinds) - 1, -1, -1):
+        runs[k] = runs[k + 1] + 1 if kinds[k] == "W" else 0
     for k, kind in enumerate(kinds):
         if kind == "I":
             queued += 1
             continue
         if kind != "W" or (k > 0 and kinds[k - 1] == "W"):
             continue
-        run = next((j for j in range(k, len(kinds)) if kinds[j] != "W"), len(kinds)) - k
+        run = runs[k]
         if k > last_i:
             n = queued
         elif alone:
