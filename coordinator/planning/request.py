@@ -259,8 +259,9 @@ def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int
                        if p % v == 0 and d * (p // v) <= fixed.num_workers and p // v >= first
                        for mode in modes for m in counts if schedule_problem(schedule, p, m, v) is None]
     # stages, modes, schedules, counts (the planner keeps the first of equally good plans), then chunks
-    return sorted(shapes, key=lambda sh: (sh[1], modes.index(sh[2]), schedules.index(sh[3]),
-                                          counts.index(sh[4]), sh[5]))
+    mode_at, schedule_at = {x: i for i, x in enumerate(modes)}, {x: i for i, x in enumerate(schedules)}
+    count_at = {x: i for i, x in reversed(list(enumerate(counts)))}  # the first of equal counts, as index()
+    return sorted(shapes, key=lambda sh: (sh[1], mode_at[sh[2]], schedule_at[sh[3]], count_at[sh[4]], sh[5]))
 
 
 def _chunked_problem(request: PlanConfig, fixed: FixedCounts, global_batch: int, degrees: list[int]) -> str:
