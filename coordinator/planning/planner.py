@@ -978,9 +978,10 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
               cutter: Cutter, cutter_name: str, balance: Sequence[int] | None,
               request: PlanConfig = _SEARCH_ALL, automatic: Automatic = AUTOMATIC,
               exhaustive: bool = False, shared: _Shared | None = None,
-              only: MemoryOption | None = None) -> list[Candidate]:
+              only: MemoryOption | None = None, fitting_only: bool = False) -> list[Candidate]:
     """The candidates of one shape: one per memory option evaluated (see [Note: choosing the memory
-    options]), the replicated option first; ``only``: that option alone (if the shape has it)."""
+    options]), the replicated option first; ``only``: that option alone (if the shape has it);
+    ``fitting_only``: an option whose cut cannot meet memory without its play (no plan, the reason)."""
     d, p, mode, sched_name, m, v = shape
     shared = shared or _Shared(profile, resources)
     precision = request.precision
@@ -1053,6 +1054,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         if isinstance(free, str):
             return Candidate(d, p, mode, sched_name, m, None, free, v, option), False
         bounds, cut_error = _cut_within(problem, free, cutter, balance)
+        if cut_error and fitting_only:  # it cannot fit: what it would play is not asked for
+            return Candidate(d, p, mode, sched_name, m, None, cut_error, v, option), False
         game = play_cut(bounds, option.recompute, problem)
         return _candidate(option, bounds, problem, game, cut_error), bounds == free
 
@@ -1616,7 +1619,8 @@ def balance_bounds(balance: Sequence[int]) -> tuple[int, ...]:
 
 def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
                     global_batch: int, automatic: Automatic | None = None,
-                    exhaustive: bool = False, limit: int | None = None) -> list[Candidate]:
+                    exhaustive: bool = False, limit: int | None = None,
+                    fitting_only: bool = False) -> list[Candidate]:
     """Evaluates every plan shape the request allows (see :func:`choose_plan` for the arguments).
 
     Args:
@@ -1627,6 +1631,8 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
             plan``'s runners-up): when at least that many replicated plans without recompute fit, those,
             found by the fast search's branch and bound (see [Note: the fast search]); else every
             candidate evaluated, fitting ones first, fastest first. None: every candidate.
+        fitting_only: A candidate whose cut cannot meet memory is not played: it comes without a plan (its
+            reason says why), as only the fitting ones are asked for.
 
     Returns:
         Per shape, one :class:`Candidate` per memory option evaluated, fitting or not, in enumeration
@@ -1651,7 +1657,7 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
     shared = _Shared(profile, resources)
     return [c for sh in sharded for c in _evaluate(profile, resources, sh, global_batch, cut_fn,
                                                    request.cutter, request.balance, request, automatic,
-                                                   exhaustive, shared)]
+                                                   exhaustive, shared, fitting_only=fitting_only)]
 
 
 def _shapes(profile: Profile, resources: Resources, request: PlanConfig,
@@ -1746,7 +1752,7 @@ def _explain(profile: Profile, resources: Resources, global_batch: int, cands: l
     if fixed:
         search_only = PlanConfig(**request.model_dump(include=_SEARCH_FIELDS))
         free = [c for c in candidate_plans(profile, resources, search_only, global_batch=global_batch,
-                                           automatic=automatic) if c.fits]
+                                           automatic=automatic, fitting_only=True) if c.fits]
         if free:
             best = min(free, key=_rank)
             assert best.plan is not None
@@ -1768,7 +1774,7 @@ def _unbuilt_fit(profile: Profile, resources: Resources, global_batch: int, requ
     if automatic == _EVERY_OPTION:
         return ""
     wider = [c for c in candidate_plans(profile, resources, request, global_batch=global_batch,
-                                        automatic=_EVERY_OPTION) if c.fits]
+                                        automatic=_EVERY_OPTION, fitting_only=True) if c.fits]
     if not wider:
         return ""
     best = min(wider, key=_rank)

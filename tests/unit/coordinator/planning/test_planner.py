@@ -13,6 +13,7 @@ from torch import nn
 from coordinator.planning.config import PlanConfig
 from coordinator.planning.cutting import CUTTERS, CutProblem, cut_even, cut_min_max
 from coordinator.planning.graph import build_graph
+from coordinator.planning.memory import Automatic
 from coordinator.planning.plan import Plan
 from coordinator.planning.planner import (
     ACTION_OVERHEAD_S,
@@ -51,6 +52,33 @@ def big_model() -> Profile:
 def workers(num: int, memory: int) -> Resources:
     """``num`` CPU workers of one host (as ``Resources.local`` describes them)."""
     return Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=memory, host="h") for i in range(num)))
+
+
+@pytest.mark.parametrize("memory", [140, 200])
+def test_a_plan_only_an_option_the_search_may_not_choose_fits_is_named_and_the_same_without_plays(
+        memory: int) -> None:
+    """A model whose Adam state alone fills a GPU: nothing the automatic search picks fits, the optimizer
+    offloaded does, and the refusal names that plan. The refusal's searches for fitting plans skip the
+    plays of candidates whose cut cannot meet memory: their fitting candidates are the full evaluation's,
+    and only those that cannot fit go unplayed (with why)."""
+    prof = big_model()
+    gpus = Resources(workers=tuple(Worker(name=f"g{i}", memory_bytes=memory * MiB, host="h", device="cuda",
+                                          gpus=1) for i in range(2)))
+    with pytest.raises(PlanningError, match="no plan fits in memory") as info:
+        choose_plan(prof, gpus.model_copy(update={"workers": gpus.workers[:1]}), global_batch=8)
+    assert "would fit: d=1 x p=1" in str(info.value) and "optimizer offloaded" in str(info.value)
+    for res in (gpus, workers(4, memory * MiB)):
+        every = Automatic(zero=(0, 1, 2, 3), recompute=True, offload=True)
+        full = candidate_plans(prof, res, global_batch=8, automatic=every)
+        quick = candidate_plans(prof, res, global_batch=8, automatic=every, fitting_only=True)
+        assert [(c.data_parallel, c.num_stages, c.mode, c.schedule_name, c.num_microbatches, c.option)
+                for c in quick] == [(c.data_parallel, c.num_stages, c.mode, c.schedule_name,
+                                     c.num_microbatches, c.option) for c in full]
+        assert [c for c in quick if c.fits] == [c for c in full if c.fits]
+        assert any(c.fits for c in full) and any(not c.fits for c in full)
+        for q, f in zip(quick, full, strict=True):  # the rest: unplayed only where the cut cannot fit
+            assert q == f or (q.plan is None and f.plan is not None and q.reason and not f.fits)
+        assert any(q.plan is None and f.plan is not None for q, f in zip(quick, full, strict=True))
 
 
 def test_model_too_big_for_one_worker_gets_a_pipeline_that_fits() -> None:
