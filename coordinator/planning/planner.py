@@ -1079,9 +1079,12 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
             if mode == "collective":
                 # what no backward hides: the collectives' CPU work where the host has no core for it
                 unhideable = starved[s] * _sync_cpu(mode, option, d, grad, speed[s])
+                # the forwards a recomputing backward runs again, as its played backward has them
+                redo = (m * sum(f for f, _ in times[a:b]) * game.slow_b[s] / speed[s] if option.recompute
+                        else 0.0)
                 sync = sharded_sync(option, d, grad, params, hidden=hidden, compute_s=m * (fwd[s] + bwd[s]),
                                     num_microbatches=m, bandwidth=COLLECTIVE_EFFICIENCY * link_bw,
-                                    latency=link_lat, unhideable=unhideable)
+                                    latency=link_lat, unhideable=unhideable, recomputed_s=redo)
                 step = optimizer_s(option, grad, params, traffic=traffic,
                                    device_bandwidth=OPTIMIZER_BANDWIDTH_BPS * speed[s], on_cuda=on_cuda)
             else:

@@ -60,7 +60,7 @@ def ring_pass(nbytes: float, ranks: int, bandwidth: float, latency: float) -> fl
 
 def sharded_sync(option: MemoryOption, data_parallel: int, grad_bytes: float, param_bytes: float, *,
                  hidden: float, compute_s: float, num_microbatches: int, bandwidth: float,
-                 latency: float, unhideable: float = 0.0) -> float:
+                 latency: float, unhideable: float = 0.0, recomputed_s: float = 0.0) -> float:
     """A collective stage's sync time left unhidden under ``option`` (see [Note: sharded sync cost]).
 
     Args:
@@ -77,6 +77,10 @@ def sharded_sync(option: MemoryOption, data_parallel: int, grad_bytes: float, pa
         unhideable: Of the collectives during the backward, what no backward hides (their CPU work where
             the host has no core to spare for it: [Note: the sync's own CPU] in
             ``coordinator/planning/planner.py``).
+        recomputed_s: Of ``compute_s``, the forwards the backwards run again (recompute): compute that
+            hides ZeRO-3's gathers, but no forward behind which ZeRO-1/2's first gathers run. Counted as
+            forward, it let recompute's longer backward hide more of them than it added, and a plan with
+            recompute was predicted faster than the same plan without (found by a fuzzed search).
     """
     d, f = data_parallel, option.shard_factor if option.zero else 1
     if d == 1:
@@ -87,7 +91,7 @@ def sharded_sync(option: MemoryOption, data_parallel: int, grad_bytes: float, pa
         buckets = max(1, -(-int(param_bytes) // option.gather_bytes))
         first = ring_pass(param_bytes / buckets, f, bandwidth, latency)
         rest = (buckets - 1) * first
-        forward = compute_s * FORWARD_SHARE / max(1, num_microbatches)
+        forward = (compute_s - recomputed_s) * FORWARD_SHARE / max(1, num_microbatches)
         after = first + max(rest * (1 - ZERO3_PREFETCH_HIDDEN), rest - forward)
     if option.zero == 3:
         gathers = 2 * num_microbatches * ring_pass(param_bytes, f, bandwidth, latency)
