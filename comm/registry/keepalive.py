@@ -53,6 +53,9 @@ Renew = Callable[[], Lease]
 class KeepAlive:
     """Refreshes a lease from a daemon thread every ``interval`` (``ttl / 3``) until stopped.
 
+    The period counts from the start of each refresh, so a slow answer does not stretch it: the
+    registry receives a refresh every ``interval`` while each takes less than that.
+
     See [Note: registry outages]. A refresh the registry does not answer is retried every
     :data:`RETRY` (at most ``interval``), forever. When the registry answers that the lease is
     gone, ``renew`` (if given) is called until it succeeds and :attr:`lease` becomes the lease it
@@ -158,8 +161,9 @@ class KeepAlive:
             self._done(answered=False, doubt=True)
             return retry
         self._expired = False
-        self._done(answered=True, doubt=time.monotonic() - started > self.interval)
-        return self.interval
+        took = time.monotonic() - started
+        self._done(answered=True, doubt=took > self.interval)
+        return max(0.0, self.interval - took)  # paced from each send: a slow answer keeps the period
 
     def _done(self, *, answered: bool, doubt: bool) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ every key with it (clients then get :class:`RegistryTimeoutError`).
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import deque
@@ -95,8 +96,9 @@ class RemoteLease(Lease):
         self._registry = registry
 
     def refresh(self) -> None:
-        self._registry._call(f"refresh of lease {self._id}", "lease_refresh", LeaseRequest(lease=self._id),
-                             Empty)
+        """One request on the registry's lease client: never queued behind another call in flight."""
+        request = LeaseRequest(lease=self._id)
+        self._registry._lease_call(f"refresh of lease {self._id}", "lease_refresh", request, Empty)
 
     def revoke(self) -> None:
         self._registry._call(f"revoke of lease {self._id}", "lease_revoke", LeaseRequest(lease=self._id),
@@ -120,7 +122,11 @@ class RemoteRegistry(Registry):
     Connecting never blocks (ZeroMQ connects in the background); the first request
     to an absent server raises :class:`RegistryTimeoutError` after ``request_timeout``.
     Thread-safe: requests from several threads are serialized on one client; each
-    watch has a client of its own.
+    watch has a client of its own, and lease refreshes have one too. A refresh queued behind
+    another thread's call would reach the server only once that call was answered; when the
+    server's process stalls, that is after the lease's deadline, and the server's guard for
+    refreshes sent in time (see [Note: leases of a stalled server] in
+    ``comm/registry/memory.py``) cannot see a refresh that was never sent.
     """
 
     def __init__(
@@ -136,11 +142,22 @@ class RemoteRegistry(Registry):
         self.request_timeout = request_timeout
         self.poll_wait = poll_wait
         self._client = RpcClient(address, timeout=request_timeout)
+        self._lease_client: RpcClient | None = None  # made at the first refresh
+        self._lease_lock = threading.Lock()
         self._watches: weakref.WeakSet[RemoteWatch] = weakref.WeakSet()
         self._closed = False
 
     def _call(self, what: str, method: str, request: BaseModel, reply_type: type[R]) -> R:
         return _call(self._client, what, method, request, reply_type, self.request_timeout)
+
+    def _lease_call(self, what: str, method: str, request: BaseModel, reply_type: type[R]) -> R:
+        with self._lease_lock:
+            if self._lease_client is None:
+                if self._closed:
+                    raise RegistryError(f"registry client for {self.address} is closed")
+                self._lease_client = RpcClient(self.address, timeout=self.request_timeout)
+            client = self._lease_client
+        return _call(client, what, method, request, reply_type, self.request_timeout)
 
     def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
         request = PutRequest(key=key, value=value, lease=None if lease is None else lease.id)
@@ -208,6 +225,9 @@ class RemoteRegistry(Registry):
         for watch in list(self._watches):
             watch.cancel()
         self._client.close()
+        with self._lease_lock:
+            if self._lease_client is not None:
+                self._lease_client.close()
 
 
 class RemoteWatch(Watch):

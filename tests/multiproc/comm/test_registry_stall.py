@@ -5,6 +5,10 @@ then holds the GIL for 3.5 s (a C call through ``ctypes.PyDLL``, which does not 
 holder's refreshes wait unread in the server's socket past the lease's deadline. The lease must
 survive: see [Note: leases of a stalled server] in ``comm/registry/memory.py``. Once the holder stops
 refreshing, the lease still lapses on time.
+
+The guard sees only refreshes that were sent: a holder whose refresh waited behind its own call in
+flight (one client, calls serialized) would send it after the stall, past the deadline. So a remote
+registry refreshes on a client of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from datetime import timedelta
 
 import pytest
 
-from comm.registry.base import EventType
+from comm.registry import KeepAlive, MemoryRegistry
+from comm.registry.base import EventType, KeyValue
+from comm.registry.remote import RemoteRegistry
+from comm.registry.server import RegistryServer
 from tests.harness.procs import RankGroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,3 +63,43 @@ def test_a_stalled_server_lets_no_lease_refreshed_in_time_lapse() -> None:
             event = watch.get(timedelta(seconds=TTL_S + 5))
         assert event is not None and event.type == EventType.DELETE, event
         assert time.monotonic() - stopped < TTL_S + 0.5, "a lapsed lease waited for the idle server"
+
+
+class _SlowGets(MemoryRegistry):
+    """A registry whose ``get`` of :data:`SLOW_KEY` takes :data:`SLOW_S`: the serving host's thread is
+    held meanwhile, as a stalled coordinator's would be, and every request behind it waits unread."""
+
+    def get(self, key: str) -> KeyValue | None:
+        if key == SLOW_KEY:
+            time.sleep(SLOW_S)
+        return super().get(key)
+
+
+SLOW_KEY, SLOW_S, SHORT_TTL = "/stall/slow", 1.5, timedelta(milliseconds=600)
+
+
+def test_a_refresh_never_waits_behind_another_call_of_its_holder() -> None:
+    """The holder's other thread has a call in flight past the lease's deadline; the refresh is sent
+    meanwhile (a client of its own), so the server reads it in time and the lease is kept."""
+    with RegistryServer(_SlowGets(), host="127.0.0.1") as server:
+        client = RemoteRegistry(server.address, request_timeout=timedelta(seconds=10))
+        try:
+            lease = client.lease(SHORT_TTL)
+            client.put(KEY, b"card", lease=lease)
+            start = server.registry.revision() + 1
+            keeper = KeepAlive(lease)
+            try:
+                time.sleep(SHORT_TTL.total_seconds() / 2)
+                began = time.monotonic()
+                assert client.get(SLOW_KEY) is None
+                assert time.monotonic() - began >= SLOW_S  # > 2 TTLs with the server's thread held
+                time.sleep(SHORT_TTL.total_seconds())  # and a refresh after it
+                assert not keeper.lost.is_set()
+                kv = server.registry.get(KEY)
+                assert kv is not None and kv.value == b"card"
+                events, _ = server.registry.events_since(KEY, start, timeout=timedelta(0))
+                assert events == [], events  # never deleted
+            finally:
+                keeper.stop(revoke=True)
+        finally:
+            client.close()
