@@ -276,11 +276,14 @@ def _child(request: _Request, out: int, selector: selectors.BaseSelector, wake: 
         os.setsid()
         signal.set_wakeup_fd(-1)
         # the dispositions a fresh interpreter starts with: SIGPIPE ignored (a write to a peer's closed
-        # socket is an EPIPE error, not death), SIGINT a KeyboardInterrupt, the others the default
+        # socket is an EPIPE error, not death), SIGINT a KeyboardInterrupt unless the server's parent
+        # ignored it (an ignored signal stays ignored across exec: a background job's children), the others
+        # the default
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupt = signal.SIG_IGN if _INHERITED_SIGINT_IGNORED else signal.default_int_handler
+        signal.signal(signal.SIGINT, interrupt)
         selector.close()
         for fd in wake:
             os.close(fd)
@@ -346,8 +349,14 @@ def _reap() -> None:
         _reply({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+_INHERITED_SIGINT_IGNORED = False
+"""Whether the server started with SIGINT ignored (as its parent's ``Popen`` children would)."""
+
+
 def serve() -> None:
     """The server's loop: preload, then fork a child per request line until stdin closes."""
+    global _INHERITED_SIGINT_IGNORED
+    _INHERITED_SIGINT_IGNORED = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     for name in PRELOAD:
         importlib.import_module(name)
     read_wake, write_wake = os.pipe()
