@@ -58,6 +58,7 @@ from coordinator.commands.rundir import RunDir, previous_checkpoint_roots
 from coordinator.planning.config import OptimizerConfig
 from coordinator.planning.profile import format_bytes
 from coordinator.planning.request import PlanningError
+from coordinator.runtime import forkserver
 from coordinator.runtime.checkpoints import (
     checkpoint_key,
     newest,
@@ -151,6 +152,9 @@ def run_job(options: RunOptions, out: TextIO | None = None) -> RunResult:
     """
     loaded = load_job(options.job, options.settings)
     apply_logging(loaded.job.config.logging)
+    # the local workers' imports (in the fork server) run beside this process's checks and planning; after
+    # the load, which refuses most bad jobs, so a refused one costs no imports of the server
+    forkserver.prestart()
     return train(loaded, options, out)
 
 

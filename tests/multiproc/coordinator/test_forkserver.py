@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,3 +104,22 @@ def test_a_bad_request_is_refused_and_the_server_keeps_forking(server: ForkServe
         assert "error" in server._next_reply(10, "the garbage's reply")
     child = server.spawn(f"{TARGETS}:report", ["5"], env=_env(), log_path=str(tmp_path / "after.log"))
     assert child.wait(30) == 5 and server.alive
+
+
+def test_a_server_started_without_waiting_forks_once_ready_and_closes_at_once_before(tmp_path: Path) -> None:
+    """``prestart``'s server: its imports run while the caller goes on; the first spawn waits for them, and
+    one closed before it ever forked (a refused run) is killed, not waited for."""
+    early = ForkServer(wait=False)
+    try:
+        started = time.monotonic()
+        early.close()
+        assert early._proc.poll() is not None and time.monotonic() - started < 5
+    finally:
+        early.close()
+    server = ForkServer(wait=False)
+    try:
+        child = server.spawn(f"{TARGETS}:report", ["3"], env=_env(), log_path=str(tmp_path / "early.log"))
+        assert child.wait(30) == 3
+        server.wait_ready(0)  # ready: returns at once
+    finally:
+        server.close()
