@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from datetime import timedelta
@@ -126,11 +127,14 @@ def test_a_salvage_waits_for_the_parts_live_workers_are_writing(tmp_path: Path,
 @pytest.mark.parametrize(("lost", "timeout", "says"), [
     ({"local-1"}, 30.0, "checkpoint of step 6 skipped: part(s) r1-s0 not on storage, and their worker(s) "
                         "local-1 lost: a part's writer dies with its worker"),
-    (set(), 0.2, "checkpoint of step 6 skipped: waited 0.2s (runtime.step_timeout_s: 0.2s in all) for "
-                 "part(s) r1-s0 that worker(s) local-1 were writing; not on storage yet"),
+    # what it waited for this step's part: the budget less what the salvage spent before (under load, 0.1s)
+    (set(), 0.2, re.compile(r"checkpoint of step 6 skipped: waited 0\.[12]s \(runtime\.step_timeout_s: "
+                            r"0\.2s in all\) for part\(s\) r1-s0 that worker\(s\) local-1 were writing; not "
+                            r"on storage yet")),
 ])
 def test_a_salvage_skips_a_part_that_will_not_come_saying_why(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, lost: set[str], timeout: float, says: str) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, lost: set[str], timeout: float,
+        says: str | re.Pattern[str]) -> None:
     ckpt = Checkpointer(tmp_path, every_steps=3, every_seconds=None, keep=2)
     writers = {"r0-s0": "local-0", "r1-s0": "local-1"}
     earlier = ckpt.begin(_trainer(3), list(writers))
@@ -143,7 +147,7 @@ def test_a_salvage_skips_a_part_that_will_not_come_saying_why(
         published = ckpt.salvage(writers, lambda: lost, timedelta(seconds=timeout))
     assert published == [tmp_path / "step-00000003"] == [newest(tmp_path)] and ckpt.pending == []
     assert time.monotonic() - start < timeout + 2.0 and not Path(request.directory).exists()
-    assert says in caplog.text, caplog.text
+    assert (says.search(caplog.text) if isinstance(says, re.Pattern) else says in caplog.text), caplog.text
 
 
 def test_a_worker_lost_while_a_salvage_waits_ends_the_wait(tmp_path: Path) -> None:
