@@ -505,8 +505,13 @@ def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, A
     cpu: list[float] = []
     with job.attach(harness):
         job.fit(max(0, warmup - 1))
+        pids = {name: proc.pid for name, proc in harness.procs.items()}
+        before = {name: _process_cpu_s(pid) for name, pid in pids.items()}
         started = time.thread_time()
         result = job.fit(steps + 1, callback=lambda _: cpu.append(time.thread_time()))
+        after = {name: _process_cpu_s(pid) for name, pid in pids.items()}
+    worker_cpu = {name: (a - b) / (steps + 1) for name in pids
+                  if (b := before[name]) is not None and (a := after[name]) is not None}
     recs = result.steps[1:]
     wall = recs[-1].end - recs[0].start
     stages = job.plan().num_stages
@@ -527,7 +532,64 @@ def run_cellmesh(job: Any, harness: Any, steps: int, warmup: int) -> dict[str, A
             "coordinator_frac": sum(r.coordinator_s for r in recs) / sum(r.seconds for r in recs),
             "coordinator_cpu_s": (cpu[-1] - started) / (steps + 1),
             "forward_s": durations["F"], "backward_s": backward,
-            "breakdowns": [breakdown(r, stages) for r in recs], "events": [_event_log(r) for r in recs]}
+            "breakdowns": [breakdown(r, stages) for r in recs], "events": [_event_log(r) for r in recs],
+            "worker_cpu_s": worker_cpu}
+
+
+def _process_cpu_s(pid: int) -> float | None:
+    """A process's user + system CPU seconds so far (Linux's /proc; None elsewhere or once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_replay(plan: Any, resources: Any, worker_cpu: dict[str, float]) -> float | None:
+    """The plan's step played at the pace of shared cores ([Note: shared cores] in
+    coordinator/planning/simulator.py) with each stage's work the CPU time its worker spent per step.
+
+    The wall-time replay (:func:`replay`) is only fair where each worker has a core: a median of actions
+    timed while 2 to 4 workers took turns on 2 cores is neither their work nor their pace. Here a stage's
+    forward and backward are its worker's CPU seconds per step (replica 0's; a worker holding several
+    stages splits its own by the plan's shares), shaped as the plan's (forward against backward, ``W`` and
+    tail scaled with the backward), and the play shares the host's cores among the busy ones, with no
+    further slowdown (the CPU time holds it). A worker's CPU time also holds its transfers' copies, which
+    the cost model's transfers count again: expect a few percent over the measured step.
+    """
+    import dataclasses
+
+    from coordinator.planning.planner import _sharing
+    from coordinator.planning.prediction import plan_costs
+    from coordinator.planning.simulator import Sharing, simulate
+
+    planned = plan_costs(plan)
+    m = plan.num_microbatches
+    per_stage = [f + b for f, b in zip(planned.forward_s, planned.backward_s, strict=True)]
+    holders: dict[str, list[int]] = {}
+    for st in plan.stages:
+        holders.setdefault(st.workers[0], []).append(st.index)
+    if any(w not in worker_cpu for w in holders):
+        return None
+    work = [0.0] * plan.num_stages
+    for w, held in holders.items():
+        total = sum(per_stage[s] for s in held) or 1.0
+        for s in held:
+            work[s] = worker_cpu[w] * per_stage[s] / total
+    ratio = [work[s] / (m * per_stage[s]) if per_stage[s] > 0 else 1.0 for s in range(plan.num_stages)]
+    costs = dataclasses.replace(
+        planned, forward_s=tuple(f * r for f, r in zip(planned.forward_s, ratio, strict=True)),
+        backward_s=tuple(b * r for b, r in zip(planned.backward_s, ratio, strict=True)),
+        weight_backward_s=tuple(w * r for w, r in zip(planned.weight_backward_s, ratio, strict=False)),
+        tail_s=tuple(t * r for t, r in zip(planned.tail_s, ratio, strict=False)))
+    schedule = plan.schedule()
+    by_name = {w.name: w for w in resources.workers}
+    ranks = [[by_name[name] for name in dict.fromkeys(n for s in stages for n in plan.stages[s].workers)]
+             for stages in map(schedule.stages_of, range(schedule.num_ranks))]  # a worker counts once
+    shared = _sharing(resources, ranks)
+    sharing = Sharing(shared.cores, shared.wants, 1.0, 1.0)
+    return float(simulate(schedule, costs, sharing).step_time_s + plan.sync_time_s + plan.overhead_s)
 
 
 def _event_log(record: Any) -> dict[str, Any]:
@@ -757,11 +819,13 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
             "minute); careful: the same plan against a profile on "
             "the plan's own microbatch size, at least 15 runs; "
             "replay: the simulator fed the forward and backward times measured in the round (median per "
-            "stage and microbatch), transfers and gradient sync from the cost model.", "",
+            "stage and microbatch), transfers and gradient sync from the cost model; CPU replay: the "
+            "simulator at the pace of shared cores fed each stage's CPU seconds per step (its worker's, "
+            "`cpu_replay`: fair where workers take turns on cores, which the wall-time replay is not).", "",
             "| configuration | plan | coordinator ms/step | % of step | coordinator CPU ms/step | % of step "
             "| measured ms | predicted ms | predicted / measured | fresh / measured | careful / measured "
-            "| replay / measured |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| replay / measured | CPU replay / measured |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cellmesh:
         plan = jobs[c.key].plan()
         steps = results.values(c.key, "step_s")
@@ -774,6 +838,8 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
         replays = [replay(plan, [statistics.median(f) for f in r[c.key]["forward_s"]],
                           [statistics.median(b) for b in r[c.key]["backward_s"]])
                    for r in results.rounds if c.key in r and all(r[c.key]["forward_s"])]
+        cpu_replays = [(cpu_replay(plan, jobs[c.key].resources, r[c.key].get("worker_cpu_s", {})),
+                        r[c.key]["step_s"]) for r in results.rounds if c.key in r]
         out.append(
             f"| {c.label} | {shape} | {_cell(wall, '.2f')} "
             f"| {_cell([v * 100 for v in results.values(c.key, 'coordinator_frac')], '.2f')}% "
@@ -782,7 +848,8 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
             f"| {_cell([predicted / s for s in steps], '.2f')} "
             f"| {_cell([f / s for f, s in zip(fresh, steps, strict=True)], '.2f')} "
             f"| {_cell([good / s for s in steps], '.2f')} "
-            f"| {_cell([p / s for p, s in zip(replays, steps, strict=False)], '.2f')} |")
+            f"| {_cell([p / s for p, s in zip(replays, steps, strict=False)], '.2f')} "
+            f"| {_cell([p / s for p, s in cpu_replays if p is not None], '.2f')} |")
     out += ["", "## cellmesh: where a step goes", "",
             "Medians over every timed step of every round, ms, from the step's event log: compute = "
             "forward + backward per stage; dispatch = step start to the first event on a stage (the "

@@ -173,6 +173,9 @@ class Sharing:
             host (a GPU's, a host of its own) has none and runs at its own pace.
         forward_slowdown: A forward's pace divided by this while another worker of its host is busy.
         backward_slowdown: The same for a backward (B, I and W).
+        turns_slowdown: A forward's or backward's pace divided by this again while its host's busy ranks
+            want more cores than it has (its workers take turns on the cores, and each turn finds the
+            caches holding another worker's data).
 
     Raises:
         ValueError: On a host that is not numbered, no cores, or a slowdown below 1.
@@ -182,6 +185,7 @@ class Sharing:
     wants: tuple[tuple[tuple[int, float, int], ...], ...]
     forward_slowdown: float = 1.0
     backward_slowdown: float = 1.0
+    turns_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if any(c <= 0 for c in self.cores):
@@ -189,7 +193,7 @@ class Sharing:
         if any(not 0 <= h < len(self.cores) or k <= 0 or n < 1 for w in self.wants for h, k, n in w):
             raise ValueError(f"each want is (host in 0..{len(self.cores) - 1}, cores > 0, workers >= 1): "
                              f"{self.wants}")
-        if min(self.forward_slowdown, self.backward_slowdown) < 1:
+        if min(self.forward_slowdown, self.backward_slowdown, self.turns_slowdown) < 1:
             raise ValueError("a slowdown is >= 1: another busy worker never speeds one up")
 
     @property
@@ -279,7 +283,8 @@ class Sharing:
             for h, k, _ in want:
                 wanted[h] += k
         share = max((max(1.0, k / c) for k, c in zip(wanted, self.cores, strict=True)), default=1.0)
-        return share * max(self.forward_slowdown, self.backward_slowdown)
+        turns = self.turns_slowdown if share > 1.0 else 1.0
+        return share * max(self.forward_slowdown, self.backward_slowdown) * turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -648,7 +653,8 @@ def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Seq
         for h in touched:  # new paces where the busy ranks changed
             catch_up(h)
             share = min(1.0, cores[h] / wanted[h]) if wanted[h] > 0 else 1.0
-            pace[h] = [share / (slow[c] if c and crowd[h] > 1 else 1.0) for c in range(3)]
+            turns = sharing.turns_slowdown if share < 1.0 else 1.0
+            pace[h] = [share / (slow[c] * turns if c and crowd[h] > 1 else 1.0) for c in range(3)]
             for c in range(3):
                 schedule(h, c)
         touched.clear()

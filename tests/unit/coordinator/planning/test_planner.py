@@ -22,6 +22,7 @@ from coordinator.planning.planner import (
     GRADIENT_CHECK_BANDWIDTH_BPS,
     SHARED_HOST_BACKWARD_SLOWDOWN,
     SHARED_HOST_FORWARD_SLOWDOWN,
+    SHARED_HOST_TURNS_SLOWDOWN,
     SYNC_CPU_BPS,
     TRANSFER_OVERHEAD_S,
     _backwards,
@@ -354,7 +355,7 @@ def test_the_sharing_follows_the_hosts_and_their_cores() -> None:
     assert together.forward_slowdown == SHARED_HOST_FORWARD_SLOWDOWN
     four = sharing(tuple(cpu(f"w{i}", "h", host_cpus=2) for i in range(4)), p=4)
     assert four is not None and four.cores == (2.0,) and four.most_stretch() == pytest.approx(
-        2 * SHARED_HOST_BACKWARD_SLOWDOWN)
+        2 * SHARED_HOST_BACKWARD_SLOWDOWN * SHARED_HOST_TURNS_SLOWDOWN)  # 4 take turns on 2 cores
     # replicas: a rank wants its replicas' threads on each of their hosts
     dp = sharing((cpu("a", "h", 2), cpu("b", "g"), cpu("c", "h", 2), cpu("e", "g")), d=2)
     assert dp is not None and dp.cores == (4.0, 2.0) and dp.wants == (((0, 4.0, 2),), ((1, 2.0, 2),))
