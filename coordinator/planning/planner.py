@@ -61,7 +61,9 @@ balancing a pipeline's stages gains less on a shared host than the profile says)
 cores take turns on them wherever more than 2 of them are busy. The backward suffers more than the
 forward: on 8-sample microbatches it streams a stage's weights and its gradients (read, accumulate,
 write), twice the forward's bytes, and two stages' weights and gradients do not fit the shared cache
-together. :data:`SHARED_HOST_FORWARD_SLOWDOWN` and :data:`SHARED_HOST_BACKWARD_SLOWDOWN` are those
+together. Where more workers are busy than the host has cores, each forward and backward is slowed by
+:data:`SHARED_HOST_TURNS_SLOWDOWN` again (a turn on a core starts with another worker's data in its
+caches). :data:`SHARED_HOST_FORWARD_SLOWDOWN` and :data:`SHARED_HOST_BACKWARD_SLOWDOWN` are those
 factors, measured as in-step times over the profile's on the development machine (2 cores, quiet:
 small, once the backwards are priced as the workers run them). A plan's
 stages keep the forward and backward they took on average in that play (``StagePlan.forward_s``).

@@ -33,7 +33,9 @@ wanted on a host of ``c`` by the ranks busy there (computing, sending, receiving
 update; a rank waiting for a receive sleeps), each of them runs at ``min(1, c / k)`` of its pace;
 a forward, backward, I or W runs at ``1 / slowdown`` of that again while more than one *worker*
 of the host is busy (``forward_slowdown``, ``backward_slowdown``: the shared caches and memory
-bandwidth, which the profile, taken by one process alone, does not see). A rank on several hosts
+bandwidth, which the profile, taken by one process alone, does not see), and at ``1 / turns_slowdown``
+of that again while the host's busy ranks want more cores than it has (they take turns on the cores,
+and each turn finds the caches holding another worker's weights). A rank on several hosts
 runs at the rate of its *home*, the host where it wants the most cores (:meth:`Sharing.homes`). The
 play is then event by event: at each start or end of an action the rates are taken again, and the
 next end is the earliest one at those rates. Without a host holding two busy workers this is the
