@@ -57,7 +57,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -473,25 +473,30 @@ def compute_bubble(stages: list[list[tuple[float, float, str]]]) -> float | None
     return bubble_fraction([[*acts, (first, first), (last, last)] for acts in compute])
 
 
+def _with_compute(planned: Any, forward_s: Sequence[float], backward_s: Sequence[float]) -> Any:
+    """``planned`` (the plan's :class:`StageCosts`) with each stage's forward and backward per microbatch
+    replaced; its ``W`` and its tail after its last send (``StagePlan.weight_s``, ``tail_s``) scale as its
+    backward did."""
+    import dataclasses
+
+    ratio = [b / p if p > 0 else 1.0 for b, p in zip(backward_s, planned.backward_s, strict=True)]
+    return dataclasses.replace(
+        planned, forward_s=tuple(forward_s), backward_s=tuple(backward_s),
+        weight_backward_s=tuple(w * r for w, r in zip(planned.weight_backward_s, ratio, strict=False)),
+        tail_s=tuple(t * r for t, r in zip(planned.tail_s, ratio, strict=False)))
+
+
 def replay(plan: Any, forward_s: list[float], backward_s: list[float]) -> float:
     """The plan's predicted step with the profile's compute times replaced by measured ones.
 
     ``forward_s[s]`` / ``backward_s[s]``: stage ``s``'s measured time per microbatch. The
-    transfers, the optimizer, the gradient sync and the overheads are the cost model's, as in the plan;
-    a stage's ``W`` and its tail after its last send (``StagePlan.weight_s``, ``tail_s``) scale as its
-    backward did.
+    transfers, the optimizer, the gradient sync and the overheads are the cost model's, as in the plan
+    (:func:`_with_compute`).
     """
-    import dataclasses
-
     from coordinator.planning.prediction import plan_costs
     from coordinator.planning.simulator import simulate
 
-    planned = plan_costs(plan)
-    ratio = [b / p if p > 0 else 1.0 for b, p in zip(backward_s, planned.backward_s, strict=True)]
-    costs = dataclasses.replace(
-        planned, forward_s=tuple(forward_s), backward_s=tuple(backward_s),
-        weight_backward_s=tuple(w * r for w, r in zip(planned.weight_backward_s, ratio, strict=False)),
-        tail_s=tuple(t * r for t, r in zip(planned.tail_s, ratio, strict=False)))
+    costs = _with_compute(plan_costs(plan), forward_s, backward_s)
     return float(simulate(plan.schedule(), costs).step_time_s + plan.sync_time_s + plan.overhead_s)
 
 
@@ -558,9 +563,7 @@ def cpu_replay(plan: Any, resources: Any, worker_cpu: dict[str, float]) -> float
     further slowdown (the CPU time holds it). A worker's CPU time also holds its transfers' copies, which
     the cost model's transfers count again: expect a few percent over the measured step.
     """
-    import dataclasses
-
-    from coordinator.planning.planner import _sharing
+    from coordinator.planning.planner import shared_cores
     from coordinator.planning.prediction import plan_costs
     from coordinator.planning.simulator import Sharing, simulate
 
@@ -578,16 +581,13 @@ def cpu_replay(plan: Any, resources: Any, worker_cpu: dict[str, float]) -> float
         for s in held:
             work[s] = worker_cpu[w] * per_stage[s] / total
     ratio = [work[s] / (m * per_stage[s]) if per_stage[s] > 0 else 1.0 for s in range(plan.num_stages)]
-    costs = dataclasses.replace(
-        planned, forward_s=tuple(f * r for f, r in zip(planned.forward_s, ratio, strict=True)),
-        backward_s=tuple(b * r for b, r in zip(planned.backward_s, ratio, strict=True)),
-        weight_backward_s=tuple(w * r for w, r in zip(planned.weight_backward_s, ratio, strict=False)),
-        tail_s=tuple(t * r for t, r in zip(planned.tail_s, ratio, strict=False)))
+    costs = _with_compute(planned, [f * r for f, r in zip(planned.forward_s, ratio, strict=True)],
+                          [b * r for b, r in zip(planned.backward_s, ratio, strict=True)])
     schedule = plan.schedule()
     by_name = {w.name: w for w in resources.workers}
     ranks = [[by_name[name] for name in dict.fromkeys(n for s in stages for n in plan.stages[s].workers)]
              for stages in map(schedule.stages_of, range(schedule.num_ranks))]  # a worker counts once
-    shared = _sharing(resources, ranks)
+    shared = shared_cores(resources, ranks)
     sharing = Sharing(shared.cores, shared.wants, 1.0, 1.0)
     return float(simulate(schedule, costs, sharing).step_time_s + plan.sync_time_s + plan.overhead_s)
 

@@ -223,7 +223,7 @@ __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWID
            "SHARED_HOST_FORWARD_SLOWDOWN", "SHARED_HOST_TURNS_SLOWDOWN", "SYNC_CPU_BPS",
            "TRANSFER_OVERHEAD_S", "Candidate", "CellBytes",
            "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "cut_problem",
-           "format_candidates", "memory_floor"]
+           "format_candidates", "memory_floor", "shared_cores"]
 
 T = TypeVar("T")
 _SEARCH_ALL = PlanConfig()  # nothing fixed
@@ -628,7 +628,7 @@ class _Placed:
         """How the ``ranks`` ranks of a replica share their hosts' cores, all replicas' workers counted
         (None: no CPU host holds two of the shape's workers). See [Note: contention on a shared host]."""
         if ranks not in self._sharing:
-            self._sharing[ranks] = _sharing(self._shared.resources, self.workers[:ranks]) \
+            self._sharing[ranks] = shared_cores(self._shared.resources, self.workers[:ranks]) \
                 if self.shared_host else None
         return self._sharing[ranks]
 
@@ -685,7 +685,7 @@ def _sync_starved(resources: Resources, stage_workers: Sequence[Sequence[Worker]
     return [max([share[w.name] for w in ws], default=0.0) for ws in stage_workers]
 
 
-def _sharing(resources: Resources | None, rank_workers: Sequence[Sequence[Worker]]) -> Sharing:
+def shared_cores(resources: Resources | None, rank_workers: Sequence[Sequence[Worker]]) -> Sharing:
     """The :class:`Sharing` of ranks whose workers (all replicas') are ``rank_workers[r]``: per rank and
     CPU host, the threads its workers there run (their ``cpus``) and how many workers that is."""
     assert resources is not None
@@ -767,7 +767,7 @@ def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
             spent = 0.0
             crossing = _crossing(rows, limit, kinds.count("I"))
             for n, through_autograd in _split_products(tuple(kinds), alone, crossing):
-                spent += in_place(n) + shared.autograd_extra(mb, a, b) if through_autograd else in_place(n)
+                spent += in_place(n) + (shared.autograd_extra(mb, a, b) if through_autograd else 0.0)
             w = spent / max(1, kinds.count("W"))
             back = inp + w
         elif defer[s]:  # GPipe: every B an I; after the last one's send, W over all, from no .grad
