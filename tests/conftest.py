@@ -62,10 +62,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def _reap_rank_processes() -> Iterator[None]:
-    """At the end of the session, tear down any RankGroup or child process still alive."""
+    """At the end of the session, tear down any RankGroup, command or child process still alive."""
     yield
+    from tests.harness import commands
     from tests.harness.procs import reap_all
 
+    commands.stop_all()
     reap_all()
 
 

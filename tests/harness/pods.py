@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from comm.sockets import free_port
+from tests.harness import commands
 
 __all__ = ["LoopbackCluster", "Pod"]
 
@@ -87,7 +88,7 @@ class LoopbackCluster:
         self.workdir = workdir
         self.paths = {"/app": REPO, **(paths or {})}
         self.pods: dict[str, Pod] = {}
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes] | commands.Started] = {}
         self.stopped: set[str] = set()  # pods stopped on purpose (by :meth:`stop`)
         self._services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
         for obj in objects:
@@ -218,22 +219,27 @@ class LoopbackCluster:
     def log(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
 
-    def start(self, name: str) -> subprocess.Popen[bytes]:
+    def start(self, name: str) -> subprocess.Popen[bytes] | commands.Started:
         """Start pod ``name``'s container as a process."""
         self._volumes(self.pods[name])
         self.stopped.discard(name)
         argv, env = self.command(name)
         base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL")}
-        with self.log(name).open("ab") as log:
-            proc = subprocess.Popen(
-                argv,
-                env={**base, **env},
-                cwd=self.workdir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        proc: subprocess.Popen[bytes] | commands.Started
+        if argv[:2] == [sys.executable, "-m"]:  # a cellmesh container: forked, not a fresh interpreter
+            proc = commands.start(argv, env={**base, **env}, cwd=self.workdir, stdout=self.log(name),
+                                  stderr=commands.STDOUT, append=True, new_session=True)
+        else:
+            with self.log(name).open("ab") as log:
+                proc = subprocess.Popen(
+                    argv,
+                    env={**base, **env},
+                    cwd=self.workdir,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
         self.procs[name] = proc
         return proc
 

@@ -73,8 +73,10 @@ DEFAULT_RUN_TIMEOUT = timedelta(seconds=60)
 # A child with no command for this long (its parent presumably gone) exits.
 CHILD_IDLE_LIMIT_S = 900.0
 START_METHOD_ENV = "CELLMESH_TEST_START_METHOD"
-PRELOAD = ("torch", "torch.distributed", "numpy", "zmq", "msgpack", "pydantic")
-"""What the fork server imports once for every rank (third-party only: [Note: ranks from a fork server])."""
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "zmq", "msgpack", "pydantic")
+"""What the fork server imports once for every rank and command (third-party only: [Note: ranks from a fork
+server]). ``torch._dynamo`` because torch imports it when the first optimizer is made (2.4 s of CPU here):
+every ``cellmesh run`` checks its optimizer and every worker that trains makes one."""
 _QUIET_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _server_lock = threading.Lock()
 

@@ -1,4 +1,6 @@
-"""Worker processes for tests: the real `python -m services.host.worker` entry point, always cleaned up."""
+"""Worker processes for tests: the real `python -m services.host.worker` entry point, always cleaned up.
+
+Each is forked from the harness's fork server ([Note: commands from a fork server] in ``commands.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from comm.codec import unpack
 from comm.registry import RegistryServer, connect_registry
 from services.host.worker import worker_key
 from services.protocol import WorkerCard
+from tests.harness import commands
 
 __all__ = ["WorkerProcess", "registry_server", "start_worker"]
 
@@ -22,7 +25,7 @@ __all__ = ["WorkerProcess", "registry_server", "start_worker"]
 class WorkerProcess:
     """A running worker: its process, card and address."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], card: WorkerCard, name: str) -> None:
+    def __init__(self, proc: commands.Started, card: WorkerCard, name: str) -> None:
         self.proc = proc
         self.card = card
         self.name = name
@@ -61,18 +64,11 @@ def start_worker(registry_address: str, job: str, name: str, *, lease_ttl: float
         allowed.append("--insecure")
     if job_spec is not None:
         allowed += ["--job-spec", job_spec]
-    output = None if log is None else log.open("ab")  # the child keeps its own descriptor
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.host.worker", "--registry", registry_address, "--job", job,
-             "--name", name, "--lease-ttl", str(lease_ttl), *allowed],
-            env={**os.environ, "OMP_NUM_THREADS": "1", "CELLMESH_LOG_LEVEL": "WARNING", **(env or {})},
-            stdout=subprocess.DEVNULL,
-            stderr=output,
-        )
-    finally:
-        if output is not None:
-            output.close()
+    proc = commands.start(
+        [sys.executable, "-m", "services.host.worker", "--registry", registry_address, "--job", job,
+         "--name", name, "--lease-ttl", str(lease_ttl), *allowed],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CELLMESH_LOG_LEVEL": "WARNING", **(env or {})},
+        stdout=commands.DEVNULL, stderr=log, append=True)
     registry = connect_registry(registry_address)
     try:
         deadline = time.monotonic() + timeout

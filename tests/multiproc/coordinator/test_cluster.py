@@ -17,6 +17,7 @@ from comm.registry import RegistryServer
 from coordinator.runtime.cluster import ClusterWorkers
 from services.host.worker import worker_key
 from services.protocol import WorkerCard
+from tests.harness import commands
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,14 +90,8 @@ def test_inconsistent_cards_are_refused(
 
 
 def _cellmesh(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "coordinator.commands.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        env={**os.environ, **(env or {})},
-    )
+    return commands.run([sys.executable, "-m", "coordinator.commands.cli", *args], cwd=ROOT, timeout=50,
+                        env={**os.environ, **(env or {})})
 
 
 def test_the_coordinator_names_the_missing_workers_and_exits_2(
@@ -136,14 +131,8 @@ def test_the_coordinator_names_the_missing_workers_and_exits_2(
 )
 def test_the_worker_refuses_a_bad_launch_environment(env: dict[str, str], message: str) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "CELLMESH_REGISTRY"))}
-    done = subprocess.run(
-        [sys.executable, "-m", "coordinator.commands.cli", "worker"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        env={**clean, **env},
-    )
+    done = commands.run([sys.executable, "-m", "coordinator.commands.cli", "worker"], cwd=ROOT, timeout=50,
+                        env={**clean, **env})
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
@@ -152,8 +141,8 @@ def test_the_worker_refuses_a_bad_launch_environment(env: dict[str, str], messag
 def test_an_entry_point_without_the_jobs_keys_refuses_to_start(command: list[str], tmp_path: Path) -> None:
     """Nothing is served unauthenticated by omission: no keys and no --insecure is an error, exit 2."""
     clean = {k: v for k, v in os.environ.items() if k != "CELLMESH_KEYS_DIR"}
-    done = subprocess.run([sys.executable, "-m", "coordinator.commands.cli", *command], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=50, env=clean)
+    done = commands.run([sys.executable, "-m", "coordinator.commands.cli", *command], cwd=tmp_path,
+                        timeout=50, env=clean)
     assert done.returncode == 2, done.stderr
     assert "no job keys" in done.stderr and "--insecure" in done.stderr
     assert "Traceback" not in done.stderr

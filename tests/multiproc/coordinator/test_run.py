@@ -26,6 +26,7 @@ from comm.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV
 from coordinator.commands.run import report
 from coordinator.runtime.errors import JobFailed
 from examples import charlm
+from tests.harness import commands
 from tests.multiproc.coordinator import models
 
 pytestmark = pytest.mark.timeout(150)
@@ -39,15 +40,21 @@ RUN_TIMEOUT = 90  # seconds a successful run may take (about 8 s here; 40 on a m
 Proc = subprocess.CompletedProcess[str]
 
 
-def cellmesh(*args: str | Path, timeout: float = RUN_TIMEOUT, env: dict[str, str] | None = None) -> Proc:
+def cellmesh(*args: str | Path, timeout: float = RUN_TIMEOUT, env: dict[str, str] | None = None,
+             fresh: bool = False) -> Proc:
     """The installed ``cellmesh`` command (else ``python -m coordinator.commands.cli``), run in the repo.
 
     ``env`` is set over this process's environment, whose cellmesh logging variables are left out.
+    The command is forked from the harness's fork server ([Note: commands from a fork server] in
+    ``tests/harness/commands.py``); ``fresh`` starts a new interpreter instead, as a user's shell does.
     """
     script = Path(sys.executable).with_name("cellmesh")
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "coordinator.commands.cli"]
     base = {k: v for k, v in os.environ.items() if k not in (LOG_LEVEL_ENV, LOG_FORMAT_ENV)}
-    return subprocess.run([*cmd, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    argv = [*cmd, *map(str, args)]
+    if not fresh:
+        return commands.run(argv, cwd=ROOT, timeout=timeout, env={**base, **(env or {})})
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           check=False, env={**base, **(env or {})})
 
 
@@ -190,7 +197,8 @@ def test_a_worker_failure_is_one_paragraph_and_exits_1() -> None:
 
 def test_demo_trains_the_example_language_model(tmp_path: Path) -> None:
     output = tmp_path / "charlm.pt"
-    proc = cellmesh("demo", "--steps", "2", "-o", output, "--run-dir", tmp_path / "run")
+    # a fresh interpreter, as `make demo` starts it: the console script itself is run once in the suite
+    proc = cellmesh("demo", "--steps", "2", "-o", output, "--run-dir", tmp_path / "run", fresh=True)
     state = assert_trained(proc, output, 2)
     assert "job module charlm" in proc.stdout and "the trained model continues 'The '" in proc.stdout
     nn.Sequential(*charlm.model()).load_state_dict(state, strict=True)

@@ -9,7 +9,6 @@ a stranger's handshakes, garbage and forbidden requests with a worker's key; its
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from comm.rpc.framing import request_frames
 from comm.sockets import free_port
 from services.host.worker import worker_key
 from services.protocol import Release, WorkerCard
+from tests.harness import commands
 from tests.harness.http import http_get
 from tests.multiproc.security.outsider import holder, stranger
 from tests.multiproc.security.running import log_lines
@@ -63,13 +63,12 @@ def test_refusals_are_on_the_workers_metrics(keys: JobKeys, tmp_path: Path) -> N
     keys.for_workers().save(keys_dir)
     health = free_port()
     log = tmp_path / "worker.log"
-    with RegistryServer() as server, open(log, "wb") as out:
-        proc = subprocess.Popen(
+    with RegistryServer() as server:
+        proc = commands.start(
             [sys.executable, "-m", "services.host.worker", "--registry", server.address, "--job", "m",
              "--name", "w0", "--keys-dir", str(keys_dir), "--health-port", str(health),
              "--host", "127.0.0.1"],
-            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=commands.STDOUT)
         ctx: Context = zmq.Context()
         try:
             deadline = time.monotonic() + 60
