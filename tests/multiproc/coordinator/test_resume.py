@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from coordinator.planning.resources import Resources
 from coordinator.runtime.checkpoints import TrainerState, newest, read_trainer
 from coordinator.runtime.job import Job
 from coordinator.runtime.reference import max_abs_diff, train_reference
+from tests.harness import commands
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,18 +94,19 @@ runtime: {{workers: 2}}
 """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     run_dir = tmp_path / "run"
-    killed = subprocess.Popen(_command(spec, run_dir), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    first = tmp_path / "first.log"
+    killed = commands.start(_command(spec, run_dir), env=env, stdout=first, stderr=commands.STDOUT,
+                            new_session=True)
     deadline = time.monotonic() + 120
     while newest(run_dir / "checkpoints") is None:  # wait for its first checkpoint
-        assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0].decode()
+        assert killed.poll() is None and time.monotonic() < deadline, first.read_text()
         time.sleep(0.05)
     os.killpg(killed.pid, signal.SIGKILL)  # the coordinator (its workers, orphaned, leave by themselves)
     killed.wait(10)
     saved = read_trainer(newest(run_dir / "checkpoints"))  # type: ignore[arg-type]
     assert 0 < saved.step < 24
-    resumed = subprocess.run(_command(spec, run_dir, "--resume"), capture_output=True, timeout=120, env=env)
-    out = resumed.stdout.decode() + resumed.stderr.decode()
+    resumed = commands.run(_command(spec, run_dir, "--resume"), timeout=120, env=env)
+    out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out
     assert f"resumed from {run_dir / 'checkpoints'}" in out, out
     # the independent reference: one process training the same 24 global batches
