@@ -292,8 +292,10 @@ OPTIMIZER_BANDWIDTH_BPS = 25e9
 SHARED_HOST_FORWARD_SLOWDOWN = 1.05
 SHARED_HOST_BACKWARD_SLOWDOWN = 1.15
 SHARED_HOST_TURNS_SLOWDOWN = 1.2
-"""A forward's or backward's pace divided by this again while a host's busy workers want more cores than it
-has: they take turns on the cores, and a turn finds the caches holding another worker's weights. Fitted on
+"""A forward's or backward's pace divided by this again, throughout, on a host whose placed workers want more
+cores than it has: they take turns on the cores, and a turn finds the caches holding another worker's
+weights (throughout, not only while more are busy than the cores: a slower pace of the rank, which every
+bound of the search keeps, where a pace that depends on the moment left them 20% under). Fitted on
 bench/train.py's 4-stage pipelines on 2 cores: their measured steps, against the same run's 2-stage ones,
 were 14-15% longer than the model without it predicted (three runs), while the simulator at the pace of
 shared cores fed each worker's own CPU seconds matched the 4-stage steps as closely as the 2-stage ones
@@ -1163,6 +1165,15 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     return cands
 
 
+def _turns(sharing: Sharing | None, num_stages: int, ranks: int) -> list[float]:
+    """Per stage, what its rank's home host's turns divide its forwards' and backwards' pace by throughout
+    (:meth:`Sharing.turns`; 1 on no shared host)."""
+    if sharing is None:
+        return [1.0] * num_stages
+    homes = sharing.homes()
+    return [1.0 if (h := homes[s % ranks]) is None else sharing.turns(h) for s in range(num_stages)]
+
+
 def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     """A lower bound on the step of the shape's replicated candidate with its placement, before its cut
     (0 where it knows nothing the bound over every cut does not): [Note: a crowded host, before the cut].
@@ -1178,7 +1189,9 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     its actions' overheads and the stages' starts, whatever the cut; and where every rank has a home,
     adding the inequalities of the ``H`` homes gives ``T >= that / (R + (s - 1) H)`` for ``R`` ranks. A
     placement whose stages all share hosts with their replicas is slowed throughout: ``T >= that / R``,
-    the busiest rank at least the mean. The search places a shape before it cuts it, and cuts only the
+    the busiest rank at least the mean. A host whose ranks take turns (:meth:`Sharing.turns`) slows them
+    throughout, so the least of the homes' turns multiplies the chain's forwards and backwards in every
+    ``e_r``. The search places a shape before it cuts it, and cuts only the
     shapes this bound leaves under the best step played: on 1,000 nodes over 128 CPU hosts of 8 workers,
     87 of 344 cuts are saved.
     """
@@ -1196,7 +1209,8 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     grads = float(sum(nd.grad_bytes for nd in shared.profile.nodes))
     starts = _update_s(shared.profile.optimizer, grads, 1.0 if mode == "collective" else 1.0 / d, fastest)
     slowed = _chain_totals(shared, setup.mb)[1][0]  # every node's forward and least backward, slowed
-    work = m * (slowed + 2 * p * ACTION_OVERHEAD_S) + starts
+    turns = min(sharing.turns(h) for h in homes if h is not None)  # the least any rank is slowed throughout
+    work = m * (slowed + 2 * p * ACTION_OVERHEAD_S) * turns + starts
     extra = max(SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN) - 1.0
     pipeline = work / (ranks + extra * len(set(homes)))
     if at.shared_host and all(at.twins):
@@ -1245,10 +1259,12 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     fwd_bytes, bwd_bytes = shared.scaled(mb)
     # the slowdown of a shared host where it is certain (replicas on one host), else none: a lower bound
     certain = [at.shared_host and twin for twin in at.twins]
-    forward = [fwd[s] / speed[s] * (1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S
-               for s in range(p)]
+    sharing = at.sharing(setup.ranks)
+    turns = _turns(sharing, p, setup.ranks)  # a host's turns slow its ranks throughout: certain too
+    forward = [(fwd[s] / speed[s] * (1 + (SHARED_HOST_FORWARD_SLOWDOWN - 1) * certain[s]) + ACTION_OVERHEAD_S)
+               * turns[s] for s in range(p)]
     slowed = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * certain[s] for s in range(p)]
-    backward = [bwd[s] * slowed[s] + ACTION_OVERHEAD_S for s in range(p)]
+    backward = [(bwd[s] * slowed[s] + ACTION_OVERHEAD_S) * turns[s] for s in range(p)]
     weights = _weights(bwd, wgt)
     inner = bounds[1:-1]
     share = 1.0 if mode == "collective" else 1.0 / d
@@ -1260,7 +1276,6 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
                                  [_transfer(fwd_bytes[c], bw, lat) for c in inner],
                                  [_transfer(bwd_bytes[c], bw, lat) for c in inner], start, shares)
     pipeline = max(ends)
-    sharing = at.sharing(setup.ranks)
     if sharing is not None:
         held = [range(k, p, setup.ranks) for k in range(setup.ranks)]
         # a host's cores do at most their count of seconds of work per second
@@ -1442,7 +1457,9 @@ def _host_bound(resources: Resources, d: np.ndarray, m: np.ndarray, ranks: np.nd
     ``min(c, n k_max)`` seconds of that weighted work, times their threads, per second. One worker alone
     (only when ``d = 1``: replicas of a rank are busy together) does at most ``slowdown min(k_max, c)``.
     So the step is at least ``k_min d (m (weighted + actions + transfers) + start)`` over the larger of the
-    two, whatever the cut and the placement (on one host every placement shares it).
+    two, whatever the cut and the placement (on one host every placement shares it). Where the shape's
+    workers want more cores than the host has, they take turns throughout
+    (:data:`SHARED_HOST_TURNS_SLOWDOWN`): their forwards and backwards weigh that much more.
     """
     workers = resources.workers
     hosts = {w.host for w in workers}
@@ -1451,7 +1468,8 @@ def _host_bound(resources: Resources, d: np.ndarray, m: np.ndarray, ranks: np.nd
     cores = float(resources.host_cores(workers[0].name))
     k_min, k_max = min(w.cpus for w in workers), max(w.cpus for w in workers)
     fs, bs = SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN
-    work = k_min * d * (m * (weighted_s + (fs + bs) * actions_s + transfer_s) + start_s)
+    turns = np.where(d * ranks * k_min > cores, SHARED_HOST_TURNS_SLOWDOWN, 1.0)  # they take turns throughout
+    work = k_min * d * (m * (turns * (weighted_s + (fs + bs) * actions_s) + transfer_s) + start_s)
     alone = np.where(d == 1, max(fs, bs) * min(k_max, cores), 0.0)
     capacity = np.maximum(np.minimum(cores, d * ranks * k_max), alone)
     out: np.ndarray = np.where(d * ranks > 1, work / capacity, 0.0)
@@ -1468,7 +1486,8 @@ def _most_stretch(resources: Resources, workers: np.ndarray) -> np.ndarray:
     share = np.ones(len(workers))
     for cores, threads, most in groups:
         share = np.maximum(share, np.minimum(workers * most, threads) / cores)
-    out: np.ndarray = SHARED_HOST_BACKWARD_SLOWDOWN * share
+    turns = np.where(share > 1.0, SHARED_HOST_TURNS_SLOWDOWN, 1.0)  # more threads than cores take turns
+    out: np.ndarray = SHARED_HOST_BACKWARD_SLOWDOWN * share * turns
     return out
 
 

@@ -34,9 +34,11 @@ update; a rank waiting for a receive sleeps), each of them runs at ``min(1, c / 
 a forward, backward, I or W runs at ``1 / slowdown`` of that again while more than one *worker*
 of the host is busy (``forward_slowdown``, ``backward_slowdown``: the shared caches and memory
 bandwidth, which the profile, taken by one process alone, does not see), and at ``1 / turns_slowdown``
-of that again while the host's busy ranks want more cores than it has (they take turns on the cores,
-and each turn finds the caches holding another worker's weights). A rank on several hosts
-runs at the rate of its *home*, the host where it wants the most cores (:meth:`Sharing.homes`). The
+of that again throughout on a host whose ranks, busy or not, want more cores than it has (its workers
+take turns on the cores, and a turn finds the caches holding another worker's weights: after a wait a
+rank's data is cold whether or not others are busy at that moment; and as a slower pace of the rank, it
+stays in every bound the planner takes before playing). A rank on several hosts runs at the rate of its
+*home*, the host where it wants the most cores (:meth:`Sharing.homes`). The
 play is then event by event: at each start or end of an action the rates are taken again, and the
 next end is the earliest one at those rates. Without a host holding two busy workers this is the
 plain play above, which :func:`play` runs then (it is the faster of the two).
@@ -175,9 +177,8 @@ class Sharing:
             host (a GPU's, a host of its own) has none and runs at its own pace.
         forward_slowdown: A forward's pace divided by this while another worker of its host is busy.
         backward_slowdown: The same for a backward (B, I and W).
-        turns_slowdown: A forward's or backward's pace divided by this again while its host's busy ranks
-            want more cores than it has (its workers take turns on the cores, and each turn finds the
-            caches holding another worker's data).
+        turns_slowdown: A forward's or backward's pace divided by this again, throughout, on a host whose
+            ranks (busy or not) want more cores than it has (:meth:`turns`).
 
     Raises:
         ValueError: On a host that is not numbered, no cores, or a slowdown below 1.
@@ -207,6 +208,19 @@ class Sharing:
                 per_host[h] += n
         return any(n > 1 for n in per_host)
 
+    def turns(self, host: int) -> float:
+        """What a forward's or backward's pace is divided by on ``host`` beyond the slowdowns of a crowd:
+        ``turns_slowdown`` where its ranks want more cores than it has (they take turns), else 1."""
+        return self._turns[host]
+
+    @functools.cached_property
+    def _turns(self) -> tuple[float, ...]:
+        wanted = [0.0] * len(self.cores)
+        for want in self.wants:
+            for h, k, _ in want:
+                wanted[h] += k
+        return tuple(self.turns_slowdown if k > c else 1.0 for k, c in zip(wanted, self.cores, strict=True))
+
     def homes(self) -> tuple[int | None, ...]:
         """Per rank, the host whose pace it runs at: where it wants the most cores (None: no shared host)."""
         return self._homes
@@ -224,7 +238,8 @@ class Sharing:
         them, and does ``x / slowdown`` of its forward or backward while another worker is busy: so the
         host's ranks together do at most ``c`` seconds of work, each weighted by its slowdown and the
         cores it wants, per second, while two workers or more are busy; and one alone at most
-        ``slowdown min(k, c) / c`` times that. The weighted work of the ranks at the host's pace over
+        ``slowdown min(k, c) / c`` times that. A host's turns (:meth:`turns`) divide every pace there
+        throughout, alone or not: one more weight. The weighted work of the ranks at the host's pace over
         ``c`` times the larger of the two is the bound.
         """
         homes = self.homes()
@@ -242,7 +257,8 @@ class Sharing:
             k = next(k for g, k, _ in self.wants[r] if g == h)
             crowded = workers[h] > 1
             f, b = (self.forward_slowdown, self.backward_slowdown) if crowded else (1.0, 1.0)
-            load[h] += k * (f * forward[r] + b * backward[r] + other[r])
+            t = self.turns(h)  # throughout: a weight like the others, alone or not
+            load[h] += k * (t * f * forward[r] + t * b * backward[r] + other[r])
             alone[h] = max(alone[h], worst * min(k, self.cores[h]) / self.cores[h] if crowded else 1.0)
         return max((x / (c * a) for x, c, a in zip(load, self.cores, alone, strict=True)), default=0.0)
 
@@ -285,7 +301,7 @@ class Sharing:
             for h, k, _ in want:
                 wanted[h] += k
         share = max((max(1.0, k / c) for k, c in zip(wanted, self.cores, strict=True)), default=1.0)
-        turns = self.turns_slowdown if share > 1.0 else 1.0
+        turns = self.turns_slowdown if share > 1.0 else 1.0  # wanted more than the cores: turns throughout
         return share * max(self.forward_slowdown, self.backward_slowdown) * turns
 
 
@@ -560,6 +576,11 @@ def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Seq
     home = [h if h is not None else wants[r][0][0] for r, h in enumerate(homes)]
     hosts = len(cores)
     slow = (1.0, sharing.forward_slowdown, sharing.backward_slowdown)
+    placed = [0.0] * hosts  # cores wanted by each host's ranks, busy or not: more than it has, turns
+    for want in wants:
+        for h, k, _ in want:
+            placed[h] += k
+    turns = [sharing.turns_slowdown if k > c else 1.0 for k, c in zip(placed, cores, strict=True)]
     wanted = [0.0] * hosts  # cores wanted by each host's busy ranks
     crowd = [0] * hosts  # their workers
     pace = [[1.0] * 3 for _ in range(hosts)]  # per host and class: the rate of its busy ranks
@@ -655,8 +676,8 @@ def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Seq
         for h in touched:  # new paces where the busy ranks changed
             catch_up(h)
             share = min(1.0, cores[h] / wanted[h]) if wanted[h] > 0 else 1.0
-            turns = sharing.turns_slowdown if share < 1.0 else 1.0
-            pace[h] = [share / (slow[c] * turns if c and crowd[h] > 1 else 1.0) for c in range(3)]
+            crowded = crowd[h] > 1
+            pace[h] = [share / ((slow[c] if crowded else 1.0) * turns[h] if c else 1.0) for c in range(3)]
             for c in range(3):
                 schedule(h, c)
         touched.clear()

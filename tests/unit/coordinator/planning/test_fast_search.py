@@ -368,17 +368,20 @@ def test_the_host_bound_by_hand() -> None:
     d, m, ranks = np.array([1, 2, 1, 1]), np.array([4, 2, 4, 1]), np.array([4, 2, 1, 2])
     got = planner._host_bound(res, d, m, ranks, np.full(4, weighted), np.full(4, 0.1), np.full(4, 0.05),
                               np.full(4, 0.5))
-    per_replica = [m_ * (weighted + 0.1 * (fs + bs) + 0.05) + 0.5 for m_ in (4, 2, 4, 1)]
+    turns = planner.SHARED_HOST_TURNS_SLOWDOWN  # more workers than cores take turns: compute weighs more
+    per_replica = [m_ * (t * (weighted + 0.1 * (fs + bs)) + 0.05) + 0.5
+                   for m_, t in ((4, turns), (2, turns), (4, 1.0), (1, 1.0))]
     assert got[0] == pytest.approx(per_replica[0] / 2)  # 4 workers on 2 cores
     assert got[1] == pytest.approx(2 * per_replica[1] / 2)  # 2 replicas of 2 ranks: all 4 workers
     assert got[2] == 0.0  # one worker: nothing shared
     # 2 workers, 1 thread each: 2 cores, or one worker alone at its slowed weight (1.6 x 1 core < 2)
     assert got[3] == pytest.approx(per_replica[3] / max(2, bs))
-    # 1 core: one alone does up to 1.6 cores' weighted work
+    # 1 core: one alone does up to 1.6 cores' weighted work, and the 2 workers take turns
     one = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB, host="h", host_cpus=1)
                                   for i in range(2)))
+    on_one = m[3] * (turns * (weighted + 0.1 * (fs + bs)) + 0.05) + 0.5
     assert planner._host_bound(one, d[3:], m[3:], ranks[3:], np.full(1, weighted), np.full(1, 0.1),
-                               np.full(1, 0.05), np.full(1, 0.5))[0] == pytest.approx(per_replica[3] / bs)
+                               np.full(1, 0.05), np.full(1, 0.5))[0] == pytest.approx(on_one / bs)
     # several hosts, or a GPU: no bound from here
     apart = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB, host=f"h{i}") for i in range(2)))
     assert planner._host_bound(apart, d, m, ranks, np.full(4, 1.0), np.zeros(4), np.zeros(4),

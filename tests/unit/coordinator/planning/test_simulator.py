@@ -198,13 +198,15 @@ def test_four_stages_on_two_cores_against_the_cores_bound() -> None:
 
 
 def test_taking_turns_on_a_core_slows_the_compute_of_the_ranks_that_take_them() -> None:
-    # the by-hand case above, with each turn at 1 / 1.5 of the shared pace: F1 and 1F0 together take 3 s
-    # ([1,4]), 1B1 and 0B0 6 s ([7,13]); what runs alone keeps its pace: 12 + 1 + 2
+    # the by-hand case above, two ranks on one core, every forward and backward at 1 / 1.5 of the shared
+    # pace, alone or not: 0F0 alone 1.5 s, 0F1 and 1F0 together 3 s ([1.5, 4.5]), 1F1 alone 1.5 s, 1B0
+    # alone 3 s ([6, 9]), 1B1 and 0B0 together 6 s ([9, 15]), 0B1 alone 3 s
     turns = Sharing((1.0,), (((0, 1.0, 1),),) * 2, turns_slowdown=1.5)
+    assert (turns.turns(0), Sharing((2.0,), (((0, 1.0, 1),),) * 2, turns_slowdown=1.5).turns(0)) == (1.5, 1.0)
     result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0), turns)
     assert [(a, s, e) for a, s, e in _spans(result.timeline[0]) if "SEND" not in a and "RECV" not in a] == [
-        ("0F0", 0, 1), ("0F1", 1, 4), ("0B0", 7, 13), ("0B1", 13, 15)]
-    assert result.step_time_s == pytest.approx(15)
+        ("0F0", 0, 1.5), ("0F1", 1.5, 4.5), ("0B0", 9, 15), ("0B1", 15, 18)]
+    assert result.step_time_s == pytest.approx(18)
     # two ranks on two cores never take turns
     two = Sharing((2.0,), (((0, 1.0, 1),),) * 2, turns_slowdown=1.5)
     assert simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0), two).step_time_s == pytest.approx(9)
