@@ -210,16 +210,12 @@ class Sharing:
 
     def turns(self, host: int) -> float:
         """What a forward's or backward's pace is divided by on ``host`` beyond the slowdowns of a crowd:
-        ``turns_slowdown`` where its ranks want more cores than it has (they take turns), else 1."""
+        ``turns_slowdown`` where two workers or more want more cores than it has (they take turns), else 1."""
         return self._turns[host]
 
     @functools.cached_property
     def _turns(self) -> tuple[float, ...]:
-        wanted = [0.0] * len(self.cores)
-        for want in self.wants:
-            for h, k, _ in want:
-                wanted[h] += k
-        return tuple(self.turns_slowdown if k > c else 1.0 for k, c in zip(wanted, self.cores, strict=True))
+        return _turns(self.cores, self.wants, self.turns_slowdown)
 
     def homes(self) -> tuple[int | None, ...]:
         """Per rank, the host whose pace it runs at: where it wants the most cores (None: no shared host)."""
@@ -576,11 +572,7 @@ def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Seq
     home = [h if h is not None else wants[r][0][0] for r, h in enumerate(homes)]
     hosts = len(cores)
     slow = (1.0, sharing.forward_slowdown, sharing.backward_slowdown)
-    placed = [0.0] * hosts  # cores wanted by each host's ranks, busy or not: more than it has, turns
-    for want in wants:
-        for h, k, _ in want:
-            placed[h] += k
-    turns = [sharing.turns_slowdown if k > c else 1.0 for k, c in zip(placed, cores, strict=True)]
+    turns = _turns(cores, wants, sharing.turns_slowdown)
     wanted = [0.0] * hosts  # cores wanted by each host's busy ranks
     crowd = [0] * hosts  # their workers
     pace = [[1.0] * 3 for _ in range(hosts)]  # per host and class: the rate of its busy ranks
@@ -701,6 +693,18 @@ def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Seq
     assert pos == [len(d) for d in durations], "a Schedule is free of deadlocks by construction"
     return Timing(name, tuple(tuple(r) for r in ranks), tuple(tuple(a) for a in steps),
                   tuple(map(tuple, starts)), tuple(map(tuple, ends)), now, tuple(busy))
+
+
+def _turns(cores: Sequence[float], wants: Sequence[Sequence[tuple[int, float, int]]], slowdown: float
+           ) -> tuple[float, ...]:
+    """Per host, ``slowdown`` where its ranks, busy or not, want more cores than it has and are two workers
+    or more (they take turns on its cores throughout), else 1."""
+    wanted, workers = [0.0] * len(cores), [0] * len(cores)
+    for want in wants:
+        for h, k, n in want:
+            wanted[h] += k
+            workers[h] += n
+    return tuple(slowdown if k > c and n > 1 else 1.0 for k, c, n in zip(wanted, cores, workers, strict=True))
 
 
 MERGE_ALIKE_HOSTS = True

@@ -203,6 +203,7 @@ def test_taking_turns_on_a_core_slows_the_compute_of_the_ranks_that_take_them() 
     # alone 3 s ([6, 9]), 1B1 and 0B0 together 6 s ([9, 15]), 0B1 alone 3 s
     turns = Sharing((1.0,), (((0, 1.0, 1),),) * 2, turns_slowdown=1.5)
     assert (turns.turns(0), Sharing((2.0,), (((0, 1.0, 1),),) * 2, turns_slowdown=1.5).turns(0)) == (1.5, 1.0)
+    assert Sharing((1.0,), (((0, 2.0, 1),),), turns_slowdown=1.5).turns(0) == 1.0  # one worker has no turns
     result = simulate(gpipe(2, 2), StageCosts.uniform(2, 1.0, 2.0), turns)
     assert [(a, s, e) for a, s, e in _spans(result.timeline[0]) if "SEND" not in a and "RECV" not in a] == [
         ("0F0", 0, 1.5), ("0F1", 1.5, 4.5), ("0B0", 9, 15), ("0B1", 15, 18)]
