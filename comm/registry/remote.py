@@ -126,7 +126,10 @@ class RemoteRegistry(Registry):
     another thread's call would reach the server only once that call was answered; when the
     server's process stalls, that is after the lease's deadline, and the server's guard for
     refreshes sent in time (see [Note: leases of a stalled server] in
-    ``comm/registry/memory.py``) cannot see a refresh that was never sent.
+    ``comm/registry/memory.py``) cannot see a refresh that was never sent. Nor one that waits in a
+    connection's handshake (with the job's keys, the serving process's ZAP handler admits each new
+    connection, and it stalls with that process): so the lease client is made by the first grant, which
+    travels on it, and every refresh finds its connection made.
     """
 
     def __init__(
@@ -142,7 +145,7 @@ class RemoteRegistry(Registry):
         self.request_timeout = request_timeout
         self.poll_wait = poll_wait
         self._client = RpcClient(address, timeout=request_timeout)
-        self._lease_client: RpcClient | None = None  # made at the first refresh
+        self._lease_client: RpcClient | None = None  # made at the first lease grant
         self._lease_lock = threading.Lock()
         self._watches: weakref.WeakSet[RemoteWatch] = weakref.WeakSet()
         self._closed = False
@@ -190,7 +193,9 @@ class RemoteRegistry(Registry):
         ttl_ms = -(-ttl // timedelta(milliseconds=1))  # ceil
         if ttl_ms <= 0:
             raise ValueError(f"a lease needs a positive ttl, got {ttl.total_seconds()}s")
-        reply = self._call("lease grant", "lease_grant", LeaseGrantRequest(ttl_ms=ttl_ms), LeaseReply)
+        # on the refreshes' client: its connection is made (and, with the job's keys, admitted) before the
+        # lease exists, so no refresh of it ever waits in a handshake ([Note: leases of a stalled server])
+        reply = self._lease_call("lease grant", "lease_grant", LeaseGrantRequest(ttl_ms=ttl_ms), LeaseReply)
         return RemoteLease(self, reply.lease, timedelta(milliseconds=reply.ttl_ms))
 
     def watch(self, prefix: str, *, start_revision: int | None = None) -> RemoteWatch:

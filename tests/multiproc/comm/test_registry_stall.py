@@ -16,9 +16,12 @@ from __future__ import annotations
 import ctypes
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
+from comm import auth
+from comm.auth import Credentials, JobKeys
 from comm.registry import KeepAlive, MemoryRegistry
 from comm.registry.base import EventType, KeyValue
 from comm.registry.remote import RemoteRegistry
@@ -103,3 +106,29 @@ def test_a_refresh_never_waits_behind_another_call_of_its_holder() -> None:
                 keeper.stop(revoke=True)
         finally:
             client.close()
+
+
+def test_a_lease_granted_with_keys_survives_a_stall_right_after_its_grant(tmp_path: Path) -> None:
+    """With the job's keys, each new connection waits for the serving process's ZAP handler, a thread that
+    stalls with it. A lease whose refreshes opened a connection of their own after the grant sent none
+    through a stall that began before the first refresh (it waited in the handshake, where the server's
+    guard cannot see it), so the lease lapsed although its holder refreshed in time; a remote registry
+    grants a lease on the connection its refreshes then use."""
+    keys = JobKeys.generate()
+    keys.for_workers().save(tmp_path / "keys")
+    with RankGroup(world_size=1, backend="zmq") as group:
+        auth.install(Credentials(keys, "coordinator"))
+        try:
+            with RegistryServer() as server:
+                pending = group.submit("tests.multiproc.comm.lease_checks:hold_lease", url=server.address,
+                                       key=KEY, ttl_s=TTL_S, hold_s=STALL_S + 2.0,
+                                       keys_dir=str(tmp_path / "keys"))
+                deadline = time.monotonic() + 20
+                while server.registry.get(KEY) is None:  # granted and put: the first refresh is due in TTL/3
+                    assert time.monotonic() < deadline, f"the rank did not put {KEY} within 20s"
+                    time.sleep(0.01)
+                _hold_the_gil(STALL_S)  # the ZAP handler with every other thread here
+                [held] = group.collect(pending, timeout=timedelta(seconds=30))
+                assert held == {"lost": False, "renewals": 0, "lease": held["lease"]}, held
+        finally:
+            auth.install(None)
