@@ -162,7 +162,8 @@ def test_a_misspelt_field_is_named(tmp_path: Path) -> None:
     spec = tmp_path / "bad.yaml"
     spec.write_text(f"model: {{factory: {M}:mlp}}\ndata: {{factory: {M}:regression, global_bach: 16}}\n"
                     f"loss: {{factory: {M}:mse}}\nplan: {{mode: ps}}\n")
-    assert_user_error(cellmesh("run", spec, "--workers", "2", timeout=45), "bad.yaml",
+    # a fresh interpreter, as a user's shell starts the console script (once in the suite: a refusal is cheap)
+    assert_user_error(cellmesh("run", spec, "--workers", "2", timeout=45, fresh=True), "bad.yaml",
                       "'data.global_bach': unknown field", "'plan.mode'")
 
 
@@ -197,8 +198,7 @@ def test_a_worker_failure_is_one_paragraph_and_exits_1() -> None:
 
 def test_demo_trains_the_example_language_model(tmp_path: Path) -> None:
     output = tmp_path / "charlm.pt"
-    # a fresh interpreter, as `make demo` starts it: the console script itself is run once in the suite
-    proc = cellmesh("demo", "--steps", "2", "-o", output, "--run-dir", tmp_path / "run", fresh=True)
+    proc = cellmesh("demo", "--steps", "2", "-o", output, "--run-dir", tmp_path / "run")
     state = assert_trained(proc, output, 2)
     assert "job module charlm" in proc.stdout and "the trained model continues 'The '" in proc.stdout
     nn.Sequential(*charlm.model()).load_state_dict(state, strict=True)
