@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from coordinator.runtime.cluster import ClusterWorkers
 from coordinator.runtime.records import StepRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
 from services.protocol import WorkerCard
+from tests.harness import commands
 from tests.harness.etcd import EtcdServer, etcd_available
 from tests.harness.workers import WorkerProcess, start_worker
 from tests.multiproc.coordinator.outage_coordinator import FACTORIES, make_job
@@ -48,6 +48,19 @@ def etcd() -> Iterator[EtcdServer]:
         yield server
         if server.pid is not None:
             os.kill(server.pid, signal.SIGCONT)  # never leave it stopped for stop() to wait on
+
+
+def _lines(path: Path, count: int, proc: commands.Started, log: Path, timeout: float = 60.0) -> list[str]:
+    """The first ``count`` lines ``proc`` wrote to ``path``, waited for (bounded; its log if it exits)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text() if path.exists() else ""
+        lines = text.split("\n")[:-1]  # whole lines only
+        if len(lines) >= count:
+            return lines[:count]
+        assert proc.poll() is None, f"the coordinator exited ({proc.returncode}): {log.read_text()}"
+        assert time.monotonic() < deadline, f"{len(lines)} of {count} lines within {timeout:.0f}s: {text!r}"
+        time.sleep(0.02)
 
 
 def start_workers(url: str, job: str, count: int, logs: Path) -> list[WorkerProcess]:
@@ -119,19 +132,16 @@ def test_training_goes_on_through_an_etcd_outage(etcd: EtcdServer, tmp_path: Pat
 def test_a_coordinator_killed_mid_training_leaves_its_workers_quitting_quietly(
         registry: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     url = request.getfixturevalue("etcd").url if registry == "etcd" else "serve"
-    coordinator_log = (tmp_path / "coordinator.log").open("wb")
-    coordinator = subprocess.Popen(
+    out = tmp_path / "coordinator.out"
+    coordinator = commands.start(
         [sys.executable, "-m", "tests.multiproc.coordinator.outage_coordinator", url, "orphans", "2"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=coordinator_log, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    coordinator_log.close()
+        cwd=ROOT, stdout=out, stderr=tmp_path / "coordinator.log", env={**os.environ, "OMP_NUM_THREADS": "1"})
     workers: list[WorkerProcess] = []
     try:
-        assert coordinator.stdout is not None
-        url = coordinator.stdout.readline().decode().strip()
-        assert url, (tmp_path / "coordinator.log").read_text()
+        url = _lines(out, 1, coordinator, tmp_path / "coordinator.log")[0]
         workers = start_workers(url, "orphans", 2, tmp_path)
-        for _ in range(5):  # training is under way
-            assert coordinator.stdout.readline() == b"step\n", (tmp_path / "coordinator.log").read_text()
+        steps = _lines(out, 6, coordinator, tmp_path / "coordinator.log")[1:]
+        assert steps == ["step"] * 5, steps  # training is under way
         logged = {w.name: (tmp_path / f"{w.name}.log").stat().st_size for w in workers}
         coordinator.kill()
         killed = time.monotonic()
