@@ -159,8 +159,18 @@ def _layouts(resources: Resources, replicas: int, ranks: int, chunks: int) -> tu
 
 def _blocks(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
     """``count`` blocks of ``size`` workers: each inside the first host with room for it, else the free
-    workers in order. O(hosts + workers): a host's room only shrinks, so the scan for room resumes
-    where the last one stopped."""
+    workers in order (:func:`_first_fit`). Hosts of one size that a block's size divides, or that divide
+    it, fill in list order: the blocks are then the workers in host order, cut in turn."""
+    sizes = {len(names) for names in groups}
+    if len(sizes) == 1 and ((host := sizes.pop()) % size == 0 or size % host == 0):
+        flat = [name for names in groups for name in names]
+        return [flat[k * size:(k + 1) * size] for k in range(count)]
+    return _first_fit(groups, count, size)
+
+
+def _first_fit(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
+    """:func:`_blocks` for any hosts. O(hosts + workers): a host's room only shrinks, so the scan for room
+    resumes where the last one stopped."""
     used = [0] * len(groups)  # workers taken from each host, from its front
     blocks: Grid = []
     fits = 0  # hosts before it have no room for a block
@@ -185,8 +195,8 @@ def _blocks(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
 def neighbour_link(resources: Resources, placement: Placement) -> Speed:
     """The lowest bandwidth and highest latency between the workers of neighbouring stages of any replica
     (the links a pipeline's transfers cross); the defaults for single-stage replicas."""
-    pairs = ((a, b) for row in placement for a, b in itertools.pairwise(row) if a != b)
-    return resources.slowest_of_pairs(pairs)
+    pairs = set().union(*map(itertools.pairwise, placement))  # each once: a row repeats its ranks
+    return resources.slowest_of_pairs((a, b) for a, b in pairs if a != b)
 
 
 def place(resources: Resources, replicas: int, stages: int, ranks: int, *,

@@ -203,7 +203,13 @@ from coordinator.planning.memory import (
 )
 from coordinator.planning.placement import neighbour_link, place, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
-from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, NodeProfile, Profile, format_bytes
+from coordinator.planning.profile import (
+    OPTIMIZER_STATE_FACTORS,
+    NodeProfile,
+    NodeTable,
+    Profile,
+    format_bytes,
+)
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
 from coordinator.planning.schedules import schedule_steps, stage_holds, stage_kinds
@@ -417,6 +423,7 @@ class _Shared:
         self.resources = resources
         self.by_name = {w.name: w for w in resources.workers} if resources is not None else {}
         self._memo: dict[tuple[object, ...], object] = {}
+        self.table = NodeTable(profile.nodes)  # every node priced at a size in one pass
         self.free_cuts: dict[tuple[object, ...], tuple[int, ...] | str] = {}
 
     def _get(self, key: tuple[object, ...], make: Callable[[], T]) -> T:
@@ -427,20 +434,25 @@ class _Shared:
     def times(self, mb: int) -> list[tuple[float, float]]:
         """Every node's forward (warm: [Note: a warm forward] in profile.py) and backward at ``mb``."""
         def make() -> list[tuple[float, float]]:
-            warm = self.profile.node_warm(mb)
-            return [(w, b) for w, (_, b) in zip(warm, self.profile.node_times(mb), strict=True)]
+            scale = mb / self.profile.microbatch_size
+            warm, backward = self.table.warm_at(scale).tolist(), self.table.times_at(scale)[1].tolist()
+            return list(zip(warm, backward, strict=True))
         return self._get(("times", mb), make)
 
     def cold(self, mb: int) -> list[float]:
         """Every node's forward at ``mb`` with its weights cold, less the warm one: once per step."""
         def make() -> list[float]:
-            warm = self.profile.node_warm(mb)
-            return [max(0.0, f - w) for w, (f, _) in zip(warm, self.profile.node_times(mb), strict=True)]
+            scale = mb / self.profile.microbatch_size
+            extra = np.maximum(0.0, self.table.times_at(scale)[0] - self.table.warm_at(scale))
+            return [float(x) for x in extra]
         return self._get(("cold", mb), make)
 
     def halves(self, mb: int) -> list[tuple[float, float]]:
         """Every node's ``I`` and ``W`` at microbatch ``mb`` ([Note: the backward's halves] in profile.py)."""
-        return self._get(("halves", mb), lambda: self.profile.node_halves(mb))
+        def make() -> list[tuple[float, float]]:
+            i, w = self.table.halves_at(mb / self.profile.microbatch_size)
+            return list(zip(i.tolist(), w.tolist(), strict=True))
+        return self._get(("halves", mb), make)
 
     def weight_sum(self, mb: int, start: int, stop: int) -> float:
         """The ``W`` s of nodes ``[start, stop)`` at microbatch ``mb``, summed in node order (as a stage's
@@ -450,9 +462,10 @@ class _Shared:
         if got is None:
             if ("halves", mb) in self._memo:
                 got = sum(x for _, x in self.halves(mb)[start:stop])
-            else:  # a product's rows: only its nodes, not every node at a size asked of few spans
+            else:  # a product's rows: every node's W at once, kept as an array (a size asked of few spans)
                 scale = mb / self.profile.microbatch_size
-                got = sum(nd.halves_at(scale)[1] for nd in self.profile.nodes[start:stop])
+                weights = self._get(("W at", mb), lambda: self.table.halves_at(scale)[1])
+                got = sum(weights[start:stop].tolist())
             self._memo[key] = got
         return cast(float, got)
 
@@ -479,12 +492,13 @@ class _Shared:
         microbatches (at least nothing; at most one microbatch's ``W`` with :meth:`autograd_extra`, or
         ``B - I`` 's fixed part and its part that grows with the microbatch, each where positive)."""
         def make() -> list[tuple[float, float]]:
-            out = []
-            for nd, (_, b), (i, w) in zip(self.profile.nodes, self.times(mb), self.halves(mb), strict=True):
-                b0, i0 = nd.backward_fixed_s, nd.input_backward_fixed_s if nd.split else nd.backward_fixed_s
-                shared_w = i + max(0.0, b0 - i0) + max(0.0, (b - b0) - (i - i0))
-                out.append((min(b, i), max(b, i + w + max(0.0, b - i - w) * nd.split, shared_w)))
-            return out
+            t = self.table
+            b = np.array([x for _, x in self.times(mb)], dtype=np.float64)
+            i, w = (np.array(x, dtype=np.float64) for x in zip(*self.halves(mb), strict=True))
+            b0, i0 = t.b0, np.where(t.split, t.i0, t.b0)
+            shared_w = i + np.maximum(0.0, b0 - i0) + np.maximum(0.0, (b - b0) - (i - i0))
+            most = np.maximum(np.maximum(b, i + w + np.maximum(0.0, b - i - w) * t.split), shared_w)
+            return list(zip(np.minimum(b, i).tolist(), most.tolist(), strict=True))
         return self._get(("backward range", mb), make)
 
     def scaled(self, mb: int) -> tuple[list[int], list[int]]:

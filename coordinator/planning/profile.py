@@ -68,6 +68,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -76,7 +77,8 @@ from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
 from services.compute.weight_grads import WeightGradStore, eligible_layers
 
 __all__ = ["FLUSH_FACTOR", "MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS",
-           "OPTIMIZER_STEP_TEMPORARY_FACTORS", "SCALE_FACTOR", "NodeProfile", "Profile", "format_bytes",
+           "OPTIMIZER_STEP_TEMPORARY_FACTORS", "SCALE_FACTOR", "NodeProfile", "NodeTable", "Profile",
+           "format_bytes",
            "profile_graph"]
 
 SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
@@ -193,6 +195,53 @@ class NodeProfile(BaseModel):
             return self.times_at(scale)[0]
         w0 = self.warm_forward_fixed_s
         return min(w0 + (self.warm_forward_s - w0) * scale, self.times_at(scale)[0])
+
+
+class NodeTable:
+    """Every node's timing fields as arrays, to price all the nodes at a microbatch size in one pass: the
+    same arithmetic, in the same order, as :meth:`NodeProfile.times_at`, :meth:`~NodeProfile.warm_at` and
+    :meth:`~NodeProfile.halves_at` per node (so the same floats), for the planner's searches over many
+    sizes."""
+
+    def __init__(self, nodes: Sequence[NodeProfile]) -> None:
+        def col(name: str) -> np.ndarray:
+            return np.array([getattr(nd, name) for nd in nodes], dtype=np.float64)
+
+        self.f, self.f0 = col("forward_s"), col("forward_fixed_s")
+        self.b, self.b0 = col("backward_s"), col("backward_fixed_s")
+        self.i, self.i0 = col("input_backward_s"), col("input_backward_fixed_s")
+        self.w, self.w0 = col("weight_s"), col("weight_fixed_s")
+        self.flush, self.top = col("weight_flush_s"), col("weight_flush_scale")
+        self.measured = np.array([nd.warm_forward_s is not None for nd in nodes])
+        self.warm = np.array([nd.warm_forward_s or 0.0 for nd in nodes], dtype=np.float64)
+        self.warm0 = col("warm_forward_fixed_s")
+        self.split = np.array([nd.split for nd in nodes])
+
+    def times_at(self, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Every node's forward and backward seconds at ``scale`` (:meth:`NodeProfile.times_at`)."""
+        return self.f0 + (self.f - self.f0) * scale, self.b0 + (self.b - self.b0) * scale
+
+    def warm_at(self, scale: float) -> np.ndarray:
+        """Every node's warm forward at ``scale`` (:meth:`NodeProfile.warm_at`)."""
+        forward = self.f0 + (self.f - self.f0) * scale
+        warm = np.minimum(self.warm0 + (self.warm - self.warm0) * scale, forward)
+        chosen: np.ndarray = np.where(self.measured, warm, forward)
+        return chosen
+
+    def halves_at(self, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Every node's ``I`` and ``W`` at ``scale`` (:meth:`NodeProfile.halves_at`)."""
+        w = self.w0 + (self.w - self.w0) * scale
+        if scale > SCALE_FACTOR:
+            flushed = (self.flush > 0) & (self.top > SCALE_FACTOR)
+            if flushed.any():
+                at = self.w0 + (self.w - self.w0) * SCALE_FACTOR
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    line = np.maximum(0.0, at + (self.flush - at) * (scale - SCALE_FACTOR)
+                                      / (self.top - SCALE_FACTOR))
+                w = np.where(flushed, line, w)
+        backward = self.b0 + (self.b - self.b0) * scale
+        return (np.where(self.split, self.i0 + (self.i - self.i0) * scale, backward),
+                np.where(self.split, w, 0.0))
 
 
 class Profile(BaseModel):

@@ -139,6 +139,8 @@ class _Index:
     host_of: dict[str, HostKey]
     pairs: dict[frozenset[str], Speed]  # per-worker links, the first listed per pair
     host_pairs: dict[frozenset[HostKey], Speed]  # per-host-pair links, the first listed per pair
+    # per worker, its host as a number: >= 0 for a host, a negative one of its own for a worker without
+    host_id: dict[str, int]
 
 
 def _host_key(w: Worker) -> HostKey:
@@ -196,8 +198,20 @@ class Resources(BaseModel):
         for hl in self.host_links:
             ends = frozenset((("host", hl.a), ("host", hl.b)))
             host_pairs.setdefault(ends, (hl.bandwidth_bps, hl.latency_s))
+        numbers: dict[HostKey, int] = {}
+        host_id = {w.name: numbers.setdefault(key, len(numbers)) if key[0] == "host" else -1 - i
+                   for i, w in enumerate(self.workers) for key in (_host_key(w),)}
         return _Index({w.name: w for w in self.workers}, {w.name: _host_key(w) for w in self.workers},
-                      pairs, host_pairs)
+                      pairs, host_pairs, host_id)
+
+    def _by_kind(self, inside: bool, between: bool) -> Speed:
+        """The slowest of the link inside a host (where ``inside``) and between two (where ``between``):
+        the answer of a list whose links depend on that alone (no per-worker or per-host-pair link)."""
+        speeds = ([(self.intra_host.bandwidth_bps, self.intra_host.latency_s) if self.intra_host is not None
+                   else self.default_link] if inside else []) + ([self.default_link] if between else [])
+        if not speeds:
+            return self.default_link
+        return min(bw for bw, _ in speeds), max(lat for _, lat in speeds)
 
     def host_cores(self, name: str) -> int:
         """The cores of worker ``name``'s host: its workers' ``host_cpus`` (the most given), else their
@@ -299,6 +313,15 @@ class Resources(BaseModel):
         """The lowest bandwidth and highest latency among the links of ``pairs`` (the defaults for none),
         each pair of hosts looked up once."""
         index = self._index
+        if not index.pairs and not index.host_pairs:  # a link is a host's own or the default: which ones
+            pairs = list(pairs)
+            ids = index.host_id
+            try:
+                kinds = {(h := ids[a]) == ids[b] and h >= 0 for a, b in pairs}
+            except KeyError:  # a name not in the list: the general path below, with the pairs seen
+                pass
+            else:
+                return self._by_kind(True in kinds, False in kinds)
         classes: set[tuple[HostKey, HostKey]] = set()
         speeds: list[Speed] = []
         for a, b in pairs:
@@ -320,6 +343,10 @@ class Resources(BaseModel):
             return self.default_link
         index = self._index
         unique = set(names)
+        if (not index.pairs and not index.host_pairs and len(unique) == len(names)
+                and unique <= index.host_id.keys()):
+            numbers = {index.host_id[n] for n in names}  # workers without a host have a number each
+            return self._by_kind(len(numbers) < len(names), len(numbers) > 1)
         host_of = {n: index.host_of.get(n, ("alone", n)) for n in unique}  # unknown names: as link() does
         speeds: list[Speed] = []
         if len(unique) < len(names):  # today's pairwise answer pairs a repeated name with itself

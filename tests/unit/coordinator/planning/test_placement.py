@@ -3,6 +3,7 @@ cost model's terms; the planner's predicted step gains from it."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -12,6 +13,8 @@ from coordinator.planning.config import PlanConfig
 from coordinator.planning.placement import (
     Placement,
     Traffic,
+    _blocks,
+    _first_fit,
     layout_cost,
     neighbour_link,
     place,
@@ -93,6 +96,19 @@ def test_every_placement_uses_distinct_workers_on_random_clusters() -> None:
         grid = [row[:ranks] for row in placed]
         assert len({n for row in grid for n in row}) == d * ranks
         assert all(row[s] == row[s % ranks] for row in placed for s in range(p))
+
+
+
+def test_hosts_of_one_size_cut_in_turn_as_first_fit_would() -> None:
+    """Blocks on hosts of one size that divides the block or that the block divides: the workers in host
+    order, cut in turn, the same as the first fit of any hosts gives."""
+    for host, hosts in itertools.product((1, 2, 4, 8), (1, 3, 16)):
+        groups = [[f"h{h}-{k}" for k in range(host)] for h in range(hosts)]
+        for size in range(1, host * hosts + 1):
+            if host % size and size % host:
+                continue
+            for count in range(1, host * hosts // size + 1):
+                assert _blocks(groups, count, size) == _first_fit(groups, count, size), (host, size, count)
 
 
 def test_place_refuses_a_shape_it_cannot_place() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,14 @@ import torch
 from torch import nn
 
 from coordinator.planning.graph import build_graph
-from coordinator.planning.profile import Profile, format_bytes, profile_graph
+from coordinator.planning.profile import (
+    SCALE_FACTOR,
+    NodeProfile,
+    NodeTable,
+    Profile,
+    format_bytes,
+    profile_graph,
+)
 from services.compute.cell import Cell
 
 
@@ -168,3 +176,31 @@ def test_the_linear_nodes_are_timed_as_their_backward_s_halves_too() -> None:
     assert node.halves_at(1.0) == (2.0, 1.0)
     assert node.halves_at(3.0) == (0.5 + 1.5 * 3, 0.25 + 0.75 * 3)
     assert all(p.grad is None for c in model for p in c.parameters())
+
+
+def test_the_node_table_prices_every_node_as_the_node_does() -> None:
+    """The planner prices all nodes at a size in one pass (NodeTable): the same floats, bit for bit, as each
+    node's own times_at, warm_at and halves_at, split or not, with or without a warm forward or a flush's
+    line, at sizes under, at and past the profiled ones."""
+    rng = random.Random(14)
+    nodes = []
+    for k in range(300):
+        f, b = rng.uniform(1e-5, 1e-2), rng.uniform(1e-5, 2e-2)
+        i, w = (rng.uniform(0, b), rng.uniform(0, b)) if rng.random() < 0.6 else (0.0, 0.0)
+        warm = rng.uniform(0, f) if rng.random() < 0.5 else None
+        nodes.append(NodeProfile(
+            name=f"n{k}", forward_s=f, backward_s=b, forward_fixed_s=rng.uniform(0, f),
+            backward_fixed_s=rng.uniform(0, b),
+            input_backward_s=i, weight_s=w, input_backward_fixed_s=rng.uniform(0, i),
+            weight_fixed_s=rng.uniform(0, w), weight_flush_s=rng.choice([0.0, rng.uniform(0, 5 * w)]),
+            weight_flush_scale=rng.choice([0.0, 2.0, float(SCALE_FACTOR), 16.0]), warm_forward_s=warm,
+            warm_forward_fixed_s=0.0 if warm is None else rng.uniform(0, warm), param_bytes=0, grad_bytes=0,
+            optimizer_state_bytes=0, activation_bytes=0))
+    table = NodeTable(nodes)
+    for scale in (0.25, 1.0, 3.0, float(SCALE_FACTOR), 5.0, 17.5, 64.0):
+        forward, backward = table.times_at(scale)
+        i, w = table.halves_at(scale)
+        times = list(zip(forward.tolist(), backward.tolist(), strict=True))
+        assert times == [nd.times_at(scale) for nd in nodes]
+        assert table.warm_at(scale).tolist() == [nd.warm_at(scale) for nd in nodes]
+        assert list(zip(i.tolist(), w.tolist(), strict=True)) == [nd.halves_at(scale) for nd in nodes]

@@ -96,6 +96,27 @@ def test_slowest_link_matches_every_pair_on_random_clusters() -> None:
             assert res.slowest_of_pairs(pairs) == (min(bw for bw, _ in links), max(lat for _, lat in links))
 
 
+
+def test_links_by_host_alone_match_every_pair_on_random_clusters() -> None:
+    """A list whose links depend on the hosts alone (no per-worker or per-host-pair link) answers from the
+    hosts' numbers: the same as every pair's link, workers without a host and a pair of one worker with
+    itself included, and a name not in the list taken as link() takes it."""
+    rng = random.Random(27)
+    for _ in range(400):
+        res = _random_cluster(rng)
+        res = Resources(workers=res.workers, intra_host=res.intra_host, bandwidth_bps=res.bandwidth_bps,
+                        latency_s=res.latency_s)
+        names = [w.name for w in res.workers]
+        for _ in range(5):
+            group = rng.sample(names, rng.randint(0, len(names)))
+            if group and rng.random() < 0.2:
+                group.append(rng.choice(group))
+            assert res.slowest_link(group) == _pairwise(res, group), (res, group)
+            pairs = [(rng.choice([*names, "stranger"]), rng.choice(names)) for _ in range(rng.randint(0, 6))]
+            links = [res.link(a, b) for a, b in pairs] or [(res.bandwidth_bps, res.latency_s)]
+            assert res.slowest_of_pairs(iter(pairs)) == (min(bw for bw, _ in links),
+                                                         max(lat for _, lat in links)), (res, pairs)
+
 def test_which_link_joins_two_workers() -> None:
     hosts = {"a0": "a", "a1": "a", "b0": "b", "c0": "c", "solo": None}
     res = Resources(workers=tuple(Worker(name=n, memory_bytes=1, host=h) for n, h in hosts.items()),
