@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import itertools
 import os
 import resource
@@ -185,8 +186,8 @@ def registry_url(kind: str) -> Iterator[str | None]:
 
 def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, lease_ttl: float,
             lost: bool, action_ms: float = 0.0, action_jitter: float = 0.0,
-            coalesce_ms: float | None = None, steps_per_request: int = 0, per_process: int | None = None
-            ) -> Figures:
+            coalesce_ms: float | None = None, steps_per_request: int = 0, per_process: int | None = None,
+            profile: str | None = None) -> Figures:
     from coordinator.runtime.errors import JobFailed
     from services.host.hollow_pool import HollowPool
 
@@ -224,7 +225,13 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             revision, events, wakeups = pool.registry.revision(), seen[0], loop.wakeups
             requests = loop.requests["run_step"]
             cpu, main, wall = process_cpu(), time.thread_time(), time.monotonic()
+            profiler = cProfile.Profile() if profile else None
+            if profiler is not None:
+                profiler.enable()
             result = job.fit(steps)
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(f"{profile}.{workers}-{kind}")
             figures.wall_per_step_s = (time.monotonic() - wall) / steps
             figures.main_cpu_per_step_s = (time.thread_time() - main) / steps
             figures.process_cpu_per_step_s = (process_cpu() - cpu) / steps
@@ -299,6 +306,8 @@ def main() -> None:
     parser.add_argument("--steps-per-request", type=int, nargs="+", default=[0],
                         help="runtime.steps_per_request (0: windows of about a second); several: each "
                              "in turn")
+    parser.add_argument("--profile", metavar="PREFIX",
+                        help="cProfile the timed steps of each configuration into PREFIX.<workers>-<kind>")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -313,7 +322,8 @@ def main() -> None:
                     figures = measure(workers, kind, registry, steps=args.steps, warmup=args.warmup,
                                       lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
                                       action_jitter=args.action_jitter, coalesce_ms=coalesce,
-                                      steps_per_request=per_request, per_process=args.per_process)
+                                      steps_per_request=per_request, per_process=args.per_process,
+                                      profile=args.profile)
                     rows.append(figures)
                     print(table([figures]).splitlines()[-1], flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
