@@ -174,6 +174,7 @@ def _first_fit(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
     used = [0] * len(groups)  # workers taken from each host, from its front
     blocks: Grid = []
     fits = 0  # hosts before it have no room for a block
+    free = 0  # hosts before it have no free worker
     for _ in range(count):
         while fits < len(groups) and len(groups[fits]) - used[fits] < size:
             fits += 1
@@ -182,7 +183,10 @@ def _first_fit(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
             used[fits] += size
             continue
         block: list[str] = []
-        for h, names in enumerate(groups):
+        while free < len(groups) and used[free] == len(groups[free]):
+            free += 1
+        for h in range(free, len(groups)):
+            names = groups[h]
             take = min(size - len(block), len(names) - used[h])
             block += names[used[h]:used[h] + take]
             used[h] += take
@@ -235,4 +239,4 @@ def place(resources: Resources, replicas: int, stages: int, ranks: int, *,
         else:
             shape = traffic() if traffic is not None else Traffic(1.0, 1, 1.0)
             grid = min(layouts, key=lambda layout: layout.cost(shape, chunks)).grid
-    return tuple(tuple(row[s % ranks] for s in range(stages)) for row in grid)
+    return tuple(tuple(row) * (stages // ranks) for row in grid)  # stage s on rank s % ranks

@@ -255,9 +255,9 @@ def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int
             first = 1 if fixed.asked and alone else 2
             all_stages = ([fixed.num_stages] if fixed.num_stages is not None
                           else [v * r for r in range(first, ranks + 1) if v * r <= fixed.max_stages])
-            shapes += [(d, p, mode, schedule, m, v) for p in all_stages
-                       if p % v == 0 and d * (p // v) <= fixed.num_workers and p // v >= first
-                       for mode in modes for m in counts if schedule_problem(schedule, p, m, v) is None]
+            runs = [(p, m) for p in all_stages if p % v == 0 and d * (p // v) <= fixed.num_workers
+                    and p // v >= first for m in counts if schedule_problem(schedule, p, m, v) is None]
+            shapes += [(d, p, mode, schedule, m, v) for p, m in runs for mode in modes]
     # stages, modes, schedules, counts (the planner keeps the first of equally good plans), then chunks
     mode_at, schedule_at = {x: i for i, x in enumerate(modes)}, {x: i for i, x in enumerate(schedules)}
     count_at = {x: i for i, x in reversed(list(enumerate(counts)))}  # the first of equal counts, as index()
