@@ -221,8 +221,9 @@ class Cutter(Protocol):
 
 
 # The bottleneck bounds the band tries, in multiples of the least a stage can take (the average
-# stage, or the heaviest node), before the last try takes every start (the dense dynamic programme).
-_BAND_TRIES = (1.5, 6.0, math.inf)
+# stage with the cheapest cuts' transfers, or the heaviest node), before the last try takes every start
+# (the dense dynamic programme). A try too narrow costs a pass; one too wide, a wider band each pass.
+_BAND_TRIES = (1.15, 1.5, 6.0, math.inf)
 
 
 def cut_min_max(problem: CutProblem) -> Bounds:
@@ -250,6 +251,12 @@ def cut_min_max(problem: CutProblem) -> Bounds:
     n, k = problem.num_nodes, problem.num_stages
     prefix = problem._prefix
     least = max(float(prefix[n]) / k, max(problem.compute_s))
+    if 1 < k <= n:  # every inner boundary charges its cut to both stages beside it: the k - 1 cheapest
+        inner = np.asarray(problem.cut_s[1:n], dtype=np.float64)
+        if problem.cuttable is not None:
+            inner = inner[np.asarray(problem.cuttable[1:n], dtype=bool)]
+        if len(inner) >= k - 1:
+            least = max(least, (float(prefix[n]) + 2 * float(np.partition(inner, k - 2)[:k - 1].sum())) / k)
     for factor in _BAND_TRIES if may_fit(problem) and fits_memory(problem) else ():
         bounds = _banded(problem, factor * least if least > 0 else math.inf)
         if bounds is not None:

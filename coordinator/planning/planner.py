@@ -1721,7 +1721,7 @@ def _shapes(profile: Profile, resources: Resources, request: PlanConfig,
     max_stages = 1 + sum(c.cuttable for c in profile.cuts[1:-1])
     fixed = resolve(request, profile.num_nodes, max_stages, resources.num_workers)
     shapes = plan_shapes(request, fixed, global_batch)
-    sharded = [sh for sh in shapes if _shards_as_asked(request, sh)]
+    sharded = [sh for sh in shapes if _shards_as_asked(request, sh)] if request.zero else shapes
     if shapes and not sharded:
         factor = f" in groups of plan.shard_factor={request.shard_factor}" if request.shard_factor else ""
         raise PlanningError(f"plan.zero={request.zero} shards a stage's state across 2 or more collective "
