@@ -56,9 +56,10 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
-__all__ = ["ENABLE_ENV", "PRELOAD", "ForkServer", "ForkedProcess", "enabled", "prestart", "shared"]
+__all__ = ["ENABLE_ENV", "PRELOAD", "ForkServer", "ForkedProcess", "enabled", "fork_here", "prestart",
+           "shared"]
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +127,17 @@ class ForkedProcess:
 class ForkServer:
     """The fork server's process, and the requests to it (thread-safe)."""
 
-    def __init__(self, *, start_timeout: float = START_TIMEOUT_S, wait: bool = True) -> None:
-        root = _package_root()
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, **_QUIET_THREADS, "PYTHONPATH": path}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.runtime.forkserver"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env=env, start_new_session=True)
+    def __init__(self, *, start_timeout: float = START_TIMEOUT_S, wait: bool = True,
+                 process: _ServerProcess | None = None) -> None:
+        """Start the server as a fresh interpreter, or take ``process`` (:func:`fork_here`'s)."""
+        if process is None:
+            root = _package_root()
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+            env = {**os.environ, **_QUIET_THREADS, "PYTHONPATH": path}
+            process = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.runtime.forkserver"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self._proc = process
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin: IO[bytes] = self._proc.stdin
         self._requests = threading.Lock()
@@ -257,6 +262,117 @@ class ForkServer:
 _shared: ForkServer | None = None
 _shared_lock = threading.Lock()
 _failed = False
+
+
+class _ServerProcess(Protocol):
+    """What :class:`ForkServer` uses of its server's process (``subprocess.Popen``'s, :class:`_Forked`'s)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+class _Forked:
+    """A server forked from this process (:func:`fork_here`): ``Popen``'s ``pid``, ``stdin``, ``stdout``,
+    ``poll``, ``wait`` and ``kill``."""
+
+    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+_replaced: list[object] = []  # streams whose descriptors were closed: kept, never collected (nor closed)
+
+
+def _streams_on_their_descriptors() -> None:
+    """``sys.stdin``/``stdout``/``stderr`` on descriptors 0, 1 and 2, as in a fresh interpreter (a
+    multiprocessing child's stdin is ``/dev/null`` on another descriptor, which the fork closed)."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        stream = getattr(sys, name)
+        try:
+            ours = stream is not None and stream.fileno() == fd
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            _replaced.append(stream)
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 (the process's own stream)
+
+
+_OWN_PACKAGES = ("cellmesh", "comm", "coordinator", "services")
+_MAY_BE_LOADED = {"coordinator", "coordinator.runtime", __name__}
+
+
+def fork_here() -> None:
+    """Make this process's fork server a fork of this process, instead of a fresh interpreter that imports
+    :data:`PRELOAD` again: for a process that has those libraries loaded already and nothing of cellmesh
+    (a test harness's command forked from its own preloaded server). The server is ready at once.
+
+    Raises:
+        RuntimeError: This process runs threads (a fork would copy none of them, maybe mid-lock), has
+            imported a cellmesh module (the children must import those afresh, after their environment is
+            set: see [Note: the fork server]), or already has its server.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            raise RuntimeError("fork_here: this process has its fork server already")
+        loaded = sorted(name for name in sys.modules
+                        if name.split(".")[0] in _OWN_PACKAGES and name not in _MAY_BE_LOADED)
+        if threading.active_count() > 1 or loaded:
+            raise RuntimeError(f"fork_here: this process runs {threading.active_count()} thread(s) and has "
+                               f"loaded {loaded[:5]}: only a single-threaded process without cellmesh "
+                               "modules may become the fork server")
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: what Popen(stdin=PIPE, stdout=PIPE, start_new_session=True) would give
+            code = 1
+            try:
+                os.setsid()
+                os.dup2(requests_r, 0)
+                os.dup2(replies_w, 1)
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+                _streams_on_their_descriptors()
+                serve()
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(requests_r)
+        os.close(replies_w)
+        process = _Forked(pid, os.fdopen(requests_w, "wb"), os.fdopen(replies_r, "rb"))
+        _shared = ForkServer(wait=False, process=process)
+        atexit.register(_shared.close)
 
 
 def prestart() -> None:

@@ -24,6 +24,10 @@ fresh ``python`` would have been for it:
 * it exits as the interpreter would: the code of ``SystemExit``, 1 with the traceback on stderr for any
   other exception, after its non-daemon threads and its own ``atexit`` functions (not the fork server's).
 
+A ``cellmesh`` command's own fork server (``coordinator/runtime/forkserver.py``, for the workers of a
+local run) is forked from the command at its start (``forkserver.fork_here``): it holds what a fresh server
+would import, so each run spares its import (5 s of CPU).
+
 What the fork cannot give is a fresh interpreter's start: its signal dispositions and thread count are the
 fork server's (SIGINT as the test process had it; torch's threads set from ``OMP_NUM_THREADS``). A test
 about interpreter start-up itself, or one that needs a process group of its own, uses ``subprocess``.
@@ -186,6 +190,7 @@ def _child_main(config_bytes: bytes) -> None:
         import torch
 
         torch.set_num_threads(_threads())
+        _fork_server_here(list(config["argv"]))
         _run_argv(list(config["argv"]))
     except SystemExit as exc:
         code = exc.code
@@ -202,6 +207,18 @@ def _threads() -> int:
     with contextlib.suppress(ValueError):
         return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
     return len(os.sched_getaffinity(0))
+
+
+def _fork_server_here(argv: list[str]) -> None:
+    """A ``cellmesh`` command's fork server for its workers, forked from this process now (still one thread,
+    nothing of cellmesh loaded, the libraries the server would import loaded: ``forkserver.fork_here``)
+    instead of a fresh interpreter importing them again (5 s of CPU a run), unless the command's
+    environment turns the server off."""
+    if Path(argv[0]).name == "cellmesh" or argv[1:3] == ["-m", "cellmesh"]:
+        from coordinator.runtime import forkserver
+
+        if forkserver.enabled():
+            forkserver.fork_here()
 
 
 def _run_argv(argv: list[str]) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.runtime.forkserver import ForkServer
+from tests.harness import commands
 
 pytestmark = pytest.mark.timeout(120)
 TARGETS = "tests.multiproc.coordinator.forked_targets"
@@ -123,3 +124,22 @@ def test_a_server_started_without_waiting_forks_once_ready_and_closes_at_once_be
         server.wait_ready(0)  # ready: returns at once
     finally:
         server.close()
+
+
+def test_a_server_forked_from_a_preloaded_process_forks_as_a_fresh_one(tmp_path: Path) -> None:
+    """``fork_here`` (a ``cellmesh`` command the test harness forked, which has the libraries loaded): the
+    server is a fork of that process, and its child is what a fresh server's would be (its own environment
+    read at import, directory, session, threads, stdin); a process with a cellmesh module loaded, with a
+    server already, or with a thread running is refused."""
+    out = tmp_path / "probe.json"
+    done = commands.run([sys.executable, "-m", "tests.multiproc.coordinator.fork_here_probe", str(out)],
+                        env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    probe = json.loads(out.read_text())
+    assert probe["server_parent"] == probe["me"]
+    seen = probe["seen"]
+    assert probe["code"] == 4 and seen["argv"] == ["4", "y"] and seen["value"] == "from-here"
+    assert seen["cwd"] == str(tmp_path) and seen["sid"] == seen["pid"] and seen["threads"] == 2
+    assert seen["stdin"] == ""
+    modules, again, threads = probe["refused"]
+    assert "services.probe_module" in modules and "already" in again and "thread(s)" in threads
