@@ -218,7 +218,8 @@ def _fork_server_here(argv: list[str]) -> None:
         from coordinator.runtime import forkserver
 
         if forkserver.enabled():
-            forkserver.fork_here()
+            with contextlib.suppress(OSError):  # no fork now (EAGAIN): the command starts its server itself
+                forkserver.fork_here()
 
 
 def _run_argv(argv: list[str]) -> None:
