@@ -78,8 +78,7 @@ from services.compute.weight_grads import WeightGradStore, eligible_layers
 
 __all__ = ["FLUSH_FACTOR", "MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS",
            "OPTIMIZER_STEP_TEMPORARY_FACTORS", "SCALE_FACTOR", "NodeProfile", "NodeTable", "Profile",
-           "format_bytes",
-           "profile_graph"]
+           "format_bytes", "profile_graph"]
 
 SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
 FLUSH_FACTOR = 16  # the rows a flush's W is timed at, in multiples of the sample's ([Note: a flush's rows])
