@@ -390,36 +390,70 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
     best = np.where(bad, np.inf, first)
     choice = np.zeros((k, n + 1), dtype=np.int64)
     if k > 2:  # the stages between the first and the last: the band, ends x starts
-        # starts[j, t]: ascending; t = width - 1 is j - 1
-        starts = ends[:, None] - width + np.arange(width)[None, :]
-        outside = starts < lowest[:, None]
+        # [Note: the ends' window] Stage s's end j leads to an answer within ``limit`` only if the s + 1
+        # stages up to it hold at most (s + 1) limit of compute and the k - 1 - s after it at most
+        # (k - 1 - s) limit (a stage costs its compute and transfers, never less): ends outside that
+        # window are left infinite, which changes no value or minimiser within ``limit`` (as the band
+        # does not). Two more ends each side, and a margin on the sums, for rounding. The band's rows
+        # are built for the ends some stage's window holds.
+        windows = [(0, n + 1)] * k
+        if not math.isinf(limit):
+            margin, stage = limit * (1 + 1e-9) + 1e-12, np.arange(k)
+            after = prefix[n] - (k - 1 - stage) * margin  # the least compute up to a stage's end
+            first = np.maximum(np.searchsorted(prefix, after, side="left") - 2, 0)
+            past = np.minimum(np.searchsorted(prefix, (stage + 1) * margin, side="right") + 2, n + 1)
+            windows = list(zip(first.tolist(), past.tolist(), strict=True))
+        r0, r1 = windows[1][0], max(windows[k - 2][1], windows[1][0] + 1)
+        rows_at = ends[r0:r1]
+        # starts[j, t]: ascending; t = width - 1 is j - 1 (row j - r0)
+        starts = rows_at[:, None] - width + np.arange(width)[None, :]
+        outside = starts < lowest[r0:r1, None]
         starts = np.maximum(starts, 0)
         # the same float operations as the dense cost[i, j]: (prefix[j] - prefix[i]) + w[i] + w[j]
-        cost = prefix[:, None] - prefix[starts] + w[starts] + w[:, None]
-        invalid = outside | (starts >= ends[:, None])
+        cost = prefix[r0:r1, None] - prefix[starts] + w[starts] + w[r0:r1, None]
+        invalid = outside | (starts >= rows_at[:, None])
         if allowed is not None:
-            invalid |= ~allowed[starts] | ~allowed[:, None]
+            invalid |= ~allowed[starts] | ~allowed[r0:r1, None]
         cost = np.where(invalid, np.inf, cost)
-        window = None if transient is None else _band_max(problem.transient_bytes or (), width)
+        window = None if transient is None else _band_max(problem.transient_bytes or (), width)[r0:r1]
         masked: dict[tuple[object, ...], np.ndarray] = {}  # stages alike in memory share their costs
 
-        def stage_cost(s: int) -> np.ndarray:
+        def memory_key(s: int) -> tuple[object, ...] | None:
             held = problem.held_bytes(s)
             if not memory or held is None:
-                return cost
+                return None
             assert problem.memory_limit is not None and problem.in_flight is not None
-            holds = problem.holds is not None and problem.holds[s]
-            key = (held, problem.in_flight[s], problem.memory_limit[s], holds)
-            if key not in masked:
-                over = over_memory(s, ends[:, None], starts, window)
-                masked[key] = cost if over is None else np.where(over, np.inf, cost)
-            return masked[key]
+            return (held, problem.in_flight[s], problem.memory_limit[s],
+                    problem.holds is not None and problem.holds[s])
+
+        keys = [memory_key(s) for s in range(k)]
+        inner = keys[1:k - 1]
+        alike = {key for key in inner if key is not None and inner.count(key) > 1}
+
+        def stage_cost(s: int, rows: slice) -> np.ndarray:
+            key = keys[s]
+            if key is None:
+                return cost[rows]
+            if key in alike:  # built once over every row, for every stage alike
+                if key not in masked:
+                    over = over_memory(s, rows_at[:, None], starts, window)
+                    masked[key] = cost if over is None else np.where(over, np.inf, cost)
+                return masked[key][rows]
+            over = over_memory(s, rows_at[rows, None], starts[rows], None if window is None else window[rows])
+            return cost[rows] if over is None else np.where(over, np.inf, cost[rows])
 
         for s in range(1, k - 1):
-            cand = np.maximum(best[starts], stage_cost(s))  # cand[j, t]: stages < s end at starts[j, t]
-            pick = np.argmin(cand, axis=1)  # the first minimum: the earliest start, as the dense programme
-            choice[s] = starts[ends, pick]
-            best = cand[ends, pick]
+            lo, hi = max(windows[s][0], r0), min(windows[s][1], r1)
+            best_next = np.full(n + 1, np.inf)
+            if lo < hi:
+                rows = slice(lo - r0, hi - r0)
+                band = starts[rows]
+                cand = np.maximum(best[band], stage_cost(s, rows))  # cand[j, t]: stages < s end at band[j, t]
+                pick = np.argmin(cand, axis=1)  # the first minimum, the earliest start: as the dense one
+                span = np.arange(hi - lo)
+                choice[s][lo:hi] = band[span, pick]
+                best_next[lo:hi] = cand[span, pick]
+            best = best_next
     if k > 1:  # the last stage, [i, n) for the starts i within the band of n
         row = n - width + np.arange(width)
         outside_n = row < lowest[n]

@@ -148,23 +148,26 @@ def _layouts(resources: Resources, replicas: int, ranks: int, chunks: int) -> tu
         cached = _LAYOUTS[id(resources)] = (resources, {})
     key = (replicas, ranks, chunks)
     if key not in cached[1]:
-        groups = resources.host_groups
-        pipelines = _blocks(groups, replicas, ranks)
-        by_stage = _blocks(groups, ranks, replicas)
+        groups, flat = resources.host_groups, resources.names_by_host
+        pipelines = _blocks(groups, replicas, ranks, flat)
+        by_stage = _blocks(groups, ranks, replicas, flat)
         replica_groups = [[by_stage[k][r] for k in range(ranks)] for r in range(replicas)]
         grids = [pipelines] if pipelines == replica_groups else [pipelines, replica_groups]
         cached[1][key] = tuple(_Layout.of(resources, g, chunks) for g in grids)
     return cached[1][key]
 
 
-def _blocks(groups: Sequence[Sequence[str]], count: int, size: int) -> Grid:
+def _blocks(groups: Sequence[Sequence[str]], count: int, size: int, flat: Sequence[str] | None = None
+            ) -> Grid:
     """``count`` blocks of ``size`` workers: each inside the first host with room for it, else the free
     workers in order (:func:`_first_fit`). Hosts of one size that a block's size divides, or that divide
-    it, fill in list order: the blocks are then the workers in host order, cut in turn."""
+    it, fill in list order: the blocks are then the workers in host order (``flat``, if given), cut in
+    turn."""
     sizes = {len(names) for names in groups}
     if len(sizes) == 1 and ((host := sizes.pop()) % size == 0 or size % host == 0):
-        flat = [name for names in groups for name in names]
-        return [flat[k * size:(k + 1) * size] for k in range(count)]
+        if flat is None:
+            flat = [name for names in groups for name in names]
+        return [list(flat[k * size:(k + 1) * size]) for k in range(count)]
     return _first_fit(groups, count, size)
 
 

@@ -190,7 +190,7 @@ from coordinator.planning import memory
 from coordinator.planning.closed_form import BUSIEST, KINDS, cut_free_bound, rank_bounds
 from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter, may_fit
-from coordinator.planning.graph import CutInfo, TensorMeta
+from coordinator.planning.graph import CutInfo
 from coordinator.planning.memory import (
     AUTOMATIC,
     REPLICATED,
@@ -362,21 +362,42 @@ def _after_first_bucket(grads: Sequence[float], backward: Sequence[float]) -> fl
     return 0.0
 
 
-def _scaled_bytes(profile: Profile, size: int) -> tuple[list[int], list[int]]:
+@dataclass(frozen=True)
+class _CutTensors:
+    """Every cut's tensors as integer columns, for :func:`_scaled_bytes` at any size in one numpy pass."""
+
+    cut: np.ndarray  # each tensor's cut
+    nbytes: np.ndarray
+    rows: np.ndarray  # along its batch dimension (0: none)
+    grad: np.ndarray  # whether it needs a gradient
+    num_cuts: int
+
+    @classmethod
+    def of(cls, profile: Profile) -> _CutTensors:
+        tensors = [(c, t) for c, cut in enumerate(profile.cuts) for t in cut.tensors]
+        return cls(np.array([c for c, _ in tensors], dtype=np.int64),
+                   np.array([t.nbytes for _, t in tensors], dtype=np.int64),
+                   np.array([0 if t.batch_dim is None else t.shape[t.batch_dim] for _, t in tensors],
+                            dtype=np.int64),
+                   np.array([t.requires_grad for _, t in tensors], dtype=bool), len(profile.cuts))
+
+
+def _scaled_bytes(profile: Profile, size: int, table: _CutTensors | None = None
+                  ) -> tuple[list[int], list[int]]:
     """Per cut at microbatch ``size``: its tensors' bytes and those of the ones needing gradients (what
-    ``TensorMeta.at_batch`` gives them, without building the rescaled tensors)."""
+    ``TensorMeta.at_batch`` gives them, without building the rescaled tensors), the same integers."""
+    t = table if table is not None else _CutTensors.of(profile)
     base = profile.microbatch_size
-    def nbytes(t: TensorMeta) -> int:
-        if t.batch_dim is None or size == base:
-            return t.nbytes
-        rows = t.shape[t.batch_dim]
-        return t.nbytes // max(1, rows) * (rows * size // base)
-    fwd, bwd = [], []
-    for c in profile.cuts:
-        sizes = [(nbytes(t), t.requires_grad) for t in c.tensors]
-        fwd.append(sum(x for x, _ in sizes))
-        bwd.append(sum(x for x, grad in sizes if grad))
-    return fwd, bwd
+    nbytes = t.nbytes
+    if size != base:
+        batched = t.rows > 0
+        scaled = nbytes // np.maximum(1, t.rows) * (t.rows * size // base)
+        nbytes = np.where(batched, scaled, nbytes)
+    fwd = np.zeros(t.num_cuts, dtype=np.int64)
+    bwd = np.zeros(t.num_cuts, dtype=np.int64)
+    np.add.at(fwd, t.cut, nbytes)
+    np.add.at(bwd, t.cut[t.grad], nbytes[t.grad])
+    return fwd.tolist(), bwd.tolist()
 
 
 def cut_problem(profile: Profile, num_stages: int, *, microbatch_size: int | None = None,
@@ -503,7 +524,8 @@ class _Shared:
 
     def scaled(self, mb: int) -> tuple[list[int], list[int]]:
         """Per cut at microbatch ``mb``: its bytes, the bytes of the tensors needing gradients."""
-        return self._get(("scaled", mb), lambda: _scaled_bytes(self.profile, mb))
+        table = self._get(("cut tensors",), lambda: _CutTensors.of(self.profile))
+        return self._get(("scaled", mb), lambda: _scaled_bytes(self.profile, mb, table))
 
     def cut_at(self, index: int, mb: int) -> CutInfo:
         """Cut ``index`` with its tensors at microbatch ``mb``."""
@@ -685,6 +707,8 @@ def _sync_starved(resources: Resources, stage_workers: Sequence[Sequence[Worker]
     host while the shape's workers compute (the most over its hosts): see [Note: the sync's own CPU]. 0
     for GPU workers, and for CPU workers whose host's cores are not given (``Worker.host_cpus``: its
     workers' ``cpus`` together then, none waiting for a core)."""
+    if not resources.host_cores_given:  # no host of CPU workers with its cores given: none waits
+        return [0.0] * len(stage_workers)
     threads: dict[object, int] = {}
     workers: dict[object, list[str]] = {}
     home: dict[str, object] = {}  # every worker's host
@@ -1537,11 +1561,14 @@ def _cut_costs(shared: _Shared, mb: int) -> tuple[float, list[float]]:
         resources = shared.resources
         assert resources is not None
         bw, lat = resources.fastest_link
-        fwd_bytes, bwd_bytes = shared.scaled(mb)
-        cuts = shared.profile.cuts
-        costs = sorted(_transfer(fwd_bytes[c], bw, lat) + _transfer(bwd_bytes[c], bw, lat)
-                       for c in range(1, len(cuts) - 1) if cuts[c].cuttable)
-        return (costs[0] if costs else 0.0), [0.0, *itertools.accumulate(costs)]
+        fwd_bytes, bwd_bytes = (np.array(x, dtype=np.float64)[1:-1] for x in shared.scaled(mb))
+        cuttable = np.array([c.cuttable for c in shared.profile.cuts[1:-1]], dtype=bool)
+
+        def transfer(nbytes: np.ndarray) -> np.ndarray:  # _transfer's arithmetic, element by element
+            return np.where(nbytes <= 0, 0.0, TRANSFER_OVERHEAD_S + lat + nbytes / bw)
+
+        costs = np.sort((transfer(fwd_bytes) + transfer(bwd_bytes))[cuttable])
+        return (float(costs[0]) if len(costs) else 0.0), [0.0, *np.cumsum(costs).tolist()]
     return shared._get(("cut costs", mb), make)
 
 

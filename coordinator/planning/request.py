@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from coordinator.planning.config import Mode, PlanConfig
-from coordinator.planning.schedules import CHUNKED, SCHEDULES, SPLIT, schedule_problem
+from coordinator.planning.schedules import CHUNKED, SCHEDULES, SPLIT, chunked_fits, schedule_problem
 
 __all__ = [
     "MAX_SEARCHED_CHUNKS",
@@ -240,14 +240,16 @@ def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int
     if request.mode is not None:
         modes = (request.mode,)
     schedules = list(SCHEDULES) if request.schedule is None else [request.schedule]
-    shapes: list[Shape] = []
+    # per schedule, the stage counts it takes and, per stage count, its (microbatches, chunks) in order
+    runs: dict[str, dict[int, list[tuple[int, int]]]] = {}
     for schedule in schedules:
         if schedule not in CHUNKED:
             if fixed.chunks in (None, 1):
-                shapes += [(d, p, mode, schedule, m, 1) for p in stage_counts if d * p <= fixed.num_workers
-                           and (p > 1 or schedule not in SPLIT or request.schedule is not None)
-                           for mode in modes for m in counts]
+                plain = [(m, 1) for m in counts]  # the same runs for every stage count
+                runs[schedule] = {p: plain for p in stage_counts if d * p <= fixed.num_workers
+                                  and (p > 1 or schedule not in SPLIT or request.schedule is not None)}
             continue
+        by_stages: dict[int, list[tuple[int, int]]] = {}
         for v in fixed.chunk_counts():
             if v < 2:
                 continue
@@ -255,13 +257,19 @@ def _shapes_of_degree(request: PlanConfig, fixed: FixedCounts, global_batch: int
             first = 1 if fixed.asked and alone else 2
             all_stages = ([fixed.num_stages] if fixed.num_stages is not None
                           else [v * r for r in range(first, ranks + 1) if v * r <= fixed.max_stages])
-            runs = [(p, m) for p in all_stages if p % v == 0 and d * (p // v) <= fixed.num_workers
-                    and p // v >= first for m in counts if schedule_problem(schedule, p, m, v) is None]
-            shapes += [(d, p, mode, schedule, m, v) for p, m in runs for mode in modes]
-    # stages, modes, schedules, counts (the planner keeps the first of equally good plans), then chunks
-    mode_at, schedule_at = {x: i for i, x in enumerate(modes)}, {x: i for i, x in enumerate(schedules)}
-    count_at = {x: i for i, x in reversed(list(enumerate(counts)))}  # the first of equal counts, as index()
-    return sorted(shapes, key=lambda sh: (sh[1], mode_at[sh[2]], schedule_at[sh[3]], count_at[sh[4]], sh[5]))
+            for p in all_stages:
+                if p % v == 0 and d * (p // v) <= fixed.num_workers and p // v >= first:
+                    by_stages.setdefault(p, []).extend(
+                        (m, v) for m in counts if chunked_fits(schedule, p // v, m))
+        # a stage count's runs by microbatch count (its first position in ``counts``), then chunks
+        count_at = {x: i for i, x in reversed(list(enumerate(counts)))}  # the first of equal counts
+        runs[schedule] = {p: sorted(pairs, key=lambda mv: (count_at[mv[0]], mv[1]))
+                          for p, pairs in by_stages.items() if pairs}
+    # stages, modes, schedules, counts (the planner keeps the first of equally good plans), then chunks:
+    # made in that order
+    every_p = sorted({p for by in runs.values() for p in by})
+    return [(d, p, mode, schedule, m, v) for p in every_p for mode in modes for schedule in schedules
+            for m, v in runs.get(schedule, {}).get(p, ())]
 
 
 def _chunked_problem(request: PlanConfig, fixed: FixedCounts, global_batch: int, degrees: list[int]) -> str:

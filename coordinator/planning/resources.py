@@ -238,6 +238,16 @@ class Resources(BaseModel):
             groups.setdefault(_host_key(w), []).append(w.name)
         return tuple(tuple(names) for names in groups.values())
 
+    @functools.cached_property
+    def names_by_host(self) -> tuple[str, ...]:
+        """Every worker's name, host by host: :attr:`host_groups` one after the other."""
+        return tuple(name for names in self.host_groups for name in names)
+
+    @functools.cached_property
+    def host_cores_given(self) -> bool:
+        """Whether some CPU worker has a host whose cores are given (``Worker.host_cpus``)."""
+        return any(w.device == "cpu" and w.host is not None and w.host_cpus is not None for w in self.workers)
+
     @property
     def host_dependent_links(self) -> bool:
         """Whether a link depends on the hosts of its workers (``intra_host`` or ``host_links`` given)."""

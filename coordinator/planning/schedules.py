@@ -32,10 +32,9 @@ from coordinator.planning.config import SCHEDULE_NAMES
 from services.compute.actions import ScheduleError, format_schedule, validate_schedule
 from services.protocol import Action, ActionKind
 
-__all__ = ["CHUNKED", "SCHEDULES", "Schedule", "Step", "build_schedule", "gpipe", "interleaved_1f1b",
-           "interleaved_group", "one_f_one_b", "peak_in_flight", "schedule_problem", "schedule_steps",
-           "stage_holds",
-           "zb_h1"]
+__all__ = ["CHUNKED", "SCHEDULES", "Schedule", "Step", "build_schedule", "chunked_fits", "gpipe",
+           "interleaved_1f1b", "interleaved_group", "one_f_one_b", "peak_in_flight", "schedule_problem",
+           "schedule_steps", "stage_holds", "zb_h1"]
 
 _HEAD = re.compile(r"(\S+): (\d+) stages? x (\d+) microbatch(?:es)?")
 _RANK = re.compile(r"rank (\d+) \((\d+(?:,\d+)*)\)")
@@ -386,6 +385,14 @@ CHUNKED: dict[str, Callable[[int, int, int], Schedule]] = {"interleaved-1f1b": i
 # schedules whose backward is split in I and W to fill a pipeline's bubbles: nothing to fill on one stage
 # ([Note: no split backward on one stage] in coordinator/planning/request.py)
 SPLIT: frozenset[str] = frozenset({"zb-h1"})
+
+
+@functools.lru_cache(maxsize=4096)
+def chunked_fits(name: str, num_ranks: int, num_microbatches: int) -> bool:
+    """Whether the chunked schedule ``name`` runs ``num_microbatches`` on ``num_ranks`` workers per replica:
+    :func:`schedule_problem`'s answer for every stage count ``num_ranks * chunks`` (``chunks >= 2``), which
+    reads only the workers and the microbatches (the planner asks it of thousands of shapes)."""
+    return schedule_problem(name, 2 * num_ranks, num_microbatches, 2) is None
 
 
 def schedule_problem(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import random
 import time
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from coordinator.planning.cutting import CutError, CutProblem, _with_slack, cut_min_max
+from coordinator.planning.cutting import CutError, CutProblem, _banded, _with_slack, cut_min_max
 from tests.unit.coordinator.planning.test_cutting import problems
 
 
@@ -137,6 +139,34 @@ def test_one_to_six_stages_with_every_memory_term(seed: int) -> None:
             extra["holds"] = tuple(rng.random() < 0.5 for _ in range(k))
         same_as_dense(CutProblem(compute, cuts, k, cuttable, static, act, in_flight, limit,
                                  **extra))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_ends_window_with_flat_runs_and_stages_alike_in_memory(seed: int) -> None:
+    """[Note: the ends' window]: long runs of free nodes (a flat compute sum at a window's edge), dear
+    cuts, and stages that share their memory terms (GPipe's: one mask for all) or not (1F1B's in-flight
+    counts), against the dense programme."""
+    rng = random.Random(5000 + seed)
+    n = rng.choice([60, 120, 240])
+    k = rng.choice([3, 4, 7, 12, 30])
+    compute: list[float] = []
+    while len(compute) < n:
+        compute += [0.0] * rng.randint(1, 12) if rng.random() < 0.4 else [rng.choice([0.5, 1.0, 3.0])]
+    compute = compute[:n]
+    cuts = tuple(rng.choice([0.0, 0.05, 0.5, 2.0]) for _ in range(n + 1))
+    cuttable = tuple(rng.random() > 0.15 for _ in range(n + 1)) if seed % 2 else None
+    static = tuple(rng.uniform(0, 4) for _ in range(n))
+    act = tuple(rng.uniform(0, 1) for _ in range(n))
+    room = rng.uniform(1.1, 2.5) * (sum(static) + 2 * sum(act)) / k
+    alike = seed % 4 < 2
+    in_flight = tuple(2 if alike else k - s for s in range(k))
+    for problem in (CutProblem(tuple(compute), cuts, k, cuttable),
+                    CutProblem(tuple(compute), cuts, k, cuttable, static, act, in_flight, (room,) * k)):
+        same_as_dense(problem)
+        with contextlib.suppress(CutError):  # the band at the answer itself: no room to spare
+            dense = dense_min_max(problem)
+            optimum = max(problem.stage_time(a, b) for a, b in itertools.pairwise(dense))
+            assert _banded(problem, optimum) == dense
 
 
 def test_a_thousand_nodes_into_128_stages_is_fast() -> None:

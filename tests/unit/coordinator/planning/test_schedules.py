@@ -7,7 +7,17 @@ import dataclasses
 import pytest
 
 from comm.codec import pack, unpack
-from coordinator.planning.schedules import Schedule, build_schedule, gpipe, one_f_one_b, peak_in_flight, zb_h1
+from coordinator.planning.schedules import (
+    CHUNKED,
+    Schedule,
+    build_schedule,
+    chunked_fits,
+    gpipe,
+    one_f_one_b,
+    peak_in_flight,
+    schedule_problem,
+    zb_h1,
+)
 from services.compute.actions import ScheduleError, validate_stage
 from services.protocol import Action, RunStep
 
@@ -139,3 +149,11 @@ def test_unknown_schedule_and_bad_sizes() -> None:
         build_schedule("zigzag", 2, 2)
     with pytest.raises(ValueError, match=">= 1"):
         gpipe(0, 2)
+
+
+def test_a_chunked_schedule_fits_whatever_its_chunks_as_its_problem_says() -> None:
+    for name in CHUNKED:
+        for ranks in range(1, 17):
+            for m in range(1, 41):
+                for v in range(2, 7):
+                    assert chunked_fits(name, ranks, m) == (schedule_problem(name, ranks * v, m, v) is None)
