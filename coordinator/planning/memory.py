@@ -143,7 +143,7 @@ what a plan reaches for when memory runs out, not what it tries first.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from coordinator.planning.config import Mode, PlanConfig, ZeroStage
@@ -266,6 +266,16 @@ class NodeMemory:
             self.gathered, self._or_zeros(self.flight), self.recomputed, self._or_zeros(self.stepped),
             self._or_zeros(self.frames), strict=True))
 
+    def with_activations(self, recompute: bool, activation_bytes: Sequence[float],
+                         input_bytes: Sequence[float]) -> NodeMemory:
+        """These bytes with the microbatch's part given: what a node holds per microbatch in flight (its
+        saved activations, or under recompute its input) and what recompute rebuilds in the backward.
+        Nothing else :func:`node_memory` gives depends on the microbatch size, so the planner makes the
+        rest once for every size."""
+        held = tuple(input_bytes) if recompute else tuple(activation_bytes)
+        recomputed = tuple(activation_bytes) if recompute else (0.0,) * len(self.params)
+        return replace(self, held=held, recomputed=recomputed)
+
     def stage(self, start: int, stop: int, held: Sequence[float], in_flight: int) -> MemoryUse:
         """A stage's peak over nodes ``[start, stop)``, ``held`` per node per microbatch (the cutter's
         ``CutProblem.held_bytes``: deferred weight gradients included), ``in_flight`` microbatches."""
@@ -360,13 +370,14 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
         return max(unit_of(i, -1), unit_of(i, 1))
 
     three = zero >= 3
+    none = (0.0,) * len(nodes)
     return NodeMemory(
         params=tuple(nd.param_bytes * param_share + nd.buffer_bytes for nd in nodes),
         grads=tuple(nd.grad_bytes * grad_share for nd in nodes),
         optimizer=tuple(state(nd) for nd in nodes),
-        held=tuple(input_bytes) if option.recompute else tuple(activation_bytes),
+        held=none,
         gathered=tuple(2.0 * unit_of(i) + around(i) if three else 0.0 for i in range(len(nodes))),
-        recomputed=tuple(activation_bytes) if option.recompute else (0.0,) * len(nodes),
+        recomputed=none,
         stepped=tuple(step(nd) for nd in nodes),
         buffers=tuple(buffers(nd) for nd in nodes),
         flight=tuple(max(0.0, 2.0 * unit_of(i, grads=True) + unit_of(i, 1, grads=True) - unit_of(i))
@@ -374,7 +385,8 @@ def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mod
                      else max(float(nd.largest_param_bytes), gather(i) - nd.grad_bytes) if zero == 2
                      else gather(i)
                      for i, nd in enumerate(nodes)),
-        frames=tuple(frames(nd) for nd in nodes))
+        frames=tuple(frames(nd) for nd in nodes)).with_activations(option.recompute, activation_bytes,
+                                                                   input_bytes)
 
 
 def units(nodes: Sequence[NodeProfile], gather_bytes: int) -> list[int]:

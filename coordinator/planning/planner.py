@@ -563,11 +563,13 @@ class _Shared:
         nodes = self.profile.nodes
         # the node memory reads the mode and the replicas for parameter servers only, the count for > 1
         key = ("memory", option, mode if data_parallel > 1 else "collective", data_parallel,
-               num_microbatches > 1, mb, on_cuda)
-        return self._get(key, lambda: node_memory(
+               num_microbatches > 1, on_cuda)
+        # the microbatch's part apart: the rest is the same at every size (NodeMemory.with_activations)
+        whole = self._get(key, lambda: node_memory(
             nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
-            activation_bytes=[nd.activation_bytes * scale for nd in nodes],
-            input_bytes=self.scaled(mb)[0][:-1], on_cuda=on_cuda))
+            activation_bytes=[0.0] * len(nodes), input_bytes=[0.0] * len(nodes), on_cuda=on_cuda))
+        return self._get((*key, mb), lambda: whole.with_activations(
+            option.recompute, [nd.activation_bytes * scale for nd in nodes], self.scaled(mb)[0][:-1]))
 
     def compute(self, mb: int, recompute: bool, speed: float, bandwidth_bps: float,
                 latency_s: float) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from coordinator.planning.graph import CutInfo, TensorMeta
+from coordinator.planning.memory import MemoryOption, node_memory
 from coordinator.planning.planner import _cut_costs, _scaled_bytes, _Shared, _transfer
 from coordinator.planning.profile import Profile
 from coordinator.planning.resources import Resources
@@ -62,3 +63,28 @@ def test_cut_costs_are_the_sorted_transfers_and_their_running_sums(seed: int) ->
                        for c in range(1, len(profile.cuts) - 1) if profile.cuts[c].cuttable)
         expected = (costs[0] if costs else 0.0), [0.0, *itertools.accumulate(costs)]
         assert _cut_costs(_Shared(profile, resources), size) == expected  # the same floats, bit for bit
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize(("zero", "mode", "replicas"), [(0, "collective", 1), (2, "collective", 4),
+                                                         (3, "collective", 2), (0, "parameter_server", 3)])
+def test_a_nodes_bytes_at_every_size_are_those_made_for_that_size(recompute: bool, zero: int, mode: str,
+                                                                 replicas: int) -> None:
+    """The search makes a node's bytes once and gives each microbatch size its part: the same bytes as
+    made for that size."""
+    rng = random.Random(zero * 10 + replicas)
+    nodes = 12
+    profile = Profile.synthetic([1e-3] * nodes,
+                                param_bytes=[rng.choice([0, 4096, 1 << 20]) for _ in range(nodes)],
+                                activation_bytes=[rng.randint(0, 1 << 16) for _ in range(nodes)],
+                                cut_bytes=[rng.randint(1, 1 << 14) for _ in range(nodes - 1)],
+                                microbatch_size=4)
+    option = MemoryOption(zero=zero, shard_factor=replicas if zero else 1, recompute=recompute)
+    shared = _Shared(profile, Resources.local(2))
+    for size in (4, 1, 8, 4, 12):
+        scale = size / profile.microbatch_size
+        made = node_memory(profile.nodes, option, mode=mode,  # type: ignore[arg-type]
+                           data_parallel=replicas, num_microbatches=2,
+                           activation_bytes=[nd.activation_bytes * scale for nd in profile.nodes],
+                           input_bytes=_scaled_bytes(profile, size)[0][:-1], on_cuda=False)
+        assert shared.memory(option, mode, replicas, 2, size, False) == made  # type: ignore[arg-type]
