@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from coordinator.planning.profile import Profile
 from coordinator.planning.resources import Resources, Speed
 
-__all__ = ["Placement", "Traffic", "layout_cost", "neighbour_link", "place", "step_traffic"]
+__all__ = ["PlacedLinks", "Placement", "Traffic", "layout_cost", "neighbour_link", "place",
+           "place_with_links", "step_traffic"]
 
 Placement = tuple[tuple[str, ...], ...]  # placement[r][s]: the worker of replica r's stage s
 Grid = list[list[str]]  # grid[r][k]: the worker of replica r's rank k
@@ -104,19 +105,40 @@ def _hops(ranks: int, chunks: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class PlacedLinks:
+    """The links a placement's step crosses, as :func:`place_with_links` found them placing it.
+
+    Attributes:
+        neighbour: :func:`neighbour_link` of the placement.
+        ranks: Per rank of a replica, the slowest link among its replicas' workers (stage ``s``'s group:
+            ``ranks[s % len(ranks)]``).
+    """
+
+    neighbour: Speed
+    ranks: tuple[Speed, ...]
+
+
+@dataclass(frozen=True)
 class _Layout:
     """A grid and the links its two cost terms cross (see :func:`layout_cost`)."""
 
     grid: Grid
     pipe_link: Speed | None  # the slowest link a stage boundary crosses; None: no boundary
     group_links: tuple[Speed, ...]  # each stage group's slowest link, once each
+    rank_links: tuple[Speed, ...]  # per rank, its stage group's slowest link
 
     @classmethod
     def of(cls, resources: Resources, grid: Grid, chunks: int) -> _Layout:
         hops = _hops(len(grid[0]), chunks)
         pipe = resources.slowest_of_pairs((row[a], row[b]) for row in grid for a, b in hops) if hops else None
-        groups = {resources.slowest_link([row[k] for row in grid]) for k in range(len(grid[0]))}
-        return cls(grid, pipe, tuple(sorted(groups)))
+        ranks = tuple(resources.slowest_link([row[k] for row in grid]) for k in range(len(grid[0])))
+        return cls(grid, pipe, tuple(sorted(set(ranks))), ranks)
+
+    def links(self, resources: Resources) -> PlacedLinks:
+        """:class:`PlacedLinks` of the placement this grid gives (its boundaries are the hops: a pipeline
+        of one rank has none, as :func:`neighbour_link` skips a worker paired with itself)."""
+        return PlacedLinks(self.pipe_link if self.pipe_link is not None else resources.slowest_of_pairs(()),
+                           self.rank_links)
 
     def cost(self, traffic: Traffic, chunks: int) -> float:
         pipe = _transfer(traffic.boundary_bytes, self.pipe_link) if self.pipe_link is not None else 0.0
@@ -208,6 +230,12 @@ def neighbour_link(resources: Resources, placement: Placement) -> Speed:
 
 def place(resources: Resources, replicas: int, stages: int, ranks: int, *,
           traffic: Callable[[], Traffic] | None = None) -> Placement:
+    """Where each replica's stages run: :func:`place_with_links` 's placement."""
+    return place_with_links(resources, replicas, stages, ranks, traffic=traffic)[0]
+
+
+def place_with_links(resources: Resources, replicas: int, stages: int, ranks: int, *,
+                     traffic: Callable[[], Traffic] | None = None) -> tuple[Placement, PlacedLinks | None]:
     """Where each replica's stages run (see [Note: placing replicas and stages on hosts]).
 
     Args:
@@ -219,7 +247,9 @@ def place(resources: Resources, replicas: int, stages: int, ranks: int, *,
             a boundary's bytes and a stage's gradients alike, once per step.
 
     Returns:
-        ``placement[r][s]``: the worker of replica ``r``'s stage ``s``.
+        ``placement[r][s]``: the worker of replica ``r``'s stage ``s``; and where the hosts gave a choice,
+        the links the chosen layout crosses (the planner asks them of every placement; None: the
+        list's order, whose links are not looked up here).
 
     Raises:
         ValueError: Fewer than ``replicas * ranks`` workers, or ``stages`` not a multiple of ``ranks``.
@@ -231,15 +261,16 @@ def place(resources: Resources, replicas: int, stages: int, ranks: int, *,
         raise ValueError(f"place: {replicas} replicas x {ranks} workers need {replicas * ranks} workers, the "
                          f"resource list has {resources.num_workers}")
     groups = resources.host_groups
+    links = None
     if not resources.host_dependent_links or len(groups) == 1:
         names = [w.name for w in resources.workers]
         grid: Grid = [names[r * ranks:(r + 1) * ranks] for r in range(replicas)]
     else:
         chunks = stages // ranks
         layouts = _layouts(resources, replicas, ranks, chunks)
-        if len(layouts) == 1:
-            grid = layouts[0].grid
-        else:
+        chosen = layouts[0]
+        if len(layouts) > 1:
             shape = traffic() if traffic is not None else Traffic(1.0, 1, 1.0)
-            grid = min(layouts, key=lambda layout: layout.cost(shape, chunks)).grid
-    return tuple(tuple(row) * (stages // ranks) for row in grid)  # stage s on rank s % ranks
+            chosen = min(layouts, key=lambda layout: layout.cost(shape, chunks))
+        grid, links = chosen.grid, chosen.links(resources)
+    return tuple(tuple(row) * (stages // ranks) for row in grid), links  # stage s on rank s % ranks

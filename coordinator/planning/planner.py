@@ -201,7 +201,7 @@ from coordinator.planning.memory import (
     memory_options,
     node_memory,
 )
-from coordinator.planning.placement import neighbour_link, place, step_traffic
+from coordinator.planning.placement import PlacedLinks, neighbour_link, place_with_links, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import (
     OPTIMIZER_STATE_FACTORS,
@@ -547,9 +547,11 @@ class _Shared:
                     prefix([nd.grad_bytes for nd in nodes]), prefix([nd.param_bytes for nd in nodes]))
         return self._get(("sums", mb), make)
 
-    def placed(self, placement: tuple[tuple[str, ...], ...], num_stages: int) -> _Placed:
-        """The workers of ``placement`` (one per placement: many shapes share it)."""
-        return self._get(("placed", placement), lambda: _Placed(self, placement, num_stages))
+    def placed(self, placement: tuple[tuple[str, ...], ...], num_stages: int,
+               links: PlacedLinks | None = None) -> _Placed:
+        """The workers of ``placement`` (one per placement: many shapes share it); ``links``: its links as
+        the placement found them, if it did."""
+        return self._get(("placed", placement), lambda: _Placed(self, placement, num_stages, links))
 
     def link(self, names: Sequence[str]) -> tuple[float, float]:
         """The slowest link among ``names`` (it depends on the set only)."""
@@ -631,7 +633,8 @@ class _Placed:
     """A shape's workers as its placement puts them: per stage its replicas' workers and slowest speed,
     the devices, whether CPU workers share a host, the slowest link between neighbouring stages."""
 
-    def __init__(self, shared: _Shared, placement: tuple[tuple[str, ...], ...], num_stages: int) -> None:
+    def __init__(self, shared: _Shared, placement: tuple[tuple[str, ...], ...], num_stages: int,
+                 links: PlacedLinks | None = None) -> None:
         by_name = shared.by_name
         self.workers = [[by_name[names[s]] for names in placement] for s in range(num_stages)]
         placed = {w.name: w for ws in self.workers for w in ws}  # each once (it may hold several stages)
@@ -643,7 +646,9 @@ class _Placed:
         self.speed = [min(w.speed for w in ws) for ws in self.workers]
         self.memory = [min(w.memory_bytes for w in ws) for ws in self.workers]  # per stage, its least
         assert shared.resources is not None
-        self.link = neighbour_link(shared.resources, placement)  # what the pipeline's transfers cross
+        # what the pipeline's transfers cross
+        self.link = links.neighbour if links is not None else neighbour_link(shared.resources, placement)
+        self._rank_links = links.ranks if links is not None else ()
         self._shared = shared
         self._stage_links: dict[int, tuple[float, float]] = {}
         self._sharing: dict[int, Sharing | None] = {}
@@ -661,7 +666,8 @@ class _Placed:
     def stage_link(self, stage: int) -> tuple[float, float]:
         """The slowest link among the stage's replicas."""
         if stage not in self._stage_links:
-            self._stage_links[stage] = self._shared.link([w.name for w in self.workers[stage]])
+            self._stage_links[stage] = (self._rank_links[stage % len(self._rank_links)] if self._rank_links
+                                        else self._shared.link([w.name for w in self.workers[stage]]))
         return self._stage_links[stage]
 
     def sharing(self, ranks: int) -> Sharing | None:
@@ -982,8 +988,9 @@ def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig
     profile = shared.profile
 
     def make() -> _Setup:  # all but the memory options: the modes share it
-        placement = place(resources, d, p, ranks, traffic=lambda: step_traffic(profile, p, m, mb))
-        at = shared.placed(placement, p)
+        placement, links = place_with_links(resources, d, p, ranks,
+                                            traffic=lambda: step_traffic(profile, p, m, mb))
+        at = shared.placed(placement, p, links)
         in_flight, defers = stage_holds(sched_name, p, m, v)
         defer = [deferring and request.precision == "fp32" for deferring in defers]
         # a worker's stages share its memory less its runtime's (host memory: not a GPU's): the cutter gives

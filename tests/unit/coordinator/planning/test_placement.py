@@ -18,6 +18,7 @@ from coordinator.planning.placement import (
     layout_cost,
     neighbour_link,
     place,
+    place_with_links,
     step_traffic,
 )
 from coordinator.planning.profile import Profile
@@ -99,6 +100,28 @@ def test_every_placement_uses_distinct_workers_on_random_clusters() -> None:
 
 
 
+def test_the_links_a_placement_reports_are_those_of_its_workers() -> None:
+    """What the planner takes from the placement instead of looking it up: the neighbour link and every
+    stage group's slowest link, on random clusters of hosts of any sizes (with per-host-pair links too)."""
+    rng = random.Random(11)
+    for _ in range(200):
+        groups = tuple(HostGroup(name=f"h{i}", workers=rng.randint(1, 5), memory=1)
+                       for i in range(rng.randint(2, 5)))
+        res = ClusterFile(hosts=groups, intra_host=INTRA, inter_host=INTER).resources()
+        if rng.random() < 0.3:  # a slower pair of hosts
+            slow = {"a": "h0-0", "b": "h1-0", "bandwidth_bps": 1e8, "latency_s": 1e-4}
+            res = Resources(workers=res.workers, intra_host=res.intra_host, bandwidth_bps=res.bandwidth_bps,
+                            latency_s=res.latency_s, host_links=({**slow, "a": "h0", "b": "h1"},))
+        d, p, ranks = rng.choice(shapes(res.num_workers))
+        traffic = Traffic(rng.choice([0, 1e3, 1e8]), rng.randint(1, 8), rng.choice([0, 1e3, 1e8]))
+        placed, links = place_with_links(res, d, p, ranks, traffic=lambda t=traffic: t)
+        assert placed == place(res, d, p, ranks, traffic=lambda t=traffic: t)
+        assert links is not None
+        assert links.neighbour == neighbour_link(res, placed)
+        for s in range(p):
+            assert links.ranks[s % ranks] == res.slowest_link([row[s] for row in placed])
+
+
 def test_hosts_of_one_size_cut_in_turn_as_first_fit_would() -> None:
     """Blocks on hosts of one size that divides the block or that the block divides: the workers in host
     order, cut in turn, the same as the first fit of any hosts gives."""
@@ -133,7 +156,8 @@ def test_the_planner_syncs_replica_groups_inside_hosts(monkeypatch: pytest.Monke
     res, request = cluster(2, 4, device="cuda"), PlanConfig(data_parallel=2, num_stages=4, schedule="1f1b")
     plan = planner.choose_plan(prof, res, request, global_batch=64)
     assert all(len(hosts_of(res, st.workers)) == 1 for st in plan.stages)
-    monkeypatch.setattr(planner, "place", lambda r, d, p, ranks, traffic=None: todays(r, d, p, ranks))
+    monkeypatch.setattr(planner, "place_with_links",
+                        lambda r, d, p, ranks, traffic=None: (todays(r, d, p, ranks), None))
     listed = planner.choose_plan(prof, res, request, global_batch=64)
     assert all(len(hosts_of(res, st.workers)) == 2 for st in listed.stages)
     assert plan.step_time_s < listed.step_time_s
@@ -157,6 +181,8 @@ def test_a_pipeline_inside_a_host_is_priced_at_the_intra_host_link(monkeypatch: 
     # priced as before (the slowest link among all four workers: between hosts), the same placement is slower
     monkeypatch.setattr(planner, "neighbour_link",
                         lambda r, placement: r.slowest_link([n for row in placement for n in row]))
+    monkeypatch.setattr(planner, "place_with_links",  # the links looked up (by the line above), not reported
+                        lambda r, d, p, ranks, traffic=None: (place(r, d, p, ranks, traffic=traffic), None))
     before = planner.choose_plan(prof, res, request, global_batch=16)
     assert before.placement == plan.placement
     slow = 2 * (planner.TRANSFER_OVERHEAD_S + INTER.latency_s + cut / INTER.bandwidth_bps)
