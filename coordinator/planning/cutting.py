@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
@@ -427,8 +428,8 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
                     problem.holds is not None and problem.holds[s])
 
         keys = [memory_key(s) for s in range(k)]
-        inner = keys[1:k - 1]
-        alike = {key for key in inner if key is not None and inner.count(key) > 1}
+        counted = Counter(keys[1:k - 1])  # one hash per stage: a key holds a tuple per node
+        alike = {key for key, count in counted.items() if key is not None and count > 1}
 
         def stage_cost(s: int, rows: slice) -> np.ndarray:
             key = keys[s]
