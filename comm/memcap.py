@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import re
@@ -168,12 +169,24 @@ def release_freed() -> None:
     _malloc_trim()
 
 
-def _malloc_trim() -> None:
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, found once (``find_library`` runs ``ldconfig -p`` in a subprocess each time)."""
     name = ctypes.util.find_library("c")
     if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    if libc is None:
         return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL(name).malloc_trim(0)
+    with contextlib.suppress(AttributeError):  # not glibc
+        libc.malloc_trim(0)
 
 
 class PeakProbe:

@@ -131,7 +131,15 @@ class KeepAlive:
 
     def _run(self) -> None:
         wait = self.interval
-        while not self._stop.wait(wait) and not self.lost.is_set():
+        while True:
+            due = time.monotonic() + wait
+            if self._stop.wait(wait) or self.lost.is_set():
+                return
+            late = time.monotonic() - due
+            if late > self.interval:
+                log.warning("lease %s of %s: the refresh ran %.2fs late (its thread was not scheduled: the "
+                            "process is starved of CPU or a thread held the GIL); the lease's TTL is %.1fs",
+                            f"{self._lease.id:#x}", self.what, late, self._lease.ttl.total_seconds())
             wait = self._attempt()
 
     def _attempt(self) -> float:
@@ -162,6 +170,11 @@ class KeepAlive:
             return retry
         self._expired = False
         took = time.monotonic() - started
+        if took > self.interval:
+            log.warning("lease %s of %s: a refresh took %.2fs (the registry answered slowly, or this thread "
+                        "did not run meanwhile: the process starved of CPU or a thread held the GIL); the "
+                        "lease's TTL is %.1fs", f"{self._lease.id:#x}", self.what, took,
+                        self._lease.ttl.total_seconds())
         self._done(answered=True, doubt=took > self.interval)
         return max(0.0, self.interval - took)  # paced from each send: a slow answer keeps the period
 

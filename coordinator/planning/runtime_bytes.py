@@ -69,9 +69,10 @@ import zmq
 from comm.allocator import tune_malloc
 tune_malloc()
 import services.compute.service  # what a worker has loaded before its first assignment
-from services.host.worker import RUNTIME_MODULES
+from services.host.worker import RUNTIME_MODULES, settle_heap
 for module in RUNTIME_MODULES:
     __import__(module)
+settle_heap()
 from comm.memcap import PeakProbe
 probe = PeakProbe().start()
 context = zmq.Context()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ def report(argv: Sequence[str]) -> int:
     """Print what the child is (one JSON line to stdout, i.e. its log) and exit with ``argv[0]``."""
     print(json.dumps({"argv": list(argv), "value": READ_AT_IMPORT, "cwd": os.getcwd(), "pid": os.getpid(),
                       "sid": os.getsid(0), "threads": torch.get_num_threads(), "path0": sys.path[0],
-                      "stdin": sys.stdin.read(), "signals": signals()}))
+                      "stdin": sys.stdin.read(), "signals": signals(), "frozen": gc.get_freeze_count()}))
     return int(argv[0])
 
 

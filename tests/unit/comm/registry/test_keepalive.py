@@ -112,3 +112,56 @@ def test_a_frozen_holder_renews_without_reading_as_an_outage() -> None:
             assert keeper.in_doubt()  # the lease was lost: its keys vanished and came back
         finally:
             keeper.stop(revoke=True)
+
+
+class _SlowLease(Lease):
+    """A lease whose registry takes ``delay`` to answer each refresh."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(7, timedelta(seconds=30))
+        self.delay = delay
+
+    def refresh(self) -> None:
+        time.sleep(self.delay)
+
+    def revoke(self) -> None:
+        pass
+
+
+def _hold_gil(seconds: float) -> None:
+    """Hold the GIL for about ``seconds`` in one C call (``sum`` over a range never lets it go)."""
+    started = time.perf_counter()
+    sum(range(200_000))
+    rate = 200_000 / max(time.perf_counter() - started, 1e-6)
+    sum(range(int(rate * seconds)))
+
+
+def test_a_refresh_held_back_by_the_gil_or_a_slow_registry_is_logged_with_its_delay(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A healthy holder whose lease could lapse says why in its log, with the delay: the refresh ran
+    late (a long GIL hold in the process, a starved CPU) or took long (the registry, or the same
+    hold falling while the refresh was on its way)."""
+    caplog.set_level("WARNING", logger="comm.registry.keepalive")
+    keeper = KeepAlive(_SlowLease(0.0), interval=timedelta(milliseconds=50), what="the test's card")
+    try:
+        time.sleep(0.2)
+        assert not caplog.records  # refreshes on time: nothing said
+        _hold_gil(0.5)
+        wait_until(lambda: bool(caplog.records), 3, "the held-back refresh's line")
+    finally:
+        keeper.stop()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "the test's card" in line and "GIL" in line, line
+    late = " ran " in line
+    delay = float(line.split("ran ")[1].split("s late")[0] if late else line.split("took ")[1].split("s ")[0])
+    assert 0.2 < delay < 3.0, line
+
+    caplog.clear()
+    keeper = KeepAlive(_SlowLease(0.15), interval=timedelta(milliseconds=50), what="the test's card")
+    try:
+        wait_until(lambda: bool(caplog.records), 3, "the slow answer's line")
+    finally:
+        keeper.stop()
+    line = caplog.records[0].getMessage()
+    assert "a refresh took" in line and "registry answered slowly" in line, line
+    assert 0.15 <= float(line.split("took ")[1].split("s ")[0]) < 3.0, line
