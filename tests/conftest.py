@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import settings
+
+if TYPE_CHECKING:
+    from tests.harness.profiles import ProfileMemo
 
 # Property tests check outcomes, not speed: on a loaded 2-core machine one example can take longer
 # than hypothesis's default 200 ms deadline, which would fail a correct test.
@@ -58,6 +62,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def _profile_memo() -> Iterator[ProfileMemo]:
+    """``Job.plan()``'s profiles, each model's taken once per test process: [Note: the suite's profiles]."""
+    from coordinator.runtime import job
+    from tests.harness.profiles import ProfileMemo
+
+    original = job.profile_graph
+    memo = ProfileMemo(original)
+    job.profile_graph = memo  # type: ignore[assignment]
+    yield memo
+    job.profile_graph = original
+
+
+@pytest.fixture(autouse=True)
+def _kept_profiles(request: pytest.FixtureRequest, _profile_memo: ProfileMemo) -> Iterator[None]:
+    """Serve kept profiles to every test but those marked ``fresh_profile``. (Not through ``monkeypatch``:
+    an autouse fixture asking for it would set it up first, and undo the test's own patches last.)"""
+    if request.node.get_closest_marker("fresh_profile") is None:
+        yield
+        return
+    from coordinator.runtime import job
+
+    job.profile_graph = _profile_memo.profile  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        job.profile_graph = _profile_memo  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="session", autouse=True)
