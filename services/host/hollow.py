@@ -79,7 +79,7 @@ from services.compute.boundary import empty_buffers, transfer_tag
 from services.compute.stage import build_stage
 from services.compute.window import agree
 from services.factories import FactoryAllowList
-from services.host.worker import SERVICE_BUILDERS, ServiceBuilder, Worker, allowed_factories
+from services.host.worker import SERVICE_BUILDERS, ServiceBuilder, Worker, allowed_factories, settle_heap
 from services.link import PipelineLink
 from services.protocol import (
     MAX_PROGRAMS,
@@ -506,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shared_context().set(zmq.MAX_SOCKETS, MAX_SOCKETS)
     auth.install(auth.credentials_for("worker", args.keys_dir, insecure=args.insecure))
     torch.set_num_threads(1)
+    settle_heap()  # the leases' refresh threads never wait out a full scan of the imports (its note)
     fleet = Fleet(args.registry, args.job, args.workers, prefix=args.prefix, first=args.first,
                   lease_ttl=timedelta(seconds=args.lease_ttl),
                   factories=allowed_factories(None, args.factory),
