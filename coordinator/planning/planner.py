@@ -186,6 +186,7 @@ from typing import TypeVar, cast, get_args
 
 import numpy as np
 
+from comm.heap import frozen
 from coordinator.planning import memory
 from coordinator.planning.closed_form import BUSIEST, KINDS, cut_free_bound, rank_bounds
 from coordinator.planning.config import Mode, PlanConfig
@@ -1797,6 +1798,12 @@ def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _S
         PlanningError: If the request is impossible or no plan fits in memory; the message
             says why and names a plan that would fit when one exists.
     """
+    with frozen():  # full collections skip the process's heap during the search ([Note: a search's ...])
+        return _choose_plan(profile, resources, request, global_batch, automatic, exhaustive)
+
+
+def _choose_plan(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,
+                 automatic: Automatic | None, exhaustive: bool) -> Plan:
     if not exhaustive:
         cut_fn, shapes = _shapes(profile, resources, request, global_batch)
         fast = _fast_choice(profile, resources, request, global_batch, automatic or memory.AUTOMATIC, cut_fn,

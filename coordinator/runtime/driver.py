@@ -75,6 +75,7 @@ from datetime import timedelta
 import torch
 
 from comm.codec import unpack
+from comm.heap import release, settle
 from comm.rpc.hot import PackedBody
 from comm.traffic import TrafficCounts, latest_by
 from coordinator.planning.devices import DeviceError
@@ -85,7 +86,6 @@ from coordinator.runtime.clipping import global_norm, grad_scale, norm_parts
 from coordinator.runtime.devices import place_devices
 from coordinator.runtime.errors import JobError, JobFailed
 from coordinator.runtime.evaluation import forward_actions
-from coordinator.runtime.heap import release, settle
 from coordinator.runtime.loop import EventLoop, Reply, WorkerJoined, WorkerLost
 from coordinator.runtime.nonfinite import NonFiniteStep, first_nonfinite, overflowed, refuse
 from coordinator.runtime.records import StepRecord, _Service
@@ -275,7 +275,7 @@ class Runtime:
         self._load_programs()
         log.info("[coordinator %s] placed %d stages on %s", spec.run, len(self.services),
                  _some(self.workers))
-        settle()  # the heap so far is not scanned again while this runtime runs (coordinator/runtime/heap.py)
+        settle()  # the heap so far is not scanned again while this runtime runs (comm/heap.py)
 
     def _turns(self, sv: _Service) -> TurnsOptions | None:
         """The turns ``sv`` takes with the other stages of its worker (None: it holds one stage)."""
@@ -712,7 +712,7 @@ class Runtime:
     def close(self, timeout: timedelta = timedelta(seconds=10), *, skip: str = "") -> None:
         """Release every service this runtime placed (best effort, bounded; never raises), but on ``skip``
         (a worker known lost: a frozen one would only make this wait)."""
-        release()  # what this runtime leaves behind can be collected (coordinator/runtime/heap.py)
+        release()  # what this runtime leaves behind can be collected (comm/heap.py)
         self._shards.forget(self.loop)
         ids = {self.loop.send(sv.worker, "worker", "release", Release(service=sv.name), Empty): sv
                for sv in [*self.services, *self._shards.services]

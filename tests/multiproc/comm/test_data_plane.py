@@ -24,6 +24,7 @@ from coordinator.runtime.reference import max_abs_diff, train_reference
 Context = zmq.Context[zmq.Socket[bytes]]
 WAIT_MS = 3000
 REFUSED_MS = 700
+SEND_MS = 10_000  # a send waits for its connection at most this long
 M = "tests.multiproc.coordinator.models"
 
 
@@ -58,8 +59,9 @@ def _send(address: str, configure: Configure) -> tuple[Context, zmq.Socket[bytes
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     configure(sock)
+    sock.setsockopt(zmq.SNDTIMEO, SEND_MS)  # queued once the connection's pipe exists (it may lag, loaded)
     sock.connect(address)
-    sock.send(b"a tensor chunk", zmq.NOBLOCK)
+    sock.send(b"a tensor chunk")
     return ctx, sock
 
 

@@ -1,11 +1,11 @@
-"""The coordinator's heap while a runtime runs (coordinator/runtime/heap.py): frozen, then given back."""
+"""The process's heap (comm/heap.py): frozen while a run or a search goes on, then given back."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from coordinator.runtime.heap import release, settle
+from comm.heap import frozen, release, settle
 
 
 class _Node:
@@ -47,3 +47,32 @@ def test_a_heap_the_program_froze_itself_stays_frozen() -> None:
         gc.unfreeze()
     gc.collect()
     assert gone() is None
+
+
+def test_a_frozen_block_skips_what_was_there_and_gives_it_back() -> None:
+    old = _Node()
+    gone_old = weakref.ref(old)
+    with frozen():
+        assert gc.get_freeze_count() > 0
+        del old
+        young = _Node()  # made in the block: still collected by the block's own collections
+        gone_young = weakref.ref(young)
+        del young
+        gc.collect()
+        assert gone_young() is None
+        assert gone_old() is not None  # frozen: skipped
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone_old() is None
+
+
+def test_a_frozen_block_inside_a_settled_heap_leaves_it_settled() -> None:
+    try:
+        settle()
+        before = gc.get_freeze_count()
+        with frozen():
+            pass
+        assert gc.get_freeze_count() >= before  # the run's freeze is the run's to release
+    finally:
+        release()
+    assert gc.get_freeze_count() == 0

@@ -1,4 +1,8 @@
-"""The coordinator's heap during a run: what was there when the stages were placed is never scanned again.
+"""The process's heap and the cyclic collector: what a long computation or a run never scans again.
+
+Two uses, one mechanism (``gc.freeze``): a coordinator's run (:func:`settle` once its stages are
+placed, :func:`release` when its runtime closes; the note below) and one long computation that
+allocates many containers, such as a plan search (:func:`frozen`, [Note: a search's collections]).
 
 [Note: a full collection in the middle of a step]
 CPython's cyclic garbage collector scans every tracked container of the process in its oldest
@@ -27,9 +31,11 @@ user's frozen objects stay where the user put them, and the runtime's join them 
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
-__all__ = ["release", "settle"]
+__all__ = ["frozen", "release", "settle"]
 
 
 _froze = False  # settle() froze a heap nobody had frozen: release() may unfreeze it
@@ -49,3 +55,28 @@ def release() -> None:
     if _froze:
         gc.unfreeze()
     _froze = False
+
+
+@contextlib.contextmanager
+def frozen() -> Iterator[None]:
+    """Within the block, collections skip every object tracked at its start.
+
+    [Note: a search's collections]
+    A plan search on a cluster's resource list allocates a few hundred thousand containers, and enough
+    of them outlive the young collections to trigger full ones: on 1,024 workers one or two, each
+    scanning the whole heap the process held before the search (200,000-300,000 objects with torch,
+    numpy and pydantic loaded: 0.17 s of a 1.3 s search, 0.34 s of a 4.6 s one). Frozen at the start,
+    that heap is skipped and a full collection scans the search's own objects. The young collections
+    run as usual, so the search's cyclic garbage is still freed.
+
+    A heap that was frozen already (a settled run re-planning after a loss, or the program's own
+    freeze) is left as it is at the end; otherwise the block gives back what it froze
+    (``gc.unfreeze``: a splice of two lists, no scan) and the next full collection may look at it again.
+    """
+    froze = gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if froze:
+            gc.unfreeze()
