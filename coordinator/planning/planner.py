@@ -637,15 +637,20 @@ class _Placed:
     def __init__(self, shared: _Shared, placement: tuple[tuple[str, ...], ...], num_stages: int,
                  links: PlacedLinks | None = None) -> None:
         by_name = shared.by_name
-        self.workers = [[by_name[names[s]] for names in placement] for s in range(num_stages)]
-        placed = {w.name: w for ws in self.workers for w in ws}  # each once (it may hold several stages)
+        period = _period(placement, num_stages)  # stage s is placed as stage s % period (interleaved chunks)
+        rank_workers = [[by_name[names[s]] for names in placement] for s in range(period)]
+        self.workers = [rank_workers[s % period] for s in range(num_stages)]
+        placed = {w.name: w for ws in rank_workers for w in ws}  # each once (it may hold several stages)
         self.on_cuda = all(w.device == "cuda" for w in placed.values())
         hosts = [w.host for w in placed.values() if w.host is not None]
         on_cpu = all(w.device == "cpu" for w in placed.values())
         self.shared_host = on_cpu and len(hosts) > len(set(hosts))  # [Note: contention on a shared host]
-        self.twins = _twins(self.workers)
-        self.speed = [min(w.speed for w in ws) for ws in self.workers]
-        self.memory = [min(w.memory_bytes for w in ws) for ws in self.workers]  # per stage, its least
+        twins = _twins(rank_workers) if not self.on_cuda else [False] * period
+        speed = [min(w.speed for w in ws) for ws in rank_workers]
+        least = [min(w.memory_bytes for w in ws) for ws in rank_workers]
+        self.twins = [twins[s % period] for s in range(num_stages)]
+        self.speed = [speed[s % period] for s in range(num_stages)]
+        self.memory = [least[s % period] for s in range(num_stages)]  # per stage, its least
         assert shared.resources is not None
         # what the pipeline's transfers cross
         self.link = links.neighbour if links is not None else neighbour_link(shared.resources, placement)
@@ -682,6 +687,15 @@ class _Placed:
     def rank_stages(self, ranks: int) -> list[tuple[int, ...]]:
         """The stages each of ``ranks`` workers of a replica holds (stage ``s`` on ``s % ranks``)."""
         return [tuple(range(r, self.num_stages, ranks)) for r in range(ranks)]
+
+
+def _period(placement: tuple[tuple[str, ...], ...], num_stages: int) -> int:
+    """The least ``k`` dividing ``num_stages`` with every replica's stage ``s`` on the worker of its stage
+    ``s % k`` (the ranks of an interleaved placement; ``num_stages`` when none shorter holds)."""
+    for k in range(1, num_stages):
+        if num_stages % k == 0 and all(row == row[:k] * (num_stages // k) for row in placement):
+            return k
+    return num_stages
 
 
 def _twins(workers: Sequence[Sequence[Worker]]) -> list[bool]:

@@ -88,3 +88,15 @@ def test_a_nodes_bytes_at_every_size_are_those_made_for_that_size(recompute: boo
                            activation_bytes=[nd.activation_bytes * scale for nd in profile.nodes],
                            input_bytes=_scaled_bytes(profile, size)[0][:-1], on_cuda=False)
         assert shared.memory(option, mode, replicas, 2, size, False) == made  # type: ignore[arg-type]
+
+
+def test_a_placement_s_period_is_its_least_repeating_prefix() -> None:
+    from coordinator.planning.planner import _period
+
+    interleaved = (("a", "b", "a", "b", "a", "b"), ("c", "d", "c", "d", "c", "d"))
+    assert _period(interleaved, 6) == 2
+    assert _period((("a",) * 4, ("b",) * 4), 4) == 1  # every stage on one worker per replica
+    assert _period((("a", "b", "c", "d"),), 4) == 4  # a plain pipeline
+    # the first replica repeats, the second does not: the period must hold for every replica
+    assert _period((("a", "b", "a", "b"), ("c", "d", "e", "d")), 4) == 4
+    assert _period((("a", "b", "c", "a", "b", "c"),), 6) == 3
