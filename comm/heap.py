@@ -1,8 +1,9 @@
 """The process's heap and the cyclic collector: what a long computation or a run never scans again.
 
-Two uses, one mechanism (``gc.freeze``): a coordinator's run (:func:`settle` once its stages are
-placed, :func:`release` when its runtime closes; the note below) and one long computation that
-allocates many containers, such as a plan search (:func:`frozen`, [Note: a search's collections]).
+Three uses, one mechanism (``gc.freeze``): a coordinator's run (:func:`settle` once its stages are
+placed, :func:`release` when its runtime closes; the note below), one long computation that allocates
+many containers, such as a plan search (:func:`frozen`, [Note: a search's collections]), and a worker's
+imports, frozen for the process's life (:func:`settle_imports`, [Note: a worker's heap and its lease]).
 
 [Note: a full collection in the middle of a step]
 CPython's cyclic garbage collector scans every tracked container of the process in its oldest
@@ -35,7 +36,7 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-__all__ = ["frozen", "release", "settle"]
+__all__ = ["frozen", "release", "settle", "settle_imports"]
 
 
 _froze = False  # settle() froze a heap nobody had frozen: release() may unfreeze it
@@ -80,3 +81,27 @@ def frozen() -> Iterator[None]:
     finally:
         if froze:
             gc.unfreeze()
+
+
+def settle_imports() -> None:
+    """Move every object the process holds now (its imports) into the collector's permanent generation.
+
+    [Note: a worker's heap and its lease]
+    A worker's lease is refreshed by a thread every ``ttl / 3``, and a thread runs only while it
+    holds the GIL. A full garbage collection holds the GIL from start to end, and with torch and
+    ``torch._dynamo`` loaded a worker's heap holds about 270,000 tracked containers: one full
+    collection takes 0.2 s on an idle core and was seen taking 1.5 s on a loaded one, inside
+    :class:`~comm.memcap.PeakProbe`'s collection as a stage was built. That starved the refresh past the
+    lease (2 s in the tests, lapsing after 1.3 s without a refresh), so the coordinator took a healthy
+    worker for dead while it placed the stages, with the embedded registry and with etcd alike.
+
+    So once the runtime's libraries are loaded (before the lease is granted) the heap is frozen
+    (``gc.freeze``: no scan, a splice of lists), and later collections scan only what the worker's
+    assignments allocated: a collection in the probe then takes microseconds. Garbage among the
+    imports' objects is never freed, which costs nothing that matters: the libraries stay loaded for
+    the process's life. A forked worker inherits its fork server's frozen heap and freezes its own
+    cellmesh imports on top (``coordinator/runtime/forkserver.py``); the hollow fleet freezes its
+    imports as a worker does, and so does the probe of a worker's runtime bytes
+    (``coordinator/planning/runtime_bytes.py``).
+    """
+    gc.freeze()

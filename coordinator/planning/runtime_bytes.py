@@ -69,10 +69,11 @@ import zmq
 from comm.allocator import tune_malloc
 tune_malloc()
 import services.compute.service  # what a worker has loaded before its first assignment
-from services.host.worker import RUNTIME_MODULES, settle_heap
+from services.host.worker import RUNTIME_MODULES
+from comm.heap import settle_imports
 for module in RUNTIME_MODULES:
     __import__(module)
-settle_heap()
+settle_imports()
 from comm.memcap import PeakProbe
 probe = PeakProbe().start()
 context = zmq.Context()

@@ -536,7 +536,7 @@ def serve() -> None:
     _INHERITED_SIGINT_IGNORED = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     for name in PRELOAD:
         importlib.import_module(name)
-    gc.freeze()  # children's full collections skip the libraries ([Note: the worker's heap and its lease])
+    gc.freeze()  # children's full collections skip the libraries ([Note: a worker's heap and its lease])
     read_wake, write_wake = os.pipe()
     os.set_blocking(write_wake, False)
     os.set_blocking(read_wake, False)

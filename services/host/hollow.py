@@ -69,6 +69,7 @@ from pydantic import BaseModel, ValidationError
 from comm import auth, traffic
 from comm.base import Communicator, Work
 from comm.codec import describe_validation_error
+from comm.heap import settle_imports
 from comm.logs import configure_logging
 from comm.registry import connect_registry, follows_presence
 from comm.registry.base import Registry
@@ -79,7 +80,7 @@ from services.compute.boundary import empty_buffers, transfer_tag
 from services.compute.stage import build_stage
 from services.compute.window import agree
 from services.factories import FactoryAllowList
-from services.host.worker import SERVICE_BUILDERS, ServiceBuilder, Worker, allowed_factories, settle_heap
+from services.host.worker import SERVICE_BUILDERS, ServiceBuilder, Worker, allowed_factories
 from services.link import PipelineLink
 from services.protocol import (
     MAX_PROGRAMS,
@@ -506,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shared_context().set(zmq.MAX_SOCKETS, MAX_SOCKETS)
     auth.install(auth.credentials_for("worker", args.keys_dir, insecure=args.insecure))
     torch.set_num_threads(1)
-    settle_heap()  # the leases' refresh threads never wait out a full scan of the imports (its note)
+    settle_imports()  # the leases' refresh threads never wait out a full scan of the imports
     fleet = Fleet(args.registry, args.job, args.workers, prefix=args.prefix, first=args.first,
                   lease_ttl=timedelta(seconds=args.lease_ttl),
                   factories=allowed_factories(None, args.factory),

@@ -52,7 +52,6 @@ that stream to the run directory's ``workers/NAME.log``.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import logging
 import os
@@ -72,6 +71,7 @@ from comm import auth
 from comm.allocator import tune_malloc
 from comm.codec import pack
 from comm.errors import LeaseExpiredError
+from comm.heap import settle_imports
 from comm.logs import configure_logging, set_process_context
 from comm.memcap import apply_cap
 from comm.registry import connect_registry, follows_presence
@@ -148,28 +148,6 @@ first too)."""
 def _load_runtime() -> None:
     for module in RUNTIME_MODULES:
         importlib.import_module(module)
-
-
-def settle_heap() -> None:
-    """Move every object the process holds now (its imports) into the collector's permanent generation.
-
-    [Note: the worker's heap and its lease]
-    A worker's lease is refreshed by a thread every ``ttl / 3``, and a thread runs only while it
-    holds the GIL. A full garbage collection holds the GIL from start to end, and with torch and
-    ``torch._dynamo`` loaded a worker's heap holds about 270,000 tracked containers: one full
-    collection takes 0.2 s on an idle core and was seen taking 1.5 s on a loaded one, inside
-    :class:`~comm.memcap.PeakProbe`'s collection as a stage was built. That starved the refresh past the
-    lease (2 s in the tests, lapsing after 1.3 s without a refresh), so the coordinator took a healthy
-    worker for dead while it placed the stages, with the embedded registry and with etcd alike.
-
-    So once the runtime's libraries are loaded (before the lease is granted) the heap is frozen
-    (``gc.freeze``: no scan, a splice of lists), and later collections scan only what the worker's
-    assignments allocated: a collection in the probe then takes microseconds. Garbage among the
-    imports' objects is never freed, which costs nothing that matters: the libraries stay loaded for
-    the process's life. A forked worker inherits its fork server's frozen heap and freezes its own
-    cellmesh imports on top (``coordinator/runtime/forkserver.py``).
-    """
-    gc.freeze()
 
 
 def _gpus() -> int:
@@ -485,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch.export()  # RANK, WORLD_SIZE, ... for torch.distributed code in the job's factories
     tune_malloc()
     _load_runtime()  # before the cap: the libraries are the process's baseline, not the plan's budget
-    settle_heap()  # before the lease: no full collection scans the libraries again (settle_heap's note)
+    settle_imports()  # before the lease: no full collection scans them again ([Note: a worker's heap ...])
     name = args.name or launch.default_name() or f"{os.uname().nodename}-{os.getpid()}"
     limit = args.memory_limit if args.memory_limit is not None else launch.memory_limit
     if limit is not None:

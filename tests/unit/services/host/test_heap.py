@@ -1,4 +1,4 @@
-"""A worker's heap after start ([Note: the worker's heap and its lease] in services/host/worker.py).
+"""A worker's heap after start ([Note: a worker's heap and its lease] in comm/heap.py).
 
 The libraries' objects sit in the collector's permanent generation, so a full collection (the memory
 probe runs one as each stage is built) scans only what the worker allocated since: its lease's refresh
@@ -17,10 +17,11 @@ ROOT = str(Path(__file__).resolve().parents[4])
 
 _SCRIPT = """
 import gc, json
-from services.host.worker import _load_runtime, settle_heap
+from comm.heap import settle_imports
+from services.host.worker import _load_runtime
 _load_runtime()
 before = len(gc.get_objects())
-settle_heap()
+settle_imports()
 scanned = len(gc.get_objects())
 probe = [[k] for k in range(1000)]  # what an assignment allocates: not frozen, collected as usual
 print(json.dumps({"before": before, "frozen": gc.get_freeze_count(), "scanned": scanned,
