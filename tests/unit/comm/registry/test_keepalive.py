@@ -136,32 +136,39 @@ def _hold_gil(seconds: float) -> None:
     sum(range(int(rate * seconds)))
 
 
+def _delays(caplog: pytest.LogCaptureFixture, kind: str) -> list[float]:
+    """The delays named by the keepalive's lines of ``kind`` ("late": the thread ran late; "took": slow)."""
+    lines = [r.getMessage() for r in caplog.records]
+    if kind == "late":
+        return [float(line.split(" ran ")[1].split("s late")[0]) for line in lines if " ran " in line]
+    return [float(line.split(" took ")[1].split("s ")[0]) for line in lines if "a refresh took" in line]
+
+
 def test_a_refresh_held_back_by_the_gil_or_a_slow_registry_is_logged_with_its_delay(
         caplog: pytest.LogCaptureFixture) -> None:
     """A healthy holder whose lease could lapse says why in its log, with the delay: the refresh ran
     late (a long GIL hold in the process, a starved CPU) or took long (the registry, or the same
-    hold falling while the refresh was on its way)."""
+    hold falling while the refresh was on its way). On a loaded machine the thread may also run a
+    little late by itself: only a line naming at least the hold's delay counts."""
     caplog.set_level("WARNING", logger="comm.registry.keepalive")
-    keeper = KeepAlive(_SlowLease(0.0), interval=timedelta(milliseconds=50), what="the test's card")
+    keeper = KeepAlive(_SlowLease(0.0), interval=timedelta(milliseconds=200), what="the test's card")
     try:
-        time.sleep(0.2)
-        assert not caplog.records  # refreshes on time: nothing said
-        _hold_gil(0.5)
-        wait_until(lambda: bool(caplog.records), 3, "the held-back refresh's line")
+        time.sleep(0.3)
+        _hold_gil(1.0)
+        wait_until(lambda: max(_delays(caplog, "late") + _delays(caplog, "took"), default=0.0) > 0.5, 5,
+                   "the held-back refresh's line")
     finally:
         keeper.stop()
-    [line] = [r.getMessage() for r in caplog.records]
-    assert "the test's card" in line and "GIL" in line, line
-    late = " ran " in line
-    delay = float(line.split("ran ")[1].split("s late")[0] if late else line.split("took ")[1].split("s ")[0])
-    assert 0.2 < delay < 3.0, line
+    line = next(r.getMessage() for r in caplog.records if "GIL" in r.getMessage())
+    assert "the test's card" in line, line
+    assert max(_delays(caplog, "late") + _delays(caplog, "took")) < 10.0
 
     caplog.clear()
-    keeper = KeepAlive(_SlowLease(0.15), interval=timedelta(milliseconds=50), what="the test's card")
+    keeper = KeepAlive(_SlowLease(0.6), interval=timedelta(milliseconds=200), what="the test's card")
     try:
-        wait_until(lambda: bool(caplog.records), 3, "the slow answer's line")
+        wait_until(lambda: bool(_delays(caplog, "took")), 5, "the slow answer's line")
     finally:
         keeper.stop()
-    line = caplog.records[0].getMessage()
-    assert "a refresh took" in line and "registry answered slowly" in line, line
-    assert 0.15 <= float(line.split("took ")[1].split("s ")[0]) < 3.0, line
+    line = next(r.getMessage() for r in caplog.records if "a refresh took" in r.getMessage())
+    assert "registry answered slowly" in line and "the test's card" in line, line
+    assert 0.6 <= _delays(caplog, "took")[0] < 10.0, line
