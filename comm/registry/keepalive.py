@@ -33,6 +33,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from comm.errors import LeaseExpiredError
+from comm.logs import LogThrottle
 from comm.registry.base import Lease
 
 __all__ = ["OUTAGE_GRACE", "RETRY", "KeepAlive"]
@@ -45,6 +46,14 @@ RETRY = timedelta(seconds=0.5)
 OUTAGE_GRACE = timedelta(seconds=5)
 """How long after a registry outage a vanished key is suspected of being the outage's doing, and how
 long it then has to come back (its holder re-publishing it) before it counts as gone."""
+
+HELD_BACK_LOG_WINDOW = timedelta(seconds=10)
+"""At most one line per kind (ran late, took long) per lease in this window; the rest are counted."""
+
+
+def _more(held: int) -> str:
+    return f" ({held} more since the last such line)" if held else ""
+
 
 Renew = Callable[[], Lease]
 """Grant a new lease and put the holder's keys again with it; return the new lease."""
@@ -87,6 +96,7 @@ class KeepAlive:
         self._doubted_at: float | None = None  # the last time the registry was silent, late or lost the lease
         self._expired = False  # the registry said the lease is gone: renew it
         self._stop = threading.Event()
+        self._throttle = LogThrottle(HELD_BACK_LOG_WINDOW.total_seconds())  # used by the thread alone
         self._thread = threading.Thread(target=self._run, name=f"keepalive-{lease.id}", daemon=True)
         self._thread.start()
 
@@ -136,10 +146,11 @@ class KeepAlive:
             if self._stop.wait(wait) or self.lost.is_set():
                 return
             late = time.monotonic() - due
-            if late > self.interval:
+            if late > self.interval and (held := self._throttle.admit("late")) is not None:
                 log.warning("lease %s of %s: the refresh ran %.2fs late (its thread was not scheduled: the "
-                            "process is starved of CPU or a thread held the GIL); the lease's TTL is %.1fs",
-                            f"{self._lease.id:#x}", self.what, late, self._lease.ttl.total_seconds())
+                            "process is starved of CPU or a thread held the GIL); the lease's TTL is %.1fs%s",
+                            f"{self._lease.id:#x}", self.what, late, self._lease.ttl.total_seconds(),
+                            _more(held))
             wait = self._attempt()
 
     def _attempt(self) -> float:
@@ -170,11 +181,11 @@ class KeepAlive:
             return retry
         self._expired = False
         took = time.monotonic() - started
-        if took > self.interval:
+        if took > self.interval and (held := self._throttle.admit("took")) is not None:
             log.warning("lease %s of %s: a refresh took %.2fs (the registry answered slowly, or this thread "
                         "did not run meanwhile: the process starved of CPU or a thread held the GIL); the "
-                        "lease's TTL is %.1fs", f"{self._lease.id:#x}", self.what, took,
-                        self._lease.ttl.total_seconds())
+                        "lease's TTL is %.1fs%s", f"{self._lease.id:#x}", self.what, took,
+                        self._lease.ttl.total_seconds(), _more(held))
         self._done(answered=True, doubt=took > self.interval)
         return max(0.0, self.interval - took)  # paced from each send: a slow answer keeps the period
 
