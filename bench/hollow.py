@@ -19,7 +19,9 @@ events it handles), the event loop's wake-ups per step, the ``run_step`` request
 (under 1 where a request carries a window of steps: ``--steps-per-request``), the whole process's CPU
 per step (the registry it serves and the watch included), the wall time per step, the registry writes
 (revision) and the watch events the coordinator's loop saw per step, the registry keys of the job, the
-coordinator's memory per worker (its RSS growth from before the fleet started, over N); then
+coordinator's memory per worker (its RSS growth from before the fleet started, over N) and its growth
+per step and worker over the timed steps (what the run's records keep), the main thread's CPU in the
+cyclic collector per step; then
 (``--lost``) the seconds from crashing one worker (as ``kill -9``: its lease lapses) until the session
 stops with the failure.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import itertools
 import os
 import resource
@@ -91,8 +94,8 @@ def plan_fields(kind: str, workers: int) -> dict[str, Any]:
     raise ValueError(f"unknown plan kind {kind!r}: dp, pp or both")
 
 
-def make_job(kind: str, workers: int, name: str, *, step_timeout_s: float = 120, steps_per_request: int = 0
-             ) -> Any:
+def make_job(kind: str, workers: int, name: str, *, step_timeout_s: float = 120, steps_per_request: int = 0,
+             detail_replies: int | None = None) -> Any:
     """A job of the fixed plan ``kind`` on ``workers`` hollow workers (a 4-sample microbatch);
     ``steps_per_request``: ``runtime.steps_per_request`` (0: windows of about a second of steps)."""
     from coordinator.planning.resources import Resources
@@ -108,7 +111,7 @@ def make_job(kind: str, workers: int, name: str, *, step_timeout_s: float = 120,
                # shared by N (at 512 the memory model's fixed part no longer fits 0.8 x 23 GiB / 512)
                resources=Resources.local(workers=workers, memory_bytes=HOLLOW_MEMORY),
                step_timeout_s=step_timeout_s, max_restarts=0, steps_per_request=steps_per_request,
-               name=name, **fields)
+               name=name, **fields, **({} if detail_replies is None else {"detail_replies": detail_replies}))
 
 
 # -- measuring ------------------------------------------------------------------------------------------
@@ -121,6 +124,30 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+class CollectorClock:
+    """The main thread's CPU time inside the cyclic collector's passes, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+        self._main = threading.main_thread()
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if threading.current_thread() is not self._main:
+            return
+        if phase == "start":
+            self._start = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._start
+
+    def __enter__(self) -> CollectorClock:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
 
 def process_cpu() -> float:
@@ -146,6 +173,8 @@ class Figures:
     watch_events_per_step: float = 0.0
     keys: int = 0
     rss_per_worker_bytes: float = 0.0
+    rss_per_step_worker_bytes: float = 0.0  # RSS growth over the timed steps, per step and worker
+    gc_per_step_s: float = 0.0  # the main thread's CPU in the cyclic collector, per timed step
     fleet_rss_per_worker_bytes: float = 0.0
     lost_s: float | None = None
     coalesce_ms: float = 0.0
@@ -187,7 +216,7 @@ def registry_url(kind: str) -> Iterator[str | None]:
 def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, lease_ttl: float,
             lost: bool, action_ms: float = 0.0, action_jitter: float = 0.0,
             coalesce_ms: float | None = None, steps_per_request: int = 0, per_process: int | None = None,
-            profile: str | None = None) -> Figures:
+            profile: str | None = None, detail_replies: int | None = None) -> Figures:
     from coordinator.runtime.errors import JobFailed
     from services.host.hollow_pool import HollowPool
 
@@ -200,7 +229,8 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
                                                    **({} if per_process is None else
                                                       {"per_process": per_process})) as pool:
         figures.up_s = pool.up_seconds
-        job = make_job(kind, workers, job_name, steps_per_request=steps_per_request)
+        job = make_job(kind, workers, job_name, steps_per_request=steps_per_request,
+                       detail_replies=detail_replies)
         started = time.monotonic()
         job.plan()
         figures.plan_s = time.monotonic() - started
@@ -224,14 +254,17 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             job.fit(warmup)
             revision, events, wakeups = pool.registry.revision(), seen[0], loop.wakeups
             requests = loop.requests["run_step"]
-            cpu, main, wall = process_cpu(), time.thread_time(), time.monotonic()
+            cpu, main, wall, held = process_cpu(), time.thread_time(), time.monotonic(), rss_bytes()
             profiler = cProfile.Profile() if profile else None
             if profiler is not None:
                 profiler.enable()
-            result = job.fit(steps)
+            with CollectorClock() as collector:
+                result = job.fit(steps)
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(f"{profile}.{workers}-{kind}")
+            figures.rss_per_step_worker_bytes = (rss_bytes() - held) / (steps * workers)
+            figures.gc_per_step_s = collector.seconds / steps
             figures.wall_per_step_s = (time.monotonic() - wall) / steps
             figures.main_cpu_per_step_s = (time.thread_time() - main) / steps
             figures.process_cpu_per_step_s = (process_cpu() - cpu) / steps
@@ -242,7 +275,7 @@ def measure(workers: int, kind: str, registry: str, *, steps: int, warmup: int, 
             figures.requests_per_step = ((loop.requests["run_step"] - requests)
                                          / (steps * max(1, figures.replies_per_step)))
             figures.steps = steps
-            assert all(len(r.replies) == figures.replies_per_step for r in result.steps)
+            assert all(len(r.replies) == figures.replies_per_step for r in result.steps if r.detailed)
             figures.keys = len(pool.registry.list(f"/cellmesh/{job_name}/"))
             figures.rss_per_worker_bytes = (rss_bytes() - base_rss) / workers
             figures.fleet_rss_per_worker_bytes = sum(map(fleet_rss, pool.pids)) / workers
@@ -268,7 +301,7 @@ def table(rows: list[Figures]) -> str:
             "| coord. CPU ms/step "
             "| µs/reply | replies/CPU-s | wake-ups/step | process CPU ms/step | writes/step | watch ev./step "
             "| keys "
-            "| coord. KiB/worker | fleet MiB/worker | lost → stop s |")
+            "| coord. KiB/worker | coord. B/step/worker | GC ms/step | fleet MiB/worker | lost → stop s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for f in rows:
         lost = f"{f.lost_s:.2f}" if f.lost_s is not None else "—"
@@ -280,6 +313,7 @@ def table(rows: list[Figures]) -> str:
             f"| {f.replies_per_cpu_s:,.0f} | {f.wakeups_per_step:.0f} | {f.process_cpu_per_step_s * 1e3:.1f} "
             f"| {f.writes_per_step:.1f} "
             f"| {f.watch_events_per_step:.1f} | {f.keys} | {f.rss_per_worker_bytes / 1024:.0f} "
+            f"| {f.rss_per_step_worker_bytes:.0f} | {f.gc_per_step_s * 1e3:.2f} "
             f"| {f.fleet_rss_per_worker_bytes / 2**20:.2f} | {lost} |")
     return "\n".join(lines)
 
@@ -306,6 +340,9 @@ def main() -> None:
     parser.add_argument("--steps-per-request", type=int, nargs="+", default=[0],
                         help="runtime.steps_per_request (0: windows of about a second); several: each "
                              "in turn")
+    parser.add_argument("--detail-replies", type=int, default=None,
+                        help="runtime.detail_replies: the replies whose detail the records keep "
+                             "(default: the job's)")
     parser.add_argument("--profile", metavar="PREFIX",
                         help="cProfile the timed steps of each configuration into PREFIX.<workers>-<kind>")
     args = parser.parse_args()
@@ -323,7 +360,7 @@ def main() -> None:
                                       lease_ttl=args.lease_ttl, lost=args.lost, action_ms=args.action_ms,
                                       action_jitter=args.action_jitter, coalesce_ms=coalesce,
                                       steps_per_request=per_request, per_process=args.per_process,
-                                      profile=args.profile)
+                                      profile=args.profile, detail_replies=args.detail_replies)
                     rows.append(figures)
                     print(table([figures]).splitlines()[-1], flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

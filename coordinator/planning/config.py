@@ -372,6 +372,10 @@ class RuntimeConfig(_Section):
                                                "ZeRO-1 at most, no fp16; others take 1). 0: as many as take "
                                                "about a second, by the last step's time; 1: one request per "
                                                "step")
+    detail_replies: int = Field(default=10_000, ge=0,
+                                description="stage replies whose detail (actions' timings, counters) the "
+                                            "step records keep: the latest steps' (at least the last "
+                                            "one's); older records keep loss, samples and times")
     memory_cap: bool = Field(default=False, description="cap each local CPU worker's process at its "
                                                         "resource's memory_bytes: an allocation beyond it "
                                                         "fails the step")

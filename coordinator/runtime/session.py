@@ -79,7 +79,7 @@ from coordinator.runtime.harness import LocalHarness, memory_limits
 from coordinator.runtime.loop import EventLoop
 from coordinator.runtime.nonfinite import NonFiniteStep
 from coordinator.runtime.preflight import check_optimizer, model_structure
-from coordinator.runtime.records import EvalRecord, Recovery, StepRecord
+from coordinator.runtime.records import DetailBudget, EvalRecord, Recovery, StepRecord
 from coordinator.runtime.tied import shared_parameters
 from services.protocol import WorkerCard
 
@@ -115,6 +115,7 @@ class Session:
         self.sampler = job.sampler()
         self.accumulate = job.config.optimizer.accumulate  # global batches per step
         self.resume = resume
+        self._detail = DetailBudget(job.config.runtime.detail_replies)  # each fit makes its own
         if resume is not None:  # refused before any worker starts
             self._check_trainer(resume)
         config = job.config
@@ -264,6 +265,7 @@ class Session:
         end = self.job.steps_done + steps
         first = self.job.steps_done
         records: dict[int, StepRecord] = {}
+        self._detail = DetailBudget(self.job.config.runtime.detail_replies)
         while True:
             try:
                 self._train(end, records, callback)
@@ -312,6 +314,7 @@ class Session:
             self._announce(self.checkpointer.record(record.saved))
         self.job.steps_done += 1
         records[record.step] = record
+        self._detail.add(record)  # after the checkpointer read its parts, before the callback reads it
         self._step_s = record.seconds
         if self.evaluation is not None and self.evaluation.due(self.job.steps_done, end):
             record.eval = self._evaluate(self.evaluation, runtime, end)

@@ -96,6 +96,24 @@ def test_mlp_every_plan_matches_one_process(harness: LocalHarness, plan: str, op
         assert "push_pull" in kinds
 
 
+def test_older_steps_keep_their_loss_not_their_detail(harness: LocalHarness) -> None:
+    """runtime.detail_replies: the records keep the detail of the latest steps' replies only (2 stages x 2
+    replicas: 4 a step, a budget of 9 keeps two steps); the callback sees every step whole."""
+    job = make_job("mlp", "sgd", detail_replies=9, **PLANS["pp2xdp2"])
+    seen: list[tuple[int, int, set[str]]] = []
+    with job.attach(harness):
+        result = job.fit(STEPS, callback=lambda r: seen.append((r.step, len(r.replies),
+                                                                {e.name for e in r.events})))
+    assert [(step, n) for step, n, _ in seen] == [(k, 4) for k in range(STEPS)]
+    assert all({"0F0", "1B1", "all_reduce"} <= names for _, _, names in seen)
+    assert [r.detailed for r in result.steps] == [False] * (STEPS - 2) + [True, True]
+    assert all(r.events == [] and r.traffic == {} for r in result.steps[:-2])
+    assert all(len(r.replies) == 4 and len(r.traffic) == 4 for r in result.steps[-2:])
+    ref = train_reference(job, STEPS)  # the losses and times of the thinned steps stay
+    assert max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)) < 1e-9
+    assert [r.loss for r in result.steps] == result.losses and all(r.seconds > 0 for r in result.steps)
+
+
 @pytest.mark.parametrize("plan", ["gpipe2x4", "1f1b2x4", "pp2xdp2"])
 def test_skip_connection_across_the_cut(harness: LocalHarness, plan: str) -> None:
     job = make_job("skip_model", "adam", **PLANS[plan], balance=[2, 2])
