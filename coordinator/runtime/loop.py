@@ -219,7 +219,9 @@ class EventLoop:
         job: The job's name.
 
     Keyword Args:
-        presence_ttl: The lease of the coordinator's presence key.
+        presence_ttl: The lease of the coordinator's presence key (a session gives its job's
+            ``runtime.lease_ttl_s``: workers on etcd take the coordinator for gone that long after its
+            process stops refreshing it).
         coalesce: The longest replies gather before the next read while at least ``coalesce_min``
             requests are outstanding (0: never; [Note: fewer wake-ups]).
         coalesce_share: A hold's share of the time the oldest outstanding request has waited.

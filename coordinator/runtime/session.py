@@ -169,7 +169,10 @@ class Session:
             started = time.monotonic()
             if self.local is not None:
                 self.local.start()
-            self.loop = EventLoop(self.harness.registry, self.harness.job).start()
+            # the coordinator's presence lives as long as a worker's card: a GIL held for a second in this
+            # process (a collection, torch) must not make an etcd run's workers take it for gone
+            self.loop = EventLoop(self.harness.registry, self.harness.job,
+                                  presence_ttl=timedelta(seconds=self.job.config.runtime.lease_ttl_s)).start()
             try:
                 self._place(self.plan, self.resume)
             except JobFailed as exc:  # a worker lost while placing: recovered as one lost in a step

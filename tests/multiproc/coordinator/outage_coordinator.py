@@ -30,7 +30,8 @@ def make_job(resources: Resources) -> Job:
     return Job(model=f"{M}:mlp", loss=f"{M}:mse", data=f"{M}:regression", optimizer="SGD",
                optimizer_kwargs={"lr": 0.05, "momentum": 0.9}, model_kwargs={"dtype": "float64"},
                data_kwargs={"dtype": "float64"}, global_batch=16, seed=5, resources=resources,
-               step_timeout_s=30, data_parallel=2, num_stages=1, num_microbatches=1, steps_per_request=1)
+               step_timeout_s=30, data_parallel=2, num_stages=1, num_microbatches=1, steps_per_request=1,
+               lease_ttl_s=3.0)  # the test's workers' lease: the coordinator's presence (etcd) lives as long
 
 
 def main(argv: Sequence[str]) -> int:

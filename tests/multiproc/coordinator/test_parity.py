@@ -114,6 +114,16 @@ def test_older_steps_keep_their_loss_not_their_detail(harness: LocalHarness) -> 
     assert [r.loss for r in result.steps] == result.losses and all(r.seconds > 0 for r in result.steps)
 
 
+def test_the_coordinator_s_presence_lives_as_long_as_the_job_s_lease(harness: LocalHarness) -> None:
+    """On etcd the workers take their coordinator for gone when its presence key lapses: its lease is the
+    job's runtime.lease_ttl_s, as the workers' cards', not a shorter one of its own."""
+    job = make_job("mlp", "sgd", lease_ttl_s=7.0, **PLANS["dp2"])
+    with job.attach(harness):
+        session = job._session
+        assert session is not None and session.loop is not None
+        assert session.loop.presence.ttl == timedelta(seconds=7)
+
+
 @pytest.mark.parametrize("plan", ["gpipe2x4", "1f1b2x4", "pp2xdp2"])
 def test_skip_connection_across_the_cut(harness: LocalHarness, plan: str) -> None:
     job = make_job("skip_model", "adam", **PLANS[plan], balance=[2, 2])

@@ -206,7 +206,7 @@ def test_the_workers_of_a_killed_coordinator_leave_and_its_successor_trains_to_t
         codes = {name: cluster.procs[name].wait(20) for name in workers}
         left = time.monotonic() - killed
         assert codes == dict.fromkeys(workers, 0), cluster.logs()
-        assert left < 10, left  # within their lease (--lease-ttl 10); the presence lapses in 2 s
+        assert left < 10, left  # the presence lapses within the job's runtime.lease_ttl_s (5 s)
         for name in workers:
             last = cluster.tail(name, 3)
             assert "its coordinator" in last and "is gone" in last, cluster.logs()
