@@ -4,6 +4,8 @@ Three uses, one mechanism (``gc.freeze``): a coordinator's run (:func:`settle` o
 placed, :func:`release` when its runtime closes; the note below), one long computation that allocates
 many containers, such as a plan search (:func:`frozen`, [Note: a search's collections]), and a worker's
 imports, frozen for the process's life (:func:`settle_imports`, [Note: a worker's heap and its lease]).
+And a session's steps collect on their own schedule, not the automatic collector's (:func:`scheduled`,
+:func:`tidy`, [Note: a run's collections, on its own schedule]).
 
 [Note: a full collection in the middle of a step]
 CPython's cyclic garbage collector scans every tracked container of the process in its oldest
@@ -23,6 +25,21 @@ frozen objects (garbage already, or garbage later) is not freed while they stay 
 them, so the next full collection frees it, and a frozen heap never outlives its runtime. No collection
 is forced at the freeze: it would cost the placement a full scan (0.1-0.3 s).
 
+[Note: a run's collections, on its own schedule]
+Frozen, the heap before the run costs nothing; what the steps keep still does. A request's replies and
+records (a dozen containers a stage reply) outlive the young collections, so each is scanned by a young
+collection, again by a middle one a few requests later, and then by the full collections CPython runs
+each time its oldest generation grew by a quarter (the records of the latest steps:
+``coordinator/runtime/records.py``): 15-20 us a reply, a quarter to a third of the coordinator's CPU at
+64-256 data-parallel hollow workers (docs/benchmarks.md "Hollow workers"). So while a session trains
+(:func:`scheduled`, around its steps, not around a recovery) the automatic collector is off and the
+session collects on its own schedule, as torchtitan's trainer does (its ``gc_freq``): :func:`tidy` after
+each request's records collects the young generations once (each object the request allocated is scanned
+once, and a step's cyclic garbage is freed by the request's end, under a second later with the default
+windows), and a full collection at most every :data:`FULL_EVERY_S` seconds frees cyclic garbage that
+grew old first. Between two ``fit`` calls, the program's own code runs with the automatic collector on.
+A program that had turned the collector off itself is left as it was.
+
 ``gc.unfreeze`` gives back the whole permanent generation: it cannot tell the runtime's objects from
 those the user's program froze itself (``gc.freeze()`` before ``Job.fit``, as servers do before they
 fork). So a heap that was already frozen when the runtime settled is left frozen at release: the
@@ -34,12 +51,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from collections.abc import Iterator
 
-__all__ = ["frozen", "release", "settle", "settle_imports"]
+__all__ = ["FULL_EVERY_S", "frozen", "release", "scheduled", "settle", "settle_imports", "tidy"]
 
+FULL_EVERY_S = 60.0  # within scheduled(), tidy() collects everything at most once in this many seconds
 
 _froze = False  # settle() froze a heap nobody had frozen: release() may unfreeze it
+_paused = False  # scheduled() turned the automatic collector off: tidy() collects meanwhile
+_last_full = 0.0  # time.monotonic() of the last full collection tidy() made (or of the block's start)
 
 
 def settle() -> None:
@@ -56,6 +77,38 @@ def release() -> None:
     if _froze:
         gc.unfreeze()
     _froze = False
+
+
+@contextlib.contextmanager
+def scheduled() -> Iterator[None]:
+    """Within the block (a session's steps) the automatic collector is off and :func:`tidy` collects
+    ([Note: a run's collections, on its own schedule]); a collector the program turned off stays off."""
+    global _paused, _last_full
+    if not gc.isenabled() or _paused:
+        yield
+        return
+    gc.disable()
+    _paused, _last_full = True, time.monotonic()
+    try:
+        yield
+    finally:
+        _paused = False
+        gc.enable()
+
+
+def tidy() -> None:
+    """The collection after each request's records within :func:`scheduled` ([Note: a run's collections,
+    on its own schedule]): the young generations, or everything not frozen once :data:`FULL_EVERY_S`
+    passed since the last full one. Nothing outside it (the automatic collector runs then)."""
+    global _last_full
+    if not _paused:
+        return
+    now = time.monotonic()
+    if now - _last_full >= FULL_EVERY_S:
+        _last_full = now
+        gc.collect()
+    else:
+        gc.collect(1)
 
 
 @contextlib.contextmanager

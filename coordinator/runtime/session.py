@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from comm.codec import unpack
+from comm.heap import scheduled, tidy
 from coordinator.planning.plan import Plan
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources
@@ -271,7 +272,8 @@ class Session:
         self._detail = DetailBudget(self.job.config.runtime.detail_replies)
         while True:
             try:
-                self._train(end, records, callback)
+                with scheduled():  # the collector runs after each request (comm/heap.py), not within
+                    self._train(end, records, callback)
                 return [records[k] for k in range(first, end)], self._finish(end)
             except JobFailed as exc:
                 failure: JobFailed | None = exc
@@ -307,6 +309,7 @@ class Session:
                 raise
             for record in done:
                 self._done(record, records, runtime, end, callback)
+            tidy()  # the request's garbage, once (comm/heap.py: a settled run collects on its own schedule)
             self._use_returned()
 
     def _done(self, record: StepRecord, records: dict[int, StepRecord], runtime: Runtime, end: int,

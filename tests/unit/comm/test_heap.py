@@ -5,7 +5,10 @@ from __future__ import annotations
 import gc
 import weakref
 
-from comm.heap import frozen, release, settle
+import pytest
+
+from comm import heap
+from comm.heap import frozen, release, scheduled, settle, tidy
 
 
 class _Node:
@@ -76,3 +79,55 @@ def test_a_frozen_block_inside_a_settled_heap_leaves_it_settled() -> None:
     finally:
         release()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_session_s_steps_collect_at_each_request_s_end_young_first_then_everything_now_and_then(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within scheduled() the automatic collector is off; tidy() collects the young generations (a request's
+    cyclic garbage freed at its end), and the old ones once FULL_EVERY_S passed; then it is on again."""
+    assert gc.isenabled()
+    generations: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        with scheduled():
+            assert not gc.isenabled()
+            old = _Node()  # garbage later, once it has grown old
+            gone_old = weakref.ref(old)
+            gc.collect(1)  # old now: in the oldest generation, where only a full collection looks
+            del old
+            young = [_Node() for _ in range(5000)]  # a request's worth of containers: no collection meanwhile
+            gone_young = weakref.ref(young[0])
+            generations.clear()
+            del young
+            assert gone_young() is not None  # cycles: reference counting alone does not free them
+            tidy()
+            assert generations == [1] and gone_young() is None and gone_old() is not None
+            monkeypatch.setattr(heap, "FULL_EVERY_S", 0.0)  # as if a minute had passed
+            tidy()
+            assert generations == [1, 2] and gone_old() is None
+        assert gc.isenabled()
+        generations.clear()
+        tidy()  # outside: nothing (the automatic collector runs)
+        assert generations == []
+    finally:
+        gc.callbacks.remove(seen)
+
+
+def test_a_collector_the_program_turned_off_stays_off_and_untouched() -> None:
+    gc.disable()
+    try:
+        collected: list[int] = []
+        gc.callbacks.append(cb := lambda phase, info: collected.append(info["generation"]))
+        try:
+            with scheduled():
+                tidy()
+        finally:
+            gc.callbacks.remove(cb)
+        assert collected == [] and not gc.isenabled()
+    finally:
+        gc.enable()
