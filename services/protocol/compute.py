@@ -548,6 +548,16 @@ class StepReply(Message):
         """``ends[k]``: when action ``k`` ended (unpacked from ``times`` at each read)."""
         return unpack_times(self.times)[self.num_timed:]
 
+    @property
+    def last_end(self) -> float | None:
+        """``max(ends)`` (None: no action timed), read in place: the coordinator asks it of every reply."""
+        n = self.num_timed
+        if not n:
+            return None
+        if _BIG_ENDIAN:
+            return max(self.ends)
+        return max(memoryview(self.times)[n * 8:].cast("d"))
+
 
 def pack_times(starts: Sequence[float], ends: Sequence[float]) -> bytes:
     """:attr:`StepReply.times` of actions that ran from ``starts[k]`` to ``ends[k]``.

@@ -409,3 +409,12 @@ def test_a_step_reply_is_no_window_and_a_window_no_step_reply() -> None:
     assert window_reply(_worker_reply()) is None
     assert step_reply({"steps": [_worker_reply()], "committed": []}) is None
     assert _conforms(window_reply, WindowReply, {"steps": [_worker_reply()], "committed": []})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(allow_nan=False), st.floats(allow_nan=False)), max_size=40))
+def test_a_reply_s_last_end_is_its_ends_maximum_read_in_place(timings: list[tuple[float, float]]) -> None:
+    starts, ends = [s for s, _ in timings], [e for _, e in timings]
+    reply = StepReply(step=0, stage=0, losses=[], times=pack_times(starts, ends))
+    assert reply.last_end == (max(ends) if ends else None)
+    assert reply.last_end == (max(reply.ends) if reply.ends else None)  # the unpacked view agrees
