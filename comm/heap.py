@@ -19,12 +19,12 @@ objects), 45 % of all it spent on those steps (docs/benchmarks.md "Hollow worker
 So once a runtime has placed its stages (:func:`settle`), the coordinator moves every tracked object
 into the collector's permanent generation (``gc.freeze``, a splice of two lists: no scan), which
 collections skip: they scan only what the steps allocated since. The young generations are still
-collected (while ``fit`` trains, by :func:`tidy`: the next note), so a step's own cyclic garbage is found as
-before. The cost is that cyclic garbage among the
-frozen objects (garbage already, or garbage later) is not freed while they stay frozen: :func:`release`
-(when the runtime closes: before a recovery places another, and at the end of a session) unfreezes
-them, so the next full collection frees it, and a frozen heap never outlives its runtime. No collection
-is forced at the freeze: it would cost the placement a full scan (0.1-0.3 s).
+collected (while ``fit`` trains, by :func:`tidy`: the next note), so a step's own cyclic garbage is
+found as before. The cost is that cyclic garbage among the frozen objects (garbage already, or garbage
+later) is not freed while they stay frozen: :func:`release` (when the runtime closes: before a recovery
+places another, and at the end of a session) unfreezes them, so the next full collection frees it, and a
+frozen heap never outlives its runtime. No collection is forced at the freeze: it would cost the
+placement a full scan (0.1-0.3 s).
 
 [Note: a run's collections, on its own schedule]
 Frozen, the heap before the run costs nothing; what the steps keep still does. A request's replies and

@@ -117,7 +117,7 @@ class DetailBudget:
     """Keeps the detail of a run's latest records within ``replies`` stage replies (at least the latest
     record's, whatever its size), thinning older records as newer ones come.
 
-    # Note: the detail a run keeps
+    [Note: the detail a run keeps]
 
     A step's record holds every stage's reply (the actions' timings, the phases, the worker's counters):
     about 2 KB a reply, so kept for every step they grow as steps x workers (64 hollow workers: 1,950 bytes
@@ -129,9 +129,9 @@ class DetailBudget:
     ``runtime.detail_replies`` replies (10,000 by default, 15-20 MB: the last 5,000 steps of 2 workers, the
     last 19 of 512), and the older records keep what is O(1) a step (28 bytes a step and worker at 64
     workers with no detail kept; 128 with the default). A step redone after a recovery is a new record;
-    the one it replaced is thinned or dropped like any other. Kept detail still costs the collector: each
-    reply that outlives a window is scanned by the young collections (0.9 ms a step at 64 workers with the
-    default, 0.3 with none kept).
+    the one it replaced is thinned or dropped like any other. What the collector still spends on the kept
+    detail is one scan a reply as its request ends, and the full collection once a minute ([Note: a run's
+    collections, on its own schedule] in ``comm/heap.py``).
     """
 
     def __init__(self, replies: int) -> None:

@@ -309,7 +309,7 @@ class Session:
                 raise
             for record in done:
                 self._done(record, records, runtime, end, callback)
-            tidy()  # the request's garbage, once (comm/heap.py: a settled run collects on its own schedule)
+            tidy()  # the request's garbage, once (comm/heap.py: the steps collect on their own schedule)
             self._use_returned()
 
     def _done(self, record: StepRecord, records: dict[int, StepRecord], runtime: Runtime, end: int,

@@ -556,7 +556,7 @@ class StepReply(Message):
             return None
         if _BIG_ENDIAN:
             return max(self.ends)
-        return max(memoryview(self.times)[n * 8:].cast("d"))
+        return max(memoryview(self.times)[n * (TIMING_BYTES // 2):].cast("d"))
 
 
 def pack_times(starts: Sequence[float], ends: Sequence[float]) -> bytes:
