@@ -85,7 +85,7 @@ class StepRecord:
     actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k
     traffic: dict[str, TrafficCounts] = field(default_factory=dict, repr=False)  # by worker
     eval: EvalRecord | None = None
-    detailed: bool = True  # False: thinned (no replies, traffic or events: see thin)
+    detailed: bool = field(default=True, init=False)  # False once thinned (no replies, traffic or events)
     _events: list[ActionEvent] | None = field(default=None, init=False, repr=False)
 
     @property

@@ -116,7 +116,7 @@ class Session:
         self.sampler = job.sampler()
         self.accumulate = job.config.optimizer.accumulate  # global batches per step
         self.resume = resume
-        self._detail = DetailBudget(job.config.runtime.detail_replies)  # each fit makes its own
+        self._detail = DetailBudget(job.config.runtime.detail_replies)  # each fit starts its own
         if resume is not None:  # refused before any worker starts
             self._check_trainer(resume)
         config = job.config
