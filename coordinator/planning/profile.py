@@ -12,22 +12,39 @@ dimension), and fitted as ``t(n) = fixed + per_sample * n``. Small microbatches 
 per sample than large ones (a GEMM over 8 rows reads the whole weight as one over 64
 does), so linear scaling from 8 samples predicted 3-4x the measured step of a 64-sample
 one. Each size is timed ``repeats`` times and at least until ``MIN_TIMED_S`` of timed
-runs (at most ``MAX_REPEATS``), after ``warmup`` untimed runs, every node one run per
-round, and the lower quartile is kept: on a shared machine slow outliers are
-interference, not the node's cost, and round robin spreads a burst of it over all nodes. A model
-that cannot run at the larger size (a fixed batch), or whose inputs have no known batch
+runs (at most ``MAX_REPEATS``), after ``warmup`` untimed runs, in rounds that play the nodes
+as a step plays a stage ([Note: a node's turn]), and the lower quartile is kept: on a shared machine
+slow outliers are interference, not the node's cost, and rounds spread a burst of it over all nodes. A
+model that cannot run at the larger size (a fixed batch), or whose inputs have no known batch
 dimension, falls back to linear scaling.
 
+[Note: a node's turn] A node's time depends on what ran before it: its weights (4 MB for one of
+bench.models:mlp's 1024-wide blocks) are fast to read right after its own last run and slow after its
+neighbours' work has evicted them. A step never runs a node's backward right after its forward: a
+stage runs its nodes' forwards in order, then (after the other microbatches') their backwards in
+reverse. So a round plays each run of consecutive nodes that way: every forward, every forward again
+(a second microbatch), every backward in reverse, then the same split as ``I`` in reverse and ``W`` in
+order ([Note: the backward's halves]), and a round's nodes hold their graphs until their backward (at
+most ``WINDOW_BYTES`` of saved activations at the larger size; a larger model plays in several runs).
+Before, each node ran forward, forward again and backward at once, so its backward and its halves
+were timed with its weights warm: on 2026-12-01, with the host's caches busy, a stage of four of those
+blocks (8 microbatches of 8, its ``I`` s deferring as GPipe's do, one process) took 1.45x what that
+profile priced for its forwards and ``I`` s (0.69 of the stage, 0.53-0.73 over 8 alternated runs), and
+the pipelines of bench/train.py ran their ``I`` s at 1.2-2.4x the price. Played in turns, 0.88
+(0.75-0.99) and 0.95 (0.76-1.10) in two sets of alternated runs.
+
 [Note: a warm forward] A node's forward costs less when its weights are still in the caches from the
-last microbatch. Each timed run also runs the forward again at once and times it (``warm_forward_s``):
-on 8-sample microbatches of bench.models:mlp's 1024-wide blocks, 0.57 ms warm against 0.85 cold (the
-round robin's other nodes evict a node's 4 MB weight between its runs), and 0.84 against 1.03 at 32. A
-pipeline stage's later microbatches find their weights warm, its first finds them cold (the optimizer
-step and the rest of the step came between): the planner prices a stage's forwards at the warm time and
-the difference once per step (``coordinator/planning/planner.py``). Priced cold throughout, the 2-stage
-pipelines of bench/train.py were predicted 1.16-1.20x their measured step, their forwards 1.4x (3.83 ms
-against 2.61-2.77 for four blocks). The warm time assumes a stage's weights stay cached between its
-microbatches; a stage much larger than the last-level cache finds them cold, and is predicted too fast.
+last microbatch. A round times each forward twice ([Note: a node's turn]): once after the rest of the
+round's work (``forward_s``: a stage's first microbatch, which comes after the optimizer step and the
+rest of the step) and once after every node's first (``warm_forward_s``: its later microbatches). The
+planner prices a stage's forwards at the warm time and the difference once per step
+(``coordinator/planning/planner.py``). The warm time was once the node's forward run again at once:
+0.57 ms against 0.85 cold on 8-sample microbatches of bench.models:mlp's blocks on 2026-11-28, when
+the pipelines of bench/train.py ran four blocks in 2.61-2.77 ms, the warm time. On 2026-12-01 the same
+host ran a stage's later forwards at its first's (4.15-6.09 ms against 4.65-6.23 for four blocks, one
+process) while a node run again at once still took 0.8 of its cold time: what a stage finds in the
+caches is the host's of the moment, which a round measures and a run at once does not. A stage much
+smaller than a round's run of nodes may find its weights warmer than priced.
 
 [Note: the backward's halves] How a step's worker runs a backward depends on its schedule
 (``services/compute/weight_grads.py``): a plain ``B`` (autograd makes each weight gradient as a new
@@ -35,9 +52,9 @@ tensor and adds it into ``.grad``), an ``I`` (the input gradients alone, the lin
 gradients deferred) and a ``W`` (those weight gradients, one ``addmm_`` into ``.grad`` per layer).
 On 8-sample microbatches of 1024-wide linear layers, ``I`` + ``W`` took 0.85x the plain ``B`` and a
 GPipe stage's ``I`` s with its one ``W`` over all its microbatches 0.65x. So a node with eligible
-linear layers is also timed as ``I`` and ``W`` (``NodeProfile.input_backward_s``, ``weight_s``), right
-after its plain runs, at both sizes, and the planner prices each schedule's backwards as its workers
-run them.
+linear layers is also timed as ``I`` and ``W`` (``NodeProfile.input_backward_s``, ``weight_s``) in
+each round after its plain runs ([Note: a node's turn]), at both sizes, and the planner prices each
+schedule's backwards as its workers run them.
 
 [Note: a flush's rows] A flush of held ``W`` s is one product over many microbatches' rows (GPipe's and
 a lone 1F1B replica's: every microbatch of the step, 64 rows on the benchmark's 8 x 8). The product's
@@ -77,13 +94,15 @@ from coordinator.planning.graph import CutInfo, Graph, TensorMeta, use_snapshot
 from services.compute.weight_grads import WeightGradStore, eligible_layers
 
 __all__ = ["FLUSH_FACTOR", "MAX_REPEATS", "MIN_TIMED_S", "OPTIMIZER_STATE_FACTORS",
-           "OPTIMIZER_STEP_TEMPORARY_FACTORS", "SCALE_FACTOR", "NodeProfile", "NodeTable", "Profile",
-           "format_bytes", "profile_graph"]
+           "OPTIMIZER_STEP_TEMPORARY_FACTORS", "SCALE_FACTOR", "WINDOW_BYTES", "NodeProfile", "NodeTable",
+           "Profile", "format_bytes", "profile_graph"]
 
 SCALE_FACTOR = 4  # the second profiled size, in multiples of the sample's (see [Note: profile timing])
 FLUSH_FACTOR = 16  # the rows a flush's W is timed at, in multiples of the sample's ([Note: a flush's rows])
 MIN_TIMED_S = 0.05  # timed runs per node and size last at least this long in total...
 MAX_REPEATS = 50  # ...but no more runs than this
+# the most autograd saves for one round's nodes at the larger size ([Note: a node's turn])
+WINDOW_BYTES = 256 << 20
 
 # Optimizer state per byte of trainable parameter: Adam keeps two moments, momentum SGD one.
 OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
@@ -463,71 +482,105 @@ class _Timings:
         self.warm: list[float] = []  # the forward again at once: its weights warm ([Note: a warm forward])
         self.bwd: list[float] = []
         # the backward's halves ([Note: the backward's halves]), where the node has layers to defer
-        self.store = WeightGradStore(module) if eligible_layers(module) else None
+        layers = eligible_layers(module)
+        self.store = WeightGradStore(module) if layers else None
+        self.layers = {id(m) for _, m in layers}  # the modules the store patches while it defers
         self.inp: list[float] = []
         self.wgt: list[float] = []
+        # a round's state between its phases (see _play)
+        self._outs: list[torch.Tensor] = []
+        self._split = False
+        self._deferring = contextlib.ExitStack()
 
     def done(self, repeats: int) -> bool:
         spent = sum(self.fwd) + sum(self.bwd) + sum(self.inp) + sum(self.wgt) + sum(self.flushed)
         return len(self.fwd) >= repeats and (spent >= MIN_TIMED_S or len(self.fwd) >= MAX_REPEATS)
 
-    def run(self, timed: bool) -> None:
+    def forward(self, timed: bool) -> None:
+        """The node's forward, its graph kept for :meth:`backward`."""
         ins = _fresh(self.args, self.names, self.grad)
         self._sync()
         t0 = time.perf_counter()
         out = self.module(*ins)
         self._sync()
-        t1 = time.perf_counter()
+        if timed:
+            self.fwd.append(time.perf_counter() - t0)
+        self._outs = [t for t in _tensors(out) if t.requires_grad]
+
+    def forward_again(self, timed: bool) -> None:
+        """The forward of a second microbatch, after every node's first ([Note: a warm forward])."""
         again = _fresh(self.args, self.names, self.grad)
         self._sync()
-        w0 = time.perf_counter()
+        t0 = time.perf_counter()
         self.module(*again)  # its graph is dropped at once
         self._sync()
-        w1 = time.perf_counter()
-        outs = [t for t in _tensors(out) if t.requires_grad]
+        if timed:
+            self.warm.append(time.perf_counter() - t0)
+
+    def backward(self, timed: bool) -> None:
+        """The backward of :meth:`forward`'s graph."""
+        outs, self._outs = self._outs, []
+        self._sync()
+        t0 = time.perf_counter()
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         self._sync()
-        t2 = time.perf_counter()
         if timed:
-            self.fwd.append(t1 - t0)
-            self.warm.append(w1 - w0)
-            self.bwd.append(t2 - w1 if outs else 0.0)
-        if self.store is not None and outs:
-            self._run_halves(timed)
+            self.bwd.append(time.perf_counter() - t0 if outs else 0.0)
+        self._split = bool(outs) and self.store is not None
 
-    def _run_halves(self, timed: bool) -> None:
-        """The backward again as ``I`` (the weight gradients deferred) and ``W`` (added in place into the
-        ``.grad`` the plain run left), as a 1F1B stage's middle backwards run; the larger size's ``W`` also
-        over ``copies`` times its rows in one product ([Note: a flush's rows])."""
+    def deferred_forward(self) -> None:
+        """The forward again (not timed) with the node's linear layers deferring their weight gradients,
+        for :meth:`input_backward` and :meth:`weight` ([Note: the backward's halves])."""
+        if not self._split:
+            return
         assert self.store is not None
-        with self.store.deferring():
-            self.store.microbatch = 0
-            out = self.module(*_fresh(self.args, self.names, self.grad))
-            self.store.microbatch = None
-            outs = [t for t in _tensors(out) if t.requires_grad]
-            self._timed_halves(outs, timed)
+        self._deferring.enter_context(self.store.deferring())
+        self.store.microbatch = 0
+        out = self.module(*_fresh(self.args, self.names, self.grad))
+        self.store.microbatch = None
+        self._outs = [t for t in _tensors(out) if t.requires_grad]
 
-    def _timed_halves(self, outs: list[torch.Tensor], timed: bool) -> None:
-        assert self.store is not None
+    def input_backward(self, timed: bool) -> None:
+        """``I``: the deferred forward's backward, the weight gradients queued."""
+        if not self._split:
+            return
+        outs, self._outs = self._outs, []
         self._sync()
         t0 = time.perf_counter()
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         self._sync()
-        t1 = time.perf_counter()
-        if self.copies > 1:
-            self.store.repeat(0, range(1, self.copies + 1))
-        self.store.flush([0], check=False)
-        self._sync()
-        t2 = time.perf_counter()
-        if self.copies > 1:  # the copies' rows in one product, as a flush of held W's
-            self.store.flush(range(1, self.copies + 1), check=False)
-            self._sync()
-            if timed:
-                self.flushed.append(time.perf_counter() - t2)
         if timed:
-            self.inp.append(t1 - t0)
-            self.wgt.append(t2 - t1)
+            self.inp.append(time.perf_counter() - t0)
+
+    def weight(self, timed: bool) -> None:
+        """``W``: the queued weight gradients added in place into the ``.grad`` the plain run left; the
+        larger size's also over ``copies`` times its rows in one product ([Note: a flush's rows])."""
+        if not self._split:
+            return
+        assert self.store is not None
+        try:
+            if self.copies > 1:
+                self.store.repeat(0, range(1, self.copies + 1))
+            self._sync()
+            t1 = time.perf_counter()
+            self.store.flush([0], check=False)
+            self._sync()
+            t2 = time.perf_counter()
+            if self.copies > 1:  # the copies' rows in one product, as a flush of held W's
+                self.store.flush(range(1, self.copies + 1), check=False)
+                self._sync()
+                if timed:
+                    self.flushed.append(time.perf_counter() - t2)
+            if timed:
+                self.wgt.append(t2 - t1)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Forget a round left midway: its graphs, and the deferring layers restored."""
+        self._outs = []
+        self._deferring.close()
 
     def _sync(self) -> None:
         if self.cuda:
@@ -549,19 +602,69 @@ class _Timings:
         return _robust(self.flushed) if self.flushed else 0.0
 
 
-def _time_all(timings: list[_Timings], repeats: int, warmup: int) -> None:
-    """Time every node in rounds, one run each per round, until each has enough runs.
+def _windows(timings: list[_Timings], saved: list[int], budget: int) -> list[list[_Timings]]:
+    """``timings`` cut into runs of consecutive nodes whose graphs (``saved``: each node's bytes autograd
+    saves) hold at most ``budget`` bytes together (at least one node each)."""
+    out: list[list[_Timings]] = []
+    held = budget + 1
+    for t, nbytes in zip(timings, saved, strict=True):
+        if held + nbytes > budget:
+            out.append([])
+            held = 0
+        out[-1].append(t)
+        held += nbytes
+    return out
 
-    Round robin spreads each node's runs over the whole profiling time, so a burst of load
-    from elsewhere on the machine hits every node a little instead of one node entirely.
-    """
+
+def _apart(timings: list[_Timings]) -> list[list[_Timings]]:
+    """``timings`` cut into runs of consecutive nodes no two of which defer the same layer (a module
+    called by two nodes: only one store may patch it at a time)."""
+    out: list[list[_Timings]] = [[]]
+    patched: set[int] = set()
     for t in timings:
-        for _ in range(warmup):
-            t.run(timed=False)
-    while not all(t.done(repeats) for t in timings):
+        if t.layers & patched:
+            out.append([])
+            patched = set()
+        out[-1].append(t)
+        patched |= t.layers
+    return out
+
+
+def _play(timings: list[_Timings], timed: bool) -> None:
+    """One round of consecutive nodes, as a step runs them ([Note: a node's turn])."""
+    try:
         for t in timings:
-            if not t.done(repeats):
-                t.run(timed=True)
+            t.forward(timed)
+        for t in timings:
+            t.forward_again(timed)
+        for t in reversed(timings):
+            t.backward(timed)
+        for run in _apart(timings):
+            for t in run:
+                t.deferred_forward()
+            for t in reversed(run):
+                t.input_backward(timed)
+            for t in run:
+                t.weight(timed)
+    finally:
+        for t in timings:
+            t.close()
+
+
+def _time_all(groups: list[list[_Timings]], repeats: int, warmup: int) -> None:
+    """Time every node in rounds until each has enough runs: each round plays every group
+    (consecutive nodes at one size, :func:`_windows`) once, its nodes that still want runs.
+
+    Round robin spreads a burst of load from elsewhere on the machine over every node instead of
+    one node entirely.
+    """
+    for group in groups:
+        for _ in range(warmup):
+            _play(group, timed=False)
+    while any(not t.done(repeats) for group in groups for t in group):
+        for group in groups:
+            if left := [t for t in group if not t.done(repeats)]:
+                _play(left, timed=True)
 
 
 def _tile(value: Any, batch_dim: int | None, factor: int) -> Any:
@@ -650,13 +753,17 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                 with torch.no_grad():
                     out = module(*args)
                 values.update(zip(graph.flat_names(i + 1), out, strict=True))
+        held = [_saved_bytes(t.module, _fresh(t.args, t.names, t.grad)) for t in small]
+        # the larger size's graphs held at once bound a round's nodes ([Note: a node's turn])
+        windows = _windows(small, [saved * SCALE_FACTOR for saved, _ in held], WINDOW_BYTES)
         try:
-            _time_all(small + big, repeats, warmup)
+            _time_all([*windows, *_windows(big, [saved * SCALE_FACTOR for saved, _ in held], WINDOW_BYTES)]
+                      if big else windows, repeats, warmup)
         except Exception:
             if not big:
                 raise
             large, big = None, []  # a backward failed at the larger size: linear scaling
-            _time_all(small, repeats, warmup)
+            _time_all(windows, repeats, warmup)
         for i, node in enumerate(graph.nodes):
             t = small[i]
             fwd, bwd = t.result()
@@ -675,7 +782,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             params = list(t.module.parameters())
             trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             largest = max((p.numel() * p.element_size() for p in params if p.requires_grad), default=0)
-            saved, deferred = _saved_bytes(t.module, _fresh(t.args, t.names, t.grad))
+            saved, deferred = held[i]
             nodes.append(NodeProfile(
                 name=node.name, forward_s=fwd, backward_s=bwd, forward_fixed_s=fwd_fixed,
                 warm_forward_s=warm, warm_forward_fixed_s=warm_fixed,

@@ -12,6 +12,7 @@ from torch import nn
 from coordinator.planning.graph import build_graph
 from coordinator.planning.profile import (
     SCALE_FACTOR,
+    WINDOW_BYTES,
     NodeProfile,
     NodeTable,
     Profile,
@@ -123,7 +124,7 @@ def test_times_are_affine_in_the_microbatch_size() -> None:
 
 
 def test_a_warm_forward_is_timed_and_never_above_the_forward() -> None:
-    """[Note: a warm forward]: each node's forward is also timed right after another, at both sizes; a
+    """[Note: a warm forward]: each node's forward is also timed as a second microbatch's, at both sizes; a
     profile without it (written by hand, or before it) prices the forward for both."""
     sample = torch.randn(8, 16)
     prof = profile_graph(build_graph(mlp(), sample), sample, repeats=3, num_threads=1)
@@ -204,3 +205,64 @@ def test_the_node_table_prices_every_node_as_the_node_does() -> None:
         assert times == [nd.times_at(scale) for nd in nodes]
         assert table.warm_at(scale).tolist() == [nd.warm_at(scale) for nd in nodes]
         assert list(zip(i.tolist(), w.tolist(), strict=True)) == [nd.halves_at(scale) for nd in nodes]
+
+
+def _logged(names: list[str], log: list[tuple[str, str]], shared: nn.Linear | None = None) -> list[Cell]:
+    """Cells of Linear(16, 16) that log their forwards ("F") and their backwards ("B") as they run;
+    ``shared``: the middle cell calls it too (a module two nodes call)."""
+    class Logged(nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name, self.lin = name, nn.Linear(16, 16)
+            self.again = shared if name == names[len(names) // 2] else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            log.append(("F", self.name))
+            y = self.lin(x)
+            if self.again is not None:
+                y = self.again(y)
+            if y.requires_grad:
+                y.register_hook(lambda g: log.append(("B", self.name)) or g)  # type: ignore[func-returns-value]
+            return y
+
+    return [Cell(name, Logged(name)) for name in names]
+
+
+def test_a_round_plays_its_nodes_as_a_stage_does() -> None:
+    """[Note: a node's turn]: a round runs every node's forward, every forward again, every backward in
+    reverse, then the split backward the same way (the deferred forwards, their ``I`` s in reverse): a
+    node's backward never follows its own forward at once, as in a step of two or more nodes."""
+    names = ["a", "b", "c"]
+    log: list[tuple[str, str]] = []
+    sample = torch.randn(4, 16)
+    graph = build_graph(_logged(names, log), sample)
+    log.clear()
+    profile_graph(graph, sample, repeats=1, warmup=0, num_threads=1)
+    start = log.index(("B", "c")) - 2 * len(names)  # the first round (the setup's forwards run no backward)
+    fwd, bwd = [("F", n) for n in names], [("B", n) for n in reversed(names)]
+    assert log[start:start + 5 * len(names)] == fwd + fwd + bwd + fwd + bwd
+
+
+def test_a_round_holds_a_bounded_run_of_graphs() -> None:
+    """A round's nodes hold their graphs until their backward: a model whose activations exceed
+    ``WINDOW_BYTES`` plays in runs of consecutive nodes, each within it (at least one node)."""
+    from coordinator.planning.profile import _windows
+
+    nodes = list("abcdefg")
+    runs = _windows(nodes, [WINDOW_BYTES // 3] * 4 + [WINDOW_BYTES * 2, 1, 1], WINDOW_BYTES)  # type: ignore[arg-type]
+    assert runs == [list("abc"), ["d"], ["e"], list("fg")]
+    assert _windows(nodes, [0] * 7, WINDOW_BYTES) == [nodes]  # type: ignore[arg-type]
+
+
+def test_a_layer_two_nodes_call_is_deferred_by_one_at_a_time() -> None:
+    """A module called by two nodes (here the middle cell calls the first's layer again): their stores
+    would both patch it; the round splits their backwards apart, and the model is left as it was."""
+    log: list[tuple[str, str]] = []
+    shared = nn.Linear(16, 16)
+    cells = [Cell("a", shared), *_logged(["b", "c", "d"], log, shared=shared)]
+    sample = torch.randn(4, 16)
+    prof = profile_graph(build_graph(cells, sample), sample, repeats=2, num_threads=1)
+    assert [nd.split for nd in prof.nodes] == [True, True, True, True]
+    assert "forward" not in shared.__dict__  # no store's patch left behind
+    assert all(p.grad is None for c in cells for p in c.parameters())
+    assert torch.equal(shared(sample), nn.functional.linear(sample, shared.weight, shared.bias))
