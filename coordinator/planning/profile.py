@@ -162,8 +162,8 @@ class NodeProfile(BaseModel):
     deferred_weight_bytes: int = Field(default=0, ge=0)
     weight_flush_s: float = Field(default=0.0, ge=0)
     weight_flush_scale: float = Field(default=0.0, ge=0)
-    # the forward run again at once, its weights warm ([Note: a warm forward]); None: not measured (the
-    # forward stands for it)
+    # the forward of a second microbatch, after every node's first ([Note: a warm forward]); None: not
+    # measured (the forward stands for it)
     warm_forward_s: float | None = Field(default=None, ge=0)
     warm_forward_fixed_s: float = Field(default=0.0, ge=0)
 
