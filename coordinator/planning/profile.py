@@ -479,7 +479,7 @@ class _Timings:
         # CUDA runs asynchronously: its times are taken once the device finished
         self.cuda = any(t.is_cuda for t in [*module.parameters(), *_tensors(args)])
         self.fwd: list[float] = []
-        self.warm: list[float] = []  # the forward again at once: its weights warm ([Note: a warm forward])
+        self.warm: list[float] = []  # a second microbatch's forward ([Note: a warm forward])
         self.bwd: list[float] = []
         # the backward's halves ([Note: the backward's halves]), where the node has layers to defer
         layers = eligible_layers(module)
@@ -590,7 +590,7 @@ class _Timings:
         return _robust(self.fwd), _robust(self.bwd)
 
     def warm_forward(self) -> float:
-        """The forward run right after another (at most the first's: [Note: a warm forward])."""
+        """A second microbatch's forward (at most the first's: [Note: a warm forward])."""
         return min(_robust(self.warm), _robust(self.fwd))
 
     def halves(self) -> tuple[float, float]:
