@@ -362,7 +362,8 @@ def main() -> None:
                                       steps_per_request=per_request, per_process=args.per_process,
                                       profile=args.profile, detail_replies=args.detail_replies)
                     rows.append(figures)
-                    print(table([figures]).splitlines()[-1], flush=True)
+                    # progress on stderr, as each finishes; the table (stdout) once at the end
+                    print(table([figures]).splitlines()[-1], file=sys.stderr, flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(table(rows))
 
