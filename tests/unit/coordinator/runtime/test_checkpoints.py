@@ -127,8 +127,9 @@ def test_a_salvage_waits_for_the_parts_live_workers_are_writing(tmp_path: Path,
 @pytest.mark.parametrize(("lost", "timeout", "says"), [
     ({"local-1"}, 30.0, "checkpoint of step 6 skipped: part(s) r1-s0 not on storage, and their worker(s) "
                         "local-1 lost: a part's writer dies with its worker"),
-    # what it waited for this step's part: the budget less what the salvage spent before (under load, 0.1s)
-    (set(), 0.2, re.compile(r"checkpoint of step 6 skipped: waited 0\.[12]s \(runtime\.step_timeout_s: "
+    # what it waited for this step's part: the budget less what the salvage spent before (under load, 0.1s),
+    # or a little past it where the host was late to wake it (0.3s seen with the suite on 2 cores)
+    (set(), 0.2, re.compile(r"checkpoint of step 6 skipped: waited 0\.[1-4]s \(runtime\.step_timeout_s: "
                             r"0\.2s in all\) for part\(s\) r1-s0 that worker\(s\) local-1 were writing; not "
                             r"on storage yet")),
 ])
