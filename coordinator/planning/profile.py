@@ -484,7 +484,7 @@ class _Timings:
         # the backward's halves ([Note: the backward's halves]), where the node has layers to defer
         layers = eligible_layers(module)
         self.store = WeightGradStore(module) if layers else None
-        self.layers = {id(m) for _, m in layers}  # the modules the store patches while it defers
+        self.layer_ids = {id(m) for _, m in layers}  # the modules the store patches while it defers
         self.inp: list[float] = []
         self.wgt: list[float] = []
         # a round's state between its phases (see _play)
@@ -622,11 +622,11 @@ def _apart(timings: list[_Timings]) -> list[list[_Timings]]:
     out: list[list[_Timings]] = [[]]
     patched: set[int] = set()
     for t in timings:
-        if t.layers & patched:
+        if t.layer_ids & patched:
             out.append([])
             patched = set()
         out[-1].append(t)
-        patched |= t.layers
+        patched |= t.layer_ids
     return out
 
 
@@ -754,11 +754,12 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
                     out = module(*args)
                 values.update(zip(graph.flat_names(i + 1), out, strict=True))
         held = [_saved_bytes(t.module, _fresh(t.args, t.names, t.grad)) for t in small]
-        # the larger size's graphs held at once bound a round's nodes ([Note: a node's turn])
-        windows = _windows(small, [saved * SCALE_FACTOR for saved, _ in held], WINDOW_BYTES)
+        # the larger size's graphs held at once bound a round's nodes, at both sizes ([Note: a node's turn])
+        graph_bytes = [saved * SCALE_FACTOR for saved, _ in held]
+        windows = _windows(small, graph_bytes, WINDOW_BYTES)
         try:
-            _time_all([*windows, *_windows(big, [saved * SCALE_FACTOR for saved, _ in held], WINDOW_BYTES)]
-                      if big else windows, repeats, warmup)
+            both = [*windows, *_windows(big, graph_bytes, WINDOW_BYTES)] if big else windows
+            _time_all(both, repeats, warmup)
         except Exception:
             if not big:
                 raise
