@@ -81,10 +81,11 @@ def test_a_frozen_block_inside_a_settled_heap_leaves_it_settled() -> None:
     assert gc.get_freeze_count() == 0
 
 
-def test_a_session_s_steps_collect_at_each_request_s_end_young_first_then_everything_now_and_then(
+def test_a_session_s_steps_collect_young_garbage_once_the_heap_grew_and_everything_now_and_then(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Within scheduled() the automatic collector is off; tidy() collects the young generations (a request's
-    cyclic garbage freed at its end), and the old ones once FULL_EVERY_S passed; then it is on again."""
+    """Within scheduled() the automatic collector is off; tidy() collects the young generations once the
+    tracked containers grew by YOUNG_GROWTH (cyclic garbage counts: it is never freed by reference counting),
+    and the old ones once FULL_EVERY_S passed; then it is on again."""
     assert gc.isenabled()
     generations: list[int] = []
 
@@ -93,6 +94,7 @@ def test_a_session_s_steps_collect_at_each_request_s_end_young_first_then_everyt
             generations.append(info["generation"])
 
     gc.callbacks.append(seen)
+    monkeypatch.setattr(heap, "YOUNG_GROWTH", 3000)
     try:
         with scheduled():
             assert not gc.isenabled()
@@ -100,13 +102,21 @@ def test_a_session_s_steps_collect_at_each_request_s_end_young_first_then_everyt
             gone_old = weakref.ref(old)
             gc.collect(1)  # old now: in the oldest generation, where only a full collection looks
             del old
-            young = [_Node() for _ in range(5000)]  # a request's worth of containers: no collection meanwhile
-            gone_young = weakref.ref(young[0])
+            few = [_Node() for _ in range(100)]  # cyclic garbage, far from the threshold: it waits
+            gone_few = weakref.ref(few[0])
+            del few
             generations.clear()
-            del young
-            assert gone_young() is not None  # cycles: reference counting alone does not free them
             tidy()
-            assert generations == [1] and gone_young() is None and gone_old() is not None
+            assert generations == [] and gone_few() is not None
+            kept = [[k] for k in range(5000)]  # a request's replies, kept a while: the heap grows
+            tidy()
+            assert generations == [1] and gone_few() is None and gone_old() is not None
+            del kept  # freed by reference counting, as newer replies take their place
+            for _ in range(3):  # requests whose containers live and die between two collections
+                kept = [[k] for k in range(5000)]
+                del kept
+                tidy()
+            assert generations == [1]  # nothing grew: nothing was scanned
             monkeypatch.setattr(heap, "FULL_EVERY_S", 0.0)  # as if a minute had passed
             tidy()
             assert generations == [1, 2] and gone_old() is None
