@@ -50,6 +50,7 @@ _new = object.__new__
 _set = object.__setattr__
 _packb = msgpack.packb
 _HEADS = 4096  # (service, method) pairs a RequestHeads keeps (then it starts again: runs come and go)
+_ALL_FIELDS: dict[type[BaseModel], set[str]] = {}  # per model: the fields-given set its messages share
 
 
 def trusted(model: type[M], values: dict[str, Any], fields: frozenset[str] | None = None) -> M:
@@ -57,12 +58,22 @@ def trusted(model: type[M], values: dict[str, Any], fields: frozenset[str] | Non
 
     Only for values a check accepted ([Note: a fast path that only accepts]): the message is what
     ``model.model_validate`` returns for a map giving every field (its set of fields given is all of
-    them: ``fields``, the model's field names, saves a hashing of each). Nested messages must be built
-    the same way first.
+    them). Nested messages must be built the same way first.
+
+    ``fields``, the model's field names, lets every message of the model share one set of fields given
+    (no set to build, hash and later free per message: 0.7 of 5 us a step reply). Sharing it is safe for
+    the protocol's messages: they are frozen (no assignment reaches the set), pydantic only ever adds a
+    name to such a set (a field's, already in it) and gives a copy its own.
     """
     message = _new(model)
     _set(message, "__dict__", values)
-    _set(message, "__pydantic_fields_set__", set(values if fields is None else fields))
+    if fields is None:
+        given = set(values)
+    elif (shared := _ALL_FIELDS.get(model)) is not None:
+        given = shared
+    else:
+        given = _ALL_FIELDS[model] = set(fields)
+    _set(message, "__pydantic_fields_set__", given)
     _set(message, "__pydantic_extra__", None)
     _set(message, "__pydantic_private__", None)
     return message

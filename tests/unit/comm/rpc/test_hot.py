@@ -389,6 +389,25 @@ def test_a_window_reply_as_a_worker_sends_it_takes_the_fast_path() -> None:
     assert set(WindowReply.model_fields) == {"steps", "committed"}  # the decoder's mirror, field by field
 
 
+def test_the_messages_read_share_one_set_of_fields_given_and_nothing_changes_it() -> None:
+    """trusted() gives every message of a model one set of fields given (all of them): sound only while no
+    message can change it. A reply is frozen, and a copy with changes gets a set of its own."""
+    steps = [_worker_reply(step=7 + k) for k in range(3)]
+    frame = bytes(reply_frames(9, WindowReply.model_validate({"steps": steps, "committed": [True, True]}))[0])
+    first, second = window_reply_frame(frame), window_reply_frame(frame)
+    assert first is not None and second is not None
+    replies = [*first[1].steps, *second[1].steps]
+    shared = replies[0].model_fields_set
+    assert all(r.model_fields_set is shared for r in replies) and shared == set(StepReply.model_fields)
+    phases = [p for r in replies for p in r.phases]
+    assert phases and all(p.model_fields_set is phases[0].model_fields_set for p in phases)
+    with pytest.raises(ValidationError):
+        replies[0].step = 3  # frozen: no assignment reaches the set
+    changed = replies[0].model_copy(update={"step": 3})
+    assert changed.step == 3 and changed.model_fields_set is not shared
+    assert shared == set(StepReply.model_fields) and replies[1].step == 8
+
+
 @pytest.mark.parametrize("body", [
     {"steps": [], "committed": []},  # no step
     {"steps": [{}], "committed": []},  # a step without its fields
