@@ -61,8 +61,8 @@ def trusted(model: type[M], values: dict[str, Any], fields: frozenset[str] | Non
     them). Nested messages must be built the same way first.
 
     ``fields``, the model's field names, lets every message of the model share one set of fields given
-    (no set to build, hash and later free per message: 0.7 of 5 us a step reply). Sharing it is safe for
-    the protocol's messages: they are frozen (no assignment reaches the set), pydantic only ever adds a
+    (no set to build, hash and later free per message: 0.7 of 5 us a step reply). Only a frozen model's
+    messages share it (the protocol's all are): no assignment reaches the set, pydantic only ever adds a
     name to such a set (a field's, already in it) and gives a copy its own.
     """
     message = _new(model)
@@ -72,7 +72,9 @@ def trusted(model: type[M], values: dict[str, Any], fields: frozenset[str] | Non
     elif (shared := _ALL_FIELDS.get(model)) is not None:
         given = shared
     else:
-        given = _ALL_FIELDS[model] = set(fields)
+        given = set(fields)
+        if model.model_config.get("frozen"):  # a model whose messages can change keeps a set per message
+            _ALL_FIELDS[model] = given
     _set(message, "__pydantic_fields_set__", given)
     _set(message, "__pydantic_extra__", None)
     _set(message, "__pydantic_private__", None)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from comm.codec import MAX_CONTROL_BYTES, unpack_raw
 from comm.rpc.envelope import ReplyEnvelope
 from comm.rpc.framing import reply_frames, request_frames
-from comm.rpc.hot import PackedBody, RequestHeads
+from comm.rpc.hot import PackedBody, RequestHeads, trusted
 from comm.traffic import TrafficCounts
 from services.protocol import PhaseTiming, SavedPart, StepReply, TrafficReports, WindowReply, pack_times
 from services.protocol.compute import MAX_TIMES_BYTES, TIMING_BYTES
@@ -406,6 +406,12 @@ def test_the_messages_read_share_one_set_of_fields_given_and_nothing_changes_it(
     changed = replies[0].model_copy(update={"step": 3})
     assert changed.step == 3 and changed.model_fields_set is not shared
     assert shared == set(StepReply.model_fields) and replies[1].step == 8
+
+    class Open(BaseModel):  # a model whose messages can change: a set of its own each
+        a: int = 0
+
+    one, two = (trusted(Open, {"a": 1}, frozenset(Open.model_fields)) for _ in range(2))
+    assert one.model_fields_set == {"a"} and one.model_fields_set is not two.model_fields_set
 
 
 @pytest.mark.parametrize("body", [
