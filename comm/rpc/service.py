@@ -25,7 +25,7 @@ from comm.rpc.envelope import RequestEnvelope
 from comm.rpc.framing import NamedTensors, error_frames, reply_frames
 
 if TYPE_CHECKING:
-    from comm.rpc.host import ServiceHost
+    from comm.rpc.host import ServiceHost, _Deferred
 
 __all__ = ["CONTROL", "Authorizer", "Call", "Handler", "Method", "OnTimeout", "Peer", "ServiceBase",
            "allow_all", "callable_by"]
@@ -112,7 +112,7 @@ class Call:
         self.tensors_out: list[tuple[str, torch.Tensor]] = []
         self.answered = False  # read and written on the host thread only
         self.deferred = False
-        self.in_heap = False  # its deadline is still in the host's heap
+        self.deadline: _Deferred | None = None  # its entry in the host's heap, while it waits there
 
     def defer(self, timeout: timedelta, on_timeout: OnTimeout) -> None:
         """Answer later with :meth:`reply`/:meth:`fail`; unanswered after ``timeout``, the host

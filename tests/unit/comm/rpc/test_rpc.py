@@ -3,8 +3,10 @@ authorization hook), the client, and the mailbox that wakes a polling thread."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -59,6 +61,8 @@ class Toy(ServiceBase):
 
     def __init__(self) -> None:
         self.peers: list[Peer] = []
+        self.kept: list[weakref.ref[Call]] = []  # the calls of rpc_far, weakly
+        self.threads: list[threading.Thread] = []
 
     def rpc_echo(self, request: Echo, call: Call) -> Echo:
         self.peers.append(call.peer)
@@ -75,6 +79,14 @@ class Toy(ServiceBase):
         """Answers from another thread, as a worker pool does."""
         call.defer(TIMEOUT, lambda: ("timeout", "never answered"))
         threading.Thread(target=lambda: call.reply(Echo(text=request.text + "!"))).start()
+
+    def rpc_far(self, request: Echo, call: Call) -> None:
+        """Answers from another thread soon, its deadline an hour away."""
+        call.defer(timedelta(hours=1), lambda: ("timeout", "never answered"))
+        self.kept.append(weakref.ref(call))
+        thread = threading.Thread(target=lambda: call.reply(Echo(text=str(len(request.text)))))
+        self.threads.append(thread)
+        thread.start()
 
     def rpc_oops(self, request: Empty, call: Call) -> Empty:
         raise Oops("the service says no")
@@ -169,6 +181,20 @@ def test_deferred_calls_answer_from_another_thread_or_at_their_deadline(
     assert 0.15 <= time.monotonic() - start < 3
     with pytest.raises(RpcError, match=r"toy.wait: \[timeout\] waited 100 ms"):
         client.call("toy", "wait", Wait(ms=100, answer="error"), Echo)
+
+
+def test_an_answered_call_is_not_kept_until_its_deadline(toy: tuple[ServiceHost, Toy, RpcClient]) -> None:
+    """[Note: an answered call leaves only its deadline]: 40 calls of 100 KB deferred for an hour and
+    answered at once are freed with their answers (the heap keeps their deadlines, and drops them later)."""
+    host, service, client = toy
+    for _ in range(40):
+        assert client.call("toy", "far", Echo(text="x" * 100_000), Echo)[0] == Echo(text="100000")
+    for thread in service.threads:
+        thread.join(timeout=10)
+    gc.collect()
+    assert len(service.kept) == 40
+    assert [i for i, ref in enumerate(service.kept) if ref() is not None] == []
+    assert len(host._deferred) == 40 and all(d.call is None and d.on_timeout is None for d in host._deferred)
 
 
 def test_errors_are_answered_with_their_codes(
