@@ -322,6 +322,10 @@ def test_the_bounds_on_one_host_never_exceed_the_played_step(seed: int) -> None:
             setup = planner._setup(shared, shape, 16, request, AUTOMATIC)
             cut = planner._replicated_bound(prof, shared, setup, cutter, None, bound)
             assert bound <= cut <= step * (1 + 1e-9), (shape, cores, cpus)
+            if shape[3] != "zb-h1":
+                rest = float(planner._cut_free_parts(shared, [shape], 16)[1][0])
+                quick = planner._replicated_bound(prof, shared, setup, cutter, None, bound, rest)
+                assert bound <= quick <= step * (1 + 1e-9), (shape, cores, cpus)
             d, p, *_, v = shape
             if d * p // v > cores:  # more workers than cores: the cores bind, and the bound follows the step
                 crowded += 1
@@ -338,7 +342,7 @@ def test_the_bound_with_the_placement_never_exceeds_the_played_step(seed: int, m
     step, above the former on some busy hosts, and above itself without the pipelines' fill ([Note: a
     pipeline's fill, before the cut]) on some."""
     rng = random.Random(700 + seed)
-    lifted = checked = filled = 0
+    lifted = checked = filled = quicker = 0
     with_fill = planner._with_fill
     for _ in range(4):
         prof = random_chain(rng)
@@ -357,6 +361,11 @@ def test_the_bound_with_the_placement_never_exceeds_the_played_step(seed: int, m
             setup = planner._setup(shared, shape, 16, request, AUTOMATIC)
             placed = max(bound, planner._placed_bound(shared, setup, other))
             assert bound <= placed <= cand.step_time_s * (1 + 1e-9), (shape, sizes, cores, slow)
+            if shape[3] != "zb-h1":  # the quick bound with the cut ([Note: the cut, bounded quickly])
+                cutter = get_cutter(request.cutter)
+                quick = planner._replicated_bound(prof, shared, setup, cutter, None, bound, other)
+                assert bound <= quick <= cand.step_time_s * (1 + 1e-9), (shape, sizes, cores, slow)
+                quicker += quick > placed * 1.001
             checked += 1
             lifted += placed > bound * 1.001
             monkeypatch.setattr(planner, "_with_fill", lambda work, ranks, *_: work / ranks)
@@ -364,6 +373,7 @@ def test_the_bound_with_the_placement_never_exceeds_the_played_step(seed: int, m
             monkeypatch.setattr(planner, "_with_fill", with_fill)
     assert lifted > 0 and checked > 0, (lifted, checked)  # 3-16% of the candidates on 40 seeds
     assert filled > 0, filled  # 12% of them on 40 seeds (gpipe, 1f1b and zb-h1 on busy hosts)
+    assert quicker > 0, quicker  # the cut's fill: over the bound with the placement on some
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 1), (4, 8), (16, 64), (8, 2), (61, 64)])
