@@ -43,6 +43,8 @@ def step_batches(sampler: BatchSampler, step: int, accumulate: int, data_paralle
     Raises:
         ValueError: The global batch does not split into the replicas and microbatches.
     """
+    if accumulate == 1:  # the sampler's global batch, split
+        return split_batch(sampler.indices(step), data_parallel, num_microbatches)
     out: list[list[list[int]]] = [[] for _ in range(data_parallel)]
     for a in range(accumulate):
         for r, shares in enumerate(split_batch(sampler.indices(step * accumulate + a), data_parallel,
