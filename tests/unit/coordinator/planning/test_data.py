@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given
@@ -47,6 +49,11 @@ def test_split_is_contiguous_replicas_then_microbatches() -> None:
     assert split_batch(list(range(8)), 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
     with pytest.raises(ValueError, match="does not split into 3 replicas x 1 microbatches"):
         split_batch(list(range(8)), 3, 1)
+    # every shape against the definition: replica r's microbatch k is the (r m + k)-th of d m equal parts
+    for d, m, size in itertools.product([1, 2, 3, 5], [1, 2, 4], [1, 3]):
+        indices = [7 * i % 101 for i in range(d * m * size)]
+        parts = [indices[i * size:(i + 1) * size] for i in range(d * m)]
+        assert split_batch(indices, d, m) == [[parts[r * m + k] for k in range(m)] for r in range(d)]
 
 
 def module_level_factory() -> list[int]:
