@@ -289,6 +289,8 @@ class ServiceHost:
             if call is None or on_timeout is None:  # answered (its entry emptied)
                 self._stale -= 1
                 continue
+            if call.answered:  # an older entry of a call deferred twice, answered since
+                continue
             call.deadline = None
             try:
                 outcome = on_timeout()
