@@ -1310,10 +1310,10 @@ def _with_fill(work: float, ranks: float, held: float, chain: float, m: int) -> 
     j) c_j``, ``c_j`` stage ``j``'s compute of one microbatch at the least pace. Whatever the cut, no
     stage has more than ``T / m`` (its rank does ``m`` of it within the step ``T``), and the ``c_j`` add up
     to the chain's ``C``: the sum is least with the last ``k = C m / T`` stages full and the others
-    empty, at least ``C (k - 1) / 2``. So ``ranks T >= work + C (C m / T - 1) / 2``, a quadratic in ``T``
-    whose larger root is the bound. It is the bubble of a pipeline: ``(p - 1) / (m + p - 1)`` of an even
-    GPipe's step, which the bound over the work alone left out (on 1,000 nodes over 128 CPU hosts of 8
-    workers the bounds with the cut sat a median 23% over it).
+    empty, at least ``C (k - 1) / 2`` (ZB-H1: ``phi`` of it, ``held``). So ``ranks T >= work + C (C m / T
+    - 1) / 2``, a quadratic in ``T`` whose larger root is the bound. It is the bubble of a pipeline, ``(p -
+    1) / (m + p - 1)`` of an even GPipe's step, which the bound over the work alone left out (on 1,000
+    nodes over 128 CPU hosts of 8 workers the bounds with the cut sat a median 23% over it).
     """
     if held <= 0.0 or chain <= 0.0:
         return work / ranks
