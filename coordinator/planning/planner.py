@@ -1282,19 +1282,15 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     extra = max(SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN) - 1.0
     totals = _chain_totals(shared, setup.mb)[0]
     chain = (totals[0] + 2 * p * ACTION_OVERHEAD_S) * turns  # one microbatch through every stage, unslowed
-    fill = _FILL_SHARE.get(setup.shape[3], 0.0) if p == ranks else 0.0  # interleaved: none known
-    if fill == _ZB_FORWARDS:
-        fill = totals[3]  # phi: the least share of a stage's compute its forwards are
+    # what share of that the ranks' fill and drain hold at least ([Note: a pipeline's fill, before the cut]):
+    # GPipe and 1F1B all of it, ZB-H1 its forwards (phi: the least share of a stage's compute they are);
+    # an interleaved pipeline, none known
+    name = setup.shape[3]
+    fill = 0.0 if p != ranks else 1.0 if name in ("gpipe", "1f1b") else totals[3] if name == "zb-h1" else 0.0
     pipeline = _with_fill(work, ranks + extra * len(set(homes)), fill * chain, chain, m)
     if at.shared_host and all(at.twins):
         pipeline = max(pipeline, _with_fill(work, ranks, fill * chain, chain, m))
     return pipeline + rest
-
-
-_ZB_FORWARDS = -1.0
-# per schedule, what share of one microbatch's chain the ranks' fill and drain hold at least
-# ([Note: a pipeline's fill, before the cut]): GPipe and 1F1B the forward and the backward, ZB-H1 the forward
-_FILL_SHARE = {"gpipe": 1.0, "1f1b": 1.0, "zb-h1": _ZB_FORWARDS}
 
 
 def _with_fill(work: float, ranks: float, held: float, chain: float, m: int) -> float:
@@ -1340,7 +1336,8 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     this is at most the full bound's pipeline plus at most its rest. ZB-H1's chain after its last ``I``
     shrinks as its ``W`` grows, so its bound takes no lower ``W``: it goes to the full bound at once. On
     1,000 nodes over 128 CPU hosts of 8 workers, 202 shapes get the quick bound and 67 the full one, where
-    239 got the full one: the bounds' time 0.98-1.27 -> 0.62-0.80 s."""
+    239 got the full one: the bounds took a third less time (docs/benchmarks.md, "Planning at cluster
+    size")."""
     d, p, mode, sched_name, m, v = setup.shape
     at, mb = setup.at, setup.mb
     bw, lat = at.link
