@@ -225,6 +225,7 @@ from coordinator.planning.simulator import (
     Timing,
     play,
 )
+from coordinator.planning.worker_table import WorkerTable
 from services.compute.weight_grads import HOLD_SHARE
 from services.params.grad_sync import FIRST_BUCKET_BYTES
 
@@ -451,6 +452,16 @@ class _Shared:
         self.table = NodeTable(profile.nodes)  # every node priced at a size in one pass
         self.free_cuts: dict[tuple[object, ...], tuple[int, ...] | str] = {}
 
+    @functools.cached_property
+    def fastest(self) -> float:
+        """The fastest worker's speed (the bounds' optimizer steps run at it)."""
+        return max(w.speed for w in self.by_name.values())
+
+    @functools.cached_property
+    def grad_bytes(self) -> float:
+        """Every node's gradient bytes together."""
+        return float(sum(nd.grad_bytes for nd in self.profile.nodes))
+
     def _get(self, key: tuple[object, ...], make: Callable[[], T]) -> T:
         if key not in self._memo:
             self._memo[key] = make()
@@ -635,26 +646,32 @@ class _Shared:
 
 class _Placed:
     """A shape's workers as its placement puts them: per stage its replicas' workers and slowest speed,
-    the devices, whether CPU workers share a host, the slowest link between neighbouring stages."""
+    the devices, whether CPU workers share a host, the slowest link between neighbouring stages. Read
+    from the workers' columns (:class:`~coordinator.planning.worker_table.WorkerTable`): a few numpy passes
+    per placement, the worker objects made only for the shapes played."""
 
     def __init__(self, shared: _Shared, placement: tuple[tuple[str, ...], ...], num_stages: int,
                  links: PlacedLinks | None = None) -> None:
-        by_name = shared.by_name
-        period = _period(placement, num_stages)  # stage s is placed as stage s % period (interleaved chunks)
-        rank_workers = [[by_name[names[s]] for names in placement] for s in range(period)]
-        self.workers = [rank_workers[s % period] for s in range(num_stages)]
-        placed = {w.name: w for ws in rank_workers for w in ws}  # each once (it may hold several stages)
-        self.on_cuda = all(w.device == "cuda" for w in placed.values())
-        hosts = [w.host for w in placed.values() if w.host is not None]
-        on_cpu = all(w.device == "cpu" for w in placed.values())
-        self.shared_host = on_cpu and len(hosts) > len(set(hosts))  # [Note: contention on a shared host]
-        twins = _twins(rank_workers) if not self.on_cuda else [False] * period
-        speed = [min(w.speed for w in ws) for ws in rank_workers]
-        least = [min(w.memory_bytes for w in ws) for ws in rank_workers]
+        assert shared.resources is not None
+        table = shared.resources.worker_table
+        grid = table.indices([name for row in placement for name in row]).reshape(len(placement), -1)
+        period = _period(grid, num_stages)  # stage s is placed as stage s % period (interleaved chunks)
+        rows = grid[:, :period].T  # per rank, its replicas' workers
+        self._rows = rows
+        self._period = period
+        placed = np.unique(rows)  # each once (it may hold several stages)
+        on_cpu = table.cpu[placed]
+        self.on_cuda = not on_cpu.any()
+        hosts = table.host[placed]
+        hosts = hosts[hosts >= 0]
+        self.shared_host = bool(on_cpu.all()) and len(hosts) > len(np.unique(hosts))  # [Note: contention
+        # on a shared host]
+        twins = _twins(table, rows) if not self.on_cuda else [False] * period
+        speed = table.speed[rows].min(axis=1).tolist()
+        least = table.memory[rows].min(axis=1).tolist()
         self.twins = [twins[s % period] for s in range(num_stages)]
         self.speed = [speed[s % period] for s in range(num_stages)]
         self.memory = [least[s % period] for s in range(num_stages)]  # per stage, its least
-        assert shared.resources is not None
         # what the pipeline's transfers cross
         self.link = links.neighbour if links is not None else neighbour_link(shared.resources, placement)
         self._rank_links = links.ranks if links is not None else ()
@@ -664,12 +681,21 @@ class _Placed:
         self._starved: list[float] | None = None
         self.num_stages = num_stages
 
+    @functools.cached_property
+    def workers(self) -> list[list[Worker]]:
+        """Per stage, its replicas' workers."""
+        assert self._shared.resources is not None
+        every = self._shared.resources.workers
+        ranks = [[every[i] for i in row] for row in self._rows.tolist()]
+        return [ranks[s % self._period] for s in range(self.num_stages)]
+
     @property
     def starved(self) -> list[float]:
         """Per stage, :func:`_sync_starved` of these workers (one pass over them per placement)."""
         if self._starved is None:
             assert self._shared.resources is not None
-            self._starved = _sync_starved(self._shared.resources, self.workers)
+            starved = _sync_starved(self._shared.resources, self._rows)
+            self._starved = [starved[s % self._period] for s in range(self.num_stages)]
         return self._starved
 
     def stage_link(self, stage: int) -> tuple[float, float]:
@@ -683,8 +709,8 @@ class _Placed:
         """How the ``ranks`` ranks of a replica share their hosts' cores, all replicas' workers counted
         (None: no CPU host holds two of the shape's workers). See [Note: contention on a shared host]."""
         if ranks not in self._sharing:
-            self._sharing[ranks] = shared_cores(self._shared.resources, self.workers[:ranks]) \
-                if self.shared_host else None
+            rows = self._rows[np.arange(ranks) % self._period]
+            self._sharing[ranks] = _rows_sharing(self._shared.resources, rows) if self.shared_host else None
         return self._sharing[ranks]
 
     def rank_stages(self, ranks: int) -> list[tuple[int, ...]]:
@@ -692,20 +718,26 @@ class _Placed:
         return [tuple(range(r, self.num_stages, ranks)) for r in range(ranks)]
 
 
-def _period(placement: tuple[tuple[str, ...], ...], num_stages: int) -> int:
-    """The least ``k`` dividing ``num_stages`` with every replica's stage ``s`` on the worker of its stage
-    ``s % k`` (the ranks of an interleaved placement; ``num_stages`` when none shorter holds)."""
+def _period(grid: np.ndarray, num_stages: int) -> int:
+    """The least ``k`` dividing ``num_stages`` with every replica's stage ``s`` (``grid[r, s]``: its worker)
+    on the worker of its stage ``s % k`` (the ranks of an interleaved placement; ``num_stages`` when none
+    shorter holds)."""
     for k in range(1, num_stages):
-        if num_stages % k == 0 and all(row == row[:k] * (num_stages // k) for row in placement):
+        if num_stages % k == 0 and np.array_equal(grid, np.tile(grid[:, :k], (1, num_stages // k))):
             return k
     return num_stages
 
 
-def _twins(workers: Sequence[Sequence[Worker]]) -> list[bool]:
-    """Per stage, whether two of its replicas are CPU workers of one host (contended throughout)."""
-    hosts = [{w.host for w in ws if w.device == "cpu" and w.host is not None} for ws in workers]
-    return [len([w for w in ws if w.device == "cpu" and w.host is not None]) > len(hosts[s])
-            for s, ws in enumerate(workers)]
+def _twins(table: WorkerTable, rows: np.ndarray) -> list[bool]:
+    """Per rank (``rows[k]``: its replicas' workers), whether two of its replicas are CPU workers of one host
+    (contended throughout)."""
+    host = table.host[rows]
+    on_host = table.cpu[rows] & (host >= 0)
+    ordered = np.sort(np.where(on_host, host, -1), axis=1)
+    distinct = (ordered[:, :1] >= 0).sum(axis=1) + ((ordered[:, 1:] != ordered[:, :-1])
+                                                     & (ordered[:, 1:] >= 0)).sum(axis=1)
+    twins: list[bool] = (on_host.sum(axis=1) > distinct).tolist()
+    return twins
 
 
 def _sync_cpu(mode: Mode, option: MemoryOption, d: int, grad_bytes: float, speed: float) -> float:
@@ -728,48 +760,72 @@ def _update_s(optimizer: str, grad_bytes: float, share: float, speed: float) -> 
     return grad_bytes * share * traffic / OPTIMIZER_BANDWIDTH_BPS / speed
 
 
-def _sync_starved(resources: Resources, stage_workers: Sequence[Sequence[Worker]]) -> list[float]:
-    """Per stage, the share of its replicas' gradient-sync threads that find no core to spare on their
-    host while the shape's workers compute (the most over its hosts): see [Note: the sync's own CPU]. 0
-    for GPU workers, and for CPU workers whose host's cores are not given (``Worker.host_cpus``: its
-    workers' ``cpus`` together then, none waiting for a core)."""
-    if not resources.host_cores_given:  # no host of CPU workers with its cores given: none waits
-        return [0.0] * len(stage_workers)
-    threads: dict[object, int] = {}
-    workers: dict[object, list[str]] = {}
-    home: dict[str, object] = {}  # every worker's host
-    for w in {w.name: w for ws in stage_workers for w in ws}.values():
-        host = home[w.name] = resources.host_of(w.name)
-        if w.device == "cpu" and w.host is not None and w.host_cpus is not None:  # its host's cores known
-            threads[host] = threads.get(host, 0) + w.cpus
-            workers.setdefault(host, []).append(w.name)
-    if not workers:  # GPU workers, or hosts whose cores are not given: no sync waits for a core
-        return [0.0] * len(stage_workers)
-    starved = {host: 1.0 - min(1.0, max(0, resources.host_cores(names[0]) - threads[host]) / len(names))
-               for host, names in workers.items()}
-    share = {name: starved.get(host, 0.0) for name, host in home.items()}  # per worker: its host's
-    return [max([share[w.name] for w in ws], default=0.0) for ws in stage_workers]
+def _sync_starved(resources: Resources, rows: np.ndarray) -> list[float]:
+    """Per rank (``rows[k]``: its replicas' workers), the share of its replicas' gradient-sync threads that
+    find no core to spare on their host while the shape's workers (all of ``rows``, each once) compute
+    (the most over its hosts): see [Note: the sync's own CPU]. 0 for GPU workers, and for CPU workers whose
+    host's cores are not given (``Worker.host_cpus``: its workers' ``cpus`` together then, none waiting
+    for a core)."""
+    if not resources.host_cores_given or rows.size == 0:  # no host of CPU workers with its cores given
+        return [0.0] * len(rows)
+    table = resources.worker_table
+    placed = np.unique(rows)
+    host = table.host[placed]
+    counted = table.cpu[placed] & (host >= 0) & table.cores_given[placed]
+    if not counted.any():  # GPU workers, or hosts whose cores are not given: no sync waits for a core
+        return [0.0] * len(rows)
+    hosts = len(table.host_cores)
+    threads = np.bincount(host[counted], weights=table.cpus[placed[counted]], minlength=hosts)
+    workers = np.bincount(host[counted], minlength=hosts)
+    spare = np.maximum(0.0, table.host_cores - threads) / np.maximum(workers, 1)
+    starved = np.where(workers > 0, 1.0 - np.minimum(1.0, spare), 0.0)  # per host whose cores are given
+    home = table.host[rows]
+    share = np.where(home >= 0, starved[np.maximum(home, 0)], 0.0)  # per worker: its host's
+    out: list[float] = share.max(axis=1, initial=0.0).tolist()
+    return out
 
 
 def shared_cores(resources: Resources | None, rank_workers: Sequence[Sequence[Worker]]) -> Sharing:
     """The :class:`Sharing` of ranks whose workers (all replicas') are ``rank_workers[r]``: per rank and
     CPU host, the threads its workers there run (their ``cpus``) and how many workers that is."""
     assert resources is not None
-    hosts: dict[str, int] = {}
+    table = resources.worker_table
+    flat = table.indices([w.name for ws in rank_workers for w in ws])
+    rank_of = np.repeat(np.arange(len(rank_workers)), [len(ws) for ws in rank_workers])
+    return _sharing(resources, flat, rank_of, len(rank_workers))
+
+
+def _rows_sharing(resources: Resources | None, rows: np.ndarray) -> Sharing:
+    """:func:`shared_cores` of ranks whose replicas' workers are ``rows[k]``."""
+    assert resources is not None
+    return _sharing(resources, rows.ravel(), np.repeat(np.arange(len(rows)), rows.shape[1]), len(rows))
+
+
+def _sharing(resources: Resources, flat: np.ndarray, rank_of: np.ndarray, num_ranks: int) -> Sharing:
+    """:func:`shared_cores` of the workers ``flat`` (rank by rank), ``rank_of`` each one's rank: hosts
+    numbered in the order their first CPU worker comes, each rank's hosts in the order its first worker
+    there comes, the threads summed in the workers' order (the floats of one pass over them)."""
+    table = resources.worker_table
+    host = table.host[flat]
+    on_host = table.cpu[flat] & (host >= 0)
+    flat, host, rank_of = flat[on_host], host[on_host], rank_of[on_host]
+    wants: list[tuple[tuple[int, float, int], ...]] = [() for _ in range(num_ranks)]
     cores: list[float] = []
-    wants: list[tuple[tuple[int, float, int], ...]] = []
-    for ws in rank_workers:
-        mine: dict[int, tuple[float, int]] = {}
-        for w in ws:
-            if w.device != "cpu" or w.host is None:
-                continue
-            if w.host not in hosts:
-                hosts[w.host] = len(cores)
-                cores.append(float(resources.host_cores(w.name)))
-            h = hosts[w.host]
-            k, n = mine.get(h, (0.0, 0))
-            mine[h] = (k + w.cpus, n + 1)
-        wants.append(tuple((h, k, n) for h, (k, n) in mine.items()))
+    if len(flat):
+        hosts, first = np.unique(host, return_index=True)
+        order = np.argsort(first, kind="stable")  # hosts numbered by their first worker
+        number = np.empty(len(hosts), dtype=np.int64)
+        number[order] = np.arange(len(hosts))
+        cores = table.host_cores[hosts[order]].astype(np.float64).tolist()
+        key = rank_of * len(hosts) + number[np.searchsorted(hosts, host)]
+        keys, seen, which = np.unique(key, return_index=True, return_inverse=True)
+        threads = np.bincount(which, weights=table.cpus[flat])  # in the workers' order, from 0.0
+        count = np.bincount(which)
+        came = np.argsort(seen, kind="stable")  # rank by rank, each rank's hosts as they come
+        ordered = keys[came]
+        edges = np.searchsorted(ordered // len(hosts), np.arange(num_ranks + 1)).tolist()
+        h, c, n = (ordered % len(hosts)).tolist(), threads[came].tolist(), count[came].tolist()
+        wants = [tuple(zip(h[a:b], c[a:b], n[a:b], strict=True)) for a, b in itertools.pairwise(edges)]
     return Sharing(tuple(cores), tuple(wants), SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN,
                    SHARED_HOST_TURNS_SLOWDOWN)
 
@@ -1272,10 +1328,8 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     if any(home is None for home in homes):  # a rank at its own pace: its share of the work is the cut's
         return 0.0
     d, p, mode, _, m, _ = setup.shape
-    workers = shared.by_name
-    fastest = max(w.speed for w in workers.values())
-    grads = float(sum(nd.grad_bytes for nd in shared.profile.nodes))
-    starts = _update_s(shared.profile.optimizer, grads, 1.0 if mode == "collective" else 1.0 / d, fastest)
+    starts = _update_s(shared.profile.optimizer, shared.grad_bytes, 1.0 if mode == "collective" else 1.0 / d,
+                       shared.fastest)
     slowed = _chain_totals(shared, setup.mb)[1][0]  # every node's forward and least backward, slowed
     turns = min(sharing.turns(h) for h in homes if h is not None)  # the least any rank is slowed throughout
     work = m * (slowed + 2 * p * ACTION_OVERHEAD_S) * turns + starts

@@ -40,9 +40,12 @@ import platform
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from coordinator.planning.worker_table import WorkerTable
 
 __all__ = ["CLUSTER_BANDWIDTH_BPS", "CLUSTER_LATENCY_S", "LOCAL_BANDWIDTH_BPS", "LOCAL_LATENCY_S", "HostLink",
            "Link", "LinkSpeed", "Resources", "Worker"]
@@ -212,6 +215,18 @@ class Resources(BaseModel):
         if not speeds:
             return self.default_link
         return min(bw for bw, _ in speeds), max(lat for _, lat in speeds)
+
+    def host_number(self, name: str) -> int:
+        """Worker ``name``'s host as a number: hosts numbered from 0 in the order of their first worker, a
+        worker without a host a negative number of its own."""
+        return self._index.host_id[name]
+
+    @functools.cached_property
+    def worker_table(self) -> WorkerTable:
+        """Every worker's planning fields as arrays (built once per list)."""
+        from coordinator.planning.worker_table import WorkerTable
+
+        return WorkerTable.of(self)
 
     def host_cores(self, name: str) -> int:
         """The cores of worker ``name``'s host: its workers' ``host_cpus`` (the most given), else their

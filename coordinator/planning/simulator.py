@@ -79,6 +79,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -193,11 +194,15 @@ class Sharing:
     def __post_init__(self) -> None:
         if any(c <= 0 for c in self.cores):
             raise ValueError(f"every host needs cores > 0: {self.cores}")
-        if any(not 0 <= h < len(self.cores) or k <= 0 or n < 1 for w in self.wants for h, k, n in w):
+        entries = list(itertools.chain.from_iterable(self.wants))  # one pass in C: a cluster's has thousands
+        if entries and (set(map(len, entries)) != {3} or not self._wants_valid(*zip(*entries, strict=True))):
             raise ValueError(f"each want is (host in 0..{len(self.cores) - 1}, cores > 0, workers >= 1): "
                              f"{self.wants}")
         if min(self.forward_slowdown, self.backward_slowdown, self.turns_slowdown) < 1:
             raise ValueError("a slowdown is >= 1: another busy worker never speeds one up")
+
+    def _wants_valid(self, hosts: Sequence[int], cores: Sequence[float], workers: Sequence[int]) -> bool:
+        return min(hosts) >= 0 and max(hosts) < len(self.cores) and min(cores) > 0 and min(workers) >= 1
 
     @property
     def crowded(self) -> bool:

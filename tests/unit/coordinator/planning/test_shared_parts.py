@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from coordinator.planning.graph import CutInfo, TensorMeta
@@ -93,10 +94,13 @@ def test_a_nodes_bytes_at_every_size_are_those_made_for_that_size(recompute: boo
 def test_a_placement_s_period_is_its_least_repeating_prefix() -> None:
     from coordinator.planning.planner import _period
 
+    def period(grid: tuple[tuple[str, ...], ...], stages: int) -> int:
+        return _period(np.array(grid), stages)
+
     interleaved = (("a", "b", "a", "b", "a", "b"), ("c", "d", "c", "d", "c", "d"))
-    assert _period(interleaved, 6) == 2
-    assert _period((("a",) * 4, ("b",) * 4), 4) == 1  # every stage on one worker per replica
-    assert _period((("a", "b", "c", "d"),), 4) == 4  # a plain pipeline
+    assert period(interleaved, 6) == 2
+    assert period((("a",) * 4, ("b",) * 4), 4) == 1  # every stage on one worker per replica
+    assert period((("a", "b", "c", "d"),), 4) == 4  # a plain pipeline
     # the first replica repeats, the second does not: the period must hold for every replica
-    assert _period((("a", "b", "a", "b"), ("c", "d", "e", "d")), 4) == 4
-    assert _period((("a", "b", "c", "a", "b", "c"),), 6) == 3
+    assert period((("a", "b", "a", "b"), ("c", "d", "e", "d")), 4) == 4
+    assert period((("a", "b", "c", "a", "b", "c"),), 6) == 3
