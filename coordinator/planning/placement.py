@@ -42,6 +42,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from coordinator.planning.profile import Profile
 from coordinator.planning.resources import Resources, Speed
 
@@ -130,8 +132,13 @@ class _Layout:
     @classmethod
     def of(cls, resources: Resources, grid: Grid, chunks: int) -> _Layout:
         hops = _hops(len(grid[0]), chunks)
-        pipe = resources.slowest_of_pairs((row[a], row[b]) for row in grid for a, b in hops) if hops else None
-        ranks = tuple(resources.slowest_link([row[k] for row in grid]) for k in range(len(grid[0])))
+        by_hosts = _links_by_hosts(resources, grid, hops)
+        if by_hosts is not None:
+            pipe, ranks = by_hosts
+        else:
+            pipe = (resources.slowest_of_pairs((row[a], row[b]) for row in grid for a, b in hops) if hops
+                    else None)
+            ranks = tuple(resources.slowest_link([row[k] for row in grid]) for k in range(len(grid[0])))
         return cls(grid, pipe, tuple(sorted(set(ranks))), ranks)
 
     def links(self, resources: Resources) -> PlacedLinks:
@@ -145,6 +152,32 @@ class _Layout:
         replicas, nbytes = len(self.grid), traffic.gradient_bytes * chunks
         sync = max(_all_reduce(nbytes, replicas, link) for link in self.group_links)
         return traffic.microbatches * chunks * pipe + sync
+
+
+def _links_by_hosts(resources: Resources, grid: Grid, hops: Sequence[tuple[int, int]]
+                    ) -> tuple[Speed | None, tuple[Speed, ...]] | None:
+    """:meth:`_Layout.of`'s links from the workers' host numbers alone, where the links follow the hosts
+    (``Resources.links_follow_hosts``) and the grid names each worker once: the hops' slowest link (None
+    without hops) and each rank's; None otherwise (the pairs are then looked up). The same answers as
+    ``slowest_of_pairs`` and ``slowest_link``, in a few numpy passes over a grid of 1,024 workers."""
+    if not resources.links_follow_hosts:
+        return None
+    table = resources.worker_table
+    workers = table.indices([name for row in grid for name in row]).reshape(len(grid), -1)
+    if len(np.unique(workers)) != workers.size:
+        return None
+    host = table.host[workers]  # a worker without a host: a negative number of its own
+    pipe = None
+    if hops:
+        a, b = (np.array(ends, dtype=np.int64) for ends in zip(*hops, strict=True))
+        inside = (host[:, a] == host[:, b]) & (host[:, a] >= 0)
+        pipe = resources.slowest_by_kind(bool(inside.any()), bool((~inside).any()))
+    replicas = len(grid)
+    if replicas < 2:
+        return pipe, (resources.default_link,) * host.shape[1]
+    ordered = np.sort(host, axis=0)
+    hosts = 1 + (ordered[1:] != ordered[:-1]).sum(axis=0)  # per rank, the hosts its replicas are on
+    return pipe, tuple(resources.slowest_by_kind(n < replicas, n > 1) for n in hosts.tolist())
 
 
 def layout_cost(resources: Resources, grid: Sequence[Sequence[str]], traffic: Traffic,

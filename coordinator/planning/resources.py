@@ -207,6 +207,19 @@ class Resources(BaseModel):
         return _Index({w.name: w for w in self.workers}, {w.name: _host_key(w) for w in self.workers},
                       pairs, host_pairs, host_id)
 
+    @property
+    def links_follow_hosts(self) -> bool:
+        """Whether every link is the one inside a host or the default (no :class:`Link` or :class:`HostLink`
+        names a pair): a group's slowest link then depends only on whether two of it share a host and
+        whether two do not (:meth:`slowest_by_kind`)."""
+        index = self._index
+        return not index.pairs and not index.host_pairs
+
+    def slowest_by_kind(self, inside: bool, between: bool) -> Speed:
+        """The slowest of the link inside a host (where ``inside``) and between two (where ``between``), on a
+        list whose :attr:`links_follow_hosts`; the defaults for neither."""
+        return self._by_kind(inside, between)
+
     def _by_kind(self, inside: bool, between: bool) -> Speed:
         """The slowest of the link inside a host (where ``inside``) and between two (where ``between``):
         the answer of a list whose links depend on that alone (no per-worker or per-host-pair link)."""

@@ -15,6 +15,8 @@ from coordinator.planning.placement import (
     Traffic,
     _blocks,
     _first_fit,
+    _hops,
+    _links_by_hosts,
     layout_cost,
     neighbour_link,
     place,
@@ -23,7 +25,7 @@ from coordinator.planning.placement import (
 )
 from coordinator.planning.profile import Profile
 from coordinator.planning.resource_file import ClusterFile, HostGroup
-from coordinator.planning.resources import LinkSpeed, Resources, Worker
+from coordinator.planning.resources import Link, LinkSpeed, Resources, Worker
 
 MiB = 2**20
 INTRA = LinkSpeed(bandwidth_bps=100e9, latency_s=2e-6)
@@ -191,3 +193,28 @@ def test_a_pipeline_inside_a_host_is_priced_at_the_intra_host_link(monkeypatch: 
     assert before.sync_time_s == pytest.approx(plan.sync_time_s, rel=1e-9)
     # microbatch 0's activations and microbatch 1's gradients cross on the step's one dependency chain
     assert before.pipeline_time_s - plan.pipeline_time_s > slow - hand
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_layout_s_links_from_host_numbers_are_the_pairs_slowest(seed: int) -> None:
+    """Where the links follow the hosts, a grid's hop and rank links read from the workers' host numbers
+    are what looking the pairs up gives (workers with and without hosts, one replica or many)."""
+    rng = random.Random(seed)
+    workers = [Worker(name=f"h{h}-{k}", memory_bytes=10**9, host=f"h{h}" if rng.random() < 0.85 else None)
+               for h in range(rng.randint(1, 5)) for k in range(rng.randint(1, 5))]
+    rng.shuffle(workers)
+    resources = Resources(workers=tuple(workers), bandwidth_bps=rng.choice([1e9, 5e9]), latency_s=1e-4,
+                          intra_host=LinkSpeed(bandwidth_bps=rng.choice([1e9, 1e10]),
+                                               latency_s=rng.choice([1e-6, 1e-3])) if seed % 5 else None)
+    names = [w.name for w in workers]
+    ranks = rng.randint(1, min(4, len(names)))
+    replicas = rng.randint(1, len(names) // ranks)
+    chosen = rng.sample(names, replicas * ranks)
+    grid = [chosen[r * ranks:(r + 1) * ranks] for r in range(replicas)]
+    hops = _hops(ranks, rng.choice([1, 2]))
+    pipe = resources.slowest_of_pairs((row[a], row[b]) for row in grid for a, b in hops) if hops else None
+    per_rank = tuple(resources.slowest_link([row[k] for row in grid]) for k in range(ranks))
+    assert _links_by_hosts(resources, grid, hops) == (pipe, per_rank)
+    named = Resources(workers=resources.workers, links=(Link(a=names[0], b=names[-1], bandwidth_bps=1.0,
+                                                             latency_s=1.0),))
+    assert _links_by_hosts(named, grid, hops) is None  # a per-pair link: the pairs are looked up
