@@ -162,10 +162,11 @@ def _links_by_hosts(resources: Resources, grid: Grid, hops: Sequence[tuple[int, 
     ``slowest_of_pairs`` and ``slowest_link``, in a few numpy passes over a grid of 1,024 workers."""
     if not resources.links_follow_hosts:
         return None
-    table = resources.worker_table
-    workers = table.indices([name for row in grid for name in row]).reshape(len(grid), -1)
-    if len(np.unique(workers)) != workers.size:
+    names = [name for row in grid for name in row]
+    if len(set(names)) != len(names):
         return None
+    table = resources.worker_table
+    workers = table.indices(names).reshape(len(grid), -1)
     host = table.host[workers]  # a worker without a host: a negative number of its own
     pipe = None
     if hops:

@@ -218,7 +218,12 @@ class Resources(BaseModel):
     def slowest_by_kind(self, inside: bool, between: bool) -> Speed:
         """The slowest of the link inside a host (where ``inside``) and between two (where ``between``), on a
         list whose :attr:`links_follow_hosts`; the defaults for neither."""
-        return self._by_kind(inside, between)
+        return self._kinds[inside, between]
+
+    @functools.cached_property
+    def _kinds(self) -> dict[tuple[bool, bool], Speed]:
+        return {(inside, between): self._by_kind(inside, between) for inside in (False, True)
+                for between in (False, True)}
 
     def _by_kind(self, inside: bool, between: bool) -> Speed:
         """The slowest of the link inside a host (where ``inside``) and between two (where ``between``):

@@ -351,23 +351,43 @@ def _stage_lists(order: Lists, num_stages: int) -> Lists:
 
 
 def _interleaved(p: int, m: int, v: int) -> Lists:
-    """Interleaved 1F1B's merged order per rank (see :func:`interleaved_1f1b`)."""
+    """Interleaved 1F1B's merged order per rank (see :func:`interleaved_1f1b`): a rank's ``k``-th forward
+    runs chunk ``(k // g) % v`` of microbatch ``k // (g v) * g + k % g``, its ``k``-th backward the chunks
+    the other way round; each with its receive before and its send after (:func:`_forward`,
+    :func:`_backward`), appended in place (a plan of 64 stages holds tens of thousands of them)."""
     num_ranks = p // v
     g = interleaved_group(num_ranks, m)
     assert g is not None
+    n = v * m
     order: list[tuple[Step, ...]] = []
     for r in range(num_ranks):
-        def forward(k: int, r: int = r) -> list[Step]:
-            return _forward((k // g) % v * num_ranks + r, k // (g * v) * g + k % g, p)
+        acts: list[Step] = []
+        add = acts.append
 
-        def backward(k: int, r: int = r) -> list[Step]:
-            return _backward((v - 1 - (k // g) % v) * num_ranks + r, k // (g * v) * g + k % g, p)
+        def forward(k: int, r: int = r, add: Callable[[Step], None] = add) -> None:
+            s, i = (k // g) % v * num_ranks + r, k // (g * v) * g + k % g
+            if s > 0:
+                add(Step(s, "RECV_F", i))
+            add(Step(s, "F", i))
+            if s < p - 1:
+                add(Step(s, "SEND_F", i))
 
-        warmup = min((v - 1) * g + 2 * (num_ranks - 1 - r), v * m)
-        acts = [a for k in range(warmup) for a in forward(k)]
-        for k in range(v * m - warmup):  # steady state: the next forward, then the oldest backward
-            acts += forward(warmup + k) + backward(k)
-        acts += [a for k in range(v * m - warmup, v * m) for a in backward(k)]
+        def backward(k: int, r: int = r, add: Callable[[Step], None] = add) -> None:
+            s, i = (v - 1 - (k // g) % v) * num_ranks + r, k // (g * v) * g + k % g
+            if s < p - 1:
+                add(Step(s, "RECV_B", i))
+            add(Step(s, "B", i))
+            if s > 0:
+                add(Step(s, "SEND_B", i))
+
+        warmup = min((v - 1) * g + 2 * (num_ranks - 1 - r), n)
+        for k in range(warmup):
+            forward(k)
+        for k in range(n - warmup):  # steady state: the next forward, then the oldest backward
+            forward(warmup + k)
+            backward(k)
+        for k in range(n - warmup, n):
+            backward(k)
         order.append(tuple(acts))
     return tuple(order)
 
