@@ -664,8 +664,8 @@ class _Placed:
         self.on_cuda = not on_cpu.any()
         hosts = table.host[placed]
         hosts = hosts[hosts >= 0]
-        self.shared_host = bool(on_cpu.all()) and len(hosts) > len(np.unique(hosts))  # [Note: contention
-        # on a shared host]
+        # two CPU workers on one host: [Note: contention on a shared host]
+        self.shared_host = bool(on_cpu.all()) and len(hosts) > len(np.unique(hosts))
         twins = _twins(table, rows) if not self.on_cuda else [False] * period
         speed = table.speed[rows].min(axis=1).tolist()
         least = table.memory[rows].min(axis=1).tolist()

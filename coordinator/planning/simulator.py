@@ -570,10 +570,10 @@ def _play_shared(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Seq
 
     A class whose next end, recomputed where its host's busy ranks changed, falls at the very time its
     entry on the event heap already has keeps that entry (two fifths of the entries a search's plays
-    pushed): the same events at the same times, one heap operation fewer each. The helpers are few and
-    flat (a search plays about 10,000 events per shape of 16 ranks x 64 microbatches): a quarter less time
-    a play than with one helper per step, the same floats in the same order (docs/benchmarks.md, "Planning
-    at cluster size").
+    pushed), one heap operation fewer each. The helpers are few and flat (a search plays about 10,000
+    events per shape of 16 ranks x 64 microbatches): a quarter less time a play than with one helper per
+    step, with the same float operations in the same order (the old loop's plays, compared to the last bit
+    on 6,000 random crowded shapes and a search's: docs/benchmarks.md, "Planning at cluster size").
     """
     n = len(durations)
     cores, wants, homes = _host_classes(sharing)
