@@ -157,15 +157,17 @@ class _Layout:
 def _links_by_hosts(resources: Resources, grid: Grid, hops: Sequence[tuple[int, int]]
                     ) -> tuple[Speed | None, tuple[Speed, ...]] | None:
     """:meth:`_Layout.of`'s links from the workers' host numbers alone, where the links follow the hosts
-    (``Resources.links_follow_hosts``) and the grid names each worker once: the hops' slowest link (None
-    without hops) and each rank's; None otherwise (the pairs are then looked up). The same answers as
+    (``Resources.links_follow_hosts``) and the grid names each worker of the list once, in rows of one
+    length: the hops' slowest link (None without hops) and each rank's; None otherwise (the pairs are then
+    looked up). The same answers as
     ``slowest_of_pairs`` and ``slowest_link``, in a few numpy passes over a grid of 1,024 workers."""
     if not resources.links_follow_hosts:
         return None
     names = [name for row in grid for name in row]
-    if len(set(names)) != len(names):
-        return None
     table = resources.worker_table
+    unique = set(names)
+    if len(unique) != len(names) or len({len(row) for row in grid}) != 1 or not unique <= table.index.keys():
+        return None  # a worker twice, rows of several lengths or a name not in the list: the pairs' way
     workers = table.indices(names).reshape(len(grid), -1)
     host = table.host[workers]  # a worker without a host: a negative number of its own
     pipe = None

@@ -218,3 +218,5 @@ def test_a_layout_s_links_from_host_numbers_are_the_pairs_slowest(seed: int) -> 
     named = Resources(workers=resources.workers, links=(Link(a=names[0], b=names[-1], bandwidth_bps=1.0,
                                                              latency_s=1.0),))
     assert _links_by_hosts(named, grid, hops) is None  # a per-pair link: the pairs are looked up
+    assert _links_by_hosts(resources, [*grid[:-1], [*grid[-1][:-1], "not-a-worker"]], hops) is None
+    assert _links_by_hosts(resources, [*grid, grid[0]], hops) is None  # a worker twice
