@@ -443,15 +443,20 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
             over = over_memory(s, rows_at[rows, None], starts[rows], None if window is None else window[rows])
             return cost[rows] if over is None else np.where(over, np.inf, cost[rows])
 
+        # a stage's pass is a few numpy calls on a band of a few thousand cells (hundreds of stages a cut at
+        # cluster size): its buffers and row numbers are made once, its calls made without numpy's wrappers
+        spans = np.arange(r1 - r0)
+        buffers = (np.empty(n + 1), np.empty(n + 1))
         for s in range(1, k - 1):
             lo, hi = max(windows[s][0], r0), min(windows[s][1], r1)
-            best_next = np.full(n + 1, np.inf)
+            best_next = buffers[s % 2]  # the other one holds ``best`` (or is the first stage's, unread)
+            best_next.fill(np.inf)
             if lo < hi:
                 rows = slice(lo - r0, hi - r0)
                 band = starts[rows]
                 cand = np.maximum(best[band], stage_cost(s, rows))  # cand[j, t]: stages < s end at band[j, t]
-                pick = np.argmin(cand, axis=1)  # the first minimum, the earliest start: as the dense one
-                span = np.arange(hi - lo)
+                pick = cand.argmin(axis=1)  # the first minimum, the earliest start: as the dense one
+                span = spans[:hi - lo]
                 choice[s][lo:hi] = band[span, pick]
                 best_next[lo:hi] = cand[span, pick]
             best = best_next
