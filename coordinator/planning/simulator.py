@@ -207,11 +207,32 @@ class Sharing:
     @property
     def crowded(self) -> bool:
         """Whether some host holds two workers or more (else every rank runs at its own pace)."""
+        return any(n > 1 for n in self._host_workers)
+
+    @functools.cached_property
+    def _host_workers(self) -> tuple[int, ...]:
+        """Per host, the workers every rank has there (the bounds ask it of every shape: a cluster's
+        sharing holds thousands of wants, so once)."""
         per_host = [0] * len(self.cores)
         for want in self.wants:
             for h, _, n in want:
                 per_host[h] += n
-        return any(n > 1 for n in per_host)
+        return tuple(per_host)
+
+    @functools.cached_property
+    def _host_wanted(self) -> tuple[float, ...]:
+        """Per host, the cores every rank wants there."""
+        wanted = [0.0] * len(self.cores)
+        for want in self.wants:
+            for h, k, _ in want:
+                wanted[h] += k
+        return tuple(wanted)
+
+    @functools.cached_property
+    def _home_cores(self) -> tuple[float, ...]:
+        """Per rank, the cores it wants at its home (0 without one)."""
+        return tuple(0.0 if h is None else next(k for g, k, _ in want if g == h)
+                     for want, h in zip(self.wants, self.homes(), strict=True))
 
     def turns(self, host: int) -> float:
         """What a forward's or backward's pace is divided by on ``host`` beyond the slowdowns of a crowd:
@@ -244,10 +265,7 @@ class Sharing:
         ``c`` times the larger of the two is the bound.
         """
         homes = self.homes()
-        workers = [0] * len(self.cores)
-        for want in self.wants:
-            for h, _, w in want:
-                workers[h] += w
+        workers, wanted = self._host_workers, self._home_cores
         worst = max(self.forward_slowdown, self.backward_slowdown)
         load = [0.0] * len(self.cores)
         alone = [1.0] * len(self.cores)
@@ -255,13 +273,14 @@ class Sharing:
             if home is None:
                 continue
             h = home
-            k = next(k for g, k, _ in self.wants[r] if g == h)
+            k = wanted[r]
             crowded = workers[h] > 1
             f, b = (self.forward_slowdown, self.backward_slowdown) if crowded else (1.0, 1.0)
             t = self.turns(h)  # throughout: a weight like the others, alone or not
             load[h] += k * (t * f * forward[r] + t * b * backward[r] + other[r])
             alone[h] = max(alone[h], worst * min(k, self.cores[h]) / self.cores[h] if crowded else 1.0)
-        return max((x / (c * a) for x, c, a in zip(load, self.cores, alone, strict=True)), default=0.0)
+        # a host no rank calls home carries no load: its term is 0, as the default
+        return max((load[h] / (self.cores[h] * alone[h]) for h in set(homes) if h is not None), default=0.0)
 
     def crowded_time(self, ends: Sequence[float], occupied: Sequence[float], forward: Sequence[float],
                      backward: Sequence[float]) -> float:
@@ -297,10 +316,7 @@ class Sharing:
 
     def most_stretch(self) -> float:
         """The most any busy rank's pace can be divided by: its host's cores all wanted, its kind slowed."""
-        wanted = [0.0] * len(self.cores)
-        for want in self.wants:
-            for h, k, _ in want:
-                wanted[h] += k
+        wanted = self._host_wanted
         share = max((max(1.0, k / c) for k, c in zip(wanted, self.cores, strict=True)), default=1.0)
         turns = self.turns_slowdown if share > 1.0 else 1.0  # wanted more than the cores: turns throughout
         return share * max(self.forward_slowdown, self.backward_slowdown) * turns
