@@ -635,8 +635,9 @@ class _Shared:
             ("deferred", mb), lambda: tuple(nd.deferred_bytes * scale for nd in profile.nodes))
         hold = None
         if holds is not None and any(holds):
+            limits = self._get(("hold limits",), lambda: [held_limit([nd]) for nd in profile.nodes])
             hold = self._get(("hold", mb, num_microbatches, data_parallel == 1), lambda: hold_bytes(
-                profile.nodes, scale, num_microbatches, data_parallel == 1))
+                profile.nodes, scale, num_microbatches, data_parallel == 1, limits))
         return CutProblem(compute_s, cut_s, num_stages, cuttable, static, memory.held,
                           tuple(in_flight) if in_flight is not None else (1,) * num_stages,
                           tuple(memory_limit) if memory_limit is not None else None, deferred,
@@ -920,17 +921,18 @@ def _holding_bytes(nd: NodeProfile) -> int:
     return nd.deferred_weight_bytes or (nd.param_bytes if nd.split or nd.deferred_bytes else 0)
 
 
-def hold_bytes(nodes: Sequence[NodeProfile], scale: float, count: int, alone: bool) -> tuple[float, ...]:
+def hold_bytes(nodes: Sequence[NodeProfile], scale: float, count: int, alone: bool,
+               limits: Sequence[int] | None = None) -> tuple[float, ...]:
     """Per node, the most a 1F1B stage of ``count`` backwards holds for its held ``W`` s (see
     :func:`_held_weights`): the rows of the microbatches that hold, at most until they exceed the node's
     share of the limit (:func:`held_limit`; the microbatch that crosses it included), at ``scale`` times
-    the profiled microbatch. Per node: a stage of nodes alike holds their sum."""
+    the profiled microbatch. Per node: a stage of nodes alike holds their sum. ``limits``: each node's
+    :func:`held_limit`, if known (a search asks for many sizes and counts)."""
     held = count if alone and count >= 2 else max(0, count - 2)
-    out = []
-    for nd in nodes:
-        rows = nd.deferred_bytes * scale
-        out.append(min(held * rows, held_limit([nd]) + rows))
-    return tuple(out)
+    if limits is None:
+        limits = [held_limit([nd]) for nd in nodes]
+    return tuple(min(held * rows, limit + rows)
+                 for rows, limit in zip((nd.deferred_bytes * scale for nd in nodes), limits, strict=True))
 
 
 def _plain_count(count: int, alone: bool) -> int:
