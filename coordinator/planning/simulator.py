@@ -465,21 +465,26 @@ def play(name: str, steps: Sequence[Sequence[Step]], ranks: Sequence[Sequence[in
         anchors = _tail_anchors(acts, costs.tail_s)
         order: list[Step] = []
         added: list[int] = []
-        for k, a in enumerate(acts):
+        for k, a in enumerate(acts):  # each action read once (a play of 64 stages has tens of thousands)
             order.append(a)
-            if a.kind in compute:
-                dur.append(compute[a.kind][a.stage])
+            stage, kind = a.stage, a.kind
+            times = compute.get(kind)
+            if times is not None:
+                dur.append(times[stage])
                 wait.append(None)
                 send.append(None)
-                kinds.append(1 if a.kind == "F" else 2)
+                kinds.append(1 if kind == "F" else 2)
             else:
                 kinds.append(0)
-                peer = a.stage + _PEER[a.kind]
-                dur.append(transfer[a.kind][min(a.stage, peer)])
-                recv = a.kind.startswith("RECV")
-                wait.append((peer, a.stage, a.microbatch) if recv else None)
-                send.append(None if recv else (a.stage, peer, a.microbatch))
-            if k in anchors:  # the stage's last weight gradients: a backward's work, waiting for nothing
+                peer = stage + _PEER[kind]
+                dur.append(transfer[kind][stage if stage < peer else peer])
+                if kind[0] == "R":  # RECV_F, RECV_B
+                    wait.append((peer, stage, a.microbatch))
+                    send.append(None)
+                else:
+                    wait.append(None)
+                    send.append((stage, peer, a.microbatch))
+            if anchors and k in anchors:  # the stage's last weight gradients: a backward's, waiting on none
                 added.append(len(order))
                 order.append(Step(a.stage, "W", a.microbatch))
                 dur.append(costs.tail_s[a.stage])
