@@ -207,26 +207,18 @@ class Sharing:
     @property
     def crowded(self) -> bool:
         """Whether some host holds two workers or more (else every rank runs at its own pace)."""
-        return any(n > 1 for n in self._host_workers)
+        return any(n > 1 for n in self._host_sums[1])
 
     @functools.cached_property
-    def _host_workers(self) -> tuple[int, ...]:
-        """Per host, the workers every rank has there (the bounds ask it of every shape: a cluster's
-        sharing holds thousands of wants, so once)."""
-        per_host = [0] * len(self.cores)
+    def _host_sums(self) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """Per host, the cores every rank wants there and its workers there (the bounds ask them of every
+        shape: a cluster's sharing holds thousands of wants, so once)."""
+        wanted, workers = [0.0] * len(self.cores), [0] * len(self.cores)
         for want in self.wants:
-            for h, _, n in want:
-                per_host[h] += n
-        return tuple(per_host)
-
-    @functools.cached_property
-    def _host_wanted(self) -> tuple[float, ...]:
-        """Per host, the cores every rank wants there."""
-        wanted = [0.0] * len(self.cores)
-        for want in self.wants:
-            for h, k, _ in want:
+            for h, k, n in want:
                 wanted[h] += k
-        return tuple(wanted)
+                workers[h] += n
+        return tuple(wanted), tuple(workers)
 
     @functools.cached_property
     def _home_cores(self) -> tuple[float, ...]:
@@ -265,7 +257,7 @@ class Sharing:
         ``c`` times the larger of the two is the bound.
         """
         homes = self.homes()
-        workers, wanted = self._host_workers, self._home_cores
+        workers, wanted = self._host_sums[1], self._home_cores
         worst = max(self.forward_slowdown, self.backward_slowdown)
         load = [0.0] * len(self.cores)
         alone = [1.0] * len(self.cores)
@@ -316,7 +308,7 @@ class Sharing:
 
     def most_stretch(self) -> float:
         """The most any busy rank's pace can be divided by: its host's cores all wanted, its kind slowed."""
-        wanted = self._host_wanted
+        wanted = self._host_sums[0]
         share = max((max(1.0, k / c) for k, c in zip(wanted, self.cores, strict=True)), default=1.0)
         turns = self.turns_slowdown if share > 1.0 else 1.0  # wanted more than the cores: turns throughout
         return share * max(self.forward_slowdown, self.backward_slowdown) * turns
