@@ -159,8 +159,8 @@ def _links_by_hosts(resources: Resources, grid: Grid, hops: Sequence[tuple[int, 
     """:meth:`_Layout.of`'s links from the workers' host numbers alone, where the links follow the hosts
     (``Resources.links_follow_hosts``) and the grid names each worker of the list once, in rows of one
     length: the hops' slowest link (None without hops) and each rank's; None otherwise (the pairs are then
-    looked up). The same answers as
-    ``slowest_of_pairs`` and ``slowest_link``, in a few numpy passes over a grid of 1,024 workers."""
+    looked up). The same answers as ``slowest_of_pairs`` and ``slowest_link``, in a few numpy passes over a
+    grid of 1,024 workers."""
     if not resources.links_follow_hosts:
         return None
     names = [name for row in grid for name in row]
