@@ -1602,8 +1602,7 @@ def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     longest = max(len(c[1]) for c in cuts)
     cheapest = np.array([c[1] + [math.inf] * (longest - len(c[1])) for c in cuts])  # [size, cuts crossed]
     transfer = 2 * cheapest[which, np.minimum(p - 1, longest - 1)]
-    fastest = max(w.speed for w in workers)
-    grads = float(sum(nd.grad_bytes for nd in shared.profile.nodes))
+    fastest, grads = shared.fastest, shared.grad_bytes
     start = np.where(collective, 1.0, 1.0 / d) * _update_s(shared.profile.optimizer, grads, 1.0, fastest)
     least_cut = np.array([c[0] for c in cuts])[which]
     loose = cut_free_bound(kind, m, p, ranks, row[:, 0] + 2 * p * ACTION_OVERHEAD_S, transfer, start,
@@ -1684,9 +1683,7 @@ def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:
     stage's compute it spends forward (with its dearest backward; an action's overhead is half: 0.5 at
     most), and the dearest backward alone (raw)."""
     def make() -> list[list[float]]:
-        resources = shared.resources
-        assert resources is not None
-        fastest = max(w.speed for w in resources.workers)
+        fastest = shared.fastest
         f = np.array([t for t, _ in shared.times(mb)], dtype=np.float64)
         # a node's backward as the cheapest list runs it, and as the dearest (see _backwards)
         b, most = (np.array(x, dtype=np.float64) for x in zip(*shared.backward_range(mb), strict=True))
