@@ -36,8 +36,16 @@ per schedule, from the chains of [Note: the bound]:
 
 - GPipe and 1F1B: rank ``r`` ends no earlier than ``sum_{j<r} c'_j + m c'_r``; the least ``t`` all
   ``p`` of those reach with ``sum c'_j = C'`` has them equal: ``t = C' / (1 - (1 - 1/m)^p)``;
-- ZB-H1 keeps only the fill: ``sum_{j<r} F_j + m c_r``, with ``F_j >= phi c_j`` (``phi``: the least
+- ZB-H1 keeps the fill: ``sum_{j<r} F_j + m c_r``, with ``F_j >= phi c_j`` (``phi``: the least
   share of its forward any node, or an action's overhead, has), so ``t = phi C / (1 - (1 - phi/m)^p)``;
+  and its last rank's chain: it receives microbatch 0 after stages ``0..p-2`` ran its forward, runs every
+  ``F`` and ``I`` of its own before it sends microbatch ``m - 1``'s input gradients, which stages
+  ``p-2..0`` then each run an ``I`` of, every cut crossed once each way: ``sum_j (F_j + I_j) + (m - 1)
+  (F + I)_{p-1}`` plus the cuts. A stage's ``I`` is its nodes' input gradients, or an unmeasured split's
+  ``1 - DEFAULT_WEIGHT_FRACTION`` of its backward: at least that share of its nodes' least backwards
+  (a measured one holds none of the overhead, which its ``W`` carries). So ``t = C_I + (m - 1) c_I +
+  (p - 1) x``, ``C_I`` the chain's forwards and those shares, ``c_I`` the least of a stage (the deep
+  pipelines' bound, where ``phi`` is small);
 - interleaved: stage ``s`` (any chunk) runs its ``m`` forwards and backwards after microbatch 0's forward
   reached it and before microbatch ``m - 1``'s gradients go down from it, so GPipe's form holds over its
   ``p`` stages; and rank ``r`` waits for the first chunk's stages ``0..r-1`` forward and backward, each
@@ -133,7 +141,8 @@ def rank_bounds(name: str, num_microbatches: int, num_ranks: int, forward_s: Seq
 def cut_free_bound(kind: np.ndarray, num_microbatches: np.ndarray, num_stages: np.ndarray,
                    num_ranks: np.ndarray, compute_s: np.ndarray, transfer_s: np.ndarray, start_s: np.ndarray,
                    largest_s: np.ndarray, least_s: np.ndarray, least_cut_s: np.ndarray,
-                   forward_share: np.ndarray) -> np.ndarray:
+                   forward_share: np.ndarray, input_chain_s: np.ndarray, input_least_s: np.ndarray
+                   ) -> np.ndarray:
     """A lower bound on the simulated step over every cut, per shape (see [Note: the bound over every cut]).
 
     Every argument is an array with one entry per shape.
@@ -150,6 +159,9 @@ def cut_free_bound(kind: np.ndarray, num_microbatches: np.ndarray, num_stages: n
         least_s: The least forward and backward of one microbatch any stage has (its lightest node's).
         least_cut_s: The least any stage boundary costs one endpoint per microbatch.
         forward_share: ``phi``: the least share of its forward and backward a stage spends forward.
+        input_chain_s: Every stage's forward and input gradient (``I``) of one microbatch together (at
+            least: ZB-H1's last rank's chain).
+        input_least_s: The least forward and input gradient of one microbatch any stage has.
     """
     m = num_microbatches.astype(np.float64)
     p = num_stages.astype(np.float64)
@@ -161,7 +173,9 @@ def cut_free_bound(kind: np.ndarray, num_microbatches: np.ndarray, num_stages: n
     with np.errstate(divide="ignore", invalid="ignore"):
         fill = forward_share * compute_s / (1.0 - (1.0 - forward_share / m) ** p)
     fill = np.where(forward_share > 0, fill, 0.0)
-    bound = np.where(kind == FILL, np.maximum(bound, fill), bound)
+    # and its last rank's chain: microbatch 0 forward to it, m - 1's input gradients back from it
+    chain = input_chain_s + (m - 1.0) * input_least_s + (p - 1.0) * least_cut_s
+    bound = np.where(kind == FILL, np.maximum(bound, np.maximum(fill, chain)), bound)
     chunks = m * work / ranks + (ranks - 1) / 2 * least_s + (ranks - 1) ** 2 / ranks * least_cut_s
     out: np.ndarray = np.where(kind == CHUNKS, np.maximum(bound, chunks), bound)
     return out

@@ -191,7 +191,14 @@ import numpy as np
 
 from comm.heap import frozen
 from coordinator.planning import memory
-from coordinator.planning.closed_form import BUSIEST, KINDS, cut_free_bound, rank_bounds
+from coordinator.planning.closed_form import (
+    BUSIEST,
+    FILL,
+    FILL_AND_DRAIN,
+    KINDS,
+    cut_free_bound,
+    rank_bounds,
+)
 from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter, may_fit
 from coordinator.planning.graph import CutInfo
@@ -1323,30 +1330,37 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     """
     at = setup.at
     ranks = setup.ranks
+    d, p, mode, _, m, _ = setup.shape
+    totals = _chain_totals(shared, setup.mb)[0]
+    # what share of one microbatch through every stage the ranks' fill and drain hold at least ([Note: a
+    # pipeline's fill, before the cut]): GPipe and 1F1B all of it, ZB-H1 its forwards (phi: the least share
+    # of a stage's compute they are); an interleaved pipeline, none known
+    name = setup.shape[3]
+    fill = 0.0 if p != ranks else 1.0 if name in ("gpipe", "1f1b") else totals[3] if name == "zb-h1" else 0.0
+    # the work over the ranks' speeds as placed ([Note: the speed a shape's ranks can have])
+    updates = _update_s(shared.profile.optimizer, shared.grad_bytes, 1.0 if mode == "collective" else 1.0 / d,
+                        1.0)
+    one = functools.partial(np.full, 1)
+    through = one(totals[0] + 2 * p * ACTION_OVERHEAD_S)  # one microbatch through every stage, fastest
+    paced = float(_paced(one(totals[0] * shared.fastest), one(updates), one(m), one(p), min(at.speed),
+                         one(sum(at.speed[:ranks])), one(fill), through)[0]) + rest
     sharing = at.sharing(ranks)
     if sharing is None:
-        return 0.0
+        return paced
     homes = sharing.homes()
     if any(home is None for home in homes):  # a rank at its own pace: its share of the work is the cut's
-        return 0.0
-    d, p, mode, _, m, _ = setup.shape
+        return paced
     starts = _update_s(shared.profile.optimizer, shared.grad_bytes, 1.0 if mode == "collective" else 1.0 / d,
                        shared.fastest)
     slowed = _chain_totals(shared, setup.mb)[1][0]  # every node's forward and least backward, slowed
     turns = min(sharing.turns(h) for h in homes if h is not None)  # the least any rank is slowed throughout
     work = m * (slowed + 2 * p * ACTION_OVERHEAD_S) * turns + starts
     extra = max(SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN) - 1.0
-    totals = _chain_totals(shared, setup.mb)[0]
     chain = (totals[0] + 2 * p * ACTION_OVERHEAD_S) * turns  # one microbatch through every stage, unslowed
-    # what share of that the ranks' fill and drain hold at least ([Note: a pipeline's fill, before the cut]):
-    # GPipe and 1F1B all of it, ZB-H1 its forwards (phi: the least share of a stage's compute they are);
-    # an interleaved pipeline, none known
-    name = setup.shape[3]
-    fill = 0.0 if p != ranks else 1.0 if name in ("gpipe", "1f1b") else totals[3] if name == "zb-h1" else 0.0
     pipeline = _with_fill(work, ranks + extra * len(set(homes)), fill * chain, chain, m)
     if at.shared_host and all(at.twins):
         pipeline = max(pipeline, _with_fill(work, ranks, fill * chain, chain, m))
-    return pipeline + rest
+    return max(paced, pipeline + rest)
 
 
 def _with_fill(work: float, ranks: float, held: float, chain: float, m: int) -> float:
@@ -1607,10 +1621,20 @@ def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     least_cut = np.array([c[0] for c in cuts])[which]
     loose = cut_free_bound(kind, m, p, ranks, row[:, 0] + 2 * p * ACTION_OVERHEAD_S, transfer, start,
                            row[:, 1] + 2 * ACTION_OVERHEAD_S, row[:, 2] + 2 * ACTION_OVERHEAD_S,
-                           np.where(p > 1, least_cut, 0.0), row[:, 3])
+                           np.where(p > 1, least_cut, 0.0), row[:, 3],
+                           row[:, 5] + p * ACTION_OVERHEAD_S,  # a measured I's share of the overhead: none
+                           row[:, 6] + ACTION_OVERHEAD_S)
     pipeline: np.ndarray = np.maximum(loose, _host_bound(resources, d, m, ranks, totals[which, 1, 0],
                                                 p * ACTION_OVERHEAD_S, np.where(ranks > 1, transfer, 0.0),
                                                 start))
+    # the work over the most speed any d x ranks of the workers give a replica's ranks
+    unit = totals[which, 0, 0] * fastest  # the chain's forwards and least backwards at speed 1
+    updates = np.where(collective, 1.0, 1.0 / d) * _update_s(shared.profile.optimizer, grads, 1.0, 1.0)
+    fill = np.where(p != ranks, 0.0, np.where(kind == FILL_AND_DRAIN, 1.0,
+                                              np.where(kind == FILL, totals[which, 0, 3], 0.0)))
+    pipeline = np.maximum(pipeline, _paced(unit, updates, m, p, float(resources.worker_table.speed.min()),
+                                           _speed_sums(resources, d, ranks), fill,
+                                           totals[which, 0, 0] + 2 * p * ACTION_OVERHEAD_S))
     # the sync: a rank's at least the mean of the stages' (their latencies left out: a stage without
     # gradients has none); collective replicas hide at most the whole backward, slowed and waiting for
     # cores as much as a host can make it, on the slowest
@@ -1625,6 +1649,50 @@ def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     check = grads / p / fastest / GRADIENT_CHECK_BANDWIDTH_BPS
     rest = sync + 2 * CONTROL_MESSAGE_S + check
     return pipeline + rest, rest
+
+
+def _paced(unit: np.ndarray, updates: np.ndarray, m: np.ndarray, p: np.ndarray, slowest: float,
+           speeds: np.ndarray, fill: np.ndarray, chain: np.ndarray) -> np.ndarray:
+    """The least pipeline time of a replica whose ranks' speeds add up to at most ``speeds``, none under
+    ``slowest``: [Note: the speed a shape's ranks can have]. ``unit``: every node's forward and least
+    backward at speed 1; ``updates``: every stage's share of the optimizer step at speed 1; ``chain``: one
+    microbatch's forwards and backwards through every stage at the fastest pace, ``fill`` the share of it
+    the ranks' fill and drain hold at least (:func:`_with_fill`)."""
+    work = (m * (unit + 2 * p * ACTION_OVERHEAD_S * slowest) + updates) / slowest
+    ranks = speeds / slowest
+    held = fill * chain
+    lean = work - held / 2
+    with np.errstate(invalid="ignore"):
+        filled = (lean + np.sqrt(lean * lean + 2 * ranks * held * chain * m)) / (2 * ranks)
+    out: np.ndarray = np.where((held > 0) & (chain > 0), np.maximum(work / ranks, filled), work / ranks)
+    return out
+
+
+def _speed_sums(resources: Resources, d: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Per shape, the most the ``ranks`` ranks of a replica's pipeline can add up to in speed, each rank at
+    its slowest of ``d`` replicas' workers, over every choice of ``d x ranks`` of the workers: the workers
+    taken fastest first, ``d`` a rank.
+
+    [Note: the speed a shape's ranks can have] The bounds over every cut price the chain on the fastest
+    worker, which is right for a list of alike workers and loose for a mixed one: on 1,024 workers, half
+    of them half as fast (two generations of GPUs, or of hosts), a shape that needs more than the fast half
+    runs some stages at half the pace, and 1,622 shapes came up to be cut where 66 do now. A play runs
+    each stage at its slowest replica's speed ``s_r`` (:class:`_Placed`), so rank ``r`` is busy at least
+    ``(its stages' work at speed 1) / s_r`` plus its actions' overheads and its start (the optimizer step,
+    also over ``s_r``). The step is at least each rank's busy time, hence at least their mean weighted by
+    ``s_r``: every node's forward and least backward, every stage's update at speed 1 and the overheads
+    times at least the slowest speed, over ``sum_r s_r``; before the placement ``sum_r s_r`` is at most
+    what the fastest ``d x ranks`` workers give, ``d`` to a rank, and after it the placement's own
+    (:func:`_placed_bound`). A pipeline's fill and drain add as in [Note: a pipeline's fill, before the
+    cut], its chain priced on the fastest worker and weighted by the slowest speed (:func:`_paced`). On
+    alike workers this is the work over the ranks, which the other bounds hold already."""
+    fastest_first = np.sort(resources.worker_table.speed)[::-1]
+    out = np.zeros(len(d))
+    for each in np.unique(d).tolist():
+        slowest_of = np.cumsum(fastest_first[each - 1::each])  # rank r's slowest: the (r + 1) d-th fastest
+        at = d == each
+        out[at] = slowest_of[ranks[at] - 1]
+    return out
 
 
 def _host_bound(resources: Resources, d: np.ndarray, m: np.ndarray, ranks: np.ndarray, weighted_s: np.ndarray,
@@ -1681,7 +1749,8 @@ def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:
     """At microbatch ``mb`` on the fastest worker, unslowed and slowed as on a shared host: every node's
     forward and least backward together, the heaviest node's and the lightest's, the least share of a
     stage's compute it spends forward (with its dearest backward; an action's overhead is half: 0.5 at
-    most), and the dearest backward alone (raw)."""
+    most), the dearest backward alone (raw), and every node's forward and least input gradient (``I``: at
+    least ``1 - DEFAULT_WEIGHT_FRACTION`` of its least backward) together and the lightest node's."""
     def make() -> list[list[float]]:
         fastest = shared.fastest
         f = np.array([t for t, _ in shared.times(mb)], dtype=np.float64)
@@ -1695,7 +1764,9 @@ def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:
         out = []
         for sf, sb in ((1.0, 1.0), (SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN)):
             node = (f * sf + b * sb) / fastest
-            out.append([float(node.sum()), float(node.max()), float(node.min()), phi, float(most.sum())])
+            inputs = (f * sf + (1.0 - DEFAULT_WEIGHT_FRACTION) * b * sb) / fastest  # F and I at least
+            out.append([float(node.sum()), float(node.max()), float(node.min()), phi, float(most.sum()),
+                        float(inputs.sum()), float(inputs.min())])
         return out
     return shared._get(("chain totals", mb), make)
 
