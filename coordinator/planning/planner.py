@@ -1340,8 +1340,11 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     # the work over the ranks' speeds as placed ([Note: the speed a shape's ranks can have])
     updates = _update_s(shared.profile.optimizer, shared.grad_bytes, 1.0 if mode == "collective" else 1.0 / d,
                         1.0)
+    # the chain's totals are on the fastest worker of the list; no rank here is quicker than its fastest
+    fastest = max(at.speed)
+    scale = shared.fastest / fastest
     one = functools.partial(np.full, 1)
-    through = one(totals[0] + 2 * p * ACTION_OVERHEAD_S)  # one microbatch through every stage, fastest
+    through = one(totals[0] * scale + 2 * p * ACTION_OVERHEAD_S)  # one microbatch through every stage
     paced = float(_paced(one(totals[0] * shared.fastest), one(updates), one(m), one(p), min(at.speed),
                          one(sum(at.speed[:ranks])), one(fill), through)[0]) + rest
     sharing = at.sharing(ranks)
@@ -1351,12 +1354,12 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     if any(home is None for home in homes):  # a rank at its own pace: its share of the work is the cut's
         return paced
     starts = _update_s(shared.profile.optimizer, shared.grad_bytes, 1.0 if mode == "collective" else 1.0 / d,
-                       shared.fastest)
-    slowed = _chain_totals(shared, setup.mb)[1][0]  # every node's forward and least backward, slowed
+                       fastest)
+    slowed = _chain_totals(shared, setup.mb)[1][0] * scale  # every node's forward and least backward, slowed
     turns = min(sharing.turns(h) for h in homes if h is not None)  # the least any rank is slowed throughout
     work = m * (slowed + 2 * p * ACTION_OVERHEAD_S) * turns + starts
     extra = max(SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN) - 1.0
-    chain = (totals[0] + 2 * p * ACTION_OVERHEAD_S) * turns  # one microbatch through every stage, unslowed
+    chain = (totals[0] * scale + 2 * p * ACTION_OVERHEAD_S) * turns  # one microbatch through every stage
     pipeline = _with_fill(work, ranks + extra * len(set(homes)), fill * chain, chain, m)
     if at.shared_host and all(at.twins):
         pipeline = max(pipeline, _with_fill(work, ranks, fill * chain, chain, m))
@@ -1454,6 +1457,10 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
                * turns[s] for s in range(p)]
     slowed = [1 + (SHARED_HOST_BACKWARD_SLOWDOWN - 1) * certain[s] for s in range(p)]
     backward = [(bwd[s] * slowed[s] + ACTION_OVERHEAD_S) * turns[s] for s in range(p)]
+    if sharing is not None:  # a rank that wants more cores than its home has runs slower whenever busy
+        stretch = sharing.least_stretch()
+        forward = [t * stretch[s % setup.ranks] for s, t in enumerate(forward)]
+        backward = [t * stretch[s % setup.ranks] for s, t in enumerate(backward)]
     weights = _weights(bwd, wgt)
     inner = bounds[1:-1]
     share = 1.0 if mode == "collective" else 1.0 / d
@@ -1461,17 +1468,22 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     # W in the same share of each backward as the simulator is given
     shares = ([w * backward[s] / (bwd[s] + ACTION_OVERHEAD_S) for s, w in enumerate(weights)] if weights
               else [t * DEFAULT_WEIGHT_FRACTION for t in backward])
-    ends, occupied = rank_bounds(sched_name, m, setup.ranks, forward, backward,
-                                 [_transfer(fwd_bytes[c], bw, lat) for c in inner],
+    sends = [_transfer(fwd_bytes[c], bw, lat) for c in inner]
+    ends, occupied = rank_bounds(sched_name, m, setup.ranks, forward, backward, sends,
                                  [_transfer(bwd_bytes[c], bw, lat) for c in inner], start, shares)
     pipeline = max(ends)
     if sharing is not None:
         held = [range(k, p, setup.ranks) for k in range(setup.ranks)]
+        starts = [sum(start[s] for s in ss) for ss in held]
+        # [Note: a host's fill] rank r starts no forward or backward before its own start and microbatch 0's
+        # forward through stages 0..r-1 (its first chunk's: each on its rank, at its pace at most) and their
+        # sends: a host whose ranks are all deep in the pipeline computes nothing until the fill reaches them
+        ready = list(itertools.accumulate(range(1, setup.ranks), lambda t, r: max(
+            starts[r], t + forward[r - 1] + sends[r - 1]), initial=starts[0]))
         # a host's cores do at most their count of seconds of work per second
         pipeline = max(pipeline, sharing.least_time(
             [m * sum(fwd[s] / speed[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
-            [m * sum(bwd[s] + ACTION_OVERHEAD_S for s in ss) for ss in held],
-            [sum(start[s] for s in ss) for ss in held]))
+            [m * sum(bwd[s] + ACTION_OVERHEAD_S for s in ss) for ss in held], starts, ready))
         # and its busy workers slow each other (the stages slowed for certain above are slowed already)
         pipeline = max(pipeline, sharing.crowded_time(
             ends, occupied, [m * sum(forward[s] for s in ss if not certain[s]) for ss in held],

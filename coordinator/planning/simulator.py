@@ -244,7 +244,7 @@ class Sharing:
         return tuple(max(w, key=lambda x: x[1])[0] if w else None for w in self.wants)
 
     def least_time(self, forward: Sequence[float], backward: Sequence[float],
-                   other: Sequence[float]) -> float:
+                   other: Sequence[float], ready: Sequence[float] | None = None) -> float:
         """A lower bound on the step when rank ``r`` has ``forward[r]``, ``backward[r]`` and ``other[r]``
         seconds of work at its own pace.
 
@@ -255,11 +255,17 @@ class Sharing:
         ``slowdown min(k, c) / c`` times that. A host's turns (:meth:`turns`) divide every pace there
         throughout, alone or not: one more weight. The weighted work of the ranks at the host's pace over
         ``c`` times the larger of the two is the bound.
+
+        ``ready[r]``, when given, is a time before which rank ``r`` starts no forward or backward (its
+        first microbatch's arrival: [Note: a host's fill]); a host's forwards and backwards then fit between
+        its ranks' earliest ``ready`` and the step's end.
         """
         homes = self.homes()
         workers, wanted = self._host_sums[1], self._home_cores
         worst = max(self.forward_slowdown, self.backward_slowdown)
         load = [0.0] * len(self.cores)
+        computed = [0.0] * len(self.cores)  # the forwards and backwards alone
+        first = [math.inf] * len(self.cores)  # the earliest any of them can start
         alone = [1.0] * len(self.cores)
         for r, home in enumerate(homes):
             if home is None:
@@ -269,10 +275,15 @@ class Sharing:
             crowded = workers[h] > 1
             f, b = (self.forward_slowdown, self.backward_slowdown) if crowded else (1.0, 1.0)
             t = self.turns(h)  # throughout: a weight like the others, alone or not
-            load[h] += k * (t * f * forward[r] + t * b * backward[r] + other[r])
+            work = k * (t * f * forward[r] + t * b * backward[r])
+            load[h] += work + k * other[r]
+            computed[h] += work
+            first[h] = min(first[h], ready[r] if ready is not None else 0.0)
             alone[h] = max(alone[h], worst * min(k, self.cores[h]) / self.cores[h] if crowded else 1.0)
         # a host no rank calls home carries no load: its term is 0, as the default
-        return max((load[h] / (self.cores[h] * alone[h]) for h in set(homes) if h is not None), default=0.0)
+        rate = [c * a for c, a in zip(self.cores, alone, strict=True)]  # the most weighted work a second
+        return max((max(load[h], first[h] * rate[h] + computed[h]) / rate[h]
+                    for h in set(homes) if h is not None), default=0.0)
 
     def crowded_time(self, ends: Sequence[float], occupied: Sequence[float], forward: Sequence[float],
                      backward: Sequence[float]) -> float:
@@ -305,6 +316,16 @@ class Sharing:
                 mean = sum(idle) / others
                 best = max(best, mean, (ends[r] + slowed[i] + extra * mean) / (1.0 + extra))
         return best
+
+    def least_stretch(self) -> tuple[float, ...]:
+        """Per rank, what its pace is divided by at least whenever it is busy: the cores it wants at its home
+        over the cores there, at least 1 (busy, it is among the ranks whose wanted cores share them); 1 where
+        no host holds two workers, whose play is the plain one."""
+        homes = self.homes()
+        if not self.crowded:
+            return (1.0,) * len(homes)
+        return tuple(1.0 if h is None else max(1.0, k / self.cores[h])
+                     for h, k in zip(homes, self._home_cores, strict=True))
 
     def most_stretch(self) -> float:
         """The most any busy rank's pace can be divided by: its host's cores all wanted, its kind slowed."""

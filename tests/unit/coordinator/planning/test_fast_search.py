@@ -236,6 +236,60 @@ def test_the_crowded_host_bound_never_exceeds_the_shared_play(seed: int) -> None
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_the_bounds_of_busy_hosts_never_exceed_the_shared_play(seed: int) -> None:
+    """A host's cores from its ranks' first microbatch on (``Sharing.least_time`` with ``ready``: [Note: a
+    host's fill]) and each rank's actions at its pace over the cores it wants at home
+    (``Sharing.least_stretch``, then ``rank_bounds``), against the shared-core play: random schedules,
+    costs and ranks of 1-3 workers wanting up to twice their home's cores. Where a home's ranks come late
+    in a long pipeline, its fill must lift the cores' bound; where ranks want more than their home has,
+    their pace must lift the pipeline's."""
+    rng = random.Random(1300 + seed)
+    filled = stretched = 0
+    for _ in range(100):
+        name, p, m, v = random_schedule(rng)
+        if schedule_problem(name, p, m, v):
+            continue
+        costs = random_costs(rng, p, rng.random() < 0.3, 0.01)
+        order = schedule_steps(name, p, m, v)[0]
+        ranks = len(order)
+        hosts = rng.randint(1, ranks)
+        cores = tuple(float(rng.choice([1, 2, 4])) for _ in range(hosts))
+        wants = []
+        for r in range(ranks):
+            home = min(hosts - 1, r * hosts // ranks)  # consecutive ranks share a host: late hosts fill late
+            k = cores[home] * rng.choice([0.5, 1.0, 2.0])
+            wants.append(((home, k, rng.randint(1, 3)),))
+        sharing = Sharing(cores, tuple(wants), rng.uniform(1, 1.3), rng.uniform(1, 1.3),
+                          rng.choice([1.0, 1.2]))
+        if not sharing.crowded:  # the planner's sharings are (two workers on a host): else the plain play
+            continue
+        held = [tuple(range(r, p, ranks)) for r in range(ranks)]
+        step = play(name, order, held, costs, sharing).step_time_s
+        homes = sharing.homes()  # a host's turns slow its ranks throughout, as the planner's bounds take them
+        stretch = [x * (1.0 if h is None else sharing.turns(h))
+                   for x, h in zip(sharing.least_stretch(), homes, strict=True)]
+        forward = [t * stretch[s % ranks] for s, t in enumerate(costs.forward_s)]
+        backward = [t * stretch[s % ranks] for s, t in enumerate(costs.backward_s)]
+        weights = [t * stretch[s % ranks] for s, t in enumerate(costs.weight_s)]
+        ends, _ = rank_bounds(name, m, ranks, forward, backward, costs.activation_transfer_s,
+                              costs.gradient_transfer_s, costs.start_s, weights)
+        assert max(ends) <= step * (1 + 1e-9), (name, p, m, v, sharing)
+        starts = [sum(costs.start_s[s] for s in ss) for ss in held]
+        ready = [starts[0]]
+        for r in range(1, ranks):
+            ready.append(max(starts[r], ready[-1] + forward[r - 1] + costs.activation_transfer_s[r - 1]))
+        work = ([m * sum(costs.forward_s[s] for s in ss) for ss in held],
+                [m * sum(costs.backward_s[s] for s in ss) for ss in held], starts)
+        late = sharing.least_time(*work, ready)
+        assert late <= step * (1 + 1e-9), (name, p, m, v, sharing)
+        filled += late > sharing.least_time(*work) * 1.01
+        plain = rank_bounds(name, m, ranks, costs.forward_s, costs.backward_s, costs.activation_transfer_s,
+                            costs.gradient_transfer_s, costs.start_s, costs.weight_s)[0]
+        stretched += max(ends) > max(plain) * 1.01
+    assert filled > 0 and stretched > 0, (filled, stretched)
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_the_bound_over_every_cut_never_exceeds_the_played_step(seed: int) -> None:
     """``cut_free_bound`` from a chain's totals against the simulator on random cuts of random chains."""
     rng = random.Random(100 + seed)
