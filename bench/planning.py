@@ -10,7 +10,8 @@ workers), of ``candidate_plans(limit=N)`` (``cellmesh plan``'s runners-up, ``--r
 before this one), each once, in wall time and in this process's CPU time (``time.process_time``: what a
 loaded machine does not inflate as much). The fast and exhaustive plans are compared.
 
-    python bench/planning.py [--cases examples,issue,cluster] [--baseline DIR] [--timeout 300] [--json F]
+    python bench/planning.py [--cases examples,issue,cluster,hosts,mixed] [--baseline DIR] [--timeout 300]
+        [--json F]
 """
 
 from __future__ import annotations
@@ -44,20 +45,28 @@ CASES: dict[str, list[tuple[Any, ...]]] = {
     # the same on a cluster's resource list: hosts of 8 workers, 100 GB/s inside a host, 12.5 GB/s between
     "hosts": [(1000, 1024, 16, "gpu-hosts"), (1000, 1024, None, "gpu-hosts"), (1000, 1024, 16, "cpu-hosts"),
               (1000, 1024, None, "cpu-hosts")],
+    # lists a search on alike workers never meets: two generations of GPUs or of CPU hosts (half the
+    # workers half as fast), and hosts whose workers want twice the cores they have
+    "mixed": [(1000, 1024, None, "mixed-gpu-hosts"), (1000, 1024, None, "mixed-cpu-hosts"),
+              (1000, 1024, None, "busy-cpu-hosts")],
 }
 
 
 def resources(kind: str, w: int) -> Resources:
     """The case's resource list: ``local`` (this host's ``w`` workers, 80 GiB each) or hosts of 8 workers
-    (``gpu-hosts``: a GPU each, 20x the profiled speed; ``cpu-hosts``: 4 of a host's 32 cores each)."""
+    (``gpu-hosts``: a GPU each, 20x the profiled speed; ``cpu-hosts``: 4 of a host's 32 cores each;
+    ``mixed-...``: the second half of the hosts half as fast, with half the memory; ``busy-cpu-hosts``: 8
+    of a host's 32 cores each, twice what the host has)."""
     from coordinator.planning.resources import LinkSpeed, Resources, Worker
     if kind == "local":
         return Resources.local(w, memory_bytes=80 * 2**30)
-    gpu = kind == "gpu-hosts"
+    gpu = kind in ("gpu-hosts", "mixed-gpu-hosts")
+    slower = (lambda i: 0.5 if i >= w // 2 else 1.0) if kind.startswith("mixed") else (lambda i: 1.0)
+    cpus = 8 if gpu or kind == "busy-cpu-hosts" else 4
     return Resources(workers=tuple(
-        Worker(name=f"h{i // 8}-{i % 8}", device="cuda" if gpu else "cpu", gpus=int(gpu),
-               cpus=8 if gpu else 4, memory_bytes=(80 if gpu else 64) * 2**30, host=f"h{i // 8}",
-               host_cpus=None if gpu else 32, speed=20.0 if gpu else 1.0) for i in range(w)),
+        Worker(name=f"h{i // 8}-{i % 8}", device="cuda" if gpu else "cpu", gpus=int(gpu), cpus=cpus,
+               memory_bytes=int((80 if gpu else 64) * 2**30 * slower(i)), host=f"h{i // 8}",
+               host_cpus=None if gpu else 32, speed=(20.0 if gpu else 1.0) * slower(i)) for i in range(w)),
         bandwidth_bps=12.5e9, latency_s=20e-6, intra_host=LinkSpeed(bandwidth_bps=100e9, latency_s=5e-6))
 
 

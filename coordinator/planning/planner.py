@@ -1343,10 +1343,10 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     # the chain's totals are on the fastest worker of the list; no rank here is quicker than its fastest
     fastest = max(at.speed)
     scale = shared.fastest / fastest
-    one = functools.partial(np.full, 1)
-    through = one(totals[0] * scale + 2 * p * ACTION_OVERHEAD_S)  # one microbatch through every stage
-    paced = float(_paced(one(totals[0] * shared.fastest), one(updates), one(m), one(p), min(at.speed),
-                         one(sum(at.speed[:ranks])), one(fill), through)[0]) + rest
+    through = totals[0] * scale + 2 * p * ACTION_OVERHEAD_S  # one microbatch through every stage
+    slowest = min(at.speed)
+    work = (m * (totals[0] * shared.fastest + 2 * p * ACTION_OVERHEAD_S * slowest) + updates) / slowest
+    paced = _with_fill(work, sum(at.speed[:ranks]) / slowest, fill * through, through, m) + rest  # _paced's
     sharing = at.sharing(ranks)
     if sharing is None:
         return paced

@@ -321,6 +321,10 @@ class Sharing:
         """Per rank, what its pace is divided by at least whenever it is busy: the cores it wants at its home
         over the cores there, at least 1 (busy, it is among the ranks whose wanted cores share them); 1 where
         no host holds two workers, whose play is the plain one."""
+        return self._least_stretch
+
+    @functools.cached_property
+    def _least_stretch(self) -> tuple[float, ...]:
         homes = self.homes()
         if not self.crowded:
             return (1.0,) * len(homes)
