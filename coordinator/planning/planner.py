@@ -1344,10 +1344,14 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     fastest = max(at.speed)
     scale = shared.fastest / fastest
     through = totals[0] * scale + 2 * p * ACTION_OVERHEAD_S  # one microbatch through every stage
-    slowest = min(at.speed)
-    work = (m * (totals[0] * shared.fastest + 2 * p * ACTION_OVERHEAD_S * slowest) + updates) / slowest
-    paced = _with_fill(work, sum(at.speed[:ranks]) / slowest, fill * through, through, m) + rest  # _paced's
     sharing = at.sharing(ranks)
+    # each rank's pace at most its speed, over its home's share of the cores where it wants more than that
+    # whenever busy (its update too): weighted by it, the rank's work still adds up to the work at speed 1
+    stretch = sharing.least_stretch() if sharing is not None else (1.0,) * ranks
+    paces = [at.speed[r] / stretch[r] for r in range(ranks)]
+    work = m * (totals[0] * shared.fastest + 2 * p * ACTION_OVERHEAD_S * min(at.speed)) + updates
+    least = min(paces)
+    paced = _with_fill(work / least, sum(paces) / least, fill * through, through, m) + rest  # _paced's
     if sharing is None:
         return paced
     homes = sharing.homes()
