@@ -1352,6 +1352,10 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     work = m * (totals[0] * shared.fastest + 2 * p * ACTION_OVERHEAD_S * min(at.speed)) + updates
     least = min(paces)
     paced = _with_fill(work / least, sum(paces) / least, fill * through, through, m) + rest  # _paced's
+    if name == "zb-h1" and p > 1:  # its last rank's chain (closed_form.cut_free_bound), at the placed pace
+        chain = (totals[5] * scale + p * ACTION_OVERHEAD_S + (m - 1) * (totals[6] * scale + ACTION_OVERHEAD_S)
+                 + (p - 1) * _cut_costs(shared, setup.mb)[0])
+        paced = max(paced, chain + rest)
     if sharing is None:
         return paced
     homes = sharing.homes()
