@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -160,6 +161,14 @@ def random_schedule(rng: random.Random) -> tuple[str, int, int, int]:
     return name, p, m, rng.choice([2, 3]) if name == "interleaved-1f1b" else 1
 
 
+def valid_schedules(rng: random.Random, tries: int) -> Iterator[tuple[str, int, int, int]]:
+    """The valid ones of ``tries`` :func:`random_schedule` draws."""
+    for _ in range(tries):
+        name, p, m, v = random_schedule(rng)
+        if not schedule_problem(name, p, m, v):
+            yield name, p, m, v
+
+
 def random_costs(rng: random.Random, p: int, even: bool, transfer: float) -> StageCosts:
     """Stage costs drawn at random (``even``: forward 1, backward 2 and ``transfer`` on every stage and
     cut), some stages starting late."""
@@ -173,10 +182,7 @@ def random_costs(rng: random.Random, p: int, even: bool, transfer: float) -> Sta
 @pytest.mark.parametrize("seed", range(4))
 def test_the_bound_never_exceeds_the_played_step(seed: int) -> None:
     rng = random.Random(seed)
-    for _ in range(150):
-        name, p, m, v = random_schedule(rng)
-        if schedule_problem(name, p, m, v):
-            continue
+    for name, p, m, v in valid_schedules(rng, 150):
         even = rng.random() < 0.3
         costs = random_costs(rng, p, even, 0.1)
         order = schedule_steps(name, p, m, v)[0]
@@ -245,10 +251,7 @@ def test_the_bounds_of_busy_hosts_never_exceed_the_shared_play(seed: int) -> Non
     their pace must lift the pipeline's."""
     rng = random.Random(1300 + seed)
     filled = stretched = 0
-    for _ in range(100):
-        name, p, m, v = random_schedule(rng)
-        if schedule_problem(name, p, m, v):
-            continue
+    for name, p, m, v in valid_schedules(rng, 100):
         costs = random_costs(rng, p, rng.random() < 0.3, 0.01)
         order = schedule_steps(name, p, m, v)[0]
         ranks = len(order)
@@ -294,10 +297,7 @@ def test_the_bound_over_every_cut_never_exceeds_the_played_step(seed: int) -> No
     """``cut_free_bound`` from a chain's totals against the simulator on random cuts of random chains."""
     rng = random.Random(100 + seed)
     overhead = 3e-4
-    for _ in range(120):
-        name, p, m, v = random_schedule(rng)
-        if schedule_problem(name, p, m, v):
-            continue
+    for name, p, m, v in valid_schedules(rng, 120):
         n = p + rng.randint(0, 12)
         even = rng.random() < 0.3
         f = [0.1 if even else rng.uniform(0.01, 1) for _ in range(n)]
