@@ -3,6 +3,7 @@ how long the registry has been silent (and never mistakes a frozen holder for an
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -129,11 +130,14 @@ class _SlowLease(Lease):
 
 
 def _hold_gil(seconds: float) -> None:
-    """Hold the GIL for about ``seconds`` in one C call (``sum`` over a range never lets it go)."""
-    started = time.perf_counter()
-    sum(range(200_000))
-    rate = 200_000 / max(time.perf_counter() - started, 1e-6)
-    sum(range(int(rate * seconds)))
+    """Hold the GIL for at least about ``seconds`` in one C call (``sum`` over a range never lets it go),
+    its length from the quickest of a few short sums (one slowed by a busy machine would make it short)."""
+    quickest = math.inf
+    for _ in range(5):
+        started = time.perf_counter()
+        sum(range(200_000))
+        quickest = min(quickest, time.perf_counter() - started)
+    sum(range(int(200_000 / max(quickest, 1e-6) * seconds)))
 
 
 def _delays(caplog: pytest.LogCaptureFixture, kind: str) -> list[float]:
@@ -154,7 +158,7 @@ def test_a_refresh_held_back_by_the_gil_or_a_slow_registry_is_logged_with_its_de
     keeper = KeepAlive(_SlowLease(0.0), interval=timedelta(milliseconds=200), what="the test's card")
     try:
         time.sleep(0.3)
-        _hold_gil(1.0)
+        _hold_gil(1.5)  # the line must name at least 0.5 s: a margin for a hold that ran quicker than timed
         wait_until(lambda: max(_delays(caplog, "late") + _delays(caplog, "took"), default=0.0) > 0.5, 5,
                    "the held-back refresh's line")
     finally:
