@@ -286,16 +286,18 @@ def fits_memory(problem: CutProblem) -> bool:
     bytes grow with its last node and shrink with its first, so among the starts the stages before it can
     reach, the latest one is the best start for any end. Stage by stage, each end is reachable when the
     latest reachable start before it fits; some cut fits when the last stage reaches ``n``. Exact (the
-    tests hold it against the brute force); a problem with transient bytes (a window's maximum, not a
-    difference of sums) is left to the programme.
+    tests hold it against the brute force). Transient bytes count as the programme counts them, their most
+    over the stage's nodes (:func:`_range_max`), which also grows with the last node and shrinks with the
+    first. Left to the programme, a problem that cannot fit took its four tries, the last over every
+    start: on GPU workers of 2 GiB (1,000 nodes, 1,024 workers) 15 such cuts were 6 s of a 7 s search.
     """
     limits = problem.memory_limit
     if limits is None or problem.static_bytes is None or problem.activation_bytes is None \
             or problem.in_flight is None:
         return True
-    if problem.transient_bytes is not None and any(problem.transient_bytes):
-        return True
     n, k = problem.num_nodes, problem.num_stages
+    transient = (np.asarray(problem.transient_bytes, dtype=np.float64)
+                 if problem.transient_bytes is not None and any(problem.transient_bytes) else None)
     ends = np.arange(n + 1)
     allowed = np.ones(n + 1, dtype=bool)
     if problem.cuttable is not None:
@@ -313,6 +315,8 @@ def fits_memory(problem: CutProblem) -> bool:
         start = np.maximum(latest, 0)
         acts = np.concatenate([[0.0], np.cumsum(held)])
         used = static - static[start]  # summed in the programme's order (stage_cost): the same floats
+        if transient is not None:
+            used = used + _range_max(transient, start, ends)
         if hold is not None and problem.holds is not None and problem.holds[s]:
             used = used + (hold - hold[start])
         used = used + (acts - acts[start]) * problem.in_flight[s]
@@ -485,6 +489,25 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         bounds.append(int(choice[s][bounds[-1]]))
     bounds.append(0)
     return tuple(reversed(bounds))
+
+
+def _range_max(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``out[t] = max(values[starts[t]:ends[t]])`` (0 where that is empty), from a table of the maxima over
+    every power-of-two run: two lookups a range."""
+    n = len(values)
+    table = [np.asarray(values, dtype=np.float64)]
+    while 2 * (1 << (len(table) - 1)) <= n:
+        half, prev = 1 << (len(table) - 1), table[-1]
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    length = ends - starts
+    empty = length <= 0
+    level = np.frexp(np.maximum(length, 1))[1] - 1  # floor(log2(length)): the longest run within it
+    out = np.zeros(len(starts))
+    for lv, runs in enumerate(table):
+        at = (level == lv) & ~empty
+        if at.any():
+            out[at] = np.maximum(runs[starts[at]], runs[ends[at] - (1 << lv)])
+    return out
 
 
 def _prefix_max(values: np.ndarray) -> np.ndarray:

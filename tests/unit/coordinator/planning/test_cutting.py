@@ -8,6 +8,7 @@ import math
 import random
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from coordinator.planning.cutting import (
     CUTTERS,
     CutError,
     CutProblem,
+    _range_max,
     cut_even,
     cut_min_max,
     fits_memory,
@@ -94,7 +96,19 @@ def memory_problems(draw: st.DrawFn) -> CutProblem:
     if draw(st.booleans()):
         extra["hold_bytes"] = tuple(draw(st.lists(st.floats(0, 6), min_size=n, max_size=n)))
         extra["holds"] = tuple(draw(st.lists(st.booleans(), min_size=k, max_size=k)))
+    if draw(st.booleans()):  # ZeRO-3's gathered parameters: the most of the stage's nodes
+        extra["transient_bytes"] = tuple(draw(st.lists(st.floats(0, 20), min_size=n, max_size=n)))
     return dataclasses.replace(base, **extra)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.floats(0, 1e6), min_size=1, max_size=40), data=st.data())
+def test_range_max_is_the_most_over_each_range(values: list[float], data: st.DataObject) -> None:
+    n = len(values)
+    ends = np.array(data.draw(st.lists(st.integers(0, n), min_size=1, max_size=20)), dtype=np.int64)
+    starts = np.array([data.draw(st.integers(0, int(e))) for e in ends], dtype=np.int64)
+    got = _range_max(np.array(values), starts, ends)
+    assert got.tolist() == [max(values[a:b], default=0.0) for a, b in zip(starts, ends, strict=True)]
 
 
 @settings(max_examples=600, deadline=None)
