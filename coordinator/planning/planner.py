@@ -1677,7 +1677,8 @@ def _paced(unit: np.ndarray, updates: np.ndarray, m: np.ndarray, p: np.ndarray, 
     ``slowest``: [Note: the speed a shape's ranks can have]. ``unit``: every node's forward and least
     backward at speed 1; ``updates``: every stage's share of the optimizer step at speed 1; ``chain``: one
     microbatch's forwards and backwards through every stage at the fastest pace, ``fill`` the share of it
-    the ranks' fill and drain hold at least (:func:`_with_fill`)."""
+    the ranks' fill and drain hold at least: :func:`_with_fill`'s quadratic over arrays (that one stays in
+    floats: the bound with the placement asks it of thousands of shapes one at a time)."""
     work = (m * (unit + 2 * p * ACTION_OVERHEAD_S * slowest) + updates) / slowest
     ranks = speeds / slowest
     held = fill * chain

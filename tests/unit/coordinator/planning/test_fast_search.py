@@ -478,13 +478,13 @@ def test_the_host_bound_by_hand() -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_the_bounds_over_mixed_speeds_never_exceed_the_played_step(seed: int) -> None:
+def test_the_bounds_over_mixed_speeds_never_exceed_the_played_step(seed: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The bounds over every cut and with the placement ([Note: the speed a shape's ranks can have]) against
     every replicated candidate played, on random chains over workers of two to four speeds (GPU workers,
     CPU workers of shared hosts); above the bound that prices every stage on the fastest worker on some."""
     rng = random.Random(900 + seed)
     lifted = checked = 0
-    paced = planner._paced
     for _ in range(4):
         prof = random_chain(rng)
         gpu = rng.random() < 0.5
@@ -497,11 +497,9 @@ def test_the_bounds_over_mixed_speeds_never_exceed_the_played_step(seed: int) ->
         cands, shapes = replicated(prof, res, request)
         shared = planner._Shared(prof, res)
         loose, rest = planner._cut_free_parts(shared, shapes, 16)
-        planner._paced = lambda unit, updates, m, *_: np.zeros(np.shape(unit))  # type: ignore[assignment]
-        try:
+        with monkeypatch.context() as patched:  # the same bounds without the speeds' one
+            patched.setattr(planner, "_paced", lambda unit, *_: np.zeros(np.shape(unit)))
             unpaced = planner._cut_free_parts(shared, shapes, 16)[0].tolist()
-        finally:
-            planner._paced = paced
         for cand, shape, bound, other, before in zip(cands, shapes, loose.tolist(), rest.tolist(), unpaced,
                                                      strict=True):
             setup = planner._setup(shared, shape, 16, request, AUTOMATIC)
@@ -512,7 +510,7 @@ def test_the_bounds_over_mixed_speeds_never_exceed_the_played_step(seed: int) ->
     assert checked > 0 and lifted > 0, (checked, lifted)
 
 
-def test_two_generations_of_gpus_cut_few_shapes() -> None:
+def test_two_generations_of_gpus_cut_few_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """1,024 GPU workers, half of them half as fast: the bounds that know the speeds the shapes can have
     leave few shapes to cut (1,622 were cut when every stage was priced on the fastest worker; a count,
     not a time: the time is bench/planning.py's)."""
@@ -531,11 +529,8 @@ def test_two_generations_of_gpus_cut_few_shapes() -> None:
         cut += 1
         return bound(*args, **kwargs)  # type: ignore[arg-type]
 
-    planner._replicated_bound = counted  # type: ignore[assignment]
-    try:
-        plan = choose_plan(prof, res, PlanConfig(), global_batch=4096)
-    finally:
-        planner._replicated_bound = bound
+    monkeypatch.setattr(planner, "_replicated_bound", counted)
+    plan = choose_plan(prof, res, PlanConfig(), global_batch=4096)
     assert plan.num_workers <= 1024 and 0 < cut < 200, cut
 
 
