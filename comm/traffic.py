@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, Protocol, TypeVar
 
 from pydantic import Field, NonNegativeInt, StringConstraints
 
@@ -43,7 +43,7 @@ from comm import refusals
 from comm.codec import Message
 
 __all__ = ["BACKENDS", "GLOO", "MAX_REASONS", "MAX_REASON_CHARS", "NCCL", "SENT", "ZMQ", "Backend",
-           "SentBytes", "TrafficCounts", "latest_by", "snapshot", "total"]
+           "SentBytes", "TrafficCounts", "TrafficReport", "latest_by", "snapshot", "total"]
 
 Backend = Literal["zmq", "gloo", "nccl"]
 BACKENDS: tuple[Backend, ...] = ("zmq", "gloo", "nccl")
@@ -112,7 +112,7 @@ class TrafficCounts(Message):
     refused_frames: dict[Reason, NonNegativeInt] = Field(default_factory=dict, max_length=MAX_REASONS)
     refused_connections: dict[Reason, NonNegativeInt] = Field(default_factory=dict, max_length=MAX_REASONS)
 
-    def latest(self, other: TrafficCounts) -> TrafficCounts:
+    def latest(self, other: TrafficReport) -> TrafficCounts:
         """The later of two reports of one process: each count's larger value (counts only grow).
 
         For the coordinator's view, never sent: the union of two reports' reasons is not bounded
@@ -136,17 +136,44 @@ def _merge(maps: Iterable[Mapping[_K, int]], pick: Callable[[int, int], int]) ->
     return out
 
 
-def latest_by(reports: Iterable[tuple[str, TrafficCounts | None]]) -> dict[str, TrafficCounts]:
-    """Each process's latest counters from ``(process, report)`` pairs of one moment (None: no report).
+class TrafficReport(Protocol):
+    """Counters as a reader gets them: a :class:`TrafficCounts`, or the same maps decoded another way (the
+    coordinator's step replies, read in C: ``services/protocol/hot.py``)."""
 
-    A worker hosting several stages reports its one process's counters with each stage's
-    step reply: the larger value of each count is the later report.
+    @property
+    def bytes_sent(self) -> Mapping[Backend, int]: ...
+
+    @property
+    def refused_frames(self) -> Mapping[str, int]: ...
+
+    @property
+    def refused_connections(self) -> Mapping[str, int]: ...
+
+
+def latest_by(reports: Iterable[tuple[str, TrafficReport | None]]) -> dict[str, TrafficCounts]:
+    """Each process's latest counters from ``(process, report)`` pairs (None: no report), in the order
+    they were made, of one moment or of several (a window's steps).
+
+    Counts only grow: a worker hosting several stages reports its one process's counters with each
+    stage's step reply, and a window's steps report in turn, so each count's larger value is the later
+    one. A process's reports are merged once, whatever their number.
     """
-    out: dict[str, TrafficCounts] = {}
+    seen: dict[str, list[TrafficReport]] = {}
     for process, report in reports:
         if report is not None:
-            seen = out.get(process)
-            out[process] = report if seen is None else seen.latest(report)
+            if (mine := seen.get(process)) is None:
+                seen[process] = [report]
+            else:
+                mine.append(report)
+    out: dict[str, TrafficCounts] = {}
+    for process, mine in seen.items():
+        if len(mine) == 1 and isinstance(mine[0], TrafficCounts):
+            out[process] = mine[0]
+        else:
+            out[process] = TrafficCounts.model_construct(
+                bytes_sent=_merge([r.bytes_sent for r in mine], max),
+                refused_frames=_merge([r.refused_frames for r in mine], max),
+                refused_connections=_merge([r.refused_connections for r in mine], max))
     return out
 
 

@@ -41,11 +41,11 @@ from coordinator.planning.config import JobConfig
 from coordinator.planning.plan import Plan
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.records import _Service
-from services.protocol import StepReply
+from services.protocol.compute import StepReport
 
 __all__ = ["AsyncProgress", "refuse_unsupported"]
 
-Replies = list[tuple[_Service, StepReply]]
+Replies = list[tuple[_Service, StepReport]]
 
 
 def refuse_unsupported(config: JobConfig, plan: Plan) -> None:
@@ -111,7 +111,7 @@ class AsyncProgress:
             rep.commits += 1
             rep.uncommitted = None
 
-    def answered(self, replica: int, rid: int, sv: _Service, body: StepReply) -> Replies | None:
+    def answered(self, replica: int, rid: int, sv: _Service, body: StepReport) -> Replies | None:
         """Note a reply; the replica's replies once its step is complete (it is idle again), else None."""
         rep = self.replicas[replica]
         rep.waiting.discard(rid)

@@ -28,12 +28,12 @@ from collections.abc import Sequence
 
 from coordinator.runtime.records import _Service
 from services.params.clipping import clip_coefficient
-from services.protocol import StepReply
+from services.protocol.compute import StepReport
 
 __all__ = ["global_norm", "grad_scale", "norm_parts"]
 
 
-def _sq_norm(bodies: Sequence[tuple[_Service, StepReply]], parts: int) -> float | None:
+def _sq_norm(bodies: Sequence[tuple[_Service, StepReport]], parts: int) -> float | None:
     """The stages' squared norms added: replica 0's report of each stage, or with ``parts`` > 1
     (sharded gradients) replicas ``0 .. parts-1``'s, each its rows' part."""
     got = [body.grad_sq_norm for sv, body in bodies if sv.replica < parts]
@@ -48,7 +48,7 @@ def norm_parts(zero_stage: int, shard_factor: int) -> int:
     return shard_factor if zero_stage >= 2 else 1
 
 
-def global_norm(bodies: Sequence[tuple[_Service, StepReply]], loss_scale: float = 1.0,
+def global_norm(bodies: Sequence[tuple[_Service, StepReport]], loss_scale: float = 1.0,
                 parts: int = 1) -> float | None:
     """The L2 norm of the whole model's (unscaled) gradient of a step with these replies, before clipping
     (``StepRecord.grad_norm``); None on the parameter-server path, whose stages report no norm.
@@ -60,7 +60,7 @@ def global_norm(bodies: Sequence[tuple[_Service, StepReply]], loss_scale: float 
     return math.sqrt(sq) / loss_scale if sq is not None else None
 
 
-def grad_scale(bodies: Sequence[tuple[_Service, StepReply]], max_norm: float | None,
+def grad_scale(bodies: Sequence[tuple[_Service, StepReport]], max_norm: float | None,
                loss_scale: float = 1.0, parts: int = 1) -> float:
     """What the commit of a step with these replies multiplies its gradients by: ``1 / loss_scale`` (fp16's
     unscale; 1 otherwise) times the clipping coefficient of the unscaled gradients' norm (replica 0's of

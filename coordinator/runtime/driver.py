@@ -116,7 +116,8 @@ from services.protocol import (
     WorkerCard,
     WorkerStatus,
 )
-from services.protocol.compute import MAX_WINDOW_STEPS
+from services.protocol.compute import MAX_WINDOW_STEPS, StepReport, step_end
+from services.protocol.hot import StepRead, WindowRead
 
 __all__ = ["Runtime"]
 
@@ -126,15 +127,6 @@ PROBE_TIMEOUT = timedelta(seconds=2)
 NAMED = 8  # workers a message names before it counts the rest (a line per message, not per worker)
 TRAIN_PROGRAM = "train"  # the name of each stage's training program (RunStep.program)
 Batches = Sequence[Sequence[Sequence[int]]]  # [replica][microbatch] -> sample indices
-
-
-def _step_end(body: StepReply) -> float | None:
-    """When a stage's step ended by its own timings (its last action's or phase's end; None: untimed)."""
-    end = body.last_end  # one pass in C over the step's actions' ends, in place
-    for phase in body.phases:
-        if end is None or phase.end > end:
-            end = phase.end
-    return end
 
 
 def _some(items: Sequence[str]) -> str:
@@ -452,7 +444,7 @@ class Runtime:
         coordinator_s = max(0.0, (ended - start) - (self.loop.poll_seconds - polled)) / len(per_step)
         for k, (bodies, committed) in enumerate(per_step):
             last = k == len(per_step) - 1
-            end = ended if last else max((t for _, body in bodies if (t := _step_end(body)) is not None),
+            end = ended if last else max((t for _, body in bodies if (t := step_end(body)) is not None),
                                          default=ended)
             try:
                 records.append(self._account(step + k, batches[k], bodies, committed, loss_scale,
@@ -464,18 +456,18 @@ class Runtime:
         return records
 
     def _per_step(self, ids: dict[int, _Service], replies: dict[int, Reply], steps: int
-                  ) -> list[tuple[list[tuple[_Service, StepReply]], bool | None]]:
+                  ) -> list[tuple[list[tuple[_Service, StepReport]], bool | None]]:
         """Each step's replies (by service) and whether the stages committed it (None: the request's last
         step, whose commit is the coordinator's)."""
         if steps == 1:
-            bodies = []
+            bodies: list[tuple[_Service, StepReport]] = []
             for rid, reply in replies.items():
-                assert isinstance(reply.body, StepReply)
+                assert isinstance(reply.body, StepRead | StepReply)
                 bodies.append((ids[rid], reply.body))
             return [(bodies, None)]
-        windows = []
+        windows: list[tuple[_Service, WindowRead | WindowReply]] = []
         for rid, reply in replies.items():
-            assert isinstance(reply.body, WindowReply)
+            assert isinstance(reply.body, WindowRead | WindowReply)
             windows.append((ids[rid], reply.body))
         counts = {len(w.steps) for _, w in windows}
         verdicts = {tuple(w.committed) for _, w in windows}
@@ -488,7 +480,7 @@ class Runtime:
         return [([(sv, w.steps[k]) for sv, w in windows], committed[k] if k < ran - 1 else None)
                 for k in range(ran)]
 
-    def _account(self, step: int, batches: Batches, bodies: list[tuple[_Service, StepReply]],
+    def _account(self, step: int, batches: Batches, bodies: list[tuple[_Service, StepReport]],
                  committed: bool | None, loss_scale: float, replica_scale: float, start: float, end: float,
                  coordinator_s: float, traffic: dict[str, TrafficCounts] | None = None) -> StepRecord:
         """The record of ``step`` from its replies; decide its commit (``committed`` None), or check the
@@ -565,7 +557,7 @@ class Runtime:
 
         def on_reply(reply: Reply) -> None:
             sv = ids.pop(reply.id)
-            assert isinstance(reply.body, StepReply)
+            assert isinstance(reply.body, StepRead | StepReply)
             done = progress.answered(sv.replica, reply.id, sv, reply.body)
             if done is not None:
                 bad = first_nonfinite(done)
@@ -612,7 +604,7 @@ class Runtime:
             self._gather(ids, "the replicas' last commits", bound, None)
 
     def evaluate(self, step: int, batches: Sequence[Sequence[Sequence[int]]]
-                 ) -> tuple[list[tuple[int, StepReply]], list[SavedPart]]:
+                 ) -> tuple[list[tuple[int, StepReport]], list[SavedPart]]:
         """Run one evaluation step on the held-out samples ``batches[r][m]`` (a replica with none sits it
         out); the last stages' replies, with their replica, and the checkpoint parts the replies report
         (written since the last). Commit the last step first (:meth:`commit`).
@@ -633,6 +625,7 @@ class Runtime:
         replies = self._gather(ids, f"the evaluation after step {step}",
                                self.spec.step_timeout + timedelta(seconds=10), step)
         last = self.plan.num_stages - 1
+        # a reply read in C carries no parts (hot.py leaves those to the models)
         saved = [part for r in replies.values() if isinstance(r.body, StepReply) for part in r.body.saved]
         return ([(ids[i].replica, r.body) for i, r in replies.items() if ids[i].stage == last],
                 [*saved, *self._shards.saved()])

@@ -143,7 +143,7 @@ from comm.rpc.hot import PackedBody, RequestHeads
 from comm.sockets import CONTROL_HWM, make_socket
 from services.host.worker import coordinator_key
 from services.protocol import StepReply, WindowReply, WorkerCard
-from services.protocol.hot import step_reply_frame, window_reply_frame
+from services.protocol.hot import read_step_frame, read_window_frame
 
 __all__ = ["DEFAULT_PRESENCE_TTL", "Event", "EventLoop", "Reply", "WorkerJoined", "WorkerLost"]
 
@@ -504,7 +504,7 @@ class EventLoop:
         if not parts:
             # a window's frame names its body's first field, "steps", in its first bytes (msgpack fixstr 0xa5)
             window = frame.find(b"\xa5steps", 0, 64) >= 0
-            hot = window_reply_frame(frame) if window else step_reply_frame(frame)
+            hot = read_window_frame(frame) if window else read_step_frame(frame)
             if hot is not None:
                 request = self._requests.pop(hot[0], None)
                 if request is None:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from coordinator.runtime.errors import JobError
 from coordinator.runtime.records import StepRecord, _Service
 from coordinator.runtime.scaler import LossScaler
-from services.protocol import StepReply
+from services.protocol.compute import StepReport
 
 __all__ = ["NonFiniteStep", "first_nonfinite", "overflowed", "refuse"]
 
@@ -56,7 +56,7 @@ class NonFiniteStep(JobError):
         self.before: list[StepRecord] = []  # the steps of its window before it, committed (Runtime.run_steps)
 
 
-def first_nonfinite(bodies: Sequence[tuple[_Service, StepReply]]) -> tuple[_Service, str] | None:
+def first_nonfinite(bodies: Sequence[tuple[_Service, StepReport]]) -> tuple[_Service, str] | None:
     """The first service whose reply holds a loss or gradient that is not finite, and what it is."""
     for sv, body in bodies:
         for m, value in enumerate(body.losses):
@@ -92,7 +92,7 @@ def refuse(run: str, mode: str, step: int, sv: _Service, what: str, *,
         last_good_loss=last_good[1] if last_good is not None else None)
 
 
-def overflowed(run: str, step: int, bodies: Sequence[tuple[_Service, StepReply]], scaler: LossScaler, *,
+def overflowed(run: str, step: int, bodies: Sequence[tuple[_Service, StepReport]], scaler: LossScaler, *,
                last_good: tuple[int, float] | None) -> bool:
     """fp16: give ``scaler`` the step's outcome; whether its gradients overflowed (its update is dropped).
 

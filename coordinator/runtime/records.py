@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from comm.traffic import TrafficCounts
-from services.protocol import Action, SavedPart, StepReply
+from services.protocol import Action, SavedPart
+from services.protocol.compute import StepReport
 
 __all__ = ["ActionEvent", "DetailBudget", "EvalRecord", "Recovery", "StepRecord"]
 
@@ -81,7 +82,7 @@ class StepRecord:
     # path, whose shards alone hold the averaged gradient): coordinator/runtime/clipping.py
     grad_norm: float | None = None
     saved: list[SavedPart] = field(default_factory=list, repr=False)  # checkpoint parts written since last
-    replies: list[tuple[_Service, StepReply]] = field(default_factory=list, repr=False)
+    replies: list[tuple[_Service, StepReport]] = field(default_factory=list, repr=False)
     actions: Sequence[Sequence[Action]] = field(default_factory=list, repr=False)  # [stage][k]: action k
     traffic: dict[str, TrafficCounts] = field(default_factory=dict, repr=False)  # by worker
     eval: EvalRecord | None = None

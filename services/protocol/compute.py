@@ -6,13 +6,13 @@ import re
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
 from pydantic import ConfigDict, Field, model_validator
 
 from comm.codec import Message
 from comm.rpc.envelope import Name, TensorMeta
-from comm.traffic import TrafficCounts
+from comm.traffic import TrafficCounts, TrafficReport
 from comm.wire import DTYPES
 from services.protocol.checkpoint import SavedPart, SaveRequest
 from services.protocol.params import OptimizerSpec
@@ -551,12 +551,86 @@ class StepReply(Message):
     @property
     def last_end(self) -> float | None:
         """``max(ends)`` (None: no action timed), read in place: the coordinator asks it of every reply."""
-        n = self.num_timed
-        if not n:
-            return None
-        if _BIG_ENDIAN:
-            return max(self.ends)
-        return max(memoryview(self.times)[n * (TIMING_BYTES // 2):].cast("d"))
+        return last_end(self.times)
+
+
+class PhaseReport(Protocol):
+    """A timed phase as the coordinator reads it: a :class:`PhaseTiming`, or its mirror decoded in C."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def start(self) -> float: ...
+
+    @property
+    def end(self) -> float: ...
+
+
+class StepReport(Protocol):
+    """A stage's step as the coordinator reads it: a :class:`StepReply`, or the same fields decoded in C
+    and kept as read (``services.protocol.hot.StepRead``; [Note: a step reply kept as read] there). The
+    fields and properties mean what :class:`StepReply`'s do; nothing here changes them."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def losses(self) -> Sequence[float]: ...
+
+    @property
+    def metric_sums(self) -> Sequence[float]: ...
+
+    @property
+    def times(self) -> bytes: ...
+
+    @property
+    def phases(self) -> Sequence[PhaseReport]: ...
+
+    @property
+    def nonfinite_grads(self) -> Sequence[str]: ...
+
+    @property
+    def traffic(self) -> TrafficReport | None: ...
+
+    @property
+    def saved(self) -> Sequence[SavedPart]: ...
+
+    @property
+    def grad_sq_norm(self) -> float | None: ...
+
+    @property
+    def held_bytes(self) -> int | None: ...
+
+    @property
+    def peak_bytes(self) -> int | None: ...
+
+    @property
+    def lead(self) -> int | None: ...
+
+    @property
+    def num_timed(self) -> int: ...
+
+    @property
+    def starts(self) -> list[float]: ...
+
+    @property
+    def ends(self) -> list[float]: ...
+
+    @property
+    def last_end(self) -> float | None: ...
+
+
+def step_end(report: StepReport) -> float | None:
+    """When a stage's step ended by its own timings: its last action's or phase's end (None: untimed)."""
+    end = last_end(report.times)  # one pass in C over the step's actions' ends, in place
+    for phase in report.phases:
+        if end is None or phase.end > end:
+            end = phase.end
+    return end
 
 
 def pack_times(starts: Sequence[float], ends: Sequence[float]) -> bytes:
@@ -581,6 +655,16 @@ def unpack_times(times: bytes) -> list[float]:
     if _BIG_ENDIAN:
         unpacked.byteswap()
     return unpacked.tolist()
+
+
+def last_end(times: bytes) -> float | None:
+    """The latest end in :attr:`StepReply.times` (None: no action timed), read in place."""
+    n = len(times) // TIMING_BYTES
+    if not n:
+        return None
+    if _BIG_ENDIAN:
+        return max(unpack_times(times)[n:])
+    return max(memoryview(times)[n * (TIMING_BYTES // 2):].cast("d"))
 
 
 _BIG_ENDIAN = sys.byteorder == "big"

@@ -26,10 +26,10 @@ from comm.codec import MAX_CONTROL_BYTES, unpack_raw
 from comm.rpc.envelope import ReplyEnvelope
 from comm.rpc.framing import reply_frames, request_frames
 from comm.rpc.hot import PackedBody, RequestHeads, trusted
-from comm.traffic import TrafficCounts
+from comm.traffic import TrafficCounts, latest_by
 from services.protocol import PhaseTiming, SavedPart, StepReply, TrafficReports, WindowReply, pack_times
-from services.protocol.compute import MAX_TIMES_BYTES, TIMING_BYTES
-from services.protocol.hot import step_reply_frame, window_reply_frame
+from services.protocol.compute import MAX_TIMES_BYTES, TIMING_BYTES, StepReport, step_end
+from services.protocol.hot import read_step_frame, read_window_frame, step_reply_frame, window_reply_frame
 from tests.multiproc.security.frames import SEEDS, FrameMaker
 
 _TRAFFIC = {"bytes_sent": {"zmq": 10240, "gloo": 0}, "refused_frames": {"bad header": 2},
@@ -443,3 +443,38 @@ def test_a_reply_s_last_end_is_its_ends_maximum_read_in_place(timings: list[tupl
     reply = StepReply(step=0, stage=0, losses=[], times=pack_times(starts, ends))
     assert reply.last_end == (max(ends) if ends else None)
     assert reply.last_end == (max(reply.ends) if reply.ends else None)  # the unpacked view agrees
+
+
+def _report(r: StepReport) -> dict[str, Any]:
+    """What a reader of a step's reply sees through :class:`StepReport`, in plain values."""
+    traffic = None if r.traffic is None else (dict(r.traffic.bytes_sent), dict(r.traffic.refused_frames),
+                                              dict(r.traffic.refused_connections))
+    return {"step": r.step, "stage": r.stage, "losses": repr(list(r.losses)),  # repr: NaN equals NaN
+            "metric_sums": repr(list(r.metric_sums)), "times": r.times,
+            "phases": repr([(p.name, p.start, p.end) for p in r.phases]),
+            "nonfinite_grads": list(r.nonfinite_grads), "traffic": traffic, "saved": list(r.saved),
+            "grad_sq_norm": repr(r.grad_sq_norm), "held_bytes": r.held_bytes, "peak_bytes": r.peak_bytes,
+            "lead": r.lead, "num_timed": r.num_timed, "starts": repr(r.starts), "ends": repr(r.ends),
+            "last_end": repr(r.last_end), "step_end": repr(step_end(r))}
+
+
+@settings(max_examples=250, deadline=None)
+@given(_BODY)
+def test_a_reply_kept_as_read_reads_as_its_message(body: dict[str, Any]) -> None:
+    """What the coordinator keeps (StepRead) reads, field by field and through every property, as the model
+    validated from the same frame; so do the windows; the counters of several replies merge alike."""
+    read = read_step_frame(_frame(_wire(body)))
+    if read is None:
+        return
+    model = StepReply.model_validate(_wire(body))
+    assert set(_report(read[1])) - {"num_timed", "starts", "ends", "last_end", "step_end"} == set(
+        StepReply.model_fields)  # the check sees every field
+    assert _report(read[1]) == _report(model) == _report(read[1].message())
+    window = read_window_frame(_frame(_wire({"steps": [body, body], "committed": [False]})))
+    assert window is not None and window[1].committed == (False,)
+    assert [_report(s) for s in window[1].steps] == [_report(model)] * 2
+    if model.traffic is not None:
+        later = TrafficCounts(bytes_sent={"zmq": 7}, refused_frames={"zz": 1})
+        assert latest_by([("w", read[1].traffic), ("v", None), ("w", later)]) == latest_by(
+            [("w", model.traffic), ("w", later)]) == {"w": model.traffic.latest(later)}
+        assert latest_by([("w", read[1].traffic)]) == {"w": model.traffic}

@@ -15,7 +15,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-from pydantic import BaseModel
 
 from comm.codec import Message, pack, unpack
 from comm.registry import KeepAlive, Lease, MemoryRegistry
@@ -25,7 +24,7 @@ from comm.rpc.hot import PackedBody
 from coordinator.runtime.loop import Event, EventLoop, Reply, WorkerJoined, WorkerLost
 from services.host.worker import coordinator_key
 from services.protocol import PhaseTiming, StepReply, WorkerCard, pack_times
-from services.protocol.hot import step_reply_frame
+from services.protocol.hot import StepRead, read_step_frame
 from tests.unit.comm.registry.flaky import FlakyRegistry
 
 WAIT = timedelta(seconds=10)
@@ -112,18 +111,18 @@ def test_replies_become_events(setup: tuple[MemoryRegistry, ServiceHost, EventLo
 
 def test_step_replies_are_decoded_in_c_and_refused_as_the_model_refuses(
         setup: tuple[MemoryRegistry, ServiceHost, EventLoop], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plain step reply takes the C decoder (services/protocol/hot.py), a broken one is refused with the
-    model's own reason, and the loop keeps serving."""
+    """A plain step reply takes the C decoder (services/protocol/hot.py) and comes as read (a StepRead whose
+    message is the reply), a broken one is refused with the model's own reason, and the loop keeps serving."""
     _, _, loop = setup
-    accepted: list[BaseModel] = []
+    accepted: list[StepRead] = []
 
-    def spy(frame: bytes) -> tuple[int, StepReply] | None:
-        read = step_reply_frame(frame)
+    def spy(frame: bytes) -> tuple[int, StepRead] | None:
+        read = read_step_frame(frame)
         if read is not None:
             accepted.append(read[1])
         return read
 
-    monkeypatch.setattr("coordinator.runtime.loop.step_reply_frame", spy)
+    monkeypatch.setattr("coordinator.runtime.loop.read_step_frame", spy)
     whole = StepReply(step=3, stage=0, losses=[0.5], times=pack_times([1.0, 2.0], [1.5, 2.5]),
                       phases=[PhaseTiming(name="optimizer", start=0.5, end=0.75)], held_bytes=8)
     good = loop.send("w0", "w", "echo", whole, StepReply)
@@ -139,9 +138,10 @@ def test_step_replies_are_decoded_in_c_and_refused_as_the_model_refuses(
         event = _next(loop)
         assert isinstance(event, Reply)
         replies[event.id] = event
-    assert replies[good].ok and replies[good].body == whole
-    assert accepted == [whole] and accepted[0] is replies[good].body  # the only one the decoder took
-    assert replies[good].body.model_fields_set == set(StepReply.model_fields)
+    assert replies[good].ok and isinstance(replies[good].body, StepRead)
+    assert len(accepted) == 1 and accepted[0] is replies[good].body  # the only one the decoder took
+    assert replies[good].body.message() == whole
+    assert replies[good].body.message().model_fields_set == set(StepReply.model_fields)
     # fields missing (LooseStep dumps only its own): the model fills the defaults, as it always did
     assert replies[partial].ok
     assert replies[partial].body == StepReply(step=4, stage=0, losses=[0.5])
@@ -169,7 +169,7 @@ def test_a_packed_request_reaches_every_service_and_a_step_reply_where_none_is_e
         event = _next(loop)
         assert isinstance(event, Reply)
         replies[event.id] = event
-    assert replies[first].ok and replies[first].body == whole == replies[second].body
+    assert replies[first].ok and replies[first].body.message() == whole == replies[second].body.message()
     assert not replies[foreign].ok and replies[foreign].code == "bad_reply"
     assert "Scaled" in replies[foreign].message
     assert not replies[bad].ok and replies[bad].code == "bad_request" and "factor" in replies[bad].message
