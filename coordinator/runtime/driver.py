@@ -77,7 +77,7 @@ import torch
 from comm.codec import unpack
 from comm.heap import release, settle
 from comm.rpc.hot import PackedBody
-from comm.traffic import TrafficCounts, latest_by
+from comm.traffic import TrafficCounts, TrafficReport, latest_by
 from coordinator.planning.devices import DeviceError
 from coordinator.planning.plan import Plan
 from coordinator.runtime.accumulation import accumulated_schedule
@@ -127,6 +127,19 @@ PROBE_TIMEOUT = timedelta(seconds=2)
 NAMED = 8  # workers a message names before it counts the rest (a line per message, not per worker)
 TRAIN_PROGRAM = "train"  # the name of each stage's training program (RunStep.program)
 Batches = Sequence[Sequence[Sequence[int]]]  # [replica][microbatch] -> sample indices
+
+
+def _latest_reports(ids: dict[int, _Service], replies: dict[int, Reply]) -> list[tuple[str, TrafficReport]]:
+    """Each window reply's latest counters, with its worker: a service's reports are made in turn by one
+    process whose counts only grow, so its last one holds the most of each (a stage reports on a window's
+    last step only, so the scan from the end stops at once)."""
+    reports = []
+    for rid, reply in replies.items():
+        for body in reversed(reply.body.steps):
+            if body.traffic is not None:
+                reports.append((ids[rid].worker, body.traffic))
+                break
+    return reports
 
 
 def _some(items: Sequence[str]) -> str:
@@ -436,8 +449,7 @@ class Runtime:
         per_step = self._per_step(ids, replies, len(batches))
         traffic: dict[str, TrafficCounts] | None = None
         if len(per_step) > 1:  # a window's counters ride on its last replies: each record made now shows them
-            self.traffic.update(latest_by((sv.worker, body.traffic)
-                                          for bodies, _ in per_step for sv, body in bodies))
+            self.traffic.update(latest_by(_latest_reports(ids, replies)))
             traffic = dict(self.traffic)  # one copy the window's records share (a worker's entry per record)
         records: list[StepRecord] = []
         ended = time.time()
