@@ -479,7 +479,39 @@ class PhaseTiming(Message):
     end: float
 
 
-class StepReply(Message):
+class _Packed(Protocol):
+    @property
+    def times(self) -> bytes: ...
+
+
+class Timed:
+    """The action timings of a step's reply, read from its packed ``times`` (:func:`pack_times`): a mixin
+    (no state of its own) of :class:`StepReply` and of its mirror as read (``services/protocol/hot.py``)."""
+
+    __slots__ = ()
+
+    @property
+    def num_timed(self: _Packed) -> int:
+        """How many actions ``times`` times."""
+        return len(self.times) // TIMING_BYTES
+
+    @property
+    def starts(self: _Packed) -> list[float]:
+        """``starts[k]``: when action ``k`` started (unpacked from ``times`` at each read)."""
+        return unpack_times(self.times)[: len(self.times) // TIMING_BYTES]
+
+    @property
+    def ends(self: _Packed) -> list[float]:
+        """``ends[k]``: when action ``k`` ended (unpacked from ``times`` at each read)."""
+        return unpack_times(self.times)[len(self.times) // TIMING_BYTES:]
+
+    @property
+    def last_end(self: _Packed) -> float | None:
+        """``max(ends)`` (None: no action timed), read in place: the coordinator asks it of every reply."""
+        return last_end(self.times)
+
+
+class StepReply(Message, Timed):
     """A finished step: per-microbatch losses (last stage only), one timing per action, what is not finite.
 
     A loss or a gradient that is NaN or Inf makes the coordinator stop the job or drop the step's
@@ -534,25 +566,6 @@ class StepReply(Message):
                              f"{TIMING_BYTES}-byte action timings (the starts, then the ends, as float64)")
         return self
 
-    @property
-    def num_timed(self) -> int:
-        """How many actions ``times`` times."""
-        return len(self.times) // TIMING_BYTES
-
-    @property
-    def starts(self) -> list[float]:
-        """``starts[k]``: when action ``k`` started (unpacked from ``times`` at each read)."""
-        return unpack_times(self.times)[: self.num_timed]
-
-    @property
-    def ends(self) -> list[float]:
-        """``ends[k]``: when action ``k`` ended (unpacked from ``times`` at each read)."""
-        return unpack_times(self.times)[self.num_timed:]
-
-    @property
-    def last_end(self) -> float | None:
-        """``max(ends)`` (None: no action timed), read in place: the coordinator asks it of every reply."""
-        return last_end(self.times)
 
 
 class PhaseReport(Protocol):

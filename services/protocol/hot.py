@@ -74,9 +74,8 @@ from services.protocol.compute import (
     TIMING_BYTES,
     PhaseTiming,
     StepReply,
+    Timed,
     WindowReply,
-    last_end,
-    unpack_times,
 )
 
 __all__ = ["PhaseRead", "StepRead", "TrafficRead", "WindowRead", "read_step_frame", "read_window_frame",
@@ -116,7 +115,7 @@ class TrafficRead(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fa
         return trusted(TrafficCounts, _asdict(self))
 
 
-class StepRead(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+class StepRead(msgspec.Struct, Timed, frozen=True, forbid_unknown_fields=True, gc=False):
     """:class:`StepReply` as read, every field given (in its order: the tests compare); a
     :class:`~services.protocol.compute.StepReport` ([Note: a step reply kept as read])."""
 
@@ -134,22 +133,6 @@ class StepRead(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False
     peak_bytes: _Count | None
     lead: _Count | None
 
-    @property
-    def num_timed(self) -> int:
-        return len(self.times) // TIMING_BYTES
-
-    @property
-    def starts(self) -> list[float]:
-        return unpack_times(self.times)[: self.num_timed]
-
-    @property
-    def ends(self) -> list[float]:
-        return unpack_times(self.times)[self.num_timed:]
-
-    @property
-    def last_end(self) -> float | None:
-        return last_end(self.times)
-
     def message(self) -> StepReply:
         """The :class:`StepReply` this reads (what the models' path would have returned)."""
         values = _asdict(self)  # the fields by name, in the model's order (C); then the nested messages
@@ -162,7 +145,8 @@ class StepRead(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False
 
 
 class _StepEnvelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """A successful :class:`~comm.rpc.envelope.ReplyEnvelope` without tensors, carrying a :class:`_Step`."""
+    """A successful :class:`~comm.rpc.envelope.ReplyEnvelope` without tensors, carrying a
+    :class:`StepRead`."""
 
     v: Literal[PROTOCOL_VERSION]  # type: ignore[valid-type]  # an int constant: a Literal of it
     id: _Count
@@ -185,7 +169,7 @@ class WindowRead(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fal
 
 
 class _WindowEnvelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """:class:`_StepEnvelope` carrying a :class:`_Window`."""
+    """:class:`_StepEnvelope` carrying a :class:`WindowRead`."""
 
     v: Literal[PROTOCOL_VERSION]  # type: ignore[valid-type]
     id: _Count
