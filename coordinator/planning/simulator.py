@@ -258,15 +258,16 @@ class Sharing:
 
         ``ready[r]``, when given, is a time before which rank ``r`` starts no forward or backward (its
         first microbatch's arrival: [Note: a host's fill]); a host's forwards and backwards then fit between
-        its ranks' earliest ``ready`` and the step's end.
+        its ranks' ``ready`` and the step's end, at most at the rate of the ranks ready so far
+        (:func:`_filled_by`).
         """
         homes = self.homes()
         workers, wanted = self._host_sums[1], self._home_cores
         worst = max(self.forward_slowdown, self.backward_slowdown)
         load = [0.0] * len(self.cores)
         computed = [0.0] * len(self.cores)  # the forwards and backwards alone
-        first = [math.inf] * len(self.cores)  # the earliest any of them can start
         alone = [1.0] * len(self.cores)
+        arrivals: list[list[tuple[float, float, float]]] = [[] for _ in self.cores]  # (ready, k, one's rate)
         for r, home in enumerate(homes):
             if home is None:
                 continue
@@ -278,11 +279,12 @@ class Sharing:
             work = k * (t * f * forward[r] + t * b * backward[r])
             load[h] += work + k * other[r]
             computed[h] += work
-            first[h] = min(first[h], ready[r] if ready is not None else 0.0)
-            alone[h] = max(alone[h], worst * min(k, self.cores[h]) / self.cores[h] if crowded else 1.0)
+            one = (worst if crowded else 1.0) * min(k, self.cores[h])  # the most one busy rank does a second
+            arrivals[h].append((ready[r] if ready is not None else 0.0, k, one))
+            alone[h] = max(alone[h], one / self.cores[h])
         # a host no rank calls home carries no load: its term is 0, as the default
         rate = [c * a for c, a in zip(self.cores, alone, strict=True)]  # the most weighted work a second
-        return max((max(load[h], first[h] * rate[h] + computed[h]) / rate[h]
+        return max((max(load[h] / rate[h], _filled_by(arrivals[h], computed[h], self.cores[h]))
                     for h in set(homes) if h is not None), default=0.0)
 
     def crowded_time(self, ends: Sequence[float], occupied: Sequence[float], forward: Sequence[float],
@@ -337,6 +339,32 @@ class Sharing:
         share = max((max(1.0, k / c) for k, c in zip(wanted, self.cores, strict=True)), default=1.0)
         turns = self.turns_slowdown if share > 1.0 else 1.0  # wanted more than the cores: turns throughout
         return share * max(self.forward_slowdown, self.backward_slowdown) * turns
+
+
+def _filled_by(arrivals: Sequence[tuple[float, float, float]], work: float, cores: float) -> float:
+    """The least time by which a host's ranks do ``work`` (weighted as :meth:`Sharing.least_time` weighs it)
+    when each ``(ready, k, one)`` of ``arrivals`` does none before ``ready``: [Note: a host's fill].
+
+    [Note: a host's fill] A host's busy ranks do at most ``min(c, sum k)`` weighted seconds of work a
+    second together (each ``k`` times its share of the ``c`` cores), and one busy rank alone at most ``one``
+    (its kind's slowdown times ``min(k, c)``: alone it is not slowed); so while only the ranks ready so far
+    can compute, the host's rate is at most the larger of the two over them. In a deep pipeline on a host of
+    few cores, the first ranks compute alone while the first microbatch goes down the stages, and the
+    host's cores idle: the work then ends at least that idle time over the rate later than ``work / rate``
+    (a fill the bound over the cores alone, from the earliest ``ready`` on, left out)."""
+    if work <= 0.0 or not arrivals:
+        return 0.0
+    order = sorted(arrivals)
+    done, wanted, single = 0.0, 0.0, 0.0
+    for j, (at, k, one) in enumerate(order):
+        wanted += k
+        single = max(single, one)
+        pace = max(min(cores, wanted), single)
+        until = order[j + 1][0] if j + 1 < len(order) else math.inf
+        if done + pace * (until - at) >= work:
+            return at + (work - done) / pace
+        done += pace * (until - at)
+    return math.inf  # unreachable: the last rank's segment is unbounded
 
 
 @dataclass(frozen=True, slots=True)
