@@ -156,7 +156,16 @@ four bounds, each tighter and dearer than the one before (``_bound_order``):
 
 The search stops when the next bound exceeds the best step played (by more than
 :data:`_BOUND_SLACK`): no shape left can win or tie, so the plan is the exhaustive search's, with its
-predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order. On
+predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order.
+
+[Note: a flat search] Where many shapes' bounds sit just under the best step played, each must be played
+to be ruled out: on 1,000 uneven nodes over 1,024 workers of one host of 2 cores, every shape's step is
+the host's work over its cores to within 0.1%, and the search played 2,494 shapes (44 s) to find the one
+0.01% quicker than the first that fit. So after :data:`_EXACT_PLAYS` plays or :data:`_EXACT_CUTS` bounds
+with a cut, the search stops at the first bound within :data:`_SEARCH_GAP` (0.1%) of the best step played:
+every shape left is then at most that much quicker, a hundredth of the cost model's own error
+(docs/benchmarks.md, "Training"). A search that finds its plan within that effort (every search of the
+tests' grids, and the lists of CPU and GPU hosts in docs/benchmarks.md, "Planning") is exact. On
 1,000 nodes over 1,024 workers, 106,608 shapes get the first bound, about a hundred the second and
 eight are played. Only when no replicated plan fits does the search evaluate every memory option of
 every shape. What the shapes share is computed once per search (:class:`_Shared`): node times, the
@@ -201,7 +210,15 @@ from coordinator.planning.closed_form import (
     rank_bounds,
 )
 from coordinator.planning.config import Mode, PlanConfig
-from coordinator.planning.cutting import MEMORY_SLACK, CutError, CutProblem, Cutter, get_cutter, may_fit
+from coordinator.planning.cutting import (
+    MEMORY_SLACK,
+    CutError,
+    CutProblem,
+    Cutter,
+    floor_fits,
+    get_cutter,
+    may_fit,
+)
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.memory import (
     AUTOMATIC,
@@ -1423,6 +1440,34 @@ def _with_fill(work: float, ranks: float, held: float, chain: float, m: int) -> 
     return max(work / ranks, (lean + math.sqrt(lean * lean + 2 * ranks * held * chain * m)) / (2 * ranks))
 
 
+def _may_fit_anywhere(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig) -> bool:
+    """:func:`_may_fit` before the shape is placed, each stage's room at the most any worker of the list has
+    (False only where no placement can fit the shape's replicated cut; True on a list of CPU and GPU workers
+    alike, whose placement decides the device)."""
+    resources = shared.resources
+    assert resources is not None
+    table = resources.worker_table
+    if table.cpu.any() and not table.cpu.all():
+        return True
+    d, p, mode, sched_name, m, v = shape
+    on_cuda = not bool(table.cpu.any())
+    mb = global_batch // (d * m)
+    memory = shared.memory(REPLICATED, mode, d, m, mb, on_cuda)
+    static, held = shared._get(("memory sums", id(memory)), lambda: (sum(memory.static), sum(memory.held)))
+    runtime = 0 if on_cuda else shared.profile.runtime_bytes
+    most = shared._get(("most memory",), lambda: float(table.memory.max()))
+    return floor_fits(static, held, stage_holds(sched_name, p, m, v)[0], [float(most - runtime) / v] * p)
+
+
+def _may_fit(shared: _Shared, setup: _Setup) -> bool:
+    """``cutting.may_fit`` of the shape's replicated cut problem, from its memory alone (before its links,
+    speeds and cut): most shapes of a search over workers of little memory fit no cut, and leave it here."""
+    d, _, mode, _, m, _ = setup.shape
+    memory = shared.memory(REPLICATED, mode, d, m, setup.mb, setup.at.on_cuda)
+    static, held = shared._get(("memory sums", id(memory)), lambda: (sum(memory.static), sum(memory.held)))
+    return floor_fits(static, held, setup.in_flight, setup.limit)
+
+
 def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: Cutter,
                       balance: Sequence[int] | None, loose: float, rest: float | None = None) -> float:
     """A lower bound on the step of the shape's replicated candidate; inf when it cannot fit (see
@@ -1538,6 +1583,11 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
 # Shapes whose bound is within this share of the best step played so far are played too: the bound and
 # the simulator round differently, and the ranking compares steps to 9 significant digits.
 _BOUND_SLACK = 1e-8
+# [Note: a flat search] After this many plays or bounds with a cut, a shape whose bound is within
+# _SEARCH_GAP of the best step played is not looked at: the plan is then within that share of the best.
+_EXACT_PLAYS = 64
+_EXACT_CUTS = 256
+_SEARCH_GAP = 1e-3
 
 
 def _fast_choice(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,
@@ -1584,6 +1634,7 @@ def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_
     # a shape in ``tight``: 1 bounded with its placement, 2 with its cut quickly, 3 with its cut
     level: dict[int, int] = {}
     setups: dict[int, _Setup] = {}  # the level-1 shapes' setups
+    plays = cuts = 0  # the shapes played, and bounded with their cut
     upcoming = next(order, None)
     while upcoming is not None or tight:
         if tight and (upcoming is None or tight[0] < (loose[upcoming], upcoming)):
@@ -1593,16 +1644,20 @@ def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_
             assert upcoming is not None
             bound, index, stage = loose[upcoming], upcoming, 0
             upcoming = next(order, None)
-        if bound > limit() * (1 + _BOUND_SLACK):
+        flat = plays > _EXACT_PLAYS or cuts > _EXACT_CUTS  # [Note: a flat search]
+        if bound > limit() * (1 - _SEARCH_GAP if flat else 1 + _BOUND_SLACK):
             return  # every shape left is slower than the limit: none of them can win, nor tie
         shape = shapes[index]
         if stage == 0:  # first up: placed, and bounded with its placement
+            if not _may_fit_anywhere(shared, shape, global_batch, request):
+                continue  # no placement gives its chain room for any cut
             setup = _setup(shared, shape, global_batch, request, automatic)
-            if REPLICATED in setup.options:
+            if REPLICATED in setup.options and _may_fit(shared, setup):
                 setups[index], level[index] = setup, 1
                 heapq.heappush(tight, (max(bound, _placed_bound(shared, setup, rest[index])), index))
             continue
         if stage == 1 and shape[3] != "zb-h1":  # up again: cut, and bounded with its cut quickly
+            cuts += 1
             cut = _replicated_bound(profile, shared, setups[index], cutter, request.balance, loose[index],
                                     rest[index])
             if math.isfinite(cut):
@@ -1612,11 +1667,13 @@ def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_
                 del setups[index]
             continue
         if stage <= 2:  # up again: bounded with its cut
+            cuts += 1
             cut = _replicated_bound(profile, shared, setups.pop(index), cutter, request.balance, loose[index])
             if math.isfinite(cut):
                 level[index] = 3
                 heapq.heappush(tight, (max(bound, cut), index))
             continue
+        plays += 1
         yield index, _evaluate(profile, resources, shape, global_batch, cutter, request.cutter,
                                request.balance, request, automatic, shared=shared, only=REPLICATED)[0]
 
