@@ -10,7 +10,8 @@ workers), of ``candidate_plans(limit=N)`` (``cellmesh plan``'s runners-up, ``--r
 before this one), each once, in wall time and in this process's CPU time (``time.process_time``: what a
 loaded machine does not inflate as much). The fast and exhaustive plans are compared.
 
-    python bench/planning.py [--cases examples,issue,cluster,hosts,mixed] [--baseline DIR] [--timeout 300]
+    python bench/planning.py [--cases examples,issue,cluster,hosts,mixed,profiles] [--baseline DIR]
+        [--timeout 300]
         [--json F]
 """
 
@@ -36,7 +37,6 @@ from coordinator.planning.profile import Profile  # noqa: E402
 from coordinator.planning.request import plan_shapes, resolve  # noqa: E402
 from coordinator.planning.resources import Resources  # noqa: E402
 
-MB = 10**6
 # (nodes, workers, fixed stages or None[, resources: "local" (default), "gpu-hosts" or "cpu-hosts"])
 CASES: dict[str, list[tuple[Any, ...]]] = {
     "examples": [(8, 2, None), (12, 4, None), (16, 8, None)],
@@ -49,6 +49,11 @@ CASES: dict[str, list[tuple[Any, ...]]] = {
     # workers half as fast), and hosts whose workers want twice the cores they have
     "mixed": [(1000, 1024, None, "mixed-gpu-hosts"), (1000, 1024, None, "mixed-cpu-hosts"),
               (1000, 1024, None, "busy-cpu-hosts")],
+    # other chains on the issue's own list: uneven nodes (seeded), two embeddings of 800 MB on workers of
+    # 16 GiB, the even chain on workers of 2 GiB (most shapes fit no cut)
+    "profiles": [(1000, 1024, None, "local", "uneven"), (1000, 1024, None, "local-16", "embed"),
+                 (1000, 1024, None, "local-2", "even"), (1000, 1024, None, "gpu-hosts", "uneven"),
+                 (1000, 1024, None, "cpu-hosts", "uneven")],
 }
 
 
@@ -58,8 +63,8 @@ def resources(kind: str, w: int) -> Resources:
     ``mixed-...``: the second half of the hosts half as fast, with half the memory; ``busy-cpu-hosts``: 8
     of a host's 32 cores each, twice what the host has)."""
     from coordinator.planning.resources import LinkSpeed, Resources, Worker
-    if kind == "local":
-        return Resources.local(w, memory_bytes=80 * 2**30)
+    if kind.startswith("local"):  # "local-16": 16 GiB each
+        return Resources.local(w, memory_bytes=int(kind.partition("-")[2] or 80) * 2**30)
     gpu = kind in ("gpu-hosts", "mixed-gpu-hosts")
     slower = (lambda i: 0.5 if i >= w // 2 else 1.0) if kind.startswith("mixed") else (lambda i: 1.0)
     cpus = 8 if gpu or kind == "busy-cpu-hosts" else 4
@@ -78,27 +83,46 @@ from coordinator.planning.planner import choose_plan
 from coordinator.planning.profile import Profile
 from coordinator.planning.resources import Resources
 #RESOURCES
-n, w, stages, kind = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
-prof = Profile.synthetic([1e-3] * n, param_bytes=[4 * 10**6] * n, activation_bytes=[10**6] * n,
-                         cut_bytes=[256 * 1024] * (n - 1))
+#PROFILE
+n, w, stages = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+kind, chain = sys.argv[5], sys.argv[6]
+prof = profile(n, chain)
 res = resources(kind, w)
 t0, c0 = time.perf_counter(), time.process_time()
 plan = choose_plan(prof, res, PlanConfig(num_stages=stages), global_batch=4 * w)
 print(json.dumps({"s": time.perf_counter() - t0, "cpu": time.process_time() - c0, "plan": plan.summary()}))
-""".replace("#RESOURCES", inspect.getsource(resources))
+"""
 
 
-def profile(nodes: int) -> Profile:
-    return Profile.synthetic([1e-3] * nodes, param_bytes=[4 * MB] * nodes, activation_bytes=[MB] * nodes,
+def profile(nodes: int, chain: str = "even") -> Profile:
+    """The case's chain: ``even`` (the module's), ``uneven`` (each node's time, bytes and crossing drawn
+    from a seeded generator) or ``embed`` (the even chain, its first and last nodes 800 MB of parameters)."""
+    import random
+    mb = 10**6
+    if chain == "uneven":
+        rng = random.Random(7)
+        return Profile.synthetic([rng.uniform(0.2e-3, 5e-3) for _ in range(nodes)],
+                                 param_bytes=[rng.randint(0, 16 * mb) for _ in range(nodes)],
+                                 activation_bytes=[rng.randint(mb // 10, 4 * mb) for _ in range(nodes)],
+                                 cut_bytes=[rng.randint(1024, 2**20) for _ in range(nodes - 1)])
+    params = [4 * mb] * nodes
+    if chain == "embed":
+        params[0] = params[-1] = 800 * mb
+    return Profile.synthetic([1e-3] * nodes, param_bytes=params, activation_bytes=[mb] * nodes,
                              cut_bytes=[256 * 1024] * (nodes - 1))
 
 
-def baseline(tree: str, nodes: int, workers: int, stages: int | None, kind: str, timeout: float
+_CHILD = (_CHILD.replace("#RESOURCES", inspect.getsource(resources))
+          .replace("#PROFILE", inspect.getsource(profile)))
+
+
+def baseline(tree: str, nodes: int, workers: int, stages: int | None, kind: str, chain: str, timeout: float
              ) -> dict[str, Any]:
     """``choose_plan`` of the checkout ``tree`` on the case, in a subprocess (None past ``timeout``)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     try:
-        command = [sys.executable, "-c", _CHILD, tree, str(nodes), str(workers), json.dumps(stages), kind]
+        command = [sys.executable, "-c", _CHILD, tree, str(nodes), str(workers), json.dumps(stages), kind,
+                   chain]
         out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=True)
     except subprocess.TimeoutExpired:
         return {"s": None, "cpu": None, "plan": f"stopped after {timeout:.0f} s"}
@@ -106,9 +130,9 @@ def baseline(tree: str, nodes: int, workers: int, stages: int | None, kind: str,
     return result
 
 
-def run_case(nodes: int, workers: int, stages: int | None, kind: str, args: argparse.Namespace
+def run_case(nodes: int, workers: int, stages: int | None, kind: str, chain: str, args: argparse.Namespace
              ) -> dict[str, Any]:
-    prof, res = profile(nodes), resources(kind, workers)
+    prof, res = profile(nodes, chain), resources(kind, workers)
     request, batch = PlanConfig(num_stages=stages), 4 * workers
     shapes = len(plan_shapes(request, resolve(request, nodes, nodes, workers), batch))
     t0, c0 = time.perf_counter(), time.process_time()
@@ -127,7 +151,7 @@ def run_case(nodes: int, workers: int, stages: int | None, kind: str, args: argp
         row["exhaustive_s"] = time.perf_counter() - t0
         row["same_plan"] = every == fast
     if args.baseline:
-        before = baseline(args.baseline, nodes, workers, stages, kind, args.timeout)
+        before = baseline(args.baseline, nodes, workers, stages, kind, chain, args.timeout)
         row["baseline_s"], row["baseline_cpu_s"] = before["s"], before.get("cpu")
         row["baseline_plan"] = before["plan"]
     return row
@@ -149,8 +173,9 @@ def main() -> None:
         for case in CASES[group]:
             nodes, workers, stages = case[:3]
             kind = case[3] if len(case) > 3 else "local"
-            row = run_case(nodes, workers, stages, kind, args)
-            row["resources"] = kind
+            chain = case[4] if len(case) > 4 else "even"
+            row = run_case(nodes, workers, stages, kind, chain, args)
+            row["resources"], row["chain"] = kind, chain
             rows.append(row)
             before, every = row.get("baseline_s"), row.get("exhaustive_s")
             before_s = ("-" if "baseline_plan" not in row else f">{args.timeout:.0f}" if before is None
@@ -160,7 +185,8 @@ def main() -> None:
             before_cpu_s = "-" if before_cpu is None else f"{before_cpu:.2f}"
             runners = row.get("runners_up_s")
             runners_s = "-" if runners is None else f"{runners:.3f}"
-            where = f"{nodes} x {workers}" + ("" if kind == "local" else f" {kind}")
+            where = (f"{nodes} x {workers}" + ("" if kind == "local" else f" {kind}")
+                     + ("" if chain == "even" else f" {chain}"))
             print(f"{where:>16} {stages or 'any':>6} {row['global_batch']:>6} "
                   f"{row['shapes']:>7} {before_s:>9} {before_cpu_s:>6} {every_s:>9} {row['fast_s']:>8.3f} "
                   f"{row['fast_cpu_s']:>6.3f} {runners_s:>8}  {row.get('same_plan', '-')!s:>4}  "
