@@ -56,7 +56,7 @@ Bounds: TypeAlias = tuple[int, ...]
 MEMORY_SLACK = 1e-9
 
 
-def _with_slack(limit: float) -> float:
+def with_slack(limit: float) -> float:
     """``limit`` plus a rounding slack (relative, and absolute for limits near 0)."""
     return limit + MEMORY_SLACK * max(1.0, abs(limit))
 
@@ -200,7 +200,7 @@ class CutProblem:
         if self.memory_limit is not None:
             for s in range(k):
                 need = self.stage_memory(s, b[s], b[s + 1])
-                if need > _with_slack(self.memory_limit[s]):
+                if need > with_slack(self.memory_limit[s]):
                     raise CutError(f"stage {s} (nodes {b[s]}..{b[s + 1] - 1}) needs {need:.4g} bytes, "
                                    f"its limit is {self.memory_limit[s]:.4g}")
         return b
@@ -280,7 +280,7 @@ def floor_fits(static: float, activations: float, in_flight: Sequence[int], limi
     """:func:`may_fit` from the nodes' static and activation bytes, summed: whether they fit every stage's
     limit together, with one microbatch's activations per microbatch the emptiest stage holds."""
     least = static + activations * min(in_flight)
-    room = sum(_with_slack(limit) for limit in limits)
+    room = sum(with_slack(limit) for limit in limits)
     return least <= room * (1 + 1e-9)
 
 
@@ -327,7 +327,7 @@ def fits_memory(problem: CutProblem) -> bool:
         if hold is not None and problem.holds is not None and problem.holds[s]:
             used = used + (hold - hold[start])
         used = used + (acts - acts[start]) * problem.in_flight[s]
-        reach = (latest >= 0) & allowed & (used <= _with_slack(limits[s]))
+        reach = (latest >= 0) & allowed & (used <= with_slack(limits[s]))
         if s < k - 1:
             reach[n] = False  # the later stages need nodes of their own
     return bool(reach[n])
@@ -386,7 +386,7 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         if ph is not None and problem.holds is not None and problem.holds[s]:
             static = static + (ph[j] - ph[i])
         pa = acts(held)
-        room = _with_slack(problem.memory_limit[s])
+        room = with_slack(problem.memory_limit[s])
         over: np.ndarray = static + (pa[j] - pa[i]) * problem.in_flight[s] > room
         return over
 

@@ -220,6 +220,7 @@ from coordinator.planning.cutting import (
     floor_fits,
     get_cutter,
     may_fit,
+    with_slack,
 )
 from coordinator.planning.graph import CutInfo
 from coordinator.planning.memory import (
@@ -610,12 +611,24 @@ class _Shared:
         # the node memory reads the mode and the replicas for parameter servers only, the count for > 1
         key = ("memory", option, mode if data_parallel > 1 else "collective", data_parallel,
                num_microbatches > 1, on_cuda)
-        # the microbatch's part apart: the rest is the same at every size (NodeMemory.with_activations)
-        whole = self._get(key, lambda: node_memory(
-            nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
-            activation_bytes=[0.0] * len(nodes), input_bytes=[0.0] * len(nodes), on_cuda=on_cuda))
+        whole = self._whole(key, option, mode, data_parallel, num_microbatches, on_cuda)
         return self._get((*key, mb), lambda: whole.with_activations(
             option.recompute, [nd.activation_bytes * scale for nd in nodes], self.scaled(mb)[0][:-1]))
+
+    def _whole(self, key: tuple[object, ...], option: MemoryOption, mode: Mode, data_parallel: int,
+               num_microbatches: int, on_cuda: bool) -> NodeMemory:
+        """Every node's memory but the microbatch's part, the same at every size (``with_activations``)."""
+        nodes = self.profile.nodes
+        return self._get(key, lambda: node_memory(
+            nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
+            activation_bytes=[0.0] * len(nodes), input_bytes=[0.0] * len(nodes), on_cuda=on_cuda))
+
+    def static_sum(self, mode: Mode, data_parallel: int, num_microbatches: int, on_cuda: bool) -> float:
+        """Every node's replicated static bytes together (parameters, gradients, optimizer state, buffers)."""
+        key = ("memory", REPLICATED, mode if data_parallel > 1 else "collective", data_parallel,
+               num_microbatches > 1, on_cuda)
+        return self._get(("static sum", *key), lambda: float(sum(
+            self._whole(key, REPLICATED, mode, data_parallel, num_microbatches, on_cuda).static)))
 
     def compute(self, mb: int, recompute: bool, speed: float, bandwidth_bps: float,
                 latency_s: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -1450,12 +1463,15 @@ def _may_fit_anywhere(shared: _Shared, shape: Shape, global_batch: int, request:
         return True
     d, p, mode, sched_name, m, v = shape
     on_cuda = not bool(table.cpu.any())
-    mb = global_batch // (d * m)
-    memory = shared.memory(REPLICATED, mode, d, m, mb, on_cuda)
-    static, held = shared._get(("memory sums", id(memory)), lambda: (sum(memory.static), sum(memory.held)))
-    runtime = 0 if on_cuda else shared.profile.runtime_bytes
+    profile = shared.profile
+    # the least bytes any cut holds (the held activations summed before they are scaled: a rounding
+    # apart from the problem's sum, which the factor below leaves on the side of fitting)
+    held = shared._get(("activation sum",), lambda: float(sum(nd.activation_bytes for nd in profile.nodes)))
+    least = shared.static_sum(mode, d, m, on_cuda) + held * (global_batch // (d * m) / profile.microbatch_size
+                                                              ) * min(stage_holds(sched_name, p, m, v)[0])
+    runtime = 0 if on_cuda else profile.runtime_bytes
     most = shared._get(("most memory",), lambda: float(table.memory.max()))
-    return floor_fits(static, held, stage_holds(sched_name, p, m, v)[0], [float(most - runtime) / v] * p)
+    return least * (1 - 1e-12) <= p * with_slack(float(most - runtime) / v) * (1 + 1e-9)
 
 
 def _may_fit(shared: _Shared, setup: _Setup) -> bool:

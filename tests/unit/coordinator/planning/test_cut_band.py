@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from coordinator.planning.cutting import CutError, CutProblem, _banded, _with_slack, cut_min_max
+from coordinator.planning.cutting import CutError, CutProblem, _banded, cut_min_max, with_slack
 from tests.unit.coordinator.planning.test_cutting import problems
 
 
@@ -52,7 +52,7 @@ def dense_min_max(problem: CutProblem) -> tuple[int, ...]:
                 and any(problem.hold_bytes):  # a stage holding weight-gradient rows
             ph = np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
             static = mem_static + (ph[None, :] - ph[:, None])
-        over = static + (pa[None, :] - pa[:, None]) * problem.in_flight[s] > _with_slack(
+        over = static + (pa[None, :] - pa[:, None]) * problem.in_flight[s] > with_slack(
             problem.memory_limit[s])
         return np.where(over, np.inf, cost)
 
