@@ -154,7 +154,7 @@ __all__ = ["AUTOMATIC", "BUCKET_BYTES", "COMMIT_GATHER_IN_FLIGHT", "GATHER_BYTES
            "SHARDED_GRADIENTS_WHOLE_WHILE_ACCUMULATING", "TRANSPORT_FRAMES_PER_BUCKET",
            "TRANSPORT_FRAMES_PER_SCATTERED_BUCKET",
            "ZERO3_GATHERED_UNITS", "Automatic", "MemoryOption", "NodeMemory", "memory_options", "node_memory",
-           "units"]
+           "replicated_static", "units"]
 
 # ZeRO-3 gathers a cell's parameters whole before it runs (forward, and again for its backward) and
 # frees them after; with prefetch the next cell's gather is in flight meanwhile: two cells at once.
@@ -294,6 +294,18 @@ class NodeMemory:
             optimizer=int(sum(self.optimizer[start:stop]) + stepping),
             activations=int(sum(held[start:stop]) * in_flight + recomputed),
             comm=int(sum(self._or_zeros(self.buffers)[start:stop]) + flight + frames))
+
+
+def replicated_static(nodes: Sequence[NodeProfile], mode: Mode, data_parallel: int) -> tuple[float, float]:
+    """Every node's static bytes under :data:`REPLICATED` together, as ``(fixed, shared)``: the sum is
+    ``fixed + shared / data_parallel`` (parameters, buffers and gradients whole; the optimizer state whole,
+    or with a parameter server its state and a master copy ``1/d`` each, as :func:`node_memory` counts them;
+    a sum of shares rounds apart from the share of the sum by a few units in the last place). The planner
+    reads it for every shape it could place, before their per-node bytes are made."""
+    fixed = float(sum(nd.param_bytes + nd.buffer_bytes + nd.grad_bytes for nd in nodes))
+    if mode == "parameter_server" and data_parallel > 1:
+        return fixed, float(sum(nd.optimizer_state_bytes + nd.param_bytes for nd in nodes))
+    return fixed + float(sum(nd.optimizer_state_bytes for nd in nodes)), 0.0
 
 
 def node_memory(nodes: Sequence[NodeProfile], option: MemoryOption, *, mode: Mode, data_parallel: int,

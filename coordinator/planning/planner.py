@@ -217,7 +217,6 @@ from coordinator.planning.cutting import (
     CutError,
     CutProblem,
     Cutter,
-    floor_fits,
     get_cutter,
     may_fit,
     with_slack,
@@ -232,6 +231,7 @@ from coordinator.planning.memory import (
     NodeMemory,
     memory_options,
     node_memory,
+    replicated_static,
 )
 from coordinator.planning.placement import PlacedLinks, neighbour_link, place_with_links, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
@@ -611,24 +611,18 @@ class _Shared:
         # the node memory reads the mode and the replicas for parameter servers only, the count for > 1
         key = ("memory", option, mode if data_parallel > 1 else "collective", data_parallel,
                num_microbatches > 1, on_cuda)
-        whole = self._whole(key, option, mode, data_parallel, num_microbatches, on_cuda)
+        # the microbatch's part apart: the rest is the same at every size (NodeMemory.with_activations)
+        whole = self._get(key, lambda: node_memory(
+            nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
+            activation_bytes=[0.0] * len(nodes), input_bytes=[0.0] * len(nodes), on_cuda=on_cuda))
         return self._get((*key, mb), lambda: whole.with_activations(
             option.recompute, [nd.activation_bytes * scale for nd in nodes], self.scaled(mb)[0][:-1]))
 
-    def _whole(self, key: tuple[object, ...], option: MemoryOption, mode: Mode, data_parallel: int,
-               num_microbatches: int, on_cuda: bool) -> NodeMemory:
-        """Every node's memory but the microbatch's part, the same at every size (``with_activations``)."""
-        nodes = self.profile.nodes
-        return self._get(key, lambda: node_memory(
-            nodes, option, mode=mode, data_parallel=data_parallel, num_microbatches=num_microbatches,
-            activation_bytes=[0.0] * len(nodes), input_bytes=[0.0] * len(nodes), on_cuda=on_cuda))
-
-    def static_sum(self, mode: Mode, data_parallel: int, num_microbatches: int, on_cuda: bool) -> float:
-        """Every node's replicated static bytes together (parameters, gradients, optimizer state, buffers)."""
-        key = ("memory", REPLICATED, mode if data_parallel > 1 else "collective", data_parallel,
-               num_microbatches > 1, on_cuda)
-        return self._get(("static sum", *key), lambda: float(sum(
-            self._whole(key, REPLICATED, mode, data_parallel, num_microbatches, on_cuda).static)))
+    def static_sum(self, mode: Mode, data_parallel: int) -> float:
+        """Every node's replicated static bytes together (``memory.replicated_static``)."""
+        fixed, shared = self._get(("static sums", mode == "parameter_server" and data_parallel > 1),
+                                  lambda: replicated_static(self.profile.nodes, mode, data_parallel))
+        return fixed + shared / data_parallel
 
     def compute(self, mb: int, recompute: bool, speed: float, bandwidth_bps: float,
                 latency_s: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -1452,7 +1446,7 @@ def _with_fill(work: float, ranks: float, held: float, chain: float, m: int) -> 
     return max(work / ranks, (lean + math.sqrt(lean * lean + 2 * ranks * held * chain * m)) / (2 * ranks))
 
 
-def _may_fit_anywhere(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig) -> bool:
+def _may_fit_anywhere(shared: _Shared, shape: Shape, global_batch: int) -> bool:
     """:func:`_may_fit` before the shape is placed, each stage's room at the most any worker of the list has
     (False only where no placement can fit the shape's replicated cut; True on a list of CPU and GPU workers
     alike, whose placement decides the device)."""
@@ -1461,26 +1455,31 @@ def _may_fit_anywhere(shared: _Shared, shape: Shape, global_batch: int, request:
     table = resources.worker_table
     if table.cpu.any() and not table.cpu.all():
         return True
-    d, p, mode, sched_name, m, v = shape
+    p, v = shape[1], shape[5]
     on_cuda = not bool(table.cpu.any())
-    profile = shared.profile
-    # the least bytes any cut holds (the held activations summed before they are scaled: a rounding
-    # apart from the problem's sum, which the factor below leaves on the side of fitting)
-    held = shared._get(("activation sum",), lambda: float(sum(nd.activation_bytes for nd in profile.nodes)))
-    least = shared.static_sum(mode, d, m, on_cuda) + held * (global_batch // (d * m) / profile.microbatch_size
-                                                              ) * min(stage_holds(sched_name, p, m, v)[0])
-    runtime = 0 if on_cuda else profile.runtime_bytes
+    runtime = 0 if on_cuda else shared.profile.runtime_bytes
     most = shared._get(("most memory",), lambda: float(table.memory.max()))
-    return least * (1 - 1e-12) <= p * with_slack(float(most - runtime) / v) * (1 + 1e-9)
+    return _least_bytes(shared, shape, global_batch) <= p * with_slack(float(most - runtime) / v) * (1 + 1e-9)
 
 
-def _may_fit(shared: _Shared, setup: _Setup) -> bool:
+def _may_fit(shared: _Shared, setup: _Setup, global_batch: int) -> bool:
     """``cutting.may_fit`` of the shape's replicated cut problem, from its memory alone (before its links,
     speeds and cut): most shapes of a search over workers of little memory fit no cut, and leave it here."""
-    d, _, mode, _, m, _ = setup.shape
-    memory = shared.memory(REPLICATED, mode, d, m, setup.mb, setup.at.on_cuda)
-    static, held = shared._get(("memory sums", id(memory)), lambda: (sum(memory.static), sum(memory.held)))
-    return floor_fits(static, held, setup.in_flight, setup.limit)
+    least = _least_bytes(shared, setup.shape, global_batch)
+    return least <= sum(with_slack(limit) for limit in setup.limit) * (1 + 1e-9)
+
+
+def _least_bytes(shared: _Shared, shape: Shape, global_batch: int) -> float:
+    """The least bytes any replicated cut of the shape holds over its stages (``cutting.may_fit``'s): every
+    node's static bytes, one microbatch's activations per microbatch the emptiest stage holds. The
+    activations are summed before they are scaled, a rounding apart from the problem's sum, so the result is
+    taken a hair low: a shape left here fits for certain no cut."""
+    d, p, mode, sched_name, m, v = shape
+    profile = shared.profile
+    held = shared._get(("activation sum",), lambda: float(sum(nd.activation_bytes for nd in profile.nodes)))
+    scale = global_batch // (d * m) / profile.microbatch_size
+    least = shared.static_sum(mode, d) + held * scale * min(stage_holds(sched_name, p, m, v)[0])
+    return least * (1 - 1e-12)
 
 
 def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: Cutter,
@@ -1664,10 +1663,10 @@ def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_
             return  # every shape left is slower than the limit: none of them can win, nor tie
         shape = shapes[index]
         if stage == 0:  # first up: placed, and bounded with its placement
-            if not _may_fit_anywhere(shared, shape, global_batch, request):
+            if not _may_fit_anywhere(shared, shape, global_batch):
                 continue  # no placement gives its chain room for any cut
             setup = _setup(shared, shape, global_batch, request, automatic)
-            if REPLICATED in setup.options and _may_fit(shared, setup):
+            if REPLICATED in setup.options and _may_fit(shared, setup, global_batch):
                 setups[index], level[index] = setup, 1
                 heapq.heappush(tight, (max(bound, _placed_bound(shared, setup, rest[index])), index))
             continue

@@ -719,7 +719,7 @@ def test_a_shape_left_before_placement_fits_no_cut(seed: int) -> None:
                 continue
             shape = (cand.data_parallel, cand.num_stages, cand.mode, cand.schedule_name,
                      cand.num_microbatches, cand.chunks)
-            if not planner._may_fit_anywhere(shared, shape, 16, request):
+            if not planner._may_fit_anywhere(shared, shape, 16):
                 left += 1
                 assert not cand.fits, shape
     assert left > 0

@@ -16,7 +16,7 @@ import pytest
 
 from coordinator.planning.config import PlanConfig
 from coordinator.planning.cutting import CutProblem, cut_min_max
-from coordinator.planning.memory import Automatic, MemoryOption
+from coordinator.planning.memory import REPLICATED, Automatic, MemoryOption, node_memory, replicated_static
 from coordinator.planning.plan import MemoryUse, Plan
 from coordinator.planning.planner import (
     COLLECTIVE_EFFICIENCY,
@@ -392,3 +392,23 @@ def test_the_optimizer_steps_temporaries_are_a_transient_sharded_with_the_state(
     assert peak(MemoryOption(offload=True)) == b(4000, 4000, 8000 + 4000, 200, 4500)
     assert peak(MemoryOption(zero=3, shard_factor=2, offload=True)) == b(2000 + 8000, 2000, 4000 + 2000, 200,
                                                                        4000 + 1500)
+
+
+def test_the_replicated_static_sum_is_the_node_memorys() -> None:
+    """``replicated_static`` (what the search reads before it places a shape) against ``node_memory``'s
+    static bytes summed, for each mode, replica count, microbatch count and device, on random nodes with
+    buffers and optimizer state."""
+    rng = random.Random(41)
+    for _ in range(20):
+        n = rng.randint(1, 30)
+        base = Profile.synthetic([1e-3] * n, param_bytes=[rng.randint(0, 10**8) for _ in range(n)],
+                                 activation_bytes=[10**6] * n)
+        nodes = tuple(nd.model_copy(update={"buffer_bytes": rng.randint(0, 10**6),
+                                            "optimizer_state_bytes": rng.randint(0, 3 * 10**8)})
+                      for nd in base.nodes)
+        for mode, d, m, on_cuda in itertools.product(("collective", "parameter_server"), (1, 2, 3, 64),
+                                                      (1, 4), (False, True)):
+            whole = node_memory(nodes, REPLICATED, mode=mode, data_parallel=d, num_microbatches=m,
+                                activation_bytes=[0.0] * n, input_bytes=[0.0] * n, on_cuda=on_cuda)
+            fixed, shared = replicated_static(nodes, mode, d)
+            assert fixed + shared / d == pytest.approx(sum(whole.static), rel=1e-13, abs=1e-6)
