@@ -173,7 +173,9 @@ every shape left is then at most that much quicker, a hundredth of the cost mode
 search of the tests' grids is (with the gap from the first play on, one of their 49 cases would choose
 another plan). On the cluster lists of docs/benchmarks.md, "Planning", the gap changes no plan (their
 finalists are 0.2-1.5% apart); on one host of 2 cores, the plans it chooses are 0.0003-0.08% slower than
-the exact search's.
+the exact search's. A search for the runners-up (``cellmesh plan``) runs the same events, keeps the plan
+the search for the best stops at as its first, and goes on to fill its list: a runner-up may then be
+quicker than the first, within the gap.
 
 [Note: the memory floor] Before a model is profiled (or even allocated), its cells' bytes
 (parameters, buffers, and the gradients and optimizer state of the trainable ones) tell
@@ -1616,27 +1618,42 @@ def _fastest_replicated(profile: Profile, resources: Resources, request: PlanCon
                         automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape], count: int
                         ) -> list[Candidate]:
     """The ``count`` best fitting replicated candidates (``_rank``, then enumeration order), best first, by
-    branch and bound against the ``count``-th best step played (fewer when fewer fit)."""
+    branch and bound against the ``count``-th best step played (fewer when fewer fit). In a flat search
+    ([Note: a flat search]) the first is the one the search for the best alone stops at (the plan
+    :func:`choose_plan` picks), then the others by rank: one may be quicker than it, within the gap."""
     kept: list[tuple[tuple[float, int, int, tuple[int, int, int], float], int, Candidate]] = []
     shared = _Shared(profile, resources)
+    chosen: Candidate | None = None  # in a flat search: where the search for the best alone stopped
 
-    def limit() -> float:
-        plan = kept[-1][2].plan if len(kept) == count else None
+    def step(k: int) -> float:
+        plan = kept[k][2].plan if kept else None
         return plan.step_time_s if plan is not None else math.inf
 
-    for index, cand in _bound_order(profile, shared, request, global_batch, automatic, cutter, shapes, limit):
+    def past(bound: float, flat: bool) -> bool:  # whether no shape from ``bound`` on need be played
+        nonlocal chosen
+        nth = step(-1) if len(kept) == count else math.inf
+        if not flat:
+            return bound > nth * (1 + _BOUND_SLACK)
+        if chosen is None and kept and bound > step(0) * (1 - _SEARCH_GAP):
+            chosen = kept[0][2]
+        return bound > nth * (1 - _SEARCH_GAP)
+
+    for index, cand in _bound_order(profile, shared, request, global_batch, automatic, cutter, shapes, past):
         if cand.fits:
             kept.append((_rank(cand), index, cand))
             kept.sort(key=lambda k: k[:2])
             del kept[count:]
-    return [c for _, _, c in kept]
+    if chosen is None:
+        return [c for _, _, c in kept]
+    return [chosen, *(c for _, _, c in kept if c is not chosen)][:count]
 
 
 def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_batch: int,
-                 automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape], limit: Callable[[], float]
-                 ) -> Iterator[tuple[int, Candidate]]:
-    """The replicated candidates of ``shapes`` (with their indices) in the order of their bounds, until the
-    next bound exceeds ``limit()`` (asked after each): first every shape's bound over all cuts
+                 automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape],
+                 past: Callable[[float, bool], bool]) -> Iterator[tuple[int, Candidate]]:
+    """The replicated candidates of ``shapes`` (with their indices) in the order of their bounds, until
+    ``past(bound, flat)`` holds for the next bound (asked after each; ``flat``: past the exact search's
+    effort, [Note: a flat search]): first every shape's bound over all cuts
     (:func:`_cut_free_bounds`, sorted once), then, when a shape comes up, its bound with its placement (a
     heap), then with its cut, then its play. Equal bounds go in enumeration order."""
     resources = shared.resources
@@ -1658,8 +1675,7 @@ def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_
             assert upcoming is not None
             bound, index, stage = loose[upcoming], upcoming, 0
             upcoming = next(order, None)
-        flat = plays > _EXACT_PLAYS or cuts > _EXACT_CUTS  # [Note: a flat search]
-        if bound > limit() * (1 - _SEARCH_GAP if flat else 1 + _BOUND_SLACK):
+        if past(bound, plays > _EXACT_PLAYS or cuts > _EXACT_CUTS):
             return  # every shape left is slower than the limit: none of them can win, nor tie
         shape = shapes[index]
         if stage == 0:  # first up: placed, and bounded with its placement

@@ -741,6 +741,9 @@ def test_a_flat_search_is_within_its_gap(monkeypatch: pytest.MonkeyPatch) -> Non
         assert isinstance(fast, planner.Plan) and isinstance(exhaustive, planner.Plan)
         assert fast.step_time_s * (1 - gap) <= exhaustive.step_time_s * (1 + 1e-9), (kind, count, hosts)
         same += fast == exhaustive
+        # ``cellmesh plan``'s runners-up start with the plan chosen, as in an exact search
+        request = PlanConfig(max_microbatches=4, **FIXED[fixed])
+        assert candidate_plans(prof, res, request, global_batch=16, limit=3)[0].plan == fast
     assert same > 0
 
 
@@ -767,3 +770,5 @@ def test_a_thousand_uneven_nodes_on_a_crowded_host_play_few(monkeypatch: pytest.
     monkeypatch.setattr(planner, "_evaluate", counted)
     plan = choose_plan(prof, res, PlanConfig(), global_batch=4096)
     assert plan.num_workers <= 1024 and plays <= planner._EXACT_PLAYS + 8, plays
+    runners = candidate_plans(prof, res, PlanConfig(), global_batch=4096, limit=3)
+    assert runners[0].plan == plan and len(runners) == 3  # the chosen plan first, as `cellmesh plan` shows
