@@ -1450,8 +1450,8 @@ def _with_fill(work: float, ranks: float, held: float, chain: float, m: int) -> 
 
 def _may_fit_anywhere(shared: _Shared, shape: Shape, global_batch: int) -> bool:
     """:func:`_may_fit` before the shape is placed, each stage's room at the most any worker of the list has
-    (False only where no placement can fit the shape's replicated cut; True on a list of CPU and GPU workers
-    alike, whose placement decides the device)."""
+    (False only where no placement can fit the shape's replicated cut; always True on a list that mixes CPU
+    and GPU workers, where the placement decides the device and so the bytes)."""
     resources = shared.resources
     assert resources is not None
     table = resources.worker_table
