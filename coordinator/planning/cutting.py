@@ -272,15 +272,13 @@ def may_fit(problem: CutProblem) -> bool:
     if problem.memory_limit is None or problem.static_bytes is None or problem.activation_bytes is None:
         return True
     assert problem.in_flight is not None
-    return floor_fits(sum(problem.static_bytes), sum(problem.activation_bytes), problem.in_flight,
-                      problem.memory_limit)
+    least = sum(problem.static_bytes) + sum(problem.activation_bytes) * min(problem.in_flight)
+    return floor_fits(least, sum(with_slack(limit) for limit in problem.memory_limit))
 
 
-def floor_fits(static: float, activations: float, in_flight: Sequence[int], limits: Sequence[float]) -> bool:
-    """:func:`may_fit` from the nodes' static and activation bytes, summed: whether they fit every stage's
-    limit together, with one microbatch's activations per microbatch the emptiest stage holds."""
-    least = static + activations * min(in_flight)
-    room = sum(with_slack(limit) for limit in limits)
+def floor_fits(least: float, room: float) -> bool:
+    """Whether ``least`` bytes (what any cut holds over its stages: :func:`may_fit`) fit the stages'
+    ``room`` together (their limits, each :func:`with_slack`), within the sums' rounding."""
     return least <= room * (1 + 1e-9)
 
 

@@ -219,6 +219,7 @@ from coordinator.planning.cutting import (
     CutError,
     CutProblem,
     Cutter,
+    floor_fits,
     get_cutter,
     may_fit,
     with_slack,
@@ -1461,14 +1462,14 @@ def _may_fit_anywhere(shared: _Shared, shape: Shape, global_batch: int) -> bool:
     on_cuda = not bool(table.cpu.any())
     runtime = 0 if on_cuda else shared.profile.runtime_bytes
     most = shared._get(("most memory",), lambda: float(table.memory.max()))
-    return _least_bytes(shared, shape, global_batch) <= p * with_slack(float(most - runtime) / v) * (1 + 1e-9)
+    return floor_fits(_least_bytes(shared, shape, global_batch), p * with_slack(float(most - runtime) / v))
 
 
 def _may_fit(shared: _Shared, setup: _Setup, global_batch: int) -> bool:
     """``cutting.may_fit`` of the shape's replicated cut problem, from its memory alone (before its links,
     speeds and cut): most shapes of a search over workers of little memory fit no cut, and leave it here."""
-    least = _least_bytes(shared, setup.shape, global_batch)
-    return least <= sum(with_slack(limit) for limit in setup.limit) * (1 + 1e-9)
+    return floor_fits(_least_bytes(shared, setup.shape, global_batch),
+                      sum(with_slack(limit) for limit in setup.limit))
 
 
 def _least_bytes(shared: _Shared, shape: Shape, global_batch: int) -> float:
