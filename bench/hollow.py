@@ -310,7 +310,7 @@ def table(rows: list[Figures]) -> str:
             f"| {f.requests_per_step:.2f} | {f.registry} | {f.up_s:.1f} | {f.plan_s:.1f} "
             f"| {f.place_s:.1f} "
             f"| {f.wall_per_step_s * 1e3:.0f} | {f.main_cpu_per_step_s * 1e3:.1f} | {f.cpu_per_reply_us:.0f} "
-            f"| {f.replies_per_cpu_s:,.0f} | {f.wakeups_per_step:.0f} | {f.process_cpu_per_step_s * 1e3:.1f} "
+            f"| {f.replies_per_cpu_s:,.0f} | {f.wakeups_per_step:.1f} | {f.process_cpu_per_step_s * 1e3:.1f} "
             f"| {f.writes_per_step:.1f} "
             f"| {f.watch_events_per_step:.1f} | {f.keys} | {f.rss_per_worker_bytes / 1024:.0f} "
             f"| {f.rss_per_step_worker_bytes:.0f} | {f.gc_per_step_s * 1e3:.2f} "

@@ -64,18 +64,24 @@ warm costs about 10 µs. Hundreds of workers answer a step a few at a time (a ho
 78 wake-ups per step for its 128 replies; workers that finish at different times, one each), so the
 wake-ups were most of a reply's cost and no decoding could reach 20 µs a reply.
 
-So while many requests are outstanding (``coalesce_min``, 16) a wake-up that read replies is followed by
-a hold before the next read, in which replies gather in ZeroMQ's queue; the next read drains them all.
+So while several requests are outstanding (``coalesce_min``, 4) a wake-up that read replies is followed
+by a hold before the next read, in which replies gather in ZeroMQ's queue; the next read drains them all.
 A hold lasts 1% (``coalesce_share``) of the time the oldest outstanding request has waited, in whole
 milliseconds, at most ``coalesce`` (5 ms), and none under a millisecond: replies that come 100 ms or
 more after their requests may be read up to 1% of that later, never more, and steps shorter than 100 ms
 never hold. It sleeps on the mailbox alone, so a registry event (a worker lost) ends it at once. Below
-``coalesce_min`` outstanding every reply is read as it comes: a training step of up to 16 stages never
-holds, and neither do a large step's last replies. So a step ends at most 1% (5 ms) after its last reply
-came, usually as soon; in a data-parallel step whose replicas finish together it is about that. The
-step's result cannot depend on it: replies are events in the order they are read, as before, and the
-runtime needs every one of a step's replies before it acts (an asynchronous plan's replica, which acts
-on a part of them, starts its next step as late). Rejected: spinning (``poll(0)`` in a loop) instead of
+``coalesce_min`` outstanding every reply is read as it comes: a step of up to 4 workers never holds
+(every plan of bench/train.py), and neither do a larger step's last 3 replies. So a step ends at most 1%
+(5 ms) after its last reply came, usually as soon; in a data-parallel step whose replicas finish together
+it is about that. The step's result cannot depend on it: replies are events in the order they are read,
+as before, and the runtime needs every one of a step's replies before it acts (an asynchronous plan's
+replica, which acts on a part of them, starts its next step as late). The threshold was 16 at first: then
+a step of 16 workers never held (15 are left once one reply is read) and each reply after the first
+woke the coordinator alone, 1-2 ms apart as a pipeline's last backward drains. At 4, a window of 10
+steps of 16 workers (4 stages x 4 replicas) read its 16 replies in 6 drains, 5 ms apart; the coordinator
+handled 1.16x the replies per CPU-second on a 16-stage pipeline and 1.36x on 64 workers of 4 stages, at
+the medians of three alternated rounds, with no longer step (docs/benchmarks.md, "Hollow workers",
+2026-12-01 23:00). Rejected: spinning (``poll(0)`` in a loop) instead of
 a hold, which costs the CPU it saves when the cores are shared; a fixed hold (a 50 ms step of 32 data-
 parallel workers would take a 5 ms hold's 10%); and a multi-step request (one request starts K steps),
 which cuts the requests but not the replies, and would put fault detection, a checkpoint every N steps
@@ -161,7 +167,7 @@ COALESCE = timedelta(milliseconds=5)
 ([Note: fewer wake-ups])."""
 COALESCE_SHARE = 0.01
 """A hold lasts at most this share of the time the oldest outstanding request has waited (whole ms)."""
-COALESCE_MIN = 16
+COALESCE_MIN = 4
 """The outstanding requests from which the loop lets replies gather (below it, each is read at once)."""
 
 

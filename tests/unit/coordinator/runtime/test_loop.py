@@ -273,11 +273,12 @@ def test_a_card_published_again_after_an_outage_is_no_event() -> None:
 
 def test_replies_gather_while_many_are_outstanding(
         setup: tuple[MemoryRegistry, ServiceHost, EventLoop]) -> None:
-    """[Note: fewer wake-ups]: replies 10 ms apart, read after 100 ms holds while at least 4 are outstanding,
-    take a few wake-ups for 24, not one each; each of the last 3 (fewer outstanding) is read as it comes
-    (long holds, so that "as it comes" has a bound a loaded machine keeps)."""
+    """[Note: fewer wake-ups]: replies 10 ms apart, read after 100 ms holds while at least 4 (the default) are
+    outstanding, take a few wake-ups for 24, not one each; each of the last 3 (fewer outstanding) is read as
+    it comes (long holds, so that "as it comes" has a bound a loaded machine keeps)."""
     _, _, loop = setup
-    loop.coalesce, loop.coalesce_share, loop.coalesce_min = timedelta(milliseconds=100), 1e6, 4
+    assert loop.coalesce_min == 4, "a step of 5 workers or more lets its replies gather"
+    loop.coalesce, loop.coalesce_share = timedelta(milliseconds=100), 1e6
     ids = [loop.send("w0", "w", "later", Scale(factor=0.01), Scaled) for _ in range(24)]
     before = loop.wakeups
     replies = [_next(loop) for _ in ids]
