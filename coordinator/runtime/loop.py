@@ -80,12 +80,14 @@ a step of 16 workers never held (15 are left once one reply is read) and each re
 woke the coordinator alone, 1-2 ms apart as a pipeline's last backward drains. At 4, a window of 10
 steps of 16 workers (4 stages x 4 replicas) read its 16 replies in 6 drains, 5 ms apart; the coordinator
 handled 1.16x the replies per CPU-second on a 16-stage pipeline and 1.36x on 64 workers of 4 stages, at
-the medians of three alternated rounds, with no longer step (docs/benchmarks.md, "Hollow workers",
-2026-12-01 23:00). Rejected: spinning (``poll(0)`` in a loop) instead of
-a hold, which costs the CPU it saves when the cores are shared; a fixed hold (a 50 ms step of 32 data-
-parallel workers would take a 5 ms hold's 10%); and a multi-step request (one request starts K steps),
-which cuts the requests but not the replies, and would put fault detection, a checkpoint every N steps
-and a ``stop`` at a step out of the coordinator's step boundaries.
+the medians of three alternated rounds, with no longer step; the traced 16 workers of 4 stages stayed
+within the host's noise (1.01x), their coordinator's caches cold while four pipelines share its cores
+(docs/benchmarks.md, "Hollow workers", 2026-12-01 23:00).
+Rejected: spinning (``poll(0)`` in a loop) instead of a hold, which costs the CPU it saves when the
+cores are shared; a fixed hold (a 50 ms step of 32 data-parallel workers would take a 5 ms hold's 10%);
+and a multi-step request (one request starts K steps), which cuts the requests but not the replies, and
+would put fault detection, a checkpoint every N steps and a ``stop`` at a step out of the coordinator's
+step boundaries.
 
 [Note: a cold step]
 What a training step costs the coordinator, profiled (the coordinator thread's CPU split by hand around
