@@ -318,15 +318,26 @@ class TorchPool:
 # -- cellmesh's configurations, on one harness -----------------------------------------------
 
 
-def _profile(model: str, size: int, repeats: int) -> Any:
-    """The model's profile on ``size`` samples, at least ``repeats`` timed runs per node and size."""
+def _profile(model: str, size: int, repeats: int, scaled: bool = True) -> Any:
+    """The model's profile on ``size`` samples, at least ``repeats`` timed runs per node and size (``scaled``
+    False: that size alone, as ``Job.plan()`` times a plan's own size)."""
     from coordinator.planning.graph import build_graph
     from coordinator.planning.profile import profile_graph
     from coordinator.runtime.factories import build_data, build_model
 
     made = build_model(model, {}, SEED)
     inputs, _ = build_data(DATA, {}, SEED).load(list(range(size)))
-    return profile_graph(build_graph(made, inputs), inputs, repeats=repeats, optimizer="sgd", num_threads=1)
+    return profile_graph(build_graph(made, inputs), inputs, repeats=repeats, optimizer="sgd", num_threads=1,
+                         scaled=scaled)
+
+
+def _as_job_plan_prices(plan: Any, own: Any, resources: Any, request: Any) -> Any:
+    """``plan`` (chosen on the sample's profile) priced as ``Job.plan()`` prices it: on ``own``, a profile at
+    its own microbatch size, where that is not the sample's ([Note: the plan's own size] in
+    coordinator/runtime/job.py)."""
+    from coordinator.planning.planner import repriced
+
+    return plan if own is None else repriced(plan, own, resources, request)
 
 
 def _pipe(stages: int, schedule: str, balance: list[int] | None) -> dict[str, Any]:
@@ -359,12 +370,15 @@ def _cellmesh_jobs(keys: list[str], careful_repeats: int, save: str = ""
 
     The plans come from one profile per model taken as ``Job.plan()`` takes it (8 samples,
     at least 3 runs per node and size, see coordinator/planning/profile.py), shared by the model's
-    jobs, so their predictions (and the even and the auto cut) differ only by the plan. The
+    jobs, so their predictions (and the even and the auto cut) differ only by the plan; a plan of
+    microbatches of another size is priced again on one profile of its own size (one size, at least
+    3 runs), as ``Job.plan()`` prices it. The
     second prediction plays the same plan against a careful profile: on the plan's own
     microbatch size (no scaling), at least ``careful_repeats`` runs. A plan that cannot be made
     (an unknown schedule, a shape the planner refuses) leaves its configuration out, with the reason.
-    ``save``: a directory to write the plans' profiles to (``profile-<model>.json``), so another
-    cost model can be played against the very profiles of this run.
+    ``save``: a directory to write the plans' profiles to (``profile-<model>.json``, and
+    ``profile-<model>-<size>.json`` at a plan's own size), so another cost model can be played against
+    the very profiles of this run.
     """
     from coordinator.planning.config import PlanConfig
     from coordinator.planning.planner import choose_plan
@@ -385,6 +399,16 @@ def _cellmesh_jobs(keys: list[str], careful_repeats: int, save: str = ""
         try:
             request = PlanConfig(**fields)
             plan = choose_plan(profiles[(model, sample, 3)], resources, request, global_batch=GLOBAL_BATCH)
+            own = None
+            if plan.microbatch_size != sample:
+                size = plan.microbatch_size
+                if (model, size, 3) not in profiles:
+                    profiles[(model, size, 3)] = _profile(model, size, 3, scaled=False)
+                    if save:
+                        profiles[(model, size, 3)].save(
+                            os.path.join(save, f"profile-{model.rsplit(':', 1)[1]}-{size}.json"))
+                own = profiles[(model, size, 3)]
+            plan = _as_job_plan_prices(plan, own, resources, request)
         except Exception as exc:  # reported: the configuration is not run
             refused[key] = f"no plan: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             continue
@@ -448,7 +472,10 @@ def fresh_prediction(job: Any, save: str = "") -> float:
     plan = job.plan()
     fields = dict(data_parallel=plan.data_parallel, num_stages=plan.num_stages, schedule=plan.schedule_name,
                   num_microbatches=plan.num_microbatches, balance=[st.stop - st.start for st in plan.stages])
-    profile = _profile(job.config.model.factory, min(8, GLOBAL_BATCH // WORLD), 3)
+    sample = min(8, GLOBAL_BATCH // WORLD)
+    # the plan's own size alone where Job.plan() prices it there ([Note: the plan's own size])
+    own = plan.microbatch_size != sample
+    profile = _profile(job.config.model.factory, plan.microbatch_size if own else sample, 3, scaled=not own)
     if save:
         profile.save(save)
     fresh = choose_plan(profile, job.resources, PlanConfig(**fields), global_batch=GLOBAL_BATCH)
@@ -813,7 +840,8 @@ def report(results: Results, jobs: dict[str, Any], careful: dict[str, float], ar
             "waits in its poller (target < 0.5% of the step); CPU ms/step: the coordinator thread's CPU "
             "time per step (the same work without the time it waited for a core). Predicted: "
             "`Plan.step_time_s` (simulator + gradient sync + optimizer + messages) from the profile "
-            "`Job.plan()` takes (8 and 32 samples, lower quartile of at least 3 runs per node and size; "
+            "`Job.plan()` takes (8 and 32 samples, lower quartile of at least 3 runs per node and size; a "
+            "plan of microbatches of another size priced again on that size alone, as `Job.plan()` does; "
             "target: within 15% of the measured step); fresh: the same plan against a profile taken "
             "as `Job.plan()` takes it right before the configuration ran in the round (the load of that "
             "minute); careful: the same plan against a profile on "
@@ -892,11 +920,18 @@ def replay_saved(directory: str) -> str:
         model, workers, fields = CELLMESH_SHAPES[c.key]
         resources = Resources.local(max(WORLD, workers))
 
-        def predict(path: str, fields: dict[str, Any] = fields, resources: Resources = resources) -> float:
-            return float(choose_plan(Profile.load(path), resources, PlanConfig(**fields),
-                                     global_batch=GLOBAL_BATCH).step_time_s)
+        def predict(path: str, fields: dict[str, Any] = fields, resources: Resources = resources,
+                    sized: bool = False) -> float:
+            """The plan on the profile at ``path``; ``sized``: priced again as ``Job.plan()`` prices it, on
+            the profile of its own size saved beside (``profile-<model>-<size>.json``) if there is one."""
+            request = PlanConfig(**fields)
+            plan = choose_plan(Profile.load(path), resources, request, global_batch=GLOBAL_BATCH)
+            own = path.replace(".json", f"-{plan.microbatch_size}.json")
+            if sized and os.path.exists(own):
+                plan = _as_job_plan_prices(plan, Profile.load(own), resources, request)
+            return float(plan.step_time_s)
 
-        now = predict(os.path.join(directory, f"profile-{model.rsplit(':', 1)[1]}.json"))
+        now = predict(os.path.join(directory, f"profile-{model.rsplit(':', 1)[1]}.json"), sized=True)
         measured, then = steps[c.key]["step_s"], steps[c.key]["predicted_s"]
         ratios = [_cell([p / x for x in measured], ".2f") for p in (then, now)]
         # each round against the profile taken right before it ran (--save keeps them)

@@ -55,6 +55,10 @@ def plan_command(job: str, settings: Mapping[str, Any], timeline: Path | None, *
         result = predict(plan)
         print(f"{plan}\n\npredicted step of the schedule (simulated, before gradient sync and messages):\n"
               f"{result.summary()}", file=out, flush=True)
+        if planned.weighed is not None:  # [Note: the plan's own size] in coordinator/runtime/job.py
+            print(f"\npriced on timings at its own microbatch size ({plan.microbatch_size} samples); the "
+                  f"search weighed it at {planned.weighed.step_time_s * 1e3:.3f} ms on the sample's profile, "
+                  "as it weighed every plan", file=out, flush=True)
         if runners_up > 0:
             print(f"\nrunners-up (the {runners_up} fastest plans weighed, fitting ones first):\n"
                   f"{format_candidates(planned.candidates(limit=runners_up), limit=runners_up)}", file=out,

@@ -265,7 +265,7 @@ __all__ = ["COLLECTIVE_EFFICIENCY", "CONTROL_MESSAGE_S", "GRADIENT_CHECK_BANDWID
            "SHARED_HOST_FORWARD_SLOWDOWN", "SHARED_HOST_TURNS_SLOWDOWN", "SYNC_CPU_BPS",
            "TRANSFER_OVERHEAD_S", "Candidate", "CellBytes",
            "balance_bounds", "candidate_plans", "check_memory_floor", "choose_plan", "cut_problem",
-           "format_candidates", "memory_floor", "shared_cores"]
+           "format_candidates", "memory_floor", "repriced", "shared_cores"]
 
 T = TypeVar("T")
 _SEARCH_ALL = PlanConfig()  # nothing fixed
@@ -2135,6 +2135,31 @@ def choose_plan(profile: Profile, resources: Resources, request: PlanConfig = _S
     """
     with frozen():  # full collections skip the process's heap during the search ([Note: a search's ...])
         return _choose_plan(profile, resources, request, global_batch, automatic, exhaustive)
+
+
+def repriced(plan: Plan, profile: Profile, resources: Resources, request: PlanConfig = _SEARCH_ALL, *,
+             automatic: Automatic | None = None) -> Plan:
+    """``plan`` priced on ``profile`` (the same model timed again: at the plan's own microbatch size, or
+    with more runs): the same shape, cut, schedule, memory options and placement, with the stage costs,
+    the predicted step and the memory ``profile`` gives. ``request``: the plan section ``plan`` was chosen
+    for (its precision, cutter and bucket bytes carry over).
+
+    Raises:
+        PlanningError: ``plan`` does not fit the workers' memory on ``profile`` (its activations
+            measured larger), or ``profile`` is of another chain.
+    """
+    fixed = request.model_dump()
+    fixed.update(strategy="auto", data_parallel=plan.data_parallel, num_stages=plan.num_stages,
+                 mode=plan.mode, num_microbatches=plan.num_microbatches, schedule=plan.schedule_name,
+                 chunks=plan.chunks, balance=[st.stop - st.start for st in plan.stages], zero=plan.zero_stage,
+                 shard_factor=plan.shard_factor if plan.zero_stage else None, recompute=plan.recompute,
+                 offload=plan.offload, staleness=plan.staleness)
+    again = choose_plan(profile, resources, PlanConfig(**fixed), global_batch=plan.global_batch,
+                        automatic=automatic)
+    if again.placement != plan.placement or again.bounds != plan.bounds:  # a shape fixed whole places alike
+        raise PlanningError(f"the plan priced again placed or cut its stages otherwise ({again.summary()}, "
+                            f"not {plan.summary()})")
+    return again
 
 
 def _choose_plan(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,

@@ -673,6 +673,24 @@ def _tile(value: Any, batch_dim: int | None, factor: int) -> Any:
     return torch.cat([value.detach()] * factor, dim=batch_dim)
 
 
+def _resized(value: Any, batch_dim: int | None, size: int) -> Any:
+    """``value`` with ``size`` samples along ``batch_dim``: its own tiled and cut (not a tensor, or no batch
+    dimension: as it is)."""
+    if not isinstance(value, torch.Tensor) or batch_dim is None:
+        return value
+    value = value.detach()
+    whole, rest = divmod(size, value.shape[batch_dim])
+    return torch.cat([value] * whole + [value.narrow(batch_dim, 0, rest)], dim=batch_dim)  # a storage of size
+
+
+def _cuts_at(cuts: Sequence[CutInfo], size: int, sample_size: int) -> tuple[CutInfo, ...]:
+    """``cuts`` (recorded on ``sample_size`` samples) for microbatches of ``size``."""
+    if size == sample_size:
+        return tuple(cuts)
+    return tuple(c.model_copy(update={"tensors": tuple(t.at_batch(size, sample_size) for t in c.tensors)})
+                 for c in cuts)
+
+
 def _affine(small: float, large: float, size: int, factor: int) -> tuple[float, float]:
     """(time at ``size``, its fixed part) from times at ``size`` and ``factor * size``."""
     per_sample = max(0.0, (large - small) / ((factor - 1) * size))
@@ -680,7 +698,8 @@ def _affine(small: float, large: float, size: int, factor: int) -> tuple[float, 
 
 
 def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repeats: int = 5, warmup: int = 1,
-                  optimizer: str = "adam", num_threads: int | None = None) -> Profile:
+                  optimizer: str = "adam", num_threads: int | None = None, size: int | None = None,
+                  scaled: bool = True) -> Profile:
     """Measures every node of ``graph`` on ``sample`` (the microbatch the graph was built with).
 
     The runs leave no trace on the model: gradients, buffers (batch-norm statistics) and
@@ -695,9 +714,16 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
         num_threads: Torch intra-op threads while measuring (restored afterwards); set it to
             a worker's ``cpus``. None keeps the current setting. On a loaded machine, more
             threads than free cores make every op wait for a descheduled thread.
+        size: Time microbatches of this many samples instead of the sample's own (its inputs tiled
+            along their batch dimensions); the profile's ``microbatch_size`` and cut bytes are this
+            size's. ``Job.plan()`` prices its plan on one at the plan's own size ([Note: the plan's own
+            size] in ``coordinator/runtime/job.py``).
+        scaled: Also time the larger size and the flush ([Note: profile timing], [Note: a flush's
+            rows]); False: the one size alone, times scaling linearly from it (cheaper, exact at it).
 
     Raises:
-        ValueError: If ``repeats`` < 1 or the optimizer is unknown.
+        ValueError: If ``repeats`` < 1, the optimizer is unknown, or ``size`` is given for a graph whose
+            inputs have no known batch dimension.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -714,15 +740,21 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
         elif isinstance(x, dict):
             values.update((f"{nd.name}.{k}", v) for k, v in x.items())
     batch_dims = {m.name: m.batch_dim for m in graph.cuts[0].tensors}
+    batched = any(isinstance(values[nm], torch.Tensor) and batch_dims.get(nm) is not None
+                  for nm in graph.flat_names(0))
+    if size is not None and size != graph.sample_batch:
+        if not batched:
+            raise ValueError(f"cannot profile {size} samples: no input of the graph has a known batch "
+                             f"dimension (profile its own {graph.sample_batch})")
+        values.update({nm: _resized(values[nm], batch_dims.get(nm), size) for nm in graph.flat_names(0)})
     large: dict[str, Any] | None = {nm: _tile(values[nm], batch_dims.get(nm), SCALE_FACTOR)
                                     for nm in graph.flat_names(0)}
-    if not any(isinstance(values[nm], torch.Tensor) and batch_dims.get(nm) is not None
-               for nm in graph.flat_names(0)):
-        large = None  # no input with a known batch dimension: linear scaling
+    if not batched or not scaled:
+        large = None  # no input with a known batch dimension (or not asked for): linear scaling
     saved_grads = {p: p.grad for p in graph.module.parameters()}
     saved_threads = torch.get_num_threads()
     factor = OPTIMIZER_STATE_FACTORS[optimizer]
-    size = graph.sample_batch
+    size = size or graph.sample_batch
     nodes = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(use_snapshot(graph.module))
@@ -802,5 +834,6 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
     learned = {name for name, p in graph.chain.named_parameters() if p.requires_grad}
     ties = tuple(sorted(nodes_ for name, nodes_ in graph.chain.holders().items()
                         if name in learned and len(nodes_) > 1))
-    return Profile(microbatch_size=graph.sample_batch, repeats=repeats, optimizer=optimizer, device=device,
-                   nodes=tuple(nodes), cuts=graph.cuts, runtime_bytes=runtime.runtime_bytes(), ties=ties)
+    return Profile(microbatch_size=size, repeats=repeats, optimizer=optimizer, device=device,
+                   nodes=tuple(nodes), cuts=_cuts_at(graph.cuts, size, graph.sample_batch),
+                   runtime_bytes=runtime.runtime_bytes(), ties=ties)

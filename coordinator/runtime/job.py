@@ -27,6 +27,21 @@ fixture's harness shared by many jobs, or a cluster's pods:
 :class:`~coordinator.runtime.cluster.ClusterWorkers`): the job's services are released at the
 end, the workers stay.
 
+[Note: the plan's own size]
+The profile times each node on the sample (``b``, at most 8 samples) and on ``4b``, and fits a line
+through them ([Note: profile timing] in ``coordinator/planning/profile.py``); the search weighs every
+candidate on that line. The plan it chooses may run microbatches of another size, priced where nothing
+was timed: on 2026-12-02 a one-worker plan of bench.models:mlp (one microbatch of 64 samples) was
+priced at 44.3 ms by the line through 8 and 32 samples and at 47.8 ms by timings at 64 taken the next
+minute (46.4-46.7 against 49.1-49.2 ms in two rounds on 2026-12-01), and it ran in 49-52 ms. So once the
+plan is chosen, :meth:`Job.plan` times the nodes again on a microbatch of the plan's own size (the
+sample tiled; one size, at least 3 runs a node: ``profile_graph(size=..., scaled=False)``) and prices
+the same plan on those times (``coordinator.planning.planner.repriced``): its predicted step, stage
+costs and memory are that size's. The choice stays the search's: the other candidates were weighed on
+the line, as :meth:`Job.candidates` (``cellmesh plan``'s runners-up) lists them, and :attr:`Job.weighed`
+keeps the chosen plan as the search priced it. A model that does not run at the plan's size, or a plan
+that does not fit on the new timings, keeps the search's price (a warning says so).
+
 [Note: what the invariant compares]
 ``coordinator/runtime/reference.py`` trains one process on the same global batches (the
 sampler's, in order) with the same optimizer: every plan must end at its parameters, to
@@ -49,20 +64,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from coordinator.planning.config import JobConfig, SchedulerConfig, from_flat
+from coordinator.planning.config import JobConfig, PlanConfig, SchedulerConfig, from_flat
 from coordinator.planning.data import BatchSampler
 from coordinator.planning.devices import with_devices
-from coordinator.planning.graph import build_graph
+from coordinator.planning.graph import Graph, build_graph
 from coordinator.planning.memory import AUTOMATIC, Automatic
 from coordinator.planning.plan import Plan
-from coordinator.planning.planner import Candidate, candidate_plans, choose_plan
+from coordinator.planning.planner import Candidate, candidate_plans, choose_plan, repriced
 from coordinator.planning.profile import OPTIMIZER_STATE_FACTORS, Profile, profile_graph
 from coordinator.planning.request import PlanningError, batch_norm_request, batch_note, check_batch_norm_plan
 from coordinator.planning.resources import Resources
 from coordinator.runtime.checkpoints import FINAL_MODEL, resolve_resume, save_state_dict
 from coordinator.runtime.cluster import WorkerPool
 from coordinator.runtime.devices import DeviceRequest, local_resources, profile_device
-from coordinator.runtime.errors import JobError
+from coordinator.runtime.errors import JobError, located
 from coordinator.runtime.factories import build_data, build_model, factory_path, unwrapped
 from coordinator.runtime.harness import LocalHarness
 from coordinator.runtime.preflight import (
@@ -85,6 +100,8 @@ from services.protocol import OptimizerSpec, SchedulerSpec
 __all__ = ["FitResult", "Job", "StepCallback", "optimizer_spec", "state_dict_of"]
 
 log = logging.getLogger(__name__)
+
+PROFILE_REPEATS = 3  # the fewest timed runs per node and size of plan()'s profiles ([Note: profile timing])
 
 StepCallback = Callable[[StepRecord], None]
 OptimizerRef = str | type[torch.optim.Optimizer]
@@ -236,6 +253,8 @@ class Job:
         self._batch_norm: tuple[str, ...] | None = None  # the model's BatchNorm layers, once known
         self._session: Session | None = None
         self._profile: Profile | None = None
+        # the chosen plan as the search priced it, when plan() priced it again ([Note: the plan's own size])
+        self.weighed: Plan | None = None
         self.steps_done = 0
 
     # -- building and planning ------------------------------------------------------------
@@ -294,17 +313,19 @@ class Job:
             with autocast(config.plan.precision, device_type(params)):
                 graph = build_graph(checked.chain, checked.sample)
             device = profile_device(self.resources, config.runtime.device)  # where the workers will run
+            request = batch_norm_request(config.plan, self._batch_norm)  # exact plans only
             try:
                 graph.module.to(device)
-                profile = self._profile = profile_graph(
-                    graph, to_device(checked.sample, device), repeats=3,
-                    optimizer=_optimizer_kind(self.optimizer), num_threads=1)
+                sample = to_device(checked.sample, device)
+                kind = _optimizer_kind(self.optimizer)
+                profile = self._profile = profile_graph(graph, sample, repeats=PROFILE_REPEATS,
+                                                        optimizer=kind, num_threads=1)
+                plan = choose_plan(profile, self.resources, request, global_batch=config.data.global_batch,
+                                   automatic=self._automatic())
+                plan = self._at_own_size(plan, graph, sample, request)
             finally:
                 graph.module.to("cpu")
-            request = batch_norm_request(config.plan, self._batch_norm)  # exact plans only
-            self._plan = self._placed(choose_plan(profile, self.resources, request,
-                                                  global_batch=config.data.global_batch,
-                                                  automatic=self._automatic()))
+            self._plan = self._placed(plan)
             self._checked = None  # the model built for the checks is not needed any more
             note = batch_note(self._plan.data_parallel, self._plan.num_stages, config.plan,
                               self.resources.num_workers, config.data.global_batch)
@@ -315,6 +336,25 @@ class Job:
             check_batch_norm_plan(self._batch_norm, self._plan.num_microbatches, self._plan.data_parallel,
                                   self._plan.mode)
         return self._plan
+
+    def _at_own_size(self, plan: Plan, graph: Graph, sample: Any, request: PlanConfig) -> Plan:
+        """``plan`` priced on timings at its own microbatch size ([Note: the plan's own size])."""
+        assert self._profile is not None
+        size, profiled = plan.microbatch_size, self._profile.microbatch_size
+        if size == profiled:
+            return plan
+        try:
+            own = profile_graph(graph, sample, repeats=PROFILE_REPEATS, num_threads=1, size=size,
+                                scaled=False, optimizer=_optimizer_kind(self.optimizer))
+            again = repriced(plan, own, self.resources, request, automatic=self._automatic())
+        except Exception as exc:  # the search's price stands; the run itself reports a model that fails
+            log.warning("the plan keeps the price of the %d-sample profile: timing it on its own microbatch "
+                        "of %d samples failed: %s", profiled, size, located(exc))
+            return plan
+        log.info("the plan priced on %d-sample microbatches: step %.3f ms (weighed at %.3f ms on the "
+                 "%d-sample profile)", size, again.step_time_s * 1e3, plan.step_time_s * 1e3, profiled)
+        self.weighed = plan
+        return again
 
     def candidates(self, limit: int | None = None) -> list[Candidate]:
         """Every plan :meth:`plan` weighed, fitting or not (``cellmesh plan`` prints the fastest as the

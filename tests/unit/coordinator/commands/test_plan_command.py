@@ -38,6 +38,8 @@ def test_plan_prints_the_plan_and_draws_every_predicted_action(spec: Path, tmp_p
     out = capsys.readouterr().out
     assert "plan: 1 replica(s) x 2 stage(s) = 2 worker(s), 1f1b, 4 microbatches" in out
     assert "1f1b: step " in out and f"predicted timeline written to {svg}" in out
+    # 4 microbatches of 4 samples, profiled on 8: priced again on 4 ([Note: the plan's own size])
+    assert "priced on timings at its own microbatch size (4 samples); the search weighed it at " in out
     titles = [t.text or "" for t in ElementTree.parse(svg).iter("{http://www.w3.org/2000/svg}title")]
     drawn = sorted(t.split()[0] for t in titles)  # one box per action, titled with its printed name
     assert drawn == sorted(str(a) for acts in build_schedule("1f1b", 2, 4).actions for a in acts)

@@ -32,6 +32,7 @@ from coordinator.planning.planner import (
     choose_plan,
     cut_problem,
     format_candidates,
+    repriced,
 )
 from coordinator.planning.profile import Profile, profile_graph
 from coordinator.planning.request import PlanningError
@@ -562,3 +563,30 @@ def test_one_stage_is_not_given_a_split_backward_unless_asked(workers: int) -> N
         shapes = {(c.num_stages, c.schedule_name) for c in candidate_plans(
             profile, resources, PlanConfig(data_parallel=1, num_microbatches=8), global_batch=16)}
         assert (2, "zb-h1") in shapes and (1, "zb-h1") not in shapes
+
+
+def test_a_plan_priced_again_keeps_its_shape_and_takes_the_new_profiles_costs() -> None:
+    times = [1e-3, 4e-3, 2e-3, 3e-3, 5e-3, 1e-3, 2e-3, 6e-3]
+
+    def profile(scale: float, activation: int = MiB) -> Profile:
+        return Profile.synthetic([t * scale for t in times], param_bytes=[MiB] * 8, microbatch_size=4,
+                                 activation_bytes=[activation] * 8, cut_bytes=[64 * 1024] * 7)
+
+    res = workers(4, 1 << 30)
+    request = PlanConfig(num_stages=4, data_parallel=1)
+    plan = choose_plan(profile(1.0), res, request, global_batch=64)
+    assert repriced(plan, profile(1.0), res, request) == plan  # the same profile: the very plan
+    slower = repriced(plan, profile(2.0), res, request)
+    shape = ("bounds", "placement", "schedule_name", "num_microbatches", "microbatch_size", "chunks", "mode")
+    assert all(getattr(slower, f) == getattr(plan, f) for f in shape)
+    # a stage's forward is its nodes' times (the profile's) and a fixed cost per action: affine in the times
+    # (but for the pace of the host's shared cores, which moves with what runs beside it: 1e-4 here)
+    free = repriced(plan, profile(0.0), res, request)
+    grown = [s.forward_s - p.forward_s for s, p in zip(slower.stages, plan.stages, strict=True)]
+    first = [p.forward_s - f.forward_s for p, f in zip(plan.stages, free.stages, strict=True)]
+    assert grown == pytest.approx(first, rel=1e-3)
+    assert all(p.forward_s > 1.5 * f.forward_s for p, f in zip(plan.stages, free.stages, strict=True))
+    assert slower.step_time_s > 1.5 * plan.step_time_s
+    # a search on the slower profile may cut otherwise: the plan priced again does not
+    with pytest.raises(PlanningError, match="fit"):
+        repriced(plan, profile(1.0, activation=512 * MiB), res, request)

@@ -266,3 +266,38 @@ def test_a_layer_two_nodes_call_is_deferred_by_one_at_a_time() -> None:
     assert "forward" not in shared.__dict__  # no store's patch left behind
     assert all(p.grad is None for c in cells for p in c.parameters())
     assert torch.equal(shared(sample), nn.functional.linear(sample, shared.weight, shared.bias))
+
+
+@pytest.mark.parametrize("given", [4, 5])
+def test_a_profile_at_another_size_is_the_one_taken_on_a_sample_of_that_size(given: int) -> None:
+    """``size=12`` tiles the sample's rows (``given`` of them: 3 copies, or 3 copies cut) and records every
+    byte as a profile taken on 12 samples does; ``scaled=False`` times that size alone."""
+    model, rows = mlp(), torch.randn(12, 16)
+    graph = build_graph(model, rows[:given])
+    resized = profile_graph(graph, rows[:given], repeats=1, warmup=0, size=12, scaled=False)
+    direct = profile_graph(build_graph(model, rows), rows, repeats=1, warmup=0, scaled=False)
+    assert resized.microbatch_size == direct.microbatch_size == 12
+    assert resized.cuts == direct.cuts and resized.cuts[1].tensors[0].shape == (12, 64)
+    same = ("activation_bytes", "deferred_bytes", "param_bytes", "grad_bytes", "deferred_weight_bytes")
+    for a, b in zip(resized.nodes, direct.nodes, strict=True):
+        assert all(getattr(a, f) == getattr(b, f) for f in same)
+        # one size timed: nothing is fixed, the flush is not timed, times scale linearly from it
+        assert (a.forward_fixed_s, a.backward_fixed_s, a.weight_flush_s) == (0.0, 0.0, 0.0)
+        assert a.forward_s > 0
+    assert resized.node_times(24)[0][0] == pytest.approx(2 * resized.nodes[0].forward_s)
+    # the graph's own sample: unchanged by the resize (the graph still records its 4 or 5 samples)
+    assert graph.sample_batch == given
+
+
+def test_a_size_is_refused_for_a_graph_without_a_batch_dimension() -> None:
+    class Scalar(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    sample = torch.tensor(2.0)
+    with pytest.raises(ValueError, match="cannot profile 8 samples: no input of the graph has a known"):
+        profile_graph(build_graph(Scalar(), sample), sample, repeats=1, warmup=0, size=8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from coordinator.planning.config import ConfigError, parse_config
 from coordinator.planning.resources import Resources
@@ -68,3 +69,41 @@ def test_replanning_on_one_worker_left_drops_a_fixed_zero_stage_it_cannot_shard_
     assert (alone.num_workers, alone.zero_stage) == (1, 0), alone.summary()
     assert "plan.zero, plan.shard_factor do not fit 1 workers" in caplog.text
     assert job.replan(Resources.local(2)).zero_stage == 3
+
+
+class _EightRows(nn.Module):
+    """Runs on microbatches of 8 samples only (a reshape that fixes the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(models.IN, models.OUT, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.reshape(8, -1))
+
+
+def eight_rows() -> list[nn.Module]:
+    return [_EightRows()]
+
+
+def test_the_plan_is_priced_on_timings_at_its_own_microbatch_size(caplog: pytest.LogCaptureFixture) -> None:
+    """[Note: the plan's own size]: the search weighs plans on the 8-sample profile; one microbatch of 16 is
+    then timed at 16 samples and the same plan priced on it."""
+    fields = dict(data=f"{M}:regression", loss=f"{M}:mse", global_batch=16, resources=Resources.local(1))
+    job = Job(model=f"{M}:mlp", num_microbatches=1, **fields)
+    with caplog.at_level("INFO", logger="coordinator.runtime.job"):
+        plan = job.plan()
+    assert job.weighed is not None and job.weighed.microbatch_size == plan.microbatch_size == 16
+    shape = ("bounds", "placement", "schedule_name", "num_microbatches", "chunks", "mode", "zero_stage")
+    assert all(getattr(plan, f) == getattr(job.weighed, f) for f in shape)
+    assert plan.step_time_s != job.weighed.step_time_s  # timed anew
+    assert "the plan priced on 16-sample microbatches" in caplog.text
+    # microbatches of the profile's own 8 samples: priced as weighed
+    again = Job(model=f"{M}:mlp", num_microbatches=2, **fields)
+    assert again.plan().microbatch_size == 8 and again.weighed is None
+    # a model whose batch the graph cannot follow (it runs on 8 samples only) keeps the search's price
+    fixed = Job(model=eight_rows, num_microbatches=1, **fields)
+    with caplog.at_level("WARNING", logger="coordinator.runtime.job"):
+        assert fixed.plan().microbatch_size == 16 and fixed.weighed is None
+    said = "the plan keeps the price of the 8-sample profile: timing it on its own microbatch of 16 samples"
+    assert said in caplog.text
