@@ -19,11 +19,19 @@ on loopback TCP both ends spend the time). Per microbatch, the cut between two s
 moves activations forward and the gradients of the crossing tensors that need them
 backward, so a stage's time is::
 
-    stage_time(a, b) = sum(compute[a:b]) + cut[a] + cut[b]     cut[0] = cut[n] = 0
+    stage_time(a, b) = sum(compute[a:b]) * pace[s] + cut[a] + cut[b]     cut[0] = cut[n] = 0
     cut[c] = transfer(activation bytes at c) + transfer(gradient bytes at c)
 
 Every tensor alive across ``c`` is counted, skip connections included (a skip that spans
 stages is relayed through each). The simulator plays the same model.
+
+[Note: a stage's pace] ``pace[s]`` is what stage ``s``'s compute takes in multiples of ``compute``
+(1 for every stage where its workers are alike). The planner prices ``compute`` at the slowest placed
+worker's speed and gives a stage whose workers are faster a pace below 1 (``CutProblem.pace``), so a
+pipeline across two generations of hosts gives the faster ones more nodes. Cut as if every stage ran at
+the slowest's speed, the faster stages idled: on a list of two CPU generations 1.5x apart, a pipeline
+over both was bounded at 38 s a step with that cut against 16 s for one balanced by speed, and the
+planner kept to the fast half alone. Transfers do not scale with the pace: both ends pay the link's time.
 """
 
 from __future__ import annotations
@@ -93,6 +101,8 @@ class CutProblem:
         transient_bytes: Memory a node needs only while it runs (ZeRO-3's gathered parameters, a
             recomputed cell's activations: ``coordinator/planning/memory.py``), length ``n``; a stage
             adds its largest node's. None: nothing.
+        pace: Per stage, what its compute takes in multiples of ``compute_s`` (its workers' speed
+            against the speed ``compute_s`` is priced at: [Note: a stage's pace]); None: 1 for all.
 
     Raises:
         ValueError: On inconsistent lengths, negative costs or ``num_stages`` outside 1..n.
@@ -111,6 +121,7 @@ class CutProblem:
     transient_bytes: tuple[float, ...] | None = None
     hold_bytes: tuple[float, ...] | None = None
     holds: tuple[bool, ...] | None = None
+    pace: tuple[float, ...] | None = None
     _prefix: np.ndarray = field(init=False, repr=False, compare=False)
     _deferring: tuple[float, ...] | None = field(init=False, repr=False, compare=False, default=None)
 
@@ -141,18 +152,23 @@ class CutProblem:
                 self.hold_bytes is not None and self.holds is not None
                 and (len(self.hold_bytes) != n or len(self.holds) != self.num_stages)):
             raise ValueError("hold_bytes (n entries) and holds (one per stage) come together")
+        if self.pace is not None and (len(self.pace) != self.num_stages or not all(x > 0 for x in self.pace)):
+            raise ValueError(f"pace needs one positive entry per stage ({self.num_stages}), got {self.pace}")
         object.__setattr__(self, "_prefix", np.concatenate([[0.0], np.cumsum(self.compute_s)]))
 
     @property
     def num_nodes(self) -> int:
         return len(self.compute_s)
 
-    def stage_time(self, start: int, stop: int) -> float:
-        """Time of a stage running nodes ``[start, stop)`` (see [Note: transfer cost])."""
+    def stage_time(self, start: int, stop: int, stage: int = 0) -> float:
+        """Time of stage ``stage`` running nodes ``[start, stop)`` (see [Note: transfer cost])."""
         n = self.num_nodes
         inner = self.cut_s[start] if start > 0 else 0.0
         outer = self.cut_s[stop] if stop < n else 0.0
-        return float(self._prefix[stop] - self._prefix[start]) + inner + outer
+        compute = float(self._prefix[stop] - self._prefix[start])
+        if self.pace is not None:
+            compute *= self.pace[stage]
+        return compute + inner + outer
 
     def held_bytes(self, stage: int) -> tuple[float, ...] | None:
         """What one microbatch in flight holds on each node if stage ``stage`` runs it: its activations,
@@ -207,7 +223,7 @@ class CutProblem:
 
     def max_stage_time(self, bounds: Sequence[int]) -> float:
         """The slowest stage's time under ``bounds``."""
-        return max(self.stage_time(a, b) for a, b in itertools.pairwise(bounds))
+        return max(self.stage_time(a, b, s) for s, (a, b) in enumerate(itertools.pairwise(bounds)))
 
 
 class Cutter(Protocol):
@@ -251,13 +267,18 @@ def cut_min_max(problem: CutProblem) -> Bounds:
     """
     n, k = problem.num_nodes, problem.num_stages
     prefix = problem._prefix
-    least = max(float(prefix[n]) / k, max(problem.compute_s))
+    # the stages' speeds together, in stages of pace 1; the quickest and slowest pace ([Note: a stage's pace])
+    share, quickest, slowest = float(k), 1.0, 1.0
+    if problem.pace is not None:
+        share, quickest, slowest = sum(1 / x for x in problem.pace), min(problem.pace), max(problem.pace)
+    least = max(float(prefix[n]) / share, max(problem.compute_s) * quickest)
     if 1 < k <= n:  # every inner boundary charges its cut to both stages beside it: the k - 1 cheapest
         inner = np.asarray(problem.cut_s[1:n], dtype=np.float64)
         if problem.cuttable is not None:
             inner = inner[np.asarray(problem.cuttable[1:n], dtype=bool)]
         if len(inner) >= k - 1:
-            least = max(least, (float(prefix[n]) + 2 * float(np.partition(inner, k - 2)[:k - 1].sum())) / k)
+            cheapest = 2 * float(np.partition(inner, k - 2)[:k - 1].sum())
+            least = max(least, (float(prefix[n]) + cheapest / slowest) / share)
     for factor in _BAND_TRIES if may_fit(problem) and fits_memory(problem) else ():
         bounds = _banded(problem, factor * least if least > 0 else math.inf)
         if bounds is not None:
@@ -343,10 +364,13 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
     n, k = problem.num_nodes, problem.num_stages
     prefix = problem._prefix
     ends = np.arange(n + 1)
+    pace = problem.pace or (1.0,) * k
     if math.isinf(limit):
         lowest = np.zeros(n + 1, dtype=np.int64)
     else:  # two more starts than the sum says: rounding may not drop one that belongs
-        lowest = np.maximum(np.searchsorted(prefix, prefix - limit, side="left") - 2, 0)
+        # the quickest stage holds the most compute within the limit ([Note: a stage's pace])
+        reach = limit if problem.pace is None else limit / min(pace) * (1 + 1e-9)
+        lowest = np.maximum(np.searchsorted(prefix, prefix - reach, side="left") - 2, 0)
     width = max(1, int((ends - lowest).max()))
     w = np.asarray(problem.cut_s, dtype=np.float64).copy()
     w[0] = w[n] = 0.0
@@ -388,8 +412,12 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         over: np.ndarray = static + (pa[j] - pa[i]) * problem.in_flight[s] > room
         return over
 
+    def paced(compute: np.ndarray, s: int) -> np.ndarray:
+        """Stage ``s``'s compute at its pace: the same floats as ``CutProblem.stage_time``."""
+        return compute if pace[s] == 1.0 else compute * pace[s]
+
     # the first stage, [0, j) for every end j: where the band reaches the start 0
-    first = (prefix - prefix[0] + w[0]) + w
+    first = (paced(prefix - prefix[0], 0) + w[0]) + w
     bad = (lowest != 0) | (ends == 0)
     if allowed is not None:
         bad |= ~allowed
@@ -408,23 +436,34 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         # are built for the ends some stage's window holds.
         windows = [(0, n + 1)] * k
         if not math.isinf(limit):
-            margin, stage = limit * (1 + 1e-9) + 1e-12, np.arange(k)
-            after = prefix[n] - (k - 1 - stage) * margin  # the least compute up to a stage's end
-            first = np.maximum(np.searchsorted(prefix, after, side="left") - 2, 0)
-            past = np.minimum(np.searchsorted(prefix, (stage + 1) * margin, side="right") + 2, n + 1)
-            windows = list(zip(first.tolist(), past.tolist(), strict=True))
+            margin = limit * (1 + 1e-9) + 1e-12
+            # the stages up to each one, and after it, in stages of pace 1 (k - 1 - s and s + 1 when alike)
+            upto: np.ndarray = np.arange(1, k + 1, dtype=np.float64)
+            if problem.pace is not None:  # a hair more, for the sums' rounding
+                upto = np.cumsum([1 / x for x in pace]) * (1 + 1e-9)
+            later = upto[-1] - upto
+            after = prefix[n] - later * margin  # the least compute up to a stage's end
+            earliest = np.maximum(np.searchsorted(prefix, after, side="left") - 2, 0)
+            past = np.minimum(np.searchsorted(prefix, upto * margin, side="right") + 2, n + 1)
+            windows = list(zip(earliest.tolist(), past.tolist(), strict=True))
         r0, r1 = windows[1][0], max(windows[k - 2][1], windows[1][0] + 1)
         rows_at = ends[r0:r1]
         # starts[j, t]: ascending; t = width - 1 is j - 1 (row j - r0)
         starts = rows_at[:, None] - width + np.arange(width)[None, :]
         outside = starts < lowest[r0:r1, None]
         starts = np.maximum(starts, 0)
-        # the same float operations as the dense cost[i, j]: (prefix[j] - prefix[i]) + w[i] + w[j]
-        cost = prefix[r0:r1, None] - prefix[starts] + w[starts] + w[r0:r1, None]
+        # the same float operations as the dense cost[i, j]: (prefix[j] - prefix[i]) * pace + w[i] + w[j]
+        spent = prefix[r0:r1, None] - prefix[starts]
         invalid = outside | (starts >= rows_at[:, None])
         if allowed is not None:
             invalid |= ~allowed[starts] | ~allowed[r0:r1, None]
-        cost = np.where(invalid, np.inf, cost)
+        costs: dict[float, np.ndarray] = {}  # per pace
+
+        def cost_at(s: int) -> np.ndarray:
+            if pace[s] not in costs:
+                costs[pace[s]] = np.where(invalid, np.inf, paced(spent, s) + w[starts] + w[r0:r1, None])
+            return costs[pace[s]]
+
         window = None if transient is None else _band_max(problem.transient_bytes or (), width)[r0:r1]
         masked: dict[tuple[object, ...], np.ndarray] = {}  # stages alike in memory share their costs
 
@@ -433,7 +472,7 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
             if not memory or held is None:
                 return None
             assert problem.memory_limit is not None and problem.in_flight is not None
-            return (held, problem.in_flight[s], problem.memory_limit[s],
+            return (pace[s], held, problem.in_flight[s], problem.memory_limit[s],
                     problem.holds is not None and problem.holds[s])
 
         keys = [memory_key(s) for s in range(k)]
@@ -441,7 +480,7 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         alike = {key for key, count in counted.items() if key is not None and count > 1}
 
         def stage_cost(s: int, rows: slice) -> np.ndarray:
-            key = keys[s]
+            key, cost = keys[s], cost_at(s)
             if key is None:
                 return cost[rows]
             if key in alike:  # built once over every row, for every stage alike
@@ -473,7 +512,7 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         row = n - width + np.arange(width)
         outside_n = row < lowest[n]
         row = np.maximum(row, 0)
-        last = prefix[n] - prefix[row] + w[row] + w[n]
+        last = paced(prefix[n] - prefix[row], k - 1) + w[row] + w[n]
         bad = outside_n | (row >= n)
         if allowed is not None:
             bad |= ~allowed[row]

@@ -212,6 +212,7 @@ from coordinator.planning.closed_form import (
     KINDS,
     cut_free_bound,
     rank_bounds,
+    stage_bounds,
 )
 from coordinator.planning.config import Mode, PlanConfig
 from coordinator.planning.cutting import (
@@ -641,10 +642,11 @@ class _Shared:
     def problem(self, num_stages: int, mb: int, *, bandwidth_bps: float, latency_s: float, speed: float,
                 data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
                 memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
-                num_microbatches: int, on_cuda: bool, holds: Sequence[bool] | None = None) -> CutProblem:
+                num_microbatches: int, on_cuda: bool, holds: Sequence[bool] | None = None,
+                pace: tuple[float, ...] | None = None) -> CutProblem:
         """:func:`cut_problem` from the shared parts (one per its arguments: modes and schedules share it);
         ``holds``: per stage, whether it holds its backwards' weight gradients (1F1B in fp32: see
-        :func:`hold_bytes`)."""
+        :func:`hold_bytes`); ``pace``: per stage, its compute's pace against ``speed`` (:func:`_pace`)."""
         # parameter servers' memory reads the replicas; collective replicas only whether there are several
         # (the transport's frames: [Note: the transport's frames] in memory.py)
         replicas = data_parallel if mode != "collective" else int(data_parallel > 1)
@@ -653,16 +655,18 @@ class _Shared:
                None if memory_limit is None else tuple(memory_limit),
                None if defers is None else tuple(defers), option, num_microbatches > 1, on_cuda,
                None if holds is None or not any(holds)
-               else (tuple(holds), data_parallel > 1, num_microbatches))
+               else (tuple(holds), data_parallel > 1, num_microbatches), pace)
         return self._get(key, lambda: self._problem(
             num_stages, mb, bandwidth_bps=bandwidth_bps, latency_s=latency_s, speed=speed,
             data_parallel=data_parallel, mode=mode, in_flight=in_flight, memory_limit=memory_limit,
-            defers=defers, option=option, num_microbatches=num_microbatches, on_cuda=on_cuda, holds=holds))
+            defers=defers, option=option, num_microbatches=num_microbatches, on_cuda=on_cuda, holds=holds,
+            pace=pace))
 
     def _problem(self, num_stages: int, mb: int, *, bandwidth_bps: float, latency_s: float, speed: float,
                  data_parallel: int, mode: Mode, in_flight: Sequence[int] | None,
                  memory_limit: Sequence[float] | None, defers: Sequence[bool] | None, option: MemoryOption,
-                 num_microbatches: int, on_cuda: bool, holds: Sequence[bool] | None) -> CutProblem:
+                 num_microbatches: int, on_cuda: bool, holds: Sequence[bool] | None,
+                 pace: tuple[float, ...] | None) -> CutProblem:
         profile = self.profile
         scale = mb / profile.microbatch_size
         memory = self.memory(option, mode, data_parallel, num_microbatches, mb, on_cuda)
@@ -681,7 +685,7 @@ class _Shared:
                           tuple(in_flight) if in_flight is not None else (1,) * num_stages,
                           tuple(memory_limit) if memory_limit is not None else None, deferred,
                           None if defers is None else tuple(defers), transient if any(transient) else None,
-                          hold, None if hold is None or holds is None else tuple(holds))
+                          hold, None if hold is None or holds is None else tuple(holds), pace)
 
 
 class _Placed:
@@ -1121,6 +1125,15 @@ def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig
                                options=memory_options(request, d, mode, common.at.on_cuda, automatic))
 
 
+def _pace(speed: Sequence[float]) -> tuple[float, ...] | None:
+    """Per stage, its compute's pace against the slowest stage's speed, which the cut problem's compute is
+    priced at ([Note: a stage's pace] in ``coordinator/planning/cutting.py``); None where all run alike."""
+    slowest = min(speed)
+    if all(s == slowest for s in speed):
+        return None
+    return tuple(slowest / s for s in speed)
+
+
 def _free_cut(shared: _Shared, problem: CutProblem, key: tuple[object, ...], cutter: Cutter,
               balance: Sequence[int] | None) -> tuple[int, ...] | str:
     """The cut ignoring memory (it reads the compute and transfers only: one per ``key`` for every shape),
@@ -1196,10 +1209,10 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     def problem_of(option: MemoryOption) -> CutProblem:
         return shared.problem(p, mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed), data_parallel=d,
                               mode=mode, in_flight=in_flight, memory_limit=limit, defers=defer, option=option,
-                              num_microbatches=m, on_cuda=on_cuda, holds=setup.holds)
+                              num_microbatches=m, on_cuda=on_cuda, holds=setup.holds, pace=_pace(speed))
 
     def free_cut(problem: CutProblem, recompute: bool) -> tuple[int, ...] | str:
-        key = (p, mb, recompute, min(speed), bw, lat, id(cutter), tuple(balance or ()))
+        key = (p, mb, recompute, min(speed), _pace(speed), bw, lat, id(cutter), tuple(balance or ()))
         return _free_cut(shared, problem, key, cutter, balance)
 
     def reference_optimizer(a: int, b: int, s: int) -> float:
@@ -1510,12 +1523,13 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     at, mb = setup.at, setup.mb
     bw, lat = at.link
     speed = at.speed
+    pace = _pace(speed)
     problem = shared.problem(p, mb, bandwidth_bps=bw, latency_s=lat, speed=min(speed), data_parallel=d,
                              mode=mode, in_flight=setup.in_flight, memory_limit=setup.limit,
                              defers=setup.defer, option=REPLICATED, num_microbatches=m, on_cuda=at.on_cuda,
-                             holds=setup.holds)
-    free = _free_cut(shared, problem, (p, mb, False, min(speed), bw, lat, id(cutter), tuple(balance or ())),
-                     cutter, balance)
+                             holds=setup.holds, pace=pace)
+    free = _free_cut(shared, problem, (p, mb, False, min(speed), pace, bw, lat, id(cutter),
+                                       tuple(balance or ())), cutter, balance)
     if isinstance(free, str):
         return math.inf
     sums = shared.sums(mb)  # prefix sums over the nodes: forward, backward, gradient and parameter bytes
@@ -1558,9 +1572,10 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
     shares = ([w * backward[s] / (bwd[s] + ACTION_OVERHEAD_S) for s, w in enumerate(weights)] if weights
               else [t * DEFAULT_WEIGHT_FRACTION for t in backward])
     sends = [_transfer(fwd_bytes[c], bw, lat) for c in inner]
-    ends, occupied = rank_bounds(sched_name, m, setup.ranks, forward, backward, sends,
-                                 [_transfer(bwd_bytes[c], bw, lat) for c in inner], start, shares)
-    pipeline = max(ends)
+    grads_s = [_transfer(bwd_bytes[c], bw, lat) for c in inner]
+    ends, occupied = rank_bounds(sched_name, m, setup.ranks, forward, backward, sends, grads_s, start, shares)
+    chains = stage_bounds(sched_name, m, setup.ranks, forward, backward, sends, grads_s, start)  # interleaved
+    pipeline = max(*ends, chains)
     if sharing is not None:
         held = [range(k, p, setup.ranks) for k in range(setup.ranks)]
         starts = [sum(start[s] for s in ss) for ss in held]

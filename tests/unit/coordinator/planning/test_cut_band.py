@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import random
 import time
@@ -22,14 +21,17 @@ def dense_min_max(problem: CutProblem) -> tuple[int, ...]:
     prefix = problem._prefix
     w = np.asarray(problem.cut_s, dtype=np.float64).copy()
     w[0] = w[n] = 0.0
-    cost = prefix[None, :] - prefix[:, None] + w[:, None] + w[None, :]
+    spent = prefix[None, :] - prefix[:, None]
     idx = np.arange(n + 1)
     invalid = idx[None, :] <= idx[:, None]
     if problem.cuttable is not None:
         allowed = np.asarray(problem.cuttable, dtype=bool).copy()
         allowed[0] = allowed[n] = True
         invalid |= ~allowed[:, None] | ~allowed[None, :]
-    cost = np.where(invalid, np.inf, cost)
+    pace = problem.pace or (1.0,) * k
+
+    def compute_cost(s: int) -> np.ndarray:  # ((P_j - P_i) * pace + w_i) + w_j, as stage_time sums it
+        return np.where(invalid, np.inf, spent * pace[s] + w[:, None] + w[None, :])
     mem_static = None
     if problem.memory_limit is not None:
         assert problem.static_bytes is not None
@@ -43,6 +45,7 @@ def dense_min_max(problem: CutProblem) -> tuple[int, ...]:
 
     def stage_cost(s: int) -> np.ndarray:
         held = problem.held_bytes(s)
+        cost = compute_cost(s)
         if mem_static is None or held is None:
             return cost
         pa = np.concatenate([[0.0], np.cumsum(held)])
@@ -108,9 +111,10 @@ def test_long_uneven_chains_with_memory_and_ties(seed: int) -> None:
     in_flight = tuple(rng.randint(1, 4) for _ in range(k))
     limit = tuple(rng.uniform(1.2, 3.0) * sum(static) / k for _ in range(k))
     transient = tuple(rng.uniform(0, 2) for _ in range(n)) if seed % 2 else None
-    same_as_dense(CutProblem(tuple(compute), tuple(cuts), k, cuttable))
+    pace = tuple(rng.choice([1.0, 0.5, 0.8, rng.uniform(0.1, 1)]) for _ in range(k)) if seed % 4 > 1 else None
+    same_as_dense(CutProblem(tuple(compute), tuple(cuts), k, cuttable, pace=pace))
     same_as_dense(CutProblem(tuple(compute), tuple(cuts), k, cuttable, static, act, in_flight, limit,
-                             transient_bytes=transient))
+                             transient_bytes=transient, pace=pace))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -160,12 +164,15 @@ def test_the_ends_window_with_flat_runs_and_stages_alike_in_memory(seed: int) ->
     room = rng.uniform(1.1, 2.5) * (sum(static) + 2 * sum(act)) / k
     alike = seed % 4 < 2
     in_flight = tuple(2 if alike else k - s for s in range(k))
-    for problem in (CutProblem(tuple(compute), cuts, k, cuttable),
-                    CutProblem(tuple(compute), cuts, k, cuttable, static, act, in_flight, (room,) * k)):
+    # two generations of workers: the second half of the stages twice as fast ([Note: a stage's pace])
+    pace = tuple(1.0 if s < k // 2 else 0.5 for s in range(k)) if seed % 3 == 0 else None
+    for problem in (CutProblem(tuple(compute), cuts, k, cuttable, pace=pace),
+                    CutProblem(tuple(compute), cuts, k, cuttable, static, act, in_flight, (room,) * k,
+                               pace=pace)):
         same_as_dense(problem)
         with contextlib.suppress(CutError):  # the band at the answer itself: no room to spare
             dense = dense_min_max(problem)
-            optimum = max(problem.stage_time(a, b) for a, b in itertools.pairwise(dense))
+            optimum = problem.max_stage_time(dense)
             assert _banded(problem, optimum) == dense
 
 

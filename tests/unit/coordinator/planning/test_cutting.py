@@ -36,8 +36,10 @@ def brute_force(problem: CutProblem) -> float:
             problem.check(bounds)
         except CutError:
             continue
-        best = min(best, max(sum(problem.compute_s[a:b]) + (problem.cut_s[a] if a > 0 else 0)
-                             + (problem.cut_s[b] if b < n else 0) for a, b in itertools.pairwise(bounds)))
+        pace = problem.pace or (1.0,) * k
+        best = min(best, max(sum(problem.compute_s[a:b]) * pace[s] + (problem.cut_s[a] if a > 0 else 0)
+                             + (problem.cut_s[b] if b < n else 0)
+                             for s, (a, b) in enumerate(itertools.pairwise(bounds))))
     return best
 
 
@@ -51,13 +53,17 @@ def problems(draw: st.DrawFn, memory: bool) -> CutProblem:
     cuttable = None
     if draw(st.booleans()):
         cuttable = tuple(draw(st.lists(st.booleans(), min_size=n + 1, max_size=n + 1)))
+    pace = None  # stages on workers of other speeds ([Note: a stage's pace]): a few speeds, or any
+    if draw(st.booleans()):
+        speeds = st.sampled_from([1.0, 0.5, 2 / 3, 0.8]) | st.floats(0.05, 1.0)
+        pace = tuple(draw(st.lists(speeds, min_size=k, max_size=k)))
     if not memory:
-        return CutProblem(compute, cuts, k, cuttable)
+        return CutProblem(compute, cuts, k, cuttable, pace=pace)
     static = tuple(draw(st.lists(st.floats(0, 10), min_size=n, max_size=n)))
     act = tuple(draw(st.lists(st.floats(0, 3), min_size=n, max_size=n)))
     in_flight = tuple(draw(st.lists(st.integers(1, 4), min_size=k, max_size=k)))
     limit = tuple(draw(st.lists(st.floats(5, 60), min_size=k, max_size=k)))
-    return CutProblem(compute, cuts, k, cuttable, static, act, in_flight, limit)
+    return CutProblem(compute, cuts, k, cuttable, static, act, in_flight, limit, pace=pace)
 
 
 def assert_exact(problem: CutProblem) -> None:
@@ -209,3 +215,21 @@ def test_cutters_are_pluggable_by_name_or_callable() -> None:
         del CUTTERS["first-heavy"]
     with pytest.raises(ValueError, match="registered: minmax, even"):
         get_cutter("nope")
+
+
+def test_a_faster_stage_takes_more_nodes() -> None:
+    """[Note: a stage's pace]: nine equal nodes over a stage of pace 1 and one twice as fast (pace 0.5): 3
+    and 6 nodes, 3 s each, where equal paces split them 4 and 5 (5 s)."""
+    nine = (1.0,) * 9
+    assert cut_min_max(CutProblem(nine, (0.0,) * 10, 2)) == (0, 4, 9)
+    paced = CutProblem(nine, (0.0,) * 10, 2, pace=(1.0, 0.5))
+    assert cut_min_max(paced) == (0, 3, 9) and paced.max_stage_time((0, 3, 9)) == 3.0
+    assert paced.stage_time(3, 9, 1) == 3.0 and paced.stage_time(3, 9) == 6.0  # stage 0's pace unless named
+    # transfers are the link's: a pace does not scale them
+    assert CutProblem(nine, (0.0,) + (1.0,) * 8 + (0.0,), 2, pace=(1.0, 0.5)).stage_time(3, 9, 1) == 4.0
+
+
+@pytest.mark.parametrize("pace", [(1.0,), (1.0, 0.0), (1.0, -0.5, 1.0)])
+def test_a_pace_per_stage_and_positive(pace: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="pace needs one positive entry per stage"):
+        CutProblem((1.0,) * 6, (0.0,) * 7, len(pace) + (len(pace) == 1), pace=pace)

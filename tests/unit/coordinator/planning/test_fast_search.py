@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from coordinator.planning import planner
-from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound, rank_bounds
+from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound, rank_bounds, stage_bounds
 from coordinator.planning.config import PlanConfig
 from coordinator.planning.cutting import get_cutter
 from coordinator.planning.memory import AUTOMATIC, REPLICATED
@@ -772,3 +772,28 @@ def test_a_thousand_uneven_nodes_on_a_crowded_host_play_few(monkeypatch: pytest.
     assert plan.num_workers <= 1024 and plays <= planner._EXACT_PLAYS + 8, plays
     runners = candidate_plans(prof, res, PlanConfig(), global_batch=4096, limit=3)
     assert runners[0].plan == plan and len(runners) == 3  # the chosen plan first, as `cellmesh plan` shows
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_interleaving_few_microbatches_is_bounded_by_the_chain_through_every_chunk(m: int) -> None:
+    """[Note: the bound]: 4 ranks holding 3 chunks each (12 stages of 1 s forward, 2 s backward), fewer
+    microbatches than ranks: microbatch 0 goes down all 12 stages before the last one's backwards, which the
+    ranks' chains alone (through the first chunk) do not see. Both stay under the played step."""
+    p, ranks = 12, 4
+    if schedule_problem("interleaved-1f1b", p, m, 3):
+        pytest.skip(schedule_problem("interleaved-1f1b", p, m, 3))
+    costs = StageCosts((1.0,) * p, (2.0,) * p, (0.1,) * (p - 1), (0.1,) * (p - 1), start_s=(0.0,) * p)
+    order = schedule_steps("interleaved-1f1b", p, m, 3)[0]
+    held = [tuple(range(r, p, ranks)) for r in range(ranks)]
+    step = play("interleaved-1f1b", order, held, costs).step_time_s
+    args = ("interleaved-1f1b", m, ranks, costs.forward_s, costs.backward_s, costs.activation_transfer_s,
+            costs.gradient_transfer_s, costs.start_s)
+    chains = stage_bounds(*args)
+    # the last stage's: 11 stages' receive, forward and send before it (stage 0 receives nothing), its own m
+    # with the transfers of its one cut, 11 backwards after it likewise; by hand
+    assert chains == pytest.approx(11 * 1.2 - 0.1 + m * 3.2 + 11 * 2.2 - 0.1, rel=1e-12)
+    ranked = max(rank_bounds(*args)[0])
+    assert chains <= step * (1 + 1e-12)
+    if m < ranks:  # the chain through every chunk is the step here (m = 1: 40.4 s, the ranks' 20 s)
+        assert chains > ranked and chains >= 0.99 * step
+    assert stage_bounds("1f1b", m, ranks, *args[3:]) == 0.0  # a stage per rank: rank_bounds holds it

@@ -590,3 +590,25 @@ def test_a_plan_priced_again_keeps_its_shape_and_takes_the_new_profiles_costs() 
     # a search on the slower profile may cut otherwise: the plan priced again does not
     with pytest.raises(PlanningError, match="fit"):
         repriced(plan, profile(1.0, activation=512 * MiB), res, request)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_pipeline_over_a_fast_and_a_slow_worker_gives_the_fast_one_more_nodes(device: str) -> None:
+    """[Note: a stage's pace] in cutting.py: 16 equal nodes over a worker twice as fast as the other. Cut as
+    if both ran at the slower's speed (8 and 8) the pipeline took 800 ms and the search kept to the fast
+    worker alone (774 ms); cut by speed (11 and 5) it takes 562 ms, and the search takes it, as the
+    exhaustive one does."""
+    prof = Profile.synthetic([1e-3] * 16, param_bytes=[10**6] * 16, activation_bytes=[10**5] * 16,
+                             cut_bytes=[64 * 1024] * 15)
+    res = Resources(workers=tuple(Worker(name=name, host=name, speed=speed, device=device,
+                                         memory_bytes=8 << 30, gpus=int(device == "cuda"))
+                                  for name, speed in (("fast", 2.0), ("slow", 1.0))))
+    pipeline = choose_plan(prof, res, PlanConfig(data_parallel=1, num_stages=2), global_batch=32)
+    assert pipeline.bounds == (0, 11, 16) and pipeline.placement == (("fast", "slow"),)
+    fast = [s.forward_s + s.backward_s for s in pipeline.stages]
+    assert max(fast) / min(fast) < 1.2  # the stages' compute evened by speed (11 / 2 against 5 / 1)
+    alone = choose_plan(prof, res, PlanConfig(data_parallel=1, num_stages=1), global_batch=32)
+    assert pipeline.step_time_s < 0.8 * alone.step_time_s
+    chosen = choose_plan(prof, res, PlanConfig(), global_batch=32)
+    assert chosen == choose_plan(prof, res, PlanConfig(), global_batch=32, exhaustive=True)
+    assert chosen.num_workers == 2 and chosen.step_time_s <= pipeline.step_time_s
