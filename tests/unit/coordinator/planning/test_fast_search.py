@@ -797,3 +797,25 @@ def test_interleaving_few_microbatches_is_bounded_by_the_chain_through_every_chu
     if m < ranks:  # the chain through every chunk is the step here (m = 1: 40.4 s, the ranks' 20 s)
         assert chains > ranked and chains >= 0.99 * step
     assert stage_bounds("1f1b", m, ranks, *args[3:]) == 0.0  # a stage per rank: rank_bounds holds it
+
+
+@pytest.mark.parametrize(("m", "chunks"), [(1, 2), (2, 2), (2, 4), (4, 2)])
+def test_an_interleaved_chain_over_two_speeds_bounds_the_shape_before_its_cut(m: int, chunks: int) -> None:
+    """[Note: an interleaved chain, before the cut]: 8 ranks, the last 4 half as fast, holding 2 or 4 chunks
+    of a 48-node chain, fewer microbatches than ranks: the bound with the placement holds microbatch 0's
+    chain through every stage (above the bound over every cut) and stays under the played step."""
+    prof = Profile.synthetic([1e-3] * 48, param_bytes=[MiB] * 48, activation_bytes=[MiB] * 48,
+                             cut_bytes=[16 * KiB] * 47)
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=BIG, device="cuda", gpus=1, host=f"h{i}",
+                                         speed=2.0 if i < 4 else 1.0) for i in range(8)))
+    shape = (1, 8 * chunks, "collective", "interleaved-1f1b", m, chunks)
+    if schedule_problem("interleaved-1f1b", 8 * chunks, m, chunks):
+        pytest.skip(schedule_problem("interleaved-1f1b", 8 * chunks, m, chunks))
+    shared = planner._Shared(prof, res)
+    loose, rest = (float(x[0]) for x in planner._cut_free_parts(shared, [shape], 8 * m))
+    setup = planner._setup(shared, shape, 8 * m, PlanConfig(), AUTOMATIC)
+    placed = planner._placed_bound(shared, setup, rest)
+    played = planner._evaluate(prof, res, shape, 8 * m, get_cutter("minmax"), "minmax", None, PlanConfig(),
+                               AUTOMATIC, shared=shared, only=REPLICATED)[0]
+    assert played.plan is not None
+    assert loose < placed <= played.step_time_s * (1 + 1e-9), (loose, placed, played.step_time_s)
