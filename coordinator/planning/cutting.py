@@ -439,9 +439,11 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
             margin = limit * (1 + 1e-9) + 1e-12
             # the stages up to each one, and after it, in stages of pace 1 (k - 1 - s and s + 1 when alike)
             upto: np.ndarray = np.arange(1, k + 1, dtype=np.float64)
-            if problem.pace is not None:  # a hair more, for the sums' rounding
-                upto = np.cumsum([1 / x for x in pace]) * (1 + 1e-9)
             later = upto[-1] - upto
+            if problem.pace is not None:  # each sum taken on its own side, and a hair more for its rounding
+                quick = np.array([1 / x for x in pace])
+                upto = np.cumsum(quick) * (1 + 1e-9)
+                later = np.concatenate([np.cumsum(quick[::-1])[::-1][1:], [0.0]]) * (1 + 1e-9)
             after = prefix[n] - later * margin  # the least compute up to a stage's end
             earliest = np.maximum(np.searchsorted(prefix, after, side="left") - 2, 0)
             past = np.minimum(np.searchsorted(prefix, upto * margin, side="right") + 2, n + 1)

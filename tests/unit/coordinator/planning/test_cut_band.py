@@ -185,3 +185,27 @@ def test_a_thousand_nodes_into_128_stages_is_fast() -> None:
     took = time.perf_counter() - t0
     assert bounds == dense_min_max(problem)
     print(f"\n1,000 nodes into 128 stages: {took * 1e3:.1f} ms")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_far_apart_paces_over_flat_runs_give_the_dense_boundaries(seed: int) -> None:
+    """[Note: a stage's pace] with [Note: the ends' window]: stages up to 20x apart in pace, many of them,
+    over chains with long runs of free nodes (where a window's edge rounded the wrong way would skip a
+    whole run), with and without memory limits, against the dense programme."""
+    rng = random.Random(7000 + seed)
+    n, k = rng.choice([120, 240]), rng.choice([9, 24, 60])
+    compute: list[float] = []
+    while len(compute) < n:
+        compute += [0.0] * rng.randint(1, 15) if rng.random() < 0.5 else [rng.choice([0.1, 1.0, 7.0])]
+    compute = compute[:n]
+    cuts = tuple(rng.choice([0.0, 0.01, 0.3]) for _ in range(n + 1))
+    pace = tuple(rng.choice([1.0, 0.05, rng.uniform(0.05, 1.0)]) for _ in range(k))
+    static = tuple(rng.uniform(0, 4) for _ in range(n))
+    act = tuple(rng.uniform(0, 1) for _ in range(n))
+    room = rng.uniform(1.2, 3.0) * (sum(static) + sum(act)) / k
+    for problem in (CutProblem(tuple(compute), cuts, k, None, pace=pace),
+                    CutProblem(tuple(compute), cuts, k, None, static, act, (1,) * k, (room,) * k, pace=pace)):
+        same_as_dense(problem)
+        with contextlib.suppress(CutError):  # the band at the answer itself: no room to spare
+            dense = dense_min_max(problem)
+            assert _banded(problem, problem.max_stage_time(dense)) == dense
