@@ -33,7 +33,8 @@ through them ([Note: profile timing] in ``coordinator/planning/profile.py``); th
 candidate on that line. The plan it chooses may run microbatches of another size, priced where nothing
 was timed: on 2026-12-02 a one-worker plan of bench.models:mlp (one microbatch of 64 samples) was
 priced at 44.3 ms by the line through 8 and 32 samples and at 47.8 ms by timings at 64 taken the next
-minute (46.4-46.7 against 49.1-49.2 ms in two rounds on 2026-12-01), and it ran in 49-52 ms. So once the
+minute; in a run of bench/train.py the same hour, at 42.3 ms against 52.3 (the run's careful profile at
+64 samples: 52.2), while its steps took 39-62 ms (docs/benchmarks.md, "Training"). So once the
 plan is chosen, :meth:`Job.plan` times the nodes again on a microbatch of the plan's own size (the
 sample tiled; one size, at least 3 runs a node: ``profile_graph(size=..., scaled=False)``) and prices
 the same plan on those times (``coordinator.planning.planner.repriced``): its predicted step, stage
