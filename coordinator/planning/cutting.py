@@ -29,9 +29,10 @@ stages is relayed through each). The simulator plays the same model.
 (1 for every stage where its workers are alike). The planner prices ``compute`` at the slowest placed
 worker's speed and gives a stage whose workers are faster a pace below 1 (``CutProblem.pace``), so a
 pipeline across two generations of hosts gives the faster ones more nodes. Cut as if every stage ran at
-the slowest's speed, the faster stages idled: on a list of two CPU generations 1.5x apart, a pipeline
-over both was bounded at 38 s a step with that cut against 16 s for one balanced by speed, and the
-planner kept to the fast half alone. Transfers do not scale with the pace: both ends pay the link's time.
+the slowest's speed, the faster stages idled: 16 equal nodes over a worker and one twice as fast were cut
+8 and 8, a 2-stage pipeline of 800 ms a step, and the search kept to the fast worker alone (774 ms); cut
+by speed, 11 and 5, the pipeline takes 562 ms and the search chooses it. Transfers do not scale with the
+pace: both ends pay the link's time.
 """
 
 from __future__ import annotations
