@@ -1427,6 +1427,8 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
         paced = max(paced, through + surplus + 2 * crossings[min(p - 1, len(crossings) - 1)] + rest)
     if sharing is None:
         return paced
+    # a host's cores, whatever the cut ([Note: the homes' cores, before the cut])
+    paced = max(paced, sharing.spread_time(m * through) + rest)
     homes = sharing.homes()
     if any(home is None for home in homes):  # a rank at its own pace: its share of the work is the cut's
         return paced
@@ -1451,6 +1453,17 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
 # twice. On two CPU generations (1,024 workers, half of them half as fast) the interleaved pipelines over
 # both (8 replicas x 125 ranks x 4 chunks) played 38 s where this bound was 16 s; with the chain, 30 s,
 # above the best step played (28.4 s), so they leave before their cut.
+
+
+# [Note: the homes' cores, before the cut] The bound with the cut holds each home host's cores
+# (``Sharing.least_time``): the work of the ranks that run at its pace, each weighted by the cores it wants
+# there (its replicas on that host, times their threads), over the cores. Before the cut the work per rank is
+# unknown, but together the ranks hold every microbatch's forward and least backward of the whole chain and
+# their actions (``m`` times one microbatch through every stage at the placement's fastest speed), so the
+# busiest home does at least the homes' mean: that work at the least weight any rank has, over the homes'
+# cores together (``Sharing.spread_time``). Before it, the bound with the placement counted each replica's
+# work over its ranks alone: on hosts whose 8 workers want 8 of 32 cores each (twice what a host has), the
+# bounds with the cut sat 1.2-3.4x over it, and 2,738 shapes were cut.
 
 
 def _with_fill(work: float, ranks: float, held: float, chain: float, m: int) -> float:

@@ -287,6 +287,29 @@ class Sharing:
         return max((max(load[h] / rate[h], _filled_by(arrivals[h], computed[h], self.cores[h]))
                     for h in set(homes) if h is not None), default=0.0)
 
+    def spread_time(self, work: float) -> float:
+        """A lower bound on the step when the ranks' forwards and backwards together hold at least ``work``
+        seconds at their own paces, however a cut splits them among the ranks: :meth:`least_time`'s homes
+        added up (the busiest does at least their mean), each rank's work at the least weight any rank's
+        has there (the cores it wants at home, its home's turns, the lesser slowdown of a crowd); 0 where
+        a rank has no home."""
+        homes = self.homes()
+        if not homes or any(h is None for h in homes):
+            return 0.0
+        workers, wanted = self._host_sums[1], self._home_cores
+        worst = max(self.forward_slowdown, self.backward_slowdown)
+        lighter = min(self.forward_slowdown, self.backward_slowdown)
+        weight = math.inf
+        alone: dict[int, float] = {}
+        for r, home in enumerate(homes):
+            assert home is not None
+            crowded = workers[home] > 1
+            weight = min(weight, wanted[r] * self.turns(home) * (lighter if crowded else 1.0))
+            one = (worst if crowded else 1.0) * min(wanted[r], self.cores[home])
+            alone[home] = max(alone.get(home, 1.0), one / self.cores[home])
+        rate = sum(self.cores[h] * a for h, a in alone.items())  # the most weighted work they do a second
+        return weight * work / rate
+
     def crowded_time(self, ends: Sequence[float], occupied: Sequence[float], forward: Sequence[float],
                      backward: Sequence[float]) -> float:
         """A lower bound on the step when rank ``r`` could end no earlier than ``ends[r]`` at its own pace,

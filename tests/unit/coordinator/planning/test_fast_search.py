@@ -819,3 +819,34 @@ def test_an_interleaved_chain_over_two_speeds_bounds_the_shape_before_its_cut(m:
                                AUTOMATIC, shared=shared, only=REPLICATED)[0]
     assert played.plan is not None
     assert loose < placed <= played.step_time_s * (1 + 1e-9), (loose, placed, played.step_time_s)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_homes_cores_before_the_cut_never_exceed_the_played_step(seed: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the homes' cores, before the cut]: 2-3 hosts of 2-4 workers wanting up to four times their
+    host's cores (a worker's threads 1-4, the host's cores 2-4), random chains, every replicated candidate
+    played: the bound with the placement stays under the step, and the homes' cores lift it on some."""
+    rng = random.Random(1900 + seed)
+    lifted = checked = 0
+    for _ in range(3):
+        prof = random_chain(rng)
+        sizes = [rng.randint(2, 4) for _ in range(rng.randint(2, 3))]
+        threads, cores = rng.choice([1, 2, 4]), rng.choice([2, 4])
+        res = Resources(workers=tuple(
+            Worker(name=f"h{h}-{i}", memory_bytes=BIG, host=f"h{h}", cpus=threads, host_cpus=cores)
+            for h, size in enumerate(sizes) for i in range(size)))
+        request = PlanConfig(max_microbatches=4)
+        cands, shapes = replicated(prof, res, request)
+        shared = planner._Shared(prof, res)
+        loose, rest = planner._cut_free_parts(shared, shapes, 16)
+        for cand, shape, bound, other in zip(cands, shapes, loose.tolist(), rest.tolist(), strict=True):
+            setup = planner._setup(shared, shape, 16, request, AUTOMATIC)
+            placed = max(bound, planner._placed_bound(shared, setup, other))
+            assert placed <= cand.step_time_s * (1 + 1e-9), (shape, sizes, threads, cores)
+            with monkeypatch.context() as patched:
+                patched.setattr(Sharing, "spread_time", lambda *_: 0.0)
+                without = max(bound, planner._placed_bound(shared, setup, other))
+            checked += 1
+            lifted += placed > without * 1.001
+    assert checked > 0 and lifted > 0, (checked, lifted)
