@@ -722,11 +722,13 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
             rows]); False: the one size alone, times scaling linearly from it (cheaper, exact at it).
 
     Raises:
-        ValueError: If ``repeats`` < 1, the optimizer is unknown, or ``size`` is given for a graph whose
-            inputs have no known batch dimension.
+        ValueError: If ``repeats`` or ``size`` is < 1, the optimizer is unknown, or ``size`` is given for a
+            graph whose inputs have no known batch dimension.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if size is not None and size < 1:
+        raise ValueError(f"size must be >= 1 samples, got {size}")
     if optimizer not in OPTIMIZER_STATE_FACTORS:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_FACTORS)}")
     runtime.start()  # a fresh interpreter measures it meanwhile (see [Note: the runtime's bytes])
@@ -754,7 +756,7 @@ def profile_graph(graph: Graph, sample: torch.Tensor | tuple[Any, ...], *, repea
     saved_grads = {p: p.grad for p in graph.module.parameters()}
     saved_threads = torch.get_num_threads()
     factor = OPTIMIZER_STATE_FACTORS[optimizer]
-    size = size or graph.sample_batch
+    size = graph.sample_batch if size is None else size
     nodes = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(use_snapshot(graph.module))

@@ -301,3 +301,6 @@ def test_a_size_is_refused_for_a_graph_without_a_batch_dimension() -> None:
     sample = torch.tensor(2.0)
     with pytest.raises(ValueError, match="cannot profile 8 samples: no input of the graph has a known"):
         profile_graph(build_graph(Scalar(), sample), sample, repeats=1, warmup=0, size=8)
+    rows = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="size must be >= 1 samples, got 0"):
+        profile_graph(build_graph(mlp(), rows), rows, repeats=1, warmup=0, size=0)
