@@ -258,10 +258,12 @@ def cut_min_max(problem: CutProblem) -> Bounds:
     the programme that is ``<= U``, and every minimiser that leads to one, is the same as over all
     starts (a value that needs a start outside the band exceeds ``U``), so the band gives the very
     boundaries of the full programme whenever its ``best[k][n] <= U``. ``U`` starts at
-    :data:`_BAND_TRIES` times the least possible bottleneck and widens until that holds (the last try
-    is every start). Work: ``k`` numpy passes over ``n x w`` (``w``: the nodes of the widest band,
-    about ``1.5 n / k`` for even nodes), so ``n^2``-ish in all instead of ``k n^2``: a 1,000-node chain
-    into 128 stages in a few milliseconds, 4,000 in well under a second.
+    :data:`_BAND_TRIES` times the least possible bottleneck (under memory limits, the relaxed one of
+    [Note: a cut bound by memory]) and widens until that holds (the last try is every start); a try that
+    found a cut over its ``U`` makes that cut's slowest stage the next ``U``, which holds. Work: ``k``
+    numpy passes over ``n x w`` (``w``: the nodes of the widest band, about ``1.5 n / k`` for even
+    nodes), so ``n^2``-ish in all instead of ``k n^2``: a 1,000-node chain into 128 stages in a few
+    milliseconds, 4,000 in well under a second.
 
     Raises:
         CutError: If no boundaries satisfy the cuttable positions and memory limits.
@@ -280,12 +282,78 @@ def cut_min_max(problem: CutProblem) -> Bounds:
         if len(inner) >= k - 1:
             cheapest = 2 * float(np.partition(inner, k - 2)[:k - 1].sum())
             least = max(least, (float(prefix[n]) + cheapest / slowest) / share)
-    for factor in _BAND_TRIES if may_fit(problem) and fits_memory(problem) else ():
-        bounds = _banded(problem, factor * least if least > 0 else math.inf)
-        if bounds is not None:
-            return bounds
+    if may_fit(problem) and fits_memory(problem):
+        if problem.memory_limit is not None and k > 1:
+            least = _least_relaxed(problem, least)
+        found = math.inf  # the slowest stage of a cut a failed try found: the optimum is at most that
+        for factor in _BAND_TRIES:
+            bounds, found = _banded(problem, min(factor * least if least > 0 else math.inf, found))
+            if bounds is not None:
+                return bounds
     raise CutError(f"no way to cut {n} nodes into {k} stages within the cuttable positions "
                    "and memory limits")
+
+
+def _least_relaxed(problem: CutProblem, least: float, within: float = 0.02) -> float:
+    """A lower bound on the min-max cut's slowest stage, at least ``least``: the least limit on each stage's
+    compute (at its pace) under which some cut keeps every stage within it and within its memory, the cuts
+    costing nothing and a stage holding its static bytes and activations alone.
+
+    [Note: a cut bound by memory] Where memory decides the cut, the optimum sits far above the compute's
+    share (4x on 1,000 uneven nodes over 14 stages of 1F1B, whose first stages hold 14 microbatches), and
+    the band's tries from the share, each wider than the last, failed until the widest: 100-200 ms a
+    problem where the band near the optimum takes a few. Relaxed so, both constraints only bound a stage's
+    start from below for each end, so whether a limit has a cut is :func:`fits_memory`'s pass with one
+    more bound: ``k`` passes of a few numpy calls, a dozen limits to bracket the relaxed optimum within
+    ``within``. It only sets where the tries start; the band stays exact whatever it says."""
+    n, k = problem.num_nodes, problem.num_stages
+    prefix = problem._prefix
+    pace = problem.pace or (1.0,) * k
+    ends = np.arange(n + 1)
+    allowed = np.ones(n + 1, dtype=bool)
+    if problem.cuttable is not None:
+        allowed = np.asarray(problem.cuttable, dtype=bool).copy()
+        allowed[n] = True
+    # per stage, the earliest start its memory allows for each end (0 without a limit)
+    earliest = [np.zeros(n + 1, dtype=np.int64)] * k
+    limits, in_flight = problem.memory_limit, problem.in_flight
+    if limits is not None and problem.static_bytes is not None and in_flight is not None:
+        static = np.asarray(problem.static_bytes, dtype=np.float64)
+        for s in range(k):
+            held = problem.held_bytes(s)
+            if held is not None:
+                per_node = static + np.asarray(held, dtype=np.float64) * in_flight[s]
+                used = np.concatenate([[0.0], np.cumsum(per_node)])
+                earliest[s] = np.searchsorted(used, used - with_slack(limits[s]), side="left")
+
+    def feasible(limit: float) -> bool:
+        reach = ends == 0
+        for s in range(k):
+            latest = np.concatenate([[-1], np.maximum.accumulate(np.where(reach, ends, -1))[:-1]])
+            start = np.maximum(np.searchsorted(prefix, prefix - limit / pace[s], side="left"), earliest[s])
+            reach = (latest >= start) & (latest >= 0) & allowed
+            if s < k - 1:
+                reach[n] = False  # the later stages need nodes of their own
+        return bool(reach[n])
+
+    if not 0 < least < math.inf or feasible(least):
+        return least
+    low, high = least, 2 * least
+    for _ in range(40):  # doubling: a limit with a cut (one always exists: the memory fits some cut)
+        if feasible(high):
+            break
+        low, high = high, 2 * high
+    else:
+        return least
+    for _ in range(12):  # halving the ratio: 2 ** (1 / 2 ** 12) is well within ``within``
+        if high <= low * (1 + within):
+            break
+        middle = math.sqrt(low) * math.sqrt(high)  # the geometric mean, without the product's underflow
+        if feasible(middle):
+            high = middle
+        else:
+            low = middle
+    return low
 
 
 def may_fit(problem: CutProblem) -> bool:
@@ -330,9 +398,11 @@ def fits_memory(problem: CutProblem) -> bool:
     if problem.cuttable is not None:
         allowed = np.asarray(problem.cuttable, dtype=bool).copy()
         allowed[n] = True
-    static = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
-    hold = (np.concatenate([[0.0], np.cumsum(problem.hold_bytes)])
+    static = np.concatenate([[0.0], np.cumsum(np.asarray(problem.static_bytes, dtype=np.float64))])
+    hold = (np.concatenate([[0.0], np.cumsum(np.asarray(problem.hold_bytes, dtype=np.float64))])
             if problem.hold_bytes is not None and problem.holds is not None else None)
+    runs = None if transient is None else _run_maxima(transient)
+    sums: dict[int, np.ndarray] = {}  # per held bytes (most stages share them): their prefix sums
     reach = ends == 0  # where the stages so far may end (stage 0 starts at 0)
     for s in range(k):
         held = problem.held_bytes(s)
@@ -340,10 +410,11 @@ def fits_memory(problem: CutProblem) -> bool:
         marked = np.where(reach, ends, -1)
         latest = np.concatenate([[-1], np.maximum.accumulate(marked)[:-1]])  # the latest reachable start < j
         start = np.maximum(latest, 0)
-        acts = np.concatenate([[0.0], np.cumsum(held)])
+        if (acts := sums.get(id(held))) is None:
+            acts = sums[id(held)] = np.concatenate([[0.0], np.cumsum(np.asarray(held, dtype=np.float64))])
         used = static - static[start]  # summed in the programme's order (stage_cost): the same floats
-        if transient is not None:
-            used = used + _range_max(transient, start, ends)
+        if runs is not None:
+            used = used + _range_max(runs, start, ends)
         if hold is not None and problem.holds is not None and problem.holds[s]:
             used = used + (hold - hold[start])
         used = used + (acts - acts[start]) * problem.in_flight[s]
@@ -353,9 +424,10 @@ def fits_memory(problem: CutProblem) -> bool:
     return bool(reach[n])
 
 
-def _banded(problem: CutProblem, limit: float) -> Bounds | None:
+def _banded(problem: CutProblem, limit: float) -> tuple[Bounds | None, float]:
     """The programme of :func:`cut_min_max` over the starts within ``limit`` compute of each end (see
-    [Note: the band]); None when its answer exceeds ``limit`` (or none exists within the band).
+    [Note: the band]): its boundaries, or None when its answer exceeds ``limit``; and its answer's slowest
+    stage (inf when none exists within the band, or a stage's ends can reach none).
 
     The first stage starts at 0 and the last one ends at ``n``: their costs are one row each (a vector over
     the ends, a vector over the starts), so only the stages between them build the ``n x w`` band. A plan of
@@ -450,9 +522,31 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
             past = np.minimum(np.searchsorted(prefix, upto * margin, side="right") + 2, n + 1)
             windows = list(zip(earliest.tolist(), past.tolist(), strict=True))
         r0, r1 = windows[1][0], max(windows[k - 2][1], windows[1][0] + 1)
+        # [Note: a stage's own band] A stage's bytes grow as its start moves back, so for each end the
+        # starts before the earliest that fits its memory (its static bytes and activations alone, with a
+        # margin for the sums' rounding, two starts more) cannot fit: each stage between the first and the
+        # last reads the band from its own first column, and the band is as wide as the widest of them.
+        # A cut bound by memory spans a wide band for its stages holding few microbatches (1F1B's last)
+        # and a few columns of it for those holding many (its first).
+        first = [0] * k
+        if memory and min(problem.static_bytes or (0.0,)) >= 0:
+            assert ps is not None and problem.memory_limit is not None and problem.in_flight is not None
+            for s in range(1, k - 1):
+                held = problem.held_bytes(s)
+                lo, hi = max(windows[s][0], r0), min(windows[s][1], r1)
+                if held is None or min(held) < 0 or lo >= hi:
+                    continue
+                used = ps + acts(held) * problem.in_flight[s]
+                room = problem.memory_limit[s]
+                room += 1e-6 * abs(room) + 1e-9 * float(used[n])
+                earliest = np.searchsorted(used, used[lo:hi] - room, side="left") - 2
+                first[s] = int(np.clip((earliest - ends[lo:hi]).min() + width, 0, width - 1))
+        trimmed = min(first[1:k - 1])
+        across = width - trimmed  # the band's columns
+        first = [max(0, c - trimmed) for c in first]
         rows_at = ends[r0:r1]
-        # starts[j, t]: ascending; t = width - 1 is j - 1 (row j - r0)
-        starts = rows_at[:, None] - width + np.arange(width)[None, :]
+        # starts[j, t]: ascending; t = across - 1 is j - 1 (row j - r0)
+        starts = rows_at[:, None] - across + np.arange(across)[None, :]
         outside = starts < lowest[r0:r1, None]
         starts = np.maximum(starts, 0)
         # the same float operations as the dense cost[i, j]: (prefix[j] - prefix[i]) * pace + w[i] + w[j]
@@ -467,7 +561,7 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
                 costs[pace[s]] = np.where(invalid, np.inf, paced(spent, s) + w[starts] + w[r0:r1, None])
             return costs[pace[s]]
 
-        window = None if transient is None else _band_max(problem.transient_bytes or (), width)[r0:r1]
+        window = None if transient is None else _band_max(problem.transient_bytes or (), across)[r0:r1]
         masked: dict[tuple[object, ...], np.ndarray] = {}  # stages alike in memory share their costs
 
         def memory_key(s: int) -> tuple[object, ...] | None:
@@ -482,17 +576,19 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
         counted = Counter(keys[1:k - 1])  # one hash per stage: a key holds a tuple per node
         alike = {key for key, count in counted.items() if key is not None and count > 1}
 
-        def stage_cost(s: int, rows: slice) -> np.ndarray:
+        def stage_cost(s: int, rows: slice, cols: slice) -> np.ndarray:
             key, cost = keys[s], cost_at(s)
             if key is None:
-                return cost[rows]
+                return cost[rows, cols]
             if key in alike:  # built once over every row, for every stage alike
                 if key not in masked:
                     over = over_memory(s, rows_at[:, None], starts, window)
                     masked[key] = cost if over is None else np.where(over, np.inf, cost)
-                return masked[key][rows]
-            over = over_memory(s, rows_at[rows, None], starts[rows], None if window is None else window[rows])
-            return cost[rows] if over is None else np.where(over, np.inf, cost[rows])
+                return masked[key][rows, cols]
+            over = over_memory(s, rows_at[rows, None], starts[rows, cols],
+                               None if window is None else window[rows, cols])
+            return cost[rows, cols] if over is None else np.where(over, np.inf, cost[rows, cols])
+
 
         # a stage's pass is a few numpy calls on a band of a few thousand cells (hundreds of stages a cut at
         # cluster size): its buffers and row numbers are made once, its calls made without numpy's wrappers
@@ -503,13 +599,17 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
             best_next = buffers[s % 2]  # the other one holds ``best`` (or is the first stage's, unread)
             best_next.fill(np.inf)
             if lo < hi:
-                rows = slice(lo - r0, hi - r0)
-                band = starts[rows]
-                cand = np.maximum(best[band], stage_cost(s, rows))  # cand[j, t]: stages < s end at band[j, t]
+                rows, cols = slice(lo - r0, hi - r0), slice(first[s], across)
+                band = starts[rows, cols]
+                # cand[j, t]: the stages before s end at band[j, t]
+                cand = np.maximum(best[band], stage_cost(s, rows, cols))
                 pick = cand.argmin(axis=1)  # the first minimum, the earliest start: as the dense one
                 span = spans[:hi - lo]
                 choice[s][lo:hi] = band[span, pick]
                 best_next[lo:hi] = cand[span, pick]
+            # now and then (a min a pass is a twentieth of it): no end of stage s within the band, no cut
+            if s % 8 == 1 and (not lo < hi or math.isinf(best_next[lo:hi].min())):
+                return None, math.inf
             best = best_next
     if k > 1:  # the last stage, [i, n) for the starts i within the band of n
         row = n - width + np.arange(width)
@@ -530,22 +630,28 @@ def _banded(problem: CutProblem, limit: float) -> Bounds | None:
     else:
         final = float(best[n])
     if not (math.isfinite(final) and final <= limit):
-        return None
+        return None, final
     bounds = [n]
     for s in range(k - 1, 0, -1):
         bounds.append(int(choice[s][bounds[-1]]))
     bounds.append(0)
-    return tuple(reversed(bounds))
+    return tuple(reversed(bounds)), final
 
 
-def _range_max(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """``out[t] = max(values[starts[t]:ends[t]])`` (0 where that is empty), from a table of the maxima over
-    every power-of-two run: two lookups a range."""
+def _run_maxima(values: np.ndarray) -> list[np.ndarray]:
+    """The maxima of ``values`` over every power-of-two run (:func:`_range_max`'s table): ``table[lv][i] =
+    max(values[i:i + 2**lv])``."""
     n = len(values)
     table = [np.asarray(values, dtype=np.float64)]
     while 2 * (1 << (len(table) - 1)) <= n:
         half, prev = 1 << (len(table) - 1), table[-1]
         table.append(np.maximum(prev[:-half], prev[half:]))
+    return table
+
+
+def _range_max(table: list[np.ndarray], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``out[t] = max(values[starts[t]:ends[t]])`` (0 where that is empty), from ``values``' table of the
+    maxima over every power-of-two run (:func:`_run_maxima`): two lookups a range."""
     length = ends - starts
     empty = length <= 0
     level = np.frexp(np.maximum(length, 1))[1] - 1  # floor(log2(length)): the longest run within it

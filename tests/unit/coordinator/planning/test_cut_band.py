@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from coordinator.planning.cutting import CutError, CutProblem, _banded, cut_min_max, with_slack
+from coordinator.planning.cutting import (
+    CutError,
+    CutProblem,
+    _banded,
+    _least_relaxed,
+    cut_min_max,
+    with_slack,
+)
 from tests.unit.coordinator.planning.test_cutting import problems
 
 
@@ -173,7 +180,44 @@ def test_the_ends_window_with_flat_runs_and_stages_alike_in_memory(seed: int) ->
         with contextlib.suppress(CutError):  # the band at the answer itself: no room to spare
             dense = dense_min_max(problem)
             optimum = problem.max_stage_time(dense)
-            assert _banded(problem, optimum) == dense
+            assert _banded(problem, optimum)[0] == dense
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_cuts_bound_by_memory_give_the_dense_boundaries(seed: int) -> None:
+    """[Note: a cut bound by memory] and [Note: a stage's own band]: 1F1B's in-flight counts (the first
+    stage holds ``k`` microbatches, the last one) and limits that leave the first stages a few nodes each,
+    so the optimum sits well over the compute's share; with transients, holding stages, deferring stages
+    and uncuttable positions now and then. The boundaries are the dense programme's, and the relaxed bound
+    the tries start from is never above the optimum."""
+    rng = random.Random(9000 + seed)
+    n = rng.choice([60, 150, 300])
+    k = rng.choice([3, 4, 6, 9, 14])
+    compute = tuple(rng.uniform(0.2, 5.0) for _ in range(n))
+    cuts = tuple(rng.choice([0.0, 0.01, 0.2]) for _ in range(n + 1))
+    cuttable = tuple(rng.random() > 0.1 for _ in range(n + 1)) if seed % 3 == 0 else None
+    static = tuple(rng.uniform(0, 1) for _ in range(n))
+    act = tuple(rng.uniform(0.1, 4.0) for _ in range(n))
+    in_flight = tuple(k - s for s in range(k))
+    # room for 1 to 3 times a first stage of n / k nodes' activations alone: the first stages get fewer
+    room = rng.uniform(0.3, 1.0) * k * sum(act) / k
+    extra: dict[str, object] = {}
+    if seed % 4 == 1:
+        extra["transient_bytes"] = tuple(rng.uniform(0, 3) for _ in range(n))
+    if seed % 4 == 2:
+        extra["hold_bytes"] = tuple(rng.uniform(0, 1) for _ in range(n))
+        extra["holds"] = tuple(s % 2 == 0 for s in range(k))
+    if seed % 4 == 3:
+        extra["deferred_bytes"] = tuple(rng.uniform(0, 6) for _ in range(n))
+        extra["defers"] = tuple(s < k // 2 for s in range(k))
+    pace = tuple(rng.choice([1.0, 0.5]) for _ in range(k)) if seed % 5 == 0 else None
+    problem = CutProblem(compute, cuts, k, cuttable, static, act, in_flight, (room,) * k, pace=pace,
+                         **extra)  # type: ignore[arg-type]
+    same_as_dense(problem)
+    with contextlib.suppress(CutError):
+        optimum = problem.max_stage_time(dense_min_max(problem))
+        share = sum(compute) / k * min(pace or (1.0,))
+        assert share <= _least_relaxed(problem, share) <= optimum
 
 
 def test_a_thousand_nodes_into_128_stages_is_fast() -> None:
@@ -208,4 +252,4 @@ def test_far_apart_paces_over_flat_runs_give_the_dense_boundaries(seed: int) -> 
         same_as_dense(problem)
         with contextlib.suppress(CutError):  # the band at the answer itself: no room to spare
             dense = dense_min_max(problem)
-            assert _banded(problem, problem.max_stage_time(dense)) == dense
+            assert _banded(problem, problem.max_stage_time(dense))[0] == dense
