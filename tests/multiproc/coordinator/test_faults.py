@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -25,13 +26,14 @@ STOP_WITHIN_S = 5.0  # from the kill until the job stops naming it
 
 @pytest.mark.parametrize("plan", [dict(data_parallel=1, num_stages=2, num_microbatches=2, balance=[3, 4]),
                                   dict(data_parallel=2, num_stages=1, num_microbatches=1)])
-def test_worker_killed_mid_step_stops_the_job_naming_it(plan: dict[str, object]) -> None:
+def test_worker_killed_mid_step_stops_the_job_naming_it(plan: dict[str, object], tmp_path: Path) -> None:
     job = Job(model=f"{M}:slow_mlp", model_kwargs={"seconds": 0.3}, loss=f"{M}:mse", data=f"{M}:regression",
               global_batch=16, resources=Resources.local(2), step_timeout_s=60,
               lease_ttl_s=LEASE.total_seconds(), max_restarts=0, steps_per_request=1,  # the callback paces
               **plan)  # type: ignore[arg-type]
+    # the killed worker's log is kept (it did not exit cleanly): in the test's directory, not the host's
     harness = LocalHarness(["local-0", "local-1"], job="t-faults", lease_ttl=LEASE,
-                           factories=job_factories(job.config))
+                           factories=job_factories(job.config), log_dir=tmp_path)
     killed_at: list[float] = []
 
     def kill_mid_step(record: object) -> None:

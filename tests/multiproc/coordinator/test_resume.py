@@ -92,7 +92,9 @@ optimizer: {{name: SGD, kwargs: {{lr: 0.05, momentum: 0.9}}}}
 plan: {{data_parallel: 2, num_stages: 1}}
 runtime: {{workers: 2}}
 """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    # TMPDIR: the killed coordinator cannot remove its job's keys directory; it is left in the test's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(tmp_path)}
     run_dir = tmp_path / "run"
     first = tmp_path / "first.log"
     killed = commands.start(_command(spec, run_dir), env=env, stdout=first, stderr=commands.STDOUT,
