@@ -242,6 +242,10 @@ class Cutter(Protocol):
 # stage with the cheapest cuts' transfers, or the heaviest node), before the last try takes every start
 # (the dense dynamic programme). A try too narrow costs a pass; one too wide, a wider band each pass.
 _BAND_TRIES = (1.15, 1.5, 6.0, math.inf)
+# Up to this many stages a cut with memory limits starts its tries from the relaxed optimum ([Note: a cut
+# bound by memory]): its passes (one per stage a limit, a dozen limits) cost less than a try that fails. A
+# longer chain asks for it only once a try has failed: where memory does not bind, the first try holds.
+_RELAXED_FIRST = 32
 
 
 def cut_min_max(problem: CutProblem) -> Bounds:
@@ -283,13 +287,21 @@ def cut_min_max(problem: CutProblem) -> Bounds:
             cheapest = 2 * float(np.partition(inner, k - 2)[:k - 1].sum())
             least = max(least, (float(prefix[n]) + cheapest / slowest) / share)
     if may_fit(problem) and fits_memory(problem):
-        if problem.memory_limit is not None and k > 1:
-            least = _least_relaxed(problem, least)
         found = math.inf  # the slowest stage of a cut a failed try found: the optimum is at most that
-        for factor in _BAND_TRIES:
+        relaxed = problem.memory_limit is None or k == 1  # memory's bound taken (or none to take)
+        if not relaxed and k <= _RELAXED_FIRST:
+            relaxed, least = True, _least_relaxed(problem, least)
+        tries = list(_BAND_TRIES)
+        while tries:
+            factor = tries.pop(0)
             bounds, found = _banded(problem, min(factor * least if least > 0 else math.inf, found))
             if bounds is not None:
                 return bounds
+            if not relaxed:  # a longer chain asks once a try failed (see _RELAXED_FIRST)
+                relaxed = True
+                tighter = _least_relaxed(problem, least)
+                if tighter > factor * least:  # memory put the optimum past this try: the tries start again
+                    least, tries = tighter, list(_BAND_TRIES)
     raise CutError(f"no way to cut {n} nodes into {k} stages within the cuttable positions "
                    "and memory limits")
 
