@@ -541,7 +541,9 @@ def _banded(problem: CutProblem, limit: float) -> tuple[Bounds | None, float]:
         # A cut bound by memory spans a wide band for its stages holding few microbatches (1F1B's last)
         # and a few columns of it for those holding many (its first).
         first = [0] * k
-        if memory and min(problem.static_bytes or (0.0,)) >= 0:
+        # (the memory terms left out only add: where a count is below 0 the band is read whole)
+        if memory and min(min(problem.static_bytes or (0.0,)), min(problem.transient_bytes or (0.0,)),
+                          min(problem.hold_bytes or (0.0,))) >= 0:
             assert ps is not None and problem.memory_limit is not None and problem.in_flight is not None
             for s in range(1, k - 1):
                 held = problem.held_bytes(s)
@@ -551,8 +553,8 @@ def _banded(problem: CutProblem, limit: float) -> tuple[Bounds | None, float]:
                 used = ps + acts(held) * problem.in_flight[s]
                 room = problem.memory_limit[s]
                 room += 1e-6 * abs(room) + 1e-9 * float(used[n])
-                earliest = np.searchsorted(used, used[lo:hi] - room, side="left") - 2
-                first[s] = int(np.clip((earliest - ends[lo:hi]).min() + width, 0, width - 1))
+                fits_from = np.searchsorted(used, used[lo:hi] - room, side="left") - 2  # per end: a start
+                first[s] = int(np.clip((fits_from - ends[lo:hi]).min() + width, 0, width - 1))
         trimmed = min(first[1:k - 1])
         across = width - trimmed  # the band's columns
         first = [max(0, c - trimmed) for c in first]
