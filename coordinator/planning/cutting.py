@@ -621,7 +621,7 @@ def _banded(problem: CutProblem, limit: float) -> tuple[Bounds | None, float]:
                 span = spans[:hi - lo]
                 choice[s][lo:hi] = band[span, pick]
                 best_next[lo:hi] = cand[span, pick]
-            # now and then (a min a pass is a twentieth of it): no end of stage s within the band, no cut
+            # every 8th stage (a min each pass cost 5% of a 400-stage cut): no end of stage s here, no cut
             if s % 8 == 1 and (not lo < hi or math.isinf(best_next[lo:hi].min())):
                 return None, math.inf
             best = best_next
