@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -103,6 +104,10 @@ __all__ = ["FitResult", "Job", "StepCallback", "optimizer_spec", "state_dict_of"
 log = logging.getLogger(__name__)
 
 PROFILE_REPEATS = 3  # the fewest timed runs per node and size of plan()'s profiles ([Note: profile timing])
+# A search longer than this (seconds) with no stage count set says how a job narrows it: at cluster size the
+# free search weighs every stage count, and a fixed one plans most resource lists well under a second
+# (docs/running.md, "Planning for a cluster").
+SLOW_SEARCH_S = 1.0
 
 StepCallback = Callable[[StepRecord], None]
 OptimizerRef = str | type[torch.optim.Optimizer]
@@ -202,6 +207,14 @@ def _optimizer_kind(spec: OptimizerSpec) -> str:
     return name if name in OPTIMIZER_STATE_FACTORS else "adam"
 
 
+def search_hint(seconds: float, request: PlanConfig, workers: int) -> str | None:
+    """How a job narrows a search that took ``seconds`` over ``workers`` (None: fast, or narrowed already)."""
+    if seconds <= SLOW_SEARCH_S or request.num_stages is not None:
+        return None
+    return (f"the search weighed every stage count for {workers} workers: a job that sets plan.num_stages "
+            "(and plan.schedule) searches only the plans that have them")
+
+
 class Job:
     """A training job: its config, the workers it runs on, and its training session.
 
@@ -256,6 +269,7 @@ class Job:
         self._profile: Profile | None = None
         # the chosen plan as the search priced it, when plan() priced it again ([Note: the plan's own size])
         self.weighed: Plan | None = None
+        self.search_s: float | None = None  # how long plan()'s search took (None: no search yet, or none)
         self.steps_done = 0
 
     # -- building and planning ------------------------------------------------------------
@@ -321,8 +335,10 @@ class Job:
                 kind = _optimizer_kind(self.optimizer)
                 profile = self._profile = profile_graph(graph, sample, repeats=PROFILE_REPEATS,
                                                         optimizer=kind, num_threads=1)
+                started = time.perf_counter()
                 plan = choose_plan(profile, self.resources, request, global_batch=config.data.global_batch,
                                    automatic=self._automatic())
+                self._searched(time.perf_counter() - started, request)
                 plan = self._at_own_size(plan, graph, sample, request)
             finally:
                 graph.module.to("cpu")
@@ -337,6 +353,14 @@ class Job:
             check_batch_norm_plan(self._batch_norm, self._plan.num_microbatches, self._plan.data_parallel,
                                   self._plan.mode)
         return self._plan
+
+    def _searched(self, seconds: float, request: PlanConfig) -> None:
+        """Keep and say how long the planner's search took, and how to narrow a slow one."""
+        self.search_s = seconds
+        log.info("the planner searched the plans for %d worker(s) in %.2f s", self.resources.num_workers,
+                 seconds)
+        if (hint := search_hint(seconds, request, self.resources.num_workers)) is not None:
+            log.info("%s", hint)
 
     def _at_own_size(self, plan: Plan, graph: Graph, sample: Any, request: PlanConfig) -> Plan:
         """``plan`` priced on timings at its own microbatch size ([Note: the plan's own size])."""

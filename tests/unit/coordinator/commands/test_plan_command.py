@@ -8,6 +8,7 @@ Covers coordinator/commands/plan.py and the matplotlib path of draw_timeline
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from xml.etree import ElementTree
@@ -105,6 +106,7 @@ def test_plan_dry_runs_256_workers(spec: Path, tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     assert "resources: 256 workers (256 cpu) on 32 host(s) (32 of 8)" in out
     assert "plan: 64 replica(s) x 4 stage(s) = 256 worker(s)" in out and "runners-up" not in out
+    assert re.search(r"the planner's search took \d+\.\d\d s\n", out)  # its stage count set: no hint
     rows = _stage_rows(out)
     assert len({w for row in rows for w in row}) == 256 and all(len(row) == 64 for row in rows)
 

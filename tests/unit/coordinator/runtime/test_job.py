@@ -107,3 +107,22 @@ def test_the_plan_is_priced_on_timings_at_its_own_microbatch_size(caplog: pytest
         assert fixed.plan().microbatch_size == 16 and fixed.weighed is None
     said = "the plan keeps the price of the 8-sample profile: timing it on its own microbatch of 16 samples"
     assert said in caplog.text
+
+
+def test_the_search_says_how_long_it_took_and_how_a_slow_one_narrows(caplog: pytest.LogCaptureFixture,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search over every stage count that took longer than ``SLOW_SEARCH_S`` names ``plan.num_stages``;
+    one with the stage count set does not (it searched only those plans)."""
+    from coordinator.runtime import job as job_module
+    monkeypatch.setattr(job_module, "SLOW_SEARCH_S", 0.0)  # every search is slow
+    fields = dict(model=f"{M}:mlp", data=f"{M}:regression", loss=f"{M}:mse", global_batch=16,
+                  resources=Resources.local(2))
+    with caplog.at_level("INFO", logger="coordinator.runtime.job"):
+        Job(**fields).plan()  # type: ignore[arg-type]
+    assert "the planner searched the plans for 2 worker(s) in" in caplog.text
+    assert "a job that sets plan.num_stages" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="coordinator.runtime.job"):
+        Job(num_stages=1, **fields).plan()  # type: ignore[arg-type]
+    assert "the planner searched the plans for 2 worker(s) in" in caplog.text
+    assert "plan.num_stages" not in caplog.text
