@@ -29,7 +29,7 @@ from coordinator.planning.prediction import predict
 from coordinator.planning.resource_file import load_resources
 from coordinator.planning.simulator import draw_timeline
 from coordinator.planning.timeline_plot import check_drawable
-from coordinator.runtime.job import Job, search_hint
+from coordinator.runtime.job import Job
 
 __all__ = ["plan_command"]
 
@@ -53,9 +53,8 @@ def plan_command(job: str, settings: Mapping[str, Any], timeline: Path | None, *
         print(f"resources: {planned.resources.summary()}", file=out, flush=True)
         plan = planned.plan()
         if planned.search_s is not None:
-            hint = search_hint(planned.search_s, planned.config.plan, planned.resources.num_workers)
-            print(f"the planner's search took {planned.search_s:.2f} s" + (f"; {hint}" if hint else ""),
-                  file=out, flush=True)
+            hint = f"; {planned.search_hint}" if planned.search_hint else ""
+            print(f"the planner's search took {planned.search_s:.2f} s{hint}", file=out, flush=True)
         result = predict(plan)
         print(f"{plan}\n\npredicted step of the schedule (simulated, before gradient sync and messages):\n"
               f"{result.summary()}", file=out, flush=True)

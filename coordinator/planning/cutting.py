@@ -322,10 +322,7 @@ def _least_relaxed(problem: CutProblem, least: float, within: float = 0.02) -> f
     prefix = problem._prefix
     pace = problem.pace or (1.0,) * k
     ends = np.arange(n + 1)
-    allowed = np.ones(n + 1, dtype=bool)
-    if problem.cuttable is not None:
-        allowed = np.asarray(problem.cuttable, dtype=bool).copy()
-        allowed[n] = True
+    allowed = _ends(problem)
     # per stage, the earliest start its memory allows for each end (0 without a limit)
     earliest = [np.zeros(n + 1, dtype=np.int64)] * k
     limits, in_flight = problem.memory_limit, problem.in_flight
@@ -368,6 +365,16 @@ def _least_relaxed(problem: CutProblem, least: float, within: float = 0.02) -> f
     return low
 
 
+def _ends(problem: CutProblem) -> np.ndarray:
+    """Where a stage may end: the cuttable positions, and the last node's end."""
+    n = problem.num_nodes
+    allowed = np.ones(n + 1, dtype=bool)
+    if problem.cuttable is not None:
+        allowed = np.asarray(problem.cuttable, dtype=bool).copy()
+        allowed[n] = True
+    return allowed
+
+
 def may_fit(problem: CutProblem) -> bool:
     """False when no cut fits memory whatever it is: every node's static bytes and one microbatch of its
     activations per microbatch the emptiest stage holds exceed all the stages' limits together."""
@@ -406,10 +413,7 @@ def fits_memory(problem: CutProblem) -> bool:
     transient = (np.asarray(problem.transient_bytes, dtype=np.float64)
                  if problem.transient_bytes is not None and any(problem.transient_bytes) else None)
     ends = np.arange(n + 1)
-    allowed = np.ones(n + 1, dtype=bool)
-    if problem.cuttable is not None:
-        allowed = np.asarray(problem.cuttable, dtype=bool).copy()
-        allowed[n] = True
+    allowed = _ends(problem)
     static = np.concatenate([[0.0], np.cumsum(np.asarray(problem.static_bytes, dtype=np.float64))])
     hold = (np.concatenate([[0.0], np.cumsum(np.asarray(problem.hold_bytes, dtype=np.float64))])
             if problem.hold_bytes is not None and problem.holds is not None else None)

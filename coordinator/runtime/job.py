@@ -207,14 +207,6 @@ def _optimizer_kind(spec: OptimizerSpec) -> str:
     return name if name in OPTIMIZER_STATE_FACTORS else "adam"
 
 
-def search_hint(seconds: float, request: PlanConfig, workers: int) -> str | None:
-    """How a job narrows a search that took ``seconds`` over ``workers`` (None: fast, or narrowed already)."""
-    if seconds <= SLOW_SEARCH_S or request.num_stages is not None:
-        return None
-    return (f"the search weighed every stage count for {workers} workers: a job that sets plan.num_stages "
-            "(and plan.schedule) searches only the plans that have them")
-
-
 class Job:
     """A training job: its config, the workers it runs on, and its training session.
 
@@ -270,6 +262,7 @@ class Job:
         # the chosen plan as the search priced it, when plan() priced it again ([Note: the plan's own size])
         self.weighed: Plan | None = None
         self.search_s: float | None = None  # how long plan()'s search took (None: no search yet, or none)
+        self.search_hint: str | None = None  # how a job narrows that search, where it was slow and free
         self.steps_done = 0
 
     # -- building and planning ------------------------------------------------------------
@@ -356,11 +349,14 @@ class Job:
 
     def _searched(self, seconds: float, request: PlanConfig) -> None:
         """Keep and say how long the planner's search took, and how to narrow a slow one."""
+        workers = self.resources.num_workers
         self.search_s = seconds
-        log.info("the planner searched the plans for %d worker(s) in %.2f s", self.resources.num_workers,
-                 seconds)
-        if (hint := search_hint(seconds, request, self.resources.num_workers)) is not None:
-            log.info("%s", hint)
+        log.info("the planner searched the plans for %d worker(s) in %.2f s", workers, seconds)
+        if seconds > SLOW_SEARCH_S and request.num_stages is None:
+            self.search_hint = (f"the search weighed every stage count for {workers} workers: a job "
+                                "that sets plan.num_stages (and plan.schedule) searches only the plans "
+                                "that have them")
+            log.info("%s", self.search_hint)
 
     def _at_own_size(self, plan: Plan, graph: Graph, sample: Any, request: PlanConfig) -> Plan:
         """``plan`` priced on timings at its own microbatch size ([Note: the plan's own size])."""

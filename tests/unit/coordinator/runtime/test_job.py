@@ -118,11 +118,14 @@ def test_the_search_says_how_long_it_took_and_how_a_slow_one_narrows(caplog: pyt
     fields = dict(model=f"{M}:mlp", data=f"{M}:regression", loss=f"{M}:mse", global_batch=16,
                   resources=Resources.local(2))
     with caplog.at_level("INFO", logger="coordinator.runtime.job"):
-        Job(**fields).plan()  # type: ignore[arg-type]
+        free = Job(**fields)  # type: ignore[arg-type]
+        free.plan()
     assert "the planner searched the plans for 2 worker(s) in" in caplog.text
-    assert "a job that sets plan.num_stages" in caplog.text
+    assert free.search_s is not None and free.search_hint is not None
+    assert free.search_hint in caplog.text and "a job that sets plan.num_stages" in free.search_hint
     caplog.clear()
     with caplog.at_level("INFO", logger="coordinator.runtime.job"):
-        Job(num_stages=1, **fields).plan()  # type: ignore[arg-type]
+        fixed = Job(num_stages=1, **fields)  # type: ignore[arg-type]
+        fixed.plan()
     assert "the planner searched the plans for 2 worker(s) in" in caplog.text
-    assert "plan.num_stages" not in caplog.text
+    assert fixed.search_hint is None and "plan.num_stages" not in caplog.text
