@@ -68,7 +68,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["cut_free_bound", "pipeline_bound", "rank_bounds", "stage_bounds"]
+__all__ = ["cut_free_bound", "paced_fill_bound", "pipeline_bound", "rank_bounds", "stage_bounds"]
 
 # schedule kinds of :func:`cut_free_bound`
 FILL_AND_DRAIN, FILL, CHUNKS, BUSIEST = 0, 1, 2, 3
@@ -168,6 +168,38 @@ def rank_bounds(name: str, num_microbatches: int, num_ranks: int, forward_s: Seq
             bound = max(bound, t + min(j + 1, m) * weight_s[j])
         bounds.append(bound)
     return bounds, occupied
+
+
+def paced_fill_bound(paces: Sequence[float], work: float, share: float, num_microbatches: int,
+                     overhead_s: float = 0.0) -> float:
+    """A lower bound on the step over every cut of a chain of ``work`` (seconds at speed 1) into
+    ``len(paces)`` stages, stage ``s`` at pace ``paces[s]``, each running ``m`` microbatches after
+    ``share`` of what the stages before it take: see [Note: a pipeline's fill at its stages' paces].
+
+    [Note: a pipeline's fill at its stages' paces] Stage ``s`` runs its ``m`` forwards and backwards after
+    microbatch 0's forward came down stages ``0..s-1`` and, for GPipe, 1F1B and an interleaved schedule
+    (every chunk a stage), before microbatch ``m - 1``'s gradients go back up them ([Note: the bound]):
+    with ``u_j`` stage ``j``'s forward and backward of one microbatch at its pace (``c_j / v_j``, its
+    overhead ``o`` added), the step ``T >= share * sum_{j<s} u_j + m u_s`` for every ``s`` (``share`` 1;
+    ZB-H1 keeps the forwards' fill only, at least ``phi`` of each stage's compute, ``phi <= 1/2``, with its
+    forward's overhead, at least ``phi o``). Over every cut, ``sum_j c_j`` is the chain's work. The least
+    such ``T`` is a linear programme; its dual gives a bound without solving it: for weights ``y_s >= 0``
+    with ``m y_j + share * sum_{s>j} y_s >= v_j`` for every ``j``, multiplying stage ``s``'s inequality
+    by ``y_s`` and adding them gives ``work <= T sum_s y_s - o sum_s y_s (share * s + m)``. The least such
+    weights, taken from the last stage back (``y_j = max(0, (v_j - share * sum_{s>j} y_s) / m)``), give
+    the programme's optimum where every stage holds work (on alike paces: ``share C / (1 - (1 -
+    share / m)^p)``, :func:`cut_free_bound`'s form) and a bound below it anywhere. It knows what the
+    bound over every cut does not, which stages run slower: on two generations of workers a pipeline
+    over both fills at the paces of the stages before each, where the bound over every cut took the
+    fastest worker's. The transfers are left out (they only add).
+    """
+    m = float(num_microbatches)
+    total = weighted = 0.0
+    for s in range(len(paces) - 1, -1, -1):
+        y = max(0.0, (paces[s] - share * total) / m)
+        total += y
+        weighted += y * (share * s + m)
+    return (work + overhead_s * weighted) / total
 
 
 def cut_free_bound(kind: np.ndarray, num_microbatches: np.ndarray, num_stages: np.ndarray,

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 
 from coordinator.planning import planner
-from coordinator.planning.closed_form import KINDS, cut_free_bound, pipeline_bound, rank_bounds, stage_bounds
+from coordinator.planning.closed_form import (
+    KINDS,
+    cut_free_bound,
+    paced_fill_bound,
+    pipeline_bound,
+    rank_bounds,
+    stage_bounds,
+)
 from coordinator.planning.config import PlanConfig
 from coordinator.planning.cutting import get_cutter
 from coordinator.planning.memory import AUTOMATIC, REPLICATED
@@ -403,6 +410,40 @@ def test_the_bounds_on_one_host_never_exceed_the_played_step(seed: int) -> None:
     assert tight >= 0.75 * crowded > 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_chains_of_a_cut_bound_it_first(seed: int) -> None:
+    """[Note: a cut's chains, bounded first]: on random chains over random workers (speeds, hosts of CPU
+    workers with their cores given or not, GPU workers), the cut the bounds take is the one the candidate
+    plays, and the bound from its chains lies between the bound over every cut and the bounds with the cut
+    (quick and full), above the bound with the placement on some."""
+    rng = random.Random(1400 + seed)
+    checked = lifted = 0
+    for _ in range(4):
+        prof = random_chain(rng)
+        gpu = rng.random() < 0.3
+        per_host, cores = rng.randint(1, 4), rng.choice([None, 2, 8])
+        res = Resources(workers=tuple(
+            Worker(name=f"w{i}", memory_bytes=BIG, device="cuda" if gpu else "cpu", gpus=int(gpu),
+                   host=f"h{i // per_host}", host_cpus=None if gpu else cores,
+                   speed=rng.choice([0.5, 1.0, 2.0])) for i in range(rng.randint(2, 8))))
+        request = PlanConfig(max_microbatches=4)
+        cutter = get_cutter(request.cutter)
+        for cand, shape, shared, setup, bound, other, placed in placed_bounds(prof, res, request):
+            edges = planner._bound_cut(shared, setup, cutter, None)
+            assert cand.plan is not None and edges == cand.plan.bounds, shape
+            chained = max(bound, planner._chain_bound(shared, setup, edges, other))
+            full = planner._replicated_bound(prof, shared, setup, cutter, None, bound)
+            given = planner._replicated_bound(prof, shared, setup, cutter, None, bound, cut_bounds=edges)
+            assert given == full, shape
+            assert bound <= chained <= full * (1 + 1e-9) and full <= cand.step_time_s * (1 + 1e-9), shape
+            if shape[3] != "zb-h1":
+                quick = planner._replicated_bound(prof, shared, setup, cutter, None, bound, other, edges)
+                assert chained <= quick * (1 + 1e-9), shape
+            checked += 1
+            lifted += chained > placed * 1.001
+    assert checked > 0 and lifted > 0, (checked, lifted)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_bound_with_the_placement_never_exceeds_the_played_step(seed: int, monkeypatch: pytest.MonkeyPatch
                                                                      ) -> None:
@@ -457,6 +498,44 @@ def test_the_fill_before_the_cut_by_hand(p: int, m: int) -> None:
     assert planner._with_fill(work, p, 0.0, chain, m) == work / p  # nothing held: the work alone
 
 
+@pytest.mark.parametrize(("p", "m", "share"), [(2, 1, 1.0), (4, 8, 1.0), (16, 64, 1.0), (61, 64, 1.0),
+                                               (8, 4, 0.3), (128, 64, 0.25)])
+def test_the_paced_fill_on_alike_paces_is_the_even_fill(p: int, m: int, share: float) -> None:
+    """On alike paces every stage holds work at the optimum, so ``paced_fill_bound`` is the closed form
+    ``share C / (1 - (1 - share / m)^p)`` (over pace 2 here), and each stage's overhead counts as the
+    overhead of one microbatch through every stage does there."""
+    chain = 3.0
+    got = paced_fill_bound([2.0] * p, chain, share, m)
+    assert got == pytest.approx(share * chain / 2.0 / (1 - (1 - share / m) ** p), rel=1e-12)
+    with_overhead = paced_fill_bound([2.0] * p, chain, share, m, 0.01)
+    even = share * (chain / 2.0 + 0.01 * p) / (1 - (1 - share / m) ** p)
+    assert with_overhead == pytest.approx(even, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_paced_fill_never_exceeds_the_best_cut(seed: int) -> None:
+    """``paced_fill_bound`` against every cut of small random chains into ``p`` non-empty stages at random
+    paces: the least over the cuts of ``max_s share * sum_{j<s} u_j + m u_s`` is at least the bound (which
+    allows empty stages and any split of a node)."""
+    rng = random.Random(1300 + seed)
+    for _ in range(20):
+        n, p = rng.randint(2, 9), rng.randint(2, 5)
+        p = min(p, n)
+        nodes = [rng.uniform(0.1, 3.0) for _ in range(n)]
+        paces = [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(p)]
+        m, share = rng.choice([1, 2, 4, 8, 32]), rng.choice([1.0, 0.5, 0.2])
+        overhead = rng.choice([0.0, 0.05])
+        bound = paced_fill_bound(paces, sum(nodes), share, m, overhead)
+        best = float("inf")
+        for inner in itertools.combinations(range(1, n), p - 1):
+            edges = (0, *inner, n)
+            u = [sum(nodes[a:b]) / v + overhead
+                 for (a, b), v in zip(itertools.pairwise(edges), paces, strict=True)]
+            best = min(best, max(share * sum(u[:s]) + m * u[s] for s in range(p)))
+        assert bound <= best * (1 + 1e-12), (nodes, paces, m, share, overhead)
+        assert bound > 0
+
+
 def test_the_host_bound_by_hand() -> None:
     """``_host_bound``: the work of every worker, slowed, over the cores, against arithmetic done here."""
     res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB, host="h", host_cpus=2)
@@ -491,9 +570,10 @@ def test_the_bounds_over_mixed_speeds_never_exceed_the_played_step(seed: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The bounds over every cut and with the placement ([Note: the speed a shape's ranks can have]) against
     every replicated candidate played, on random chains over workers of two to four speeds (GPU workers,
-    CPU workers of shared hosts); above the bound that prices every stage on the fastest worker on some."""
+    CPU workers of shared hosts); above the bound that prices every stage on the fastest worker on some,
+    and the bound with the placement above itself without the fill at the stages' paces on some."""
     rng = random.Random(900 + seed)
-    lifted = checked = 0
+    lifted = checked = filled = 0
     for _ in range(4):
         prof = random_chain(rng)
         gpu = rng.random() < 0.5
@@ -516,7 +596,11 @@ def test_the_bounds_over_mixed_speeds_never_exceed_the_played_step(seed: int,
             assert bound <= placed <= cand.step_time_s * (1 + 1e-9), (shape, [w.speed for w in res.workers])
             checked += 1
             lifted += bound > before * 1.001
+            with monkeypatch.context() as patched:  # without the fill at the stages' paces
+                patched.setattr(planner, "paced_fill_bound", lambda *_: 0.0)
+                filled += placed > max(bound, planner._placed_bound(shared, setup, other)) * 1.001
     assert checked > 0 and lifted > 0, (checked, lifted)
+    assert filled > 0, filled  # [Note: a pipeline's fill at its stages' paces] lifts some
 
 
 def test_two_generations_of_gpus_cut_few_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
