@@ -30,6 +30,19 @@ them, a group's slowest (lowest bandwidth, highest latency); the two layouts and
 built once per (replicas, ranks, chunks) of a resource list, in O(workers + hosts), so the
 planner's many microbatch counts of a shape price them in O(distinct links) each.
 
+[Note: a layout's speeds] The planner runs each stage at its slowest replica's worker's speed (a
+stage's replicas synchronise their gradients every step), and cuts the chain in proportion to the
+stages' speeds. On workers of two speeds a layout whose every stage group holds a slow worker runs the
+whole pipeline at the slow speed: on 128 hosts of 8 CPU workers, half of them half as fast, the
+pipelines-inside-hosts layout of 64 replicas x 16 stages put a slow worker in all 16 groups, where the
+replica groups inside hosts keep 8 stages fast. So where the layouts' speeds differ (each rank at its
+slowest replica's, added up), each is priced with its compute too, one microbatch through every stage
+(:attr:`Traffic.compute_s`) times the microbatches over that sum: the compute of a cut balanced by the
+stages' speeds; and where the links ignore hosts, a list of mixed speeds is placed by stage groups, the
+fastest workers first, when that adds up to more speed than the list's order. On two generations the
+chosen plans were 1.44x (CPU hosts) and 1.23x (GPU hosts) quicker than before (docs/benchmarks.md,
+"Planning"); on alike workers nothing changes.
+
 The planner charges a shape's pipeline transfers at :func:`neighbour_link`, the slowest link between
 neighbouring stages of any replica (each stage boundary, and an interleaved rank's last stage to the
 next chunk's first), and each stage's sync at the slowest link among its replicas: a pipeline inside a
@@ -63,19 +76,24 @@ class Traffic:
             gradients back.
         microbatches: Microbatches per step.
         gradient_bytes: One stage's gradients, synchronised among its replicas once per step.
+        compute_s: One microbatch's forward and backward through every stage, on a worker of speed 1
+            ([Note: a layout's speeds]).
     """
 
     boundary_bytes: float
     microbatches: int
     gradient_bytes: float
+    compute_s: float = 0.0
 
 
-_CUT_TOTALS: dict[int, tuple[Profile, float, float]] = {}  # id(profile) -> (profile, mean cut bytes, grads)
+# id(profile) -> (profile, mean cut bytes, gradient bytes, a microbatch's compute)
+_CUT_TOTALS: dict[int, tuple[Profile, float, float, float]] = {}
 
 
 def step_traffic(profile: Profile, stages: int, microbatches: int, microbatch_size: int) -> Traffic:
     """A shape's :class:`Traffic`: the mean of the profile's cuttable cuts (a stage boundary is one of
-    them) at ``microbatch_size``, and the model's gradient bytes over ``stages``."""
+    them) at ``microbatch_size``, the model's gradient bytes over ``stages``, and every node's forward and
+    backward at ``microbatch_size`` (scaled from the profiled size)."""
     cached = _CUT_TOTALS.get(id(profile))
     if cached is None or cached[0] is not profile:
         inner = [c for c in profile.cuts[1:-1] if c.cuttable]
@@ -83,9 +101,11 @@ def step_traffic(profile: Profile, stages: int, microbatches: int, microbatch_si
                 if inner else 0.0)
         if len(_CUT_TOTALS) > 16:  # a few profiles at a time: the planner asks of one
             _CUT_TOTALS.clear()
-        cached = _CUT_TOTALS[id(profile)] = (profile, mean, float(sum(nd.grad_bytes for nd in profile.nodes)))
-    _, mean, grads = cached
-    return Traffic(mean * microbatch_size / profile.microbatch_size, microbatches, grads / stages)
+        cached = _CUT_TOTALS[id(profile)] = (profile, mean, float(sum(nd.grad_bytes for nd in profile.nodes)),
+                                             float(sum(nd.forward_s + nd.backward_s for nd in profile.nodes)))
+    _, mean, grads, compute = cached
+    scale = microbatch_size / profile.microbatch_size
+    return Traffic(mean * scale, microbatches, grads / stages, compute * scale)
 
 
 def _transfer(nbytes: float, link: Speed) -> float:
@@ -128,6 +148,7 @@ class _Layout:
     pipe_link: Speed | None  # the slowest link a stage boundary crosses; None: no boundary
     group_links: tuple[Speed, ...]  # each stage group's slowest link, once each
     rank_links: tuple[Speed, ...]  # per rank, its stage group's slowest link
+    speed: float  # the ranks' speeds added up, each its slowest replica's worker's
 
     @classmethod
     def of(cls, resources: Resources, grid: Grid, chunks: int) -> _Layout:
@@ -139,7 +160,7 @@ class _Layout:
             pipe = (resources.slowest_of_pairs((row[a], row[b]) for row in grid for a, b in hops) if hops
                     else None)
             ranks = tuple(resources.slowest_link([row[k] for row in grid]) for k in range(len(grid[0])))
-        return cls(grid, pipe, tuple(sorted(set(ranks))), ranks)
+        return cls(grid, pipe, tuple(sorted(set(ranks))), ranks, _rank_speeds(resources, grid))
 
     def links(self, resources: Resources) -> PlacedLinks:
         """:class:`PlacedLinks` of the placement this grid gives (its boundaries are the hops: a pipeline
@@ -152,6 +173,23 @@ class _Layout:
         replicas, nbytes = len(self.grid), traffic.gradient_bytes * chunks
         sync = max(_all_reduce(nbytes, replicas, link) for link in self.group_links)
         return traffic.microbatches * chunks * pipe + sync
+
+
+def _rank_speeds(resources: Resources, grid: Sequence[Sequence[str]]) -> float:
+    """The ranks' speeds of ``grid[r][k]`` added up, each rank at its slowest replica's worker's speed (what
+    the planner runs a stage at): [Note: a layout's speeds]."""
+    table = resources.worker_table
+    speeds = table.speed[table.indices([name for row in grid for name in row])].reshape(len(grid), -1)
+    return float(speeds.min(axis=0).sum())
+
+
+def _chosen(layouts: Sequence[_Layout], traffic: Traffic, chunks: int) -> _Layout:
+    """The layout of least cost ([Note: placing replicas and stages on hosts]), its compute over its ranks'
+    speeds added where the layouts' speeds differ ([Note: a layout's speeds]); a tie keeps the first."""
+    if len({layout.speed for layout in layouts}) == 1:
+        return min(layouts, key=lambda layout: layout.cost(traffic, chunks))
+    work = traffic.microbatches * traffic.compute_s
+    return min(layouts, key=lambda layout: layout.cost(traffic, chunks) + work / layout.speed)
 
 
 def _links_by_hosts(resources: Resources, grid: Grid, hops: Sequence[tuple[int, int]]
@@ -301,12 +339,23 @@ def place_with_links(resources: Resources, replicas: int, stages: int, ranks: in
     if not resources.host_dependent_links or len(groups) == 1:
         names = [w.name for w in resources.workers]
         grid: Grid = [names[r * ranks:(r + 1) * ranks] for r in range(replicas)]
+        speeds = resources.worker_table.speed
+        if replicas > 1 and ranks > 1 and speeds.min() < speeds.max():  # [Note: a layout's speeds]
+            grouped = _fastest_groups(resources, replicas, ranks)
+            if _rank_speeds(resources, grouped) > _rank_speeds(resources, grid):
+                grid = grouped
     else:
         chunks = stages // ranks
         layouts = _layouts(resources, replicas, ranks, chunks)
         chosen = layouts[0]
         if len(layouts) > 1:
-            shape = traffic() if traffic is not None else Traffic(1.0, 1, 1.0)
-            chosen = min(layouts, key=lambda layout: layout.cost(shape, chunks))
+            chosen = _chosen(layouts, traffic() if traffic is not None else Traffic(1.0, 1, 1.0), chunks)
         grid, links = chosen.grid, chosen.links(resources)
     return tuple(tuple(row) * (stages // ranks) for row in grid), links  # stage s on rank s % ranks
+
+
+def _fastest_groups(resources: Resources, replicas: int, ranks: int) -> Grid:
+    """``grid[r][k]``: rank ``k``'s replicas on the ``k``-th block of ``replicas`` workers, the workers taken
+    fastest first (in list order among alike): the grid whose ranks' slowest speeds add up to the most."""
+    order = sorted(resources.workers, key=lambda w: -w.speed)  # stable: list order among alike
+    return [[order[k * replicas + r].name for k in range(ranks)] for r in range(replicas)]

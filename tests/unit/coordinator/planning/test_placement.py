@@ -146,8 +146,11 @@ def test_place_refuses_a_shape_it_cannot_place() -> None:
 def test_step_traffic_scales_the_cuts_with_the_microbatch() -> None:
     prof = Profile.synthetic([1e-3] * 4, param_bytes=[MiB] * 4, cut_bytes=[1000, 2000, 3000],
                              microbatch_size=2)
-    # the mean cut, forward and back, at twice the profiled size; half the gradients per stage
-    assert step_traffic(prof, 2, 8, 4) == Traffic(2 * 2 * 2000, 8, 2 * MiB)
+    # the mean cut, forward and back, at twice the profiled size; half the gradients per stage; every
+    # node's forward (1 ms) and backward (twice it) at twice the profiled size
+    got = step_traffic(prof, 2, 8, 4)
+    assert got == Traffic(2 * 2 * 2000, 8, 2 * MiB, got.compute_s)
+    assert got.compute_s == pytest.approx(2 * 4 * 3e-3)
 
 
 def test_the_planner_syncs_replica_groups_inside_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,3 +223,67 @@ def test_a_layout_s_links_from_host_numbers_are_the_pairs_slowest(seed: int) -> 
     assert _links_by_hosts(named, grid, hops) is None  # a per-pair link: the pairs are looked up
     assert _links_by_hosts(resources, [*grid[:-1], [*grid[-1][:-1], "not-a-worker"]], hops) is None
     assert _links_by_hosts(resources, [*grid, grid[0]], hops) is None  # a worker twice
+
+
+def two_generations(fast_hosts: int, slow_hosts: int, per_host: int, speed: float = 2.0) -> Resources:
+    """Hosts of GPU workers, the first ``fast_hosts`` at ``speed``, the rest at 1."""
+    groups = (HostGroup(name="new", count=fast_hosts, workers=per_host, device="cuda", gpus=1,
+                        memory=80 * 2**30, speed=speed),
+              HostGroup(name="old", count=slow_hosts, workers=per_host, device="cuda", gpus=1,
+                        memory=80 * 2**30))
+    return ClusterFile(hosts=groups, intra_host=INTRA, inter_host=INTER).resources()
+
+
+def rank_speeds(res: Resources, placed: Placement, ranks: int) -> list[float]:
+    return [min(res.worker(row[k]).speed for row in placed) for k in range(ranks)]
+
+
+def test_a_stage_group_of_one_generation_beats_a_pipeline_over_both() -> None:
+    """[Note: a layout's speeds]: 4 replicas x 4 stages on 2 fast and 2 slow hosts of 4. Pipelines inside
+    hosts put a slow worker in every stage's group (each stage at half speed); stage groups inside hosts
+    keep two stages fast. Where the compute outweighs the links, the stage groups are chosen; with no
+    compute, the links alone decide as before (the pipelines, for activations)."""
+    res = two_generations(2, 2, 4)
+    activations = Traffic(64 * MiB, 8, 1024)
+    assert rank_speeds(res, place(res, 4, 4, 4, traffic=lambda: activations), 4) == [1.0] * 4
+    busy = Traffic(64 * MiB, 8, 1024, compute_s=1.0)  # a second of compute a microbatch: over the links' ms
+    placed = place(res, 4, 4, 4, traffic=lambda: busy)
+    assert rank_speeds(res, placed, 4) == [2.0, 2.0, 1.0, 1.0]
+    assert all(len(hosts_of(res, tuple(row[k] for row in placed))) == 1 for k in range(4))
+    assert sorted(n for row in placed for n in row) == sorted(w.name for w in res.workers)
+
+
+def test_a_list_without_host_links_groups_each_stage_on_alike_workers() -> None:
+    """[Note: a layout's speeds]: links that ignore hosts leave the list's order, unless its workers' speeds
+    differ: then each stage's replicas go on the fastest alike workers left (list order among alike), which
+    adds up the most speed over the stages; the list's order where that gains nothing."""
+    speeds = [1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5]
+    res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB, speed=s)
+                                  for i, s in enumerate(speeds)))
+    placed = place(res, 2, 4, 4)
+    assert rank_speeds(res, todays(res, 2, 4, 4), 4) == [0.5] * 4
+    assert placed == (("w0", "w2", "w4", "w6"), ("w1", "w3", "w5", "w7"))
+    assert rank_speeds(res, placed, 4) == [1.0, 1.0, 0.5, 0.5]
+    # one replica, or one stage: nothing to group; alike speeds: the list's order
+    assert place(res, 1, 4, 4) == todays(res, 1, 4, 4) and place(res, 4, 1, 1) == todays(res, 4, 1, 1)
+    alike = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB) for i in range(8)))
+    assert place(alike, 2, 4, 4) == todays(alike, 2, 4, 4)
+    # speeds that alternate: grouping the fast ones gains nothing over the list's order, which stays
+    mixed = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=MiB, speed=(1.0, 0.5)[i % 2])
+                                    for i in range(8)))
+    assert place(mixed, 2, 4, 4) == todays(mixed, 2, 4, 4)
+
+
+def test_the_planner_runs_two_generations_faster_with_their_stages_grouped() -> None:
+    """On 2 fast and 2 slow hosts of 4 GPUs, a fixed shape of 4 replicas x 4 stages of a model whose
+    activations outweigh its gradients (the links alone keep pipelines inside hosts): the plan's predicted
+    step against the same plan on the slow hosts' speed everywhere, which is what a pipeline over both
+    generations ran at (every stage had a slow replica: 1.0 of it). Grouped, two stages run twice as fast
+    and the cut gives them more of the chain: at most 0.8 of it (0.79 here; the compute alone, 4 speed
+    units of 6, would give 0.67)."""
+    prof = Profile.synthetic([1e-2] * 16, param_bytes=[1024] * 16, activation_bytes=[MiB] * 16,
+                             cut_bytes=[4 * MiB] * 15, microbatch_size=4)
+    request = PlanConfig(data_parallel=4, num_stages=4, schedule="gpipe", num_microbatches=4)
+    mixed = planner.choose_plan(prof, two_generations(2, 2, 4), request, global_batch=64)
+    slow = planner.choose_plan(prof, two_generations(2, 2, 4, speed=1.0), request, global_batch=64)
+    assert mixed.step_time_s <= 0.8 * slow.step_time_s, (mixed.step_time_s, slow.step_time_s)
