@@ -125,7 +125,7 @@ everywhere: the tests check that both choose the same plan.
 
 [Note: the fast search] ``choose_plan`` does not play every shape. It takes a replicated plan
 without recompute whenever one fits, so it first looks for the best of those by branch and bound, on
-four bounds, each tighter and dearer than the one before (``_bound_order``):
+bounds each tighter and dearer than the one before (``_bound_order``):
 
 1. every shape, before any cut or placement, gets a bound over every cut (``_cut_free_bounds``, one
    numpy pass over all the shapes: [Note: the bound over every cut] in
@@ -144,8 +144,8 @@ four bounds, each tighter and dearer than the one before (``_bound_order``):
    ``closed_form.py``), and waits in the heap under it;
 3. a shape that comes up again gets its cut ignoring memory (computed once per stages,
    microbatch size, recompute, link and speed, and shared by the modes and schedules), first bounded
-   from its stages' compute alone ([Note: a cut's chains, bounded first]), then, but for
-   ZB-H1, a quicker bound with it ([Note: the cut, bounded quickly]), then the bound of
+   from its stages' compute alone ([Note: a cut's chains, bounded first]), then (each time it comes up
+   again) but for ZB-H1 a quicker bound with it ([Note: the cut, bounded quickly]), then the bound of
    ``closed_form.rank_bounds`` from the stage costs the simulator would be given (a shared host's
    slowdown where it is certain: replicas on one host; on a host whose workers are busy together, the
    least it costs them, [Note: a crowded host's slowdown] in ``simulator.py``; the sync as if the whole
@@ -153,8 +153,8 @@ four bounds, each tighter and dearer than the one before (``_bound_order``):
    waits in the heap under it; where that cut does not fit memory the bounds take the cutter's cut within
    memory, the one the play takes ([Note: a cut within memory, bounded]), and a shape whose chain fits no
    cut at all (``cutting.may_fit``), or none the cutter finds, leaves the search;
-4. a shape that comes up a third time is played in the simulator, exactly as the exhaustive search
-   plays it.
+4. a shape that comes up after its bounds with the cut is played in the simulator, exactly as the
+   exhaustive search plays it.
 
 The search stops when the next bound exceeds the best step played (by more than
 :data:`_BOUND_SLACK`): no shape left can win or tie, so the plan is the exhaustive search's, with its
