@@ -10,7 +10,7 @@ workers), of ``candidate_plans(limit=N)`` (``cellmesh plan``'s runners-up, ``--r
 before this one), each once, in wall time and in this process's CPU time (``time.process_time``: what a
 loaded machine does not inflate as much). The fast and exhaustive plans are compared.
 
-    python bench/planning.py [--cases examples,issue,cluster,hosts,mixed,profiles] [--baseline DIR]
+    python bench/planning.py [--cases examples,issue,cluster,hosts,mixed,profiles,heavy] [--baseline DIR]
         [--timeout 300]
         [--json F]
 """
