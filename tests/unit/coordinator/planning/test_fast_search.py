@@ -603,35 +603,45 @@ def test_the_bounds_over_mixed_speeds_never_exceed_the_played_step(seed: int,
     assert filled > 0, filled  # [Note: a pipeline's fill at its stages' paces] lifts some
 
 
+def thousand_nodes() -> Profile:
+    """The cluster-size chain of bench/planning.py: 1,000 nodes of 1 ms, 4 MB of parameters, 1 MB saved,
+    256 KiB crossing each cut."""
+    return Profile.synthetic([1e-3] * 1000, param_bytes=[4 * 10**6] * 1000, activation_bytes=[10**6] * 1000,
+                             cut_bytes=[256 * KiB] * 999)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """``planner.<name>`` counted as it runs (a count, not a time): the list's one entry, its calls so far."""
+    calls = [0]
+    real = getattr(planner, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, name, counted)
+    return calls
+
+
 def test_two_generations_of_gpus_cut_few_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """1,024 GPU workers, half of them half as fast: the bounds that know the speeds the shapes can have
     leave few shapes to cut (1,622 were cut when every stage was priced on the fastest worker; a count,
     not a time: the time is bench/planning.py's)."""
-    prof = Profile.synthetic([1e-3] * 1000, param_bytes=[4 * 10**6] * 1000, activation_bytes=[10**6] * 1000,
-                             cut_bytes=[256 * KiB] * 999)
+    prof = thousand_nodes()
     res = Resources(workers=tuple(
         Worker(name=f"h{i // 8}-{i % 8}", device="cuda", gpus=1, cpus=8, host=f"h{i // 8}",
                memory_bytes=(80 if i < 512 else 40) * 2**30, speed=20.0 if i < 512 else 10.0)
         for i in range(1024)), bandwidth_bps=12.5e9, latency_s=20e-6,
         intra_host=LinkSpeed(bandwidth_bps=100e9, latency_s=5e-6))
-    cut = 0
-    bound = planner._replicated_bound
-
-    def counted(*args: object, **kwargs: object) -> float:
-        nonlocal cut
-        cut += 1
-        return bound(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(planner, "_replicated_bound", counted)
+    cuts = count_calls(monkeypatch, "_replicated_bound")
     plan = choose_plan(prof, res, PlanConfig(), global_batch=4096)
-    assert plan.num_workers <= 1024 and 0 < cut < 200, cut
+    assert plan.num_workers <= 1024 and 0 < cuts[0] < 200, cuts
 
 
 def test_a_thousand_nodes_on_1024_workers_is_planned() -> None:
     """The cluster-size case finishes (its time is bench/planning.py's: no timed assertion here): 128 hosts
     of 8 one-core workers (1,024 workers on this machine's cores would all tie, and every shape be played)."""
-    prof = Profile.synthetic([1e-3] * 1000, param_bytes=[4 * 10**6] * 1000, activation_bytes=[10**6] * 1000,
-                             cut_bytes=[256 * KiB] * 999)
+    prof = thousand_nodes()
     res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=80 * 2**30, host=f"h{i // 8}")
                                   for i in range(1024)))
     plan = choose_plan(prof, res, PlanConfig(num_stages=128), global_batch=4096)
@@ -643,28 +653,19 @@ def test_a_flat_search_on_cpu_hosts_chooses_the_exact_plan(monkeypatch: pytest.M
     """[Note: a flat search]: on 1,000 nodes over 128 hosts of 8 CPU workers of 4 of their 32 cores (the
     finalists' bounds 0.1-1.6% under their steps, so the search goes flat), the search with its gap chooses
     the plan of the search that never stops early: the same plan, played fewer times."""
-    prof = Profile.synthetic([1e-3] * 1000, param_bytes=[4 * 10**6] * 1000, activation_bytes=[10**6] * 1000,
-                             cut_bytes=[256 * KiB] * 999)
+    prof = thousand_nodes()
     res = Resources(workers=tuple(
         Worker(name=f"h{i // 8}-{i % 8}", cpus=4, memory_bytes=64 * 2**30, host=f"h{i // 8}", host_cpus=32)
         for i in range(1024)), bandwidth_bps=12.5e9, latency_s=20e-6,
         intra_host=LinkSpeed(bandwidth_bps=100e9, latency_s=5e-6))
-    plays = 0
-    evaluate = planner._evaluate
-
-    def counted(*args: object, **kwargs: object) -> object:
-        nonlocal plays
-        plays += 1
-        return evaluate(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(planner, "_evaluate", counted)
+    plays = count_calls(monkeypatch, "_evaluate")
     flat = choose_plan(prof, res, PlanConfig(), global_batch=4096)
-    flat_plays, plays = plays, 0
+    flat_plays, plays[0] = plays[0], 0
     monkeypatch.setattr(planner, "_EXACT_PLAYS", 10**9)
     monkeypatch.setattr(planner, "_EXACT_CUTS", 10**9)
     exact = choose_plan(prof, res, PlanConfig(), global_batch=4096)
     assert flat == exact
-    assert flat_plays < plays, (flat_plays, plays)
+    assert flat_plays < plays[0], (flat_plays, plays)
 
 
 def test_stage_holds_is_what_the_built_schedules_hold() -> None:
@@ -880,17 +881,9 @@ def test_a_thousand_uneven_nodes_on_a_crowded_host_play_few(monkeypatch: pytest.
                              cut_bytes=[rng.randint(1024, 2**20) for _ in range(n - 1)])
     res = Resources(workers=tuple(Worker(name=f"w{i}", memory_bytes=80 * 2**30, host="h", host_cpus=2)
                                   for i in range(1024)))
-    plays = 0
-    evaluate = planner._evaluate
-
-    def counted(*args: object, **kwargs: object) -> list[planner.Candidate]:
-        nonlocal plays
-        plays += 1
-        return evaluate(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(planner, "_evaluate", counted)
+    plays = count_calls(monkeypatch, "_evaluate")
     plan = choose_plan(prof, res, PlanConfig(), global_batch=4096)
-    assert plan.num_workers <= 1024 and plays <= planner._EXACT_PLAYS + 8, plays
+    assert plan.num_workers <= 1024 and plays[0] <= planner._EXACT_PLAYS + 8, plays
     runners = candidate_plans(prof, res, PlanConfig(), global_batch=4096, limit=3)
     assert runners[0].plan == plan and len(runners) == 3  # the chosen plan first, as `cellmesh plan` shows
 
