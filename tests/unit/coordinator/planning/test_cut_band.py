@@ -253,3 +253,24 @@ def test_far_apart_paces_over_flat_runs_give_the_dense_boundaries(seed: int) -> 
         with contextlib.suppress(CutError):  # the band at the answer itself: no room to spare
             dense = dense_min_max(problem)
             assert _banded(problem, problem.max_stage_time(dense))[0] == dense
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dear_cuts_over_many_stages_give_the_dense_boundaries(seed: int) -> None:
+    """[Note: the ends' window, with the cuts paid]: cuts that cost as much as a stage's compute or more,
+    nearly alike (the cheapest cuts are nearly the ones paid: the window has little to spare), many stages
+    of a few nodes each, paces and uncuttable positions now and then, against the dense programme, and the
+    band at the answer itself."""
+    rng = random.Random(11000 + seed)
+    n = rng.choice([80, 160])
+    k = rng.choice([n // 8, n // 4, n // 2])
+    compute = tuple(rng.uniform(0.1, 1.0) for _ in range(n))
+    dear = rng.choice([0.5, 2.0, 8.0])  # a cut against a node's mean compute of 0.55
+    cuts = tuple(dear * rng.uniform(1.0, 1.0 + rng.choice([0.0, 0.02, 0.3])) for _ in range(n + 1))
+    cuttable = tuple(rng.random() > 0.1 for _ in range(n + 1)) if seed % 3 == 0 else None
+    pace = tuple(rng.choice([1.0, 0.5]) for _ in range(k)) if seed % 2 else None
+    problem = CutProblem(compute, cuts, k, cuttable, pace=pace)
+    same_as_dense(problem)
+    with contextlib.suppress(CutError):
+        dense = dense_min_max(problem)
+        assert _banded(problem, problem.max_stage_time(dense))[0] == dense
