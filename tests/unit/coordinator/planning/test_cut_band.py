@@ -274,3 +274,38 @@ def test_dear_cuts_over_many_stages_give_the_dense_boundaries(seed: int) -> None
     with contextlib.suppress(CutError):
         dense = dense_min_max(problem)
         assert _banded(problem, problem.max_stage_time(dense))[0] == dense
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_cut_within_memory_is_the_cut_ignoring_it_where_that_fits(seed: int) -> None:
+    """[Note: memory binding, cut within it at once] in planner.py: where the min-max cut ignoring memory
+    fits the limits, the min-max cut within them is that very cut (ties included: flat runs, alike cuts),
+    so the search may cut within memory at once; where it does not fit, the cut within memory differs."""
+    rng = random.Random(13000 + seed)
+    n, k = rng.choice([40, 90]), rng.choice([2, 3, 5, 9, 16])
+    compute: list[float] = []
+    while len(compute) < n:
+        compute += [0.0] * rng.randint(1, 6) if rng.random() < 0.3 else [rng.choice([0.5, 1.0, rng.random()])]
+    compute = compute[:n]
+    cuts = tuple(rng.choice([0.0, 0.1, 0.1, 0.4]) for _ in range(n + 1))
+    static = tuple(rng.uniform(0, 2) for _ in range(n))
+    act = tuple(rng.uniform(0, 1) for _ in range(n))
+    in_flight = tuple(k - s for s in range(k)) if seed % 2 else (2,) * k
+    pace = tuple(rng.choice([1.0, 0.5]) for _ in range(k)) if seed % 3 == 0 else None
+    free = cut_min_max(CutProblem(tuple(compute), cuts, k, None, pace=pace))
+    fitted = missed = 0
+    for scale in (0.6, 0.9, 1.2, 2.0, 5.0):
+        room = scale * (sum(static) + max(in_flight) * sum(act)) / k
+        problem = CutProblem(tuple(compute), cuts, k, None, static, act, in_flight, (room,) * k, pace=pace)
+        try:
+            within = cut_min_max(problem)
+        except CutError:
+            continue
+        try:
+            problem.check(free)
+        except CutError:
+            missed += 1
+            continue
+        fitted += 1
+        assert within == free, (scale, within, free)
+    assert fitted + missed > 0
