@@ -10,7 +10,8 @@ workers), of ``candidate_plans(limit=N)`` (``cellmesh plan``'s runners-up, ``--r
 before this one), each once, in wall time and in this process's CPU time (``time.process_time``: what a
 loaded machine does not inflate as much). The fast and exhaustive plans are compared.
 
-    python bench/planning.py [--cases examples,issue,cluster,hosts,mixed,profiles,heavy] [--baseline DIR]
+    python bench/planning.py [--cases examples,issue,cluster,hosts,mixed,profiles,heavy,random]
+        [--baseline DIR]
         [--timeout 300]
         [--json F]
 """
@@ -58,6 +59,9 @@ CASES: dict[str, list[tuple[Any, ...]]] = {
     # list and the cluster lists
     "heavy": [(1000, 1024, None, kind, "heavy")
               for kind in ("local", "gpu-hosts", "cpu-hosts", "mixed-gpu-hosts", "mixed-cpu-hosts")],
+    # lists and chains drawn from a seed each (``random-S``: see resources() and profile()), so that a search
+    # is not only timed on the lists it was tuned on: any stage count
+    "random": [(1000, 1024, None, f"random-{seed}", f"random-{seed}") for seed in range(16)],
 }
 
 
@@ -65,10 +69,33 @@ def resources(kind: str, w: int) -> Resources:
     """The case's resource list: ``local`` (this host's ``w`` workers, 80 GiB each) or hosts of 8 workers
     (``gpu-hosts``: a GPU each, 20x the profiled speed; ``cpu-hosts``: 4 of a host's 32 cores each;
     ``mixed-...``: the second half of the hosts half as fast, with half the memory; ``busy-cpu-hosts``: 8
-    of a host's 32 cores each, twice what the host has)."""
+    of a host's 32 cores each, twice what the host has); ``random-S``: drawn from seed ``S``: hosts of 1 to
+    16 workers, GPUs (20x the profiled speed, 8-80 GiB) or CPU workers of 1-8 threads on hosts of 16-128
+    cores (16-256 GiB), one to three generations (each half as fast and with two thirds of the memory of the
+    one before), links between hosts of 1.25-50 GB/s."""
+    import random
+
     from coordinator.planning.resources import LinkSpeed, Resources, Worker
     if kind.startswith("local"):  # "local-16": 16 GiB each
         return Resources.local(w, memory_bytes=int(kind.partition("-")[2] or 80) * 2**30)
+    if kind.startswith("random-"):
+        rng = random.Random(1000 + int(kind.partition("-")[2]))
+        per_host, on_gpu = rng.choice([1, 2, 4, 8, 16]), rng.random() < 0.5
+        generations = rng.choice([1, 1, 2, 3])
+        gib = rng.choice([8, 16, 32, 80]) if on_gpu else rng.choice([16, 64, 256])
+        cores, threads = rng.choice([16, 32, 64, 128]), rng.choice([1, 2, 4, 8])
+        hosts = w // per_host
+
+        def generation(i: int) -> int:
+            return (i // per_host) * generations // hosts
+
+        return Resources(workers=tuple(
+            Worker(name=f"h{i // per_host}-{i % per_host}", device="cuda" if on_gpu else "cpu",
+                   gpus=int(on_gpu), cpus=threads, memory_bytes=int(gib * 2**30 / (1 + 0.5 * generation(i))),
+                   host=f"h{i // per_host}", host_cpus=None if on_gpu else cores,
+                   speed=(20.0 if on_gpu else 1.0) / (1 + generation(i))) for i in range(w)),
+            bandwidth_bps=rng.choice([1.25e9, 12.5e9, 50e9]), latency_s=20e-6,
+            intra_host=LinkSpeed(bandwidth_bps=100e9 if on_gpu else 20e9, latency_s=5e-6))
     gpu = kind in ("gpu-hosts", "mixed-gpu-hosts")
     slower = (lambda i: 0.5 if i >= w // 2 else 1.0) if kind.startswith("mixed") else (lambda i: 1.0)
     cpus = 8 if gpu or kind == "busy-cpu-hosts" else 4
@@ -101,10 +128,21 @@ print(json.dumps({"s": time.perf_counter() - t0, "cpu": time.process_time() - c0
 def profile(nodes: int, chain: str = "even") -> Profile:
     """The case's chain: ``even`` (the module's), ``uneven`` (each node's time, bytes and crossing drawn
     from a seeded generator), ``heavy`` (another seed, drawn wider: up to 8 ms a node, 32 MB of parameters,
-    8 MB saved, 4 MiB crossing) or ``embed`` (the even chain, its first and last nodes 800 MB of
-    parameters)."""
+    8 MB saved, 4 MiB crossing), ``embed`` (the even chain, its first and last nodes 800 MB of
+    parameters) or ``random-S`` (drawn from seed ``S``: a heaviness h in [0, 1], each node 0.1 to 1 + 8 h
+    ms, up to 4 + 28 h MB of parameters and 1 + 7 h MB saved, up to 0.25 + 4 h MiB crossing; SGD or
+    AdamW)."""
     import random
     mb = 10**6
+    if chain.startswith("random-"):
+        rng = random.Random(int(chain.partition("-")[2]))
+        h = rng.random()
+        forward = [rng.uniform(0.1e-3, 1e-3 + 8e-3 * h) for _ in range(nodes)]
+        params = [rng.randint(0, int(4 * mb + 28 * mb * h)) for _ in range(nodes)]
+        saved = [rng.randint(mb // 10, int(mb + 7 * mb * h)) for _ in range(nodes)]
+        crossing = [rng.randint(1024, int(2**18 + 4 * 2**20 * h)) for _ in range(nodes - 1)]
+        return Profile.synthetic(forward, param_bytes=params, activation_bytes=saved, cut_bytes=crossing,
+                                 optimizer=rng.choice(["sgd", "adamw"]))
     if chain == "uneven":
         rng = random.Random(7)
         return Profile.synthetic([rng.uniform(0.2e-3, 5e-3) for _ in range(nodes)],

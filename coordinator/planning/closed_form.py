@@ -64,6 +64,7 @@ Every term is one the exact bound is at least, so the cut-free bound never excee
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -150,23 +151,33 @@ def rank_bounds(name: str, num_microbatches: int, num_ranks: int, forward_s: Seq
         arrive = head[-1] + (activation_s[s - 1] if s > 0 else 0.0) + forward_s[s] + activation_s[s]
         head.append(max(begin[r], arrive))
     bounds: list[float] = []
+    if name == "zb-h1":
+        # [Note: ZB-H1's drain, in one pass] rank r's last I's gradients leave when its W's after it
+        # (``late``) are all that is left; from there they reach each rank j < r after the gradients' sends
+        # and the I's between (``c_i``, i = j..r-1), and rank j then runs its own W's after its last I:
+        # ``end_r - late_r + sum_{i=j}^{r-1} c_i + min(j + 1, m) W_j``. With ``D_j = sum_{i<j} c_i`` that is
+        # ``end_r - late_r + D_r + (min(j + 1, m) W_j - D_j)``, whose last term's maximum over ``j < r``
+        # runs along with ``r``: a pass over the ranks, where the sum from each rank back was ``R^2``
+        # (pipelines of hundreds of ranks: 28 million steps in one search).
+        assert weight_s is not None
+        drained = 0.0  # D_r
+        most = -math.inf  # the largest min(j + 1, m) W_j - D_j over j < r
+        for r in range(rr):
+            end = head[r] + busy[r]
+            late = min(r + 1, m) * weight_s[r]  # the W's after the last I and its send
+            bounds.append(end if r == 0 else max(end, end - late + drained + most))
+            most = max(most, min(r + 1, m) * weight_s[r] - drained)
+            if r < rr - 1:  # c_r: the gradients' way from rank r + 1 through rank r's I
+                before = gradient_s[r - 1] if r > 0 else 0.0
+                drained += gradient_s[r] + (backward_s[r] - weight_s[r]) + before
+        return bounds, occupied
     tail = 0.0  # the drain below rank r, stages r-1..0
     for r in range(rr):
         end = head[r] + busy[r]
         if r > 0:
             j = r - 1
             tail += gradient_s[j] + backward_s[j] + (gradient_s[j - 1] if j > 0 else 0.0)
-        if name != "zb-h1":
-            bounds.append(end + tail)
-            continue
-        assert weight_s is not None
-        late = min(r + 1, m) * weight_s[r]  # the W's after the last I and its send
-        t = end - late  # when its last I's gradients were sent
-        bound = end
-        for j in range(r - 1, -1, -1):
-            t += gradient_s[j] + (backward_s[j] - weight_s[j]) + (gradient_s[j - 1] if j > 0 else 0.0)
-            bound = max(bound, t + min(j + 1, m) * weight_s[j])
-        bounds.append(bound)
+        bounds.append(end + tail)
     return bounds, occupied
 
 
