@@ -1102,6 +1102,7 @@ class _Setup:
     runtime: int  # a worker's runtime bytes, counted against its memory once (0 on a GPU)
     precision: str = "fp32"
     holds: tuple[bool, ...] = ()  # per stage: its B's hold their W's (1F1B in fp32, see hold_bytes)
+    room: float = math.inf  # the stages' limits together, each with_slack (what _may_fit compares)
 
 
 def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig,
@@ -1126,7 +1127,7 @@ def _setup(shared: _Shared, shape: Shape, global_batch: int, request: PlanConfig
         limit = [float(least - runtime) / v for least in at.memory]
         holds = tuple(not deferring and request.precision == "fp32" for deferring in defers)
         return _Setup(shape, mb, ranks, placement, at, in_flight, defer, limit, [], runtime,
-                      request.precision, holds)
+                      request.precision, holds, sum(with_slack(each) for each in limit))
 
     common = shared._get(("setup", d, p, sched_name, m, v, global_batch, request.precision), make)
     return dataclasses.replace(common, shape=shape,
@@ -1525,8 +1526,7 @@ def _may_fit_anywhere(shared: _Shared, shape: Shape, global_batch: int) -> bool:
 def _may_fit(shared: _Shared, setup: _Setup, global_batch: int) -> bool:
     """``cutting.may_fit`` of the shape's replicated cut problem, from its memory alone (before its links,
     speeds and cut): most shapes of a search over workers of little memory fit no cut, and leave it here."""
-    return floor_fits(_least_bytes(shared, setup.shape, global_batch),
-                      sum(with_slack(limit) for limit in setup.limit))
+    return floor_fits(_least_bytes(shared, setup.shape, global_batch), setup.room)
 
 
 def _least_bytes(shared: _Shared, shape: Shape, global_batch: int) -> float:
