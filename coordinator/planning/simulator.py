@@ -68,6 +68,16 @@ With ``A_r >= (e_r + slowed work - T) / (s - 1)`` from above, ``T >= (e_r + its 
 (its step: 14.91 s). A test holds both against the play on random hosts, placements and
 slowdowns (``tests/unit/coordinator/planning/test_fast_search.py``).
 
+[Note: a rank never alone] A rank with two workers or more at its home crowds it by itself: whenever it
+is busy the host holds two busy workers, so its forwards and backwards are slowed, whether another rank is
+busy or not. The bounds from a host's cores (:meth:`Sharing.least_time`, :meth:`Sharing.spread_time`)
+weigh each rank's work by its slowdowns and take as the most weighted work a host does a second the larger
+of its cores and what one rank busy alone does, unslowed (``s min(k, c)``): for such a rank alone that is
+``min(k, c)``, as crowded. On hosts whose workers want twice to eight times their cores, with a replica's
+ranks spread alike over its hosts (all of them then call one host home), the plays had been 12.4-13% over
+those bounds (1.15, the backward's slowdown): 134 shapes played where 2 are now (docs/benchmarks.md,
+"Planning at cluster size").
+
 Everything a rank spends waiting is idle; the bubble fraction is total idle time over
 ``num_ranks * step_time``. For equal stages and free transfers it is ``(p-1)/(m+p-1)``
 for GPipe and 1F1B alike. Results are per rank (``SimResult.ranks`` says which stages
@@ -226,6 +236,14 @@ class Sharing:
         return tuple(0.0 if h is None else next(k for g, k, _ in want if g == h)
                      for want, h in zip(self.wants, self.homes(), strict=True))
 
+    @functools.cached_property
+    def _home_slowed(self) -> tuple[bool, ...]:
+        """Per rank, whether it has two workers or more at its home: busy, it crowds that host by itself, so
+        its forwards and backwards are slowed even while no other rank is busy ([Note: a rank never
+        alone])."""
+        return tuple(h is not None and next(n for g, _, n in want if g == h) > 1
+                     for want, h in zip(self.wants, self.homes(), strict=True))
+
     def turns(self, host: int) -> float:
         """What a forward's or backward's pace is divided by on ``host`` beyond the slowdowns of a crowd:
         ``turns_slowdown`` where two workers or more want more cores than it has (they take turns), else 1."""
@@ -279,7 +297,8 @@ class Sharing:
             work = k * (t * f * forward[r] + t * b * backward[r])
             load[h] += work + k * other[r]
             computed[h] += work
-            one = (worst if crowded else 1.0) * min(k, self.cores[h])  # the most one busy rank does a second
+            # the most one busy rank does a second: unslowed, unless it crowds its home by itself
+            one = (worst if crowded and not self._home_slowed[r] else 1.0) * min(k, self.cores[h])
             arrivals[h].append((ready[r] if ready is not None else 0.0, k, one))
             alone[h] = max(alone[h], one / self.cores[h])
         # a host no rank calls home carries no load: its term is 0, as the default
@@ -305,7 +324,7 @@ class Sharing:
             assert home is not None
             crowded = workers[home] > 1
             weight = min(weight, wanted[r] * self.turns(home) * (lighter if crowded else 1.0))
-            one = (worst if crowded else 1.0) * min(wanted[r], self.cores[home])
+            one = (worst if crowded and not self._home_slowed[r] else 1.0) * min(wanted[r], self.cores[home])
             alone[home] = max(alone.get(home, 1.0), one / self.cores[home])
         rate = sum(self.cores[h] * a for h, a in alone.items())  # the most weighted work they do a second
         return weight * work / rate

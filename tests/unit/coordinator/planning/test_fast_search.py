@@ -957,3 +957,26 @@ def test_the_homes_cores_before_the_cut_never_exceed_the_played_step(seed: int,
             checked += 1
             lifted += placed > without * 1.001
     assert checked > 0 and lifted > 0, (checked, lifted)
+
+
+@pytest.mark.parametrize(("name", "p", "m"), [("gpipe", 2, 4), ("1f1b", 4, 8), ("zb-h1", 3, 6)])
+def test_a_rank_that_crowds_its_home_by_itself_is_bounded_slowed(name: str, p: int, m: int) -> None:
+    """[Note: a rank never alone]: every rank has two workers of 2 threads on one host of 4 cores, so
+    whenever one is busy the host holds two busy workers and its forwards and backwards are slowed, alone
+    or not. The hosts' cores bound then divides by the cores (one rank alone does no more), and it sits at
+    the shared play where the stages are even; with one worker a rank, alone it runs unslowed, and the
+    bound divides by that rate."""
+    fs, bs = 1.05, 1.15
+    costs = StageCosts((1.0,) * p, (2.0,) * p, (0.0,) * (p - 1), (0.0,) * (p - 1), start_s=(0.0,) * p)
+    order = schedule_steps(name, p, m, 1)[0]
+    held = [(s,) for s in range(p)]
+    work = ([m * 1.0] * p, [m * 2.0] * p, [0.0] * p)
+    for workers, slowed in ((2, True), (1, False)):
+        sharing = Sharing((4.0,), tuple(((0, 4.0, workers),) for _ in range(p)), fs, bs)
+        step = play(name, order, held, costs, sharing).step_time_s
+        bound = sharing.least_time(*work)
+        assert bound <= step * (1 + 1e-12)
+        weighted = 4.0 * p * m * (fs * 1.0 + bs * 2.0)
+        assert bound == pytest.approx(weighted / (4.0 if slowed else 4.0 * bs))
+        if slowed:  # the ranks take the cores in turn, each slowed: the bound is the play
+            assert bound == pytest.approx(step)
