@@ -21,6 +21,8 @@ import torch
 from comm import auth
 from comm.codec import unpack
 from comm.registry import connect_registry
+from comm.registry.follow import FOLLOW_POLL
+from comm.registry.keepalive import OUTAGE_GRACE
 from comm.rpc import RpcClient
 from coordinator.commands.cli import main as cli_main
 from coordinator.commands.jobspec import load_job
@@ -203,13 +205,19 @@ def test_the_workers_of_a_killed_coordinator_leave_and_its_successor_trains_to_t
         killed = time.monotonic()
         assert step() == 0  # gone
         workers = ("podjob-worker-0", "podjob-worker-1")
-        codes = {name: cluster.procs[name].wait(20) for name in workers}
+        # the presence lapses within the job's runtime.lease_ttl_s (5 s) while the registry answers; a worker
+        # whose registry answered late (a loaded machine: the whole suite on two cores) holds the deletion
+        # for the outage grace and reads it at its follower's next poll ([Note: registry outages])
+        most = 5 + (OUTAGE_GRACE + FOLLOW_POLL).total_seconds() + 10
+        codes = {name: cluster.procs[name].wait(most) for name in workers}
         left = time.monotonic() - killed
         assert codes == dict.fromkeys(workers, 0), cluster.logs()
-        assert left < 10, left  # the presence lapses within the job's runtime.lease_ttl_s (5 s)
+        answered = True
         for name in workers:
             last = cluster.tail(name, 3)
             assert "its coordinator" in last and "is gone" in last, cluster.logs()
+            answered &= "while the registry answers" in last
+        assert left < (10 if answered else most), (left, cluster.logs())
 
         for name in workers:
             cluster.start(name)  # as their StatefulSet restarts them
