@@ -311,10 +311,17 @@ class Sharing:
         seconds at their own paces, however a cut splits them among the ranks: :meth:`least_time`'s homes
         added up (the busiest does at least their mean), each rank's work at the least weight any rank's
         has there (the cores it wants at home, its home's turns, the lesser slowdown of a crowd); 0 where
-        a rank has no home."""
+        a rank has no home. The weight and the homes' rate are the sharing's own: taken once."""
+        spread = self._spread
+        return 0.0 if spread is None else spread[0] * work / spread[1]
+
+    @functools.cached_property
+    def _spread(self) -> tuple[float, float] | None:
+        """:meth:`spread_time`'s least weight and the most weighted work the homes do a second (None where a
+        rank has no home)."""
         homes = self.homes()
         if not homes or any(h is None for h in homes):
-            return 0.0
+            return None
         workers, wanted = self._host_sums[1], self._home_cores
         worst = max(self.forward_slowdown, self.backward_slowdown)
         lighter = min(self.forward_slowdown, self.backward_slowdown)
@@ -327,7 +334,7 @@ class Sharing:
             one = (worst if crowded and not self._home_slowed[r] else 1.0) * min(wanted[r], self.cores[home])
             alone[home] = max(alone.get(home, 1.0), one / self.cores[home])
         rate = sum(self.cores[h] * a for h, a in alone.items())  # the most weighted work they do a second
-        return weight * work / rate
+        return weight, rate
 
     def crowded_time(self, ends: Sequence[float], occupied: Sequence[float], forward: Sequence[float],
                      backward: Sequence[float]) -> float:
