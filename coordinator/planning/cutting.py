@@ -655,9 +655,9 @@ def _banded(problem: CutProblem, limit: float) -> tuple[Bounds | None, float]:
         padded = (np.full(pad + n + 1, np.inf), np.full(pad + n + 1, np.inf))
         held_best = np.full(pad + n + 1, np.inf)
         held_best[pad:] = best
-        # per buffer, its windows of ``across`` entries: windows[i, t] = buffer[i + t] (views, made once)
+        # per buffer, its sliding views of ``across`` entries: view[i, t] = buffer[i + t] (made once)
         slide = np.lib.stride_tricks.sliding_window_view
-        windows_of = {id(b): slide(b, across) for b in (held_best, *padded)}
+        views_of = {id(b): slide(b, across) for b in (held_best, *padded)}
         for s in range(1, k - 1):
             lo, hi = max(windows[s][0], r0), min(windows[s][1], r1)
             following = padded[s % 2]  # the other one holds ``held_best`` (or is unused yet)
@@ -667,7 +667,7 @@ def _banded(problem: CutProblem, limit: float) -> tuple[Bounds | None, float]:
                 rows, cols = slice(lo - r0, hi - r0), slice(col, across)
                 height, breadth = hi - lo, across - col
                 # before[j, t] = best[starts[lo - r0 + j, col + t]]: the stages before s end there
-                before = windows_of[id(held_best)][lo:hi, col:]
+                before = views_of[id(held_best)][lo:hi, col:]
                 cand = np.maximum(before, stage_cost(s, rows, cols), order="C")
                 pick = cand.argmin(axis=1)  # the first minimum, the earliest start: as the dense one
                 choice[s][lo:hi] = np.maximum(ends[lo:hi] + (col - across) + pick, 0)

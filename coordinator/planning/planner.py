@@ -1542,6 +1542,18 @@ def _least_bytes(shared: _Shared, shape: Shape, global_batch: int) -> float:
     return least * (1 - 1e-12)
 
 
+# [Note: memory binding, cut within it at once] The min-max programme within memory is the programme
+# ignoring it with the cells over memory left out; where the cut ignoring memory fits, its path keeps
+# every value along it and no earlier start reaches a value as low, so the cut within memory is that very
+# cut (tests/unit/coordinator/planning/test_cut_band.py holds them equal). So the cut ignoring memory only
+# saves work where it is shared (one per stages, size, speed and link, where the cut within memory is one
+# per problem: schedule, microbatches, limits) and fits. On workers of little memory it mostly does not:
+# on GPUs of 8 GiB (1,000 heavy nodes over 1,024 of them) 288 of 306 shapes cut did not fit theirs, and
+# the 126 cuts ignoring memory made for them were a quarter of the search. Once half the shapes checked
+# (after _BINDING_AFTER) have not fitted, a shape not yet cut ignoring memory is cut within it at once.
+_BINDING_AFTER = 8
+
+
 def _bound_cut(shared: _Shared, setup: _Setup, cutter: Cutter, balance: Sequence[int] | None
                ) -> tuple[int, ...] | None:
     """The cut the shape's replicated candidate is played with: the cutter's ignoring memory where it fits,
@@ -1572,18 +1584,6 @@ def _bound_cut(shared: _Shared, setup: _Setup, cutter: Cutter, balance: Sequence
         if not may_fit(problem):
             return None  # no cut fits: the candidate cannot
         return _memory_cut(shared, problem, cutter, balance)  # None: the cutter finds none within memory
-
-
-# [Note: memory binding, cut within it at once] The min-max programme within memory is the programme
-# ignoring it with the cells over memory left out; where the cut ignoring memory fits, its path keeps
-# every value along it and no earlier start reaches a value as low, so the cut within memory is that very
-# cut (tests/unit/coordinator/planning/test_cut_band.py holds them equal). So the cut ignoring memory only
-# saves work where it is shared (one per stages, size, speed and link, where the cut within memory is one
-# per problem: schedule, microbatches, limits) and fits. On workers of little memory it mostly does not:
-# on GPUs of 8 GiB (1,000 heavy nodes over 1,024 of them) 288 of 306 shapes cut did not fit theirs, and
-# the 126 cuts ignoring memory made for them were a quarter of the search. Once half the shapes checked
-# (after _BINDING_AFTER) have not fitted, a shape not yet cut ignoring memory is cut within it at once.
-_BINDING_AFTER = 8
 
 
 def _chain_bound(shared: _Shared, setup: _Setup, bounds: Sequence[int], rest: float) -> float:

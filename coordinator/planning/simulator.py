@@ -231,18 +231,22 @@ class Sharing:
         return tuple(wanted), tuple(workers)
 
     @functools.cached_property
+    def _at_home(self) -> tuple[tuple[float, int], ...]:
+        """Per rank, the cores it wants at its home and its workers there ((0, 0) without one)."""
+        return tuple((0.0, 0) if h is None else next((k, n) for g, k, n in want if g == h)
+                     for want, h in zip(self.wants, self.homes(), strict=True))
+
+    @functools.cached_property
     def _home_cores(self) -> tuple[float, ...]:
         """Per rank, the cores it wants at its home (0 without one)."""
-        return tuple(0.0 if h is None else next(k for g, k, _ in want if g == h)
-                     for want, h in zip(self.wants, self.homes(), strict=True))
+        return tuple(k for k, _ in self._at_home)
 
     @functools.cached_property
     def _home_slowed(self) -> tuple[bool, ...]:
         """Per rank, whether it has two workers or more at its home: busy, it crowds that host by itself, so
         its forwards and backwards are slowed even while no other rank is busy ([Note: a rank never
         alone])."""
-        return tuple(h is not None and next(n for g, _, n in want if g == h) > 1
-                     for want, h in zip(self.wants, self.homes(), strict=True))
+        return tuple(n > 1 for _, n in self._at_home)
 
     def turns(self, host: int) -> float:
         """What a forward's or backward's pace is divided by on ``host`` beyond the slowdowns of a crowd:
