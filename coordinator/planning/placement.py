@@ -60,7 +60,7 @@ import numpy as np
 from coordinator.planning.profile import Profile
 from coordinator.planning.resources import Resources, Speed
 
-__all__ = ["PlacedLinks", "Placement", "Traffic", "layout_cost", "neighbour_link", "place",
+__all__ = ["PlacedLinks", "Placement", "Traffic", "grids", "layout_cost", "neighbour_link", "place",
            "place_with_links", "step_traffic"]
 
 Placement = tuple[tuple[str, ...], ...]  # placement[r][s]: the worker of replica r's stage s
@@ -230,27 +230,57 @@ def layout_cost(resources: Resources, grid: Sequence[Sequence[str]], traffic: Tr
     return _Layout.of(resources, [list(row) for row in grid], chunks).cost(traffic, chunks)
 
 
-# per resource list (by id, the list kept so the id stays its own): (replicas, ranks, chunks) -> layouts
-_LAYOUTS: dict[int, tuple[Resources, dict[tuple[int, int, int], tuple[_Layout, ...]]]] = {}
+# per resource list (by id, the list kept so the id stays its own): (replicas, ranks) -> grids, and
+# (replicas, ranks, chunks) -> layouts
+_LAYOUTS: dict[int, tuple[Resources, dict[tuple[int, int], tuple[Grid, ...]],
+                          dict[tuple[int, int, int], tuple[_Layout, ...]]]] = {}
 
 
-def _layouts(resources: Resources, replicas: int, ranks: int, chunks: int) -> tuple[_Layout, ...]:
-    """The pipelines-inside-hosts layout and, when it differs, the replica-groups-inside-hosts one, with their
-    links: built once per shape of a resource list (the planner asks again for every microbatch count)."""
+def _cached(resources: Resources) -> tuple[dict[tuple[int, int], tuple[Grid, ...]],
+                                           dict[tuple[int, int, int], tuple[_Layout, ...]]]:
     cached = _LAYOUTS.get(id(resources))
     if cached is None or cached[0] is not resources:
         if len(_LAYOUTS) > 8:
             _LAYOUTS.clear()
-        cached = _LAYOUTS[id(resources)] = (resources, {})
+        cached = _LAYOUTS[id(resources)] = (resources, {}, {})
+    return cached[1], cached[2]
+
+
+def grids(resources: Resources, replicas: int, ranks: int) -> tuple[Grid, ...]:
+    """The grids (``grid[r][k]``: the worker of replica ``r``'s rank ``k``) :func:`place_with_links` picks
+    from for ``replicas`` x ``ranks``, whatever the stages and the traffic: the one it takes where the
+    hosts leave no choice, else the pipelines-inside-hosts layout and, when it differs, the
+    replica-groups-inside-hosts one. Built once per shape of a resource list (the planner asks again for
+    every stage and microbatch count)."""
+    known, _ = _cached(resources)
+    key = (replicas, ranks)
+    if key not in known:
+        groups = resources.host_groups
+        if not resources.host_dependent_links or len(groups) == 1:
+            names = [w.name for w in resources.workers]
+            grid: Grid = [names[r * ranks:(r + 1) * ranks] for r in range(replicas)]
+            speeds = resources.worker_table.speed
+            if replicas > 1 and ranks > 1 and speeds.min() < speeds.max():  # [Note: a layout's speeds]
+                grouped = _fastest_groups(resources, replicas, ranks)
+                if _rank_speeds(resources, grouped) > _rank_speeds(resources, grid):
+                    grid = grouped
+            known[key] = (grid,)
+        else:
+            flat = resources.names_by_host
+            pipelines = _blocks(groups, replicas, ranks, flat)
+            by_stage = _blocks(groups, ranks, replicas, flat)
+            replica_groups = [[by_stage[k][r] for k in range(ranks)] for r in range(replicas)]
+            known[key] = (pipelines,) if pipelines == replica_groups else (pipelines, replica_groups)
+    return known[key]
+
+
+def _layouts(resources: Resources, replicas: int, ranks: int, chunks: int) -> tuple[_Layout, ...]:
+    """:func:`grids` with their links, for hosts that leave a choice."""
+    _, layouts = _cached(resources)
     key = (replicas, ranks, chunks)
-    if key not in cached[1]:
-        groups, flat = resources.host_groups, resources.names_by_host
-        pipelines = _blocks(groups, replicas, ranks, flat)
-        by_stage = _blocks(groups, ranks, replicas, flat)
-        replica_groups = [[by_stage[k][r] for k in range(ranks)] for r in range(replicas)]
-        grids = [pipelines] if pipelines == replica_groups else [pipelines, replica_groups]
-        cached[1][key] = tuple(_Layout.of(resources, g, chunks) for g in grids)
-    return cached[1][key]
+    if key not in layouts:
+        layouts[key] = tuple(_Layout.of(resources, g, chunks) for g in grids(resources, replicas, ranks))
+    return layouts[key]
 
 
 def _blocks(groups: Sequence[Sequence[str]], count: int, size: int, flat: Sequence[str] | None = None
@@ -334,16 +364,9 @@ def place_with_links(resources: Resources, replicas: int, stages: int, ranks: in
     if replicas * ranks > resources.num_workers:
         raise ValueError(f"place: {replicas} replicas x {ranks} workers need {replicas * ranks} workers, the "
                          f"resource list has {resources.num_workers}")
-    groups = resources.host_groups
     links = None
-    if not resources.host_dependent_links or len(groups) == 1:
-        names = [w.name for w in resources.workers]
-        grid: Grid = [names[r * ranks:(r + 1) * ranks] for r in range(replicas)]
-        speeds = resources.worker_table.speed
-        if replicas > 1 and ranks > 1 and speeds.min() < speeds.max():  # [Note: a layout's speeds]
-            grouped = _fastest_groups(resources, replicas, ranks)
-            if _rank_speeds(resources, grouped) > _rank_speeds(resources, grid):
-                grid = grouped
+    if not resources.host_dependent_links or len(resources.host_groups) == 1:
+        grid = grids(resources, replicas, ranks)[0]
     else:
         chunks = stages // ranks
         layouts = _layouts(resources, replicas, ranks, chunks)

@@ -242,7 +242,7 @@ from coordinator.planning.memory import (
     node_memory,
     replicated_static,
 )
-from coordinator.planning.placement import PlacedLinks, neighbour_link, place_with_links, step_traffic
+from coordinator.planning.placement import PlacedLinks, grids, neighbour_link, place_with_links, step_traffic
 from coordinator.planning.plan import Plan, StagePlan
 from coordinator.planning.profile import (
     OPTIMIZER_STATE_FACTORS,
@@ -604,6 +604,35 @@ class _Shared:
                     prefix([nd.grad_bytes for nd in nodes]), prefix([nd.param_bytes for nd in nodes]))
         return self._get(("sums", mb), make)
 
+    def spreads(self, replicas: int, ranks: int) -> list[tuple[tuple[float, float, float], float]] | None:
+        """:func:`_spread_of` of every grid the placement may give ``replicas`` x ``ranks``
+        (``placement.grids``); None where one of them has none, or the list has no host of CPU workers
+        holding two ([Note: the homes' cores, before the placement])."""
+        resources = self.resources
+        assert resources is not None
+
+        def make() -> list[tuple[tuple[float, float, float], float]] | None:
+            table = resources.worker_table
+            spreads = []
+            for grid in grids(resources, replicas, ranks):
+                rows = table.indices([name for row in grid for name in row]).reshape(replicas, ranks).T
+                spread = _spread_of(resources, rows)
+                if spread is None:
+                    return None
+                spreads.append(spread)
+            return spreads
+        if not self.crowds:
+            return None
+        return self._get(("spreads", replicas, ranks), make)
+
+    @functools.cached_property
+    def crowds(self) -> bool:
+        """Whether some host holds two CPU workers (else no placement shares a host's cores)."""
+        assert self.resources is not None
+        table = self.resources.worker_table
+        hosts = table.host[table.cpu & (table.host >= 0)]
+        return bool(len(hosts)) and int(np.bincount(hosts).max()) > 1
+
     def placed(self, placement: tuple[tuple[str, ...], ...], num_stages: int,
                links: PlacedLinks | None = None) -> _Placed:
         """The workers of ``placement`` (one per placement: many shapes share it); ``links``: its links as
@@ -882,6 +911,45 @@ def _sharing(resources: Resources, flat: np.ndarray, rank_of: np.ndarray, num_ra
                    SHARED_HOST_TURNS_SLOWDOWN)
 
 
+
+
+def _spread_of(resources: Resources, rows: np.ndarray) -> tuple[tuple[float, float, float], float] | None:
+    """``Sharing.spread_time``'s weights and rate for the ranks whose replicas' workers are ``rows[k]``
+    (worker numbers, each once), as :meth:`_Placed.sharing` would build the sharing, without building it: None
+    where it has none (a GPU among them, or no host holding two of them) or a rank has no home. A few numpy
+    passes: the search asks it of every replicas x ranks before placing a shape ([Note: the homes' cores,
+    before the placement])."""
+    table = resources.worker_table
+    host = table.host[rows]
+    if not table.cpu[rows].all() or rows.size == 0:
+        return None
+    on = host >= 0
+    if not on.any(axis=1).all():
+        return None  # a rank without a shared host runs at its own pace: no home
+    ranks, cores = rows.shape[0], table.host_cores.astype(np.float64)
+    rank = np.broadcast_to(np.arange(ranks)[:, None], rows.shape)[on]
+    h, threads = host[on], table.cpus[rows][on]
+    workers = np.bincount(h, minlength=len(cores))
+    if workers.max() < 2:
+        return None
+    wanted = np.bincount(h, weights=threads, minlength=len(cores))
+    turns = np.where((wanted > cores) & (workers > 1), SHARED_HOST_TURNS_SLOWDOWN, 1.0)
+    # per rank and host, the threads its workers there want, their count and where the rank's first is
+    keys, first, which = np.unique(rank * len(cores) + h, return_index=True, return_inverse=True)
+    k, n = np.bincount(which, weights=threads), np.bincount(which)
+    # the home: where the rank wants the most, the first of its hosts to come among equals (Sharing.homes)
+    order = np.lexsort((first, -k, keys // len(cores)))
+    heads = order[np.r_[True, np.diff(keys[order] // len(cores)) != 0]]
+    home, k_home, n_home = keys[heads] % len(cores), k[heads], n[heads]
+    crowded = workers[home] > 1
+    fs, bs = SHARED_HOST_FORWARD_SLOWDOWN, SHARED_HOST_BACKWARD_SLOWDOWN
+    forward = float((k_home * turns[home] * np.where(crowded, fs, 1.0)).min())
+    backward = float((k_home * turns[home] * np.where(crowded, bs, 1.0)).min())
+    one = np.where(crowded & (n_home <= 1), max(fs, bs), 1.0) * np.minimum(k_home, cores[home])
+    alone = np.ones(len(cores))
+    np.maximum.at(alone, home, one / cores[home])
+    homes = np.unique(home)
+    return (forward, backward, float(k_home.min())), float((cores[homes] * alone[homes]).sum())
 
 # [Note: action overhead] Every forward or backward action costs a fixed time on top of its
 # compute, whatever the microbatch size: the step executor's dispatch, autograd's graph
@@ -1445,12 +1513,13 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
     if sharing is None:
         return paced
     # a host's cores, whatever the cut ([Note: the homes' cores, before the cut])
-    paced = max(paced, sharing.spread_time(m * through) + rest)
+    starts = _update_s(shared.profile.optimizer, shared.grad_bytes, 1.0 if mode == "collective" else 1.0 / d,
+                       fastest)
+    paced = max(paced, sharing.spread_time(m * (totals[7] * scale + p * ACTION_OVERHEAD_S),
+                                           m * (totals[8] * scale + p * ACTION_OVERHEAD_S), starts) + rest)
     homes = sharing.homes()
     if any(home is None for home in homes):  # a rank at its own pace: its share of the work is the cut's
         return paced
-    starts = _update_s(shared.profile.optimizer, shared.grad_bytes, 1.0 if mode == "collective" else 1.0 / d,
-                       fastest)
     slowed = _chain_totals(shared, setup.mb)[1][0] * scale  # every node's forward and least backward, slowed
     turns = min(sharing.turns(h) for h in homes if h is not None)  # the least any rank is slowed throughout
     work = m * (slowed + 2 * p * ACTION_OVERHEAD_S) * turns + starts
@@ -1476,11 +1545,43 @@ def _placed_bound(shared: _Shared, setup: _Setup, rest: float) -> float:
 # (``Sharing.least_time``): the work of the ranks that run at its pace, each weighted by the cores it wants
 # there (its replicas on that host, times their threads), over the cores. Before the cut the work per rank is
 # unknown, but together the ranks hold every microbatch's forward and least backward of the whole chain and
-# their actions (``m`` times one microbatch through every stage at the placement's fastest speed), so the
-# busiest home does at least the homes' mean: that work at the least weight any rank has, over the homes'
-# cores together (``Sharing.spread_time``). Before it, the bound with the placement counted each replica's
-# work over its ranks alone: on hosts whose 8 workers want 8 of 32 cores each (twice what a host has), the
-# bounds with the cut sat 1.2-3.4x over it, and 2,738 shapes were cut.
+# their actions (``m`` times one microbatch through every stage at the placement's fastest speed) and every
+# stage's update, so the busiest home does at least the homes' mean: that work over the homes' cores
+# together, each kind at the least weight any rank gives it (``Sharing.spread_time``): the forwards slowed
+# by a crowd's forward slowdown, the backwards by the backward's, the updates by neither. Before it, the
+# bound with the placement counted each replica's work over its ranks alone: on hosts whose 8 workers want 8
+# of 32 cores each (twice what a host has), the bounds with the cut sat 1.2-3.4x over it, and 2,738 shapes
+# were cut. With forwards and backwards at the lighter slowdown and no updates, on 128 hosts whose 8
+# workers of 8 threads share 16 cores (``random-13`` of bench/planning.py) the bounds with the placement sat
+# 7% under the bounds with the cut (0.925 of the best step): 1,752 shapes were cut; 1,358 with the kinds
+# apart (0.984 of it).
+
+
+# [Note: the homes' cores, before the placement] A shape's placement is one of at most two grids of its
+# replicas and ranks, whatever its stage count and traffic (``placement.grids``: the list's order, or the
+# pipelines-inside-hosts and replica-groups-inside-hosts layouts, of which the traffic picks one), and the
+# homes' weights and rate of [Note: the homes' cores, before the cut] depend on the grid alone. So a shape
+# is first bounded by the least over those grids of that bound, the chain priced on the list's fastest
+# worker and the updates at its speed (no placement is quicker): one pass per replicas x ranks a search
+# meets, in numpy (``_spread_of``, what the sharing gives), before anything is placed. On ``random-13``
+# every shape whose bound over every cut was under the best step (10,626 of 106,481) had been placed and
+# bounded before the first cut (5.1 s); 1,648 are now (0.3 s).
+
+
+def _homes_bound(shared: _Shared, shape: Shape, global_batch: int, rest: float) -> float:
+    """A lower bound on the step of the shape's replicated candidate before it is placed, from the homes'
+    cores of every grid it may be placed on (``rest`` where one of them shares no host): [Note: the homes'
+    cores, before the placement]. ``rest``: as :func:`_placed_bound`'s."""
+    d, p, mode, _, m, v = shape
+    spreads = shared.spreads(d, p // v)
+    if spreads is None:
+        return rest
+    totals = _chain_totals(shared, global_batch // (d * m))[0]
+    forward = m * (totals[7] + p * ACTION_OVERHEAD_S)
+    backward = m * (totals[8] + p * ACTION_OVERHEAD_S)
+    starts = _update_s(shared.profile.optimizer, shared.grad_bytes, 1.0 if mode == "collective" else 1.0 / d,
+                       shared.fastest)
+    return min((f * forward + b * backward + o * starts) / rate for (f, b, o), rate in spreads) + rest
 
 
 def _with_fill(work: float, ranks: float, held: float, chain: float, m: int) -> float:
@@ -1784,8 +1885,8 @@ def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_
     loose, rest = bounds.tolist(), rests.tolist()
     order = iter(np.lexsort((np.arange(len(shapes)), bounds)).tolist())  # by bound, then index
     tight: list[tuple[float, int]] = []  # (bound with the placement, or with the cut too; index)
-    # a shape in ``tight``: 1 bounded with its placement, 2 with its cut's chains, 3 with its cut quickly,
-    # 4 with its cut
+    # a shape in ``tight``: 1 bounded with the homes' cores of its placements, 2 with its placement, 3 with
+    # its cut's chains, 4 with its cut quickly, 5 with its cut
     level: dict[int, int] = {}
     setups: dict[int, _Setup] = {}  # the setups of the shapes not yet bounded with their cut in full
     cut_of: dict[int, tuple[int, ...]] = {}  # their cuts, once cut
@@ -1802,35 +1903,41 @@ def _bound_order(profile: Profile, shared: _Shared, request: PlanConfig, global_
         if past(bound, plays > _EXACT_PLAYS or cuts > _EXACT_CUTS):
             return  # every shape left is slower than the limit: none of them can win, nor tie
         shape = shapes[index]
-        if stage == 0:  # first up: placed, and bounded with its placement
+        if stage == 0:  # first up: bounded with the homes' cores of every placement it may get
+            homes = _homes_bound(shared, shape, global_batch, rest[index])
+            if homes > bound:
+                level[index] = 1
+                heapq.heappush(tight, (homes, index))
+                continue
+        if stage <= 1:  # up again (or at once): placed, and bounded with its placement
             if not _may_fit_anywhere(shared, shape, global_batch):
                 continue  # no placement gives its chain room for any cut
             setup = _setup(shared, shape, global_batch, request, automatic)
             if REPLICATED in setup.options and _may_fit(shared, setup, global_batch):
-                setups[index], level[index] = setup, 1
+                setups[index], level[index] = setup, 2
                 heapq.heappush(tight, (max(bound, _placed_bound(shared, setup, rest[index])), index))
             continue
-        if stage == 1:  # up again: cut, and bounded with its cut's chains ([Note: a cut's chains, ...])
+        if stage == 2:  # up again: cut, and bounded with its cut's chains ([Note: a cut's chains, ...])
             edges = _bound_cut(shared, setups[index], cutter, request.balance)
             if edges is None:
                 del setups[index]
                 continue
-            cut_of[index], level[index] = edges, 2
+            cut_of[index], level[index] = edges, 3
             chained = _chain_bound(shared, setups[index], edges, rest[index])
             heapq.heappush(tight, (max(bound, chained), index))
             continue
-        if stage == 2 and shape[3] != "zb-h1":  # up again: bounded with its cut quickly
+        if stage == 3 and shape[3] != "zb-h1":  # up again: bounded with its cut quickly
             cuts += 1
             cut = _replicated_bound(profile, shared, setups[index], cutter, request.balance, loose[index],
                                     rest[index], cut_of[index])
-            level[index] = 3
+            level[index] = 4
             heapq.heappush(tight, (max(bound, cut), index))
             continue
-        if stage <= 3:  # up again: bounded with its cut
+        if stage <= 4:  # up again: bounded with its cut
             cuts += 1
             cut = _replicated_bound(profile, shared, setups.pop(index), cutter, request.balance, loose[index],
                                     cut_bounds=cut_of.pop(index))
-            level[index] = 4
+            level[index] = 5
             heapq.heappush(tight, (max(bound, cut), index))
             continue
         plays += 1
@@ -2023,7 +2130,8 @@ def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:
             node = (f * sf + b * sb) / fastest
             inputs = (f * sf + (1.0 - DEFAULT_WEIGHT_FRACTION) * b * sb) / fastest  # F and I at least
             out.append([float(node.sum()), float(node.max()), float(node.min()), phi, float(most.sum()),
-                        float(inputs.sum()), float(inputs.min())])
+                        float(inputs.sum()), float(inputs.min()), float((f * sf / fastest).sum()),
+                        float((b * sb / fastest).sum())])
         return out
     return shared._get(("chain totals", mb), make)
 

@@ -587,8 +587,8 @@ def _interleaved_holds(p: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[b
     np.maximum.at(last_forward, stage[forward], when[forward])
     first_backward = np.full(p, 2 * n)
     np.minimum.at(first_backward, stage[~forward], when[~forward])
-    return (tuple(int(x) for x in peak),
-            tuple(bool(m >= 2 and lf < fb) for lf, fb in zip(last_forward, first_backward, strict=True)))
+    defers: list[bool] = ((last_forward < first_backward) & (m >= 2)).tolist()
+    return tuple(peak.tolist()), tuple(defers)
 
 
 def peak_in_flight(actions: Iterable[Action | Step]) -> int:

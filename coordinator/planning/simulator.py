@@ -310,35 +310,42 @@ class Sharing:
         return max((max(load[h] / rate[h], _filled_by(arrivals[h], computed[h], self.cores[h]))
                     for h in set(homes) if h is not None), default=0.0)
 
-    def spread_time(self, work: float) -> float:
-        """A lower bound on the step when the ranks' forwards and backwards together hold at least ``work``
-        seconds at their own paces, however a cut splits them among the ranks: :meth:`least_time`'s homes
-        added up (the busiest does at least their mean), each rank's work at the least weight any rank's
-        has there (the cores it wants at home, its home's turns, the lesser slowdown of a crowd); 0 where
-        a rank has no home. The weight and the homes' rate are the sharing's own: taken once."""
+    def spread_time(self, forward: float, backward: float, other: float = 0.0) -> float:
+        """A lower bound on the step when the ranks' forwards together hold at least ``forward`` seconds at
+        their own paces, their backwards ``backward`` and their other work ``other`` (as
+        :meth:`least_time`'s), however a cut splits them among the ranks: :meth:`least_time`'s homes added up
+        (the busiest does at least their mean), each kind at the least weight any rank gives it there (the
+        cores it wants at home; for a forward or a backward also its home's turns and, where its home is
+        crowded, the kind's slowdown); 0 where a rank has no home. The weights and the homes' rate are the
+        sharing's own: taken once."""
         spread = self._spread
-        return 0.0 if spread is None else spread[0] * work / spread[1]
+        if spread is None:
+            return 0.0
+        weights, rate = spread
+        return (weights[0] * forward + weights[1] * backward + weights[2] * other) / rate
 
     @functools.cached_property
-    def _spread(self) -> tuple[float, float] | None:
-        """:meth:`spread_time`'s least weight and the most weighted work the homes do a second (None where a
-        rank has no home)."""
+    def _spread(self) -> tuple[tuple[float, float, float], float] | None:
+        """:meth:`spread_time`'s least weights of a forward, a backward and other work, and the most weighted
+        work the homes do a second (None where a rank has no home)."""
         homes = self.homes()
         if not homes or any(h is None for h in homes):
             return None
         workers, wanted = self._host_sums[1], self._home_cores
         worst = max(self.forward_slowdown, self.backward_slowdown)
-        lighter = min(self.forward_slowdown, self.backward_slowdown)
-        weight = math.inf
+        forward = backward = other = math.inf
         alone: dict[int, float] = {}
         for r, home in enumerate(homes):
             assert home is not None
             crowded = workers[home] > 1
-            weight = min(weight, wanted[r] * self.turns(home) * (lighter if crowded else 1.0))
-            one = (worst if crowded and not self._home_slowed[r] else 1.0) * min(wanted[r], self.cores[home])
+            k = wanted[r]
+            forward = min(forward, k * self.turns(home) * (self.forward_slowdown if crowded else 1.0))
+            backward = min(backward, k * self.turns(home) * (self.backward_slowdown if crowded else 1.0))
+            other = min(other, k)
+            one = (worst if crowded and not self._home_slowed[r] else 1.0) * min(k, self.cores[home])
             alone[home] = max(alone.get(home, 1.0), one / self.cores[home])
         rate = sum(self.cores[h] * a for h, a in alone.items())  # the most weighted work they do a second
-        return weight, rate
+        return (forward, backward, other), rate
 
     def crowded_time(self, ends: Sequence[float], occupied: Sequence[float], forward: Sequence[float],
                      backward: Sequence[float]) -> float:

@@ -980,3 +980,65 @@ def test_a_rank_that_crowds_its_home_by_itself_is_bounded_slowed(name: str, p: i
         assert bound == pytest.approx(weighted / (4.0 if slowed else 4.0 * bs))
         if slowed:  # the ranks take the cores in turn, each slowed: the bound is the play
             assert bound == pytest.approx(step)
+
+
+def crowded_hosts(rng: random.Random) -> Resources:
+    """2-3 hosts of 2-4 CPU workers of 1-4 threads on 2-8 cores, now and then a worker of no host; the
+    links inside a host faster half the time (the placement then has two layouts to choose from)."""
+    sizes = [rng.randint(2, 4) for _ in range(rng.randint(2, 3))]
+    cores = rng.choice([2, 4, 8])
+    workers = [Worker(name=f"h{h}-{i}", memory_bytes=BIG, host=f"h{h}", cpus=rng.randint(1, 4),
+                      host_cpus=cores) for h, size in enumerate(sizes) for i in range(size)]
+    if rng.random() < 0.3:
+        workers.append(Worker(name="alone", memory_bytes=BIG, cpus=rng.randint(1, 4)))
+    inside = LinkSpeed(bandwidth_bps=100e9, latency_s=1e-6) if rng.random() < 0.5 else None
+    return Resources(workers=tuple(workers), intra_host=inside)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_homes_cores_before_the_placement_never_exceed_the_bound_with_it(seed: int) -> None:
+    """[Note: the homes' cores, before the placement]: on random chains over crowded hosts, every replicated
+    candidate's bound from the homes' cores of the grids it may be placed on stays under its bound with its
+    placement (so under its step), and lifts the bound over every cut on some."""
+    rng = random.Random(2300 + seed)
+    lifted = checked = 0
+    for _ in range(3):
+        prof, res = random_chain(rng), crowded_hosts(rng)
+        for cand, shape, shared, _, bound, other, placed in placed_bounds(prof, res, PlanConfig(
+                max_microbatches=4)):
+            homes = planner._homes_bound(shared, shape, 16, other)
+            assert homes <= placed * (1 + 1e-9) and placed <= cand.step_time_s * (1 + 1e-9), (shape, res)
+            checked += 1
+            lifted += homes > bound * 1.001
+    assert checked > 0 and lifted > 0, (checked, lifted)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_spread_of_a_grid_is_its_sharings(seed: int) -> None:
+    """``_spread_of`` gives what ``Sharing.spread_time`` reads of the sharing the placement builds, on random
+    subsets of random workers in random order (hosts of mixed threads and cores, some workers of no host),
+    and None exactly where that sharing is none or a rank has no home."""
+    rng = random.Random(2400 + seed)
+    some = 0
+    for _ in range(100):
+        hosts = rng.randint(1, 5)
+        workers = []
+        for i in range(rng.randint(2, 20)):
+            h = rng.randrange(hosts + 1)  # ``hosts``: no host
+            workers.append(Worker(name=f"w{i}", memory_bytes=BIG, cpus=rng.choice([1, 2, 3, 8]),
+                                  host=None if h == hosts else f"h{h}",
+                                  host_cpus=None if h == hosts else [4, 6, 16][h % 3]))
+        res = Resources(workers=tuple(workers))
+        d = rng.randint(1, len(workers))
+        ranks = rng.randint(1, len(workers) // d)
+        rows = np.array(rng.sample(range(len(workers)), d * ranks)).reshape(d, ranks).T
+        table = res.worker_table
+        hosted = table.host[rows][table.host[rows] >= 0]
+        sharing = planner._rows_sharing(res, rows) if len(hosted) > len(np.unique(hosted)) else None
+        want = sharing._spread if sharing is not None else None
+        got = planner._spread_of(res, rows)
+        assert (got is None) == (want is None), (rows, want, got)
+        if got is not None and want is not None:
+            assert got[0] == want[0] and got[1] == pytest.approx(want[1], rel=1e-12), (rows, want, got)
+            some += 1
+    assert some > 10, some

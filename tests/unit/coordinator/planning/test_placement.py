@@ -17,6 +17,7 @@ from coordinator.planning.placement import (
     _first_fit,
     _hops,
     _links_by_hosts,
+    grids,
     layout_cost,
     neighbour_link,
     place,
@@ -100,6 +101,26 @@ def test_every_placement_uses_distinct_workers_on_random_clusters() -> None:
         assert len({n for row in grid for n in row}) == d * ranks
         assert all(row[s] == row[s % ranks] for row in placed for s in range(p))
 
+
+
+def test_a_placement_is_one_of_the_grids_of_its_replicas_and_ranks() -> None:
+    """``grids`` (what the planner bounds a shape by before placing it) holds the grid ``place`` picks, for
+    any stage count and traffic: on random clusters with links inside hosts, on lists whose links ignore the
+    hosts (two speeds among them half the time) and on one host."""
+    rng = random.Random(13)
+    for _ in range(300):
+        sizes = [rng.randint(1, 5) for _ in range(rng.randint(1, 4))]
+        slow = rng.random() < 0.5
+        inside = INTRA if rng.random() < 0.7 else None
+        res = Resources(workers=tuple(
+            Worker(name=f"h{h}-{i}", memory_bytes=1, host=f"h{h}", speed=0.5 if slow and (h + i) % 3 else 1.0)
+            for h, size in enumerate(sizes) for i in range(size)), intra_host=inside)
+        d, p, ranks = rng.choice(shapes(res.num_workers))
+        traffic = Traffic(rng.choice([0, 1e3, 1e8]), rng.randint(1, 8), rng.choice([0, 1e3, 1e8]), 1e-3)
+        placed = place(res, d, p, ranks, traffic=lambda t=traffic: t)
+        options = grids(res, d, ranks)
+        assert 1 <= len(options) <= 2
+        assert [list(row[:ranks]) for row in placed] in options, (sizes, d, p, ranks)
 
 
 def test_the_links_a_placement_reports_are_those_of_its_workers() -> None:
