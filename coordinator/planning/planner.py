@@ -160,8 +160,9 @@ The search stops when the next bound exceeds the best step played (by more than
 :data:`_BOUND_SLACK`): no shape left can win or tie, so the plan is the exhaustive search's, with its
 predicted step. Ties among played shapes go as there: ``_rank``, then the enumeration order. On
 1,000 nodes over 1,024 workers, 106,608 shapes get the first bound, about a hundred the second and
-eight are played. Only when no replicated plan fits does the search evaluate every memory option of
-every shape. What the shapes share is computed once per search (:class:`_Shared`): node times, the
+eight are played. Only when no replicated plan fits does the search evaluate the memory options of
+the shapes, in the order of a bound that holds for all of them ([Note: a search where nothing replicated
+fits]). What the shapes share is computed once per search (:class:`_Shared`): node times, the
 cut bytes rescaled, node memory per option, cut problems, the links.
 ``exhaustive=True`` plays every shape: the reference the tests compare against.
 
@@ -1950,7 +1951,7 @@ def _cut_free_bounds(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     return _cut_free_parts(shared, shapes, global_batch)[0]
 
 
-def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int
+def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int, *, replicated: bool = True
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Per shape, a lower bound on its replicated candidate's step over every cut and placement, and what of
     it is not the pipeline's (the sync, the messages, the check: what :func:`_placed_bound` adds): the
@@ -1980,7 +1981,9 @@ def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     cheapest = np.array([c[1] + [math.inf] * (longest - len(c[1])) for c in cuts])  # [size, cuts crossed]
     transfer = 2 * cheapest[which, np.minimum(p - 1, longest - 1)]
     fastest, grads = shared.fastest, shared.grad_bytes
-    start = np.where(collective, 1.0, 1.0 / d) * _update_s(shared.profile.optimizer, grads, 1.0, fastest)
+    # every option's bound ([Note: a search where nothing replicated fits]): no update, no sync
+    share = np.where(collective, 1.0, 1.0 / d) if replicated else np.zeros(len(d))
+    start = share * _update_s(shared.profile.optimizer, grads, 1.0, fastest)
     least_cut = np.array([c[0] for c in cuts])[which]
     loose = cut_free_bound(kind, m, p, ranks, row[:, 0] + 2 * p * ACTION_OVERHEAD_S, transfer, start,
                            row[:, 1] + 2 * ACTION_OVERHEAD_S, row[:, 2] + 2 * ACTION_OVERHEAD_S,
@@ -1992,7 +1995,7 @@ def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int
                                                 start))
     # the work over the most speed any d x ranks of the workers give a replica's ranks
     unit = totals[which, 0, 0] * fastest  # the chain's forwards and least backwards at speed 1
-    updates = np.where(collective, 1.0, 1.0 / d) * _update_s(shared.profile.optimizer, grads, 1.0, 1.0)
+    updates = share * _update_s(shared.profile.optimizer, grads, 1.0, 1.0)
     fill = np.where(p != ranks, 0.0, np.where(kind == FILL_AND_DRAIN, 1.0,
                                               np.where(kind == FILL, totals[which, 0, 3], 0.0)))
     pipeline = np.maximum(pipeline, _paced(unit, updates, m, p, float(resources.worker_table.speed.min()),
@@ -2008,7 +2011,7 @@ def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int
     hidden = row[:, 4] * _most_stretch(resources, d * ranks) / min(w.speed for w in workers)
     sync = np.where(collective, np.maximum(0.0, 2 * (d - 1) / d * grads / bandwidth - hidden),
                     2 * grads / bandwidth)
-    sync = np.where(d > 1, sync / ranks, 0.0)
+    sync = np.where(d > 1, sync / ranks, 0.0) if replicated else np.zeros(len(d))
     check = grads / p / fastest / GRADIENT_CHECK_BANDWIDTH_BPS
     rest = sync + 2 * CONTROL_MESSAGE_S + check
     return pipeline + rest, rest
@@ -2407,6 +2410,11 @@ def _choose_plan(profile: Profile, resources: Resources, request: PlanConfig, gl
                             shapes)
         if fast is not None:
             return fast
+        if not request.offload:  # no replicated plan fits: the best of the others, bounded
+            bounded = _fastest_of_every_option(profile, resources, request, global_batch,
+                                               automatic or memory.AUTOMATIC, cut_fn, shapes)
+            if bounded is not None:
+                return bounded
     cands = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
                             exhaustive=exhaustive)
     fitting = [c for c in cands if c.fits]
@@ -2417,6 +2425,38 @@ def _choose_plan(profile: Profile, resources: Resources, request: PlanConfig, gl
         assert best.plan is not None
         return best.plan
     raise PlanningError(_explain(profile, resources, global_batch, cands, request, automatic))
+
+
+def _fastest_of_every_option(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,
+                             automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape]) -> Plan | None:
+    """The plan :func:`candidate_plans` gives :func:`_choose_plan` where no replicated plan fits, every shape
+    evaluated in the order of its bound over every cut and memory option until the next bound is past the
+    best fitting step: [Note: a search where nothing replicated fits]. None where none fits (the caller
+    evaluates every shape to say why)."""
+    shared = _Shared(profile, resources)
+    bounds = _cut_free_parts(shared, shapes, global_batch, replicated=False)[0]
+    best: tuple[tuple[float, int, int, tuple[int, int, int], float], int, int, Candidate] | None = None
+    for index in np.lexsort((np.arange(len(shapes)), bounds)).tolist():
+        if best is not None and bounds[index] > best[3].step_time_s * (1 + _BOUND_SLACK):
+            break  # no shape left can win, nor tie
+        cands = _evaluate(profile, resources, shapes[index], global_batch, cutter, request.cutter,
+                          request.balance, request, automatic, shared=shared)
+        for position, cand in enumerate(cands):
+            if cand.fits and (best is None or (_rank(cand), index, position) < best[:3]):
+                best = (_rank(cand), index, position, cand)
+    return None if best is None or best[3].plan is None else best[3].plan
+
+
+# [Note: a search where nothing replicated fits] Where no replicated plan without recompute fits (or the
+# request rules it out), every shape is evaluated under its memory options ([Note: choosing the memory
+# options]) and the fastest fitting candidate wins (``_rank``). An option's step is its play's pipeline
+# less the least optimizer time any rank saves, plus its own unhidden sync and the messages: each term of
+# the bound over every cut ([Note: the bound over every cut] in closed_form.py) bounds a rank's end past
+# its start, or the work a host does after the earliest start, so taken with no start at all it bounds
+# the play less its earliest start, at most that step; the sync, which ZeRO and offload change, is left
+# at 0, the compute (recompute only adds to it) and the messages and the check as for a replicated plan.
+# The shapes go in the order of that bound, and the search stops where the next bound exceeds the best
+# fitting step by more than _BOUND_SLACK: the plan is the one evaluating every shape gives.
 
 
 def _explain(profile: Profile, resources: Resources, global_batch: int, cands: list[Candidate],

@@ -1042,3 +1042,73 @@ def test_the_spread_of_a_grid_is_its_sharings(seed: int) -> None:
             assert got[0] == want[0] and got[1] == pytest.approx(want[1], rel=1e-12), (rows, want, got)
             some += 1
     assert some > 10, some
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_bound_of_every_option_never_exceeds_a_fitting_step(seed: int) -> None:
+    """[Note: a search where nothing replicated fits]: the bound over every cut without updates or sync
+    stays under the step of every candidate evaluated, whatever its memory option (ZeRO, recompute,
+    offload), on random chains over random hosts of CPU workers with their cores, or GPUs."""
+    rng = random.Random(2500 + seed)
+    checked = set()
+    for _ in range(3):
+        prof = random_chain(rng)
+        res = crowded_hosts(rng) if rng.random() < 0.5 else Resources(workers=tuple(
+            Worker(name=f"g{i}", device="cuda", gpus=1, memory_bytes=BIG, host=f"h{i // 2}",
+                   speed=rng.choice([1.0, 2.0])) for i in range(rng.randint(2, 6))))
+        cands = candidate_plans(prof, res, PlanConfig(max_microbatches=4), global_batch=16, exhaustive=True)
+        shapes = [(c.data_parallel, c.num_stages, c.mode, c.schedule_name, c.num_microbatches, c.chunks)
+                  for c in cands]
+        bounds = planner._cut_free_parts(planner._Shared(prof, res), shapes, 16, replicated=False)[0]
+        for cand, bound in zip(cands, bounds.tolist(), strict=True):
+            if cand.plan is not None:
+                assert bound <= cand.plan.step_time_s * (1 + 1e-9), (cand.option, cand.plan.summary())
+                checked.add(cand.option)
+    assert len(checked) >= 4, checked  # the replicated option, ZeRO, recompute and offload among them
+
+
+def test_a_search_where_nothing_replicated_fits_chooses_the_exhaustive_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random chains on workers too small for any replicated plan: the bounded search over every option
+    ([Note: a search where nothing replicated fits]) chooses the exhaustive search's plan, and on some
+    evaluates fewer shapes than there are."""
+    rng = random.Random(2600)
+    searched: list[planner.Plan] = []
+    every_option = planner._fastest_of_every_option
+
+    def kept(*args: object, **kwargs: object) -> planner.Plan | None:
+        plan = every_option(*args, **kwargs)  # type: ignore[arg-type]
+        if plan is not None:
+            searched.append(plan)
+        return plan
+
+    monkeypatch.setattr(planner, "_fastest_of_every_option", kept)
+    evaluated = [0]
+    evaluate = planner._evaluate
+
+    def counted(*args: object, **kwargs: object) -> list[planner.Candidate]:
+        evaluated[0] += kwargs.get("only") is None
+        return evaluate(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(planner, "_evaluate", counted)
+    fewer = 0
+    for _ in range(12):
+        n = rng.randint(4, 10)
+        prof = Profile.synthetic([rng.uniform(2e-4, 3e-3) for _ in range(n)],
+                                 param_bytes=[rng.randint(4, 24) * MiB for _ in range(n)],
+                                 activation_bytes=[rng.randint(1, 4) * MiB for _ in range(n)],
+                                 cut_bytes=[rng.randint(16, 512) * KiB for _ in range(n - 1)],
+                                 microbatch_size=2, optimizer=rng.choice(["sgd", "adamw"]))
+        count = rng.randint(2, 8)
+        res = Resources(workers=tuple(Worker(name=f"g{i}", device="cuda", gpus=1, memory_bytes=rng.choice(
+            [60, 90, 120]) * MiB, host=f"h{i // 2}") for i in range(count)))
+        request = PlanConfig(max_microbatches=4)
+        before, evaluated[0] = len(searched), 0
+        try:
+            fast: object = choose_plan(prof, res, request, global_batch=16)
+        except PlanningError as exc:
+            fast = str(exc).split(" (")[0]
+        if len(searched) > before:  # the bounded search answered: fewer shapes than every one?
+            fewer += evaluated[0] < len(planner._shapes(prof, res, request, 16)[1])
+        assert fast == both_searches(prof, res, request)[1]
+    assert len(searched) >= 3 and fewer >= 1, (len(searched), fewer)
