@@ -2288,8 +2288,10 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
             without it fits (see [Note: choosing the memory options]).
         limit: Only the ``limit`` best plans in the order :func:`choose_plan` picks from (``cellmesh
             plan``'s runners-up): when at least that many replicated plans without recompute fit, those,
-            found by the fast search's branch and bound (see [Note: the fast search]); else every
-            candidate evaluated, fitting ones first, fastest first. None: every candidate.
+            found by the fast search's branch and bound (see [Note: the fast search]); else, when at least
+            that many candidates of any memory option fit, the fastest of them, found by the bound over
+            every option ([Note: a search where nothing replicated fits]); else every candidate evaluated,
+            fitting ones first, fastest first. None: every candidate.
         fitting_only: A candidate whose cut cannot meet memory is not played: it comes without a plan (its
             reason says why), as only the fitting ones are asked for.
 
@@ -2306,6 +2308,11 @@ def candidate_plans(profile: Profile, resources: Resources, request: PlanConfig 
         if not exhaustive and MemoryOption(offload=bool(request.offload)) == REPLICATED:
             best = _fastest_replicated(profile, resources, request, global_batch, automatic, cut_fn, sharded,
                                        limit)
+            if len(best) >= limit:
+                return best
+        if not exhaustive:  # the fastest of every option, where that many fit
+            best = _fastest_of_every_option(profile, resources, request, global_batch, automatic, cut_fn,
+                                            sharded, limit)
             if len(best) >= limit:
                 return best
         every = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
@@ -2413,8 +2420,8 @@ def _choose_plan(profile: Profile, resources: Resources, request: PlanConfig, gl
         if not request.offload:  # no replicated plan fits: the best of the others, bounded
             bounded = _fastest_of_every_option(profile, resources, request, global_batch,
                                                automatic or memory.AUTOMATIC, cut_fn, shapes)
-            if bounded is not None:
-                return bounded
+            if bounded and bounded[0].plan is not None:
+                return bounded[0].plan
     cands = candidate_plans(profile, resources, request, global_batch=global_batch, automatic=automatic,
                             exhaustive=exhaustive)
     fitting = [c for c in cands if c.fits]
@@ -2428,23 +2435,24 @@ def _choose_plan(profile: Profile, resources: Resources, request: PlanConfig, gl
 
 
 def _fastest_of_every_option(profile: Profile, resources: Resources, request: PlanConfig, global_batch: int,
-                             automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape]) -> Plan | None:
-    """The plan :func:`candidate_plans` gives :func:`_choose_plan` where no replicated plan fits, every shape
-    evaluated in the order of its bound over every cut and memory option until the next bound is past the
-    best fitting step: [Note: a search where nothing replicated fits]. None where none fits (the caller
-    evaluates every shape to say why)."""
+                             automatic: Automatic, cutter: Cutter, shapes: Sequence[Shape], count: int = 1
+                             ) -> list[Candidate]:
+    """The ``count`` fastest fitting candidates of every memory option (``_rank``, then the enumeration
+    order), best first; fewer where fewer fit. Every shape is evaluated in the order of its bound over every
+    cut and memory option until the next bound is past the ``count``-th best fitting step: [Note: a search
+    where nothing replicated fits]."""
     shared = _Shared(profile, resources)
     bounds = _cut_free_parts(shared, shapes, global_batch, replicated=False)[0]
-    best: tuple[tuple[float, int, int, tuple[int, int, int], float], int, int, Candidate] | None = None
+    kept: list[tuple[tuple[float, int, int, tuple[int, int, int], float], int, int, Candidate]] = []
     for index in np.lexsort((np.arange(len(shapes)), bounds)).tolist():
-        if best is not None and bounds[index] > best[3].step_time_s * (1 + _BOUND_SLACK):
+        if len(kept) == count and bounds[index] > kept[-1][3].step_time_s * (1 + _BOUND_SLACK):
             break  # no shape left can win, nor tie
         cands = _evaluate(profile, resources, shapes[index], global_batch, cutter, request.cutter,
                           request.balance, request, automatic, shared=shared)
-        for position, cand in enumerate(cands):
-            if cand.fits and (best is None or (_rank(cand), index, position) < best[:3]):
-                best = (_rank(cand), index, position, cand)
-    return None if best is None or best[3].plan is None else best[3].plan
+        kept.extend((_rank(cand), index, position, cand) for position, cand in enumerate(cands) if cand.fits)
+        kept.sort(key=lambda k: k[:3])
+        del kept[count:]
+    return [cand for *_, cand in kept]
 
 
 # [Note: a search where nothing replicated fits] Where no replicated plan without recompute fits (or the

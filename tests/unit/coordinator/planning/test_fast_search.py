@@ -10,6 +10,7 @@ plan (shape, schedule, microbatches, cut, predicted step: the whole ``Plan``) or
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Iterator
 
@@ -1069,9 +1070,10 @@ def test_the_bound_of_every_option_never_exceeds_a_fitting_step(seed: int) -> No
 
 def test_a_search_where_nothing_replicated_fits_chooses_the_exhaustive_plan(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random chains on workers too small for any replicated plan: the bounded search over every option
-    ([Note: a search where nothing replicated fits]) chooses the exhaustive search's plan, and on some
-    evaluates fewer shapes than there are."""
+    """Random chains on workers of little memory, where often no replicated plan fits: the bounded search
+    over every option ([Note: a search where nothing replicated fits]) chooses the exhaustive search's
+    plan, and on some evaluates fewer shapes than there are; the runners-up where fewer replicated plans
+    fit than asked for are the fastest of every candidate."""
     rng = random.Random(2600)
     searched: list[planner.Plan] = []
     every_option = planner._fastest_of_every_option
@@ -1091,7 +1093,7 @@ def test_a_search_where_nothing_replicated_fits_chooses_the_exhaustive_plan(
         return evaluate(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(planner, "_evaluate", counted)
-    fewer = 0
+    fewer = bounded = 0
     for _ in range(12):
         n = rng.randint(4, 10)
         prof = Profile.synthetic([rng.uniform(2e-4, 3e-3) for _ in range(n)],
@@ -1111,4 +1113,13 @@ def test_a_search_where_nothing_replicated_fits_chooses_the_exhaustive_plan(
         if len(searched) > before:  # the bounded search answered: fewer shapes than every one?
             fewer += evaluated[0] < len(planner._shapes(prof, res, request, 16)[1])
         assert fast == both_searches(prof, res, request)[1]
-    assert len(searched) >= 3 and fewer >= 1, (len(searched), fewer)
+        every = candidate_plans(prof, res, request, global_batch=16)
+        ranked = sorted(range(len(every)), key=lambda i: (not every[i].fits, _rank(every[i])
+                                                           if every[i].plan is not None else (math.inf,), i))
+        plain = [i for i in ranked if every[i].fits and every[i].option == REPLICATED]
+        for limit in (1, 3):  # the runners-up: the replicated ones where enough fit, else the same bound's
+            want = plain if len(plain) >= limit else ranked
+            assert candidate_plans(prof, res, request, global_batch=16, limit=limit) == [
+                every[i] for i in want[:limit]]
+            bounded += len(plain) < limit and every[ranked[limit - 1]].fits
+    assert len(searched) >= 3 and fewer >= 1 and bounded >= 3, (len(searched), fewer, bounded)
