@@ -17,7 +17,7 @@ fastest plans the planner weighed (default 5; 0: none), which costs one more sea
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,7 +31,7 @@ from coordinator.planning.simulator import draw_timeline
 from coordinator.planning.timeline_plot import check_drawable
 from coordinator.runtime.job import Job
 
-__all__ = ["plan_command"]
+__all__ = ["crowded_note", "plan_command"]
 
 
 DEFAULT_RUNNERS_UP = 5
@@ -51,6 +51,8 @@ def plan_command(job: str, settings: Mapping[str, Any], timeline: Path | None, *
         apply_logging(loaded.job.config.logging)
         planned = loaded.job if listed is None else Job(loaded.job.config, resources=listed)
         print(f"resources: {planned.resources.summary()}", file=out, flush=True)
+        if crowded := planned.resources.crowded_hosts():
+            print(crowded_note(crowded), file=out, flush=True)
         plan = planned.plan()
         if planned.search_s is not None:
             hint = f"; {planned.search_hint}" if planned.search_hint else ""
@@ -74,3 +76,13 @@ def plan_command(job: str, settings: Mapping[str, Any], timeline: Path | None, *
     except REPORTED as exc:
         return report(exc, show_traceback=show_traceback)
     return 0
+
+
+def crowded_note(crowded: Sequence[tuple[str, int, int, int]]) -> str:
+    """One line on the hosts whose CPU workers want more threads than the host has cores
+    (``Resources.crowded_hosts``): the first of them, how many, and what running them so means."""
+    host, workers, threads, cores = crowded[0]
+    more = f" and {len(crowded) - 1} more" if len(crowded) > 1 else ""
+    return (f"note: the CPU workers of {host} ({workers} wanting {threads} threads of its {cores} cores)"
+            f"{more} take turns on their cores; the plans are priced so, and fewer workers per host or fewer "
+            "threads each (a worker's cpus) run each one faster")

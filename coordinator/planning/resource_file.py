@@ -13,7 +13,9 @@ one) or, compactly, a :class:`ClusterFile`::
 
 A host entry with ``count: N`` is N hosts ``{name}-0`` .. ``{name}-{N-1}`` (``count: 1``: the
 host ``{name}``); each host's ``workers`` are ``{host}-0`` .. in order, each with the entry's
-``device``, ``cpus``, ``gpus``, ``memory`` (bytes, or ``"80GiB"``, ``"512MB"``) and ``speed``.
+``device``, ``cpus``, ``gpus``, ``memory`` (bytes, or ``"80GiB"``, ``"512MB"``) and ``speed``;
+``cores`` is each host's cores (its CPU workers share them: more threads than cores take turns, and the
+plans are priced so), by default its workers' ``cpus`` together.
 ``intra_host`` joins two workers of one host, ``inter_host`` any two others; ``host_links``
 and ``links`` are the exceptions for pairs of hosts and of workers (see [Note: which link
 joins two workers] in ``coordinator/planning/resources.py``). Without them the links are this
@@ -60,6 +62,7 @@ class HostGroup(BaseModel):
     cpus: int = Field(default=1, ge=1)
     gpus: int = Field(default=0, ge=0)
     memory: ByteSize
+    cores: int | None = Field(default=None, ge=1)  # each host's cores (None: its workers' cpus together)
     speed: float = Field(default=1.0, gt=0)
 
     def host_names(self) -> list[str]:
@@ -85,7 +88,7 @@ class ClusterFile(BaseModel):
         """
         workers = tuple(
             Worker(name=f"{host}-{i}", device=group.device, cpus=group.cpus, gpus=group.gpus,
-                   memory_bytes=int(group.memory), speed=group.speed, host=host)
+                   memory_bytes=int(group.memory), speed=group.speed, host=host, host_cpus=group.cores)
             for group in self.hosts for host in group.host_names() for i in range(group.workers))
         return Resources(workers=workers, bandwidth_bps=self.inter_host.bandwidth_bps,
                          latency_s=self.inter_host.latency_s, links=self.links, intra_host=self.intra_host,

@@ -271,6 +271,23 @@ class Resources(BaseModel):
             groups.setdefault(_host_key(w), []).append(w.name)
         return tuple(tuple(names) for names in groups.values())
 
+    def crowded_hosts(self) -> list[tuple[str, int, int, int]]:
+        """The hosts whose CPU workers want more threads together than the host has cores (their ``cpus``
+        against its ``host_cpus``), as ``(host, workers, threads, cores)``, in host order. Their workers take
+        turns on the cores while they compute, and the planner prices them so ([Note: shared cores] in
+        ``coordinator/planning/simulator.py``)."""
+        crowded = []
+        for names in self.host_groups:
+            workers = [self.worker(name) for name in names]
+            host = workers[0].host
+            cpu = [w for w in workers if w.device == "cpu"]
+            if host is None or not cpu:
+                continue
+            threads, cores = sum(w.cpus for w in cpu), self.host_cores(names[0])
+            if threads > cores:
+                crowded.append((host, len(cpu), threads, cores))
+        return crowded
+
     @functools.cached_property
     def names_by_host(self) -> tuple[str, ...]:
         """Every worker's name, host by host: :attr:`host_groups` one after the other."""

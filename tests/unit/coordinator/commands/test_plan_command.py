@@ -119,3 +119,19 @@ def test_plan_names_a_bad_resource_file_before_profiling(spec: Path, tmp_path: P
     captured = capsys.readouterr()
     assert f"resource file {resources} is invalid: hosts.0.memory: Field required" in captured.err
     assert "plan:" not in captured.out
+
+
+def test_plan_notes_hosts_whose_workers_want_more_threads_than_cores(
+        spec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A host entry's ``cores``: 3 hosts whose 4 workers want 2 threads each of 4 cores are noted once under
+    the resources line (the first, and how many more); the plan is still made."""
+    resources = tmp_path / "cluster.yaml"
+    resources.write_text("hosts: [{name: node, count: 3, workers: 4, cpus: 2, cores: 4, memory: 1GiB}]\n")
+    args = ["--data-parallel", "2", "--stages", "2", "--runners-up", "0"]
+    assert cli.main(["plan", str(spec), "--resources", str(resources), *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("resources: 12 workers (12 cpu) on 3 host(s)")
+    assert lines[1] == ("note: the CPU workers of node-0 (4 wanting 8 threads of its 4 cores) and 2 more "
+                        "take turns on their cores; the plans are priced so, and fewer workers per host or "
+                        "fewer threads each (a worker's cpus) run each one faster")
+    assert any(line.startswith("plan: 2 replica(s) x 2 stage(s)") for line in lines)

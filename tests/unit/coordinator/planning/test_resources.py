@@ -159,3 +159,20 @@ def test_local_has_the_flat_links_of_before() -> None:
     res = Resources.local(3, memory_bytes=2**20)
     assert res.intra_host is None and res.host_links == () and not res.host_dependent_links
     assert res.slowest_link([w.name for w in res.workers]) == (LOCAL_BANDWIDTH_BPS, LOCAL_LATENCY_S)
+
+
+def test_crowded_hosts_are_those_whose_cpu_workers_want_more_threads_than_cores() -> None:
+    """Per host, the CPU workers' threads against its cores (the most ``host_cpus`` given, else the threads
+    together: never crowded); GPU workers and workers of no host are not counted."""
+    res = Resources(workers=(
+        Worker(name="a0", memory_bytes=1, host="a", cpus=4, host_cpus=6),
+        Worker(name="a1", memory_bytes=1, host="a", cpus=4),  # a's cores: 6, the most given
+        Worker(name="b0", memory_bytes=1, host="b", cpus=2, host_cpus=4),
+        Worker(name="b1", memory_bytes=1, host="b", cpus=2),  # 4 threads of 4 cores: not crowded
+        Worker(name="c0", memory_bytes=1, host="c", cpus=8),
+        Worker(name="c1", memory_bytes=1, host="c", cpus=8),  # no cores given: the threads together
+        Worker(name="g0", memory_bytes=1, host="g", device="cuda", gpus=1, cpus=8, host_cpus=2),
+        Worker(name="alone", memory_bytes=1, cpus=64)))
+    assert res.crowded_hosts() == [("a", 2, 8, 6)]
+    assert Resources.local(2 * (os.cpu_count() or 1)).crowded_hosts()[0][1:] == (
+        2 * (os.cpu_count() or 1), 2 * (os.cpu_count() or 1), os.cpu_count() or 1)
