@@ -26,9 +26,10 @@ shape's microbatches, the profile's mean cut bytes and a stage's gradient bytes)
 cheaper; a tie keeps the pipelines inside hosts (the list's order when a host holds whole
 replicas). Activations dominate for small models run with many or large microbatches, gradients
 for parameter-heavy stages with few microbatches. A layout's links are taken as the planner takes
-them, a group's slowest (lowest bandwidth, highest latency); the two layouts and their links are
-built once per (replicas, ranks, chunks) of a resource list, in O(workers + hosts), so the
-planner's many microbatch counts of a shape price them in O(distinct links) each.
+them, a group's slowest (lowest bandwidth, highest latency); the two layouts are built once per
+(replicas, ranks) of a resource list (:func:`grids`: the planner bounds a shape by them before it places
+it) and their links once per chunks, in O(workers + hosts), so the planner's many microbatch counts of a
+shape price them in O(distinct links) each.
 
 [Note: a layout's speeds] The planner runs each stage at its slowest replica's worker's speed (a
 stage's replicas synchronise their gradients every step), and cuts the chain in proportion to the
