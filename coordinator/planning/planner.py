@@ -605,6 +605,13 @@ class _Shared:
                     prefix([nd.grad_bytes for nd in nodes]), prefix([nd.param_bytes for nd in nodes]))
         return self._get(("sums", mb), make)
 
+    def kinds(self, name: str, num_stages: int, num_microbatches: int, chunks: int
+              ) -> tuple[tuple[str, ...], ...]:
+        """:func:`stage_kinds` of a schedule, once per search (its modes and replica counts ask again; a
+        ZB-H1 list of 128 stages and 64 microbatches holds 57,000 kinds, so they go with the search)."""
+        return self._get(("kinds", name, num_stages, num_microbatches, chunks),
+                         lambda: stage_kinds(name, num_stages, num_microbatches, chunks))
+
     def spreads(self, replicas: int, ranks: int) -> list[tuple[tuple[float, float, float], float]] | None:
         """:func:`_spread_of` of every grid the placement may give ``replicas`` x ``ranks``
         (``placement.grids``); None where one of them has none, or the list has no host of CPU workers
@@ -1273,7 +1280,7 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     setup = _setup(shared, shape, global_batch, request, automatic)
     mb, ranks, placement, at = setup.mb, setup.ranks, setup.placement, setup.at
     order = schedule_steps(sched_name, p, m, v)[0]  # per rank
-    lists = stage_kinds(sched_name, p, m, v)  # per stage, how each runs its backwards
+    lists = shared.kinds(sched_name, p, m, v)  # per stage, how each runs its backwards
     in_flight, defer, limit = setup.in_flight, setup.defer, setup.limit
     workers, speed, on_cuda = at.workers, at.speed, at.on_cuda
     runtime = setup.runtime
@@ -1756,7 +1763,7 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
         assert sched_name != "zb-h1", "the quick bound passes no W"
         bwd, wgt = [least[s] / speed[s] for s in range(p)], [0.0] * p
     else:  # the backwards as the simulator is given them (the schedule's lists say how each runs)
-        lists = stage_kinds(sched_name, p, m, v)
+        lists = shared.kinds(sched_name, p, m, v)
         bwd, wgt, _ = _backwards(shared, mb, list(itertools.pairwise(bounds)), lists, setup.defer,
                                  setup.precision, False, speed, d == 1)  # a tail only adds: a lower bound
     fwd_bytes, bwd_bytes = shared.scaled(mb)

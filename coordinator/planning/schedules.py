@@ -491,7 +491,6 @@ UNSPLIT_CHUNKED = frozenset({"interleaved-1f1b"})
 test_schedule_kinds.py`` holds it against the built lists)."""
 
 
-@functools.lru_cache(maxsize=4096)
 def stage_kinds(name: str, num_stages: int, num_microbatches: int,
                 chunks: int = 1) -> tuple[tuple[str, ...], ...]:
     """Per stage, the kinds of its list in :func:`schedule_steps` (transfers included), in order (zb-h1's
@@ -499,7 +498,8 @@ def stage_kinds(name: str, num_stages: int, num_microbatches: int,
     then its ``B`` s instead, which is all that a schedule without split backwards is asked of (how many
     backwards, none split), and costs no build: the planner's bound asks it of thousands of shapes, and an
     interleaved schedule of 128 stages takes tens of milliseconds to build (``schedule_steps`` keeps 64).
-    Kept small: one tuple per stage.
+    Not kept here: the planner keeps them for one search (a module's cache of 4,096 of them held 56 MB
+    after one search over 1,024 workers, and could hold gigabytes).
 
     Raises:
         ValueError: As :func:`schedule_steps`.
