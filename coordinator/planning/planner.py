@@ -919,8 +919,6 @@ def _sharing(resources: Resources, flat: np.ndarray, rank_of: np.ndarray, num_ra
                    SHARED_HOST_TURNS_SLOWDOWN)
 
 
-
-
 def _spread_of(resources: Resources, rows: np.ndarray) -> tuple[tuple[float, float, float], float] | None:
     """``Sharing.spread_time``'s weights and rate for the ranks whose replicas' workers are ``rows[k]``
     (worker numbers, each once), as :meth:`_Placed.sharing` would build the sharing, without building it: None
@@ -958,6 +956,7 @@ def _spread_of(resources: Resources, rows: np.ndarray) -> tuple[tuple[float, flo
     np.maximum.at(alone, home, one / cores[home])
     homes = np.unique(home)
     return (forward, backward, float(k_home.min())), float((cores[homes] * alone[homes]).sum())
+
 
 # [Note: action overhead] Every forward or backward action costs a fixed time on top of its
 # compute, whatever the microbatch size: the step executor's dispatch, autograd's graph
@@ -1964,7 +1963,9 @@ def _cut_free_parts(shared: _Shared, shapes: Sequence[Shape], global_batch: int,
     it is not the pipeline's (the sync, the messages, the check: what :func:`_placed_bound` adds): the
     pipeline's (``closed_form.cut_free_bound`` on the chain's totals at the shape's microbatch size, on the
     fastest worker and link, with a shared host's slowdown where any placement has it: more replicas than
-    hosts of CPU workers), plus the least unhidden sync and the overheads (see [Note: the fast search])."""
+    hosts of CPU workers), plus the least unhidden sync and the overheads (see [Note: the fast search]).
+    ``replicated`` False: a bound on every memory option's step, without the updates and the sync
+    ([Note: a search where nothing replicated fits])."""
     resources = shared.resources
     assert resources is not None
     if not shapes:
@@ -2124,7 +2125,8 @@ def _chain_totals(shared: _Shared, mb: int) -> list[list[float]]:
     forward and least backward together, the heaviest node's and the lightest's, the least share of a
     stage's compute it spends forward (with its dearest backward; an action's overhead is half: 0.5 at
     most), the dearest backward alone (raw), and every node's forward and least input gradient (``I``: at
-    least ``1 - DEFAULT_WEIGHT_FRACTION`` of its least backward) together and the lightest node's."""
+    least ``1 - DEFAULT_WEIGHT_FRACTION`` of its least backward) together and the lightest node's; then every
+    node's forward together, and every node's least backward (``Sharing.spread_time`` weighs them apart)."""
     def make() -> list[list[float]]:
         fastest = shared.fastest
         f = np.array([t for t, _ in shared.times(mb)], dtype=np.float64)
