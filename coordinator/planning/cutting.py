@@ -286,17 +286,29 @@ def cut_min_max(problem: CutProblem) -> Bounds:
         if len(inner) >= k - 1:
             cheapest = 2 * float(np.partition(inner, k - 2)[:k - 1].sum())
             least = max(least, (float(prefix[n]) + cheapest / slowest) / share)
-    if may_fit(problem) and fits_memory(problem):
+    # [Note: whether any cut fits, asked once a try failed] With the relaxed bound first, a memory that no
+    # cut meets shows in its pass over no limit (the relaxation fits no cut: none fits), and fits_memory's
+    # pass is asked only once a try has failed (the tries' widest over every start would prove it slowly)
+    checked = problem.memory_limit is None or k == 1
+    relaxed = problem.memory_limit is None or k == 1  # memory's bound taken (or none to take)
+    if may_fit(problem) and (relaxed or k <= _RELAXED_FIRST or fits_memory(problem)):
+        checked = checked or k > _RELAXED_FIRST
         found = math.inf  # the slowest stage of a cut a failed try found: the optimum is at most that
-        relaxed = problem.memory_limit is None or k == 1  # memory's bound taken (or none to take)
-        if not relaxed and k <= _RELAXED_FIRST:
+        if not relaxed:
             relaxed, least = True, _least_relaxed(problem, least)
+            if math.isinf(least):
+                raise CutError(f"no way to cut {n} nodes into {k} stages within the cuttable positions "
+                               "and memory limits")
         tries = list(_BAND_TRIES)
         while tries:
             factor = tries.pop(0)
             bounds, found = _banded(problem, min(factor * least if least > 0 else math.inf, found))
             if bounds is not None:
                 return bounds
+            if not checked:
+                if not fits_memory(problem):
+                    break
+                checked = True
             if not relaxed:  # a longer chain asks once a try failed (see _RELAXED_FIRST)
                 relaxed = True
                 tighter = _least_relaxed(problem, least)
@@ -309,7 +321,8 @@ def cut_min_max(problem: CutProblem) -> Bounds:
 def _least_relaxed(problem: CutProblem, least: float, within: float = 0.02) -> float:
     """A lower bound on the min-max cut's slowest stage, at least ``least``: the least limit on each stage's
     compute (at its pace) under which some cut keeps every stage within it and within its memory, the cuts
-    costing nothing and a stage holding its static bytes and activations alone.
+    costing nothing and a stage holding its static bytes and activations alone (inf where no limit has
+    one: then no cut fits the memory at all).
 
     [Note: a cut bound by memory] Where memory decides the cut, the optimum sits far above the compute's
     share (4x on 1,000 uneven nodes over 14 stages of 1F1B, whose first stages hold 14 microbatches), and
@@ -359,6 +372,8 @@ def _least_relaxed(problem: CutProblem, least: float, within: float = 0.02) -> f
 
     if not 0 < least < math.inf or feasible(least):
         return least
+    if not feasible(math.inf):
+        return math.inf  # no cut fits the relaxed memory, so none fits the whole
     low, high = least, 2 * least
     for _ in range(40):  # doubling: a limit with a cut (one always exists: the memory fits some cut)
         if feasible(high):
