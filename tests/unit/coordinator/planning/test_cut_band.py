@@ -192,7 +192,7 @@ def test_cuts_bound_by_memory_give_the_dense_boundaries(seed: int) -> None:
     the tries start from is never above the optimum."""
     rng = random.Random(9000 + seed)
     n = rng.choice([60, 150, 300])
-    k = rng.choice([3, 4, 6, 9, 14, 40])  # 40: past _RELAXED_FIRST, relaxed once a try failed
+    k = rng.choice([3, 4, 6, 9, 14, 40])
     compute = tuple(rng.uniform(0.2, 5.0) for _ in range(n))
     cuts = tuple(rng.choice([0.0, 0.01, 0.2]) for _ in range(n + 1))
     cuttable = tuple(rng.random() > 0.1 for _ in range(n + 1)) if seed % 3 == 0 else None
@@ -310,53 +310,3 @@ def test_the_cut_within_memory_is_the_cut_ignoring_it_where_that_fits(seed: int)
         assert within == free, (scale, within, free)
     assert fitted + missed > 0
 
-
-@pytest.mark.parametrize("seed", range(6))
-def test_whether_any_cut_fits_is_asked_once_a_try_failed(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """[Note: whether any cut fits, asked once a try failed]: up to 32 stages a cut within memory starts from
-    the relaxed bound; over limits from roomy to too tight for any cut, the boundaries (or the refusal) are
-    the dense programme's, ``fits_memory`` is asked only after a try that failed, and a memory no cut meets
-    is refused."""
-    from coordinator.planning import cutting
-
-    rng = random.Random(9500 + seed)
-    n, k = rng.choice([40, 90]), rng.choice([3, 5, 8])
-    compute = tuple(rng.uniform(0.2, 5.0) for _ in range(n))
-    cuts = tuple(rng.choice([0.0, 0.05]) for _ in range(n + 1))
-    static = tuple(rng.uniform(0, 1) for _ in range(n))
-    act = tuple(rng.uniform(0.1, 4.0) for _ in range(n))
-    fits = cutting.fits_memory
-    asked: list[bool] = []
-    tried = {"failed": 0}
-    banded = cutting._banded
-
-    def counted_banded(problem: CutProblem, limit: float) -> tuple[object, float]:
-        out = banded(problem, limit)
-        tried["failed"] += out[0] is None
-        return out
-
-    def counted_fits(problem: CutProblem) -> bool:
-        asked.append(tried["failed"] > 0)
-        return fits(problem)
-
-    monkeypatch.setattr(cutting, "fits_memory", counted_fits)
-    monkeypatch.setattr(cutting, "_banded", counted_banded)
-    refused = 0
-    for share in (3.0, 1.0, 0.5, 0.3, 0.1, 0.02):
-        room = share * sum(static) / k + share * sum(act)
-        problem = CutProblem(compute, cuts, k, None, static, act, tuple(k - s for s in range(k)), (room,) * k)
-        asked.clear()
-        tried["failed"] = 0
-        try:
-            expected: tuple[int, ...] | None = dense_min_max(problem)
-        except CutError:
-            expected = None
-        try:
-            got: tuple[int, ...] | None = cut_min_max(problem)
-        except CutError as exc:
-            assert "memory limits" in str(exc)
-            got = None
-        assert got == expected, (share, got, expected)
-        assert all(asked), asked  # never before a failed try
-        refused += got is None
-    assert refused >= 1
