@@ -90,6 +90,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
 DEREGISTER_TIMEOUT = timedelta(seconds=3)
+DRAIN_TIMEOUT = timedelta(seconds=10)
+"""The most :meth:`Worker.drain` waits for the request in hand before it closes the services."""
 
 ServiceBuilder = Callable[[Assignment, FactoryAllowList], ServiceBase]
 """``build(assignment, factories)``: the service an assignment asks for, resolving only ``factories``."""
@@ -312,7 +314,7 @@ class Worker:
             self._coordinator = monitor.start()
         return self
 
-    def drain(self, timeout: timedelta = timedelta(seconds=10), *, orphaned: str | None = None) -> None:
+    def drain(self, timeout: timedelta = DRAIN_TIMEOUT, *, orphaned: str | None = None) -> None:
         """Stop taking work, close services, deregister. Idempotent and bounded by ``timeout``.
 
         Deregistering is best effort: when the registry does not answer, the worker gives up

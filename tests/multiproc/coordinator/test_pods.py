@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,6 +31,7 @@ from coordinator.commands.k8s.options import SPEC_DIR, RenderOptions
 from coordinator.commands.k8s.render import render
 from coordinator.commands.rundir import RunRecord
 from coordinator.runtime.reference import max_abs_diff, train_reference
+from services.host.worker import DEREGISTER_TIMEOUT, DRAIN_TIMEOUT
 from services.protocol import Empty, WorkerCard
 from tests.harness.http import http_get as _http
 from tests.harness.pods import LoopbackCluster, Pod
@@ -182,8 +184,10 @@ def test_the_workers_of_a_killed_coordinator_leave_and_its_successor_trains_to_t
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGKILL the coordinator pod mid-training (an eviction): its workers see its presence key lapse and
-    leave on their own (Kubernetes restarts them), and its successor trains the job from the start."""
-    steps = 40
+    leave on their own (Kubernetes restarts them), and its successor trains the job from the start. The job
+    is long enough (a step takes 1-5 ms here) for the kill to land mid-training on a loaded machine: a
+    coordinator that finished closes its presence cleanly, and its workers rightly wait for the next."""
+    steps = 1000
     spec = tmp_path / "podjob.yaml"
     # data parallel: both workers hold services (auto may pick one worker on a loaded machine)
     spec.write_text(SPEC.replace("steps: 4", f"steps: {steps}")
@@ -203,13 +207,22 @@ def test_the_workers_of_a_killed_coordinator_leave_and_its_successor_trains_to_t
         cluster.procs[coordinator.name].kill()  # no cleanup, no goodbye
         cluster.procs[coordinator.name].wait(10)
         killed = time.monotonic()
+        told = cluster.tail(coordinator.name, 5)
+        assert f"step {steps}/{steps}" not in told and "done:" not in told, f"killed when done:\n{told}"
         assert step() == 0  # gone
         workers = ("podjob-worker-0", "podjob-worker-1")
         # the presence lapses within the job's runtime.lease_ttl_s (5 s) while the registry answers; a worker
         # whose registry answered late (a loaded machine: the whole suite on two cores) holds the deletion
-        # for the outage grace and reads it at its follower's next poll ([Note: registry outages])
-        most = 5 + (OUTAGE_GRACE + FOLLOW_POLL).total_seconds() + 10
-        codes = {name: cluster.procs[name].wait(most) for name in workers}
+        # for the outage grace and reads it at its follower's next poll ([Note: registry outages]); then it
+        # drains: the request in hand for at most DRAIN_TIMEOUT, its card's deletion DEREGISTER_TIMEOUT
+        most = 5 + (OUTAGE_GRACE + FOLLOW_POLL + DRAIN_TIMEOUT + DEREGISTER_TIMEOUT).total_seconds() + 10
+        codes = {}
+        for name in workers:
+            try:
+                codes[name] = cluster.procs[name].wait(max(1.0, most - (time.monotonic() - killed)))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} did not leave within {most:.0f} s of its coordinator's kill:\n"
+                            f"{cluster.logs()}")
         left = time.monotonic() - killed
         assert codes == dict.fromkeys(workers, 0), cluster.logs()
         answered = True

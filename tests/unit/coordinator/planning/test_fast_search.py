@@ -1094,7 +1094,7 @@ def test_a_search_where_nothing_replicated_fits_chooses_the_exhaustive_plan(
 
     monkeypatch.setattr(planner, "_evaluate", counted)
     fewer = bounded = 0
-    for _ in range(12):
+    for _ in range(8):
         n = rng.randint(4, 10)
         prof = Profile.synthetic([rng.uniform(2e-4, 3e-3) for _ in range(n)],
                                  param_bytes=[rng.randint(4, 24) * MiB for _ in range(n)],
