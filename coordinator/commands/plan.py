@@ -31,7 +31,7 @@ from coordinator.planning.simulator import draw_timeline
 from coordinator.planning.timeline_plot import check_drawable
 from coordinator.runtime.job import Job
 
-__all__ = ["crowded_note", "plan_command"]
+__all__ = ["plan_command"]
 
 
 DEFAULT_RUNNERS_UP = 5
@@ -52,7 +52,7 @@ def plan_command(job: str, settings: Mapping[str, Any], timeline: Path | None, *
         planned = loaded.job if listed is None else Job(loaded.job.config, resources=listed)
         print(f"resources: {planned.resources.summary()}", file=out, flush=True)
         if crowded := planned.resources.crowded_hosts():
-            print(crowded_note(crowded), file=out, flush=True)
+            print(_crowded_note(crowded), file=out, flush=True)
         plan = planned.plan()
         if planned.search_s is not None:
             hint = f"; {planned.search_hint}" if planned.search_hint else ""
@@ -78,7 +78,7 @@ def plan_command(job: str, settings: Mapping[str, Any], timeline: Path | None, *
     return 0
 
 
-def crowded_note(crowded: Sequence[tuple[str, int, int, int]]) -> str:
+def _crowded_note(crowded: Sequence[tuple[str, int, int, int]]) -> str:
     """One line on the hosts whose CPU workers want more threads than the host has cores
     (``Resources.crowded_hosts``): the first of them, how many, and what running them so means."""
     host, workers, threads, cores = crowded[0]

@@ -242,11 +242,8 @@ class Cutter(Protocol):
 # stage with the cheapest cuts' transfers, or the heaviest node), before the last try takes every start
 # (the dense dynamic programme). A try too narrow costs a pass; one too wide, a wider band each pass.
 _BAND_TRIES = (1.15, 1.5, 6.0, math.inf)
-# A cut with memory limits starts its tries from the relaxed optimum ([Note: a cut bound by memory]): its
-# passes (one per stage a limit, a dozen limits; one where memory does not bind) cost less than a try that
-# fails. Chains of over 32 stages once asked for it only after a failed try: on the cuts within memory of
-# two searches over 1,024 workers (GPUs of 16 GiB over three generations; CPU hosts of 16 GiB) that cost
-# 5-8% more than asking first.
+# A cut with memory limits starts its tries from the relaxed optimum ([Note: a cut bound by memory]), at
+# any length: its passes (a dozen limits; one where memory does not bind) cost less than a try that fails.
 
 
 def cut_min_max(problem: CutProblem) -> Bounds:
