@@ -1,4 +1,4 @@
-"""The banded min-max cutter gives the very boundaries of the dense dynamic programme it replaced."""
+"""The banded min-max cutter and its compiled programme give the very boundaries of the dense programme."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from coordinator.planning.cutting import (
     cut_min_max,
     with_slack,
 )
+from tests.unit.coordinator.planning.cut_paths import PATHS, compiled_at, on_each_path, on_path
 from tests.unit.coordinator.planning.test_cutting import problems
 
 
@@ -82,13 +83,15 @@ def dense_min_max(problem: CutProblem) -> tuple[int, ...]:
 
 
 def same_as_dense(problem: CutProblem) -> None:
+    """The band's and the compiled programme's boundaries are the dense programme's (or all find none)."""
     try:
         expected = dense_min_max(problem)
     except CutError:
-        with pytest.raises(CutError):
-            cut_min_max(problem)
+        for path in PATHS:
+            with on_path(path), pytest.raises(CutError):
+                cut_min_max(problem)
         return
-    assert cut_min_max(problem) == expected
+    assert on_each_path(lambda: cut_min_max(problem)) == [expected, expected]
 
 
 @settings(max_examples=300, deadline=None)
@@ -181,6 +184,7 @@ def test_the_ends_window_with_flat_runs_and_stages_alike_in_memory(seed: int) ->
             dense = dense_min_max(problem)
             optimum = problem.max_stage_time(dense)
             assert _banded(problem, optimum)[0] == dense
+            assert compiled_at(problem, optimum) == dense
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -253,6 +257,7 @@ def test_far_apart_paces_over_flat_runs_give_the_dense_boundaries(seed: int) -> 
         with contextlib.suppress(CutError):  # the band at the answer itself: no room to spare
             dense = dense_min_max(problem)
             assert _banded(problem, problem.max_stage_time(dense))[0] == dense
+            assert compiled_at(problem, problem.max_stage_time(dense)) == dense
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -274,6 +279,7 @@ def test_dear_cuts_over_many_stages_give_the_dense_boundaries(seed: int) -> None
     with contextlib.suppress(CutError):
         dense = dense_min_max(problem)
         assert _banded(problem, problem.max_stage_time(dense))[0] == dense
+        assert compiled_at(problem, problem.max_stage_time(dense)) == dense
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -310,3 +316,53 @@ def test_the_cut_within_memory_is_the_cut_ignoring_it_where_that_fits(seed: int)
         assert within == free, (scale, within, free)
     assert fitted + missed > 0
 
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cluster_sized_chains_give_the_band_s_boundaries_compiled(seed: int) -> None:
+    """[Note: the compiled programme] in compiled_cut.py at the size it is for (1,000 nodes into up to 256
+    stages, as the search cuts on a cluster's list): every memory term, two or three paces, dear cuts or
+    cheap ones, against the band (the dense programme at this size is the band's own tests' business)."""
+    rng = random.Random(17000 + seed)
+    n, k = 1000, rng.choice([16, 64, 128, 256])
+    compute = tuple(rng.uniform(0.2, 2.0) * (8.0 if rng.random() < 0.01 else 1.0) for _ in range(n))
+    dear = rng.choice([0.001, 0.3, 2.0])
+    cuts = tuple(dear * rng.uniform(0.5, 1.5) for _ in range(n + 1))
+    pace = tuple(rng.choice([1.0, 0.7, 0.4]) for _ in range(k)) if seed % 2 else None
+    static = tuple(rng.uniform(0, 1) for _ in range(n))
+    act = tuple(rng.uniform(0.1, 2.0) for _ in range(n))
+    in_flight = tuple(min(k - s, 16) for s in range(k))
+    room = rng.uniform(0.6, 2.0) * (sum(static) + 4 * sum(act)) / k
+    extra: dict[str, object] = {}
+    if seed % 3 == 1:
+        extra["transient_bytes"] = tuple(rng.uniform(0, 3) for _ in range(n))
+        extra["hold_bytes"] = tuple(rng.uniform(0, 1) for _ in range(n))
+        extra["holds"] = tuple(s % 2 == 0 for s in range(k))
+    if seed % 3 == 2:
+        extra["deferred_bytes"] = tuple(rng.uniform(0, 3) for _ in range(n))
+        extra["defers"] = tuple(s < k // 2 for s in range(k))
+    for problem in (CutProblem(compute, cuts, k, None, pace=pace),
+                    CutProblem(compute, cuts, k, None, static, act, in_flight, (room,) * k, pace=pace,
+                               **extra)):  # type: ignore[arg-type]
+        found: list[tuple[int, ...] | None] = []
+        for path in PATHS:
+            with on_path(path):
+                try:
+                    found.append(cut_min_max(problem))
+                except CutError:
+                    found.append(None)
+        assert found[0] == found[1]
+
+
+def test_without_numba_the_band_cuts_every_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where numba cannot be imported, ``cut_min_max`` still cuts a long chain (on the band), exactly."""
+    from coordinator.planning import compiled_cut
+
+    rng = random.Random(3)
+    problem = CutProblem(tuple(rng.uniform(0.5, 1.5) for _ in range(300)), (0.01,) * 301, 32)
+    with on_path("compiled"):
+        expected = cut_min_max(problem)
+    monkeypatch.setattr(compiled_cut, "_kernels", None)
+    monkeypatch.setattr(compiled_cut, "_unavailable", "ImportError: no numba here")
+    assert not compiled_cut.available()
+    assert cut_min_max(problem) == expected
