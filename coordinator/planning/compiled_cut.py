@@ -25,8 +25,8 @@ still found a cut, whose slowest stage is the next ``U`` (which then holds); a t
 numba compiles the two loops on their first call (about a second) and keeps the code in its cache
 (``__pycache__`` beside this file, or ``NUMBA_CACHE_DIR``), so a later process loads it in about 0.1 s.
 ``cutting.cut_min_max`` takes this path only for chains large enough to repay that
-(:data:`COMPILED_FROM`); the examples' chains never import numba. Where numba cannot be imported, the band
-serves every cut.
+(:data:`COMPILED_FROM`), and once the band has spent :data:`BAND_BUDGET_S` on them; the examples' chains
+never import numba. Where numba cannot be imported, the band serves every cut.
 """
 
 from __future__ import annotations
@@ -41,19 +41,45 @@ import numpy as np
 if TYPE_CHECKING:
     from coordinator.planning.cutting import Bounds, CutProblem
 
-__all__ = ["COMPILED_FROM", "available", "cut", "programme_under"]
+__all__ = ["BAND_BUDGET_S", "COMPILED_FROM", "available", "band_spent", "cut", "programme_under", "wanted"]
 
 log = logging.getLogger(__name__)
 
 # The least ``nodes x stages`` cut here: smaller chains stay on the band (a plan of a few dozen nodes never
-# pays numba's import, 0.2 s, or a first compile).
+# pays numba's import or a first compile).
 COMPILED_FROM = 2048
+
+# [Note: the band first, then the compiled programme] numba costs a process 0.25-0.4 s of CPU before its
+# first cut (its import, 0.15-0.27 s, and LLVM's start on the first call, 0.1-0.15 s), which is more than a
+# quick search on a cluster's list cuts in all (0.3-0.7 s searches on seven of sixteen random lists of 1,024
+# workers). So a process cuts its long chains on the band until the band has spent this much CPU on them,
+# and then loads the compiled programme: a search that would have paid the load spends at most as much
+# again on the band first (renting until the rent reaches the price), and one that cuts little never pays
+# it. The boundaries are the same either way.
+BAND_BUDGET_S = 0.3
+_band_spent = 0.0  # the band's CPU seconds on chains of at least COMPILED_FROM, in this process
 
 # The bounds the tries put on the bottleneck, in multiples of the least it can be (as the band's)
 _TRIES = (1.15, 1.5, 6.0, math.inf)
 
 _kernels: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 _unavailable = ""  # why numba could not be used ("" until tried, or where it can)
+
+
+def wanted(problem: CutProblem) -> bool:
+    """Whether ``problem`` goes to the compiled programme: long enough, past the band's budget, and numba
+    there ([Note: the band first, then the compiled programme])."""
+    k = problem.num_stages
+    if k < 2 or problem.num_nodes * k < COMPILED_FROM:
+        return False
+    return (_kernels is not None or _band_spent >= BAND_BUDGET_S) and available()
+
+
+def band_spent(seconds: float, problem: CutProblem) -> None:
+    """Counts ``seconds`` of the band's CPU on ``problem`` towards the budget, if it is a long chain."""
+    global _band_spent
+    if problem.num_stages > 1 and problem.num_nodes * problem.num_stages >= COMPILED_FROM:
+        _band_spent += seconds
 
 
 def available() -> bool:

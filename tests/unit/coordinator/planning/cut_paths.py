@@ -21,12 +21,13 @@ def on_path(path: str) -> Iterator[None]:
     assert path in PATHS
     if path == "compiled":
         assert compiled_cut.available(), "numba is a dependency of cellmesh: the compiled path must be there"
-    saved = compiled_cut.COMPILED_FROM
+    saved = compiled_cut.COMPILED_FROM, compiled_cut.BAND_BUDGET_S
     compiled_cut.COMPILED_FROM = 0 if path == "compiled" else sys.maxsize
+    compiled_cut.BAND_BUDGET_S = 0.0
     try:
         yield
     finally:
-        compiled_cut.COMPILED_FROM = saved
+        compiled_cut.COMPILED_FROM, compiled_cut.BAND_BUDGET_S = saved
 
 
 def on_each_path(call: Callable[[], T]) -> list[T]:

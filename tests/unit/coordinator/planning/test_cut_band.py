@@ -366,3 +366,36 @@ def test_without_numba_the_band_cuts_every_chain(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(compiled_cut, "_unavailable", "ImportError: no numba here")
     assert not compiled_cut.available()
     assert cut_min_max(problem) == expected
+
+
+def test_a_process_loads_numba_only_once_the_band_spent_its_budget() -> None:
+    """[Note: the band first, then the compiled programme]: long chains go to the band, and numba is not
+    imported, until the band has spent ``BAND_BUDGET_S`` of CPU on them; then the compiled programme cuts
+    them, with the same boundaries."""
+    import subprocess
+    import sys
+
+    script = """
+import random, sys
+from coordinator.planning import compiled_cut
+from coordinator.planning.cutting import CutProblem, cut_min_max
+compiled_cut.BAND_BUDGET_S = 0.05
+rng = random.Random(0)
+problems = [CutProblem(tuple(rng.uniform(0.5, 1.5) for _ in range(400)), (0.01,) * 401, 24) for _ in range(40)]
+cuts = [cut_min_max(p) for p in problems]
+assert "numba" not in sys.modules, "numba imported for the first long chains"
+for _ in range(5000):  # the band's tries until it has spent its budget (a few ms a cut)
+    if compiled_cut._band_spent >= compiled_cut.BAND_BUDGET_S:
+        break
+    cut_min_max(problems[0])
+assert "numba" not in sys.modules and compiled_cut._band_spent < 1.0
+cuts.append(cut_min_max(problems[-1]))
+assert "numba" in sys.modules, "the band spent its budget and numba was still not imported"
+problems.append(problems[-1])
+compiled_cut.BAND_BUDGET_S = float("inf")
+compiled_cut._kernels = None
+assert [cut_min_max(p) for p in problems] == cuts
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
