@@ -129,7 +129,7 @@ def _under(problem: CutProblem, arrays: _Arrays, limit: float) -> tuple[Bounds |
     assert _kernels is not None
     n, k = problem.num_nodes, problem.num_stages
     final, choice = _kernels[0](problem._prefix, arrays.w, arrays.allowed, arrays.pace, k, arrays.memory,
-                                *arrays.memory_terms(), limit)
+                                *arrays.memory_terms(), limit, *_windows(problem, arrays, limit))
     if not (math.isfinite(final) and final <= _cap(limit)):
         return None, final
     bounds = [n]
@@ -137,6 +137,31 @@ def _under(problem: CutProblem, arrays: _Arrays, limit: float) -> tuple[Bounds |
         bounds.append(int(choice[s, bounds[-1]]))
     bounds.append(0)
     return tuple(reversed(bounds)), final
+
+
+def _windows(problem: CutProblem, arrays: _Arrays, limit: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, the ends ``[lo, hi)`` that can lead to an answer within ``limit``: the band's [Note: the
+    ends' window] and [Note: the ends' window, with the cuts paid] in ``cutting.py`` (every stage holds at
+    most ``limit`` of compute at its pace, less the cheapest cuts it must pay), with the same margins."""
+    n, k = problem.num_nodes, problem.num_stages
+    if math.isinf(limit):
+        return np.zeros(k, dtype=np.int64), np.full(k, n + 1, dtype=np.int64)
+    prefix = problem._prefix
+    margin = _cap(limit)
+    quick = 1 / arrays.pace
+    upto = np.cumsum(quick) * (1 + 1e-9)  # the stages up to each one and after it, in stages of pace 1
+    later = np.concatenate([np.cumsum(quick[::-1])[::-1][1:], [0.0]]) * (1 + 1e-9)
+    most_upto, most_later = upto * margin, later * margin
+    inner = arrays.w[1:n][arrays.allowed[1:n]]
+    if len(inner) >= k - 1:
+        cheap = np.concatenate([[0.0], np.cumsum(np.sort(inner)[:k - 1])])  # the t cheapest: cheap[t]
+        stages = np.arange(k - 1)
+        slowest = float(arrays.pace.max()) / (1 - 1e-9)
+        most_upto[:k - 1] -= (cheap[stages] + cheap[stages + 1]) / slowest
+        most_later[:k - 1] -= (cheap[k - 2 - stages] + cheap[k - 1 - stages]) / slowest
+    lo = np.maximum(np.searchsorted(prefix, prefix[n] - most_later, side="left") - 2, 0)
+    hi = np.minimum(np.searchsorted(prefix, most_upto, side="right") + 2, n + 1)
+    return lo.astype(np.int64), hi.astype(np.int64)
 
 
 def _cap(limit: float) -> float:
@@ -200,7 +225,7 @@ def _programme(prefix: np.ndarray, w: np.ndarray, allowed: np.ndarray, pace: np.
                memory: bool, static: np.ndarray, transient: np.ndarray, has_transient: bool,
                hold: np.ndarray, has_hold: bool, held: np.ndarray, held_row: np.ndarray,
                in_flight: np.ndarray, room: np.ndarray, holds: np.ndarray,
-               limit: float) -> tuple[float, np.ndarray]:
+               limit: float, window_lo: np.ndarray, window_hi: np.ndarray) -> tuple[float, np.ndarray]:
     """The programme under the bound ``limit`` ([Note: the compiled programme]): the slowest stage of the
     best cut it found (inf: none) and, per stage and end, the start chosen. Exact where that value is at
     most :func:`_cap` of ``limit``."""
@@ -208,8 +233,6 @@ def _programme(prefix: np.ndarray, w: np.ndarray, allowed: np.ndarray, pace: np.
     prev = np.full(n + 1, np.inf)  # the best of the stages so far, per end
     cur = np.full(n + 1, np.inf)
     choice = np.zeros((k, n + 1), np.int64)
-    upto = np.cumsum(1.0 / pace)  # the stages up to each one, in stages of pace 1
-    total = upto[k - 1]
     cap = limit * (1 + 1e-9) + 1e-12
     prev[0] = 0.0  # before stage 0: nothing, ending at node 0
     first_end, last_end = 0, 0  # the finite values of ``prev``
@@ -217,16 +240,11 @@ def _programme(prefix: np.ndarray, w: np.ndarray, allowed: np.ndarray, pace: np.
         pace_s = pace[s]
         row = held_row[s]
         metered = memory and row >= 0
-        lo, hi = max(s + 1, first_end + 1), n - (k - 1 - s)
+        # the ends the bound's window leaves ([Note: the ends' window], with the cuts paid), and those after
+        # a start the stages before reached and before the stages after it have a node each
+        lo, hi = max(s + 1, first_end + 1, window_lo[s]), min(n - (k - 1 - s), window_hi[s] - 1)
         if s == k - 1:
             lo = n
-        if limit < np.inf:  # the ends' window: the compute before and after the end, at most the bound each
-            most_before = upto[s] * cap * (1 + 1e-9)
-            most_after = (total - upto[s]) * cap * (1 + 1e-9)
-            while hi > lo and prefix[hi] > most_before:
-                hi -= 1
-            while lo < hi and prefix[n] - prefix[lo] > most_after:
-                lo += 1
         cur[:] = np.inf
         for j in range(lo, hi + 1):
             if (prefix[j] - prefix[last_end]) * pace_s > cap:

@@ -381,7 +381,8 @@ from coordinator.planning import compiled_cut
 from coordinator.planning.cutting import CutProblem, cut_min_max
 compiled_cut.BAND_BUDGET_S = 0.05
 rng = random.Random(0)
-problems = [CutProblem(tuple(rng.uniform(0.5, 1.5) for _ in range(400)), (0.01,) * 401, 24) for _ in range(40)]
+problems = [CutProblem(tuple(rng.uniform(0.5, 1.5) for _ in range(400)), (0.01,) * 401, 24)
+            for _ in range(40)]
 cuts = [cut_min_max(p) for p in problems]
 assert "numba" not in sys.modules, "numba imported for the first long chains"
 for _ in range(5000):  # the band's tries until it has spent its budget (a few ms a cut)
