@@ -306,7 +306,10 @@ def _fits(allowed: np.ndarray, k: int, static: np.ndarray, transient: np.ndarray
     levels = 1
     while (1 << levels) <= n:
         levels += 1
-    table = np.zeros((levels, n + 1))
+    floor_log = np.zeros(n + 1, np.int64)  # floor(log2(length)) for every length a stage can have
+    for length in range(2, n + 1):
+        floor_log[length] = floor_log[length // 2] + 1
+    table = np.zeros((levels if has_transient else 1, n + 1))
     if has_transient:
         table[0, :n] = transient
         for level in range(1, levels):
@@ -327,9 +330,7 @@ def _fits(allowed: np.ndarray, k: int, static: np.ndarray, transient: np.ndarray
                 continue
             used = static[j] - static[latest]
             if has_transient:
-                level = 0
-                while (1 << (level + 1)) <= j - latest:
-                    level += 1
+                level = floor_log[j - latest]
                 used = used + max(table[level, latest], table[level, j - (1 << level)])
             if has_hold and holds[s]:
                 used = used + (hold[j] - hold[latest])
