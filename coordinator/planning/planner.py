@@ -612,6 +612,13 @@ class _Shared:
         return self._get(("kinds", name, num_stages, num_microbatches, chunks),
                          lambda: stage_kinds(name, num_stages, num_microbatches, chunks))
 
+    def kind_counts(self, name: str, num_stages: int, num_microbatches: int, chunks: int
+                    ) -> tuple[tuple[int, int, int], ...]:
+        """Per stage of :meth:`kinds`, how many ``B``, ``I`` and ``W`` its list runs (once per search)."""
+        return self._get(("kind counts", name, num_stages, num_microbatches, chunks),
+                         lambda: tuple((kinds.count("B"), kinds.count("I"), kinds.count("W"))
+                                       for kinds in self.kinds(name, num_stages, num_microbatches, chunks)))
+
     def spreads(self, replicas: int, ranks: int) -> list[tuple[tuple[float, float, float], float]] | None:
         """:func:`_spread_of` of every grid the placement may give ``replicas`` x ``ranks``
         (``placement.grids``); None where one of them has none, or the list has no host of CPU workers
@@ -974,35 +981,38 @@ def _shards_as_asked(request: PlanConfig, shape: Shape) -> bool:
     return mode == "collective" and d >= 2 and factor >= 2 and d % factor == 0
 
 
-def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]], lists: Sequence[Sequence[str]],
-               defer: Sequence[bool], precision: str, recompute: bool, speed: Sequence[float], alone: bool
-               ) -> tuple[list[float], list[float], list[float]]:
+def _backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
+               schedule: tuple[str, int, int, int], defer: Sequence[bool], precision: str, recompute: bool,
+               speed: Sequence[float], alone: bool) -> tuple[list[float], list[float], list[float]]:
     """Per stage, one microbatch's backward as its list runs it, on average, its ``W`` (0 where the list
     does not split its backwards) and the weight gradients it computes after its last backward's send
-    (its tail). ``alone``: one replica (no data parallel). See [Note: the backward as the schedule runs
-    it]. Once per search for each set of arguments: the shapes of a cut, a schedule and a microbatch count
-    ask for the same (half of them, a free search on 128 CPU hosts)."""
-    key = ("backwards", mb, tuple(spans), tuple(map(tuple, lists)), tuple(defer), precision, recompute,
-           tuple(speed), alone)
-    got = shared._get(key, lambda: _stage_backwards(shared, mb, spans, lists, defer, precision, recompute,
+    (its tail). ``schedule``: its name, stages, microbatches and chunks (the lists are ``shared.kinds`` of
+    it); ``alone``: one replica (no data parallel). See [Note: the backward as the schedule runs it]. Once
+    per search for each set of arguments: the shapes of a cut, a schedule and a microbatch count ask for
+    the same (half of them, a free search on 128 CPU hosts). The key names the schedule, not its lists: a
+    ZB-H1 list of 128 stages is 57,000 kinds to hash on every call."""
+    key = ("backwards", mb, tuple(spans), schedule, tuple(defer), precision, recompute, tuple(speed), alone)
+    got = shared._get(key, lambda: _stage_backwards(shared, mb, spans, schedule, defer, precision, recompute,
                                                      speed, alone))
     return list(got[0]), list(got[1]), list(got[2])
 
 
 def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
-                     lists: Sequence[Sequence[str]], defer: Sequence[bool], precision: str, recompute: bool,
-                     speed: Sequence[float], alone: bool) -> tuple[list[float], list[float], list[float]]:
+                     schedule: tuple[str, int, int, int], defer: Sequence[bool], precision: str,
+                     recompute: bool, speed: Sequence[float], alone: bool
+                     ) -> tuple[list[float], list[float], list[float]]:
     """:func:`_backwards`, computed."""
+    lists, counts = shared.kinds(*schedule), shared.kind_counts(*schedule)
     times, halves = shared.times(mb), shared.halves(mb)
     holding, deferred = shared.holding()
     scale = mb / shared.profile.microbatch_size
     backward, weight, tail = [], [], []
     for s, (a, b) in enumerate(spans):
         kinds = lists[s]  # the kinds of the stage's list (stage_kinds)
+        count, inputs, weights = counts[s]  # its B's, I's and W's
         redo = sum(f for f, _ in times[a:b]) if recompute else 0.0  # the backward pays the forward again
         plain = sum(b_ for _, b_ in times[a:b]) + redo
         inp = sum(i for i, _ in halves[a:b]) + redo
-        count = kinds.count("B")
         rows = sum(deferred[a:b]) * scale  # one microbatch's held rows
         limit = int(sum(holding[a:b])) // HOLD_SHARE  # held_limit
 
@@ -1010,14 +1020,19 @@ def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
             return shared.weight_sum(k * mb, a, b)
 
         w, after = 0.0, 0.0
-        if precision != "fp32" or (not count and "I" not in kinds):  # autocast: plain autograd throughout
+        if precision != "fp32" or (not count and not inputs):  # autocast: plain autograd throughout
             back = plain
-        elif "I" in kinds:  # split: I, and the W's as the executor groups them
+        elif inputs:  # split: I, and the W's as the executor groups them
             spent = 0.0
-            crossing = _crossing(rows, limit, kinds.count("I"))
-            for n, through_autograd in _split_products(tuple(kinds), alone, crossing):
-                spent += in_place(n) + (shared.autograd_extra(mb, a, b) if through_autograd else 0.0)
-            w = spent / max(1, kinds.count("W"))
+            crossing = _crossing(rows, limit, inputs)
+            priced: dict[tuple[int, bool], float] = {}  # a list's products are a few sizes, many times over
+            for product in _split_products(tuple(kinds), alone, crossing):
+                if (price := priced.get(product)) is None:
+                    n, through_autograd = product
+                    price = priced[product] = in_place(n) + (shared.autograd_extra(mb, a, b)
+                                                             if through_autograd else 0.0)
+                spent += price
+            w = spent / max(1, weights)
             back = inp + w
         elif defer[s]:  # GPipe: every B an I; after the last one's send, W over all, from no .grad
             back, after = inp, in_place(count)
@@ -1279,7 +1294,6 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
     setup = _setup(shared, shape, global_batch, request, automatic)
     mb, ranks, placement, at = setup.mb, setup.ranks, setup.placement, setup.at
     order = schedule_steps(sched_name, p, m, v)[0]  # per rank
-    lists = shared.kinds(sched_name, p, m, v)  # per stage, how each runs its backwards
     in_flight, defer, limit = setup.in_flight, setup.defer, setup.limit
     workers, speed, on_cuda = at.workers, at.speed, at.on_cuda
     runtime = setup.runtime
@@ -1313,8 +1327,8 @@ def _evaluate(profile: Profile, resources: Resources, shape: Shape, global_batch
         # a stage's first microbatch finds its weights cold, the later ones warm ([Note: a warm forward])
         alone_f = [(sum(f for f, _ in times[a:b]) + sum(cold[a:b]) / m) / speed[s]
                    for s, (a, b) in enumerate(spans)]
-        alone_b, alone_w, tails = _backwards(shared, mb, spans, lists, defer, precision, recompute, speed,
-                                             d == 1)
+        alone_b, alone_w, tails = _backwards(shared, mb, spans, (sched_name, p, m, v), defer, precision,
+                                             recompute, speed, d == 1)
         start = tuple(reference_optimizer(a, b, s) for s, (a, b) in enumerate(spans))
         inner = bounds[1:-1]
         held = tuple(sum((problem.held_bytes(s) or ())[a:b]) for s, (a, b) in enumerate(spans))
@@ -1762,9 +1776,8 @@ def _replicated_bound(profile: Profile, shared: _Shared, setup: _Setup, cutter: 
         assert sched_name != "zb-h1", "the quick bound passes no W"
         bwd, wgt = [least[s] / speed[s] for s in range(p)], [0.0] * p
     else:  # the backwards as the simulator is given them (the schedule's lists say how each runs)
-        lists = shared.kinds(sched_name, p, m, v)
-        bwd, wgt, _ = _backwards(shared, mb, list(itertools.pairwise(bounds)), lists, setup.defer,
-                                 setup.precision, False, speed, d == 1)  # a tail only adds: a lower bound
+        bwd, wgt, _ = _backwards(shared, mb, list(itertools.pairwise(bounds)), (sched_name, p, m, v),
+                                 setup.defer, setup.precision, False, speed, d == 1)  # a tail only adds
     fwd_bytes, bwd_bytes = shared.scaled(mb)
     # the slowdown of a shared host where it is certain (replicas on one host), else none: a lower bound
     certain = [at.shared_host and twin for twin in at.twins]

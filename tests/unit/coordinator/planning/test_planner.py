@@ -37,7 +37,6 @@ from coordinator.planning.planner import (
 from coordinator.planning.profile import Profile, profile_graph
 from coordinator.planning.request import PlanningError
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import stage_kinds
 from coordinator.planning.simulator import Sharing
 from services.compute.actions import validate_schedule
 from services.compute.cell import Cell
@@ -479,10 +478,9 @@ def test_each_schedule_prices_its_backwards_as_its_workers_run_them() -> None:
 
     def stage0(schedule: str, alone: bool, precision: str = "fp32", profile: Profile = prof
                ) -> tuple[float, float, float]:
-        lists = stage_kinds(schedule, 2, 8)
         defer = [schedule == "gpipe"] * 2
-        back, w, tail = _backwards(_Shared(profile), 4, [(0, 2), (2, 4)], lists, defer, precision, False,
-                                   [1.0, 1.0], alone)
+        back, w, tail = _backwards(_Shared(profile), 4, [(0, 2), (2, 4)], (schedule, 2, 8, 1), defer,
+                                   precision, False, [1.0, 1.0], alone)
         return back[0], w[0], tail[0]
 
     i, plain = 2 * 0.9e-3, 2 * 2e-3  # a stage's I and plain B at the profiled microbatch (4 samples)
