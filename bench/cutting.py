@@ -33,21 +33,20 @@ from coordinator.planning.planner import choose_plan  # noqa: E402
 def collect(kind: str, nodes: int = 1000, workers: int = 1024) -> list[CutProblem]:
     """The long chains one free search on ``kind`` cuts (each once), all on the band."""
     kept: dict[int, CutProblem] = {}
-    band_cut = cutting._band_cut
+    band_cut, long = cutting._band_cut, compiled_cut.COMPILED_FROM
 
     def keep(problem: CutProblem, least: float) -> tuple[int, ...] | None:
-        if problem.num_stages > 1 and problem.num_nodes * problem.num_stages >= compiled_cut.COMPILED_FROM:
+        if problem.num_stages > 1 and problem.num_nodes * problem.num_stages >= long:
             kept[id(problem)] = problem
         return band_cut(problem, least)
 
-    saved = compiled_cut.BAND_BUDGET_S
     cutting._band_cut = keep  # type: ignore[assignment]
-    compiled_cut.BAND_BUDGET_S = float("inf")
+    compiled_cut.COMPILED_FROM = sys.maxsize  # every chain on the band
     try:
         choose_plan(profile(nodes, kind), resources(kind, workers), PlanConfig(), global_batch=4 * workers)
     finally:
         cutting._band_cut = band_cut  # type: ignore[assignment]
-        compiled_cut.BAND_BUDGET_S = saved
+        compiled_cut.COMPILED_FROM = long
     return list(kept.values())
 
 
