@@ -23,7 +23,10 @@ still found a cut, whose slowest stage is the next ``U`` (which then holds); a t
 (:func:`_fits`, ``cutting.fits_memory`` compiled).
 
 numba compiles the two loops on their first call (about a second) and keeps the code in its cache
-(``__pycache__`` beside this file, or ``NUMBA_CACHE_DIR``), so a later process loads it in about 0.1 s.
+(``__pycache__`` beside this file where that is writable, else the user's cache directory, or
+``NUMBA_CACHE_DIR``), so a later process loads it in about 0.1 s. In the image (``k8s/Dockerfile``: the
+packages read-only, ``HOME=/tmp``) that is ``/tmp/.cache/numba``, so a pod compiles once, on the first
+search that needs the programme.
 ``cutting.cut_min_max`` takes this path only for chains large enough to repay that
 (:data:`COMPILED_FROM`), and once the band has spent :data:`BAND_BUDGET_S` on them; the examples' chains
 never import numba. Where numba cannot be imported, the band serves every cut.
