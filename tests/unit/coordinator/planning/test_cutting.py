@@ -24,6 +24,7 @@ from coordinator.planning.cutting import (
     fits_memory,
     get_cutter,
     register_cutter,
+    with_slack,
 )
 from tests.unit.coordinator.planning.cut_paths import PATHS, on_path
 
@@ -238,3 +239,38 @@ def test_a_faster_stage_takes_more_nodes() -> None:
 def test_a_pace_per_stage_and_positive(pace: tuple[float, ...]) -> None:
     with pytest.raises(ValueError, match="pace needs one positive entry per stage"):
         CutProblem((1.0,) * 6, (0.0,) * 7, len(pace) + (len(pace) == 1), pace=pace)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_check_decides_as_the_sums_node_by_node(seed: int) -> None:
+    """``CutProblem.check`` over every memory term (deferring and holding stages, transients) refuses exactly
+    the cuts whose stage, summed node by node (``stage_memory``), exceeds its limit with slack: limits drawn
+    right at a stage's bytes, a hair under and a hair over them."""
+    rng = random.Random(21000 + seed)
+    n = rng.randint(4, 60)
+    k = rng.randint(1, min(8, n))
+    static = tuple(rng.uniform(0, 3) for _ in range(n))
+    act = tuple(rng.uniform(0, 1) for _ in range(n))
+    in_flight = tuple(rng.randint(1, 5) for _ in range(k))
+    extra: dict[str, object] = {}
+    if seed % 2:
+        extra["transient_bytes"] = tuple(rng.uniform(0, 2) for _ in range(n))
+    if seed % 3 == 1:
+        extra["deferred_bytes"] = tuple(rng.uniform(0, 2) for _ in range(n))
+        extra["defers"] = tuple(rng.random() < 0.5 for _ in range(k))
+    if seed % 3 == 2:
+        extra["hold_bytes"] = tuple(rng.uniform(0, 1) for _ in range(n))
+        extra["holds"] = tuple(rng.random() < 0.5 for _ in range(k))
+    bounds = (0, *sorted(rng.sample(range(1, n), k - 1)), n)
+    base = CutProblem((1.0,) * n, (0.0,) * (n + 1), k, None, static, act, in_flight, (1.0,) * k,
+                      **extra)  # type: ignore[arg-type]
+    needs = [base.stage_memory(s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+    for nudge in (0.0, -1e-12, 1e-12, -1e-6, 1e-6, -0.3, 0.3):
+        limits = tuple(need * (1 + nudge) + rng.choice([0.0, nudge]) for need in needs)
+        problem = dataclasses.replace(base, memory_limit=limits)
+        over = [s for s in range(k) if needs[s] > with_slack(limits[s])]
+        if over:
+            with pytest.raises(CutError, match=f"stage {over[0]} "):
+                problem.check(bounds)
+        else:
+            assert problem.check(bounds) == bounds
