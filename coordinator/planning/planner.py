@@ -254,7 +254,13 @@ from coordinator.planning.profile import (
 )
 from coordinator.planning.request import PlanningError, Shape, plan_shapes, resolve
 from coordinator.planning.resources import Resources, Worker
-from coordinator.planning.schedules import UNSPLIT_CHUNKED, schedule_steps, stage_holds, stage_kinds
+from coordinator.planning.schedules import (
+    UNSPLIT_CHUNKED,
+    schedule_steps,
+    stage_holds,
+    stage_kind_counts,
+    stage_kinds,
+)
 from coordinator.planning.sharding import gradient_collectives, optimizer_s, sharded_sync
 from coordinator.planning.simulator import (
     DEFAULT_WEIGHT_FRACTION,
@@ -615,9 +621,12 @@ class _Shared:
     def kind_counts(self, name: str, num_stages: int, num_microbatches: int, chunks: int
                     ) -> tuple[tuple[int, int, int], ...]:
         """Per stage of :meth:`kinds`, how many ``B``, ``I`` and ``W`` its list runs (once per search)."""
-        return self._get(("kind counts", name, num_stages, num_microbatches, chunks),
-                         lambda: tuple((kinds.count("B"), kinds.count("I"), kinds.count("W"))
-                                       for kinds in self.kinds(name, num_stages, num_microbatches, chunks)))
+        def make() -> tuple[tuple[int, int, int], ...]:
+            known = stage_kind_counts(name, num_stages, num_microbatches, chunks)
+            return known if known is not None else tuple(
+                (kinds.count("B"), kinds.count("I"), kinds.count("W"))
+                for kinds in self.kinds(name, num_stages, num_microbatches, chunks))
+        return self._get(("kind counts", name, num_stages, num_microbatches, chunks), make)
 
     def spreads(self, replicas: int, ranks: int) -> list[tuple[tuple[float, float, float], float]] | None:
         """:func:`_spread_of` of every grid the placement may give ``replicas`` x ``ranks``
@@ -1002,14 +1011,14 @@ def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
                      recompute: bool, speed: Sequence[float], alone: bool
                      ) -> tuple[list[float], list[float], list[float]]:
     """:func:`_backwards`, computed."""
-    lists, counts = shared.kinds(*schedule), shared.kind_counts(*schedule)
+    name, _, num_microbatches, _ = schedule
+    counts = shared.kind_counts(*schedule)  # the lists themselves only where a split one is not ZB-H1
     times, halves = shared.times(mb), shared.halves(mb)
     holding, deferred = shared.holding()
     scale = mb / shared.profile.microbatch_size
     backward, weight, tail = [], [], []
     for s, (a, b) in enumerate(spans):
-        kinds = lists[s]  # the kinds of the stage's list (stage_kinds)
-        count, inputs, weights = counts[s]  # its B's, I's and W's
+        count, inputs, weights = counts[s]  # its list's B's, I's and W's
         redo = sum(f for f, _ in times[a:b]) if recompute else 0.0  # the backward pays the forward again
         plain = sum(b_ for _, b_ in times[a:b]) + redo
         inp = sum(i for i, _ in halves[a:b]) + redo
@@ -1026,7 +1035,9 @@ def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
             spent = 0.0
             crossing = _crossing(rows, limit, inputs)
             priced: dict[tuple[int, bool], float] = {}  # a list's products are a few sizes, many times over
-            for product in _split_products(tuple(kinds), alone, crossing):
+            products = (_zb_h1_products(s, num_microbatches, alone, crossing) if name == "zb-h1"
+                        else _split_products(shared.kinds(*schedule)[s], alone, crossing))
+            for product in products:
                 if (price := priced.get(product)) is None:
                     n, through_autograd = product
                     price = priced[product] = in_place(n) + (shared.autograd_extra(mb, a, b)
@@ -1154,6 +1165,28 @@ def _split_products(kinds: tuple[str, ...], alone: bool, crossing: int) -> tuple
         if n:
             out.append((n, graded and k > last_i))
             queued, graded = queued - n, True
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zb_h1_products(stage: int, num_microbatches: int, alone: bool, crossing: int
+                    ) -> tuple[tuple[int, bool], ...]:
+    """:func:`_split_products` of ZB-H1's list of stage ``stage`` (``schedules._zb_h1``), without the list:
+    its ``i``-th ``I`` is followed by its ``W`` once ``i >= stage``, and the ``W`` s left run after the last
+    ``I``. So a ``W`` before the last ``I`` is a run of one, after ``stage + 1`` ``I`` s or more; with
+    replicas each is a product of one, alone a product of every queued one once ``crossing`` of them are
+    queued; the run after the last ``I`` takes every one still queued. A stage's products depend on its
+    number and the microbatches alone (the tests hold this against the lists)."""
+    queued, graded = 0, False
+    out: list[tuple[int, bool]] = []
+    for i in range(num_microbatches - 1):  # the W's between the I's
+        queued += 1
+        if i >= stage:
+            n = (queued if crossing and queued >= crossing else 0) if alone else 1
+            if n:
+                out.append((n, False))
+                queued, graded = queued - n, True
+    out.append((queued + 1, graded))  # after the last I: every one queued
     return tuple(out)
 
 

@@ -516,6 +516,25 @@ def stage_kinds(name: str, num_stages: int, num_microbatches: int,
                  for steps in schedule_steps(name, num_stages, num_microbatches, chunks)[1])
 
 
+def stage_kind_counts(name: str, num_stages: int, num_microbatches: int,
+                      chunks: int = 1) -> tuple[tuple[int, int, int], ...] | None:
+    """Per stage, how many ``B``, ``I`` and ``W`` its list in :func:`schedule_steps` runs, where a closed form
+    gives them: every stage of GPipe, 1F1B and interleaved 1F1B runs ``m`` whole backwards, every stage of
+    ZB-H1 ``m`` of each half. None for another (a registered) schedule: count :func:`stage_kinds`. The
+    planner prices a stage's backwards by these counts, and only a split list's order besides
+    (``tests/unit/coordinator/planning/test_schedule_kinds.py`` holds them against the built lists).
+
+    Raises:
+        ValueError: As :func:`schedule_steps`, for a schedule it knows.
+    """
+    p, m = num_stages, num_microbatches
+    if name not in ("gpipe", "1f1b", "zb-h1") and name not in UNSPLIT_CHUNKED:
+        return None
+    if (problem := schedule_problem(name, p, m, chunks)) is not None:
+        raise ValueError(problem)
+    return ((0, m, m),) * p if name == "zb-h1" else ((m, 0, 0),) * p
+
+
 @functools.lru_cache(maxsize=4096)
 def stage_holds(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> tuple[tuple[int, ...],
                                                                                             tuple[bool, ...]]:

@@ -11,6 +11,7 @@ from coordinator.planning.schedules import (
     UNSPLIT_CHUNKED,
     schedule_problem,
     schedule_steps,
+    stage_kind_counts,
     stage_kinds,
 )
 
@@ -49,3 +50,38 @@ def test_a_refused_shape_is_refused_the_same_way() -> None:
     with pytest.raises(ValueError) as built:
         schedule_steps("interleaved-1f1b", 3, 4, 1)
     assert str(closed.value) == str(built.value)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", *sorted(UNSPLIT_CHUNKED)])
+def test_the_closed_counts_are_the_built_lists(name: str) -> None:
+    """``stage_kind_counts``: per stage, the ``B``, ``I`` and ``W`` of the list ``schedule_steps`` builds."""
+    chunks = (2, 3, 4) if name in UNSPLIT_CHUNKED else (1,)
+    checked = 0
+    for p in (1, 2, 3, 4, 6, 8, 12):
+        for m in (1, 2, 3, 4, 7, 8, 16):
+            for v in chunks:
+                stages = p * v
+                if schedule_problem(name, stages, m, v) is not None:
+                    continue
+                counts = stage_kind_counts(name, stages, m, v)
+                lists = schedule_steps(name, stages, m, v)[1]
+                built = [Counter(step.kind for step in steps) for steps in lists]
+                assert counts == tuple((c["B"], c["I"], c["W"]) for c in built), (name, stages, m, v)
+                checked += 1
+    assert checked > 20
+    assert stage_kind_counts("no such schedule", 2, 2) is None
+
+
+def test_zb_h1_products_are_its_lists() -> None:
+    """The planner's ZB-H1 products without the list are ``_split_products`` of the list itself: every
+    stage, microbatch count, replicas or none, and held limit crossed at every count."""
+    from coordinator.planning.planner import _split_products, _zb_h1_products
+
+    for p in range(1, 10):
+        for m in range(1, 13):
+            kinds = stage_kinds("zb-h1", p, m)
+            for s in range(p):
+                for alone in (False, True):
+                    for crossing in range(m + 2):
+                        assert _zb_h1_products(s, m, alone, crossing) == _split_products(
+                            kinds[s], alone, crossing), (p, m, s, alone, crossing)
