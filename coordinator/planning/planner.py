@@ -539,6 +539,15 @@ class _Shared:
             return list(zip(i.tolist(), w.tolist(), strict=True))
         return self._get(("halves", mb), make)
 
+    def columns(self, mb: int) -> tuple[list[float], list[float], list[float]]:
+        """Every node's forward, backward and ``I`` at ``mb`` as lists of their own (:meth:`times`,
+        :meth:`halves`): a stage's sum is ``sum(column[a:b])``, the same floats in the same order as summing
+        the pairs, without a generator per stage."""
+        def make() -> tuple[list[float], list[float], list[float]]:
+            times, halves = self.times(mb), self.halves(mb)
+            return [f for f, _ in times], [b for _, b in times], [i for i, _ in halves]
+        return self._get(("columns", mb), make)
+
     def weight_sum(self, mb: int, start: int, stop: int) -> float:
         """The ``W`` s of nodes ``[start, stop)`` at microbatch ``mb``, summed in node order (as a stage's
         held products are priced for each count of microbatches: asked again by every shape with that cut)."""
@@ -1013,15 +1022,15 @@ def _stage_backwards(shared: _Shared, mb: int, spans: Sequence[tuple[int, int]],
     """:func:`_backwards`, computed."""
     name, _, num_microbatches, _ = schedule
     counts = shared.kind_counts(*schedule)  # the lists themselves only where a split one is not ZB-H1
-    times, halves = shared.times(mb), shared.halves(mb)
+    forwards, backs, inputs_at = shared.columns(mb)
     holding, deferred = shared.holding()
     scale = mb / shared.profile.microbatch_size
     backward, weight, tail = [], [], []
     for s, (a, b) in enumerate(spans):
         count, inputs, weights = counts[s]  # its list's B's, I's and W's
-        redo = sum(f for f, _ in times[a:b]) if recompute else 0.0  # the backward pays the forward again
-        plain = sum(b_ for _, b_ in times[a:b]) + redo
-        inp = sum(i for i, _ in halves[a:b]) + redo
+        redo = sum(forwards[a:b]) if recompute else 0.0  # the backward pays the forward again
+        plain = sum(backs[a:b]) + redo
+        inp = sum(inputs_at[a:b]) + redo
         rows = sum(deferred[a:b]) * scale  # one microbatch's held rows
         limit = int(sum(holding[a:b])) // HOLD_SHARE  # held_limit
 
