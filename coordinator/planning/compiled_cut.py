@@ -3,8 +3,8 @@
 [Note: the compiled programme] :func:`cutting.cut_min_max`'s programme over (stages, end node) is a
 loop of a few comparisons per (stage, end, start); the band (``cutting._banded``) runs it as numpy
 passes, a stage at a time, over an ``n x w`` block of starts, and at cluster size those passes were
-most of a plan's search: 429 cuts within memory took 6.1 s of seed 12's 6.4 s (1,000 nodes over 1,024
-workers, docs/benchmarks.md). Compiled, the same loop visits only the starts that can still win:
+most of a plan's search: 429 cuts within memory took about 6 s of seed 12's 6.4 s (1,000 nodes over
+1,024 workers, docs/benchmarks.md). Compiled, the same loop visits only the starts that can still win:
 
 - for each end ``j`` the starts go down from ``j - 1``, and stop at the first whose compute and ``j``'s
   transfer alone pass the best value found for ``j`` (a further start adds compute, and its own
@@ -12,7 +12,8 @@ workers, docs/benchmarks.md). Compiled, the same loop visits only the starts tha
   only grow as its start moves back);
 - the ends of stage ``s`` are those the stages before it reached (the finite values' first and last)
   and, under a bound ``U``, those whose compute before and after fits ``U`` per stage at each stage's
-  pace ([Note: the ends' window] in ``cutting.py``).
+  pace, less the cheapest cuts the stages pay ([Note: the ends' window] and [Note: the ends' window, with
+  the cuts paid] in ``cutting.py``).
 
 Every value and every choice at or under ``U`` is the dense programme's, with the same float operations
 in the same order and the same ties (the earliest start), so the boundaries are the band's (the tests
