@@ -289,19 +289,15 @@ def cut_min_max(problem: CutProblem) -> Bounds:
         if len(inner) >= k - 1:
             cheapest = 2 * float(np.partition(inner, k - 2)[:k - 1].sum())
             least = max(least, (float(prefix[n]) + cheapest / slowest) / share)
-    # a long chain goes to the compiled programme: the same boundaries, an order quicker ([Note: the
-    # compiled programme] in compiled_cut.py)
-    compiled = compiled_cut.wanted(problem)
-    if compiled and may_fit(problem):
-        if (bounds := compiled_cut.cut(problem, least)) is not None:
-            return bounds
-    elif not compiled and may_fit(problem):
-        started = time.process_time()
-        try:
-            if (bounds := _band_cut(problem, least)) is not None:
-                return bounds
-        finally:
+    if may_fit(problem):
+        if compiled_cut.wanted(problem):  # the same boundaries, an order quicker ([Note: the compiled
+            bounds = compiled_cut.cut(problem, least)  # programme] in compiled_cut.py)
+        else:
+            started = time.process_time()
+            bounds = _band_cut(problem, least)
             compiled_cut.band_spent(time.process_time() - started, problem)
+        if bounds is not None:
+            return bounds
     raise CutError(f"no way to cut {n} nodes into {k} stages within the cuttable positions "
                    "and memory limits")
 
