@@ -159,6 +159,10 @@ class CutProblem:
         if self.pace is not None and (len(self.pace) != self.num_stages or not all(x > 0 for x in self.pace)):
             raise ValueError(f"pace needs one positive entry per stage ({self.num_stages}), got {self.pace}")
         object.__setattr__(self, "_prefix", np.concatenate([[0.0], np.cumsum(self.compute_s)]))
+        # the costs are >= 0 (above), so both sums are finite exactly when every cost is
+        if not (math.isfinite(float(self._prefix[n])) and math.isfinite(sum(self.cut_s))):
+            raise ValueError("compute and transfer times must be finite (a node's or a cut's time is inf or "
+                             "NaN: check the profile's timings)")
 
     @property
     def num_nodes(self) -> int:

@@ -274,3 +274,17 @@ def test_check_decides_as_the_sums_node_by_node(seed: int) -> None:
                 problem.check(bounds)
         else:
             assert problem.check(bounds) == bounds
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_problem_with_a_time_not_finite_is_refused_clearly(bad: float) -> None:
+    """A node's or a cut's time of inf or NaN is refused where the problem is made, naming it, rather than
+    failing later as a chain that cannot be cut."""
+    compute = [1.0] * 20
+    compute[7] = bad
+    with pytest.raises(ValueError, match="finite"):
+        CutProblem(tuple(compute), (0.0,) * 21, 4)
+    cuts = [0.1] * 21
+    cuts[5] = bad
+    with pytest.raises(ValueError, match="finite"):
+        CutProblem((1.0,) * 20, tuple(cuts), 4)
