@@ -30,7 +30,8 @@ packages read-only, ``HOME=/tmp``) that is ``/tmp/.cache/numba``, so a pod compi
 search that needs the programme.
 ``cutting.cut_min_max`` takes this path only for chains large enough to repay that
 (:data:`COMPILED_FROM`), and once the band has spent :data:`BAND_BUDGET_S` on them; the examples' chains
-never import numba. Where numba cannot be imported, the band serves every cut.
+never import numba. numba comes with the ``fast`` extra (``pip install 'cellmesh[fast]'``); where it cannot
+be imported, the band serves every cut.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def available() -> bool:
         except Exception as exc:  # ImportError, or a numba that does not support this numpy / Python
             _unavailable = f"{type(exc).__name__}: {exc}"
             log.info("cutting long chains without the compiled programme (numba: %s); the band is exact, "
-                     "only slower", _unavailable)
+                     "only slower: pip install 'cellmesh[fast]' for it", _unavailable)
         else:
             compile_ = numba.njit(cache=True, nogil=True)
             _kernels = (compile_(_programme), compile_(_fits))
