@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.process_time()
     if not compiled_cut.available():
-        raise SystemExit("numba cannot be imported here: only the band can cut")
+        raise SystemExit("numba cannot be imported here (pip install 'cellmesh[fast]'): the band alone cuts")
     sample = CutProblem(tuple(float(i % 7 + 1) for i in range(64)), (0.1,) * 65, 64)
     cut_all([sample], compiled=True)
     load = time.process_time() - started
