@@ -145,27 +145,14 @@ def _under(problem: CutProblem, arrays: _Arrays, limit: float) -> tuple[Bounds |
 
 
 def _windows(problem: CutProblem, arrays: _Arrays, limit: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per stage, the ends ``[lo, hi)`` that can lead to an answer within ``limit``: the band's [Note: the
-    ends' window] and [Note: the ends' window, with the cuts paid] in ``cutting.py`` (every stage holds at
-    most ``limit`` of compute at its pace, less the cheapest cuts it must pay), with the same margins."""
+    """Per stage, the ends ``[lo, hi)`` that can lead to an answer within ``limit``: the band's own
+    (``cutting._ends_windows``), every end under no bound."""
+    from coordinator.planning.cutting import _ends_windows
+
     n, k = problem.num_nodes, problem.num_stages
     if math.isinf(limit):
         return np.zeros(k, dtype=np.int64), np.full(k, n + 1, dtype=np.int64)
-    prefix = problem._prefix
-    margin = _cap(limit)
-    quick = 1 / arrays.pace
-    upto = np.cumsum(quick) * (1 + 1e-9)  # the stages up to each one and after it, in stages of pace 1
-    later = np.concatenate([np.cumsum(quick[::-1])[::-1][1:], [0.0]]) * (1 + 1e-9)
-    most_upto, most_later = upto * margin, later * margin
-    inner = arrays.w[1:n][arrays.allowed[1:n]]
-    if len(inner) >= k - 1:
-        cheap = np.concatenate([[0.0], np.cumsum(np.sort(inner)[:k - 1])])  # the t cheapest: cheap[t]
-        stages = np.arange(k - 1)
-        slowest = float(arrays.pace.max()) / (1 - 1e-9)
-        most_upto[:k - 1] -= (cheap[stages] + cheap[stages + 1]) / slowest
-        most_later[:k - 1] -= (cheap[k - 2 - stages] + cheap[k - 1 - stages]) / slowest
-    lo = np.maximum(np.searchsorted(prefix, prefix[n] - most_later, side="left") - 2, 0)
-    hi = np.minimum(np.searchsorted(prefix, most_upto, side="right") + 2, n + 1)
+    lo, hi = _ends_windows(problem, limit, arrays.w, arrays.allowed)
     return lo.astype(np.int64), hi.astype(np.int64)
 
 

@@ -560,32 +560,7 @@ def _banded(problem: CutProblem, limit: float) -> tuple[Bounds | None, float]:
         # are built for the ends some stage's window holds.
         windows = [(0, n + 1)] * k
         if not math.isinf(limit):
-            margin = limit * (1 + 1e-9) + 1e-12
-            # the stages up to each one, and after it, in stages of pace 1 (k - 1 - s and s + 1 when alike)
-            upto: np.ndarray = np.arange(1, k + 1, dtype=np.float64)
-            later = upto[-1] - upto
-            if problem.pace is not None:  # each sum taken on its own side, and a hair more for its rounding
-                quick = np.array([1 / x for x in pace])
-                upto = np.cumsum(quick) * (1 + 1e-9)
-                later = np.concatenate([np.cumsum(quick[::-1])[::-1][1:], [0.0]]) * (1 + 1e-9)
-            most_upto, most_later = upto * margin, later * margin  # the most compute before and after an end
-            # [Note: the ends' window, with the cuts paid] A stage also pays the cuts at its ends within
-            # the limit: stages 0..s pay s cuts twice and stage s's end once; the k - 1 - s stages after it
-            # pay one cut once and the rest twice. Those are distinct positions, so they cost at least the
-            # cheapest cuts, and they leave the stages that much less compute (over the slowest pace at
-            # most). Where the cuts cost a sizeable share of a stage (GPU stages beside the links' fixed
-            # costs), this narrows each stage's window of ends: 12% fewer cells over a two-generation GPU
-            # search's cuts.
-            inner = w[1:n] if allowed is None else w[1:n][allowed[1:n]]
-            if len(inner) >= k - 1:
-                cheap = np.concatenate([[0.0], np.cumsum(np.sort(inner)[:k - 1])])  # the t cheapest: cheap[t]
-                stages = np.arange(k - 1)  # s = 0..k-2 (the last stage's end is n: no window)
-                slowest_pace = max(pace) / (1 - 1e-9)  # and a hair less, for the sums' rounding
-                most_upto[:k - 1] -= (cheap[stages] + cheap[stages + 1]) / slowest_pace
-                most_later[:k - 1] -= (cheap[k - 2 - stages] + cheap[k - 1 - stages]) / slowest_pace
-            after = prefix[n] - most_later  # the least compute up to a stage's end
-            earliest = np.maximum(np.searchsorted(prefix, after, side="left") - 2, 0)
-            past = np.minimum(np.searchsorted(prefix, most_upto, side="right") + 2, n + 1)
+            earliest, past = _ends_windows(problem, limit, w, allowed)
             windows = list(zip(earliest.tolist(), past.tolist(), strict=True))
         r0, r1 = windows[1][0], max(windows[k - 2][1], windows[1][0] + 1)
         # [Note: a stage's own band] A stage's bytes grow as its start moves back, so for each end the
@@ -716,6 +691,44 @@ def _banded(problem: CutProblem, limit: float) -> tuple[Bounds | None, float]:
         bounds.append(int(choice[s][bounds[-1]]))
     bounds.append(0)
     return tuple(reversed(bounds)), final
+
+
+def _ends_windows(problem: CutProblem, limit: float, w: np.ndarray, allowed: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, the ends ``[earliest, past)`` that can lead to an answer within ``limit`` ([Note: the ends'
+    window]): the band's rows, and the compiled programme's ends (``compiled_cut.py``). ``w``: the cuts'
+    transfers with ``w[0] = w[n] = 0``; ``allowed``: the cuttable positions with both ends allowed, or
+    None."""
+    n, k = problem.num_nodes, problem.num_stages
+    prefix = problem._prefix
+    pace = problem.pace or (1.0,) * k
+    margin = limit * (1 + 1e-9) + 1e-12
+    # the stages up to each one, and after it, in stages of pace 1 (k - 1 - s and s + 1 when alike)
+    upto: np.ndarray = np.arange(1, k + 1, dtype=np.float64)
+    later = upto[-1] - upto
+    if problem.pace is not None:  # each sum taken on its own side, and a hair more for its rounding
+        quick = np.array([1 / x for x in pace])
+        upto = np.cumsum(quick) * (1 + 1e-9)
+        later = np.concatenate([np.cumsum(quick[::-1])[::-1][1:], [0.0]]) * (1 + 1e-9)
+    most_upto, most_later = upto * margin, later * margin  # the most compute before and after an end
+    # [Note: the ends' window, with the cuts paid] A stage also pays the cuts at its ends within
+    # the limit: stages 0..s pay s cuts twice and stage s's end once; the k - 1 - s stages after it
+    # pay one cut once and the rest twice. Those are distinct positions, so they cost at least the
+    # cheapest cuts, and they leave the stages that much less compute (over the slowest pace at
+    # most). Where the cuts cost a sizeable share of a stage (GPU stages beside the links' fixed
+    # costs), this narrows each stage's window of ends: 12% fewer cells over a two-generation GPU
+    # search's cuts.
+    inner = w[1:n] if allowed is None else w[1:n][allowed[1:n]]
+    if len(inner) >= k - 1:
+        cheap = np.concatenate([[0.0], np.cumsum(np.sort(inner)[:k - 1])])  # the t cheapest: cheap[t]
+        stages = np.arange(k - 1)  # s = 0..k-2 (the last stage's end is n: no window)
+        slowest_pace = max(pace) / (1 - 1e-9)  # and a hair less, for the sums' rounding
+        most_upto[:k - 1] -= (cheap[stages] + cheap[stages + 1]) / slowest_pace
+        most_later[:k - 1] -= (cheap[k - 2 - stages] + cheap[k - 1 - stages]) / slowest_pace
+    after = prefix[n] - most_later  # the least compute up to a stage's end
+    earliest = np.maximum(np.searchsorted(prefix, after, side="left") - 2, 0)
+    past = np.minimum(np.searchsorted(prefix, most_upto, side="right") + 2, n + 1)
+    return earliest, past
 
 
 def _run_maxima(values: np.ndarray) -> np.ndarray:

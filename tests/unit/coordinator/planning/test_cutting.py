@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 import time
+from typing import cast
 
 import numpy as np
 import pytest
@@ -241,11 +242,33 @@ def test_a_pace_per_stage_and_positive(pace: tuple[float, ...]) -> None:
         CutProblem((1.0,) * 6, (0.0,) * 7, len(pace) + (len(pace) == 1), pace=pace)
 
 
+def by_hand(extra: dict[str, object], static: tuple[float, ...], act: tuple[float, ...], in_flight: int,
+            s: int, a: int, b: int) -> float:
+    """A stage's bytes from the problem's raw terms, written out here: its nodes' static bytes; per
+    microbatch in flight, each node's activations or (a deferring stage) the larger of those and its deferred
+    bytes; its largest transient; a holding stage's held rows."""
+    deferred = cast("tuple[float, ...] | None", extra.get("deferred_bytes"))
+    defers = cast("tuple[bool, ...] | None", extra.get("defers"))
+    held = act
+    if deferred is not None and defers is not None and defers[s]:
+        held = tuple(max(x, y) for x, y in zip(act, deferred, strict=True))
+    need = math.fsum(static[a:b]) + math.fsum(held[a:b]) * in_flight
+    transient = cast("tuple[float, ...] | None", extra.get("transient_bytes"))
+    if transient is not None:
+        need += max(transient[a:b])
+    hold = cast("tuple[float, ...] | None", extra.get("hold_bytes"))
+    holds = cast("tuple[bool, ...] | None", extra.get("holds"))
+    if hold is not None and holds is not None and holds[s]:
+        need += math.fsum(hold[a:b])
+    return need
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_check_decides_as_the_sums_node_by_node(seed: int) -> None:
     """``CutProblem.check`` over every memory term (deferring and holding stages, transients) refuses exactly
-    the cuts whose stage, summed node by node (``stage_memory``), exceeds its limit with slack: limits drawn
-    right at a stage's bytes, a hair under and a hair over them."""
+    the cuts whose stage's bytes, written out by hand (:func:`by_hand`), exceed its limit with slack: limits
+    drawn right at a stage's bytes, a hair under and a hair over them (the nudges of 1e-12 fall within the
+    slack and the rounding alike; those of 1e-6 and more decide)."""
     rng = random.Random(21000 + seed)
     n = rng.randint(4, 60)
     k = rng.randint(1, min(8, n))
@@ -264,7 +287,10 @@ def test_check_decides_as_the_sums_node_by_node(seed: int) -> None:
     bounds = (0, *sorted(rng.sample(range(1, n), k - 1)), n)
     base = CutProblem((1.0,) * n, (0.0,) * (n + 1), k, None, static, act, in_flight, (1.0,) * k,
                       **extra)  # type: ignore[arg-type]
-    needs = [base.stage_memory(s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+    needs = [by_hand(extra, static, act, in_flight[s], s, a, b)
+             for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+    assert needs == pytest.approx([base.stage_memory(s, a, b)
+                                   for s, (a, b) in enumerate(itertools.pairwise(bounds))], rel=1e-12)
     for nudge in (0.0, -1e-12, 1e-12, -1e-6, 1e-6, -0.3, 0.3):
         limits = tuple(need * (1 + nudge) + rng.choice([0.0, nudge]) for need in needs)
         problem = dataclasses.replace(base, memory_limit=limits)
